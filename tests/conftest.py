@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny reference checkpoints saved by `transformers` (test extra only).
+
+`hf_causal(name, **overrides)` saves a tiny LLaMA/Mistral checkpoint once per session and returns
+its folder. Overrides are HF config fields (e.g. `num_key_value_heads=2`, `sliding_window=4`,
+`model_type="mistral"`, `tie_word_embeddings=True`, `rope_scaling={...}`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_LLAMA = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def save_hf_causal(folder: Path, seed: int = 0, model_type: str = "llama", **overrides) -> Path:
+    """Save a tiny random HF causal LM with transformers (fp32) into `folder`."""
+    import transformers
+
+    kw = {**TINY_LLAMA, **overrides}
+    if model_type == "mistral":
+        cfg = transformers.MistralConfig(**kw)
+        cls = transformers.MistralForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(**kw)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    # random init has tiny norms and zero-ish weights in places; perturb so every tensor matters
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
+@pytest.fixture(scope="session")
+def hf_causal(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def make(name: str, **overrides) -> Path:
+        if name not in cache:
+            cache[name] = save_hf_causal(tmp_path_factory.mktemp(name), **overrides)
+        return cache[name]
+
+    return make

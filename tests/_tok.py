@@ -1,0 +1,155 @@
+"""Tiny tokenizer folders for tests (imported by tests only: `from _tok import ...`).
+
+- `make_bpe_tokenizer(folder)`: a BPE `tokenizer.json` trained with `tokenizers` on generated
+  text, vocab 128 (fits tiny models with `vocab_size=128`); `<pad>`=0, `<s>`=1, `</s>`=2,
+  `<unk>`=3; Metaspace pre-tokenizer (sentencepiece-like). Writes `tokenizer_config.json` and
+  `special_tokens_map.json` as `save_pretrained` would.
+- `make_sp_tokenizer(folder)`: a sentencepiece `tokenizer.model` with the same special ids.
+- `make_t5_tokenizer(folder, extra_ids=...)`: a T5-style `spiece.model` (pad 0, eos 1, unk 2,
+  no bos) plus `<extra_id_N>` sentinels as T5 does.
+- `corpus(n)`: the generated text, deterministic.
+
+Files are cached per process keyed on arguments and copied into `folder`, so calling these in
+many tests costs one training run each.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+WORDS = (
+    "the a an of to in and is it that was for on are with as his they be at one have this from "
+    "or had by hot word but what some we can out other were all there when up use your how said "
+    "each she which do their time if will way about many then them write would like so these her "
+    "long make thing see him two has look more day could go come did number sound no most people "
+    "my over know water than call first who may down side been now find any new work part take "
+    "get place made live where after back little only round man year came show every good me give "
+    "our under name very through just form sentence great think say help low line differ turn cause "
+    "much mean before move right boy old too same tell does set three want air well also play small "
+    "end put home read hand port large spell add even land here must big high such follow act why "
+    "ask men change went light kind off need house picture try us again animal point mother world"
+).split()
+
+
+def corpus(n: int = 400, seed: int = 0) -> list[str]:
+    """`n` lines of generated English-like text (lowercase words, some punctuation, digits)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 14))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99)))
+        line = " ".join(words)
+        line = line[0].upper() + line[1:] + rng.choice([".", ".", "?", "!", ","])
+        lines.append(line)
+    return lines
+
+
+_CACHE: dict[tuple, Path] = {}
+
+
+def _cached(key: tuple, build) -> Path:
+    if key not in _CACHE:
+        d = Path(tempfile.mkdtemp(prefix="minitrain_tok_"))
+        build(d)
+        _CACHE[key] = d
+    return _CACHE[key]
+
+
+def _copy(src: Path, folder: Path) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+def _build_bpe(d: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, limit_alphabet=60, show_progress=False
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    assert tok.get_vocab_size() <= vocab_size
+    tok.save(str(d / "tokenizer.json"))
+    _write_json(
+        d / "tokenizer_config.json",
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+         "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+         "add_eos_token": False, "model_max_length": 256},
+    )
+    _write_json(
+        d / "special_tokens_map.json",
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"},
+    )
+
+
+def _train_sp(d: Path, name: str, vocab_size: int, **kw) -> None:
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus()),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        minloglevel=2,
+        num_threads=1,
+        **kw,
+    )
+    (d / name).write_bytes(buf.getvalue())
+
+
+def _build_sp(d: Path, vocab_size: int) -> None:
+    _train_sp(d, "tokenizer.model", vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+              pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>", unk_piece="<unk>")
+    _write_json(
+        d / "tokenizer_config.json",
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+         "tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False},
+    )
+
+
+def _build_t5(d: Path, vocab_size: int, extra_ids: int) -> None:
+    _train_sp(d, "spiece.model", vocab_size, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+              pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>")
+    _write_json(
+        d / "tokenizer_config.json",
+        {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+         "extra_ids": extra_ids, "tokenizer_class": "T5Tokenizer"},
+    )
+
+
+def make_bpe_tokenizer(folder: Path, vocab_size: int = 128) -> Path:
+    """Write a tiny BPE `tokenizer.json` folder (ids: pad 0, bos 1, eos 2, unk 3) and return it."""
+    return _copy(_cached(("bpe", vocab_size), lambda d: _build_bpe(d, vocab_size)), folder)
+
+
+def make_sp_tokenizer(folder: Path, vocab_size: int = 128) -> Path:
+    """Write a tiny sentencepiece `tokenizer.model` folder (pad 0, bos 1, eos 2, unk 3)."""
+    return _copy(_cached(("sp", vocab_size), lambda d: _build_sp(d, vocab_size)), folder)
+
+
+def make_t5_tokenizer(folder: Path, vocab_size: int = 128, extra_ids: int = 0) -> Path:
+    """Write a tiny T5-style `spiece.model` folder (pad 0 = decoder start, eos 1, unk 2, no bos).
+
+    The tokenizer's vocab is `vocab_size + extra_ids` (`<extra_id_N>` sentinels at the end).
+    """
+    key = ("t5", vocab_size, extra_ids)
+    return _copy(_cached(key, lambda d: _build_t5(d, vocab_size, extra_ids)), folder)

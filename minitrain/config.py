@@ -3,18 +3,47 @@
 `TrainConfig` holds the keys every training recipe has. Objective-specific recipes subclass it
 (e.g. `DPOConfig(TrainConfig)` adds `beta`), so no god-config branches on the family or objective.
 The CLI applies typed `key=value` overrides to these dataclasses (see `minitrain.cli`).
+
+Constraints live next to each field (`doc(4, "...", ge=1)`, `doc("cosine", "...", choices=...)`),
+so `validate(cfg)` checks a subclass's new fields with no extra code. Rules that tie several
+fields together go in a `check(self)` method of the dataclass, which `validate` calls last.
+`to_json` / `from_json` write and read the run's resolved config (`out/config.json`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from minitrain.errors import UserError
+
+T = TypeVar("T")
+
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
 
 
-def doc(default, help: str):
-    """A dataclass field with its help text (shown by `python -m minitrain RECIPE.py --help`)."""
+def doc(default, help: str, *, choices: tuple | None = None, ge=None, gt=None, le=None, lt=None):
+    """A dataclass field with its help text (shown by `python -m minitrain RECIPE.py --help`).
+
+    `choices` lists the allowed values; `ge` / `gt` / `le` / `lt` bound a number (>=, >, <=, <).
+    `validate` enforces them; `--help` shows them.
+    """
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    for name, bound in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)):
+        if bound is not None:
+            meta[name] = bound
     if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -25,35 +54,200 @@ class TrainConfig:
     data: str = doc("", "training data, JSONL")
     eval_data: str = doc("", "held-out data, JSONL (empty: no eval)")
     out: str = doc("runs/run", "output folder: metrics.jsonl, config.json, adapter/, checkpoint/")
-    max_steps: int = doc(-1, "optimizer steps to run (-1: derived from epochs)")
-    epochs: float = doc(1.0, "passes over the data when max_steps is -1")
-    batch_size: int = doc(4, "examples per micro-batch (pairs for DPO)")
-    grad_accum: int = doc(1, "micro-batches per optimizer step")
-    lr: float = doc(2e-4, "peak learning rate")
-    weight_decay: float = doc(0.0, "AdamW weight decay")
-    max_grad_norm: float = doc(1.0, "clip the global gradient norm to this (0: no clipping)")
-    warmup: float = doc(0.0, "warmup: optimizer steps if >= 1, else a ratio of the total steps")
-    schedule: str = doc("cosine", "LR schedule after warmup: constant | linear | cosine")
-    min_lr_ratio: float = doc(0.0, "cosine / linear decay floor as a fraction of lr")
-    seed: int = doc(0, "seed for init, shuffling and dropout")
-    max_len: int = doc(512, "maximum tokens per sequence (prompt + completion)")
-    truncation_side: str = doc("left", "which end of an over-long prompt to cut: left | right")
-    precision: str = doc("auto", "auto (bf16 autocast where supported, else fp32) | bf16 | fp32 | fp16")
+    max_steps: int = doc(-1, "optimizer steps to run (-1: derived from epochs)", ge=-1)
+    epochs: float = doc(1.0, "passes over the data when max_steps is -1", gt=0)
+    batch_size: int = doc(4, "examples per micro-batch (pairs for DPO)", ge=1)
+    grad_accum: int = doc(1, "micro-batches per optimizer step", ge=1)
+    lr: float = doc(2e-4, "peak learning rate", gt=0)
+    weight_decay: float = doc(0.0, "AdamW weight decay", ge=0)
+    max_grad_norm: float = doc(1.0, "clip the global gradient norm to this (0: no clipping)", ge=0)
+    warmup: float = doc(0.0, "warmup: optimizer steps if >= 1, else a ratio of the total steps", ge=0)
+    schedule: str = doc("cosine", "LR schedule after warmup", choices=("constant", "linear", "cosine"))
+    min_lr_ratio: float = doc(0.0, "cosine / linear decay floor as a fraction of lr", ge=0, le=1)
+    seed: int = doc(0, "seed for init, shuffling and dropout", ge=0)
+    max_len: int = doc(512, "maximum tokens per sequence (prompt + completion)", ge=2)
+    truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
+    precision: str = doc("auto", "auto: bf16 autocast where supported, else fp32",
+                         choices=("auto", "bf16", "fp32", "fp16"))
     checkpointing: bool = doc(False, "non-reentrant activation checkpointing per block")
     compile: bool = doc(False, "torch.compile each block (CUDA only)")
-    save_every: int = doc(0, "save a resumable checkpoint every N optimizer steps (0: only at the end)")
-    eval_every: int = doc(0, "evaluate every N optimizer steps (0: only at the end)")
-    log_every: int = doc(1, "write metrics every N optimizer steps")
+    save_every: int = doc(0, "save a resumable checkpoint every N optimizer steps (0: only at the end)", ge=0)
+    eval_every: int = doc(0, "evaluate every N optimizer steps (0: only at the end)", ge=0)
+    log_every: int = doc(1, "write metrics every N optimizer steps", ge=1)
     resume: bool = doc(False, "continue exactly from out/checkpoint")
     overwrite: bool = doc(False, "allow writing into an output folder that holds a different run")
-    max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many non-finite steps in a row")
+    max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many non-finite steps in a row", ge=1)
     skip_audit: bool = doc(False, "skip the gradient-path audit before step 1 (the skip is logged)")
     # adapters
-    lora_r: int = doc(16, "LoRA rank")
-    lora_alpha: float = doc(32.0, "LoRA alpha (scaling alpha / r, or alpha / sqrt(r) with rslora)")
-    lora_dropout: float = doc(0.0, "dropout on the LoRA input")
-    lora_targets: list = doc(["q_proj", "k_proj", "v_proj", "o_proj"], "module-name suffixes to adapt, or ['all-linear']")
+    lora_r: int = doc(16, "LoRA rank", ge=1)
+    lora_alpha: float = doc(32.0, "LoRA alpha (scaling alpha / r, or alpha / sqrt(r) with rslora)", gt=0)
+    lora_dropout: float = doc(0.0, "dropout on the LoRA input", ge=0, lt=1)
+    lora_targets: list[str] = doc(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                  "module-name suffixes to adapt, or all-linear")
     rslora: bool = doc(False, "rank-stabilised LoRA scaling")
-    modules_to_save: list = doc([], "modules to train fully (e.g. ['lm_head']): costly, reported loudly")
+    modules_to_save: list[str] = doc([], "modules to train fully (e.g. lm_head): costly, reported loudly")
     init_adapter: str = doc("", "continue training this saved adapter folder (loaded trainable)")
-    quantize: str = doc("none", "quantize base linears as they load: none | nf4 | int8 (needs bitsandbytes)")
+    quantize: str = doc("none", "quantize base linears as they load (nf4, int8 need bitsandbytes)",
+                        choices=("none", "nf4", "int8"))
+
+    def check(self) -> None:
+        """Rules across fields (per-field bounds and choices are checked by `validate`)."""
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            raise UserError(f"warmup={format_value(self.warmup)}: a warmup of 1 or more counts optimizer "
+                            f"steps and must be whole — e.g. warmup=100, or warmup=0.03 for a ratio")
+        if not self.lora_targets and not self.modules_to_save and not self.init_adapter:
+            raise UserError("lora_targets: empty, so nothing would train — name modules to adapt, "
+                            "e.g. lora_targets=q_proj,v_proj (or all-linear)")
+
+
+# ----------------------------------------------------------------------------- values and types
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type of each dataclass field (string annotations evaluated)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """`(X, True)` for `Optional[X]` / `X | None`, else `(tp, False)`."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def type_name(tp: Any) -> str:
+    """How a field type reads in help and errors: `int`, `list[str]`, `float | None`."""
+    inner, optional = unwrap_optional(tp)
+    if typing.get_origin(inner) is not None:
+        name = str(inner).replace("typing.", "")
+    else:
+        name = getattr(inner, "__name__", str(inner))
+    return f"{name} | None" if optional else name
+
+
+def conforms(value: Any, tp: Any) -> bool:
+    """Whether `value` is of field type `tp` (bool is not an int; an int is a float)."""
+    inner, optional = unwrap_optional(tp)
+    if value is None:
+        return optional or tp is Any
+    origin = typing.get_origin(inner)
+    if inner is Any:
+        return True
+    if inner is bool:
+        return isinstance(value, bool)
+    if inner is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if inner is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if inner in (list, tuple, dict, str):
+        return isinstance(value, inner)
+    if origin in (list, tuple):
+        args = typing.get_args(inner)
+        elem = args[0] if args else Any
+        return isinstance(value, origin) and all(conforms(v, elem) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if origin is typing.Literal:
+        return value in typing.get_args(inner)
+    return isinstance(value, inner) if isinstance(inner, type) else True
+
+
+def format_value(value: Any) -> str:
+    """A value written the way the command line takes it back (`true`, `a,b`, `none`)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, str) and v and "," not in v and not v.startswith("[") for v in value):
+            return ",".join(value) if value else "[]"
+        return json.dumps(list(value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Any) -> None:
+    """Check every field's type, bounds and choices, then the class's `check()`; UserError naming the key."""
+    types_ = field_types(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        tp = types_[f.name]
+        if not conforms(value, tp):
+            raise UserError(f"{f.name}={format_value(value)}: expected {type_name(tp)} — "
+                            f"e.g. {f.name}={format_value(_default(f))}")
+        if value is None:
+            continue
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"did you mean {f.name}={close[0]}?" if close else f"e.g. {f.name}={choices[0]}"
+            raise UserError(f"{f.name}={format_value(value)}: must be one of "
+                            f"{' | '.join(map(str, choices))} — {hint}")
+        for key, (sign, ok) in _BOUNDS.items():
+            bound = f.metadata.get(key)
+            if bound is None:
+                continue
+            if (isinstance(value, float) and not math.isfinite(value)) or not ok(value, bound):
+                example = _default(f)
+                hint = (f"e.g. {f.name}={format_value(example)}" if example is not None and ok(example, bound)
+                        else f"pass a value {sign} {bound}")
+                raise UserError(f"{f.name}={format_value(value)}: must be {sign} {bound} — {hint}")
+    check = getattr(cfg, "check", None)
+    if callable(check):
+        check()
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+# ----------------------------------------------------------------------------- JSON
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config's fields as a plain dict (lists copied)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_json(cfg: Any) -> str:
+    """The resolved config as JSON text (what `out/config.json` holds)."""
+    return json.dumps(to_dict(cfg), indent=2, ensure_ascii=False) + "\n"
+
+
+def from_json(text: str, cls: type[T], where: str = "config.json") -> T:
+    """Read a config written by `to_json` back into `cls`, strictly (unknown keys, wrong types: UserError).
+
+    Keys the file lacks take the class defaults, so a config written before a field was added
+    still reads.
+    """
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"{where}: not valid JSON ({e}) — fix or delete the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: expected a JSON object of config keys — fix or delete the file")
+    types_ = field_types(cls)
+    unknown = sorted(set(data) - set(types_))
+    if unknown:
+        raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} for {cls.__name__} — "
+                        f"remove them (valid keys: {', '.join(types_)})")
+    for key, value in data.items():
+        if not conforms(value, types_[key]):
+            raise UserError(f"{where}: {key}={json.dumps(value)} is not {type_name(types_[key])} — "
+                            f"fix or delete the file")
+        if isinstance(value, int) and not isinstance(value, bool) and unwrap_optional(types_[key])[0] is float:
+            data[key] = float(value)
+    return cls(**data)

@@ -1,0 +1,308 @@
+"""The command line: `python -m minitrain RECIPE.py key=value ... [--help]`.
+
+1. load the recipe file as a module from its path and take its `config` (a dataclass instance)
+   and `run(config)`;
+2. apply `key=value` overrides, each parsed by the type of the dataclass field it names;
+3. `validate` the result (bounds, choices, cross-field rules) and call `run(config)`.
+
+Every user mistake is a `UserError`, printed as one `error: ...` line on stderr with exit code 2;
+Ctrl-C exits 130. Anything else is our bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import importlib.util
+import inspect
+import io
+import json
+import math
+import os
+import re
+import sys
+import textwrap
+import typing
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, NamedTuple
+
+from minitrain.config import conforms, field_types, format_value, type_name, unwrap_optional, validate
+from minitrain.errors import UserError
+
+USAGE = "usage: python -m minitrain RECIPE.py [key=value ...] [--help]"
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+class Recipe(NamedTuple):
+    """A loaded recipe file: its module, its `config` and its `run(config)`."""
+
+    path: str
+    module: ModuleType
+    config: Any
+    run: Callable[[Any], Any]
+
+
+def run_cli(argv: list[str]) -> int:
+    """Run `RECIPE.py key=value ...`; return the exit code (0 ok, 2 user error, 130 interrupted)."""
+    _line_buffered()
+    try:
+        return _main(list(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return UserError.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `... --help | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        print("\nRun `python -m minitrain RECIPE.py --help` to list a recipe's keys.")
+        return 0
+    if not argv:
+        raise UserError(f"no recipe given — {USAGE}")
+    path, args = argv[0], argv[1:]
+    if not path.endswith(".py") and ("=" in path or path.startswith("-")):
+        raise UserError(f"{path}: the first argument must be the recipe file — "
+                        f"e.g. python -m minitrain recipes/sft_llama.py {path}")
+    recipe = load_recipe(path)
+    if any(a in ("-h", "--help") for a in args):
+        print(recipe_help(recipe))
+        return 0
+    config = apply_overrides(recipe.config, args, where=path)
+    validate(config)
+    recipe.run(config)
+    return 0
+
+
+def _line_buffered() -> None:
+    """Flush each log line as it is printed (logs show up live under nohup, clusters, pipes)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(line_buffering=True)
+            except (ValueError, io.UnsupportedOperation):
+                pass
+
+
+# ----------------------------------------------------------------------------- recipe files
+
+
+def load_recipe(path: str) -> Recipe:
+    """Import the recipe file at `path` and check that it defines `config` and `run(config)`."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{path}: is a folder, not a recipe file — {_recipes_in(p)}")
+    if not p.is_file():
+        raise UserError(f"{path}: no such recipe file — {_recipes_in(p.parent)}")
+    if p.suffix != ".py":
+        raise UserError(f"{path}: a recipe is a Python file (.py) — {_recipes_in(p.parent)}")
+    name = "minitrain_recipe_" + re.sub(r"\W", "_", p.stem)
+    spec = importlib.util.spec_from_file_location(name, p)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and type hints in the recipe resolve through it
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        sys.modules.pop(name, None)
+        where = f"{path}:{e.lineno}" if e.lineno else path
+        raise UserError(f"{where}: does not parse: {e.msg} — fix the recipe") from None
+    except ModuleNotFoundError as e:
+        sys.modules.pop(name, None)
+        raise UserError(f"{path}: cannot import {e.name!r} — install minitrain with `pip install -e .` "
+                        f"(or run from the repository root)") from None
+    config = getattr(module, "config", None)
+    if config is None:
+        raise UserError(f"{path}: defines no `config` — add `config = TrainConfig(...)` at the top level")
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise UserError(f"{path}: `config` is a {type(config).__name__}, not a dataclass instance — "
+                        f"write `config = TrainConfig(...)` (or an instance of your dataclass)")
+    run = getattr(module, "run", None)
+    if not callable(run):
+        raise UserError(f"{path}: defines no `run(config)` function — add `def run(config): ...`")
+    return Recipe(path, module, config, run)
+
+
+def _recipes_in(folder: Path) -> str:
+    found = sorted(str(f) for f in folder.glob("*.py")) if folder.is_dir() else []
+    found = [f for f in found if not Path(f).name.startswith("_")]
+    if found:
+        return "recipes there: " + ", ".join(found)
+    return "give the path of a recipe .py file, e.g. recipes/sft_llama.py"
+
+
+def recipe_help(recipe: Recipe) -> str:
+    """The recipe's docstring and each key: type, current value and help (with its bounds)."""
+    lines = [f"usage: python -m minitrain {recipe.path} [key=value ...]", ""]
+    docstring = inspect.getdoc(recipe.module)
+    if docstring:
+        lines += [docstring, ""]
+    lines.append(f"keys ({type(recipe.config).__name__}; values as the recipe sets them):")
+    types_ = field_types(type(recipe.config))
+    for f in dataclasses.fields(recipe.config):
+        value = getattr(recipe.config, f.name)
+        shown = '""' if value == "" else format_value(value)
+        lines.append(f"  {f.name}: {type_name(types_[f.name])} = {shown}")
+        text = f.metadata.get("help", "")
+        limits = _limits(f)
+        if limits:
+            text = f"{text} [{limits}]" if text else f"[{limits}]"
+        if text:
+            lines += textwrap.wrap(text, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def _limits(f: dataclasses.Field) -> str:
+    parts = []
+    if "choices" in f.metadata:
+        parts.append("one of " + " | ".join(map(str, f.metadata["choices"])))
+    for key, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if key in f.metadata:
+            parts.append(f"{sign} {f.metadata[key]}")
+    return ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def apply_overrides(config: Any, args: list[str], where: str = "the recipe") -> Any:
+    """A copy of `config` with each `key=value` in `args` applied (typed by the field); UserError on a bad one."""
+    types_ = field_types(type(config))
+    given: dict[str, str] = {}
+    changes: dict[str, Any] = {}
+    for arg in args:
+        key, value = parse_override(arg, config, types_, where)
+        if key in given:
+            raise UserError(f"{key}: given twice ({given[key]} and {arg}) — pass it once")
+        given[key] = arg
+        changes[key] = value
+    return dataclasses.replace(copy.deepcopy(config), **changes)
+
+
+def parse_override(arg: str, config: Any, types_: dict[str, Any], where: str) -> tuple[str, Any]:
+    """`"lr=1e-4"` -> `("lr", 0.0001)`, checked against the fields of `config`."""
+    key, eq, text = arg.partition("=")
+    key = key.strip()
+    if arg.startswith("-"):
+        bare = key.lstrip("-").replace("-", "_")
+        if bare in types_:
+            raise UserError(f"{arg}: keys take no dashes — write {bare}={text or '...'}")
+        raise UserError(f"{arg}: unknown option — options are --help and --version; settings are key=value")
+    if not eq:
+        example = f"{key}={_example(config, key)}" if key in types_ else "lr=1e-4"
+        raise UserError(f"{arg!r}: expected key=value (no spaces around =) — e.g. {example}")
+    if key not in types_:
+        close = difflib.get_close_matches(key, list(types_), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise UserError(f"unknown key '{key}' for {where} — {hint}valid keys: {', '.join(types_)}")
+    try:
+        return key, parse_value(text, types_[key])
+    except _Bad as e:
+        raise UserError(f"{key}={text}: expected {e} — e.g. {key}={_example(config, key)}") from None
+
+
+def _example(config: Any, key: str) -> str:
+    value = getattr(config, key)
+    if isinstance(value, list) and not value:
+        return "a,b"
+    if value == "":
+        return "..."
+    return format_value(value)
+
+
+class _Bad(ValueError):
+    """A value that does not parse as the field's type; the message says what was expected."""
+
+
+def parse_value(text: str, tp: Any) -> Any:
+    """Parse command-line text as field type `tp`; raises `_Bad("a float")` etc. when it does not fit.
+
+    int, float (finite), bool (true/false/1/0/yes/no), str, list / list[T] (comma-separated or a
+    JSON list), tuple[T, ...], dict (JSON object), Literal[...], Optional[X] (`none` / `null`).
+    """
+    inner, optional = unwrap_optional(tp)
+    s = text.strip()
+    if optional and s.lower() in ("none", "null"):
+        return None
+    origin = typing.get_origin(inner)
+    if inner is bool:
+        if s.lower() in _TRUE:
+            return True
+        if s.lower() in _FALSE:
+            return False
+        raise _Bad("true or false")
+    if inner is int:
+        try:
+            return int(s, 10)
+        except ValueError:
+            raise _Bad("an int") from None
+    if inner is float:
+        try:
+            value = float(s)
+        except ValueError:
+            raise _Bad("a float") from None
+        if not math.isfinite(value):
+            raise _Bad("a finite float")
+        return value
+    if inner is str:
+        return text
+    if inner in (list, tuple) or origin in (list, tuple):
+        return _parse_list(s, inner)
+    if inner is dict or origin is dict:
+        value = _json(s, "a JSON object")
+        if not isinstance(value, dict):
+            raise _Bad('a JSON object, e.g. {"k": 1}')
+        return value
+    if origin is typing.Literal:
+        for choice in typing.get_args(inner):
+            if s == format_value(choice):
+                return choice
+        raise _Bad("one of " + " | ".join(format_value(c) for c in typing.get_args(inner)))
+    if isinstance(inner, type):  # e.g. pathlib.Path: construct from the text
+        try:
+            return inner(text)
+        except (TypeError, ValueError):
+            raise _Bad(f"a {inner.__name__}") from None
+    raise TypeError(f"field type {tp!r} cannot be set from the command line")
+
+
+def _parse_list(s: str, tp: Any) -> Any:
+    container = typing.get_origin(tp) or tp
+    args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+    elem = args[0] if args else None
+    what = f"a list of {type_name(elem)}" if elem is not None else "a list"
+    if s.startswith("["):
+        items = _json(s, f'{what} (a,b or ["a","b"])')
+        if not isinstance(items, list):
+            raise _Bad(what)
+        if elem is not None:
+            items = [_json_item(v, elem, what) for v in items]
+    else:
+        parts = [p.strip() for p in s.split(",") if p.strip()]
+        items = [parse_value(p, elem) if elem is not None else p for p in parts]
+    return container(items)
+
+
+def _json(s: str, what: str) -> Any:
+    try:
+        return json.loads(s)
+    except (ValueError, RecursionError):
+        raise _Bad(what) from None
+
+
+def _json_item(value: Any, elem: Any, what: str) -> Any:
+    """A JSON list element checked against the element type (an int widened to a float)."""
+    if unwrap_optional(elem)[0] is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not conforms(value, elem) or (isinstance(value, float) and not math.isfinite(value)):
+        raise _Bad(what)
+    return value

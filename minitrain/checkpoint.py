@@ -1,0 +1,179 @@
+"""Resumable checkpoints: safetensors + JSON, written to a temporary folder and renamed (rule 7).
+
+`out/checkpoint/` holds everything needed to continue a run exactly:
+
+- `weights.safetensors`: the trainable tensors, by parameter name (frozen ones come from the base);
+- `optimizer.safetensors`: per-parameter optimizer tensors as `"<param name>/<key>"`
+  (AdamW: `exp_avg`, `exp_avg_sq`); scalar entries (AdamW's `step`) go to `state.json`;
+- `rng.safetensors`: the torch CPU generator state (uint8) and each CUDA device's state;
+- `state.json`: step, schedule, data-order state (the Batcher's), running counters, python
+  `random` and numpy RNG states, and the run's config (to refuse resuming a different run).
+
+No pickle: nothing here can execute code when loaded (field report 003: `torch.load` of an old
+checkpoint tripped a CVE guard). Saving writes `checkpoint.tmp-*` completely, moves the previous
+checkpoint aside, renames the new one into place, then deletes the old one; a crash at any point
+leaves either a complete `checkpoint/` or a complete `checkpoint.old-*`, which `load` falls back to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from minitrain.errors import UserError
+
+NAME = "checkpoint"
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, json) capturing every random generator the loop may draw from."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = s
+    version, internal, gauss = random.getstate()
+    js: dict[str, Any] = {"python": [version, list(internal), gauss]}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        js["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:  # numpy is a dependency, but the loop does not need it
+        pass
+    return tensors, js
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda_")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    version, internal, gauss = js["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in js:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = js["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _optimizer_state(
+    names: dict[torch.Tensor, str], optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """Split the optimizer state by parameter name into tensors and JSON scalars."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for p, st in optimizer.state.items():
+        name = names[p]
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                tensors[f"{name}/{key}"] = v.detach().contiguous().cpu()
+            elif isinstance(v, torch.Tensor):  # AdamW's step: a 0-d tensor
+                scalars.setdefault(name, {})[key] = {"tensor": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
+            else:
+                scalars.setdefault(name, {})[key] = v
+    return tensors, scalars
+
+
+def save(
+    out_dir: str | os.PathLike,
+    named_params: list[tuple[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+) -> Path:
+    """Write `out_dir/checkpoint/` atomically; `state` is the loop's JSON-able state (step, ...)."""
+    out = Path(out_dir)
+    final = out / NAME
+    tmp = out / f"{NAME}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    names = {p: n for n, p in named_params}
+    save_file({n: p.detach().contiguous().cpu() for n, p in named_params}, tmp / "weights.safetensors")
+    opt_tensors, opt_scalars = _optimizer_state(names, optimizer)
+    save_file(opt_tensors, tmp / "optimizer.safetensors")
+    rng_tensors, rng_json = _rng_state()
+    save_file(rng_tensors, tmp / "rng.safetensors")
+    full = {**state, "optimizer_scalars": opt_scalars, "rng": rng_json, "format": 1}
+    with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder
+        json.dump(full, f)
+        f.flush()
+        os.fsync(f.fileno())
+    old = out / f"{NAME}.old-{os.getpid()}"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def find(out_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint folder in `out_dir`, or None (falls back to a `checkpoint.old-*`)."""
+    out = Path(out_dir)
+    candidates = [out / NAME] + sorted(out.glob(f"{NAME}.old-*"))
+    for c in candidates:
+        if (c / "state.json").is_file():
+            return c
+    return None
+
+
+def load(
+    out_dir: str | os.PathLike,
+    named_params: list[tuple[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+) -> dict[str, Any]:
+    """Restore trainable weights, optimizer state and RNG states in place; return the loop state.
+
+    The parameters must be the same names and shapes as when saved (the same run): anything
+    else is a `UserError` rather than a silently different continuation.
+    """
+    folder = find(out_dir)
+    if folder is None:
+        raise UserError(f"{Path(out_dir) / NAME}: no checkpoint to resume from — run without resume=true")
+    with open(folder / "state.json") as f:
+        state = json.load(f)
+    weights = load_file(folder / "weights.safetensors")
+    want = {n for n, _ in named_params}
+    if set(weights) != want:
+        missing, extra = sorted(want - set(weights)), sorted(set(weights) - want)
+        raise UserError(
+            f"{folder}: checkpoint holds different trainable tensors (missing {missing[:3]}, "
+            f"unexpected {extra[:3]}) — resume with the same model, adapters and settings"
+        )
+    with torch.no_grad():
+        for n, p in named_params:
+            if weights[n].shape != p.shape:
+                raise UserError(f"{folder}: {n} has shape {tuple(weights[n].shape)}, the model {tuple(p.shape)} — resume the same model")
+            p.copy_(weights[n])
+
+    # rebuild torch's own optimizer state dict (params by index) and let it place the tensors
+    opt_tensors = load_file(folder / "optimizer.safetensors")
+    scalars = state.pop("optimizer_scalars")
+    sd = optimizer.state_dict()
+    index = {}
+    for group_sd, group in zip(sd["param_groups"], optimizer.param_groups):
+        for i, p in zip(group_sd["params"], group["params"]):
+            index[i] = p
+    per_name: dict[str, dict[str, Any]] = {}
+    for name, entries in scalars.items():
+        for key, v in entries.items():
+            is_tensor = isinstance(v, dict) and "tensor" in v
+            per_name.setdefault(name, {})[key] = torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"])) if is_tensor else v
+    for full_key, t in opt_tensors.items():
+        name, key = full_key.rsplit("/", 1)
+        per_name.setdefault(name, {})[key] = t
+    names = {p: n for n, p in named_params}
+    sd["state"] = {i: per_name[names[p]] for i, p in index.items() if names[p] in per_name}
+    optimizer.load_state_dict(sd)
+
+    rng = load_file(folder / "rng.safetensors")
+    _set_rng_state(rng, state.pop("rng"))
+    return state

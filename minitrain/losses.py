@@ -1,0 +1,90 @@
+"""Token losses computed from hidden states in chunks, so `B x T x V` logits never exist.
+
+Field report 004: a `16 x 1024 x 152k` logits tensor is ~10 GB in fp32, before its gradient.
+Here the head (`model.output_projection`, any module: a Linear, a LoRA-wrapped Linear, ...)
+is applied to `chunk` target positions at a time, and each chunk runs under non-reentrant
+`torch.utils.checkpoint`: the forward keeps only the chunk's hidden rows and its per-token
+log-probs; the backward recomputes that one chunk's logits, back-propagates them and frees
+them before the next chunk. Positions whose label is `-100` are never projected at all.
+
+Alignment: `hidden[..., t, :]` is scored against `labels[..., t]`. Causal objectives shift the
+labels themselves (`shift_labels`): position t predicts token t+1. Logits and log-probs are
+reduced in fp32 whatever the autocast dtype (rule 8).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+# Default chunk: about 2**25 logits (128 MiB in fp32) per chunk whatever the vocabulary size.
+LOGITS_PER_CHUNK = 2**25
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Causal targets: `out[:, t] = labels[:, t + 1]`, and `-100` at the last position. (B, T)"""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _vocab_size(head: nn.Module) -> int | None:
+    """The head's output width if it says so (Linear-like modules), else None."""
+    n = getattr(head, "out_features", None)
+    if n is None and isinstance(getattr(head, "weight", None), torch.Tensor):
+        n = head.weight.shape[0]
+    return int(n) if n else None
+
+
+def _label_logprob(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) for a few rows: hidden (n, D), labels (n,) -> (n,) fp32."""
+    logits = head(hidden).float()  # (n, V): the only V-wide tensors, one chunk's worth
+    return logits.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, *, chunk: int | None = None
+) -> torch.Tensor:
+    """Per-token log-probability of `labels` under `head(hidden)`, never holding all logits.
+
+    hidden (..., D), labels (...) aligned with it (`-100`: no target). Returns fp32 of the
+    labels' shape with 0 at `-100` positions. `chunk`: target positions per chunk (default
+    `LOGITS_PER_CHUNK // vocab`, at least 64).
+    """
+    flat_h = hidden.reshape(-1, hidden.shape[-1])  # (N, D), a view for contiguous hidden
+    flat_y = labels.reshape(-1)  # (N,)
+    keep = (flat_y != IGNORE_INDEX).nonzero().squeeze(1)  # (n,) target positions only
+    out = torch.zeros(flat_y.shape, dtype=torch.float32, device=hidden.device)
+    if keep.numel() == 0:
+        return out.reshape(labels.shape)
+    if chunk is None:
+        vocab = _vocab_size(head)
+        chunk = max(64, LOGITS_PER_CHUNK // vocab) if vocab else 1024
+    h = flat_h.index_select(0, keep)  # (n, D)
+    y = flat_y.index_select(0, keep)  # (n,)
+    track = torch.is_grad_enabled() and (
+        h.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    pieces = []
+    for start in range(0, h.shape[0], chunk):
+        h_c, y_c = h[start : start + chunk], y[start : start + chunk]  # (c, D), (c,)
+        if track:  # keep only h_c and the (c,) result; recompute the (c, V) logits in backward
+            pieces.append(checkpoint(_label_logprob, head, h_c, y_c, use_reentrant=False))
+        else:
+            pieces.append(_label_logprob(head, h_c, y_c))
+    return out.index_put((keep,), torch.cat(pieces)).reshape(labels.shape)
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, *, chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token cross-entropies over targets (fp32 scalar), number of targets (int64)).
+
+    The sum, not the mean: the loop divides by the token count of the whole accumulation
+    window (rule 2). Equals `F.cross_entropy(head(hidden).flatten(0, -2), labels.flatten(),
+    ignore_index=-100, reduction="sum")` without the full logits.
+    """
+    logp = chunked_token_logprobs(hidden, head, labels, chunk=chunk)
+    return -logp.sum(), (labels != IGNORE_INDEX).sum()

@@ -1,0 +1,454 @@
+"""The training loop: one function, top to bottom (nanoGPT `train.py`, llm.c's training section).
+
+    micro-batches -> forward under autocast -> objective's loss SUM + target count -> backward
+    -> at the optimizer step: grads / total count of the window, clip (log the pre-clip norm),
+       AdamW step with the LR of this optimizer step, zero grads
+    -> metrics.jsonl (one line per step, flushed) + tqdm bar -> eval -> atomic checkpoint
+
+The loop knows nothing about objectives beyond `(model, batch) -> (loss_sum, count, metrics)`
+and nothing about model families beyond the contract (`block_types` for checkpointing and
+compile). See DESIGN.md rules 1, 2, 6, 7, 8 for why each piece is here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+from minitrain import checkpoint as ckpt
+from minitrain.errors import UserError
+from minitrain.schedule import lr_at, resolve_steps
+
+Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
+
+# Settings that must match between a checkpoint and the run resuming it for the continuation
+# to be the same run (the schedule, data order and loss normalisation depend on them).
+RESUME_KEYS = ("batch_size", "grad_accum", "seed", "lr", "schedule", "min_lr_ratio", "warmup",
+               "epochs", "max_steps", "weight_decay", "max_grad_norm", "precision")
+
+
+def train(
+    model: nn.Module,
+    objective: Objective,
+    train_examples: list[dict],
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]],
+    cfg: Any,
+    *,
+    eval_examples: list[dict] | None = None,
+    out_dir: str | os.PathLike | None = None,
+    save_adapter: Callable[[nn.Module, Path], None] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainable: Iterable[str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train `model` in place and return a summary dict; everything else goes to `out_dir`.
+
+    model: on its device, adapters applied and everything else frozen; follows the model
+        contract (`forward -> hidden`, `output_projection`, `block_types`).
+    objective: `(model, batch) -> (loss_sum, count, metrics)` (see `minitrain.objectives`).
+    train_examples / eval_examples: lists of example dicts (`minitrain.data` readers); micro-
+        batches are `collate([examples...])` moved to the model's device.
+    cfg: a `TrainConfig` (or subclass); uses batch_size, grad_accum, epochs, max_steps, lr,
+        weight_decay, max_grad_norm, warmup, schedule, min_lr_ratio, seed, precision,
+        checkpointing, compile, save_every, eval_every, log_every, resume, overwrite, max_bad_steps.
+    out_dir: default `cfg.out`. Receives `metrics.jsonl` (one JSON object per logged optimizer
+        step), `checkpoint/` (resumable) and, via `save_adapter(model, out_dir / "adapter")`
+        called once at the end of a finished run, the adapter.
+    optimizer: default AdamW over exactly the trainable tensors (weight decay on >= 2-D only,
+        fused on CUDA). Its learning rate is overwritten every step from the schedule.
+    trainable: parameter names to train (default: every parameter with `requires_grad`).
+    log: one-line messages (default: print, flushed).
+
+    Returns `{"step", "total_steps", "warmup_steps", "loss", "skipped_steps", "eval/loss",
+    "eval/ppl" (when evaluated), "out_dir"}`. Raises `UserError` for bad settings and when
+    `cfg.max_bad_steps` non-finite steps in a row stop the run (after saving a checkpoint).
+    """
+    log = log or functools.partial(print, flush=True)
+    out = Path(out_dir if out_dir is not None else cfg.out)
+    device = next(model.parameters()).device
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    named = _trainable(model, trainable)
+    params = [p for _, p in named]
+    amp_dtype, scaler = _precision(cfg.precision, device)
+
+    # ---- size the run in optimizer steps (rule 1) and say so before step 1
+    total_steps, warmup_steps, micro_per_epoch = resolve_steps(
+        len(train_examples), cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps, cfg.warmup
+    )
+    n_train = sum(p.numel() for p in params)
+    log(
+        f"examples: {len(train_examples)} | micro-batches/epoch: {micro_per_epoch} (batch_size "
+        f"{cfg.batch_size}) | grad_accum: {cfg.grad_accum} | optimizer steps: {total_steps} "
+        f"(~{total_steps * cfg.grad_accum / micro_per_epoch:.2f} epochs) | warmup steps: {warmup_steps} | "
+        f"schedule: {cfg.schedule} | trainable: {n_train:,} in {len(params)} tensors | "
+        f"precision: {amp_dtype or torch.float32}{' + GradScaler' if scaler else ''} | world: {world}"
+    )
+    if any(p.dtype != torch.float32 for p in params):
+        log("notice: some trainable tensors are not fp32; AdamW updates them in their own dtype")
+
+    _prepare_out(out, cfg, rank)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    _seed_numpy(cfg.seed)
+
+    from minitrain.data import Batcher  # data order: seed-shuffled, resumable
+
+    batcher = Batcher([_length(ex) for ex in train_examples], cfg.batch_size, seed=cfg.seed,
+                      shuffle=True, group_by_length=getattr(cfg, "group_by_length", False))
+    optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr, device)
+    if cfg.checkpointing:
+        n = enable_checkpointing(model)
+        log(f"activation checkpointing (non-reentrant) on {n} blocks")
+    if cfg.compile:
+        if device.type == "cuda":
+            n = compile_blocks(model)
+            log(f"torch.compile on {n} blocks")
+        else:
+            log(f"notice: compile=true ignored on {device.type} (torch.compile is used on CUDA only)")
+
+    run_info = {k: getattr(cfg, k) for k in RESUME_KEYS if hasattr(cfg, k)}
+    run_info.update(num_examples=len(train_examples), total_steps=total_steps, warmup_steps=warmup_steps)
+    counters = {"skipped_steps": 0, "bad_in_row": 0, "micro_batches": 0, "tokens_seen": 0}
+    step = 0
+    if cfg.resume:
+        state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
+        for k, v in state["run"].items():
+            if run_info.get(k) != v:
+                raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={run_info.get(k)} "
+                                f"— resume with the same settings, or start a new out folder")
+        step, counters = state["step"], state["counters"]
+        batcher.load_state_dict(state["batcher"])
+        if rank == 0:
+            _truncate_metrics(out / "metrics.jsonl", step)
+        log(f"resumed from {out / ckpt.NAME} at step {step}/{total_steps}")
+
+    def save_checkpoint() -> None:
+        if rank == 0:
+            ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "counters": counters,
+                                               "batcher": batcher.state_dict(),
+                                               "schedule": {"lr_next": _lr(step + 1) if step < total_steps else None}})
+
+    def _lr(s: int) -> float:
+        return lr_at(s, total_steps=total_steps, warmup_steps=warmup_steps, peak_lr=cfg.lr,
+                     kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+
+    metrics_f = open(out / "metrics.jsonl", "a", buffering=1) if rank == 0 else None  # line-buffered
+    bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True, disable=rank != 0)
+    stream = _micro_batches(batcher)
+    summary: dict[str, Any] = {"loss": None}
+    model.train()
+    try:
+        while step < total_steps:
+            t0 = time.perf_counter()
+            # ---- one accumulation window: grad_accum micro-batches, loss SUMs backpropagated
+            window_loss = torch.zeros((), device=device)  # fp32, summed over the window
+            window_count = torch.zeros((), device=device)
+            finite, where, metric_sums, tokens = [], [], {}, 0
+            for _ in range(cfg.grad_accum):
+                idx = next(stream)[rank::world]  # this rank's share of the global micro-batch
+                cpu_batch = collate([train_examples[i] for i in idx])
+                tokens += _input_tokens(cpu_batch)  # counted on the host copy: no device sync
+                batch = _to_device(cpu_batch, device)
+                with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                    loss_sum, count, metrics = objective(model, batch)
+                loss_sum = loss_sum.float()
+                if loss_sum.requires_grad:
+                    (scaler.scale(loss_sum) if scaler else loss_sum).backward()
+                window_loss += loss_sum.detach()
+                window_count += count
+                finite.append(torch.isfinite(loss_sum.detach()))
+                where.append((counters["micro_batches"], list(idx)))
+                counters["micro_batches"] += 1
+                for k, v in metrics.items():
+                    metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+
+            # ---- the optimizer step: normalise by the window's (and ranks') total count (rule 2)
+            stats = torch.stack([window_loss, window_count, torch.stack(finite).all().float()])
+            if world > 1:
+                stats[2] -= 1  # 0 if finite, -1 if not: SUM across ranks stays 0 only if all are
+                dist.all_reduce(stats)
+                stats[2] += 1
+            loss_total, total, all_finite = stats.tolist()  # the one host sync per step
+            grad_norm = float("nan")
+            ok = bool(all_finite == 1.0) and total > 0
+            if ok:
+                if scaler:
+                    scaler.unscale_(optimizer)  # grads / loss scale, records overflow
+                _reduce_and_scale_grads(params, 1.0 / total, world, model)
+                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()  # pre-clip norm
+                ok = math.isfinite(grad_norm)
+            if not ok:
+                optimizer.zero_grad(set_to_none=True)
+                if scaler and all_finite == 1.0 and total > 0:  # fp16 overflow: lower the scale, retry
+                    scaler.update()
+                    log(f"step {step + 1}: fp16 gradient overflow, loss scale now {scaler.get_scale():g}")
+                    continue
+                counters["skipped_steps"] += 1
+                counters["bad_in_row"] += 1
+                bad = [w for w, f in zip(where, finite) if not bool(f)] or where
+                what = "no target tokens" if total == 0 else ("non-finite loss" if all_finite != 1.0 else "non-finite gradient")
+                log(f"step {step + 1}: {what} in micro-batch(es) "
+                    + ", ".join(f"#{mb} (examples {ex})" for mb, ex in bad)
+                    + f" — step skipped ({counters['bad_in_row']} in a row, {counters['skipped_steps']} in all)")
+                if counters["bad_in_row"] >= cfg.max_bad_steps:
+                    save_checkpoint()
+                    raise UserError(
+                        f"training: {counters['bad_in_row']} bad steps in a row (last: {what} at step {step + 1}) "
+                        f"— checkpoint saved in {out / ckpt.NAME}; check the examples listed above, lower lr "
+                        f"or use precision=fp32, then rerun with resume=true"
+                    )
+                continue
+            lr = _lr(step + 1)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            counters["bad_in_row"] = 0
+            counters["tokens_seen"] += tokens
+
+            # ---- log, evaluate, save
+            dt = time.perf_counter() - t0
+            row = {"step": step, "loss": loss_total / total, "lr": lr, "grad_norm": grad_norm,
+                   "tokens": tokens, "target_tokens": int(total), "tokens_per_s": tokens * world / dt,
+                   "peak_mem_mb": _peak_mem_mb(device), "epoch": counters["micro_batches"] / micro_per_epoch,
+                   "skipped_steps": counters["skipped_steps"],
+                   **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
+            summary["loss"] = row["loss"]
+            if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
+                row.update(evaluate(model, objective, eval_examples, collate, cfg.batch_size, amp_dtype))
+                summary.update({k: row[k] for k in ("eval/loss", "eval/ppl")})
+                log(f"step {step}: eval/loss {row['eval/loss']:.4f} eval/ppl {row['eval/ppl']:.3f}")
+            if metrics_f and (step % cfg.log_every == 0 or step == total_steps or "eval/loss" in row):
+                metrics_f.write(json.dumps(row) + "\n")
+                metrics_f.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
+                save_checkpoint()
+    finally:
+        bar.close()
+        if metrics_f:
+            metrics_f.close()
+
+    if save_adapter is not None and rank == 0:
+        save_adapter(model, out / "adapter")
+    summary.update(step=step, total_steps=total_steps, warmup_steps=warmup_steps,
+                   skipped_steps=counters["skipped_steps"], out_dir=str(out))
+    return summary
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def build_optimizer(
+    named: list[tuple[str, torch.Tensor]], weight_decay: float, lr: float, device: torch.device
+) -> torch.optim.AdamW:
+    """AdamW over exactly these tensors; decay on matrices only (not norms, biases); fused on CUDA."""
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=lr, fused=device.type == "cuda" or None)
+
+
+def enable_checkpointing(model: nn.Module) -> int:
+    """Run each block of `model.block_types` under non-reentrant activation checkpointing.
+
+    Non-reentrant: with frozen embeddings the block inputs do not require grad, and reentrant
+    checkpointing then returns outputs without a graph, so the adapters inside get no gradient
+    (field report 004). The non-reentrant form records the graph normally and recomputes only
+    the saved activations. Applied only while grad is enabled (not in eval / generation).
+    Returns the number of blocks wrapped; wrapping twice is a no-op.
+    """
+    n = 0
+    for m in model.modules():
+        if isinstance(m, tuple(model.block_types)) and not getattr(m, "_minitrain_checkpointed", False):
+            inner = m.forward
+
+            def forward(*args, _inner=inner, **kwargs):
+                if torch.is_grad_enabled():
+                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                return _inner(*args, **kwargs)
+
+            m.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
+            m._minitrain_checkpointed = True
+            n += 1
+    return n
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """`torch.compile` each block in place (one graph per block type, reused across layers)."""
+    blocks = [m for m in model.modules() if isinstance(m, tuple(model.block_types))]
+    for m in blocks:
+        m.compile()
+    return len(blocks)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    objective: Objective,
+    examples: list[dict],
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]],
+    batch_size: int,
+    amp_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
+    """`eval/loss` = total loss / total count over `examples` (mean token CE), `eval/ppl` = exp of it."""
+    device = next(model.parameters()).device
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, device=device)  # (loss sum, count)
+    mine = examples[rank::world]
+    for i in range(0, len(mine), batch_size):
+        batch = _to_device(collate(mine[i : i + batch_size]), device)
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss_sum, count, _ = objective(model, batch)
+        sums += torch.stack([loss_sum.float(), torch.as_tensor(count, device=device, dtype=torch.float32)])
+    if world > 1:
+        dist.all_reduce(sums)
+    model.train(was_training)
+    loss_sum, count = sums.tolist()
+    mean = loss_sum / max(count, 1.0)
+    return {"eval/loss": mean, "eval/ppl": math.exp(mean) if mean < 700 else float("inf")}
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def _trainable(model: nn.Module, names: Iterable[str] | None) -> list[tuple[str, torch.Tensor]]:
+    """(name, param) to train, checked: floating point only (rule 3), at least one."""
+    all_named = dict(model.named_parameters())
+    if names is None:
+        named = [(n, p) for n, p in all_named.items() if p.requires_grad]
+    else:
+        named = []
+        for n in names:
+            if n not in all_named:
+                raise UserError(f"trainable: no parameter named {n!r} — use names from model.named_parameters()")
+            if not all_named[n].requires_grad:
+                raise UserError(f"trainable: {n} does not require grad — unfreeze it (requires_grad_) first")
+            named.append((n, all_named[n]))
+    if not named:
+        raise UserError("model: no trainable parameters — apply adapters or unfreeze the tensors to train")
+    for n, p in named:
+        if not p.dtype.is_floating_point:
+            raise UserError(f"{n}: {p.dtype} tensors cannot be trained — freeze it and train an adapter on it instead")
+    return named
+
+
+def _precision(precision: str, device: torch.device) -> tuple[torch.dtype | None, Any]:
+    """(autocast dtype or None for plain fp32, GradScaler or None) for `cfg.precision` on `device`."""
+    if precision == "auto":
+        bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return (torch.bfloat16 if bf16_ok else None), None
+    if precision == "fp32":
+        return None, None
+    if precision == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UserError("precision: this GPU has no bf16 support — use precision=fp16 or fp32")
+        return torch.bfloat16, None
+    if precision == "fp16":
+        return torch.float16, torch.amp.GradScaler(device.type)
+    raise UserError(f"precision: unknown value {precision!r} — use auto, bf16, fp32 or fp16")
+
+
+def _prepare_out(out: Path, cfg: Any, rank: int) -> None:
+    """Refuse to mix two runs in one folder; with overwrite, clear the old run's log and checkpoint."""
+    if rank != 0:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    old_run = (out / "metrics.jsonl").exists() or ckpt.find(out) is not None
+    if cfg.resume or not old_run:
+        return
+    if not cfg.overwrite:
+        raise UserError(f"{out}: holds a previous run (metrics.jsonl / checkpoint) — pass resume=true to "
+                        f"continue it, overwrite=true to replace it, or choose another out")
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    for d in [out / ckpt.NAME, *out.glob(f"{ckpt.NAME}.old-*"), *out.glob(f"{ckpt.NAME}.tmp-*")]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines logged after the checkpoint's step (they will be logged again)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def _micro_batches(batcher: Any) -> Iterator[list[int]]:
+    """An endless stream of micro-batches (lists of example indices), epoch after epoch."""
+    while True:
+        yield from batcher
+
+
+def _reduce_and_scale_grads(params: list[torch.Tensor], scale: float, world: int, model: nn.Module) -> None:
+    """Sum gradients across ranks (unless DDP already averaged them) and multiply by `scale`."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if world > 1:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            scale *= world  # DDP averaged: undo the 1/world, the count is already global
+        else:
+            for g in grads:
+                dist.all_reduce(g)
+    if grads:
+        torch._foreach_mul_(grads, scale)
+
+
+def _length(ex: dict) -> int:
+    """Tokens in an example (for length grouping): its `input_ids`, else all its id lists."""
+    if "input_ids" in ex:
+        return len(ex["input_ids"])
+    return sum(len(v) for k, v in ex.items() if k.endswith("_ids") and isinstance(v, (list, tuple)))
+
+
+def _input_tokens(batch: dict[str, Any]) -> int:
+    """Non-padding tokens fed to the model: sum of every `*attention_mask`, else `input_ids.numel()`."""
+    masks = [v for k, v in batch.items() if k.endswith("attention_mask") and isinstance(v, torch.Tensor)]
+    if masks:
+        return int(sum(int(m.sum()) for m in masks))
+    ids = batch.get("input_ids")
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _peak_mem_mb(device: torch.device) -> float:
+    """Peak memory so far: CUDA allocator peak on GPU, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _seed_numpy(seed: int) -> None:
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass

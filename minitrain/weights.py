@@ -1,0 +1,432 @@
+"""Weight IO: load HF-layout safetensors checkpoints into a meta-built model, and save them back.
+
+`load_pretrained` builds the model on the meta device (no memory), checks every checkpoint key and
+shape against it from the file headers alone (so a wrong checkpoint fails in a second, before any
+weight is read), then reads one tensor at a time straight into its final storage and assigns it
+in place of the meta parameter. Peak memory is the finished model plus about one tensor.
+
+Tensors are read with plain file reads, not `safetensors.safe_open`: safe_open memory-maps the
+file and hands out tensors backed by that mapping, so every page it touches stays resident (and
+counted in RSS) until the mapping closes — a copy of the file on top of the copy we keep. The
+safetensors format is small enough to read directly: an 8-byte little-endian header length, a
+JSON header `{name: {"dtype", "shape", "data_offsets": [begin, end]}}`, then the raw bytes.
+
+`save_pretrained` writes HF's layout (`model.safetensors`, or `model-0000i-of-0000N.safetensors`
+plus `model.safetensors.index.json`) into a temporary folder and renames it into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from minitrain.errors import UserError
+
+TensorHook = Callable[[nn.Module, str, torch.Tensor], bool]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype names -> torch dtypes (the format is little-endian, like every host we run on)
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+}
+
+_SHOW = 10  # how many names an error message lists before "and N more"
+
+
+# ----------------------------------------------------------------------------- reading files
+
+
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """`folder/config.json` as a dict; a missing folder or file, or bad JSON, is a UserError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such model folder — pass a folder holding config.json and *.safetensors")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: not found — a model folder needs the config.json saved with its weights")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e}) — restore the file from the original checkpoint") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: expected a JSON object, got {type(config).__name__} — restore the original file")
+    return config
+
+
+def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the shards its index names, or the single file."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = list(dict.fromkeys(weight_map.values()))  # unique, in order of first mention
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(
+                f"{index}: not a valid safetensors index ({type(e).__name__}: {e}) — restore it from the original checkpoint"
+            ) from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise UserError(
+                f"{folder}: shard {_names(missing)} named in {INDEX_FILE} is missing — "
+                "finish downloading the checkpoint (every shard the index lists)"
+            )
+        return [folder / s for s in shards]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    hint = (
+        f"only pickle weights ({', '.join(pickles)}) found, which minitrain never loads — convert them to safetensors"
+        if pickles
+        else "download the *.safetensors files with the config"
+    )
+    raise UserError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} — {hint}")
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """Parse and check a safetensors header: `({name: {"dtype","shape","data_offsets"}}, data_start)`.
+
+    Everything that can be checked without reading the data is: known dtypes, offsets inside the
+    file and matching the shape. A truncated or corrupt file is a UserError naming it.
+    """
+
+    def bad(why: str) -> UserError:
+        return UserError(f"{path}: not a valid safetensors file ({why}) — it is truncated or corrupt; download it again")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise bad(f"header of {n} bytes does not fit in {size} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    for name, info in header.items():
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"entry {name!r} is malformed: {info!r}") from None
+        nbytes = _numel(shape) * dtype.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise bad(f"{name}: offsets {begin}..{end} do not hold a {info['dtype']} tensor of shape {shape}")
+        if end > data_len:
+            raise bad(f"{name} ends at byte {end} but the file holds {data_len} bytes of data")
+    return header, 8 + n
+
+
+def _read_tensor(f, path: Path, data_start: int, info: dict) -> torch.Tensor:
+    """Read one tensor from an open file straight into a fresh (owned, not mmapped) tensor."""
+    t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+    buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, writable
+    f.seek(data_start + info["data_offsets"][0])
+    done = 0
+    while done < len(buf):
+        got = f.readinto(buf[done:])
+        if not got:
+            raise UserError(f"{path}: file ended while reading a tensor — it is truncated; download it again")
+        done += got
+    return t
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_pretrained(
+    folder: str | os.PathLike,
+    build: Callable[[dict[str, Any]], nn.Module],
+    *,
+    dtype: torch.dtype | None = torch.float32,
+    device: str | torch.device = "cpu",
+    tensor_hook: TensorHook | None = None,
+) -> nn.Module:
+    """Build a model from `folder/config.json` on meta and stream its safetensors weights into it.
+
+    Floating tensors are cast to `dtype` (None keeps the stored dtype) and moved to `device`. Each
+    arriving tensor is first offered to `tensor_hook(model, key, tensor)`; when it returns True the
+    hook has placed the tensor itself (e.g. quantized the Linear it belongs to). Parameters come
+    out frozen (`requires_grad=False`): adapter code decides what trains. A checkpoint that does not
+    match the model is one UserError listing missing keys, unexpected keys and shape mismatches.
+    """
+    folder = Path(folder)
+    config = read_config(folder)
+    model = _build_on_meta(build, config, folder / "config.json")
+    files = checkpoint_files(folder)
+    headers = {path: read_header(path) for path in files}
+    _check_against_model(model, folder, headers)
+
+    device = torch.device(device)
+    total = sum(len(h) for h, _ in headers.values())
+    loaded: set[str] = set()
+    with tqdm(total=total, desc=f"loading {folder.name}", unit="tensor", leave=False, disable=None if total > 64 else True) as bar:
+        for path, (header, data_start) in headers.items():
+            with open(path, "rb") as f:
+                # file order: sequential reads
+                for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                    t = _read_tensor(f, path, data_start, info)
+                    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                        t = t.to(dtype)  # the uncast buffer is freed on the next line's rebind
+                    t = t.to(device)
+                    if not (tensor_hook is not None and tensor_hook(model, key, t)):
+                        _assign(model, key, t)
+                    loaded.add(key)
+                    del t
+                    bar.update(1)
+
+    _tie_and_check(model, folder, loaded)
+    model.hf_config = config
+    model.source_dir = folder
+    return model
+
+
+def _build_on_meta(build: Callable[[dict[str, Any]], nn.Module], config: dict, config_path: Path) -> nn.Module:
+    """`build(config)` under the meta device; a ValueError (the model's "bad config") becomes a UserError."""
+    try:
+        with torch.device("meta"):
+            model = build(config)
+    except ValueError as e:
+        msg = str(e)
+        # model code says "config.json: ..."; name the actual file
+        msg = f"{config_path}:{msg[len('config.json:'):]}" if msg.startswith("config.json:") else f"{config_path}: {msg}"
+        raise UserError(msg) from None
+    return model
+
+
+def _check_against_model(model: nn.Module, folder: Path, headers: dict[Path, tuple[dict, int]]) -> None:
+    """Compare checkpoint keys and shapes (from headers) to the meta model; one UserError listing all problems.
+
+    Weights the model ties (e.g. `lm_head.weight` to the input embedding) count as present when
+    any of their names is in the checkpoint, so a tied checkpoint without `lm_head.weight` is fine.
+    """
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # on meta: only makes the tied names one Parameter, so we can see the groups
+    expected = model.state_dict(keep_vars=True)  # includes every name of a tied tensor
+    ckpt: dict[str, tuple[list[int], Path]] = {}
+    duplicated = []
+    for path, (header, _) in headers.items():
+        for key, info in header.items():
+            if key in ckpt:
+                duplicated.append(f"{key} (in {ckpt[key][1].name} and {path.name})")
+            ckpt[key] = (info["shape"], path)
+
+    unexpected = [k for k in ckpt if k not in expected] + duplicated
+    mismatched = [
+        f"{k}: checkpoint {tuple(ckpt[k][0])} vs model {tuple(t.shape)}"
+        for k, t in expected.items()
+        if k in ckpt and list(t.shape) != list(ckpt[k][0])
+    ]
+    names_of: dict[int, list[str]] = {}
+    for k, t in expected.items():
+        names_of.setdefault(id(t), []).append(k)
+    missing = [k for names in names_of.values() if not any(n in ckpt for n in names) for k in names]
+    _raise_if_problems(folder, missing, unexpected, mismatched)
+
+
+def _raise_if_problems(folder: Path, missing: list[str], unexpected: list[str], mismatched: list[str]) -> None:
+    parts = []
+    if missing:
+        parts.append(f"missing keys {_names(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys {_names(unexpected)}")
+    if mismatched:
+        parts.append(f"shape mismatches {_names(mismatched)}")
+    if parts:
+        raise UserError(
+            f"{folder}: checkpoint does not match the model built from its config.json: {'; '.join(parts)} — "
+            "check that config.json belongs to these weights (model_type, sizes, tie_word_embeddings)"
+        )
+
+
+def _assign(model: nn.Module, key: str, t: torch.Tensor) -> None:
+    """Replace the meta parameter (or buffer) `key` with `t`, frozen. No copy is made."""
+    owner, _, leaf = key.rpartition(".")
+    module = model.get_submodule(owner)
+    if leaf in module._parameters:
+        setattr(module, leaf, nn.Parameter(t, requires_grad=False))
+    else:
+        module._buffers[leaf] = t
+
+
+def _tie_and_check(model: nn.Module, folder: Path, loaded: set[str]) -> None:
+    """Re-tie after loading, refuse a tied head whose stored copy differs, refuse anything left on meta."""
+    before = dict(model.named_parameters(remove_duplicate=False))
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        old = before[name]
+        if p is not old and name in loaded and not old.is_meta and not p.is_meta:
+            if old.shape != p.shape or not torch.equal(old, p):
+                raise UserError(
+                    f"{folder}: config.json ties {name} to another weight, but the checkpoint's {name} differs "
+                    "from it — set tie_word_embeddings to false in config.json if the head was trained untied"
+                )
+    del before
+    left = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    left += [n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta]
+    _raise_if_problems(folder, left, [], [])
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def save_pretrained(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    config: dict[str, Any],
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write `config.json` and the model's weights in HF's safetensors layout; returns the folder.
+
+    Floating tensors are cast to `dtype` (None keeps theirs). Above `max_shard_bytes` the weights
+    are split into `model-0000i-of-0000N.safetensors` with a `model.safetensors.index.json`. A
+    tied weight is written once, under its first name (the embedding), as HF does. Everything is
+    written into a temporary folder beside `folder` first: a new folder appears whole by one
+    rename; into an existing folder the finished files are renamed one by one (other files, e.g. a
+    tokenizer, are kept; weight files of an earlier save are removed) — a failure never leaves a
+    half-written file.
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder}: exists and is not a folder — choose another output path")
+    tensors = _tensors_to_save(model)
+    shards = _plan_shards(tensors, dtype, max_shard_bytes)
+    config = dict(config)
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        if "dtype" in config:
+            config["dtype"] = config["torch_dtype"]
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        names = [SINGLE_FILE] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+        ]
+        weight_map, total_size = {}, 0
+        for fname, keys in zip(names, shards):
+            part = {k: _prepare(tensors[k], dtype) for k in keys}
+            save_file(part, tmp / fname, metadata={"format": "pt"})
+            for k, t in part.items():
+                weight_map[k] = fname
+                total_size += t.numel() * t.element_size()
+            del part
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _move_into_place(tmp, folder, names)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _tensors_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with tied duplicates dropped; quantized or unloaded weights are refused."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta:
+            raise UserError(f"save_pretrained: parameter {name} was never loaded (still on meta) — load the weights first")
+        if not p.is_floating_point():
+            raise UserError(
+                f"save_pretrained: parameter {name} is {p.dtype} (quantized) — save_pretrained writes float weights; "
+                "save the adapter with save_adapter, or load the base in a float dtype to merge and save it"
+            )
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        t = t.detach()
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if ident in seen:  # tied: the same tensor under a second name (lm_head.weight -> embed_tokens.weight)
+            continue
+        seen.add(ident)
+        out[name] = t
+    return out
+
+
+def _plan_shards(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
+    """Greedy split in state-dict order: a new shard when the next tensor would pass `max_bytes`."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        item = dtype.itemsize if (dtype is not None and t.is_floating_point()) else t.element_size()
+        n = t.numel() * item
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.to("cpu").contiguous()
+
+
+def _move_into_place(tmp: Path, folder: Path, weight_files: list[str]) -> None:
+    if not folder.exists():
+        os.replace(tmp, folder)  # the whole folder appears at once
+        return
+    # weights first, the index and config last, so a reader never sees an index naming absent shards
+    order = weight_files + [n for n in (INDEX_FILE, "config.json") if (tmp / n).exists()]
+    stale = [
+        p for p in folder.iterdir()
+        if p.name not in order
+        and (p.name in (SINGLE_FILE, INDEX_FILE) or (p.name.startswith("model-") and p.name.endswith(".safetensors")))
+    ]
+    for name in order:
+        os.replace(tmp / name, folder / name)
+    for p in stale:
+        p.unlink()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOW])
+    more = f" and {len(items) - _SHOW} more" if len(items) > _SHOW else ""
+    return f"[{shown}{more}]"

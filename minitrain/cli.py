@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, NamedTuple
 
-from minitrain.config import conforms, field_types, format_value, type_name, unwrap_optional, validate
+from minitrain.config import conforms, field_types, format_value, shown, type_name, unwrap_optional, validate
 from minitrain.errors import UserError
 
 USAGE = "usage: python -m minitrain RECIPE.py [key=value ...] [--help]"
@@ -150,8 +150,8 @@ def recipe_help(recipe: Recipe) -> str:
     types_ = field_types(type(recipe.config))
     for f in dataclasses.fields(recipe.config):
         value = getattr(recipe.config, f.name)
-        shown = '""' if value == "" else format_value(value)
-        lines.append(f"  {f.name}: {type_name(types_[f.name])} = {shown}")
+        text = '""' if value == "" else format_value(value)
+        lines.append(f"  {f.name}: {type_name(types_[f.name])} = {text}")
         text = f.metadata.get("help", "")
         limits = _limits(f)
         if limits:
@@ -182,7 +182,7 @@ def apply_overrides(config: Any, args: list[str], where: str = "the recipe") -> 
     for arg in args:
         key, value = parse_override(arg, config, types_, where)
         if key in given:
-            raise UserError(f"{key}: given twice ({given[key]} and {arg}) — pass it once")
+            raise UserError(f"{key}: given twice ({shown(given[key])} and {shown(arg)}) — pass it once")
         given[key] = arg
         changes[key] = value
     return dataclasses.replace(copy.deepcopy(config), **changes)
@@ -195,19 +195,23 @@ def parse_override(arg: str, config: Any, types_: dict[str, Any], where: str) ->
     if arg.startswith("-"):
         bare = key.lstrip("-").replace("-", "_")
         if bare in types_:
-            raise UserError(f"{arg}: keys take no dashes — write {bare}={text or '...'}")
-        raise UserError(f"{arg}: unknown option — options are --help and --version; settings are key=value")
+            raise UserError(f"{shown(arg)}: keys take no dashes — write {bare}={shown(text) or '...'}")
+        raise UserError(f"{shown(arg)}: unknown option — options are --help and --version; settings are key=value")
     if not eq:
         example = f"{key}={_example(config, key)}" if key in types_ else "lr=1e-4"
         raise UserError(f"{arg!r}: expected key=value (no spaces around =) — e.g. {example}")
     if key not in types_:
         close = difflib.get_close_matches(key, list(types_), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise UserError(f"unknown key '{key}' for {where} — {hint}valid keys: {', '.join(types_)}")
+        raise UserError(f"unknown key {_quoted(key)} for {where} — {hint}valid keys: {', '.join(types_)}")
     try:
         return key, parse_value(text, types_[key])
     except _Bad as e:
-        raise UserError(f"{key}={text}: expected {e} — e.g. {key}={_example(config, key)}") from None
+        raise UserError(f"{key}={shown(text)}: expected {e} — e.g. {key}={_example(config, key)}") from None
+
+
+def _quoted(key: str) -> str:
+    return f"'{key}'" if key.isprintable() else repr(key)
 
 
 def _example(config: Any, key: str) -> str:
@@ -288,7 +292,10 @@ def _parse_list(s: str, tp: Any) -> Any:
             items = [_json_item(v, elem, what) for v in items]
     else:
         parts = [p.strip() for p in s.split(",") if p.strip()]
-        items = [parse_value(p, elem) if elem is not None else p for p in parts]
+        try:
+            items = [parse_value(p, elem) if elem is not None else p for p in parts]
+        except _Bad:
+            raise _Bad(what) from None
     return container(items)
 
 

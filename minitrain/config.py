@@ -164,12 +164,19 @@ def format_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, (list, tuple)):
-        if all(isinstance(v, str) and v and "," not in v and not v.startswith("[") for v in value):
-            return ",".join(value) if value else "[]"
-        return json.dumps(list(value))
+        if not value:
+            return "[]"
+        plain = all(isinstance(v, str) and v and "," not in v and v.strip() == v and not v.startswith("[")
+                    or isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        return ",".join(map(format_value, value)) if plain else json.dumps(list(value))
     if isinstance(value, dict):
         return json.dumps(value)
     return str(value)
+
+
+def shown(text: str) -> str:
+    """User text as it goes into a one-line message: quoted with escapes if it has a newline or the like."""
+    return text if text.isprintable() else repr(text)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -182,7 +189,7 @@ def validate(cfg: Any) -> None:
         value = getattr(cfg, f.name)
         tp = types_[f.name]
         if not conforms(value, tp):
-            raise UserError(f"{f.name}={format_value(value)}: expected {type_name(tp)} — "
+            raise UserError(f"{f.name}={shown(format_value(value))}: expected {type_name(tp)} — "
                             f"e.g. {f.name}={format_value(_default(f))}")
         if value is None:
             continue
@@ -190,7 +197,7 @@ def validate(cfg: Any) -> None:
         if choices is not None and value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f"did you mean {f.name}={close[0]}?" if close else f"e.g. {f.name}={choices[0]}"
-            raise UserError(f"{f.name}={format_value(value)}: must be one of "
+            raise UserError(f"{f.name}={shown(format_value(value))}: must be one of "
                             f"{' | '.join(map(str, choices))} — {hint}")
         for key, (sign, ok) in _BOUNDS.items():
             bound = f.metadata.get(key)

@@ -1,0 +1,410 @@
+"""The command line: recipe loading, typed overrides, validation, one-line errors, --help.
+
+Most tests call `run_cli` in-process (fast); a few run `python -m minitrain` in a subprocess to
+check what a user really sees: exit code, one `error:` line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minitrain import __version__
+from minitrain.cli import apply_overrides, load_recipe, parse_override, run_cli
+from minitrain.config import TrainConfig, conforms, doc, field_types, from_json, to_json, validate
+from minitrain.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A recipe whose config has one field of every type the override parser supports.
+TYPED_RECIPE = '''
+"""Typed test recipe: every field type the CLI parses."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, asdict
+from typing import Literal, Optional
+
+from minitrain.config import TrainConfig, doc
+
+
+@dataclass
+class TypedConfig(TrainConfig):
+    """TrainConfig plus fields of the remaining types."""
+
+    counts: list[int] = doc([1, 2], "a list of ints")
+    weights: list[float] = doc([0.5], "a list of floats")
+    anything: list = doc([], "a bare list")
+    dims: tuple[int, ...] = doc((1, 2), "a tuple of ints")
+    maybe_int: Optional[int] = doc(None, "an optional int")
+    maybe_float: float | None = doc(None, "an optional float (PEP 604)")
+    extra: dict = doc({}, "a JSON object")
+    mode: Literal["fast", "slow"] = doc("fast", "a literal")
+    beta: float = doc(0.1, "DPO-like beta", gt=0)
+
+
+config = TypedConfig(lr=1e-4, out="runs/typed")
+
+
+def run(config):
+    print("RUN " + json.dumps(asdict(config)))
+'''
+
+
+@pytest.fixture
+def recipe(tmp_path) -> Path:
+    p = tmp_path / "typed.py"
+    p.write_text(TYPED_RECIPE)
+    return p
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = run_cli([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def ran_config(out: str) -> dict:
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("RUN ")]
+    return json.loads(line[4:])
+
+
+def assert_one_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# ----------------------------------------------------------------------------- typed overrides
+
+
+def test_overrides_typed_for_every_field_type(capsys, recipe):
+    code, out, err = cli(
+        capsys, recipe,
+        "max_steps=7", "lr=3e-3", "checkpointing=yes", "compile=0", "model=some/folder",
+        "lora_targets=q_proj, v_proj", "counts=[3,4,5]", "weights=1,2.5", "anything=[1,\"a\"]",
+        "dims=4,5", "maybe_int=12", "maybe_float=none", 'extra={"k": [1]}', "mode=slow", "beta=0.5",
+    )
+    assert code == 0, err
+    c = ran_config(out)
+    assert c["max_steps"] == 7 and isinstance(c["max_steps"], int)
+    assert c["lr"] == 3e-3
+    assert c["checkpointing"] is True and c["compile"] is False
+    assert c["model"] == "some/folder"
+    assert c["lora_targets"] == ["q_proj", "v_proj"]
+    assert c["counts"] == [3, 4, 5]
+    assert c["weights"] == [1.0, 2.5]
+    assert c["anything"] == [1, "a"]
+    assert c["dims"] == [4, 5]  # a tuple, through JSON
+    assert c["maybe_int"] == 12 and c["maybe_float"] is None
+    assert c["extra"] == {"k": [1]}
+    assert c["mode"] == "slow" and c["beta"] == 0.5
+    assert c["out"] == "runs/typed"  # the recipe's own value stays when not overridden
+
+
+@pytest.mark.parametrize("text,value", [
+    ("true", True), ("True", True), ("1", True), ("yes", True), ("YES", True),
+    ("false", False), ("0", False), ("no", False), ("FALSE", False),
+])
+def test_bool_spellings(recipe, text, value):
+    r = load_recipe(str(recipe))
+    assert apply_overrides(r.config, [f"rslora={text}"]).rslora is value
+
+
+@pytest.mark.parametrize("text,value", [
+    ("", []), ("[]", []), ("lm_head", ["lm_head"]), ("a,b,", ["a", "b"]),
+    ('["a,b", "c"]', ["a,b", "c"]), (" q_proj , k_proj ", ["q_proj", "k_proj"]),
+])
+def test_list_forms(text, value):
+    assert apply_overrides(TrainConfig(), [f"modules_to_save={text}"]).modules_to_save == value
+
+
+def test_optional_takes_none_and_values(recipe):
+    r = load_recipe(str(recipe))
+    c = apply_overrides(r.config, ["maybe_int=null", "maybe_float=2"])
+    assert c.maybe_int is None and c.maybe_float == 2.0 and isinstance(c.maybe_float, float)
+
+
+def test_overrides_do_not_touch_the_recipe_config(recipe):
+    r = load_recipe(str(recipe))
+    before = dataclasses.asdict(r.config)
+    apply_overrides(r.config, ["lora_targets=x", "lr=1"])
+    assert dataclasses.asdict(r.config) == before
+
+
+def test_value_may_contain_equals(recipe):
+    c = apply_overrides(load_recipe(str(recipe)).config, ["model=a=b"])
+    assert c.model == "a=b"
+
+
+# ----------------------------------------------------------------------------- one-line errors
+
+
+@pytest.mark.parametrize("arg,needles", [
+    ("lrr=1", ["unknown key 'lrr'", "typed.py", "did you mean 'lr'", "valid keys:", "max_steps"]),
+    ("lr=abc", ["lr=abc: expected a float", "e.g. lr=0.0001"]),
+    ("max_steps=2.5", ["max_steps=2.5: expected an int"]),
+    ("checkpointing=maybe", ["checkpointing=maybe: expected true or false"]),
+    ("counts=a,b", ["counts=a,b: expected a list of int"]),
+    ("lora_targets=[1]", ["lora_targets=[1]: expected a list of str"]),
+    ("extra=[1]", ["extra=[1]: expected a JSON object"]),
+    ("mode=medium", ["mode=medium: expected one of fast | slow"]),
+    ("lr=nan", ["lr=nan: expected a finite float"]),
+    ("lr=inf", ["lr=inf: expected a finite float"]),
+    ("lr", ["'lr': expected key=value", "e.g. lr=0.0001"]),
+    ("--lr=1", ["--lr=1: keys take no dashes", "lr=1"]),
+    ("--frobnicate", ["--frobnicate: unknown option"]),
+    ("lr=-1", ["lr=-1.0: must be > 0"]),
+    ("lr=0", ["lr=0.0: must be > 0"]),
+    ("batch_size=0", ["batch_size=0: must be >= 1"]),
+    ("grad_accum=-2", ["grad_accum=-2: must be >= 1"]),
+    ("lora_dropout=1", ["lora_dropout=1.0: must be < 1"]),
+    ("schedule=cosin", ["schedule=cosin: must be one of constant | linear | cosine", "schedule=cosine"]),
+    ("precision=fp8", ["precision=fp8: must be one of auto | bf16 | fp32 | fp16"]),
+    ("quantize=nf3", ["quantize=nf3: must be one of none | nf4 | int8"]),
+    ("beta=0", ["beta=0.0: must be > 0"]),  # a subclass's own bound, no extra code
+    ("warmup=2.5", ["warmup=2.5:", "whole"]),  # TrainConfig.check(): a cross-field rule
+])
+def test_bad_argument_is_one_error_line(capsys, recipe, arg, needles):
+    code, out, err = cli(capsys, recipe, arg)
+    assert_one_error(code, err, *needles)
+    assert "RUN " not in out  # run(config) was not called
+
+
+def test_key_given_twice(capsys, recipe):
+    code, _, err = cli(capsys, recipe, "lr=1", "lr=2")
+    assert_one_error(code, err, "lr: given twice")
+
+
+def test_empty_targets_is_an_error(capsys, recipe):
+    code, _, err = cli(capsys, recipe, "lora_targets=")
+    assert_one_error(code, err, "lora_targets: empty")
+
+
+def test_no_arguments(capsys):
+    code, _, err = cli(capsys)
+    assert_one_error(code, err, "no recipe given", "usage:")
+
+
+def test_override_before_recipe(capsys):
+    code, _, err = cli(capsys, "lr=1")
+    assert_one_error(code, err, "lr=1: the first argument must be the recipe file")
+
+
+def test_missing_recipe_file_lists_recipes_there(capsys, tmp_path, recipe):
+    code, _, err = cli(capsys, tmp_path / "nope.py")
+    assert_one_error(code, err, "nope.py: no such recipe file", "typed.py")
+
+
+def test_recipe_is_a_folder(capsys, tmp_path):
+    code, _, err = cli(capsys, tmp_path)
+    assert_one_error(code, err, "is a folder, not a recipe file")
+
+
+def test_recipe_not_python(capsys, tmp_path):
+    (tmp_path / "r.yaml").write_text("lr: 1\n")
+    code, _, err = cli(capsys, tmp_path / "r.yaml")
+    assert_one_error(code, err, "r.yaml: a recipe is a Python file")
+
+
+@pytest.mark.parametrize("source,needles", [
+    ("config = 1\n\ndef run(c):\n    pass\n\nx = (\n", ["bad.py:6: does not parse:", "fix the recipe"]),
+    ("def run(c):\n  pass\n   y = 2\n", ["bad.py:3: does not parse:"]),
+    ("def run(c):\n    pass\n", ["bad.py: defines no `config`"]),
+    ("config = {'lr': 1}\ndef run(c):\n    pass\n", ["bad.py: `config` is a dict, not a dataclass instance"]),
+    ("from minitrain.config import TrainConfig\nconfig = TrainConfig\ndef run(c):\n    pass\n",
+     ["`config` is a type, not a dataclass instance"]),
+    ("from minitrain.config import TrainConfig\nconfig = TrainConfig()\n", ["bad.py: defines no `run(config)`"]),
+    ("import no_such_module_xyz\n", ["bad.py: cannot import 'no_such_module_xyz'"]),
+])
+def test_bad_recipe_file(capsys, tmp_path, source, needles):
+    (tmp_path / "bad.py").write_text(source)
+    code, _, err = cli(capsys, tmp_path / "bad.py")
+    assert_one_error(code, err, *needles)
+
+
+def test_user_error_inside_run_exits_2(capsys, tmp_path):
+    (tmp_path / "r.py").write_text(textwrap.dedent("""
+        from minitrain.config import TrainConfig
+        from minitrain.errors import UserError
+        config = TrainConfig()
+        def run(config):
+            raise UserError("data.jsonl:3: missing key \\"completion\\" — add it")
+    """))
+    code, _, err = cli(capsys, tmp_path / "r.py")
+    assert_one_error(code, err, 'data.jsonl:3: missing key "completion"')
+
+
+def test_keyboard_interrupt_exits_130(capsys, tmp_path):
+    (tmp_path / "r.py").write_text(textwrap.dedent("""
+        from minitrain.config import TrainConfig
+        config = TrainConfig()
+        def run(config):
+            raise KeyboardInterrupt
+    """))
+    code, _, err = cli(capsys, tmp_path / "r.py")
+    assert code == 130 and "interrupted" in err and "Traceback" not in err
+
+
+def test_our_bugs_keep_their_traceback(capsys, tmp_path):
+    (tmp_path / "r.py").write_text(textwrap.dedent("""
+        from minitrain.config import TrainConfig
+        config = TrainConfig()
+        def run(config):
+            raise RuntimeError("a bug")
+    """))
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_cli([str(tmp_path / "r.py")])
+
+
+# ----------------------------------------------------------------------------- --help / --version
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_docstring_and_fields(capsys, recipe, flag):
+    code, out, _ = cli(capsys, recipe, "lr=bad-but-ignored", flag)
+    assert code == 0
+    assert "Typed test recipe: every field type the CLI parses." in out
+    assert "  lr: float = 0.0001" in out  # the recipe's value, not the class default
+    assert "peak learning rate [> 0]" in out
+    assert "  schedule: str = cosine" in out and "one of constant | linear | cosine" in out
+    assert "  counts: list[int] = 1,2" in out and "a list of ints" in out
+    assert "  maybe_int: int | None = none" in out
+    assert "  lora_targets: list[str] = q_proj,k_proj,v_proj,o_proj" in out
+    for f in dataclasses.fields(load_recipe(str(recipe)).config):
+        assert f"  {f.name}: " in out
+    assert "RUN " not in out
+
+
+def test_help_without_recipe(capsys):
+    code, out, _ = cli(capsys, "--help")
+    assert code == 0 and "usage: python -m minitrain RECIPE.py" in out
+
+
+def _python_m(*argv, cwd=REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "minitrain", *map(str, argv)],
+                          cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def test_version_subprocess():
+    p = _python_m("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"minitrain {__version__}"
+
+
+def test_errors_as_the_user_sees_them(tmp_path, recipe):
+    """Real processes: exit 2, exactly one `error:` line on stderr, no traceback, nothing on stdout."""
+    (tmp_path / "broken.py").write_text("config = (\n")
+    cases = [
+        ((recipe, "lrr=1"), "unknown key 'lrr'"),
+        ((recipe, "lr=abc"), "lr=abc: expected a float"),
+        ((recipe, "quantize=int4"), "quantize=int4: must be one of"),
+        ((tmp_path / "missing.py",), "missing.py: no such recipe file"),
+        ((tmp_path / "broken.py",), "broken.py:1: does not parse"),
+    ]
+    for argv, needle in cases:
+        p = _python_m(*argv)
+        assert_one_error(p.returncode, p.stderr, needle)
+        assert p.stdout == ""
+
+
+def test_run_subprocess_ok(recipe):
+    p = _python_m(recipe, "max_steps=3")
+    assert p.returncode == 0, p.stderr
+    assert ran_config(p.stdout)["max_steps"] == 3
+
+
+# ----------------------------------------------------------------------------- fuzzing the parser
+
+
+@pytest.fixture(scope="module")
+def typed_config(tmp_path_factory):
+    p = tmp_path_factory.mktemp("fuzz") / "typed.py"
+    p.write_text(TYPED_RECIPE)
+    return load_recipe(str(p)).config
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from([f.name for f in dataclasses.fields(TrainConfig)] + [
+    "counts", "weights", "anything", "dims", "maybe_int", "maybe_float", "extra", "mode", "beta"]),
+    text=st.one_of(st.text(), st.from_regex(r"-?[0-9.e+_]*", fullmatch=True),
+                   st.from_regex(r"\[[0-9, .\"a-z\[\]]*\]?", fullmatch=True),
+                   st.sampled_from(["none", "null", "true", "nan", "1e999", "[[[[", "[NaN]", "{}"])))
+def test_fuzz_value_parses_to_its_type_or_user_error(typed_config, key, text):
+    types_ = field_types(type(typed_config))
+    try:
+        k, value = parse_override(f"{key}={text}", typed_config, types_, "typed.py")
+    except UserError as e:
+        assert len(str(e).splitlines()) == 1 and str(e).startswith(f"{key}=")
+        return
+    assert k == key and conforms(value, types_[key]), (key, text, value)
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arg=st.text())
+def test_fuzz_whole_argument(typed_config, arg):
+    types_ = field_types(type(typed_config))
+    try:
+        k, value = parse_override(arg, typed_config, types_, "typed.py")
+    except UserError as e:
+        assert len(str(e).splitlines()) == 1  # one line, whatever the user typed
+        return
+    assert k in types_ and conforms(value, types_[k])
+
+
+# ----------------------------------------------------------------------------- config.py
+
+
+def test_default_config_validates_and_round_trips():
+    c = TrainConfig()
+    validate(c)
+    assert from_json(to_json(c), TrainConfig) == c
+
+
+def test_from_json_keeps_float_fields_float():
+    c = from_json('{"lr": 1, "epochs": 2}', TrainConfig)
+    assert c.lr == 1.0 and isinstance(c.lr, float) and isinstance(c.epochs, float)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("{", "config.json: not valid JSON"),
+    ("[1]", "expected a JSON object"),
+    ('{"lrr": 1}', "unknown key(s) lrr"),
+    ('{"lr": "fast"}', 'lr="fast" is not float'),
+    ('{"checkpointing": 1}', "checkpointing=1 is not bool"),
+    ('{"lora_targets": "q_proj"}', "is not list[str]"),
+])
+def test_from_json_is_strict(text, needle):
+    with pytest.raises(UserError) as e:
+        from_json(text, TrainConfig)
+    assert needle in str(e.value)
+
+
+def test_validate_checks_types_set_in_python():
+    with pytest.raises(UserError, match=r"^batch_size=4\.0: expected int"):
+        validate(TrainConfig(batch_size=4.0))  # type: ignore[arg-type]
+
+
+def test_subclass_fields_are_validated_from_their_metadata():
+    @dataclasses.dataclass
+    class DPOConfig(TrainConfig):
+        beta: float = doc(0.1, "DPO beta", gt=0)
+        loss: str = doc("sigmoid", "DPO loss", choices=("sigmoid", "ipo"))
+
+    validate(DPOConfig())
+    with pytest.raises(UserError, match=r"^beta=-1\.0: must be > 0 — e\.g\. beta=0\.1$"):
+        validate(DPOConfig(beta=-1.0))
+    with pytest.raises(UserError, match=r"^loss=ipp: must be one of sigmoid \| ipo — did you mean loss=ipo\?$"):
+        validate(DPOConfig(loss="ipp"))

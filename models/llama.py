@@ -1,0 +1,761 @@
+"""LLaMA 2 / 3 / 3.1 / 3.2 and Mistral v0.1-v0.3 in one file, importing only torch.
+
+Read top to bottom: config, RMSNorm, rotary embeddings (every rope_scaling type these
+checkpoints use), attention (GQA, sliding window, KV cache), MLP (SwiGLU), decoder block, model,
+generation. Module names are Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so HF
+safetensors load key-for-key, and the maths is HF's (rotate-half RoPE, RMSNorm in fp32), so the
+same weights give the same logits.
+
+The model returns hidden states after the final norm, never logits: callers apply
+`model.output_projection` to the slices they need (see docs/contracts.md).
+
+Mistral is LLaMA with `sliding_window` set: key j is visible from query i when
+`i - window < j <= i` (sequence indices, as HF does).
+
+Shapes in comments: B batch, T new tokens, S keys (cached + new), D hidden_size, H query heads,
+Hkv key/value heads, hd head_dim, V vocab_size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+# config.json fields that do not change the forward maths (bookkeeping, generation defaults,
+# init settings that only matter when training from scratch).
+IGNORED_FIELDS: tuple[str, ...] = (
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "initializer_range",
+    "tokenizer_class",
+    "max_sequence_length",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "id2label",
+    "label2id",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "num_beams",
+    "repetition_penalty",
+)
+
+# Keys each supported rope type may carry (besides rope_type/type/rope_theta), with HF's meaning.
+ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+
+# HF's class defaults for fields a config.json may leave out (they differ between the families).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None, "sliding_window": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+}
+
+
+def _normalize_rope_scaling(
+    rope_scaling: dict[str, Any] | None, max_position_embeddings: int
+) -> dict[str, Any] | None:
+    """`rope_scaling` with `rope_type` spelled out and HF's defaults filled; None for plain RoPE.
+
+    Accepts the old `{"type": ...}` spelling. Unknown types or keys are ValueErrors: a RoPE we
+    only half understand gives a model that loads fine and is quietly wrong at every position.
+    """
+    if not rope_scaling:
+        return None
+    r = dict(rope_scaling)
+    rope_type = r.pop("rope_type", None) or r.pop("type", None) or "default"
+    r.pop("type", None)
+    r.pop("rope_theta", None)  # carried by LlamaConfig.rope_theta
+    partial = r.pop("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ValueError(
+            f"config.json: rope partial_rotary_factor={partial} is not supported — "
+            "LLaMA/Mistral rotate the whole head (partial_rotary_factor 1.0)"
+        )
+    if rope_type not in ROPE_KEYS:
+        raise ValueError(
+            f"config.json: rope_type {rope_type!r} is not supported — supported: {', '.join(ROPE_KEYS)}"
+        )
+    unknown = sorted(set(r) - set(ROPE_KEYS[rope_type]))
+    if unknown:
+        raise ValueError(
+            f"config.json: rope_scaling key(s) {unknown} are not understood for rope_type {rope_type!r} — "
+            f"supported keys: {list(ROPE_KEYS[rope_type]) or 'none'}"
+        )
+    missing = [k for k in ROPE_REQUIRED.get(rope_type, ()) if k not in r]
+    if missing:
+        raise ValueError(f"config.json: rope_scaling of type {rope_type!r} is missing {missing} — add them")
+    if rope_type == "default":
+        return None
+    if rope_type in ("yarn", "llama3"):
+        r.setdefault("original_max_position_embeddings", max_position_embeddings)
+    return {"rope_type": rope_type, **r}
+
+
+@dataclass
+class LlamaConfig:
+    """LLaMA / Mistral hyper-parameters under their HF `config.json` names.
+
+    `head_dim=None` means `hidden_size // num_attention_heads`; `num_key_value_heads=None` means
+    plain multi-head attention. `rope_scaling` is HF's dict (None for plain RoPE), normalised to
+    carry `rope_type`. `sliding_window` is only meaningful for `model_type="mistral"`.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.model_type not in ("llama", "mistral"):
+            raise ValueError(f"config.json: model_type {self.model_type!r} is not LLaMA — use 'llama' or 'mistral'")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} — fix the config"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"config.json: head_dim={self.head_dim} is odd — rotary embeddings need an even head_dim")
+        if self.hidden_act != "silu":
+            raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported — LLaMA/Mistral use 'silu'")
+        for name in ("attention_bias", "mlp_bias"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"config.json: {name}=true is not supported — LLaMA/Mistral checkpoints have no biases"
+                )
+        if self.sliding_window is not None:
+            if self.model_type != "mistral":
+                raise ValueError(
+                    f"config.json: sliding_window={self.sliding_window} with model_type 'llama' (transformers "
+                    "ignores it there) — remove it, or use model_type 'mistral' if the model uses a window"
+                )
+            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+                raise ValueError(f"config.json: sliding_window={self.sliding_window!r} — use a positive int or null")
+        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """Build from an HF `config.json` dict, old (`rope_theta`/`rope_scaling`) or
+        transformers-v5 (`rope_parameters`) spelling. Unknown fields are ValueErrors unless listed
+        in IGNORED_FIELDS; fields with one safe value (`pretraining_tp`, `attention_dropout`) are
+        checked and dropped."""
+        d = dict(d)
+        model_type = d.pop("model_type", None)
+        if model_type not in _DEFAULTS:
+            raise ValueError(f"config.json: model_type {model_type!r} is not LLaMA — use 'llama' or 'mistral'")
+        for name in IGNORED_FIELDS:
+            d.pop(name, None)
+
+        tp = d.pop("pretraining_tp", 1)
+        if tp not in (None, 1):
+            raise ValueError(
+                f"config.json: pretraining_tp={tp} is not supported — set it to 1 (it only reorders the maths "
+                "of a tensor-parallel run and changes results)"
+            )
+        dropout = d.pop("attention_dropout", 0.0)
+        if dropout not in (None, 0, 0.0):
+            raise ValueError(f"config.json: attention_dropout={dropout} is not supported — set it to 0.0")
+
+        # RoPE: `rope_scaling` (old) and `rope_parameters` (v5) are two spellings of the same dict;
+        # v5 also moves rope_theta inside it.
+        scaling = d.pop("rope_scaling", None)
+        params = d.pop("rope_parameters", None)
+        theta = d.pop("rope_theta", None)
+        if params:
+            if scaling and _normalize_rope_scaling(scaling, 0) != _normalize_rope_scaling(params, 0):
+                raise ValueError("config.json: rope_scaling and rope_parameters disagree — keep only one of them")
+            inner_theta = params.get("rope_theta")
+            if theta is not None and inner_theta is not None and float(theta) != float(inner_theta):
+                raise ValueError(
+                    f"config.json: rope_theta={theta} and rope_parameters.rope_theta={inner_theta} disagree — keep one"
+                )
+            theta = inner_theta if inner_theta is not None else theta
+            scaling = scaling or params
+
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"config.json: missing {missing} — this does not look like a LLaMA/Mistral config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"config.json: field(s) {unknown} are not understood by minitrain's {model_type} model and may "
+                "change its maths — remove them if harmless, or this checkpoint needs a different model"
+            )
+        kw = {**_DEFAULTS[model_type], **d}  # an explicit null num_key_value_heads means "= heads"
+        return cls(
+            **kw,
+            rope_theta=float(theta) if theta is not None else 10000.0,
+            rope_scaling=scaling,
+            model_type=model_type,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `config.json` dict transformers loads (old `rope_theta`/`rope_scaling` spelling,
+        which every transformers version reads)."""
+        d = asdict(self)
+        d["architectures"] = ["MistralForCausalLM" if self.model_type == "mistral" else "LlamaForCausalLM"]
+        if self.model_type == "llama":
+            d.pop("sliding_window")  # not a LLaMA field
+        else:
+            d.pop("attention_bias")  # not Mistral fields
+            d.pop("mlp_bias")
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, with the statistics in fp32 and the result cast back like HF."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # HF multiplies after the cast back, so an fp32 weight on a bf16 input gives fp32 (as HF)
+        return self.weight * x32.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary embeddings
+# --------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: LlamaConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (hd/2,) fp32 on CPU and the cos/sin scale, per HF's rope formulas.
+
+    `seq_len` (max position + 1 in the batch) only matters for `dynamic`, whose base grows once
+    the sequence is longer than `max_position_embeddings`.
+    """
+    dim = config.head_dim
+    base = config.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # (hd/2,)
+    r = config.rope_scaling or {"rope_type": "default"}
+    kind = r["rope_type"]
+
+    if kind == "default":
+        return 1.0 / (base**exponents), 1.0
+
+    if kind == "linear":  # positions / factor == frequencies / factor
+        return 1.0 / (base**exponents) / r["factor"], 1.0
+
+    if kind == "dynamic":  # NTK-aware: raise the base once past the trained length
+        factor, max_pos = r["factor"], config.max_position_embeddings
+        seq_len = max(seq_len or max_pos, max_pos)
+        base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base**exponents), 1.0
+
+    if kind == "llama3":  # keep high frequencies, divide low ones by factor, blend in between
+        inv_freq = 1.0 / (base**exponents)
+        factor, low, high = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+        old_len = r["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+
+    if kind == "yarn":  # interpolate low frequencies, extrapolate high ones, ramp in between
+        old_len = r["original_max_position_embeddings"]
+        factor = r["factor"] if r["factor"] is not None else config.max_position_embeddings / old_len
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = r.get("attention_factor")
+        if attention_factor is None:
+            if r.get("mscale") and r.get("mscale_all_dim"):
+                attention_factor = mscale(factor, r["mscale"]) / mscale(factor, r["mscale_all_dim"])
+            else:
+                attention_factor = mscale(factor)
+        beta_fast = r.get("beta_fast") or 32
+        beta_slow = r.get("beta_slow") or 1
+
+        def correction_dim(n_rotations: float) -> float:  # the dim that turns n times in old_len
+            return (dim * math.log(old_len / (n_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if r.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # avoid a division by zero in the ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        extrapolation = 1.0 - ramp  # 1: keep the original frequency, 0: interpolate
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv_freq, float(attention_factor)
+
+    raise ValueError(f"config.json: rope_type {kind!r} is not supported")  # from_hf already refused it
+
+
+class RotaryEmbedding:
+    """cos/sin tables for given position ids. A plain object, not an nn.Module: nothing is
+    registered, so the model builds on the meta device and the loader never sees a buffer.
+    Inverse frequencies are cached per device in a dict (dynamic RoPE past the trained length is
+    recomputed per call, as its base depends on the length)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        self.config = config
+        self._cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
+
+    def inv_freq(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        device = position_ids.device
+        r = self.config.rope_scaling
+        if r is not None and r["rope_type"] == "dynamic":
+            seq_len = int(position_ids.max()) + 1  # HF: the longest position in the batch
+            if seq_len > self.config.max_position_embeddings:
+                inv_freq, scale = rope_inv_freq(self.config, seq_len)
+                return inv_freq.to(device), scale
+        if device not in self._cache:
+            inv_freq, scale = rope_inv_freq(self.config)
+            self._cache[device] = (inv_freq.to(device), scale)
+        return self._cache[device]
+
+    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids (B, T) -> cos, sin (B, T, hd) in `dtype` (the residual stream's, as HF)."""
+        inv_freq, scale = self.inv_freq(position_ids)
+        freqs = position_ids[..., None].float() * inv_freq  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd): rotate-half layout
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the last dim: HF's RoPE layout (not interleaved pairs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, hd), cos/sin (B, T, hd) -> rotated x."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
+    return x * cos + rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache and attention masks
+# --------------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding, preallocated to `max_len` slots.
+
+    Layout: `keys[i]`, `values[i]`: (B, Hkv, max_len, hd) for layer i, after RoPE; slots
+    `[0, length)` are filled. `mask`: (B, max_len) bool, True where the slot holds a real token
+    (False for padding). Tensors are allocated on the first write, with the dtype and device of
+    the keys that layer produces. One forward call appends T slots to every layer, then
+    `length += T`.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.mask: torch.Tensor | None = None
+
+    def begin(self, valid: torch.Tensor) -> torch.Tensor:
+        """Record the new tokens' mask (B, T); return the mask of all keys so far (B, length+T)."""
+        B, T = valid.shape
+        if self.length + T > self.max_len:
+            raise ValueError(f"KVCache: {self.length} + {T} tokens exceed max_len={self.max_len} — make it larger")
+        if self.mask is None:
+            self.mask = torch.zeros(B, self.max_len, dtype=torch.bool, device=valid.device)
+        self.mask[:, self.length : self.length + T] = valid
+        return self.mask[:, : self.length + T]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, T, hd) at the current slots; return all keys/values (B, Hkv, S, hd)."""
+        B, Hkv, T, hd = k.shape
+        if layer not in self.keys:
+            self.keys[layer] = k.new_zeros(B, Hkv, self.max_len, hd)
+            self.values[layer] = v.new_zeros(B, Hkv, self.max_len, hd)
+        end = self.length + T
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def end(self, n_new: int) -> None:
+        self.length += n_new
+
+
+def attention_mask_4d(key_valid: torch.Tensor, q_start: int, sliding_window: int | None) -> torch.Tensor:
+    """Boolean SDPA mask (B, 1, T, S), True = may attend: causal, not padding, inside the window.
+
+    key_valid (B, S): which key slots hold real tokens; the T queries sit at slots
+    [q_start, S). Each query also sees itself, so a padding query's row is never empty
+    (an all-False row makes SDPA return NaN, which would poison sums over the batch);
+    padding outputs are garbage either way and never reach real tokens.
+    """
+    S = key_valid.shape[1]
+    device = key_valid.device
+    q_idx = torch.arange(q_start, S, device=device)[:, None]  # (T, 1)
+    kv_idx = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = kv_idx <= q_idx  # (T, S) causal
+    if sliding_window is not None:
+        allowed = allowed & (kv_idx > q_idx - sliding_window)
+    allowed = allowed[None] & key_valid[:, None, :]  # (B, T, S)
+    allowed = allowed | (kv_idx == q_idx)[None]
+    return allowed[:, None]  # (B, 1, T, S)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention, MLP, block
+# --------------------------------------------------------------------------------------------
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, S, hd) -> (B, Hkv * n_rep, S, hd): query head h reads key/value head h // n_rep."""
+    if n_rep == 1:
+        return x
+    B, Hkv, S, hd = x.shape
+    return x[:, :, None].expand(B, Hkv, n_rep, S, hd).reshape(B, Hkv * n_rep, S, hd)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with RoPE, unfused q/k/v projections (HF names, LoRA-swappable)."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        D, hd = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(D, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(D, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
+        n_rep = self.n_heads // self.n_kv
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
+        # scale defaults to 1/sqrt(hd), as in HF
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(y)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        D, F_ = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(D, F_, bias=False)
+        self.up_proj = nn.Linear(D, F_, bias=False)
+        self.down_proj = nn.Linear(F_, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). The unit the engine checkpoints
+    and compiles."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers, final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        # no padding_idx: with pad == eos (LLaMA 3 recipes) that row is a real token and must train
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> hidden (B, T, D) after the final norm.
+
+        attention_mask (B, T): 1 for real tokens, 0 for padding (left or right), for the T new
+        tokens only (the cache remembers earlier ones). position_ids default to the count of real
+        tokens before each one (mask cumsum - 1), so left-padded rows start at position 0.
+        """
+        B, T = input_ids.shape
+        x = self.embed_tokens(input_ids)  # (B, T, D)
+        valid = (
+            torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+            if attention_mask is None
+            else attention_mask.to(device=input_ids.device).bool()
+        )
+        start = cache.length if cache is not None else 0
+        key_valid = cache.begin(valid) if cache is not None else valid  # (B, S)
+        if position_ids is None:
+            position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
+
+        window = self.config.sliding_window
+        plain_causal = (
+            cache is None
+            and (window is None or T <= window)
+            and (attention_mask is None or bool(valid.all()))
+        )
+        # None lets SDPA use its causal kernels (flash on CUDA); otherwise an explicit bool mask
+        mask = None if plain_causal else attention_mask_4d(key_valid, start, window)  # (B, 1, T, S)
+
+        cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, hd)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache)
+        if cache is not None:
+            cache.end(T)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: `model` (body) + `lm_head`. forward returns hidden states, not logits."""
+
+    block_types = (LlamaDecoderLayer,)
+    is_encoder_decoder = False
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> hidden (B, T, D); logits are `self.output_projection(hidden)`."""
+        return self.model(input_ids, attention_mask, position_ids, cache)
+
+    def tie_weights(self) -> None:
+        """Make lm_head share the input embedding's Parameter when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def output_projection(self) -> nn.Module:
+        return self.lm_head
+
+    def resize_token_embeddings(self, n: int) -> None:
+        """Resize embedding and head to n rows; old rows are kept, new rows are the mean of the old
+        ones (a neutral start for added special tokens). Records `config.vocab_size = n`."""
+
+        def resized(w: torch.Tensor) -> nn.Parameter:
+            old = w.shape[0]
+            new = w.new_empty(n, w.shape[1])
+            new[: min(old, n)] = w[: min(old, n)].detach()
+            if n > old:
+                new[old:] = w.detach().float().mean(0).to(w.dtype)
+            return nn.Parameter(new, requires_grad=w.requires_grad)
+
+        emb = self.model.embed_tokens
+        emb.weight = resized(emb.weight)
+        emb.num_embeddings = n
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = emb.weight
+        else:
+            self.lm_head.weight = resized(self.lm_head.weight)
+        self.lm_head.out_features = n
+        self.config.vocab_size = n
+
+
+# --------------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------------
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering: keep the smallest set of tokens whose probability sum reaches top_p
+    (at least one), set the rest to -inf. logits (B, V) -> (B, V)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=False)  # (B, V) ascending
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cum <= (1 - top_p)  # the low-probability tail
+    drop_sorted[:, -1] = False  # always keep the most likely token
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+@torch.no_grad()
+def generate(
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 32,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> torch.Tensor:
+    """Continue each row of input_ids (B, T); returns (B, T + n) with n <= max_new_tokens.
+
+    Greedy by default; `do_sample` draws from softmax(logits / temperature) after top-p, with a
+    torch.Generator seeded by `seed` (reproducible) or torch's global RNG when seed is None.
+    Batches must be left-padded (attention_mask 0 on the left). A row that produced an EOS gets
+    `pad_token_id` afterwards; generation stops early once every row has finished.
+    `eos_token_id=None` means the config's EOS (an int or a list); pass [] to never stop early.
+    The model runs in eval mode (adapter dropout off) and is put back as it was.
+    """
+    cfg = model.config
+    B, T = input_ids.shape
+    device = input_ids.device
+    eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
+    eos_list = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos_ids = torch.tensor(eos_list, dtype=torch.long, device=device)
+    if pad_token_id is None:
+        pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device).long()
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("generate: attention_mask has padding after real tokens — left-pad prompts for generation")
+    if do_sample and temperature <= 0:
+        raise ValueError(f"generate: temperature={temperature} — use a positive temperature, or do_sample=False")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"generate: top_p={top_p} — use a value in (0, 1]")
+    generator = None
+    if do_sample and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache(T + max_new_tokens)
+        hidden = model(input_ids, mask, cache=cache)  # (B, T, D)
+        unfinished = torch.ones(B, dtype=torch.bool, device=device)
+        step_mask = torch.ones(B, 1, dtype=torch.long, device=device)
+        new_tokens = []
+        for step in range(max_new_tokens):
+            logits = model.output_projection(hidden[:, -1]).float()  # (B, V)
+            if do_sample:
+                probs = top_p_filter(logits / temperature, top_p).softmax(-1)
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+            else:
+                token = logits.argmax(-1)  # (B,)
+            token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+            new_tokens.append(token)
+            unfinished = unfinished & ~torch.isin(token, eos_ids)
+            if step == max_new_tokens - 1 or not bool(unfinished.any()):
+                break
+            hidden = model(token[:, None], step_mask, cache=cache)  # (B, 1, D)
+    finally:
+        model.train(was_training)
+    if not new_tokens:
+        return input_ids
+    return torch.cat([input_ids, torch.stack(new_tokens, 1)], dim=1)

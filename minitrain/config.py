@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ class TrainConfig:
     seed: int = doc(0, "seed for init, shuffling and dropout", ge=0)
     max_len: int = doc(512, "maximum tokens per sequence (prompt + completion)", ge=2)
     truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
+    device: str = doc("auto", "where to train: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
     precision: str = doc("auto", "auto: bf16 autocast where supported, else fp32",
                          choices=("auto", "bf16", "fp32", "fp16"))
     checkpointing: bool = doc(False, "non-reentrant activation checkpointing per block")
@@ -92,6 +94,8 @@ class TrainConfig:
 
     def check(self) -> None:
         """Rules across fields (per-field bounds and choices are checked by `validate`)."""
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise UserError(f"device={shown(self.device)}: not a device — use auto, cpu, cuda or cuda:N")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             raise UserError(f"warmup={format_value(self.warmup)}: a warmup of 1 or more counts optimizer "
                             f"steps and must be whole — e.g. warmup=100, or warmup=0.03 for a ratio")

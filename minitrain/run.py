@@ -1,0 +1,247 @@
+"""The steps every training recipe takes, as plain functions a recipe calls in order.
+
+    check_out_dir(cfg)             refuse a folder holding another run, before minutes of loading
+    load_model(cfg, build)         tokenizer + weights streamed into `build(config.json)` (+ quantized)
+    attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report
+    load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval)
+    prepare_out_dir(cfg)           create `out`, write the resolved `config.json`
+    ... train(...) ...             minitrain.train: the loop, called by the recipe itself
+    finish(model, cfg, lora, summary)  the adapter in PEFT format in `out/adapter`, and where things are
+
+Every check that can fail on bad input runs before anything is written, so a mistake leaves
+no half-made output folder (DESIGN.md rule 9). The engine never imports `models/`: the recipe
+passes the builder (`models.from_hf_config`) in.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from minitrain import checkpoint
+from minitrain.config import to_dict, to_json
+from minitrain.errors import UserError
+from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
+from minitrain.tokenizer import Tokenizer
+from minitrain.weights import load_pretrained
+
+log = functools.partial(print, flush=True)
+
+CONFIG_FILE = "config.json"
+ADAPTER_DIR = "adapter"
+# what a run writes into `out` (besides config.json); a folder holding one of these has trained
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR)
+# keys that say where / how to start, not what the run is
+NOT_THE_RUN = ("out", "resume", "overwrite")
+
+
+# ----------------------------------------------------------------------------- the output folder
+
+
+def check_out_dir(cfg: Any) -> Path:
+    """Refuse an `out` that holds something other than a run we may write (writes nothing).
+
+    A folder with run outputs (metrics, checkpoint, adapter) needs `resume=true` (continue it)
+    or `overwrite=true` (replace it); the message says how its config.json differs from this
+    run's. A non-empty folder without a config.json is not ours to write into without
+    `overwrite=true`. A folder holding only a config.json never got to step 1 and is reused.
+    """
+    out = Path(cfg.out)
+    if not str(cfg.out):
+        raise UserError("out: empty — pass out=runs/<name>")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file, not a folder — choose another out")
+    if cfg.resume:
+        if not out.is_dir() or checkpoint.find(out) is None:
+            raise UserError(f"{out}: holds no checkpoint to resume from — run without resume=true first")
+        return out
+    if not out.is_dir() or not any(out.iterdir()) or cfg.overwrite:
+        return out
+    outputs = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    config_path = out / CONFIG_FILE
+    if not config_path.is_file():
+        raise UserError(f"{out}: is not empty and holds no minitrain run ({CONFIG_FILE} missing) "
+                        f"— choose another out, or pass overwrite=true to write into it")
+    if not outputs:
+        return out
+    differs = config_differences(cfg, config_path)
+    if differs:
+        raise UserError(f"{out}: holds a different run (config differs in {', '.join(differs)}) "
+                        f"— pass overwrite=true or choose another out")
+    raise UserError(f"{out}: holds a run of this same config ({', '.join(outputs)}) — pass resume=true to "
+                    f"continue it, overwrite=true to replace it, or choose another out")
+
+
+def config_differences(cfg: Any, config_path: Path) -> list[str]:
+    """Keys whose value in `config_path` differs from `cfg` (a file that does not read: ["config.json"])."""
+    try:
+        old = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return [CONFIG_FILE]
+    if not isinstance(old, dict):
+        return [CONFIG_FILE]
+    new = to_dict(cfg)
+    keys = [k for k in new if k not in NOT_THE_RUN] + [k for k in old if k not in new]
+    return [k for k in keys if k not in NOT_THE_RUN and old.get(k) != new.get(k)]
+
+
+def prepare_out_dir(cfg: Any) -> Path:
+    """Create `out` and write the resolved config to `out/config.json` (atomically); returns `out`.
+
+    Call it after loading the model and data, right before training. A fresh start (no
+    `resume`) removes a previous run's adapter so no stale result sits beside the new config;
+    the loop itself clears the old metrics and checkpoint under `overwrite=true`.
+    """
+    out = check_out_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    if not cfg.resume and (out / ADAPTER_DIR).is_dir():
+        shutil.rmtree(out / ADAPTER_DIR)
+    tmp = out / f".{CONFIG_FILE}.tmp"
+    tmp.write_text(to_json(cfg), encoding="utf-8")
+    tmp.replace(out / CONFIG_FILE)
+    log(f"out: {out} ({'resuming' if cfg.resume else 'new run'}; config in {out / CONFIG_FILE})")
+    return out
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto`: the GPU when there is one, else the CPU; an unavailable device is a UserError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name}: no CUDA device is available here — use device=cpu (or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"device={name}: there are {torch.cuda.device_count()} CUDA devices — "
+                        f"use device=cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def base_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype the frozen base weights are stored in for `precision` on `device`.
+
+    bf16 (or fp16) where that is the compute dtype, halving memory; fp32 otherwise. Trainable
+    tensors stay fp32 regardless (adapters are created in fp32; see `attach_adapters`).
+    """
+    if precision == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> tuple[nn.Module, Tokenizer]:
+    """The tokenizer and the model of folder `cfg.model`, on `cfg.device` in the dtype for `cfg.precision`.
+
+    With `cfg.quantize` nf4 / int8, each base linear is quantized as its weight arrives (no
+    full-precision copy of the model in memory). A tokenizer with more ids than the model's
+    embedding has rows is refused here, not as an index error mid-step.
+    """
+    if not cfg.model:
+        raise UserError("model: not set — pass model=path/to/hf_model_folder (config.json, *.safetensors, tokenizer)")
+    folder = Path(cfg.model)
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such model folder — pass model=path/to/hf_model_folder "
+                        f"(config.json, *.safetensors, tokenizer)")
+    device = pick_device(cfg.device)
+    dtype = base_dtype(cfg.precision, device)
+    tok = Tokenizer.from_folder(folder)
+    hook = None
+    if cfg.quantize != "none":
+        from minitrain.quant import quantize_hook  # imports bitsandbytes: only when asked for
+
+        if device.type != "cuda":
+            raise UserError(f"quantize={cfg.quantize}: bitsandbytes quantized training needs a CUDA device, "
+                            f"this run is on {device} — use quantize=none")
+        dtype = torch.bfloat16 if dtype == torch.float32 else dtype  # the compute dtype of the 4/8-bit layers
+        hook = quantize_hook(cfg.quantize, compute_dtype=dtype)
+    model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)
+    emb = getattr(model, "input_embeddings", None)
+    if isinstance(emb, nn.Embedding) and tok.vocab_size > emb.num_embeddings:
+        raise UserError(f"{folder}: the tokenizer has {tok.vocab_size} ids but the model's embedding has "
+                        f"{emb.num_embeddings} rows — use the tokenizer saved with these weights")
+    n = sum(p.numel() for p in model.parameters())
+    kind = model.hf_config.get("model_type", "?")
+    log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in "
+        f"{cfg.quantize if cfg.quantize != 'none' else str(dtype).removeprefix('torch.')}")
+    return model, tok
+
+
+def lora_config(cfg: Any) -> LoRAConfig:
+    """The `LoRAConfig` that the `lora_*` keys of `cfg` describe."""
+    return LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=list(cfg.lora_targets),
+                      rslora=cfg.rslora, modules_to_save=list(cfg.modules_to_save))
+
+
+def attach_adapters(model: nn.Module, cfg: Any) -> LoRAConfig:
+    """Give `model` its adapters, freeze everything else, print what trains; returns the LoRAConfig.
+
+    `init_adapter` loads a saved adapter trainable on purpose (rule 4); its own r / alpha /
+    targets apply and the `lora_*` keys are ignored (said so). Fully trained modules
+    (`modules_to_save`) are kept in fp32 whatever the base dtype (rule 8).
+    """
+    if cfg.init_adapter:
+        lcfg = load_adapter(model, cfg.init_adapter, trainable=True)
+        log(f"adapter: continuing {cfg.init_adapter} (r={lcfg.r}, alpha={lcfg.alpha}, targets={lcfg.targets}); "
+            f"the lora_* keys of this run are not used")
+    else:
+        lcfg = lora_config(cfg)
+        apply_lora(model, lcfg)
+        freeze_for_adapters(model, lcfg)
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()  # fp32 master weights for what trains in full (e.g. lm_head)
+    log(trainable_report(model))
+    return lcfg
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dict], list[dict] | None]:
+    """(train, eval) examples from `cfg.data` / `cfg.eval_data` (None without eval data).
+
+    kind: "sft" (`{"prompt","completion"}`, `{"messages"}` or `{"text"}` rows -> input_ids and
+    labels), "seq2seq" or "preference"; rows are read by `minitrain.data`.
+    """
+    from minitrain import data
+
+    if not cfg.data:
+        raise UserError("data: not set — pass data=path/to/train.jsonl")
+    read = {"sft": data.read_sft, "seq2seq": data.read_seq2seq, "preference": data.read_preference}[kind]
+    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side)
+    train = read(cfg.data, tok, **options)
+    if not train:
+        raise UserError(f"{cfg.data}: holds no examples — add JSONL rows")
+    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
+    log(f"data: {len(train)} examples from {cfg.data}"
+        + (f", {len(evals)} held out from {cfg.eval_data}" if evals is not None else ""))
+    return train, evals
+
+
+# ----------------------------------------------------------------------------- the end
+
+
+def finish(model: nn.Module, cfg: Any, lora: LoRAConfig, summary: dict[str, Any]) -> Path:
+    """Save the adapter in PEFT's format into `out/adapter` and say where everything is."""
+    out = Path(cfg.out)
+    folder = save_adapter(model, out / ADAPTER_DIR, lora)
+    loss = summary.get("loss")
+    parts = [f"done: step {summary.get('step')}/{summary.get('total_steps')}"]
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
+    if summary.get("eval/loss") is not None:
+        parts.append(f"eval/loss {summary['eval/loss']:.4f}")
+    if summary.get("skipped_steps"):
+        parts.append(f"{summary['skipped_steps']} skipped steps")
+    log(" | ".join(parts))
+    log(f"adapter (PEFT format): {folder}")
+    log(f"metrics: {out / 'metrics.jsonl'} | config: {out / CONFIG_FILE}")
+    return folder

@@ -4,7 +4,8 @@
   text, vocab 128 (fits tiny models with `vocab_size=128`); `<pad>`=0, `<s>`=1, `</s>`=2,
   `<unk>`=3; Metaspace pre-tokenizer (sentencepiece-like). Writes `tokenizer_config.json` and
   `special_tokens_map.json` as `save_pretrained` would.
-- `make_sp_tokenizer(folder)`: a sentencepiece `tokenizer.model` with the same special ids.
+- `make_sp_tokenizer(folder)`: a Llama-style sentencepiece `tokenizer.model` (BPE, spaces kept)
+  with the same special ids.
 - `make_t5_tokenizer(folder, extra_ids=...)`: a T5-style `spiece.model` (pad 0, eos 1, unk 2,
   no bos) plus `<extra_id_N>` sentinels as T5 does.
 - `corpus(n)`: the generated text, deterministic.
@@ -37,7 +38,7 @@ WORDS = (
 
 
 def corpus(n: int = 400, seed: int = 0) -> list[str]:
-    """`n` lines of generated English-like text (lowercase words, some punctuation, digits)."""
+    """`n` rows of generated English-like text (words, punctuation, digits, some newlines)."""
     rng = random.Random(seed)
     lines = []
     for _ in range(n):
@@ -46,6 +47,8 @@ def corpus(n: int = 400, seed: int = 0) -> list[str]:
             words.insert(rng.randrange(len(words)), str(rng.randint(0, 99)))
         line = " ".join(words)
         line = line[0].upper() + line[1:] + rng.choice([".", ".", "?", "!", ","])
+        if rng.random() < 0.2:  # some two-line rows, so "\n" is in every vocabulary
+            line = "Q: " + line + "\nA: " + rng.choice(WORDS)
         lines.append(line)
     return lines
 
@@ -82,7 +85,7 @@ def _build_bpe(d: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, limit_alphabet=60, show_progress=False
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
     assert tok.get_vocab_size() <= vocab_size
@@ -107,7 +110,6 @@ def _train_sp(d: Path, name: str, vocab_size: int, **kw) -> None:
         sentence_iterator=iter(corpus()),
         model_writer=buf,
         vocab_size=vocab_size,
-        model_type="unigram",
         character_coverage=1.0,
         minloglevel=2,
         num_threads=1,
@@ -117,7 +119,9 @@ def _train_sp(d: Path, name: str, vocab_size: int, **kw) -> None:
 
 
 def _build_sp(d: Path, vocab_size: int) -> None:
-    _train_sp(d, "tokenizer.model", vocab_size, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+    # Llama-style: BPE, no normalization, spaces kept as written (Llama / Mistral tokenizer.model)
+    _train_sp(d, "tokenizer.model", vocab_size, model_type="bpe", normalization_rule_name="identity",
+              remove_extra_whitespaces=False, split_digits=True, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
               pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>", unk_piece="<unk>")
     _write_json(
         d / "tokenizer_config.json",
@@ -127,7 +131,8 @@ def _build_sp(d: Path, vocab_size: int) -> None:
 
 
 def _build_t5(d: Path, vocab_size: int, extra_ids: int) -> None:
-    _train_sp(d, "spiece.model", vocab_size, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+    # T5-style: unigram, NFKC, extra whitespace removed
+    _train_sp(d, "spiece.model", vocab_size, model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
               pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>")
     _write_json(
         d / "tokenizer_config.json",

@@ -1,0 +1,948 @@
+"""LoRA adapters: wrap base linears in place, train only the adapter, save / load in PEFT's format.
+
+`apply_lora(model, cfg)` swaps each target linear (`nn.Linear`, bitsandbytes `Linear4bit` /
+`Linear8bitLt`) for a `LoRALinear` that holds the base `weight` / `bias` itself (torchtune's
+design), so `model.state_dict()` keeps `...q_proj.weight` at its HF key and the adapter adds
+`...q_proj.lora_A.weight` / `...q_proj.lora_B.weight`:
+
+    y = base(x) + B(A(dropout(x))) * scaling        scaling = alpha / r  (rsLoRA: alpha / sqrt(r))
+
+The rules this module enforces (DESIGN.md rules 3 and 4):
+
+- adapter tensors are floating point (fp32 by default) whatever the base dtype (bf16, nf4, int8);
+  asking to train a quantized or integer tensor is a `UserError` that names it;
+- adapters are applied once: a second `apply_lora`, or wrapping a wrapped layer, is a `UserError`;
+  a saved adapter loads frozen unless `trainable=True` is asked for;
+- merging into a quantized base reports its rounding error instead of losing quality silently.
+
+bitsandbytes is optional and never imported here: a bnb layer can only exist once the user has
+imported bitsandbytes, so we look it up in `sys.modules` when we meet a layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from minitrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix for LoRA adapters
+ALL_LINEAR = "all-linear"
+_STATE_ATTR = "minitrain_lora"  # where apply_lora records what it did on the model
+
+# PEFT LoraConfig fields that change the maths, with the value that means "off". An adapter that
+# sets one of them to anything else cannot be reproduced here and is refused, not approximated.
+_PEFT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "bias": ("none",),
+    "use_dora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "lora_bias": (False, None),
+    "rank_pattern": ({}, None),
+    "alpha_pattern": ({}, None),
+    "layers_to_transform": (None, []),
+    "layer_replication": (None, []),
+    "exclude_modules": (None, [], ""),
+    "target_parameters": (None, []),
+    "trainable_token_indices": (None, [], {}),
+    "use_qalora": (False, None),
+    "alora_invocation_tokens": (None,),
+}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class LoRAConfig:
+    """What to adapt and how. `targets` are module-name suffixes (`q_proj`; T5 `q`, `wi_0`), a
+    regular expression matched against the full module name (a string other than "all-linear",
+    as PEFT reads one), or "all-linear": every linear layer except the model's output head.
+    `modules_to_save` are trained fully (embeddings, head): costly, reported loudly."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: Sequence[str] | str = ("q_proj", "v_proj")
+    rslora: bool = False
+    dtype: torch.dtype = torch.float32
+    modules_to_save: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise UserError(f"LoRAConfig.r={self.r!r}: the rank must be a whole number >= 1 — e.g. r=8")
+        if not self.alpha > 0:
+            raise UserError(f"LoRAConfig.alpha={self.alpha!r}: must be > 0 — e.g. alpha=2*r")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"LoRAConfig.dropout={self.dropout!r}: must be in [0, 1) — e.g. dropout=0.05")
+        if not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise UserError(f"LoRAConfig.dtype={self.dtype!r}: adapters must be floating point (rule 3) "
+                            f"— use torch.float32 (default) or torch.bfloat16")
+        if not isinstance(self.targets, str):
+            self.targets = tuple(self.targets)
+            if self.targets == (ALL_LINEAR,):
+                self.targets = ALL_LINEAR
+        self.modules_to_save = tuple(self.modules_to_save or ())
+
+    @property
+    def scaling(self) -> float:
+        """alpha / r, or alpha / sqrt(r) with rsLoRA (rank-stabilised: update size independent of r)."""
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+@dataclass
+class _Applied:
+    """What `apply_lora` did to a model (kept as a plain attribute on it)."""
+
+    config: LoRAConfig
+    wrapped: tuple[str, ...]  # full names of the LoRALinear modules
+    # modules_to_save: (parameter name, the live Parameter, a frozen copy of its base value).
+    # The copy is what `disable_adapters` puts back, so a DPO reference really is the base model.
+    saved: list[tuple[str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
+
+
+def applied_config(model: nn.Module) -> LoRAConfig | None:
+    """The `LoRAConfig` that `apply_lora` / `load_adapter` used on this model, or None."""
+    st = getattr(model, _STATE_ATTR, None)
+    return st.config if st is not None else None
+
+
+# ----------------------------------------------------------------------------- dtype guard
+
+
+def _bnb():
+    """bitsandbytes if the user has imported it (only then can a bnb layer exist), else None."""
+    return sys.modules.get("bitsandbytes")
+
+
+def _quant_kind(obj: Any) -> str | None:
+    """'4bit' / '8bit' for bitsandbytes linears or their weight parameters, else None."""
+    bnb = _bnb()
+    if bnb is None:
+        return None
+    if isinstance(obj, (bnb.nn.Linear4bit, bnb.nn.Params4bit)):
+        return "4bit"
+    if isinstance(obj, (bnb.nn.Linear8bitLt, bnb.nn.Int8Params)):
+        return "8bit"
+    return None
+
+
+def _logical_numel(p: torch.Tensor) -> int:
+    """Number of weights a tensor stands for (a packed 4-bit tensor holds two per byte)."""
+    qs = getattr(p, "quant_state", None)
+    if _quant_kind(p) == "4bit" and qs is not None:
+        return math.prod(qs.shape)
+    return p.numel()
+
+
+def check_float_trainable(name: str, p: torch.Tensor, leaf: str | None = None) -> None:
+    """Raise a `UserError` naming `name` unless `p` is a floating-point tensor (rule 3).
+
+    torch itself refuses `requires_grad` on integer tensors with a message that names nothing;
+    this says which tensor it was and what to train instead.
+    """
+    if p.dtype.is_floating_point and _quant_kind(p) is None:
+        return
+    if leaf is None:  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
+        parts = name.split(".")
+        leaf = parts[-2] if len(parts) > 1 else parts[0]
+    kind = _quant_kind(p)
+    if kind == "4bit":
+        what = f"a 4-bit quantized tensor ({str(p.dtype).removeprefix('torch.')})"
+    elif kind == "8bit":
+        what = f"an 8-bit quantized tensor ({str(p.dtype).removeprefix('torch.')})"
+    else:
+        what = f"an integer tensor ({str(p.dtype).removeprefix('torch.')})"
+    if kind is not None:
+        todo = f"train a LoRA adapter on it instead (targets=[{leaf!r}]) and leave the base frozen"
+    else:
+        todo = "only floating-point tensors can be trained; leave it frozen"
+    raise UserError(f"{name}: is {what} and cannot be trained — {todo}")
+
+
+def set_trainable(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Make the named parameters or modules (name suffixes) fully trainable; returns the
+    parameter names. Every one is checked to be floating point first, so nothing changes on error."""
+    names = list(names)
+    params = dict(model.named_parameters())
+    chosen: dict[str, nn.Parameter] = {}
+    for want in names:
+        hits = {n: p for n, p in params.items() if _name_matches(n, want)}
+        for mod_name, mod in model.named_modules():
+            if mod_name and _name_matches(mod_name, want):
+                hits.update({f"{mod_name}.{n}": p for n, p in mod.named_parameters()})
+        if not hits:
+            raise UserError(f"set_trainable: {want!r} names no parameter or module of the model — "
+                            f"use a name suffix such as 'lm_head' or 'model.norm.weight'")
+        chosen.update(hits)
+    for n, p in chosen.items():
+        check_float_trainable(n, p)
+    for p in chosen.values():
+        p.requires_grad_(True)
+    return sorted(chosen)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+@dataclass
+class MergeError:
+    """Rounding error of one merge / unmerge: the stored weight vs the exact fp32 target.
+
+    `max_abs` = max |stored - target|; `rel` = ||stored - target|| / ||target||;
+    `rel_update` = ||stored - target|| / ||scaling * B @ A||: the share of the LoRA update lost."""
+
+    name: str
+    max_abs: float
+    rel: float
+    rel_update: float
+    quantized: bool
+
+    def __str__(self) -> str:
+        return (f"{self.name}: max abs {self.max_abs:.3g}, relative {self.rel:.3g}, "
+                f"{self.rel_update:.3g} of the LoRA update")
+
+
+class LoRALinear(nn.Module):
+    """A linear layer plus a low-rank update, holding the base `weight` / `bias` itself.
+
+    The base weight is the same Parameter object as before wrapping (ties survive, the key is
+    unchanged). Adapter tensors are created in `dtype` (fp32 by default) whatever the base dtype:
+    the input is cast to the adapter dtype and the update back to the base output dtype.
+    Subclasses replace only `base_forward`, `dequantized_weight` and `_store_weight`.
+    """
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
+                 rslora: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features: int = base.in_features
+        self.out_features: int = base.out_features
+        self.weight = base.weight  # (out, in); packed for bnb 4-bit
+        self.register_parameter("bias", base.bias)  # (out,) or None
+        self.r, self.alpha, self.rslora = r, alpha, rslora
+        self.scaling = alpha / (math.sqrt(r) if rslora else r)
+        device = base.weight.device
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # skip_init: no throw-away default init, so reset_lora's draws are the only ones
+        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, r, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.utils.skip_init(nn.Linear, r, self.out_features, bias=False, device=device, dtype=dtype)
+        self.reset_lora()
+        self.merged = False  # base weight currently holds W + scaling * B @ A
+        self.disabled = False  # set by `disable_adapters`
+
+    def reset_lora(self) -> None:
+        """PEFT's init: A kaiming-uniform(a=sqrt(5)), B zeros, so the layer starts equal to its base."""
+        if self.lora_A.weight.device.type == "meta":
+            return
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    # the base product: overridden for quantized weights
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """A fresh fp32 copy of the base weight, (out, in)."""
+        return self.weight.detach().to(torch.float32, copy=True)
+
+    def _store_weight(self, w: torch.Tensor) -> None:
+        """Write an fp32 (out, in) weight into the base storage, rounding to its dtype in place."""
+        with torch.no_grad():
+            self.weight.copy_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_forward(x)  # (..., out) in the base output dtype
+        if self.merged or self.disabled:
+            return out
+        a = self.lora_A.weight
+        h = self.lora_dropout(x.to(a.dtype))  # (..., in) in the adapter dtype
+        delta = self.lora_B(self.lora_A(h)) * self.scaling  # (..., out)
+        return out + delta.to(out.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling * B @ A in fp32, (out, in)."""
+        a = self.lora_A.weight.detach().float()
+        b = self.lora_B.weight.detach().float()
+        return (b @ a) * self.scaling
+
+    def _write(self, target: torch.Tensor, delta: torch.Tensor, name: str) -> MergeError:
+        self._store_weight(target)
+        err = self.dequantized_weight() - target  # what the stored weight lost in rounding
+        en, tn, dn = err.norm().item(), target.norm().item(), delta.norm().item()
+        return MergeError(
+            name=name,
+            max_abs=err.abs().max().item() if err.numel() else 0.0,
+            rel=en / tn if tn > 0 else 0.0,
+            rel_update=en / dn if dn > 0 else (0.0 if en == 0 else math.inf),
+            quantized=_quant_kind(self.weight) is not None,
+        )
+
+    def merge(self, name: str = "") -> MergeError:
+        """Fold the update into the base weight (dequantize, add, requantize for bnb)."""
+        if self.merged:
+            raise UserError(f"{name or 'LoRALinear'}: already merged — merging twice would add the update twice; "
+                            f"call unmerge(model) first")
+        delta = self.delta_weight().to(self.lora_A.weight.device)
+        report = self._write(self.dequantized_weight() + delta, delta, name)
+        self.merged = True
+        return report
+
+    def unmerge(self, name: str = "") -> MergeError:
+        """Take the update back out of the base weight (exact-ish for fp32; rounds again if quantized)."""
+        if not self.merged:
+            raise UserError(f"{name or 'LoRALinear'}: is not merged — nothing to unmerge")
+        delta = self.delta_weight().to(self.lora_A.weight.device)
+        report = self._write(self.dequantized_weight() - delta, delta, name)
+        self.merged = False
+        return report
+
+    def extra_repr(self) -> str:
+        base = str(self.weight.dtype).removeprefix("torch.")
+        kind = _quant_kind(self.weight)
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+                f"base={kind or base}, r={self.r}, alpha={self.alpha}, rslora={self.rslora}, "
+                f"adapter={str(self.lora_A.weight.dtype).removeprefix('torch.')}")
+
+
+class LoRALinear4bit(LoRALinear):
+    """LoRA on a bitsandbytes `Linear4bit` (nf4 / fp4): holds its `Params4bit` weight and calls
+    `bnb.matmul_4bit` itself, so the weight key stays `...q_proj.weight`."""
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
+                 rslora: bool = False, dtype: torch.dtype = torch.float32):
+        bnb = _bnb()
+        w = base.weight
+        if getattr(w, "quant_state", None) is None and w.device.type != "meta":
+            base = base.to(w.device)  # bnb quantizes on the first move to a device
+            w = base.weight
+        qs = w.quant_state
+        if getattr(qs, "packing_format_for_cpu", False):  # bnb's CPU inference layout: undo it
+            w.data, w.quant_state = bnb.functional._convert_weight_packed_for_cpu_inverse(w.data, qs)
+        super().__init__(base, r, alpha, dropout, rslora, dtype)
+        self.compute_dtype: torch.dtype | None = base.compute_dtype
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        bnb = _bnb()
+        cdt = self.compute_dtype or x.dtype
+        bias = None if self.bias is None else self.bias.to(cdt)
+        out = bnb.matmul_4bit(x.to(cdt), self.weight.t(), quant_state=self.weight.quant_state, bias=bias)
+        return out.to(x.dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        bnb = _bnb()
+        return bnb.functional.dequantize_4bit(self.weight.data, self.weight.quant_state).to(torch.float32)
+
+    def _store_weight(self, w: torch.Tensor) -> None:
+        bnb = _bnb()
+        qs = self.weight.quant_state
+        packed, new_qs = bnb.functional.quantize_4bit(
+            w.to(qs.dtype).contiguous(), blocksize=qs.blocksize, compress_statistics=qs.nested,
+            quant_type=qs.quant_type, quant_storage=self.weight.quant_storage)
+        self.weight.data = packed
+        self.weight.quant_state = new_qs
+
+
+class LoRALinear8bit(LoRALinear):
+    """LoRA on a bitsandbytes `Linear8bitLt` (LLM.int8, int8 weights): holds its `Int8Params`
+    weight and the layer's `MatmulLtState`, and calls `bnb.matmul` itself."""
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
+                 rslora: bool = False, dtype: torch.dtype = torch.float32):
+        if base.state.has_fp16_weights:
+            raise UserError("Linear8bitLt(has_fp16_weights=True): its weight is a float tensor, not an int8 one "
+                            "— build it with has_fp16_weights=False to train LoRA on an int8 base")
+        w = base.weight
+        if w.dtype != torch.int8 and w.device.type != "meta":
+            base = base.to(w.device)  # bnb quantizes on the first move to a device
+        if base.weight.CB is not None:  # statistics live on the state from here on, as bnb's forward does
+            base.init_8bit_state()
+        super().__init__(base, r, alpha, dropout, rslora, dtype)
+        self.state = base.state
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        bnb = _bnb()
+        self.state.is_training = self.training
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return bnb.matmul(x, self.weight, bias=bias, state=self.state)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        bnb = _bnb()
+        return bnb.functional.int8_vectorwise_dequant(self.weight.data, self.state.SCB).to(torch.float32)
+
+    def _store_weight(self, w: torch.Tensor) -> None:
+        bnb = _bnb()
+        cb, scb, _ = bnb.functional.int8_vectorwise_quant(w.to(torch.float16).contiguous())  # as Int8Params does
+        self.weight.data = cb
+        self.state.CB, self.state.SCB = cb, scb
+
+
+def _wrap(base: nn.Module, cfg: LoRAConfig) -> LoRALinear:
+    kind = _quant_kind(base)
+    cls = {"4bit": LoRALinear4bit, "8bit": LoRALinear8bit, None: LoRALinear}[kind]
+    return cls(base, cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, cfg.dtype)
+
+
+# ----------------------------------------------------------------------------- applying
+
+
+def _name_matches(name: str, suffix: str) -> bool:
+    """PEFT's list matching: the full name, or a suffix starting at a dot."""
+    return name == suffix or name.endswith("." + suffix)
+
+
+def _is_wrappable(m: nn.Module) -> bool:
+    return type(m) is nn.Linear or _quant_kind(m) is not None
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    head = getattr(model, "output_projection", None)
+    return head if isinstance(head, nn.Module) else None
+
+
+def _target_names(model: nn.Module, targets: Sequence[str] | str) -> list[str]:
+    """Full names of the modules `targets` selects (every one checked to be a supported linear)."""
+    if targets == ALL_LINEAR:
+        head = _head(model)
+        if head is None:
+            raise UserError(f"targets={ALL_LINEAR!r}: the model has no `output_projection`, so its head cannot be "
+                            f"left out — list the targets instead, e.g. targets=['q_proj', 'v_proj']")
+        return [n for n, m in model.named_modules() if _is_wrappable(m) and m is not head]
+    if isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one
+        chosen = [n for n, _ in model.named_modules() if n and re.fullmatch(targets, n)]
+    else:
+        chosen = [n for n, _ in model.named_modules() if n and any(_name_matches(n, t) for t in targets)]
+    modules = dict(model.named_modules())
+    for n in chosen:
+        m = modules[n]
+        if isinstance(m, LoRALinear):
+            raise UserError(f"{n}: already has a LoRA adapter — adapters are applied once (rule 4); to keep "
+                            f"training a saved adapter use load_adapter(model, folder, trainable=True)")
+        if not _is_wrappable(m):
+            raise UserError(f"{n}: is a {type(m).__name__}, not a linear layer LoRA can wrap (nn.Linear, "
+                            f"bitsandbytes Linear4bit / Linear8bitLt) — target its linear submodules instead")
+    return chosen
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, new)
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+    """Swap every target linear for a `LoRALinear` in place; returns the wrapped module names.
+
+    Base parameters are not frozen here: call `freeze_for_adapters(model, cfg)` next. Applying a
+    second time, or to a model that already has LoRA layers, is a `UserError` (rule 4).
+    """
+    if getattr(model, _STATE_ATTR, None) is not None or any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise UserError("apply_lora: the model already has LoRA adapters — adapters are applied once (rule 4); "
+                        "to continue a saved adapter use load_adapter(model, folder, trainable=True), "
+                        "to start a new one build the base model again")
+    names = _target_names(model, cfg.targets) if cfg.targets else []
+    if not names and cfg.targets:
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_wrappable(m)})
+        raise UserError(f"targets={cfg.targets!r}: match no module of the model — its linear layers end in "
+                        f"{', '.join(linears) or '(none)'}")
+    saved = _resolve_modules_to_save(model, cfg, names)
+    if not names and not saved:
+        raise UserError("apply_lora: no targets and no modules_to_save, so nothing would train — "
+                        "name modules to adapt, e.g. targets=['q_proj', 'v_proj'] (or 'all-linear')")
+    for n in names:
+        _set_module(model, n, _wrap(model.get_submodule(n), cfg))
+    setattr(model, _STATE_ATTR, _Applied(cfg, tuple(names), saved))
+    return names
+
+
+def _resolve_modules_to_save(model: nn.Module, cfg: LoRAConfig, wrapped: list[str]):
+    """The parameters of `cfg.modules_to_save`, each with a frozen copy of its base value."""
+    out: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+    seen: set[int] = set()
+    for want in cfg.modules_to_save:
+        hits = [n for n, _ in model.named_modules() if n and _name_matches(n, want)]
+        if not hits:
+            raise UserError(f"modules_to_save: {want!r} matches no module of the model — use a module name "
+                            f"suffix such as 'lm_head' or 'embed_tokens'")
+        for n in hits:
+            if any(w == n or w.startswith(n + ".") for w in wrapped):
+                raise UserError(f"modules_to_save: {n} also gets a LoRA adapter — train it one way: drop it from "
+                                f"modules_to_save or from the targets")
+            for pn, p in model.get_submodule(n).named_parameters():
+                check_float_trainable(f"{n}.{pn}", p)
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((f"{n}.{pn}", p, nn.Parameter(p.detach().clone(), requires_grad=False)))
+    return out
+
+
+def freeze_for_adapters(model: nn.Module, cfg: LoRAConfig | None = None) -> int:
+    """requires_grad False everywhere except the LoRA tensors and `modules_to_save`; returns the
+    number of trainable parameters. `cfg` must be the one `apply_lora` used (defaults to it)."""
+    st: _Applied | None = getattr(model, _STATE_ATTR, None)
+    if st is None:
+        raise UserError("freeze_for_adapters: the model has no adapters — call apply_lora(model, cfg) "
+                        "or load_adapter(model, folder, trainable=True) first")
+    if cfg is not None and tuple(cfg.modules_to_save) != st.config.modules_to_save:
+        raise UserError(f"freeze_for_adapters: modules_to_save={list(cfg.modules_to_save)} differs from the "
+                        f"{list(st.config.modules_to_save)} given to apply_lora — pass the same config to both")
+    for n, p in model.named_parameters():
+        p.requires_grad_(False)
+    names = [n for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n]
+    names += [n for n, _, _ in st.saved]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for n in names:
+        check_float_trainable(n, params[n])
+        params[n].requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------- using
+
+
+def _lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@contextlib.contextmanager
+def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
+    """Run the base model: LoRA updates off and `modules_to_save` back at their base values.
+
+    This is the DPO reference model. Restores the previous state on exit, also on error.
+    """
+    st: _Applied | None = getattr(model, _STATE_ATTR, None)
+    layers = _lora_layers(model)
+    if st is None and not layers:
+        raise UserError("disable_adapters: the model has no adapters, so there is no base model to fall back to "
+                        "— apply_lora / load_adapter first, or use a separate reference model")
+    merged = [n for n, m in layers if m.merged]
+    if merged:
+        raise UserError(f"disable_adapters: {merged[0]} is merged, so its base weight already holds the update "
+                        f"— call unmerge(model) first")
+    # swap each fully trained Parameter (wherever it is registered, ties included) for its base copy
+    original = {id(live): base for _, live, base in (st.saved if st else [])}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for mod in model.modules():
+        for key, p in mod._parameters.items():
+            if p is not None and id(p) in original:
+                swapped.append((mod, key, p))
+    missing = {n for n, live, _ in (st.saved if st else []) if not any(p is live for _, _, p in swapped)}
+    if missing:
+        raise UserError(f"disable_adapters: {sorted(missing)[0]} was replaced after apply_lora (e.g. a resize), so "
+                        f"its base value is lost — resize before apply_lora / load_adapter")
+    before = [(m, m.disabled) for _, m in layers]
+    try:
+        for mod, key, p in swapped:
+            mod._parameters[key] = original[id(p)]
+        for _, m in layers:
+            m.disabled = True
+        yield model
+    finally:
+        for mod, key, p in swapped:
+            mod._parameters[key] = p
+        for m, was in before:
+            m.disabled = was
+
+
+@dataclass
+class MergeReport:
+    """Rounding errors of a merge / unmerge, one per layer; `str()` is the one-line summary."""
+
+    layers: list[MergeError]
+
+    @property
+    def max_abs(self) -> float:
+        return max((e.max_abs for e in self.layers), default=0.0)
+
+    @property
+    def max_rel(self) -> float:
+        return max((e.rel for e in self.layers), default=0.0)
+
+    @property
+    def max_rel_update(self) -> float:
+        return max((e.rel_update for e in self.layers), default=0.0)
+
+    def __str__(self) -> str:
+        q = sum(e.quantized for e in self.layers)
+        worst = max(self.layers, key=lambda e: e.rel_update, default=None)
+        return (f"{len(self.layers)} layers ({q} quantized): max abs error {self.max_abs:.3g}, "
+                f"max relative {self.max_rel:.3g}, up to {self.max_rel_update:.3g} of a LoRA update lost"
+                + (f" (worst {worst.name})" if worst else ""))
+
+
+def _check_untied(model: nn.Module, layers: list[tuple[str, LoRALinear]]) -> None:
+    count: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        count.setdefault(id(p), []).append(n)
+    for n, m in layers:
+        names = count.get(id(m.weight), [])
+        if len(names) > 1:
+            other = next(x for x in names if x != f"{n}.weight")
+            raise UserError(f"merge: {n}.weight is tied to {other}, so merging would change both — "
+                            f"keep the adapter unmerged, or untie the weights first")
+
+
+def merge(model: nn.Module) -> MergeReport:
+    """Fold every adapter into its base weight; the forward then skips the adapter path.
+
+    On a quantized base this dequantizes, adds and requantizes: the rounding error is returned
+    and logged (a warning when the base is quantized), never silently dropped.
+    """
+    layers = _lora_layers(model)
+    if not layers:
+        raise UserError("merge: the model has no LoRA layers — apply_lora or load_adapter first")
+    _check_untied(model, layers)
+    report = MergeReport([m.merge(n) for n, m in layers])
+    _log_report("merge", report)
+    return report
+
+
+def unmerge(model: nn.Module) -> MergeReport:
+    """Undo `merge`: subtract every update from its base weight (a quantized base rounds again)."""
+    layers = _lora_layers(model)
+    if not layers:
+        raise UserError("unmerge: the model has no LoRA layers — nothing to unmerge")
+    report = MergeReport([m.unmerge(n) for n, m in layers])
+    _log_report("unmerge", report)
+    return report
+
+
+def _log_report(what: str, report: MergeReport) -> None:
+    level = logging.WARNING if any(e.quantized for e in report.layers) else logging.INFO
+    log.log(level, "%s: %s", what, report)
+
+
+def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights in HF layout with every adapter folded in; the model is not changed.
+
+    No `lora_*` keys; quantized bases (LoRA-wrapped or not) come out dequantized. Floating tensors
+    are cast to `dtype` if given; otherwise float bases keep their dtype and quantized ones
+    become fp32 (pass `dtype=torch.bfloat16` for a smaller file).
+    """
+    sd = model.state_dict()
+    special: dict[str, nn.Module] = {n: m for n, m in model.named_modules()
+                                     if isinstance(m, LoRALinear) or _quant_kind(m) is not None}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in sd.items():
+        owner = _owner(key, special)
+        # of a LoRA / bnb layer keep only the bias here: the weight is rebuilt below, and its
+        # lora_A / lora_B tensors and bnb's quantization statistics have no place in HF layout
+        if owner is None or key == f"{owner}.bias":
+            out[key] = t
+    for n, m in special.items():
+        if isinstance(m, LoRALinear):
+            w = m.dequantized_weight()
+            if not m.merged:
+                w = w + m.delta_weight().to(w.device)
+            base_dtype = m.weight.dtype if _quant_kind(m.weight) is None else torch.float32
+        else:  # an unwrapped bitsandbytes linear: dequantize
+            w = _dequantize_bnb(m)
+            base_dtype = torch.float32
+        out[f"{n}.weight"] = w.to(base_dtype)
+    if dtype is not None:
+        out = {k: (v.to(dtype) if v.dtype.is_floating_point else v) for k, v in out.items()}
+    return out
+
+
+def _owner(key: str, modules: dict[str, nn.Module]) -> str | None:
+    """The name of the module in `modules` that `key` belongs to (`a.b.weight.absmax` -> `a.b`)."""
+    head = key
+    while "." in head:
+        head = head.rpartition(".")[0]
+        if head in modules:
+            return head
+    return None
+
+
+def _dequantize_bnb(m: nn.Module) -> torch.Tensor:
+    bnb = _bnb()
+    w = m.weight
+    if _quant_kind(m) == "4bit":
+        return bnb.functional.dequantize_4bit(w.data, w.quant_state).to(torch.float32)
+    scb = w.SCB if getattr(w, "SCB", None) is not None else m.state.SCB
+    return bnb.functional.int8_vectorwise_dequant(w.data, scb).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _bytes(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size()
+
+
+def trainable_report(model: nn.Module) -> str:
+    """What will train: count, % of all parameters, by kind (LoRA, embeddings, head, other).
+
+    Fully trained tensors outside LoRA get a WARNING line with their share of the model and the
+    extra memory they cost (gradients + two fp32 AdamW moments, plus the base copy kept for
+    `disable_adapters`): the 46%-trainable surprise of `modules_to_save` must not go unnoticed.
+    """
+    st: _Applied | None = getattr(model, _STATE_ATTR, None)
+    copied = {id(live) for _, live, _ in st.saved} if st is not None else set()
+    head = _head(model)
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    emb_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    kinds = {"lora_A/lora_B": 0, "embeddings": 0, "head": 0, "other": 0}
+    full: dict[str, list[str]] = {}  # module -> parameter names, for fully trained non-LoRA tensors
+    extra_bytes = 0
+    total = trainable = 0
+    for n, p in model.named_parameters():  # shared (tied) parameters are counted once
+        k = _logical_numel(p)
+        total += k
+        if not p.requires_grad:
+            continue
+        trainable += k
+        if ".lora_A." in n or ".lora_B." in n:
+            kind = "lora_A/lora_B"
+        else:
+            kind = "embeddings" if id(p) in emb_ids else "head" if id(p) in head_ids else "other"
+            full.setdefault(n.rpartition(".")[0] or n, []).append(n)
+            copy = id(p) in copied  # modules_to_save keep a frozen base copy for disable_adapters
+            extra_bytes += k * ((2 if copy else 1) * _bytes(p.dtype) + 8)  # grad (+ copy) + 2 fp32 moments
+        kinds[kind] += k
+    pct = lambda k: 100.0 * k / max(total, 1)  # noqa: E731
+    layers = _lora_layers(model)
+    lines = [f"trainable: {trainable:,} of {total:,} parameters ({pct(trainable):.2f}%)"]
+    for kind, k in kinds.items():
+        note = ""
+        if kind == "lora_A/lora_B" and layers:
+            rs = sorted({m.r for _, m in layers})
+            note = f"  in {len(layers)} layers, r={','.join(map(str, rs))}"
+        lines.append(f"  {kind:<14} {k:>14,}  ({pct(k):.2f}%){note}")
+    if full:
+        k_full = trainable - kinds["lora_A/lora_B"]
+        lines.append(f"WARNING: fully training {', '.join(full)}: {k_full:,} parameters = {pct(k_full):.1f}% "
+                     f"of the model, ~{extra_bytes / 2**20:,.1f} MiB more for gradients, AdamW state and the "
+                     f"base copy — drop modules_to_save unless the task needs them (new tokens do not)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def _minimal_targets(model: nn.Module, wrapped: Sequence[str]) -> list[str]:
+    """Leaf names if they select exactly the wrapped modules (`q_proj`), else the full names."""
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in wrapped})
+    selected = {n for n, _ in model.named_modules() if n and any(_name_matches(n, t) for t in leaves)}
+    return leaves if selected == set(wrapped) else sorted(wrapped)
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | None = None, *,
+                 base_model_name_or_path: str | None = None) -> Path:
+    """Write `adapter_config.json` + `adapter_model.safetensors` in PEFT's format (loadable by
+    `peft.PeftModel.from_pretrained`), each to a temporary name then renamed.
+
+    Keys are `base_model.model.<module>.lora_A.weight` / `.lora_B.weight` (and
+    `base_model.model.<param>` for modules_to_save). The config adds our own `vocab_size` (the
+    base's input-embedding rows) so loading onto a differently resized vocabulary is caught.
+    """
+    st: _Applied | None = getattr(model, _STATE_ATTR, None)
+    if st is None:
+        raise UserError("save_adapter: the model has no adapters — apply_lora(model, cfg) first")
+    c = st.config
+    if cfg is not None and (cfg.r, cfg.alpha, cfg.rslora) != (c.r, c.alpha, c.rslora):
+        raise UserError(f"save_adapter: cfg (r={cfg.r}, alpha={cfg.alpha}, rslora={cfg.rslora}) differs from the "
+                        f"applied adapter (r={c.r}, alpha={c.alpha}, rslora={c.rslora}) — pass the config used "
+                        f"by apply_lora, or none")
+    tensors: dict[str, torch.Tensor] = {}
+    for n, m in _lora_layers(model):
+        tensors[f"{PEFT_PREFIX}{n}.lora_A.weight"] = m.lora_A.weight.detach().contiguous().cpu()
+        tensors[f"{PEFT_PREFIX}{n}.lora_B.weight"] = m.lora_B.weight.detach().contiguous().cpu()
+    for n, p, _ in st.saved:
+        tensors[f"{PEFT_PREFIX}{n}"] = p.detach().contiguous().cpu()
+    emb = getattr(model, "input_embeddings", None)
+    if base_model_name_or_path is None and getattr(model, "source_dir", None) is not None:
+        base_model_name_or_path = str(model.source_dir)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "SEQ_2_SEQ_LM" if getattr(model, "is_encoder_decoder", False) else "CAUSAL_LM",
+        "r": c.r,
+        "lora_alpha": c.alpha,
+        "lora_dropout": c.dropout,
+        "use_rslora": c.rslora,
+        "target_modules": _minimal_targets(model, st.wrapped),
+        "bias": "none",
+        "modules_to_save": list(c.modules_to_save) or None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "inference_mode": True,
+        "vocab_size": emb.num_embeddings if isinstance(emb, nn.Embedding) else None,
+    }
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_write(folder / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    _atomic_write(folder / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    return folder
+
+
+def _normalize_key(key: str) -> str:
+    """PEFT key variants -> our module key: drop `base_model.model.`, the adapter name
+    (`lora_A.default.weight`) and `modules_to_save.<name>.`."""
+    key = key.removeprefix(PEFT_PREFIX)
+    key = re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", key)
+    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
+
+
+def _shape(s) -> str:
+    return "(" + ", ".join(str(int(d)) for d in s) + ")"
+
+
+def _read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    cpath, wpath = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    if not cpath.is_file():
+        raise UserError(f"{cpath}: not found — point to a folder written by save_adapter or PEFT's save_pretrained")
+    if not wpath.is_file():
+        hint = " (adapter_model.bin is pickle and is not read: re-save it with safetensors)" \
+            if (folder / "adapter_model.bin").exists() else ""
+        raise UserError(f"{wpath}: not found{hint} — save the adapter with safetensors")
+    try:
+        config = json.loads(cpath.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cpath}:{e.lineno}: invalid JSON ({e.msg}) — fix or re-save the adapter") from None
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(wpath), framework="pt") as f:
+        for k in f.keys():
+            nk = _normalize_key(k)
+            if nk in tensors:
+                raise UserError(f"{wpath}: {k} appears twice (several adapters in one file?) — save one adapter")
+            tensors[nk] = f.get_tensor(k)
+    return config, tensors
+
+
+def _config_from_peft(config: dict[str, Any], where: Path) -> LoRAConfig:
+    if config.get("peft_type") != "LORA":
+        raise UserError(f"{where}: peft_type is {config.get('peft_type')!r} — only LORA adapters can be loaded")
+    for k, ok in _PEFT_NEUTRAL.items():
+        if k in config and config[k] not in ok:
+            raise UserError(f"{where}: {k}={config[k]!r} changes the LoRA maths and is not supported — "
+                            f"re-train the adapter without it")
+    for k in ("r", "lora_alpha", "target_modules"):
+        if config.get(k) is None:
+            raise UserError(f"{where}: missing {k!r} — not a complete LoRA adapter config")
+    targets = config["target_modules"]
+    return LoRAConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]),
+                      dropout=float(config.get("lora_dropout") or 0.0),
+                      targets=targets if isinstance(targets, str) else tuple(targets),
+                      rslora=bool(config.get("use_rslora", False)),
+                      modules_to_save=tuple(config.get("modules_to_save") or ()))
+
+
+def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool = False) -> LoRAConfig:
+    """Load a saved adapter (ours or PEFT's) onto `model`; returns its config.
+
+    Applies LoRA per the saved config if the model has none yet (a model that already has the
+    same adapter layout is loaded into; a different one is an error). Frozen unless
+    `trainable=True`: continuing training is asked for, never a default (rule 4). Every shape is
+    checked before the model is changed; a vocabulary of another size says to add the special
+    tokens (and resize) first.
+    """
+    folder = Path(folder)
+    config, tensors = _read_adapter(folder)
+    wpath = folder / ADAPTER_WEIGHTS
+    cfg = _config_from_peft(config, folder / ADAPTER_CONFIG)
+    vocab = config.get("vocab_size")
+    emb = getattr(model, "input_embeddings", None)
+    if vocab is not None and isinstance(emb, nn.Embedding) and emb.num_embeddings != vocab:
+        raise UserError(f"{folder / ADAPTER_CONFIG}: the adapter was trained on a vocabulary of {vocab} tokens but the "
+                        f"model's input embedding has {emb.num_embeddings} — add the same special tokens and call "
+                        f"model.resize_token_embeddings({vocab}) before load_adapter")
+
+    st: _Applied | None = getattr(model, _STATE_ATTR, None)
+    if st is not None:
+        c = st.config
+        if (c.r, c.alpha, c.rslora, c.modules_to_save) != (cfg.r, cfg.alpha, cfg.rslora, cfg.modules_to_save):
+            raise UserError(f"load_adapter: the model already has a different adapter (r={c.r}, alpha={c.alpha}) "
+                            f"than {folder} (r={cfg.r}, alpha={cfg.alpha}) — adapters are applied once (rule 4); "
+                            f"load it onto a fresh base model")
+        wrapped = list(st.wrapped)
+    else:
+        wrapped = _target_names(model, cfg.targets)
+    _check_adapter_tensors(model, cfg, wrapped, tensors, wpath)
+
+    if st is None:
+        apply_lora(model, cfg)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for key, t in tensors.items():
+            params[key].copy_(t)
+    st = getattr(model, _STATE_ATTR)  # modules_to_save: the file's value is live, the base copy stays
+    if trainable:
+        freeze_for_adapters(model)
+    else:
+        for n, p in params.items():
+            if ".lora_A." in n or ".lora_B." in n:
+                p.requires_grad_(False)
+        for _, live, _ in st.saved:
+            live.requires_grad_(False)
+    return cfg
+
+
+def _check_adapter_tensors(model: nn.Module, cfg: LoRAConfig, wrapped: list[str],
+                           tensors: dict[str, torch.Tensor], wpath: Path) -> None:
+    """Before the model changes: every tensor has a place of its shape, every wrapped module
+    gets A and B, and full tensors belong to `modules_to_save`."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    saveable = {f"{n}.{pn}" for n, m in modules.items() if n and any(_name_matches(n, w) for w in cfg.modules_to_save)
+                for pn, _ in m.named_parameters(remove_duplicate=False)}
+    emb = getattr(model, "input_embeddings", None)
+    head = _head(model)
+    vocab_ids = {id(getattr(m, "weight", None)) for m in (emb, head) if m is not None}
+    for n in wrapped:
+        for ab in ("lora_A", "lora_B"):
+            if f"{n}.{ab}.weight" not in tensors:
+                raise UserError(f"{wpath}: no {ab} tensor for {n}, which the config's target_modules select — "
+                                f"the file and adapter_config.json do not belong together")
+    for key, t in tensors.items():
+        lora = re.fullmatch(r"(.+)\.(lora_[AB])\.weight", key)
+        if lora:
+            name, ab = lora.groups()
+            if name not in wrapped:
+                where = "is not in the model" if name not in modules else "is not selected by target_modules"
+                raise UserError(f"{wpath}: {key}: {name} {where} — load the adapter onto the base model it was "
+                                f"trained on")
+            m = modules[name]
+            want = (cfg.r, m.in_features) if ab == "lora_A" else (m.out_features, cfg.r)
+            if tuple(t.shape) != want:
+                raise UserError(f"{wpath}: {key} has shape {_shape(t.shape)} but {name} (in {m.in_features}, "
+                                f"out {m.out_features}, r={cfg.r}) needs {_shape(want)} — the adapter was trained "
+                                f"on a base of another size; load it onto that base model")
+        elif ".lora_" in key or key.startswith("lora_"):
+            raise UserError(f"{wpath}: {key} is a kind of LoRA tensor minitrain does not load (embedding LoRA, "
+                            f"DoRA) — re-train the adapter on linear layers only")
+        elif key not in params:
+            raise UserError(f"{wpath}: {key} is not a parameter of the model — load the adapter onto the base "
+                            f"model it was trained on")
+        elif key not in saveable:
+            raise UserError(f"{wpath}: {key} is a full tensor of a module outside modules_to_save — add that "
+                            f"module to modules_to_save in adapter_config.json, or save the adapter without it")
+        elif tuple(t.shape) != tuple(params[key].shape):
+            have = params[key]
+            if id(have) in vocab_ids and t.shape[1:] == have.shape[1:]:
+                todo = (f"the adapter was trained with {t.shape[0]} tokens: add the same special tokens and call "
+                        f"model.resize_token_embeddings({t.shape[0]}) before load_adapter")
+            else:
+                todo = "load the adapter onto the base model it was trained on"
+            raise UserError(f"{wpath}: {key} has shape {_shape(t.shape)} but the model's is {_shape(have.shape)} "
+                            f"— {todo}")

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from minitrain import checkpoint
+from minitrain import checkpoint, data
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
@@ -211,18 +211,23 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
     kind: "sft" (`{"prompt","completion"}`, `{"messages"}` or `{"text"}` rows -> input_ids and
     labels), "seq2seq" or "preference"; rows are read by `minitrain.data`.
     """
-    from minitrain import data
-
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
-    read = {"sft": data.read_sft, "seq2seq": data.read_seq2seq, "preference": data.read_preference}[kind]
+    readers = {"sft": data.read_sft, "seq2seq": data.read_seq2seq, "preference": data.read_preference}
+    if kind not in readers:
+        raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
+    read = readers[kind]
     options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side)
     train = read(cfg.data, tok, **options)
     if not train:
-        raise UserError(f"{cfg.data}: holds no examples — add JSONL rows")
+        raise UserError(f"{cfg.data}: no usable examples ({train.skipped} rows left no target token within "
+                        f"max_len={cfg.max_len}) — check the rows or raise max_len")
     evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
-    log(f"data: {len(train)} examples from {cfg.data}"
-        + (f", {len(evals)} held out from {cfg.eval_data}" if evals is not None else ""))
+    for name, ex in (("train", train), ("eval", evals)):
+        if ex is not None:
+            log(f"data ({name}): {len(ex)} examples from {ex.path}"
+                + (f", {ex.truncated} truncated to max_len={cfg.max_len}" if ex.truncated else "")
+                + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else ""))
     return train, evals
 
 

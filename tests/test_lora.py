@@ -237,8 +237,8 @@ def test_modules_to_save_is_loud_and_disable_restores_them():
     line = [x for x in report.splitlines() if x.startswith("WARNING")]
     assert len(line) == 1 and "model.embed_tokens" in line[0]
     assert f"{emb:,} parameters = {100 * emb / total:.1f}%" in line[0]
-    assert f"embeddings {emb:>14,}" in report.replace("  ", " ").replace("embeddings    ", "embeddings ") \
-        or f"{emb:,}" in report
+    rows = {r.split()[0]: int(r.split()[1].replace(",", "")) for r in report.splitlines() if r.startswith("  ")}
+    assert rows == {"lora_A/lora_B": lora, "embeddings": emb, "head": 0, "other": 0}
     assert f"trainable: {emb + lora:,} of {total:,}" in report
     # train the embedding (and the adapter): the reference under disable_adapters is still the base
     randomize_lora(model)
@@ -573,30 +573,55 @@ def test_our_adapter_loads_in_peft_with_equal_logits(hf_causal, tmp_path, impl):
         torch.testing.assert_close(_logits(model, TOKENS), _logits(ref, TOKENS), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["ours", "hf"])
-def test_peft_adapter_loads_in_ours_with_equal_logits(hf_causal, tmp_path, impl):
+def test_our_adapter_with_modules_to_save_loads_in_peft(hf_causal, tmp_path):
+    peft = pytest.importorskip("peft")
+    folder = hf_causal("llama_lora")
+    model = _our_llama(folder)
+    cfg = LoRAConfig(r=2, alpha=4, targets=("o_proj",), modules_to_save=("embed_tokens",))
+    apply_lora(model, cfg)
+    freeze_for_adapters(model, cfg)
+    randomize_lora(model, scale=0.1)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1.5)  # "trained"
+    save_adapter(model, tmp_path)
+    ref = peft.PeftModel.from_pretrained(_hf_llama(folder), tmp_path).eval()
+    torch.testing.assert_close(_logits(model, TOKENS), _logits(ref, TOKENS), rtol=0, atol=1e-5)
+    with disable_adapters(model), ref.disable_adapter():
+        torch.testing.assert_close(_logits(model, TOKENS), _logits(ref, TOKENS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl,targets,save", [
+    ("ours", ["k_proj", "o_proj", "gate_proj", "up_proj"], None),
+    ("hf", ["k_proj", "o_proj", "gate_proj", "up_proj"], None),
+    ("ours", "all-linear", ["embed_tokens"]),  # PEFT writes the full module names for all-linear
+])
+def test_peft_adapter_loads_in_ours_with_equal_logits(hf_causal, tmp_path, impl, targets, save):
     peft = pytest.importorskip("peft")
     folder = hf_causal("llama_lora")
     torch.manual_seed(0)
     ref = peft.get_peft_model(_hf_llama(folder), peft.LoraConfig(
-        r=4, lora_alpha=16, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"],
+        r=4, lora_alpha=16, target_modules=targets, modules_to_save=save,
         init_lora_weights=False, task_type="CAUSAL_LM")).eval()  # init False: B random too
+    if save:
+        with torch.no_grad():
+            ref.base_model.model.model.embed_tokens.modules_to_save["default"].weight.mul_(1.5)
     ref.save_pretrained(tmp_path)
     model = _our_llama(folder) if impl == "ours" else _hf_llama(folder)
     cfg = load_adapter(model, tmp_path)
     assert cfg.r == 4 and cfg.alpha == 16 and not cfg.rslora
+    adapter = [p for n, p in model.named_parameters() if "lora_" in n or "embed_tokens" in n and save]
+    assert adapter and not any(p.requires_grad for p in adapter)  # loaded frozen (rule 4)
     torch.testing.assert_close(_logits(model, TOKENS), _logits(ref, TOKENS), rtol=0, atol=1e-5)
+    with disable_adapters(model), ref.disable_adapter():
+        torch.testing.assert_close(_logits(model, TOKENS), _logits(ref, TOKENS), rtol=0, atol=1e-5)
 
 
-def test_merged_llama_saves_in_hf_layout(hf_causal, tmp_path):
-    transformers = pytest.importorskip("transformers")
+def test_merged_llama_loads_in_transformers(hf_causal):
     folder = hf_causal("llama_lora")
     model = _our_llama(folder)
     apply_lora(model, LoRAConfig(r=4, alpha=8, targets="all-linear"))
     randomize_lora(model, scale=0.1)
     want = _logits(model, TOKENS)
     hf = _hf_llama(folder)
-    missing, unexpected = hf.load_state_dict(merged_state_dict(model), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"} | ({"model.rotary_emb.inv_freq"} & set(missing))
+    hf.load_state_dict(merged_state_dict(model), strict=True)  # HF layout, key for key
     torch.testing.assert_close(_logits(hf, TOKENS), want, rtol=0, atol=1e-5)
-    assert transformers  # used for the reference model

@@ -67,6 +67,8 @@ class TrainConfig:
     min_lr_ratio: float = doc(0.0, "cosine / linear decay floor as a fraction of lr", ge=0, le=1)
     seed: int = doc(0, "seed for init, shuffling and dropout", ge=0)
     max_len: int = doc(512, "maximum tokens per sequence (prompt + completion)", ge=2)
+    chat_format: str = doc("auto", "how {\"messages\"} rows are rendered (auto: detected from the tokenizer)",
+                           choices=("auto", "mistral", "llama2", "llama3"))
     truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
     device: str = doc("auto", "where to train: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
     precision: str = doc("auto", "auto: bf16 autocast where supported, else fp32",

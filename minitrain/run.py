@@ -152,7 +152,7 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> tuple[
                         f"(config.json, *.safetensors, tokenizer)")
     device = pick_device(cfg.device)
     dtype = base_dtype(cfg.precision, device)
-    tok = Tokenizer.from_folder(folder)
+    tok = Tokenizer.from_folder(folder, chat_format=None if cfg.chat_format == "auto" else cfg.chat_format)
     hook = None
     if cfg.quantize != "none":
         from minitrain.quant import quantize_hook  # imports bitsandbytes: only when asked for

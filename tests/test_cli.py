@@ -174,6 +174,8 @@ def test_value_may_contain_equals(recipe):
     ("schedule=cosin", ["schedule=cosin: must be one of constant | linear | cosine", "schedule=cosine"]),
     ("precision=fp8", ["precision=fp8: must be one of auto | bf16 | fp32 | fp16"]),
     ("quantize=nf3", ["quantize=nf3: must be one of none | nf4 | int8"]),
+    ("chat_format=chatml", ["chat_format=chatml: must be one of auto | mistral | llama2 | llama3"]),
+    ("device=gpu", ["device=gpu: not a device — use auto, cpu, cuda or cuda:N"]),
     ("beta=0", ["beta=0.0: must be > 0"]),  # a subclass's own bound, no extra code
     ("warmup=2.5", ["warmup=2.5:", "whole"]),  # TrainConfig.check(): a cross-field rule
 ])

@@ -59,10 +59,11 @@ class _SentencePiece:
     nothing of tokens added after training, so `encode` splits the text on those strings first.
     """
 
-    def __init__(self, model_proto: bytes, added: Sequence[str] = ()):
+    def __init__(self, model_proto: bytes, added: Sequence[str] = (), file_name: str = "tokenizer.model"):
         import sentencepiece as spm
 
         self.proto = model_proto
+        self.file_name = file_name
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
         self.base = self.sp.get_piece_size()
         self.added: list[str] = []
@@ -136,19 +137,35 @@ class _SentencePiece:
             out.append(text[pos:])
         return out
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, continuation: bool = False) -> list[int]:
+        """Ids of `text`; text after a special string (or all of it, with `continuation`) is
+        encoded as continuing text, without sentencepiece's dummy prefix."""
         ids: list[int] = []
-        after_special = False
         for piece in self.split(text):
             if isinstance(piece, int):
                 ids.append(piece)
-                after_special = True
-                continue
-            if after_special and self.prefix_space and piece.startswith(" "):
-                piece = piece[1:]  # the dummy prefix stands for this space
-            if piece:
+                continuation = True
+            elif continuation:
+                ids.extend(self.encode_continuation(piece))
+            else:
                 ids.extend(self.sp.encode(piece))
         return ids
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """sentencepiece ids of `text` as it continues earlier text: no dummy prefix is added.
+
+        sentencepiece has no switch for its dummy prefix, so `text` is encoded behind an anchor
+        string ("<unk>", which sentencepiece spells out as plain pieces) whose pieces are then
+        dropped, as transformers' slow Llama tokenizer did. If the anchor's pieces merged with
+        the text, the plain encoding is used instead.
+        """
+        if not self.prefix_space or not text:
+            return self.sp.encode(text)
+        anchor = self.sp.encode("<unk>")
+        ids = self.sp.encode("<unk>" + text)
+        if ids[: len(anchor)] != anchor:
+            return self.sp.encode(text)
+        return ids[len(anchor) :]
 
     def decode(self, ids: list[int], skip_special: bool) -> str:
         if skip_special:
@@ -182,6 +199,8 @@ class _HFTokenizers:
         tok.no_truncation()
         tok.no_padding()
         self.prefix_space = self._adds_prefix_space()
+        # a special token to put text behind, so that it is encoded as continuing text
+        self.anchor = min((i for i, t in tok.get_added_tokens_decoder().items() if t.special), default=None)
 
     def _adds_prefix_space(self) -> bool:
         toks = self.tok.encode("a", add_special_tokens=False).tokens
@@ -209,7 +228,9 @@ class _HFTokenizers:
         t = self.tok.get_added_tokens_decoder().get(idx)
         return bool(t is not None and t.special)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, continuation: bool = False) -> list[int]:
+        if continuation and self.anchor is not None:
+            return self.encode_after(self.anchor, text)
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_after(self, anchor_id: int, text: str) -> list[int]:
@@ -217,7 +238,7 @@ class _HFTokenizers:
         anchor = self.tok.id_to_token(anchor_id)
         ids = self.tok.encode(anchor + text, add_special_tokens=False).ids
         if not ids or ids[0] != anchor_id:  # the anchor did not survive as one id: no context
-            return self.encode(text)
+            return self.tok.encode(text, add_special_tokens=False).ids
         return ids[1:]
 
     def decode(self, ids: list[int], skip_special: bool) -> str:
@@ -271,8 +292,10 @@ class Tokenizer:
         chat_template: str | None = None,
         extra_ids: int = 0,
         source: str = "tokenizer",
+        config: dict | None = None,
     ):
         self._b = backend
+        self._config = dict(config or {})  # tokenizer_config.json as read, kept by save()
         self.source = source
         self.extra_ids = extra_ids
         self.chat_template = chat_template
@@ -358,12 +381,13 @@ class Tokenizer:
             chat_template=config.get("chat_template") if isinstance(config.get("chat_template"), str) else None,
             extra_ids=extra_ids,
             source=str(folder),
+            config=config,
         )
 
     @staticmethod
     def _load_sentencepiece(sp_file: Path, folder: Path, config: dict) -> tuple[_SentencePiece, int]:
         try:
-            b = _SentencePiece(sp_file.read_bytes())
+            b = _SentencePiece(sp_file.read_bytes(), file_name=sp_file.name)
         except (RuntimeError, OSError) as e:
             raise UserError(f"{sp_file}: cannot load ({e}) — the file is not a sentencepiece model") from None
         # added tokens, by id: tokenizer_config.json's added_tokens_decoder, added_tokens.json
@@ -392,6 +416,12 @@ class Tokenizer:
             raise UserError(f"{folder}/tokenizer_config.json: extra_ids={extra_ids!r} — must be an integer >= 0")
         if extra_ids and not extra:  # T5 sentinels: <extra_id_99> first, <extra_id_0> last
             b.add(f"<extra_id_{extra_ids - 1 - i}>" for i in range(extra_ids))
+        # special tokens listed without ids (transformers v5 `extra_special_tokens`, v4
+        # `additional_special_tokens`) follow, in their order, unless already in the vocabulary
+        for key in ("additional_special_tokens", "extra_special_tokens"):
+            listed = config.get(key)
+            if isinstance(listed, list):
+                b.add(t for t in map(_token_str, listed) if t is not None)
         return b, extra_ids
 
     def save(self, folder: str | Path) -> None:
@@ -401,8 +431,7 @@ class Tokenizer:
         b = self._b
         added: dict[str, dict] = {}
         if isinstance(b, _SentencePiece):
-            name = "spiece.model" if self.extra_ids else "tokenizer.model"
-            (folder / name).write_bytes(b.proto)
+            (folder / b.file_name).write_bytes(b.proto)
             for tok, i in sorted(b.specials.items(), key=lambda kv: kv[1]):
                 added[str(i)] = {"content": tok, "special": True, "lstrip": False, "rstrip": False,
                                  "normalized": False, "single_word": False}
@@ -412,7 +441,8 @@ class Tokenizer:
                 added[str(i)] = {"content": t.content, "special": t.special, "lstrip": t.lstrip,
                                  "rstrip": t.rstrip, "normalized": t.normalized,
                                  "single_word": t.single_word}
-        config = {
+        config = {k: v for k, v in self._config.items() if k not in ("backend", "tokenizer_file", "vocab_file")}
+        config.update({
             "bos_token": self.id_to_token(self._bos) if self._bos is not None else None,
             "eos_token": self.id_to_token(self._eos) if self._eos is not None else None,
             "pad_token": self.id_to_token(self._pad) if self._pad is not None else None,
@@ -421,10 +451,13 @@ class Tokenizer:
             "add_bos_token": False,
             "add_eos_token": False,
             "minitrain_chat_format": self.chat_format,
-        }
+        })
+        for key in ("additional_special_tokens", "extra_special_tokens"):
+            config.pop(key, None)  # all added tokens are in added_tokens_decoder, with their ids
         if isinstance(b, _SentencePiece):
             config["extra_ids"] = self.extra_ids
-            config["tokenizer_class"] = "T5Tokenizer" if self.extra_ids else "LlamaTokenizer"
+            default_class = "T5Tokenizer" if b.file_name == "spiece.model" else "LlamaTokenizer"
+            config.setdefault("tokenizer_class", default_class)
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         tmp = folder / "tokenizer_config.json.tmp"
@@ -492,9 +525,14 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        """Token ids of `text`; bos / eos only when asked (and a UserError if there is none)."""
-        ids = self._b.encode(text)
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False, continuation: bool = False) -> list[int]:
+        """Token ids of `text`; bos / eos only when asked (and a UserError if there is none).
+
+        `continuation=True` encodes `text` as it follows earlier text (a completion after its
+        prompt): no sentencepiece dummy prefix / Metaspace "▁" is invented, so `"Paris"` after
+        `"...\n"` is `Paris`, not `▁Paris`; a leading space in `text` is kept as written.
+        """
+        ids = self._b.encode(text, continuation)
         if bos:
             ids.insert(0, self._need("bos"))
         if eos:

@@ -6,6 +6,7 @@
   `special_tokens_map.json` as `save_pretrained` would.
 - `make_sp_tokenizer(folder)`: a Llama-style sentencepiece `tokenizer.model` (BPE, spaces kept)
   with the same special ids.
+- `make_llama3_tokenizer(folder)`: a byte-level BPE with Llama-3's specials (vocab 325).
 - `make_t5_tokenizer(folder, extra_ids=...)`: a T5-style `spiece.model` (pad 0, eos 1, unk 2,
   no bos) plus `<extra_id_N>` sentinels as T5 does.
 - `corpus(n)`: the generated text, deterministic.
@@ -102,6 +103,36 @@ def _build_bpe(d: Path, vocab_size: int) -> None:
     )
 
 
+# the pre-tokenizer split of Meta-Llama-3's tokenizer.json (tiktoken's cl100k pattern, digits 1-3)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def _build_llama3(d: Path, vocab_size: int) -> None:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    # as in Llama-3, the special tokens follow the BPE vocabulary
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    tok.save(str(d / "tokenizer.json"))
+    _write_json(
+        d / "tokenizer_config.json",
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "tokenizer_class": "PreTrainedTokenizerFast",
+         "model_max_length": 8192},
+    )
+
+
 def _train_sp(d: Path, name: str, vocab_size: int, **kw) -> None:
     import sentencepiece as spm
 
@@ -144,6 +175,13 @@ def _build_t5(d: Path, vocab_size: int, extra_ids: int) -> None:
 def make_bpe_tokenizer(folder: Path, vocab_size: int = 128) -> Path:
     """Write a tiny BPE `tokenizer.json` folder (ids: pad 0, bos 1, eos 2, unk 3) and return it."""
     return _copy(_cached(("bpe", vocab_size), lambda d: _build_bpe(d, vocab_size)), folder)
+
+
+def make_llama3_tokenizer(folder: Path, vocab_size: int = 320) -> Path:
+    """Write a Llama-3-style folder: byte-level BPE `tokenizer.json` (Llama-3's split pattern),
+    `<|begin_of_text|>` (bos), `<|eot_id|>` (eos) and the header tokens after the BPE vocab, no pad.
+    """
+    return _copy(_cached(("llama3", vocab_size), lambda d: _build_llama3(d, vocab_size)), folder)
 
 
 def make_sp_tokenizer(folder: Path, vocab_size: int = 128) -> Path:

@@ -72,6 +72,11 @@ def _main(argv: list[str]) -> int:
     if not path.endswith(".py") and ("=" in path or path.startswith("-")):
         raise UserError(f"{path}: the first argument must be the recipe file — "
                         f"e.g. python -m minitrain recipes/sft_llama.py {path}")
+    if "--version" in args:
+        from minitrain import __version__
+
+        print(f"minitrain {__version__}")
+        return 0
     recipe = load_recipe(path)
     if any(a in ("-h", "--help") for a in args):
         print(recipe_help(recipe))

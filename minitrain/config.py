@@ -98,6 +98,9 @@ class TrainConfig:
         """Rules across fields (per-field bounds and choices are checked by `validate`)."""
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"device={shown(self.device)}: not a device — use auto, cpu, cuda or cuda:N")
+        if self.max_steps == 0:
+            raise UserError("max_steps=0: would train nothing — give a number of optimizer steps, "
+                            "or max_steps=-1 to derive it from epochs")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             raise UserError(f"warmup={format_value(self.warmup)}: a warmup of 1 or more counts optimizer "
                             f"steps and must be whole — e.g. warmup=100, or warmup=0.03 for a ratio")
@@ -237,7 +240,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def to_json(cfg: Any) -> str:
     """The resolved config as JSON text (what `out/config.json` holds)."""
-    return json.dumps(to_dict(cfg), indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(to_dict(cfg), indent=2, ensure_ascii=False, default=str) + "\n"
 
 
 def from_json(text: str, cls: type[T], where: str = "config.json") -> T:
@@ -258,6 +261,9 @@ def from_json(text: str, cls: type[T], where: str = "config.json") -> T:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} for {cls.__name__} — "
                         f"remove them (valid keys: {', '.join(types_)})")
     for key, value in data.items():
+        inner = unwrap_optional(types_[key])[0]
+        if isinstance(value, list) and (inner is tuple or typing.get_origin(inner) is tuple):
+            value = data[key] = tuple(value)  # JSON has no tuples
         if not conforms(value, types_[key]):
             raise UserError(f"{where}: {key}={json.dumps(value)} is not {type_name(types_[key])} — "
                             f"fix or delete the file")

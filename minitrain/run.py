@@ -160,8 +160,7 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> tuple[
         if device.type != "cuda":
             raise UserError(f"quantize={cfg.quantize}: bitsandbytes quantized training needs a CUDA device, "
                             f"this run is on {device} — use quantize=none")
-        dtype = torch.bfloat16 if dtype == torch.float32 else dtype  # the compute dtype of the 4/8-bit layers
-        hook = quantize_hook(cfg.quantize, compute_dtype=dtype)
+        hook = quantize_hook(cfg.quantize, compute_dtype=dtype)  # float layers and 4-bit matmuls alike
     model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)
     emb = getattr(model, "input_embeddings", None)
     if isinstance(emb, nn.Embedding) and tok.vocab_size > emb.num_embeddings:

@@ -178,6 +178,7 @@ def test_value_may_contain_equals(recipe):
     ("device=gpu", ["device=gpu: not a device — use auto, cpu, cuda or cuda:N"]),
     ("beta=0", ["beta=0.0: must be > 0"]),  # a subclass's own bound, no extra code
     ("warmup=2.5", ["warmup=2.5:", "whole"]),  # TrainConfig.check(): a cross-field rule
+    ("max_steps=0", ["max_steps=0: would train nothing"]),
 ])
 def test_bad_argument_is_one_error_line(capsys, recipe, arg, needles):
     code, out, err = cli(capsys, recipe, arg)
@@ -301,8 +302,10 @@ def _python_m(*argv, cwd=REPO) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env, capture_output=True, text=True)
 
 
-def test_version_subprocess():
+def test_version_subprocess(recipe):
     p = _python_m("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"minitrain {__version__}"
+    p = _python_m(recipe, "--version")
     assert p.returncode == 0 and p.stdout.strip() == f"minitrain {__version__}"
 
 
@@ -369,10 +372,12 @@ def test_fuzz_whole_argument(typed_config, arg):
 # ----------------------------------------------------------------------------- config.py
 
 
-def test_default_config_validates_and_round_trips():
+def test_default_config_validates_and_round_trips(recipe):
     c = TrainConfig()
     validate(c)
     assert from_json(to_json(c), TrainConfig) == c
+    typed = apply_overrides(load_recipe(str(recipe)).config, ["dims=3,4", "maybe_int=5", 'extra={"a": 1}'])
+    assert from_json(to_json(typed), type(typed)) == typed  # tuples, optionals, dicts
 
 
 def test_from_json_keeps_float_fields_float():

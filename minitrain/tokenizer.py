@@ -742,6 +742,10 @@ def _check_messages(messages, *, alternate: bool) -> list[dict]:
             raise UserError(f"messages[{i}]: content must be a string, got {type(content).__name__} — fix the row")
         if not content.strip():
             raise UserError(f"messages[{i}]: empty content — remove the message or fill it")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"messages[{i}]: content holds a lone surrogate (a broken \\u escape) — fix the text") from None
         if role == "system" and i != 0:
             raise UserError(f"messages[{i}]: a system message may only come first — move or merge it")
         out.append({"role": role, "content": content})

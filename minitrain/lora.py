@@ -22,6 +22,7 @@ imported bitsandbytes, so we look it up in `sys.modules` when we meet a layer.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -152,7 +153,7 @@ def _logical_numel(p: torch.Tensor) -> int:
     return p.numel()
 
 
-def check_float_trainable(name: str, p: torch.Tensor, leaf: str | None = None) -> None:
+def check_float_trainable(name: str, p: torch.Tensor) -> None:
     """Raise a `UserError` naming `name` unless `p` is a floating-point tensor (rule 3).
 
     torch itself refuses `requires_grad` on integer tensors with a message that names nothing;
@@ -160,9 +161,8 @@ def check_float_trainable(name: str, p: torch.Tensor, leaf: str | None = None) -
     """
     if p.dtype.is_floating_point and _quant_kind(p) is None:
         return
-    if leaf is None:  # "model.layers.0.self_attn.q_proj.weight" -> "q_proj"
-        parts = name.split(".")
-        leaf = parts[-2] if len(parts) > 1 else parts[0]
+    parts = name.split(".")
+    leaf = parts[-2] if len(parts) > 1 else parts[0]  # "...self_attn.q_proj.weight" -> "q_proj"
     kind = _quant_kind(p)
     if kind == "4bit":
         what = f"a 4-bit quantized tensor ({str(p.dtype).removeprefix('torch.')})"
@@ -299,7 +299,7 @@ class LoRALinear(nn.Module):
         if self.merged:
             raise UserError(f"{name or 'LoRALinear'}: already merged — merging twice would add the update twice; "
                             f"call unmerge(model) first")
-        delta = self.delta_weight().to(self.lora_A.weight.device)
+        delta = self.delta_weight()
         report = self._write(self.dequantized_weight() + delta, delta, name)
         self.merged = True
         return report
@@ -308,7 +308,7 @@ class LoRALinear(nn.Module):
         """Take the update back out of the base weight (exact-ish for fp32; rounds again if quantized)."""
         if not self.merged:
             raise UserError(f"{name or 'LoRALinear'}: is not merged — nothing to unmerge")
-        delta = self.delta_weight().to(self.lora_A.weight.device)
+        delta = self.delta_weight()
         report = self._write(self.dequantized_weight() - delta, delta, name)
         self.merged = False
         return report
@@ -365,9 +365,6 @@ class LoRALinear8bit(LoRALinear):
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
                  rslora: bool = False, dtype: torch.dtype = torch.float32):
-        if base.state.has_fp16_weights:
-            raise UserError("Linear8bitLt(has_fp16_weights=True): its weight is a float tensor, not an int8 one "
-                            "— build it with has_fp16_weights=False to train LoRA on an int8 base")
         w = base.weight
         if w.dtype != torch.int8 and w.device.type != "meta":
             base = base.to(w.device)  # bnb quantizes on the first move to a device
@@ -423,14 +420,17 @@ def _target_names(model: nn.Module, targets: Sequence[str] | str) -> list[str]:
         if head is None:
             raise UserError(f"targets={ALL_LINEAR!r}: the model has no `output_projection`, so its head cannot be "
                             f"left out — list the targets instead, e.g. targets=['q_proj', 'v_proj']")
-        return [n for n, m in model.named_modules() if _is_wrappable(m) and m is not head]
-    if isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one
+        chosen = [n for n, m in model.named_modules() if _is_wrappable(m) and m is not head]
+    elif isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one
         chosen = [n for n, _ in model.named_modules() if n and re.fullmatch(targets, n)]
     else:
         chosen = [n for n, _ in model.named_modules() if n and any(_name_matches(n, t) for t in targets)]
     modules = dict(model.named_modules())
     for n in chosen:
         m = modules[n]
+        if _quant_kind(m) == "8bit" and m.state.has_fp16_weights:
+            raise UserError(f"{n}: a Linear8bitLt with has_fp16_weights=True keeps a float weight, not an int8 "
+                            f"one — build it with has_fp16_weights=False to train LoRA on an int8 base")
         if isinstance(m, LoRALinear):
             raise UserError(f"{n}: already has a LoRA adapter — adapters are applied once (rule 4); to keep "
                             f"training a saved adapter use load_adapter(model, folder, trainable=True)")
@@ -536,15 +536,14 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
         raise UserError(f"disable_adapters: {merged[0]} is merged, so its base weight already holds the update "
                         f"— call unmerge(model) first")
     # swap each fully trained Parameter (wherever it is registered, ties included) for its base copy
-    original = {id(live): base for _, live, base in (st.saved if st else [])}
-    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-    for mod in model.modules():
-        for key, p in mod._parameters.items():
-            if p is not None and id(p) in original:
-                swapped.append((mod, key, p))
-    missing = {n for n, live, _ in (st.saved if st else []) if not any(p is live for _, _, p in swapped)}
+    saved = st.saved if st else []
+    original = {id(live): base for _, live, base in saved}
+    present = {id(p) for m in model.modules() for p in m._parameters.values() if p is not None}
+    swapped = [(mod, key, p) for mod in model.modules() for key, p in mod._parameters.items()
+               if p is not None and id(p) in original]
+    missing = [n for n, live, base in saved if id(live) not in present and id(base) not in present]
     if missing:
-        raise UserError(f"disable_adapters: {sorted(missing)[0]} was replaced after apply_lora (e.g. a resize), so "
+        raise UserError(f"disable_adapters: {missing[0]} was replaced after apply_lora (e.g. a resize), so "
                         f"its base value is lost — resize before apply_lora / load_adapter")
     before = [(m, m.disabled) for _, m in layers]
     try:
@@ -586,7 +585,8 @@ class MergeReport:
                 + (f" (worst {worst.name})" if worst else ""))
 
 
-def _check_untied(model: nn.Module, layers: list[tuple[str, LoRALinear]]) -> None:
+def _check_untied(model: nn.Module, layers: list[tuple[str, LoRALinear]], where: str = "merge") -> None:
+    """Merging into a weight shared with another module (tied lm_head / embeddings) changes both."""
     count: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         count.setdefault(id(p), []).append(n)
@@ -594,7 +594,7 @@ def _check_untied(model: nn.Module, layers: list[tuple[str, LoRALinear]]) -> Non
         names = count.get(id(m.weight), [])
         if len(names) > 1:
             other = next(x for x in names if x != f"{n}.weight")
-            raise UserError(f"merge: {n}.weight is tied to {other}, so merging would change both — "
+            raise UserError(f"{where}: {n}.weight is tied to {other}, so merging would change both — "
                             f"keep the adapter unmerged, or untie the weights first")
 
 
@@ -602,7 +602,8 @@ def merge(model: nn.Module) -> MergeReport:
     """Fold every adapter into its base weight; the forward then skips the adapter path.
 
     On a quantized base this dequantizes, adds and requantizes: the rounding error is returned
-    and logged (a warning when the base is quantized), never silently dropped.
+    and logged (a warning when the base is quantized or over 1% of an update is lost), never
+    silently dropped.
     """
     layers = _lora_layers(model)
     if not layers:
@@ -624,7 +625,9 @@ def unmerge(model: nn.Module) -> MergeReport:
 
 
 def _log_report(what: str, report: MergeReport) -> None:
-    level = logging.WARNING if any(e.quantized for e in report.layers) else logging.INFO
+    # quantized bases always round; a bf16 base can also swallow a small update
+    loud = any(e.quantized for e in report.layers) or report.max_rel_update > 0.01
+    level = logging.WARNING if loud else logging.INFO
     log.log(level, "%s: %s", what, report)
 
 
@@ -635,6 +638,7 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
     are cast to `dtype` if given; otherwise float bases keep their dtype and quantized ones
     become fp32 (pass `dtype=torch.bfloat16` for a smaller file).
     """
+    _check_untied(model, _lora_layers(model), "merged_state_dict")
     sd = model.state_dict()
     special: dict[str, nn.Module] = {n: m for n, m in model.named_modules()
                                      if isinstance(m, LoRALinear) or _quant_kind(m) is not None}
@@ -674,7 +678,10 @@ def _dequantize_bnb(m: nn.Module) -> torch.Tensor:
     bnb = _bnb()
     w = m.weight
     if _quant_kind(m) == "4bit":
-        return bnb.functional.dequantize_4bit(w.data, w.quant_state).to(torch.float32)
+        data, qs = w.data, w.quant_state
+        if getattr(qs, "packing_format_for_cpu", False):  # bnb's CPU inference layout (changes qs in place)
+            data, qs = bnb.functional._convert_weight_packed_for_cpu_inverse(data.clone(), copy.copy(qs))
+        return bnb.functional.dequantize_4bit(data, qs).to(torch.float32)
     scb = w.SCB if getattr(w, "SCB", None) is not None else m.state.SCB
     return bnb.functional.int8_vectorwise_dequant(w.data, scb).to(torch.float32)
 

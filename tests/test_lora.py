@@ -249,6 +249,9 @@ def test_modules_to_save_is_loud_and_disable_restores_them():
         assert not torch.allclose(model(x), base(x))
         with disable_adapters(model):
             torch.testing.assert_close(model(x), base(x), rtol=0, atol=0)
+            with disable_adapters(model):  # nested: still the base, and the outer exit restores
+                torch.testing.assert_close(model(x), base(x), rtol=0, atol=0)
+            torch.testing.assert_close(model(x), base(x), rtol=0, atol=0)
         assert not torch.allclose(model(x), base(x))  # restored on exit
     assert model.model.embed_tokens.weight.requires_grad
 
@@ -418,6 +421,23 @@ def test_merge_unmerge_fp32_round_trip_and_merged_state_dict():
         fresh.load_state_dict(merged_state_dict(model))
         torch.testing.assert_close(fresh(x), y, rtol=1e-5, atol=1e-5)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_merge_into_bf16_reports_what_rounding_lost(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("v_proj", nn.Linear(32, 32).to(torch.bfloat16))
+    w0 = model.v_proj.weight.detach().float().clone()
+    apply_lora(model, LoRAConfig(r=2, alpha=2, targets=("v_proj",)))
+    randomize_lora(model, scale=1e-3)  # an update far below bf16's resolution at these weights
+    v = model.v_proj
+    target = w0 + (v.lora_B.weight @ v.lora_A.weight).detach() * v.scaling
+    with caplog.at_level("WARNING", logger="minitrain.lora"):
+        report = merge(model)
+    err = v.weight.detach().float() - target
+    assert report.max_abs == pytest.approx(err.abs().max().item(), rel=1e-6)
+    assert report.max_rel_update == pytest.approx((err.norm() / (target - w0).norm()).item(), rel=1e-5)
+    assert report.max_rel_update > 0.01 and "of a LoRA update lost" in caplog.text  # loud, not silent
 
 
 def test_merge_refuses_tied_weight():

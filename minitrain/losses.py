@@ -21,8 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
-# Default chunk: about 2**25 logits (128 MiB in fp32) per chunk whatever the vocabulary size.
-LOGITS_PER_CHUNK = 2**25
+# Default chunk: about 2**24 logits (64 MiB in fp32) per chunk whatever the vocabulary size
+# (512 positions at V=32k, 128 at V=128k): small next to activations, big enough for a good matmul.
+LOGITS_PER_CHUNK = 2**24
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -38,10 +39,33 @@ def _vocab_size(head: nn.Module) -> int | None:
     return int(n) if n else None
 
 
+class _LabelLogProb(torch.autograd.Function):
+    """`log_softmax(logits)[row, label]` in fp32, with a lean backward.
+
+    The backward allocates one `(n, V)` tensor, `g * (onehot - softmax)`, built in place from
+    the saved logits; autograd's `gather - logsumexp` would hold three or four of them.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits.float(), dim=1)  # (n,) fp32
+        ctx.save_for_backward(logits, labels, lse)
+        return logits.gather(1, labels[:, None]).squeeze(1).float() - lse
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels, lse = ctx.saved_tensors
+        grad = logits - lse[:, None]  # (n, V) fp32: bf16 logits promote against the fp32 lse
+        grad.exp_().neg_()  # -softmax, (n, V) fp32
+        grad.scatter_add_(1, labels[:, None], torch.ones_like(lse)[:, None])  # onehot - softmax
+        grad.mul_(grad_out[:, None])
+        return grad.to(logits.dtype), None
+
+
 def _label_logprob(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p(label) for a few rows: hidden (n, D), labels (n,) -> (n,) fp32."""
-    logits = head(hidden).float()  # (n, V): the only V-wide tensors, one chunk's worth
-    return logits.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1)
+    logits = head(hidden)  # (n, V): the only V-wide tensor alive, one chunk's worth
+    return _LabelLogProb.apply(logits, labels)
 
 
 def chunked_token_logprobs(

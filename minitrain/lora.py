@@ -720,8 +720,8 @@ def trainable_report(model: nn.Module) -> str:
         else:
             kind = "embeddings" if id(p) in emb_ids else "head" if id(p) in head_ids else "other"
             full.setdefault(n.rpartition(".")[0] or n, []).append(n)
-            copy = id(p) in copied  # modules_to_save keep a frozen base copy for disable_adapters
-            extra_bytes += k * ((2 if copy else 1) * _bytes(p.dtype) + 8)  # grad (+ copy) + 2 fp32 moments
+            has_copy = id(p) in copied  # modules_to_save keep a frozen base copy for disable_adapters
+            extra_bytes += k * ((2 if has_copy else 1) * _bytes(p.dtype) + 8)  # grad (+ copy) + 2 fp32 moments
         kinds[kind] += k
     pct = lambda k: 100.0 * k / max(total, 1)  # noqa: E731
     layers = _lora_layers(model)
@@ -911,8 +911,13 @@ def _check_adapter_tensors(model: nn.Module, cfg: LoRAConfig, wrapped: list[str]
     gets A and B, and full tensors belong to `modules_to_save`."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    saveable = {f"{n}.{pn}" for n, m in modules.items() if n and any(_name_matches(n, w) for w in cfg.modules_to_save)
-                for pn, _ in m.named_parameters(remove_duplicate=False)}
+    saveable = {f"{n}.{pn}": p for n, m in modules.items() if n and any(_name_matches(n, w) for w in cfg.modules_to_save)
+                for pn, p in m.named_parameters(remove_duplicate=False)}
+    in_file = {id(params[k]) for k in tensors if k in params}
+    for key, p in saveable.items():  # a tied pair is saved once, under either name
+        if id(p) not in in_file:
+            raise UserError(f"{wpath}: no tensor for {key}, which modules_to_save names — the file and "
+                            f"adapter_config.json do not belong together")
     emb = getattr(model, "input_embeddings", None)
     head = _head(model)
     vocab_ids = {id(getattr(m, "weight", None)) for m in (emb, head) if m is not None}

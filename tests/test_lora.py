@@ -645,3 +645,49 @@ def test_merged_llama_loads_in_transformers(hf_causal):
     hf = _hf_llama(folder)
     hf.load_state_dict(merged_state_dict(model), strict=True)  # HF layout, key for key
     torch.testing.assert_close(_logits(hf, TOKENS), want, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- T5 names
+
+
+@pytest.fixture(scope="module")
+def hf_t5(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("t5")
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(folder)
+    return folder
+
+
+def _t5_logits(model, enc, dec):
+    with torch.no_grad():
+        if hasattr(model, "output_projection"):  # ours: decoder hidden -> head
+            return model.output_projection(model(enc, torch.ones_like(enc), dec))
+        return model(input_ids=enc, decoder_input_ids=dec).logits
+
+
+@pytest.mark.parametrize("impl", ["ours", "hf"])
+def test_t5_targets_match_peft(hf_t5, tmp_path, impl):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    hf = lambda: transformers.T5ForConditionalGeneration.from_pretrained(hf_t5).eval()  # noqa: E731
+    if impl == "ours":
+        pytest.importorskip("models.t5")
+        import models
+        from minitrain.weights import load_pretrained
+
+        model = load_pretrained(hf_t5, models.from_hf_config).eval()
+    else:
+        model = hf()
+    targets = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")
+    wrapped = apply_lora(model, LoRAConfig(r=2, alpha=4, targets=targets))
+    assert len(wrapped) == 2 * 4 + 2 * 4 * 2 + 4 * 3  # enc self-attn, dec self+cross attn, every FFN
+    randomize_lora(model, scale=0.1)
+    save_adapter(model, tmp_path)
+    assert sorted(json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]) == sorted(targets)
+    ref = peft.PeftModel.from_pretrained(hf(), tmp_path).eval()
+    enc, dec = torch.tensor([[5, 9, 33, 7, 1]]), torch.tensor([[0, 4, 12]])
+    torch.testing.assert_close(_t5_logits(model, enc, dec), _t5_logits(ref, enc, dec), rtol=0, atol=1e-5)

@@ -277,8 +277,10 @@ def _assign(model: nn.Module, key: str, t: torch.Tensor) -> None:
     module = model.get_submodule(owner)
     if leaf in module._parameters:
         setattr(module, leaf, nn.Parameter(t, requires_grad=False))
-    else:
+    elif leaf in module._buffers:
         module._buffers[leaf] = t
+    else:  # keys were checked against the model; a hook must have replaced this module wrongly
+        raise RuntimeError(f"{key}: {type(module).__name__} has no parameter or buffer {leaf!r}")
 
 
 def _tie_and_check(model: nn.Module, folder: Path, loaded: set[str]) -> None:

@@ -447,3 +447,30 @@ def test_models_family_loads_hf_checkpoint_key_for_key(hf_causal, name, override
     assert set(ours) - set(on_disk) <= {"lm_head.weight"}
     if overrides.get("tie_word_embeddings"):
         assert model.output_projection.weight is model.input_embeddings.weight
+
+
+@pytest.mark.parametrize("old_layout", [False, True])
+def test_t5_tied_embeddings_load_in_both_layouts(tmp_path, old_layout):
+    """transformers 5 writes only `shared.weight`; older hub files also carry the encoder/decoder
+    embeddings and the head as copies of it. Both load, tied, equal to transformers' tensors."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        import models.t5  # noqa: F401
+        from models import from_hf_config
+    except ImportError:
+        pytest.skip("models/t5.py not written yet")
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4)
+    torch.manual_seed(0)
+    hf = transformers.T5ForConditionalGeneration(cfg)
+    hf.save_pretrained(tmp_path)
+    if old_layout:
+        t = load_file(tmp_path / "model.safetensors")
+        for k in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+            t[k] = t["shared.weight"].clone()
+        save_file(t, tmp_path / "model.safetensors")
+    model = load_pretrained(tmp_path, from_hf_config)
+    ours, theirs = model.state_dict(), hf.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+    assert model.output_projection.weight is model.input_embeddings.weight

@@ -199,7 +199,7 @@ def load_pretrained(
                 for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                     t = _read_tensor(f, path, data_start, info)
                     if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                        t = t.to(dtype)  # the uncast buffer is freed on the next line's rebind
+                        t = t.to(dtype)  # rebinding t frees the uncast buffer: one extra tensor at most
                     t = t.to(device)
                     if not (tensor_hook is not None and tensor_hook(model, key, t)):
                         _assign(model, key, t)

@@ -304,6 +304,9 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
             fulls = []
             for name in ("chosen", "rejected"):
                 a = row.get(name)
+                if isinstance(a, list) and not (a and isinstance(a[-1], dict) and a[-1].get("role") == "assistant"):
+                    raise UserError(f'{where}: "{row.key(name)}" is a list of messages that does not end with an '
+                                    f'assistant message — give the answer as a string or as assistant message(s)')
                 turn = a if isinstance(a, list) else [{"role": "assistant", "content": row.text(name)}]
                 fulls.append(_chat(tok, where, prompt + turn))
             n = min(_lcp_len(p, ids) for ids, _ in fulls)  # where the answers start
@@ -462,9 +465,10 @@ def collate_seq2seq(examples: Sequence[dict], pad_id: int, decoder_start_id: int
     src = [ex["input_ids"] for ex in examples]
     tgt = [ex["labels"] for ex in examples]
     S, T = max(len(r) for r in src), max(len(r) for r in tgt)
-    dec = [[start] + [t if t != IGNORE else pad_id for t in r[:-1]] for r in tgt]
+    labels = _pad(tgt, IGNORE, T)
+    dec = torch.cat([torch.full((len(tgt), 1), start, dtype=torch.long), labels[:, :-1]], dim=1)
     return {"input_ids": _pad(src, pad_id, S), "attention_mask": _mask(src, S),
-            "labels": _pad(tgt, IGNORE, T), "decoder_input_ids": _pad(dec, pad_id, T),
+            "labels": labels, "decoder_input_ids": dec.masked_fill(dec == IGNORE, pad_id),
             "decoder_attention_mask": _mask(tgt, T)}
 
 

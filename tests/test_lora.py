@@ -691,3 +691,34 @@ def test_t5_targets_match_peft(hf_t5, tmp_path, impl):
     ref = peft.PeftModel.from_pretrained(hf(), tmp_path).eval()
     enc, dec = torch.tensor([[5, 9, 33, 7, 1]]), torch.tensor([[0, 4, 12]])
     torch.testing.assert_close(_t5_logits(model, enc, dec), _t5_logits(ref, enc, dec), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- quantized LLaMA end to end
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_qlora_llama_trains_adapters_and_merges_to_hf(hf_causal, kind):
+    bnb_or_skip()
+    pytest.importorskip("models.llama")
+    import models
+    from minitrain.quant import quantize_hook
+    from minitrain.weights import load_pretrained
+
+    folder = hf_causal("llama_lora")
+    model = load_pretrained(folder, models.from_hf_config, dtype=torch.float32,
+                            tensor_hook=quantize_hook(kind, compute_dtype=torch.float32))
+    cfg = LoRAConfig(r=4, alpha=8, targets="all-linear")
+    apply_lora(model, cfg)
+    freeze_for_adapters(model, cfg)
+    randomize_lora(model, scale=0.05)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    hidden = model(TOKENS[:, :-1], None)
+    F.cross_entropy(model.output_projection(hidden).flatten(0, 1), TOKENS[:, 1:].flatten()).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainable)
+    # the merged, dequantized weights in HF layout give transformers the same logits (training-mode
+    # kernels: in eval mode bnb's int8 matmul also quantizes the activations; no dropout here)
+    want = _logits(model, TOKENS)
+    hf = _hf_llama(folder)
+    hf.load_state_dict(merged_state_dict(model), strict=True)
+    torch.testing.assert_close(_logits(hf, TOKENS), want, rtol=0, atol=1e-5)

@@ -592,6 +592,8 @@ class Tokenizer:
         `target_mask[i]` is True on assistant content tokens and on the token ending each
         assistant turn (eos / `<|eot_id|>`), False elsewhere. Messages are dicts with `role`
         (system / user / assistant) and string `content`; errors are UserErrors naming the message.
+        `add_generation_prompt` appends the assistant header (llama3); the [INST] formats need
+        nothing, their prompt already ends with `[/INST]`.
         """
         if self.chat_format is None:
             raise UserError(

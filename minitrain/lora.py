@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+VOCAB_KEY = "minitrain.vocab_size"  # safetensors metadata: rows of the base input embedding
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix for LoRA adapters
 ALL_LINEAR = "all-linear"
 _STATE_ATTR = "minitrain_lora"  # where apply_lora records what it did on the model
@@ -232,6 +233,9 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
                  rslora: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
+        if isinstance(base, LoRALinear) or hasattr(base, "lora_A"):
+            raise UserError("LoRALinear: the layer already has a LoRA adapter — adapters are applied once (rule 4); "
+                            "to keep training a saved adapter use load_adapter(model, folder, trainable=True)")
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
         self.weight = base.weight  # (out, in); packed for bnb 4-bit
@@ -762,8 +766,9 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
     `peft.PeftModel.from_pretrained`), each to a temporary name then renamed.
 
     Keys are `base_model.model.<module>.lora_A.weight` / `.lora_B.weight` (and
-    `base_model.model.<param>` for modules_to_save). The config adds our own `vocab_size` (the
-    base's input-embedding rows) so loading onto a differently resized vocabulary is caught.
+    `base_model.model.<param>` for modules_to_save). The safetensors metadata adds our own
+    `minitrain.vocab_size` (the base's input-embedding rows) so loading onto a differently resized
+    vocabulary is caught; the JSON config holds PEFT's fields only.
     """
     st: _Applied | None = getattr(model, _STATE_ATTR, None)
     if st is None:
@@ -794,11 +799,14 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
         "modules_to_save": list(c.modules_to_save) or None,
         "base_model_name_or_path": base_model_name_or_path,
         "inference_mode": True,
-        "vocab_size": emb.num_embeddings if isinstance(emb, nn.Embedding) else None,
     }
+    # our own fields go in the safetensors metadata, so PEFT reads a config with nothing unknown
+    metadata = {"format": "pt"}
+    if isinstance(emb, nn.Embedding):
+        metadata[VOCAB_KEY] = str(emb.num_embeddings)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    _atomic_write(folder / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
     _atomic_write(folder / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
     return folder
 
@@ -829,6 +837,9 @@ def _read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         raise UserError(f"{cpath}:{e.lineno}: invalid JSON ({e.msg}) — fix or re-save the adapter") from None
     tensors: dict[str, torch.Tensor] = {}
     with safe_open(str(wpath), framework="pt") as f:
+        vocab = (f.metadata() or {}).get(VOCAB_KEY)
+        if vocab is not None and "vocab_size" not in config:
+            config["vocab_size"] = int(vocab)
         for k in f.keys():
             nk = _normalize_key(k)
             if nk in tensors:

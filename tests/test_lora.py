@@ -170,6 +170,9 @@ def test_double_wrap_is_an_error():
     other.model.layers[0].self_attn.q_proj = LoRALinear(other.model.layers[0].self_attn.q_proj, 2, 4)
     with pytest.raises(UserError, match="already has LoRA"):
         apply_lora(other, cfg)
+    # wrapping a wrapped layer by hand: the constructor refuses too (the inner adapter would be dropped)
+    with pytest.raises(UserError, match="already has a LoRA adapter"):
+        LoRALinear(other.model.layers[0].self_attn.q_proj, 2, 4)
 
 
 def test_rslora_scaling_equals_peft():
@@ -481,7 +484,10 @@ def test_save_load_round_trip_and_trainable_flag(tmp_path):
     assert files == ["adapter_config.json", "adapter_model.safetensors"]  # no temp files left
     conf = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 4 and conf["lora_alpha"] == 8
-    assert conf["use_rslora"] is True and conf["bias"] == "none" and conf["vocab_size"] == 32
+    assert conf["use_rslora"] is True and conf["bias"] == "none" and "vocab_size" not in conf  # PEFT fields only
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "ad" / "adapter_model.safetensors"), framework="pt") as f:
+        assert f.metadata()["minitrain.vocab_size"] == "32"
     assert conf["target_modules"] == ["q_proj", "v_proj"] and conf["base_model_name_or_path"] == "tiny"
     keys = set(load_file(tmp_path / "ad" / "adapter_model.safetensors"))
     assert keys == {f"base_model.model.model.layers.{i}.self_attn.{m}.lora_{ab}.weight"
@@ -531,10 +537,9 @@ def test_load_onto_other_shapes_names_both(tmp_path):
     resized = TinyLM(vocab=32)
     resized.resize_token_embeddings(34)
     load_adapter(resized, tmp_path / "resized")  # the fix the message names works
-    # a PEFT-style file without our vocab_size field: the embedding's shape check says the same
-    conf = json.loads((tmp_path / "resized" / "adapter_config.json").read_text())
-    del conf["vocab_size"]
-    (tmp_path / "resized" / "adapter_config.json").write_text(json.dumps(conf))
+    # a PEFT-style file without our vocab_size metadata: the embedding's shape check says the same
+    wpath = tmp_path / "resized" / "adapter_model.safetensors"
+    save_file(load_file(wpath), wpath)
     with pytest.raises(UserError, match=r"embed_tokens.weight has shape \(34, 16\) but the model's is \(32, 16\) "
                                         r"— the adapter was trained with 34 tokens: add the same special tokens"):
         load_adapter(TinyLM(vocab=32), tmp_path / "resized")

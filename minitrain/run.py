@@ -1,6 +1,7 @@
 """The steps every training recipe takes, as plain functions a recipe calls in order.
 
     check_out_dir(cfg)             refuse a folder holding another run, before minutes of loading
+    -- a recipe's `setup(cfg) -> Job` does the next three, writing nothing (tools/audit.py uses it) --
     load_model(cfg, build)         tokenizer + weights streamed into `build(config.json)` (+ quantized)
     attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report
     load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval)
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,6 +41,24 @@ ADAPTER_DIR = "adapter"
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR)
 # keys that say where / how to start, not what the run is
 NOT_THE_RUN = ("out", "resume", "overwrite")
+
+
+
+
+@dataclass
+class Job:
+    """What a recipe's `setup(cfg)` assembles and its `run(cfg)` trains: everything `train()` needs.
+
+    `tools/audit.py` and `tools/plan.py` call `setup` to inspect a recipe without training it.
+    """
+
+    model: nn.Module
+    objective: Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
+    train_examples: list[dict]
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]]
+    eval_examples: list[dict] | None
+    lora: LoRAConfig
+    tok: Tokenizer
 
 
 # ----------------------------------------------------------------------------- the output folder

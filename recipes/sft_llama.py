@@ -24,7 +24,7 @@ from minitrain.config import TrainConfig
 from minitrain.data import collate_causal
 from minitrain.errors import UserError
 from minitrain.objectives import sft
-from minitrain.run import attach_adapters, check_out_dir, finish, load_examples, load_model, prepare_out_dir
+from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, prepare_out_dir
 from minitrain.train import train
 
 config = TrainConfig(
@@ -41,17 +41,24 @@ config = TrainConfig(
 )
 
 
-def run(config: TrainConfig) -> dict:
-    """Load, adapt, train, save the adapter; returns the loop's summary."""
-    check_out_dir(config)  # a refusal comes before minutes of loading
+def setup(config: TrainConfig) -> Job:
+    """Load the model, attach adapters, read the data; writes nothing."""
     model, tok = load_model(config, models.from_hf_config)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
-                        f"use a seq2seq recipe for it")
+                        f"use recipes/lora_t5.py for it")
     lora = attach_adapters(model, config)
     train_examples, eval_examples = load_examples(config, tok, "sft")
+    return Job(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), eval_examples,
+               lora, tok)
+
+
+def run(config: TrainConfig) -> dict:
+    """Load, adapt, train, save the adapter; returns the loop's summary."""
+    check_out_dir(config)  # a refusal comes before minutes of loading
+    job = setup(config)
     prepare_out_dir(config)
-    summary = train(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), config,
-                    eval_examples=eval_examples)
-    finish(model, config, lora, summary)
+    summary = train(job.model, job.objective, job.train_examples, job.collate, config,
+                    eval_examples=job.eval_examples)
+    finish(job.model, config, job.lora, summary)
     return summary

@@ -1,0 +1,317 @@
+"""minitrain.distill against hand-written references, and recipes/distill_llama.py end to end.
+
+References are written from the definitions (Hinton et al. 2015): p = exp(u/T) / sum exp(u/T)
+computed directly in float64, KD = T^2 * sum p (log p - log q), CE = -log softmax(z)[y]; subset
+KD renormalises both distributions over the teacher's k largest logits, found by sorting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tok import corpus, make_bpe_tokenizer, make_sp_tokenizer
+
+from minitrain.distill import (DistillObjective, check_same_tokenizer, check_same_vocab, chunked_kd_ce,
+                               kd_ce_from_logits, make_distill_objective)
+from minitrain.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def reference(z: torch.Tensor, y: torch.Tensor, u: torch.Tensor, T: float, top_k: int = 0):
+    """(ce, kd) per row from the definitions, in float64 without log_softmax."""
+    z, u = z.double(), u.double()
+    ce = torch.stack([-(z[i, y[i]] - torch.log(torch.exp(z[i]).sum())) for i in range(len(y))])
+    kd = []
+    for i in range(len(y)):
+        keep = torch.argsort(u[i], descending=True)[:top_k] if top_k else torch.arange(u.shape[1])
+        eu, ez = torch.exp(u[i, keep] / T), torch.exp(z[i, keep] / T)
+        p, q = eu / eu.sum(), ez / ez.sum()
+        kd.append(T * T * (p * (torch.log(p) - torch.log(q))).sum())
+    return ce, torch.stack(kd)
+
+
+@pytest.mark.parametrize("T", [1.0, 2.0, 20.0])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_kd_and_ce_equal_the_definitions(T, top_k):
+    g = torch.Generator().manual_seed(0)
+    z, u = torch.randn(6, 17, generator=g) * 3, torch.randn(6, 17, generator=g) * 3
+    y = torch.randint(0, 17, (6,), generator=g)
+    ce, kd = kd_ce_from_logits(z, y, u, temperature=T, top_k=top_k)
+    ce_ref, kd_ref = reference(z, y, u, T, top_k)
+    assert ce.dtype == kd.dtype == torch.float32
+    torch.testing.assert_close(ce.double(), ce_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.double(), kd_ref, rtol=1e-4, atol=1e-6)
+    # and torch's own KL (full vocabulary)
+    if not top_k:
+        want = F.kl_div(F.log_softmax(z / T, 1), F.log_softmax(u / T, 1), log_target=True, reduction="none").sum(1)
+        torch.testing.assert_close(kd, want * T * T, rtol=1e-4, atol=1e-6)
+
+
+def test_large_temperature_kd_is_finite_and_matches_the_small_logit_limit():
+    """At T=20 with large logits nothing overflows; for T -> inf, T^2 KL -> (1/2V) sum((u-z) - mean)^2."""
+    g = torch.Generator().manual_seed(1)
+    z, u = torch.randn(4, 50, generator=g) * 30, torch.randn(4, 50, generator=g) * 30
+    y = torch.zeros(4, dtype=torch.long)
+    ce, kd = kd_ce_from_logits(z, y, u, temperature=20.0)
+    assert torch.isfinite(kd).all() and torch.isfinite(ce).all()
+    torch.testing.assert_close(kd.double(), reference(z, y, u, 20.0)[1], rtol=1e-4, atol=1e-5)
+    # second-order expansion of KL in 1/T (Hinton et al. 2015, section 2.1): exact in the limit
+    d = (u - z).double()
+    d = d - d.mean(1, keepdim=True)
+    limit = (d * d).mean(1) / 2
+    _, kd_big = kd_ce_from_logits(z.double(), y, u.double(), temperature=1e4)
+    torch.testing.assert_close(kd_big, limit, rtol=1e-3, atol=0)
+
+
+def test_top_k_covering_the_vocabulary_is_full_kd():
+    g = torch.Generator().manual_seed(2)
+    z, u, y = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g), torch.randint(0, 11, (5,), generator=g)
+    full = kd_ce_from_logits(z, y, u, temperature=3.0)[1]
+    torch.testing.assert_close(kd_ce_from_logits(z, y, u, temperature=3.0, top_k=11)[1], full)
+    torch.testing.assert_close(kd_ce_from_logits(z, y, u, temperature=3.0, top_k=99)[1], full)
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_custom_backward_equals_autograd_of_the_definition(top_k):
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(7, 13, generator=g, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(7, 13, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 13, (7,), generator=g)
+    w_ce, w_kd = torch.rand(7, generator=g, dtype=torch.float64), torch.rand(7, generator=g, dtype=torch.float64)
+    ce, kd = kd_ce_from_logits(z, y, u, temperature=2.5, top_k=top_k)
+    (grad,) = torch.autograd.grad((w_ce * ce).sum() + (w_kd * kd).sum(), z)
+    z2 = z.detach().clone().requires_grad_(True)
+    ce_r, kd_r = reference(z2, y, u, 2.5, top_k)
+    (want,) = torch.autograd.grad((w_ce * ce_r).sum() + (w_kd * kd_r).sum(), z2)
+    torch.testing.assert_close(grad, want, rtol=1e-9, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: kd_ce_from_logits(t, y, u, temperature=2.5, top_k=top_k), (z,))
+
+
+@pytest.mark.parametrize("top_k", [0, 6])
+@pytest.mark.parametrize("chunk", [1, 3, None])
+def test_chunked_from_hidden_equals_full_logits(top_k, chunk):
+    """Per-token losses and the gradients (student head weight, hidden) equal the unchunked maths."""
+    torch.manual_seed(4)
+    V, D, Dt = 19, 8, 12
+    s_head, t_head = torch.nn.Linear(D, V, bias=False), torch.nn.Linear(Dt, V, bias=False)
+    t_head.requires_grad_(False)
+    h = torch.randn(2, 5, D, requires_grad=True)
+    ht = torch.randn(2, 5, Dt)
+    y = torch.randint(0, V, (2, 5))
+    y[0, :2] = -100
+    y[1, 4] = -100
+    ce, kd = chunked_kd_ce(h, s_head, ht, t_head, y, temperature=2.0, top_k=top_k, chunk=chunk)
+    keep = (y.reshape(-1) != -100)
+    z = s_head(h).reshape(-1, V)[keep]
+    u = t_head(ht).reshape(-1, V)[keep]
+    ce_r, kd_r = reference(z, y.reshape(-1)[keep], u, 2.0, top_k)
+    torch.testing.assert_close(ce.double(), ce_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.double(), kd_r, rtol=1e-4, atol=1e-6)
+    got = torch.autograd.grad(0.3 * kd.sum() + 0.7 * ce.sum(), (s_head.weight, h))
+    want = torch.autograd.grad((0.3 * kd_r.sum() + 0.7 * ce_r.sum()).float(), (s_head.weight, h))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the objective on our LLaMA
+
+
+@pytest.fixture(scope="module")
+def pair(hf_causal):
+    import models
+    from minitrain.weights import load_pretrained
+
+    s_dir = hf_causal("distill_student")
+    t_dir = hf_causal("distill_teacher", seed=1, hidden_size=96, intermediate_size=160, num_hidden_layers=3)
+    student = load_pretrained(s_dir, models.from_hf_config)
+    teacher = load_pretrained(t_dir, models.from_hf_config)
+    return student, teacher
+
+
+def batch_of(rows: list[list[int]], prompt: int = 2) -> dict[str, torch.Tensor]:
+    T = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :prompt] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+ROWS = [[1, 5, 9, 33, 7, 8, 2], [1, 44, 12, 99], [1, 17, 42, 99, 5, 63, 21, 2], [1, 3, 70, 71, 72]]
+
+
+def test_objective_equals_full_logit_reference_and_sums_over_tokens(pair):
+    student, teacher = pair
+    student.train()
+    batch = batch_of(ROWS)
+    obj = make_distill_objective(teacher, temperature=3.0, kd_weight=0.7, ce_weight=0.2, top_k=0, chunk=5)
+    loss_sum, count, metrics = obj(student, batch)
+    y = F.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
+    keep = y != -100
+    with torch.no_grad():
+        z = student.output_projection(student(batch["input_ids"], batch["attention_mask"])).reshape(-1, 128)[keep]
+        u = teacher.output_projection(teacher(batch["input_ids"], batch["attention_mask"])).reshape(-1, 128)[keep]
+    ce_r, kd_r = reference(z, y[keep], u, 3.0)
+    assert int(count) == int(keep.sum()) == sum(len(r) - 2 for r in ROWS)  # labels 2.. are targets
+    torch.testing.assert_close(loss_sum.double(), 0.7 * kd_r.sum() + 0.2 * ce_r.sum(), rtol=1e-5, atol=1e-5)
+    n = int(count)
+    assert metrics["kd"] == pytest.approx(kd_r.sum().item() / n, rel=1e-4)  # fp32 KL of a small value
+    assert metrics["ce"] == pytest.approx(ce_r.sum().item() / n, rel=1e-5)
+    assert metrics["kd_weighted"] == pytest.approx(0.7 * metrics["kd"], rel=1e-6)
+    assert metrics["ce_weighted"] == pytest.approx(0.2 * metrics["ce"], rel=1e-6)
+    assert metrics["ppl"] == pytest.approx(math.exp(ce_r.mean().item()), rel=1e-5)
+    # the token is the unit: two micro-batches sum to the whole batch (exact accumulation)
+    a = obj(student, batch_of(ROWS[:2]))
+    b = obj(student, batch_of(ROWS[2:]))
+    torch.testing.assert_close(a[0] + b[0], loss_sum, rtol=1e-5, atol=1e-5)
+    assert int(a[1]) + int(b[1]) == n
+
+
+def test_gradients_reach_only_the_student_and_top_k_reference(pair):
+    import copy
+
+    student, teacher = pair
+    s = copy.deepcopy(student).train()
+    for p in s.parameters():
+        p.requires_grad_(True)
+    obj = DistillObjective(teacher, temperature=2.0, kd_weight=1.0, ce_weight=0.0, top_k=7, chunk=4)
+    batch = batch_of(ROWS)
+    loss_sum, count, _ = obj(s, batch)
+    loss_sum.backward()
+    assert all(p.grad is None for p in teacher.parameters())
+    assert s.output_projection.weight.grad is not None and s.output_projection.weight.grad.abs().sum() > 0
+    # the same loss from full logits and a sorted top-7 by hand
+    y = F.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
+    keep = y != -100
+    with torch.no_grad():
+        z = s.output_projection(s(batch["input_ids"], batch["attention_mask"])).reshape(-1, 128)[keep]
+        u = teacher.output_projection(teacher(batch["input_ids"], batch["attention_mask"])).reshape(-1, 128)[keep]
+    torch.testing.assert_close(loss_sum.double(), reference(z, y[keep], u, 2.0, 7)[1].sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_student_equal_to_teacher_has_zero_kd(pair):
+    student, _ = pair
+    obj = make_distill_objective(student, temperature=4.0, kd_weight=1.0, ce_weight=0.0)
+    student.train()
+    _, _, m = obj(student, batch_of(ROWS))
+    assert abs(m["kd"]) < 1e-6 and m["ce"] > 0
+
+
+def test_eval_mode_returns_the_student_token_ce(pair):
+    student, teacher = pair
+    obj = make_distill_objective(teacher, temperature=2.0, kd_weight=1.0, ce_weight=0.0)
+    batch = batch_of(ROWS)
+    student.eval()
+    with torch.no_grad():
+        loss_sum, count, _ = obj(student, batch)
+        y = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+        logits = student.output_projection(student(batch["input_ids"], batch["attention_mask"]))
+    want = F.cross_entropy(logits.reshape(-1, 128), y.reshape(-1), ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(loss_sum, want, rtol=1e-5, atol=1e-5)
+    assert int(count) == int((y != -100).sum())
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(kd_weight=0.0, ce_weight=0.0), dict(top_k=-1)])
+def test_bad_settings_are_user_errors(pair, bad):
+    kw = {**dict(temperature=2.0, kd_weight=0.5, ce_weight=0.5), **bad}
+    with pytest.raises(UserError):
+        make_distill_objective(pair[1], **kw)
+
+
+# ----------------------------------------------------------------------------- same tokenizer
+
+
+def test_tokenizer_check(tmp_path):
+    a, b, c = make_bpe_tokenizer(tmp_path / "a"), make_bpe_tokenizer(tmp_path / "b"), make_sp_tokenizer(tmp_path / "c")
+    check_same_tokenizer(a, b)  # identical files
+    with pytest.raises(UserError) as e:
+        check_same_tokenizer(a, c)
+    msg = str(e.value)
+    assert f"teacher={c}" in msg and f"model={a}" in msg and " — " in msg and "\n" not in msg
+    # same table, one token renamed: caught by the id -> token comparison
+    d = make_bpe_tokenizer(tmp_path / "d")
+    tj = json.loads((d / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    merges = tj["model"]["merges"]
+    used = {x for m in merges for x in (m.split(" ") if isinstance(m, str) else m)}
+    used |= {"".join(m.split(" ") if isinstance(m, str) else m) for m in merges}
+    specials = {t["content"] for t in tj.get("added_tokens", [])}
+    victim = next(t for t in sorted(vocab, key=vocab.get, reverse=True) if t not in used and t not in specials)
+    vocab["zzzq"] = vocab.pop(victim)
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(UserError, match=f"id {vocab['zzzq']} is"):
+        check_same_tokenizer(a, d)
+
+
+def test_head_size_check(pair, hf_causal, tmp_path):
+    import models
+    from minitrain.weights import load_pretrained
+
+    other = load_pretrained(hf_causal("distill_v160", vocab_size=160), models.from_hf_config)
+    with pytest.raises(UserError, match="scores 160 ids but the student's"):
+        check_same_vocab(pair[0], other, "s_dir", "t_dir")
+    check_same_vocab(pair[0], pair[1], "s_dir", "t_dir")
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_causal, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("distill_recipe")
+    student, teacher = root / "student", root / "teacher"
+    shutil.copytree(hf_causal("distill_student"), student)
+    shutil.copytree(hf_causal("distill_teacher", seed=1, hidden_size=96, intermediate_size=160,
+                              num_hidden_layers=3), teacher)
+    make_bpe_tokenizer(student)
+    make_bpe_tokenizer(teacher)
+    lines = corpus(16, seed=3)
+    (root / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:12]))
+    (root / "eval.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[12:]))
+    return {"root": root, "student": student, "teacher": teacher}
+
+
+def run_recipe(tiny, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    keys = {"model": tiny["student"], "teacher": tiny["teacher"], "data": tiny["root"] / "train.jsonl",
+            "eval_data": tiny["root"] / "eval.jsonl", "out": out, "max_steps": 2, "batch_size": 2,
+            "lora_r": 4, "lora_alpha": 8, "grad_accum": 1, "top_k": 16}
+    keys.update(e.split("=", 1) for e in extra)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "minitrain", str(REPO / "recipes" / "distill_llama.py"),
+                           *[f"{k}={v}" for k, v in keys.items()]], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def test_recipe_smoke(tiny):
+    out = tiny["root"] / "out"
+    p = run_recipe(tiny, out)
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for k in ("kd", "ce", "kd_weighted", "ce_weighted", "ppl"):
+            assert math.isfinite(r[k]), (k, r)
+        assert r["kd"] > 0 and r["ppl"] == pytest.approx(math.exp(r["ce"]), rel=1e-6)
+        assert r["loss"] == pytest.approx(r["kd_weighted"] + r["ce_weighted"], rel=1e-5)
+    assert rows[-1]["eval/ppl"] == pytest.approx(math.exp(rows[-1]["eval/loss"]), rel=1e-9)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_recipe_refuses_another_tokenizer(tiny, tmp_path):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny["teacher"], teacher)
+    (teacher / "tokenizer.json").unlink()
+    make_sp_tokenizer(teacher)
+    p = run_recipe(tiny, tmp_path / "out", f"teacher={teacher}")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("error: teacher=") and "Traceback" not in p.stderr
+    assert not (tmp_path / "out").exists()

@@ -22,7 +22,7 @@ import models
 from minitrain.data import collate_causal
 from minitrain.distill import DistillConfig, check_same_tokenizer, check_same_vocab, make_distill_objective
 from minitrain.errors import UserError
-from minitrain.run import attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
+from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
 from minitrain.train import train
 
 config = DistillConfig(
@@ -42,9 +42,8 @@ config = DistillConfig(
 )
 
 
-def run(config: DistillConfig) -> dict:
-    """Load student and teacher, check they share a tokenizer, adapt the student, distil, save."""
-    check_out_dir(config)
+def setup(config: DistillConfig) -> Job:
+    """Load student and teacher, check they share a tokenizer, adapt the student, read the data; writes nothing."""
     check_same_tokenizer(config.model, config.teacher)  # before minutes of loading weights
     model, tok = load_model(config, models.from_hf_config)
     teacher, _ = load_model(dataclasses.replace(config, model=config.teacher, quantize=config.teacher_quantize),
@@ -60,8 +59,16 @@ def run(config: DistillConfig) -> dict:
         f"{'top-' + str(config.top_k) + ' subset' if config.top_k else 'full-vocabulary'} KD; "
         f"teacher frozen ({config.teacher_quantize if config.teacher_quantize != 'none' else 'not quantized'})")
     train_examples, eval_examples = load_examples(config, tok, "sft")
+    return Job(model, objective, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), eval_examples,
+               lora, tok)
+
+
+def run(config: DistillConfig) -> dict:
+    """Distil into the student's adapter and save it; returns the loop's summary."""
+    check_out_dir(config)  # a refusal comes before minutes of loading
+    job = setup(config)
     prepare_out_dir(config)
-    summary = train(model, objective, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), config,
-                    eval_examples=eval_examples)
-    finish(model, config, lora, summary)
+    summary = train(job.model, job.objective, job.train_examples, job.collate, config,
+                    eval_examples=job.eval_examples)
+    finish(job.model, config, job.lora, summary)
     return summary

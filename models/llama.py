@@ -19,7 +19,7 @@ Hkv key/value heads, hd head_dim, V vocab_size.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch

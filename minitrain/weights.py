@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -187,6 +188,10 @@ def load_pretrained(
     model = _build_on_meta(build, config, folder / "config.json")
     files = checkpoint_files(folder)
     headers = {path: read_header(path) for path in files}
+    # keys a family knows are derived, not weights (e.g. old LLaMA saves' rotary_emb.inv_freq)
+    ignore = [re.compile(p) for p in getattr(model, "ignore_checkpoint_keys", ())]
+    headers = {path: ({k: v for k, v in h.items() if not any(p.search(k) for p in ignore)}, start)
+               for path, (h, start) in headers.items()}
     _check_against_model(model, folder, headers)
 
     device = torch.device(device)

@@ -619,6 +619,8 @@ class LlamaForCausalLM(nn.Module):
     """The causal LM: `model` (body) + `lm_head`. forward returns hidden states, not logits."""
 
     block_types = (LlamaDecoderLayer,)
+    # derived tables that older transformers versions saved as weights: skipped by the loader
+    ignore_checkpoint_keys = (r"\.rotary_emb\.inv_freq$",)
     is_encoder_decoder = False
 
     def __init__(self, config: LlamaConfig) -> None:

@@ -474,3 +474,23 @@ def test_t5_tied_embeddings_load_in_both_layouts(tmp_path, old_layout):
     for k in ours:
         assert torch.equal(ours[k], theirs[k]), k
     assert model.output_projection.weight is model.input_embeddings.weight
+
+
+def test_old_llama_saves_with_rotary_inv_freq_load(hf_causal, tmp_path):
+    """Checkpoints saved by older transformers carry `rotary_emb.inv_freq`: derived, skipped by name
+    (the family lists it in `ignore_checkpoint_keys`), while any other stray key is still an error."""
+    import shutil
+
+    import models
+
+    src = hf_causal("inv_freq_llama")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    sd = load_file(src / "model.safetensors")
+    extra = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.arange(8.0) for i in range(2)}
+    save_file({**sd, **extra}, tmp_path / "model.safetensors")
+    model = load_pretrained(tmp_path, models.from_hf_config)
+    for k, v in sd.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    save_file({**sd, "model.layers.0.self_attn.stray": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(UserError, match="unexpected keys.*stray"):
+        load_pretrained(tmp_path, models.from_hf_config)

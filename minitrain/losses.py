@@ -40,7 +40,7 @@ def _vocab_size(head: nn.Module) -> int | None:
 
 
 class _LabelLogProb(torch.autograd.Function):
-    """`log_softmax(logits)[row, label]` in fp32, with a lean backward.
+    """`log_softmax(logits)[row, label]` in fp32 (at least), with a lean backward.
 
     The backward allocates one `(n, V)` tensor, `g * (onehot - softmax)`, built in place from
     the saved logits; autograd's `gather - logsumexp` would hold three or four of them.
@@ -48,16 +48,17 @@ class _LabelLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits.float(), dim=1)  # (n,) fp32
+        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 logits
+        lse = torch.logsumexp(logits.to(acc), dim=1)  # (n,)
         ctx.save_for_backward(logits, labels, lse)
-        return logits.gather(1, labels[:, None]).squeeze(1).float() - lse
+        return logits.gather(1, labels[:, None]).squeeze(1).to(acc) - lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, labels, lse = ctx.saved_tensors
-        grad = logits - lse[:, None]  # (n, V) fp32: bf16 logits promote against the fp32 lse
-        grad.exp_().neg_()  # -softmax, (n, V) fp32
-        grad.scatter_add_(1, labels[:, None], torch.ones_like(lse)[:, None])  # onehot - softmax
+        grad = logits - lse[:, None]  # (n, V) in lse's dtype: bf16 logits promote to fp32
+        grad.exp_().neg_()  # -softmax
+        grad.scatter_add_(1, labels[:, None], torch.ones_like(grad[:, :1]))  # onehot - softmax
         grad.mul_(grad_out[:, None])
         return grad.to(logits.dtype), None
 
@@ -98,7 +99,8 @@ def chunked_token_logprobs(
             pieces.append(checkpoint(_label_logprob, head, h_c, y_c, use_reentrant=False))
         else:
             pieces.append(_label_logprob(head, h_c, y_c))
-    return out.index_put((keep,), torch.cat(pieces)).reshape(labels.shape)
+    picked = torch.cat(pieces)  # (n,)
+    return out.to(picked.dtype).index_put((keep,), picked).reshape(labels.shape)
 
 
 def chunked_cross_entropy_sum(

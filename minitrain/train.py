@@ -346,14 +346,14 @@ def _trainable(model: nn.Module, names: Iterable[str] | None) -> list[tuple[str,
         for n in names:
             if n not in all_named:
                 raise UserError(f"trainable: no parameter named {n!r} — use names from model.named_parameters()")
-            if not all_named[n].requires_grad:
-                raise UserError(f"trainable: {n} does not require grad — unfreeze it (requires_grad_) first")
             named.append((n, all_named[n]))
     if not named:
         raise UserError("model: no trainable parameters — apply adapters or unfreeze the tensors to train")
     for n, p in named:
         if not p.dtype.is_floating_point:
             raise UserError(f"{n}: {p.dtype} tensors cannot be trained — freeze it and train an adapter on it instead")
+        if not p.requires_grad:
+            raise UserError(f"trainable: {n} does not require grad — unfreeze it (requires_grad_) first")
     return named
 
 

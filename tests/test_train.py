@@ -1,0 +1,403 @@
+"""The training loop against references: a full-batch run, torch.optim.AdamW in a hand loop,
+closed-form schedules, F.cross_entropy; plus checkpointing with frozen embeddings and
+non-finite step skipping.
+
+`TinyLM` is a small causal LM satisfying the model contract (HF module names, forward ->
+hidden, `output_projection`, `block_types`); `test_resume.py` imports it from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from minitrain.config import TrainConfig
+from minitrain.data import Batcher, collate_causal
+from minitrain.errors import UserError
+from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.objectives import sft
+from minitrain.train import enable_checkpointing, train
+
+VOCAB = 48
+
+
+# ----------------------------------------------------------------------------- a tiny causal LM
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = (p(x).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(d)
+        self.self_attn = Attention(d, heads)
+        self.post_attention_layernorm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential()
+        self.mlp.add_module("up_proj", nn.Linear(d, 2 * d))
+        self.mlp.add_module("act", nn.GELU())
+        self.mlp.add_module("down_proj", nn.Linear(2 * d, d))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), mask))
+        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class TinyLM(nn.Module):
+    """Embedding -> blocks -> norm -> hidden; `lm_head` is the output projection."""
+
+    block_types = (Block,)
+    is_encoder_decoder = False
+
+    def __init__(self, vocab: int = VOCAB, d: int = 16, layers: int = 2, heads: int = 2, dropout: float = 0.0, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, d)
+        self.model.layers = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.model.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        with torch.no_grad():  # non-trivial norms so every tensor matters
+            for n, p in self.named_parameters():
+                if "norm" in n:
+                    p.add_(0.2 * torch.randn_like(p))
+
+    @property
+    def output_projection(self) -> nn.Module:
+        return self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = input_ids.shape
+        keys = torch.ones(B, T, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = (causal[None] & keys[:, None, :])[:, None]  # (B, 1, T, T)
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        for block in self.model.layers:
+            x = block(x, mask)
+        return self.model.norm(x)
+
+
+def make_examples(n: int, seed: int = 0, lo: int = 3, hi: int = 24) -> list[dict]:
+    """Variable-length SFT examples: a prompt (label -100) and a completion of very uneven length."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, c = rng.randint(1, 6), rng.choice([1, 2, rng.randint(lo, hi)])
+        ids = [rng.randrange(3, VOCAB) for _ in range(p + c)]
+        out.append({"input_ids": ids, "labels": [-100] * p + ids[p:]})
+    return out
+
+
+def collate(examples):
+    return collate_causal(examples, pad_id=0)
+
+
+def cfg_for(tmp_path: Path, **kw) -> TrainConfig:
+    base = dict(out=str(tmp_path / "run"), lr=1e-2, warmup=0.0, schedule="constant", precision="fp32",
+                max_grad_norm=0.0, batch_size=8, grad_accum=1, epochs=1.0)
+    return TrainConfig(**{**base, **kw})
+
+
+def freeze_embeddings(model: nn.Module) -> nn.Module:
+    model.model.embed_tokens.weight.requires_grad_(False)
+    return model
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest |a - b| / |b| over tensors (norms), the measure the accumulation test bounds."""
+    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+# ----------------------------------------------------------------------------- (a) accumulation
+
+
+def naive_mean(model, batch):
+    """A per-micro-batch mean (what many loops do): the loop then averages means over the window."""
+    loss_sum, count, m = sft(model, batch)
+    return loss_sum / count, torch.tensor(1), m
+
+
+def _run(tmp_path, name, objective, examples, **kw):
+    """3 steps of LoRA (minitrain.lora) on TinyLM; returns the adapter weights.
+
+    SGD, not AdamW: Adam's first steps divide each gradient entry by its own magnitude, so an
+    entry of ~3e-7 (a cancellation whose fp32 rounding differs between batchings by ~1e-3 of
+    it) moves the update by ~1e-5 relative: measured, and the same in a naive vs our 8x1 run.
+    SGD keeps the weights linear in the gradients, which is what rule 2 is about; the AdamW
+    path is compared with torch's separately below.
+    """
+    model = TinyLM()
+    lcfg = LoRAConfig(r=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+    apply_lora(model, lcfg)
+    freeze_for_adapters(model, lcfg)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    train(model, objective, examples, collate, cfg_for(tmp_path / name, max_steps=3, **kw), optimizer=opt, log=quiet)
+    return trainable_state(model)
+
+
+def test_batch8_accum1_equals_batch2_accum4_and_mean_of_means_does_not(tmp_path):
+    examples = make_examples(24, seed=1)
+    counts = [sum(t != -100 for t in ex["labels"][1:]) for ex in examples[:8]]
+    assert max(counts) >= 5 * max(1, min(counts))  # the targets per example differ a lot
+
+    full = _run(tmp_path, "b8", sft, examples, batch_size=8, grad_accum=1)
+    accum = _run(tmp_path, "b2x4", sft, examples, batch_size=2, grad_accum=4)
+    assert len(full) == 24 and all(v.abs().sum() > 0 for v in full.values())  # every A and B moved
+    assert max_rel_diff(accum, full) <= 1e-6
+
+    # the same comparison with per-micro-batch means: the data makes the difference visible
+    naive_full = _run(tmp_path, "n8", naive_mean, examples, batch_size=8, grad_accum=1)
+    naive_accum = _run(tmp_path, "n2x4", naive_mean, examples, batch_size=2, grad_accum=4)
+    assert max_rel_diff(naive_full, full) <= 1e-6  # one micro-batch: its mean is the token mean
+    assert max_rel_diff(naive_accum, naive_full) > 1e-2
+
+
+# ----------------------------------------------------------------------------- (b) schedule
+
+
+def test_lr_per_step_from_metrics_is_the_closed_form_under_accumulation(tmp_path):
+    # 100 examples, batch 4 -> 25 micro-batches per epoch; accum 5 -> 5 steps per epoch; 2 epochs
+    msgs: list[str] = []
+    cfg = cfg_for(tmp_path, batch_size=4, grad_accum=5, epochs=2.0, warmup=0.2, schedule="cosine",
+                  lr=3e-3, min_lr_ratio=0.1)
+    model = freeze_embeddings(TinyLM(d=8, layers=1))
+    summary = train(model, sft, make_examples(100, seed=2, hi=8), collate, cfg, log=msgs.append)
+    assert "optimizer steps: 10" in msgs[0] and "warmup steps: 2" in msgs[0] and "grad_accum: 5" in msgs[0]
+    assert "micro-batches/epoch: 25" in msgs[0] and "examples: 100" in msgs[0]
+    assert summary["total_steps"] == 10 and summary["warmup_steps"] == 2
+    got = rows(Path(cfg.out))
+    assert [r["step"] for r in got] == list(range(1, 11))
+    peak, lo, W, N = 3e-3, 3e-4, 2, 10
+    for r in got:
+        s = r["step"]
+        want = peak * s / W if s <= W else lo + (peak - lo) * 0.5 * (1 + math.cos(math.pi * (s - W - 1) / (N - W)))
+        assert r["lr"] == pytest.approx(want, rel=1e-12)
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_mem_mb"):
+        assert all(math.isfinite(r[key]) for r in got), key
+
+
+# ----------------------------------------------------------------------------- (c) AdamW path
+
+
+def test_loop_equals_hand_loop_with_torch_adamw_and_full_logits(tmp_path):
+    examples = make_examples(24, seed=3)
+    cfg = cfg_for(tmp_path, batch_size=3, grad_accum=2, max_steps=4, lr=2e-2, weight_decay=0.1,
+                  max_grad_norm=0.5, warmup=2, schedule="linear", min_lr_ratio=0.0)
+    model = freeze_embeddings(TinyLM(seed=5))
+    train(model, sft, examples, collate, cfg, log=quiet)
+    got = rows(Path(cfg.out))
+
+    # reference: same init, same data order, mean token CE over the window on full logits,
+    # torch.optim.AdamW with decay on matrices only, clip, LR from the closed form
+    ref = freeze_embeddings(TinyLM(seed=5))
+    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=2e-2)
+    order = iter(Batcher([len(e["input_ids"]) for e in examples], 3, seed=cfg.seed, shuffle=True,
+                         group_by_length=False))
+    norms = []
+    for step in range(1, 5):
+        batches = [collate([examples[i] for i in next(order)]) for _ in range(2)]
+        total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        for b in batches:
+            logits = ref.lm_head(ref(b["input_ids"], b["attention_mask"]))[:, :-1]  # (B, T-1, V)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1), reduction="sum")
+            (loss / total).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_([p for _, p in named], 0.5)))
+        for g in opt.param_groups:
+            g["lr"] = 2e-2 * step / 2 if step <= 2 else 2e-2 * (1 - (step - 3) / 2)
+        opt.step()
+        opt.zero_grad()
+    assert [r["grad_norm"] for r in got] == pytest.approx(norms, rel=1e-5)
+    assert max(norms) > 0.5  # clipping was active, and the log holds the pre-clip norm
+    assert max_rel_diff(trainable_state(model), trainable_state(ref)) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- (d) overfit
+
+
+def test_overfitting_one_batch_drives_the_loss_near_zero(tmp_path):
+    examples = make_examples(4, seed=4, lo=6, hi=10)
+    cfg = cfg_for(tmp_path, batch_size=4, max_steps=150, lr=1e-2, max_grad_norm=1.0)
+    model = TinyLM(d=32, layers=2, heads=4)
+    summary = train(model, sft, examples, collate, cfg, log=quiet)
+    first = rows(Path(cfg.out))[0]["loss"]
+    assert first > 3.0 and summary["loss"] < 0.05
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def test_eval_loss_and_ppl_are_mean_token_ce(tmp_path):
+    train_ex, eval_ex = make_examples(8, seed=5), make_examples(7, seed=6)
+    cfg = cfg_for(tmp_path, batch_size=4, max_steps=3, eval_every=2)
+    model = freeze_embeddings(TinyLM())
+    summary = train(model, sft, train_ex, collate, cfg, eval_examples=eval_ex, log=quiet)
+    evals = [r for r in rows(Path(cfg.out)) if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [2, 3]  # every 2 steps and at the end
+    with torch.no_grad():
+        b = collate(eval_ex)
+        logits = model.lm_head(model(b["input_ids"], b["attention_mask"]))[:, :-1]
+        ref = F.cross_entropy(logits.reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1)).item()
+    assert summary["eval/loss"] == pytest.approx(ref, rel=1e-5)
+    assert summary["eval/ppl"] == pytest.approx(math.exp(ref), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- (h) checkpointing
+
+
+def _grads(model, batch):
+    loss, count, _ = sft(model, batch)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_non_reentrant_checkpointing_gives_the_same_grads_with_frozen_embeddings():
+    batch = collate(make_examples(4, seed=7))
+    plain = freeze_embeddings(TinyLM())
+    for n, p in plain.named_parameters():  # adapter-like: only the attention projections train
+        p.requires_grad_("self_attn" in n)
+    wrapped = TinyLM()
+    wrapped.load_state_dict(plain.state_dict())
+    for n, p in wrapped.named_parameters():
+        p.requires_grad_("self_attn" in n)
+    assert enable_checkpointing(wrapped) == 2 and enable_checkpointing(wrapped) == 0  # once only
+    ref, got = _grads(plain, batch), _grads(wrapped, batch)
+    assert ref.keys() == got.keys() and len(ref) == 8
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-6, atol=1e-7)
+        assert ref[n].abs().sum() > 0
+
+
+def test_reentrant_checkpointing_loses_the_gradients_there():
+    """Field report 004: the block input does not require grad (frozen embeddings), so reentrant
+    checkpointing returns an output with no graph and the trainable tensors inside get nothing."""
+    batch = collate(make_examples(4, seed=7))
+    model = TinyLM()
+    for n, p in model.named_parameters():
+        p.requires_grad_("self_attn" in n)
+    for block in model.model.layers:
+        inner = block.forward
+        block.forward = lambda *a, _f=inner: checkpoint(_f, *a, use_reentrant=True)
+    with pytest.warns(UserWarning, match="requires_grad"):
+        loss, _, _ = sft(model, batch)
+    assert not loss.requires_grad  # nothing to backpropagate: "element 0 ... does not require grad"
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_checkpointing_in_the_loop_trains_identically(tmp_path):
+    examples = make_examples(16, seed=8)
+    states = []
+    for flag in (False, True):
+        model = freeze_embeddings(TinyLM())
+        train(model, sft, examples, collate, cfg_for(tmp_path / str(flag), batch_size=4, max_steps=3,
+                                                      checkpointing=flag), log=quiet)
+        states.append(trainable_state(model))
+    assert max_rel_diff(states[1], states[0]) <= 1e-6
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+
+
+def poison_collate(examples):
+    batch = collate(examples)
+    batch["poison"] = any(ex.get("poison") for ex in examples)
+    return batch
+
+
+def poisoned_sft(model, batch):
+    loss_sum, count, m = sft(model, batch)
+    return (loss_sum * float("nan") if batch["poison"] else loss_sum), count, m
+
+
+def test_a_nan_batch_is_skipped_counted_and_reported(tmp_path):
+    examples = make_examples(16, seed=9)
+    examples[5]["poison"] = True
+    msgs: list[str] = []
+    cfg = cfg_for(tmp_path, batch_size=2, grad_accum=2, epochs=1.0)  # 4 steps, 4 windows per epoch
+    model = freeze_embeddings(TinyLM())
+    summary = train(model, poisoned_sft, examples, poison_collate, cfg, log=msgs.append)
+    got = rows(Path(cfg.out))
+    # the skipped window is not an optimizer step: 4 real steps (one window drawn from epoch 2)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert got[-1]["epoch"] == pytest.approx(5 / 4)
+    assert summary["skipped_steps"] == 1 and got[-1]["skipped_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    bad = [m for m in msgs if "non-finite loss" in m]
+    assert len(bad) == 1 and "5" in bad[0].split("examples", 1)[1] and "skipped" in bad[0]
+
+
+def test_a_run_of_bad_steps_stops_with_a_checkpoint(tmp_path):
+    examples = make_examples(16, seed=10)
+    for ex in examples:
+        ex["poison"] = True
+    cfg = cfg_for(tmp_path, batch_size=2, epochs=1.0, max_bad_steps=3)
+    with pytest.raises(UserError, match="3 bad steps in a row") as e:
+        train(freeze_embeddings(TinyLM()), poisoned_sft, examples, poison_collate, cfg, log=quiet)
+    assert "resume=true" in str(e.value)
+    assert (Path(cfg.out) / "checkpoint" / "state.json").is_file()
+    state = json.loads((Path(cfg.out) / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 0 and state["counters"]["skipped_steps"] == 3
+
+
+# ----------------------------------------------------------------------------- misc
+
+
+def test_out_dir_with_a_previous_run_needs_resume_or_overwrite(tmp_path):
+    examples = make_examples(8, seed=11)
+    cfg = cfg_for(tmp_path, batch_size=4, max_steps=1)
+    train(freeze_embeddings(TinyLM()), sft, examples, collate, cfg, log=quiet)
+    with pytest.raises(UserError, match="resume=true .* overwrite=true"):
+        train(freeze_embeddings(TinyLM()), sft, examples, collate, cfg, log=quiet)
+    again = dataclasses.replace(cfg, overwrite=True, max_steps=2)
+    train(freeze_embeddings(TinyLM()), sft, examples, collate, again, log=quiet)
+    assert [r["step"] for r in rows(Path(cfg.out))] == [1, 2]
+
+
+def test_integer_trainable_tensor_is_refused():
+    model = TinyLM()
+    model.register_parameter("count", nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    with pytest.raises(UserError, match="^count: torch.int64"):
+        train(model, sft, make_examples(4), collate, TrainConfig(out="/nonexistent"), trainable=["count"], log=quiet)
+
+
+def test_fp16_with_grad_scaler_runs(tmp_path):
+    cfg = cfg_for(tmp_path, batch_size=4, max_steps=2, precision="fp16", lr=1e-3)
+    model = freeze_embeddings(TinyLM())
+    before = trainable_state(model)
+    summary = train(model, sft, make_examples(8, seed=12), collate, cfg, log=quiet)
+    assert summary["step"] == 2 and math.isfinite(summary["loss"])
+    assert max_rel_diff(trainable_state(model), before) > 0

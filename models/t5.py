@@ -115,7 +115,7 @@ class T5Config:
             self.scale_decoder_outputs = self.tie_word_embeddings
         if self.decoder_start_token_id is None:
             self.decoder_start_token_id = self.pad_token_id
-        self.activation  # validates feed_forward_proj
+        _ = self.activation  # raises ValueError for a feed_forward_proj we do not implement
 
     @property
     def is_gated(self) -> bool:
@@ -618,6 +618,8 @@ class T5ForConditionalGeneration(nn.Module):
         from `encoder_hidden`, later calls may pass `encoder_hidden=None`.
         """
         self._check_precision(decoder_input_ids.device)
+        if encoder_hidden is None and (cache is None or cache.cross_kv[0] is None):
+            raise ValueError("decode: encoder_hidden is None — pass model.encode(...) on the first call (or without a cache)")
         h = self.decoder(decoder_input_ids, decoder_attention_mask, encoder_hidden, attention_mask, cache)
         if self.config.scale_decoder_outputs:
             h = h * self.config.d_model**-0.5  # the tied head expects rescaled inputs (see module docstring)
@@ -723,10 +725,12 @@ def generate(
 
     The encoder runs once; the decoder runs one token per step on a KV cache. Beam search scores
     a finished hypothesis as `sum of log-probs / generated_length ** length_penalty`, where the
-    length counts the generated tokens including eos (not the start token); `early_stopping`
-    is transformers' (False: stop when no running beam can still win by the heuristic, True: when
-    `num_beams` hypotheses are done, "never": by the exact bound). Outputs equal transformers'
-    `generate(do_sample=False)` with the same arguments. Call `model.eval()` first (dropout).
+    length counts the generated tokens including eos (not the start token). `early_stopping` is
+    transformers': False stops an input once its best running beam, scored at the current length,
+    cannot beat its worst finished hypothesis; "never" scores it at the maximum length instead
+    (when length_penalty > 0); True also stops as soon as `num_beams` hypotheses are finished.
+    Outputs equal transformers' `generate(do_sample=False)` with the same arguments, including
+    its padding after eos (pad, or eos when pad is 0). Call `model.eval()` first (dropout).
     """
     cfg = model.config
     eos = _as_list(cfg.eos_token_id if eos_token_id is None else eos_token_id)
@@ -772,8 +776,9 @@ def _beam_search(model, encoder_hidden, attention_mask, start, max_new_tokens, e
       not end (eos, or the length limit);
     - a continuation that ends, and is among the best K of those 2K, competes for the K finished
       slots with score / length ** length_penalty;
-    - `b` stops improving its finished set once the early-stopping heuristic says no running beam
-      can beat its worst finished one (never, for early_stopping=True, until all K slots are full).
+    - `b`'s finished set is frozen once the early-stopping bound says no running beam can beat
+      its worst finished one (and, with early_stopping=True, once all K slots are full);
+    - the search stops when no input can improve, or every candidate ends (eos or length limit).
     """
     B, device = start.shape[0], start.device
     V = model.config.vocab_size

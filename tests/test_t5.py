@@ -141,7 +141,11 @@ def test_bf16_close_to_fp32_reference(ckpt, style):
             input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dmask
         ).logits
     assert logits.dtype == torch.bfloat16
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 weights, bf16 matmuls
+        fp32_model = _ours(ckpt[style])
+        autocast_logits = fp32_model.output_projection(fp32_model(ids, mask, dec, dmask))
     scale = ref.abs().max().item()
+    assert _max_diff_at(autocast_logits, ref, dmask) <= 0.1 * scale
     err = _max_diff_at(logits, ref, dmask)
     assert err <= 0.1 * scale  # bf16 keeps ~3 significant digits; the sharpened tiny model amplifies that
     # no worse than transformers' own bf16 run (which softmaxes in bf16; we do it in fp32), with slack
@@ -310,6 +314,18 @@ def test_from_hf_rejects_unknown_maths_and_ignores_harmless(ckpt):
         T5Config.from_hf({**d, "feed_forward_proj": "gated-gelu-x"})
     with pytest.raises(ValueError, match="config.json: model_type"):
         T5Config.from_hf({**d, "model_type": "bart"})
+    flan = {  # the fields of google/flan-t5-base's config.json on the Hub
+        "architectures": ["T5ForConditionalGeneration"], "d_ff": 2048, "d_kv": 64, "d_model": 768,
+        "decoder_start_token_id": 0, "dense_act_fn": "gelu_new", "dropout_rate": 0.1, "eos_token_id": 1,
+        "feed_forward_proj": "gated-gelu", "initializer_factor": 1.0, "is_encoder_decoder": True,
+        "is_gated_act": True, "layer_norm_epsilon": 1e-06, "model_type": "t5", "n_positions": 512,
+        "num_decoder_layers": 12, "num_heads": 12, "num_layers": 12, "output_past": True, "pad_token_id": 0,
+        "relative_attention_max_distance": 128, "relative_attention_num_buckets": 32,
+        "task_specific_params": {}, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "transformers_version": "4.23.1", "use_cache": True, "vocab_size": 32128,
+    }
+    flan_cfg = T5Config.from_hf(flan)
+    assert not flan_cfg.tie_word_embeddings and not flan_cfg.scale_decoder_outputs and flan_cfg.activation == "gelu_new"
     old = T5Config.from_hf({"d_model": 64, "feed_forward_proj": "relu"})  # pre-transformers-5 defaults
     assert old.tie_word_embeddings and old.scale_decoder_outputs and old.decoder_start_token_id == 0
 

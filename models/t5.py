@@ -526,6 +526,7 @@ class T5ForConditionalGeneration(nn.Module):
     """
 
     is_encoder_decoder = True
+    block_types: ClassVar[tuple[type[nn.Module], ...]] = (T5Block,)  # wrapped for checkpointing / compile
     allow_fp16 = False  # float16 is refused unless set True on the model (see the module docstring)
     # keys that old checkpoints carry but no module uses (transformers ignores them too)
     unused_checkpoint_keys: tuple[str, ...] = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
@@ -541,8 +542,6 @@ class T5ForConditionalGeneration(nn.Module):
         self.register_load_state_dict_pre_hook(_check_checkpoint_keys)
         self.register_load_state_dict_post_hook(_accept_tied_aliases)
         self._warned_fp16 = False
-
-    block_types: ClassVar[tuple[type[nn.Module], ...]] = (T5Block,)
 
     @property
     def input_embeddings(self) -> nn.Embedding:

@@ -109,6 +109,77 @@ def test_shift_labels_is_next_token():
     assert shift_labels(labels).tolist() == [[6, 7, -100, -100], [8, 9, 10, -100]]
 
 
+# ---------------------------------------------------------------------------- objectives vs transformers
+
+
+def _causal_batch(seed=0, B=3, T=9, V=128):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding
+    mask[2, 4:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100  # prompt tokens
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_sft_objective_equals_transformers_llama_loss(hf_causal):
+    import transformers
+
+    import models
+    from minitrain.objectives import sft
+    from minitrain.weights import load_pretrained
+
+    folder = hf_causal("llama_obj")
+    ours = load_pretrained(folder, models.from_hf_config)
+    ref = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    batch = _causal_batch()
+    loss_sum, count, _ = sft(ours, batch)
+    with torch.no_grad():
+        want = ref(**batch).loss  # HF shifts the labels inside and takes the token mean
+    assert count.item() == int((batch["labels"][:, 1:] != -100).sum())
+    torch.testing.assert_close(loss_sum / count, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def t5_folder(tmp_path_factory):
+    import transformers
+
+    cfg = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                                relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # tied head (v1.0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    folder = tmp_path_factory.mktemp("t5_obj")
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.parametrize("with_decoder_inputs", [False, True])
+def test_seq2seq_objective_equals_transformers_t5_loss(t5_folder, with_decoder_inputs):
+    import transformers
+
+    import models
+    from minitrain.data import collate_seq2seq
+    from minitrain.objectives import seq2seq
+    from minitrain.weights import load_pretrained
+
+    ours = load_pretrained(t5_folder, models.from_hf_config).eval()  # dropout_rate 0.1 in the config
+    ref = transformers.T5ForConditionalGeneration.from_pretrained(t5_folder).eval()
+    g = torch.Generator().manual_seed(3)
+    examples = [{"input_ids": torch.randint(2, 64, (n,), generator=g).tolist() + [1],
+                 "labels": torch.randint(2, 64, (m,), generator=g).tolist() + [1]}
+                for n, m in ((5, 3), (9, 7), (2, 1))]
+    batch = collate_seq2seq(examples, pad_id=0)
+    if not with_decoder_inputs:  # the objective shifts the labels right itself
+        batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    loss_sum, count, _ = seq2seq(ours, batch)
+    with torch.no_grad():
+        want = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    assert count.item() == sum(len(ex["labels"]) for ex in examples)
+    torch.testing.assert_close(loss_sum / count, want, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------- peak memory
 
 _MEASURE = r"""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -528,8 +529,9 @@ class T5ForConditionalGeneration(nn.Module):
     is_encoder_decoder = True
     block_types: ClassVar[tuple[type[nn.Module], ...]] = (T5Block,)  # wrapped for checkpointing / compile
     allow_fp16 = False  # float16 is refused unless set True on the model (see the module docstring)
-    # keys that old checkpoints carry but no module uses (transformers ignores them too)
-    unused_checkpoint_keys: tuple[str, ...] = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
+    # keys (regexes) that old checkpoints carry but no module uses (transformers ignores them too);
+    # minitrain's loader skips them as well
+    ignore_checkpoint_keys: tuple[str, ...] = (r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",)
 
     def __init__(self, config: T5Config):
         super().__init__()
@@ -661,8 +663,9 @@ def _tied_groups(model: T5ForConditionalGeneration) -> list[list[str]]:
 
 def _check_checkpoint_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
     """load_state_dict pre-hook: drop keys no module uses; refuse a tied head that differs from `shared`."""
-    for key in module.unused_checkpoint_keys:
-        state_dict.pop(prefix + key, None)
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if any(re.search(p, key[len(prefix):]) for p in module.ignore_checkpoint_keys):
+            state_dict.pop(key)
     head, emb = state_dict.get(prefix + "lm_head.weight"), state_dict.get(prefix + "shared.weight")
     if module.config.tie_word_embeddings and head is not None and emb is not None:
         if head.shape != emb.shape or not torch.equal(head.to(emb.dtype), emb):

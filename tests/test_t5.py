@@ -383,6 +383,20 @@ def test_minitrain_loader_builds_and_loads(ckpt, style):
     assert _max_diff_at(mine, ref, dmask) <= 1e-4
 
 
+def test_minitrain_loader_skips_the_unused_cross_attention_bias(ckpt, tmp_path):
+    from safetensors.torch import save_file
+
+    from minitrain.weights import load_pretrained
+    from models import from_hf_config
+
+    sd = load_file(ckpt["v1.0"] / "model.safetensors")
+    (tmp_path / "config.json").write_text((ckpt["v1.0"] / "config.json").read_text())
+    save_file({**sd, "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight": torch.zeros(8, 4)},
+              tmp_path / "model.safetensors")
+    model = load_pretrained(tmp_path, from_hf_config)
+    assert torch.equal(model.shared.weight, sd["shared.weight"])
+
+
 def test_no_warning_in_fp32(ckpt):
     model = _ours(ckpt["v1.0"])
     ids, mask, dec, dmask = _batch()

@@ -30,6 +30,7 @@ from minitrain import checkpoint, data
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
+from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
 from minitrain.weights import load_pretrained
 
@@ -79,7 +80,11 @@ def check_out_dir(cfg: Any) -> Path:
         raise UserError(f"{out}: is a file, not a folder — choose another out")
     if cfg.resume:
         if not out.is_dir() or checkpoint.find(out) is None:
+            if out.is_dir() and any(out.iterdir()):
+                raise UserError(f"{out}: holds no checkpoint to resume from (the run there stopped before its "
+                                f"first save) — pass overwrite=true instead of resume=true to start it again")
             raise UserError(f"{out}: holds no checkpoint to resume from — run without resume=true first")
+        check_resume(cfg)
         return out
     if not out.is_dir() or not any(out.iterdir()) or cfg.overwrite:
         return out
@@ -94,8 +99,33 @@ def check_out_dir(cfg: Any) -> Path:
     if differs:
         raise UserError(f"{out}: holds a different run (config differs in {', '.join(differs)}) "
                         f"— pass overwrite=true or choose another out")
+    if checkpoint.find(out) is None:
+        raise UserError(f"{out}: holds a run of this same config ({', '.join(outputs)}) that stopped before its "
+                        f"first checkpoint — pass overwrite=true to start it again, or choose another out")
     raise UserError(f"{out}: holds a run of this same config ({', '.join(outputs)}) — pass resume=true to "
                     f"continue it, overwrite=true to replace it, or choose another out")
+
+
+def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
+    """Refuse `resume=true` when the checkpoint in `cfg.out` was made with other settings (writes nothing).
+
+    The loop refuses the same when it loads the checkpoint, but by then `prepare_out_dir` has
+    rewritten `config.json`; checking here keeps a refused resume from changing the folder.
+    `run` adds values only known after reading the data (num_examples, total_steps, warmup_steps).
+    """
+    folder = checkpoint.find(cfg.out)
+    if not cfg.resume or folder is None:
+        return
+    try:
+        saved = json.loads((folder / "state.json").read_text(encoding="utf-8"))["run"]
+        items = list(saved.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # an unreadable checkpoint is reported by checkpoint.load, with its own message
+    mine = {**{k: getattr(cfg, k) for k, _ in items if hasattr(cfg, k)}, **(run or {})}
+    for k, v in items:
+        if k in mine and mine[k] != v:
+            raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={mine[k]} "
+                            f"— resume with the same settings, or start a new out folder")
 
 
 def config_differences(cfg: Any, config_path: Path) -> list[str]:
@@ -175,8 +205,13 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> tuple[
     tok = Tokenizer.from_folder(folder, chat_format=None if cfg.chat_format == "auto" else cfg.chat_format)
     hook = None
     if cfg.quantize != "none":
-        from minitrain.quant import quantize_hook  # imports bitsandbytes: only when asked for
+        from minitrain.quant import quantize_hook, require_bitsandbytes  # bitsandbytes: only when asked for
 
+        try:
+            require_bitsandbytes()
+        except UserError as e:
+            raise UserError(f"quantize={cfg.quantize}: {e.message.removeprefix('quantized loading: ')} "
+                            f"(or use quantize=none)") from None
         if device.type != "cuda":
             raise UserError(f"quantize={cfg.quantize}: bitsandbytes quantized training needs a CUDA device, "
                             f"this run is on {device} — use quantize=none")
@@ -241,6 +276,11 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
     if not train:
         raise UserError(f"{cfg.data}: no usable examples ({train.skipped} rows left no target token within "
                         f"max_len={cfg.max_len}) — check the rows or raise max_len")
+    # the run's size in optimizer steps (warmup longer than the run, ...) is refused now, before
+    # prepare_out_dir writes anything, rather than by the loop
+    total, warmup, _ = resolve_steps(len(train), cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps,
+                                     cfg.warmup)
+    check_resume(cfg, {"num_examples": len(train), "total_steps": total, "warmup_steps": warmup})
     evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
     for name, ex in (("train", train), ("eval", evals)):
         if ex is not None:

@@ -1,0 +1,205 @@
+"""Seq2seq LoRA on T5 / FLAN-T5, evaluated by generation (ROUGE-1/2/L), with early stopping.
+
+Trains on JSONL rows `{"prompt": "...", "completion": "..."}` (other key names: `fields`):
+
+    python -m minitrain recipes/lora_t5.py model=path/to/flan-t5-base data=train.jsonl \\
+        eval_data=val.jsonl out=runs/flan-t5-base eval_every=500 patience=10
+    python -m minitrain recipes/lora_t5.py ... fields='{"prompt": "context", "completion": "question"}'
+
+Loss: decoder cross-entropy on the completion + eos, teacher-forced (objective `seq2seq`). Every
+`eval_every` optimizer steps and at the end, on `eval_data`: `eval/loss`, then the model generates
+(greedy, or beam search with `num_beams`) and is scored against the references with ROUGE
+(`eval/rouge1`, `eval/rouge2`, `eval/rougeL`: mean F-measure, rouge-score's tokenisation, no
+stemming). `out/best_adapter` keeps the adapter of the best evaluation by `early_stop_metric`;
+with `patience` > 0 the run stops after that many evaluations without an improvement larger
+than `min_delta`.
+
+LoRA: r=16 on every attention and feed-forward projection (`q k v o`, and `wi_0 wi_1 wo` on
+v1.1 / FLAN-T5 or `wi wo` on T5 v1.0; targets that name no module of the model are skipped).
+Precision: bf16 autocast where the GPU supports it (`precision=auto`); T5's activations overflow
+float16, so `precision=fp16` is refused. `warmup` below 1 is a ratio of the optimizer steps.
+
+`added_tokens='["[Question]"]'` (JSON, as the value starts with "[") adds special tokens to the tokenizer and grows the embedding and head
+(new rows: the mean of the old ones) BEFORE the adapters attach; the adapter then records the
+grown vocabulary size, and `out/adapter` holds the tokenizer with the new tokens. To use such an
+adapter elsewhere: load the tokenizer from the adapter folder, `model.resize_token_embeddings`
+to its size, then load the adapter. The new rows only train if you also pass
+`modules_to_save=shared,lm_head`, which trains both matrices in full (costly; reported loudly).
+
+Writes out/config.json, metrics.jsonl, predictions/step_NNNNNNN.jsonl (every evaluation's outputs
+with per-example scores), checkpoint/ (resume=true), adapter/ (last step) and best_adapter/
+(PEFT format, with the tokenizer). Compare runs: `python tools/plot.py runs/a runs/b --metric
+loss,eval/rougeL --out curves.png`. `--help` lists every key.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import models
+from models.t5 import generate
+from minitrain import data
+from minitrain.config import TrainConfig, doc
+from minitrain.data import collate_seq2seq
+from minitrain.errors import UserError
+from minitrain.lora import ADAPTER_CONFIG, save_adapter
+from minitrain.objectives import seq2seq
+from minitrain.run import (ADAPTER_DIR, attach_adapters, base_dtype, check_out_dir, finish, load_model, log,
+                           pick_device, prepare_out_dir)
+from minitrain.seq2seq_eval import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, EarlyStopping, GenerationEval
+from minitrain.tokenizer import Tokenizer
+from minitrain.train import train
+
+T5_TARGETS = ["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"]
+
+
+@dataclass
+class Seq2SeqConfig(TrainConfig):
+    """TrainConfig plus the keys of a generation-evaluated seq2seq run."""
+
+    fields: dict[str, str] = doc({}, 'your row keys for "prompt" / "completion", e.g. {"prompt": "question"}')
+    max_target_len: int = doc(256, "maximum decoder tokens per example (completion + eos); longer ones are cut", ge=1)
+    added_tokens: list[str] = doc([], 'special tokens to add, e.g. \'["[Question]"]\'; embeddings grow before adapters attach')
+    num_beams: int = doc(1, "generation at eval: 1 is greedy, more is beam search", ge=1)
+    max_new_tokens: int = doc(128, "tokens generated per eval example at most", ge=1)
+    early_stop_metric: str = doc("eval/rougeL", "the eval metric that picks out/best_adapter and drives patience",
+                                 choices=("eval/rougeL", "eval/rouge1", "eval/rouge2", "eval/loss"))
+    patience: int = doc(0, "stop after this many evaluations in a row without improvement (0: never stop early)", ge=0)
+    min_delta: float = doc(0.0, "an improvement must exceed this to reset patience (best_adapter follows any gain)",
+                           ge=0)
+
+    def check(self) -> None:
+        super().check()
+        if self.precision == "fp16":
+            raise UserError("precision=fp16: T5 activations overflow float16 (inf, then NaN loss) — use "
+                            "precision=bf16 on a GPU that has it, or fp32 (precision=auto picks for you)")
+        for k, v in self.fields.items():
+            if k not in ("prompt", "completion") or not isinstance(v, str) or not v:
+                raise UserError(f"fields: {json.dumps({k: v})} — map \"prompt\" and/or \"completion\" to the key "
+                                f"names of your rows, e.g. fields={{\"prompt\": \"question\"}}")
+        if self.patience and not self.eval_data:
+            raise UserError(f"patience={self.patience}: early stopping needs eval_data — pass eval_data=val.jsonl, "
+                            f"or patience=0")
+        if self.patience and not self.eval_every:
+            raise UserError(f"patience={self.patience}: with eval_every=0 the run is evaluated only at its end — "
+                            f"pass eval_every=<optimizer steps between evaluations>")
+
+
+config = Seq2SeqConfig(
+    out="runs/lora_t5",
+    lr=3e-4,
+    warmup=0.06,
+    schedule="linear",
+    batch_size=8,
+    grad_accum=1,
+    max_len=512,
+    lora_r=16,
+    lora_alpha=32.0,
+    lora_dropout=0.05,
+    lora_targets=list(T5_TARGETS),
+)
+
+
+def add_tokens(model, tok: Tokenizer, tokens: list[str]) -> None:
+    """Add special tokens, then grow the embedding and head to the tokenizer's size (never shrink).
+
+    Before the adapters attach, so the adapter (and any modules_to_save copy) sees the final
+    vocabulary. T5 checkpoints carry spare rows (32128 rows for 32100 tokens): tokens that fit
+    there need no resize, but their rows were never trained either.
+    """
+    if not tokens:
+        return
+    new = tok.add_special_tokens(tokens)
+    ids = {t: tok.token_to_id(t) for t in tokens}
+    rows = model.input_embeddings.num_embeddings
+    if tok.vocab_size > rows:
+        model.resize_token_embeddings(tok.vocab_size)
+        log(f"added_tokens: {new} new ({ids}); embedding and head resized {rows} -> {tok.vocab_size} rows "
+            f"(new rows = mean of the old ones)")
+    else:
+        log(f"added_tokens: {new} new ({ids}); they fit in the model's {rows} embedding rows, no resize")
+
+
+def check_init_adapter_vocab(cfg: Seq2SeqConfig, model) -> None:
+    """An adapter trained with added tokens needs the same tokens here: say which, before loading."""
+    path = Path(cfg.init_adapter) / ADAPTER_CONFIG
+    if not cfg.init_adapter or not path.is_file():
+        return  # load_adapter reports a missing folder
+    try:
+        vocab = json.loads(path.read_text()).get("vocab_size")
+    except ValueError:
+        return  # load_adapter reports the bad JSON with its line
+    rows = model.input_embeddings.num_embeddings
+    if vocab is None or vocab == rows:
+        return
+    hint = ""
+    try:
+        saved = Tokenizer.from_folder(cfg.init_adapter)  # the recipe saves the tokenizer with the adapter
+        extra = [saved.id_to_token(i) for i in range(rows, saved.vocab_size)]
+        if extra and all(extra):
+            hint = f" (its tokenizer adds {', '.join(extra)})"
+    except (UserError, OSError, ValueError):
+        pass
+    raise UserError(f"init_adapter={cfg.init_adapter}: the adapter was trained with {vocab} embedding rows, this "
+                    f"model has {rows} — pass the added_tokens of the run that trained it{hint}, so the embeddings "
+                    f"are resized before the adapter loads")
+
+
+def read_examples(cfg: Seq2SeqConfig, tok: Tokenizer) -> tuple[list[dict], list[dict] | None]:
+    """(train, eval) seq2seq examples, with `fields` and `max_target_len` (eval: None without eval_data)."""
+    if not cfg.data:
+        raise UserError("data: not set — pass data=path/to/train.jsonl")
+    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side, max_target_len=cfg.max_target_len,
+                   fields=cfg.fields)
+    train_ex = data.read_seq2seq(cfg.data, tok, **options)
+    eval_ex = data.read_seq2seq(cfg.eval_data, tok, **options) if cfg.eval_data else None
+    for name, ex in (("train", train_ex), ("eval", eval_ex)):
+        if ex is not None:
+            log(f"data ({name}): {len(ex)} examples from {ex.path}"
+                + (f", {ex.truncated} truncated (max_len={cfg.max_len}, max_target_len={cfg.max_target_len})"
+                   if ex.truncated else ""))
+    return train_ex, eval_ex
+
+
+def run(config: Seq2SeqConfig) -> dict:
+    """Load, add tokens, adapt, train with generation eval, save the last and the best adapter."""
+    check_out_dir(config)  # a refusal comes before minutes of loading
+    model, tok = load_model(config, models.from_hf_config)
+    if not model.is_encoder_decoder:
+        raise UserError(f"{config.model}: is a causal LM ({model.hf_config.get('model_type')}) — this recipe trains "
+                        f"T5 / FLAN-T5; use recipes/sft_llama.py")
+    add_tokens(model, tok, config.added_tokens)
+    check_init_adapter_vocab(config, model)
+    lora = attach_adapters(model, config)
+    train_examples, eval_examples = read_examples(config, tok)
+    out = prepare_out_dir(config)
+    if not config.resume:  # no stale best adapter or predictions beside a new run
+        for stale in (BEST_DIR, PREDICTIONS_DIR):
+            shutil.rmtree(out / stale, ignore_errors=True)
+
+    def save_with_tokenizer(m, folder: Path) -> None:
+        save_adapter(m, folder, lora)
+        tok.save(folder)
+
+    eval_fn = None
+    if eval_examples:
+        dtype = base_dtype(config.precision, pick_device(config.device))
+        stopper = EarlyStopping(config.early_stop_metric, config.patience, config.min_delta)
+        eval_fn = GenerationEval(eval_examples, tok, generate, out_dir=out, save_best=save_with_tokenizer,
+                                 stopper=stopper, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
+                                 num_beams=config.num_beams, amp_dtype=None if dtype == torch.float32 else dtype)
+    collate = functools.partial(collate_seq2seq, pad_id=tok.pad_id,
+                                decoder_start_id=model.config.decoder_start_token_id)
+    summary = train(model, seq2seq, train_examples, collate, config, eval_examples=eval_examples, eval_fn=eval_fn)
+    finish(model, config, lora, summary)
+    tok.save(out / ADAPTER_DIR)
+    if (out / BEST_DIR / BEST_FILE).is_file():
+        best = json.loads((out / BEST_DIR / BEST_FILE).read_text())
+        log(f"best adapter: {out / BEST_DIR} (step {best['step']}, {best['metric']} {best['value']:.4f})")
+    return summary

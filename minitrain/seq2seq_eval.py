@@ -231,7 +231,9 @@ class GenerationEval:
         self.options = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, num_beams=num_beams,
                             amp_dtype=amp_dtype)
         self.log = log or functools.partial(print, flush=True)
-        self.inputs = [tok.decode(ex["input_ids"]) for ex in self.examples]
+        eos = [tok.eos_id] if tok.eos_id is not None else []
+        # inputs as the model saw them, added tokens such as [Question] included
+        self.inputs = [tok.decode(until_eos(ex["input_ids"], eos), skip_special=False) for ex in self.examples]
         self.references = [tok.decode(ex["labels"]) for ex in self.examples]  # -100 dropped by decode
         self._replayed = False
 

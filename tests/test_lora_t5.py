@@ -162,6 +162,7 @@ def test_logged_rouge_equals_rouge_score_on_the_predictions(smoke, tiny):
             continue
         preds = rows_of(out / "predictions" / f"step_{row['step']:07d}.jsonl")
         assert [" ".join(p["reference"].split()) for p in preds] == [" ".join(c.split()) for c in completions]
+        assert all(p["input"].startswith("[Question]") for p in preds), preds[0]["input"]  # shown, not skipped
         for t in ("rouge1", "rouge2", "rougeL"):
             theirs = [scorer.score(p["reference"], p["prediction"])[t].fmeasure for p in preds]
             assert row[f"eval/{t}"] == pytest.approx(sum(theirs) / len(theirs), abs=1e-12)

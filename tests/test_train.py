@@ -401,3 +401,96 @@ def test_fp16_with_grad_scaler_runs(tmp_path):
     summary = train(model, sft, make_examples(8, seed=12), collate, cfg, log=quiet)
     assert summary["step"] == 2 and math.isfinite(summary["loss"])
     assert max_rel_diff(trainable_state(model), before) > 0
+
+
+def test_checkpointing_a_real_llama_with_lora_gives_the_same_grads(hf_causal):
+    import models
+    from minitrain.weights import load_pretrained
+
+    folder = hf_causal("llama_ckpt")
+    batch = collate_causal(make_examples(3, seed=13), pad_id=0)
+    grads = []
+    for flag in (False, True):
+        model = load_pretrained(folder, models.from_hf_config)
+        torch.manual_seed(0)  # the same adapter init in both runs
+        lcfg = LoRAConfig(r=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+        apply_lora(model, lcfg)
+        freeze_for_adapters(model, lcfg)  # embeddings frozen: the case reentrant checkpointing breaks
+        with torch.no_grad():  # B = 0 at init would leave A without gradient in both runs
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        if flag:
+            assert enable_checkpointing(model) == 2
+        grads.append(_grads(model, batch))
+    assert len(grads[0]) == 12 and grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-6, atol=1e-8)
+        assert grads[0][n].abs().sum() > 0
+
+
+def test_compile_on_cpu_is_a_logged_no_op(tmp_path):
+    msgs: list[str] = []
+    model = freeze_embeddings(TinyLM())
+    train(model, sft, make_examples(4), collate, cfg_for(tmp_path, batch_size=4, max_steps=1, compile=True),
+          log=msgs.append)
+    assert any("compile=true ignored on cpu" in m for m in msgs)
+    assert not hasattr(model.model.layers[0], "_compiled_call_impl") or model.model.layers[0]._compiled_call_impl is None
+
+
+def test_objective_metrics_are_averaged_over_the_window(tmp_path):
+    def with_metric(model, batch):
+        loss_sum, count, _ = sft(model, batch)
+        return loss_sum, count, {"n_examples": float(batch["input_ids"].shape[0])}
+
+    # 10 examples, batch 4, accum 3: one window of micro-batches with 4, 4 and 2 examples
+    cfg = cfg_for(tmp_path, batch_size=4, grad_accum=3, max_steps=1)
+    train(freeze_embeddings(TinyLM()), with_metric, make_examples(10), collate, cfg, log=quiet)
+    assert rows(Path(cfg.out))[0]["n_examples"] == pytest.approx(10 / 3)
+
+
+_RANK = r"""
+import sys, torch, torch.distributed as dist
+sys.path[:0] = [{tests!r}, {root!r}]
+torch.set_num_threads(1)
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method={init!r}, rank=rank, world_size=2)
+from safetensors.torch import save_file
+from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, trainable_state
+from minitrain.objectives import sft
+from minitrain.train import train
+from pathlib import Path
+model = freeze_embeddings(TinyLM())
+opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+train(model, sft, make_examples(24, seed=1), collate, cfg_for(Path({out!r}), batch_size=4, max_steps=3),
+      optimizer=opt, log=quiet)
+save_file(trainable_state(model), {out!r} + f"/rank{{rank}}.safetensors")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
+    """Rule 2 across ranks: each rank takes half of each micro-batch; counts and grads are summed."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "dist"
+    out.mkdir()
+    code = _RANK.format(tests=str(here), root=str(here.parent), init=f"file://{tmp_path / 'rendezvous'}", out=str(out))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errs = [p.communicate(timeout=None)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
+
+    model = freeze_embeddings(TinyLM())
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    train(model, sft, make_examples(24, seed=1), collate, cfg_for(tmp_path / "one", batch_size=4, max_steps=3),
+          optimizer=opt, log=quiet)
+    one = trainable_state(model)
+    r0, r1 = load_file(out / "rank0.safetensors"), load_file(out / "rank1.safetensors")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)  # the ranks stayed in sync
+    assert max_rel_diff(r0, one) <= 1e-6
+    assert [r["step"] for r in rows(out / "run")] == [1, 2, 3]  # rank 0 alone wrote the log

@@ -289,7 +289,13 @@ def _parse_list(s: str, tp: Any) -> Any:
     args = [a for a in typing.get_args(tp) if a is not Ellipsis]
     elem = args[0] if args else None
     what = f"a list of {type_name(elem)}" if elem is not None else "a list"
-    if s.startswith("["):
+    as_json = s.startswith("[")
+    if as_json and unwrap_optional(elem)[0] is str:
+        try:  # `added_tokens=[Question]` is a plain string that merely starts with "["
+            json.loads(s)
+        except (ValueError, RecursionError):
+            as_json = False
+    if as_json:
         items = _json(s, f'{what} (a,b or ["a","b"])')
         if not isinstance(items, list):
             raise _Bad(what)

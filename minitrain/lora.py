@@ -397,7 +397,8 @@ class LoRALinear8bit(LoRALinear):
 def _wrap(base: nn.Module, cfg: LoRAConfig) -> LoRALinear:
     kind = _quant_kind(base)
     cls = {"4bit": LoRALinear4bit, "8bit": LoRALinear8bit, None: LoRALinear}[kind]
-    return cls(base, cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, cfg.dtype)
+    # the new layer follows the model's mode: dropout stays off on a model in eval()
+    return cls(base, cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, cfg.dtype).train(base.training)
 
 
 # ----------------------------------------------------------------------------- applying

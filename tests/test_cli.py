@@ -415,3 +415,12 @@ def test_subclass_fields_are_validated_from_their_metadata():
         validate(DPOConfig(beta=-1.0))
     with pytest.raises(UserError, match=r"^loss=ipp: must be one of sigmoid \| ipo — did you mean loss=ipo\?$"):
         validate(DPOConfig(loss="ipp"))
+
+
+def test_list_of_str_starting_with_bracket_is_a_plain_value():
+    """`added_tokens=[Question]`: not JSON, so a plain string list (a JSON list still works)."""
+    from minitrain.cli import parse_value
+
+    assert parse_value("[Question]", list[str]) == ["[Question]"]
+    assert parse_value("[Question],[Answer]", list[str]) == ["[Question]", "[Answer]"]
+    assert parse_value('["a","b"]', list[str]) == ["a", "b"]

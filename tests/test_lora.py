@@ -727,3 +727,10 @@ def test_qlora_llama_trains_adapters_and_merges_to_hf(hf_causal, kind):
     hf = _hf_llama(folder)
     hf.load_state_dict(merged_state_dict(model), strict=True)
     torch.testing.assert_close(_logits(hf, TOKENS), want, rtol=0, atol=1e-5)
+
+
+def test_wrapped_layers_follow_the_model_mode():
+    """A model in eval() gets adapter layers in eval(): their dropout must not switch on."""
+    model = TinyLM().eval()
+    apply_lora(model, LoRAConfig(r=2, alpha=4, dropout=0.5, targets=("q_proj",)))
+    assert not any(m.training for m in model.modules())

@@ -151,10 +151,12 @@ def make_ard(model: nn.Module, *, init_std: float = 0.1, prior_precision: float 
     """
     if not init_std > 0 or not prior_precision > 0:
         raise UserError(f"make_ard: init_std={init_std}, prior_precision={prior_precision} must be > 0 — e.g. 0.1 and 1.0")
-    names = []
-    for name, m in model.named_modules():
+    modules = list(model.named_modules())  # collected first: the loop below replaces submodules
+    for name, m in modules:
         if isinstance(m, _ARDDelta):
             raise UserError(f"make_ard: {name} already has ARD gates — convert a model once")
+    names = []
+    for name, m in modules:
         if type(m) in _ARD_CLASS:
             train = m.lora_A.weight.requires_grad
             m.lora_A = RankGate(m.lora_A, init_std, prior_precision)

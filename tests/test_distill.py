@@ -221,6 +221,29 @@ def test_eval_mode_returns_the_student_token_ce(pair):
     assert int(count) == int((y != -100).sum())
 
 
+def test_nf4_teacher(pair, hf_causal):
+    """A 4-bit teacher: the KD is against the quantized teacher's own logits, still no gradient into it."""
+    pytest.importorskip("bitsandbytes")
+    import models
+    from minitrain.quant import quantize_hook
+    from minitrain.weights import load_pretrained
+
+    student, _ = pair
+    # widths multiples of 64: bitsandbytes' CPU inference kernel of an (unwrapped) Linear4bit needs whole blocks
+    t_dir = hf_causal("distill_teacher_128", seed=1, hidden_size=128, intermediate_size=256)
+    teacher = load_pretrained(t_dir, models.from_hf_config, tensor_hook=quantize_hook("nf4", compute_dtype=torch.float32))
+    obj = make_distill_objective(teacher, temperature=2.0, kd_weight=1.0, ce_weight=0.0, top_k=9)
+    batch = batch_of(ROWS)
+    loss_sum, _, _ = obj(student.train(), batch)
+    y = F.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
+    keep = y != -100
+    with torch.no_grad():
+        z = student.output_projection(student(batch["input_ids"], batch["attention_mask"])).reshape(-1, 128)[keep]
+        u = teacher.output_projection(teacher(batch["input_ids"], batch["attention_mask"])).reshape(-1, 128)[keep]
+    torch.testing.assert_close(loss_sum.double(), reference(z, y[keep], u, 2.0, 9)[1].sum(), rtol=1e-5, atol=1e-5)
+    assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(kd_weight=0.0, ce_weight=0.0), dict(top_k=-1)])
 def test_bad_settings_are_user_errors(pair, bad):
     kw = {**dict(temperature=2.0, kd_weight=0.5, ce_weight=0.5), **bad}

@@ -42,7 +42,7 @@ from torch import nn
 
 from minitrain.errors import UserError
 from minitrain.lora import LoRALinear, LoRALinear4bit, LoRALinear8bit
-from minitrain.weights import _read_tensor, checkpoint_files, read_header
+from minitrain.weights import read_tensor, checkpoint_files, read_header
 
 QUANTIZED_LORA = (LoRALinear4bit, LoRALinear8bit)
 
@@ -126,7 +126,7 @@ def init_lrc(model: nn.Module, fp_weights_source: str | os.PathLike, rank: int |
                 if list(info["shape"]) != [m.out_features, m.in_features]:
                     raise UserError(f"{path}: {key} has shape {tuple(info['shape'])} but the model's layer is "
                                     f"({m.out_features}, {m.in_features}) — pass the checkpoint this model was loaded from")
-                W = _read_tensor(f, path, start, info).to(device=m.lora_A.weight.device, dtype=torch.float32)
+                W = read_tensor(f, path, start, info).to(device=m.lora_A.weight.device, dtype=torch.float32)
                 report.append(_correct(name, m, W, iters))
                 del W
     if log is not None and report:

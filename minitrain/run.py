@@ -213,8 +213,8 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> tuple[
             raise UserError(f"quantize={cfg.quantize}: {e.message.removeprefix('quantized loading: ')} "
                             f"(or use quantize=none)") from None
         if device.type != "cuda":
-            raise UserError(f"quantize={cfg.quantize}: bitsandbytes quantized training needs a CUDA device, "
-                            f"this run is on {device} — use quantize=none")
+            log(f"note: quantize={cfg.quantize} on {device}: bitsandbytes' CPU kernels work but are slow — "
+                f"meant for trying a recipe, not for long runs")
         hook = quantize_hook(cfg.quantize, compute_dtype=dtype)  # float layers and 4-bit matmuls alike
     model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)
     emb = getattr(model, "input_embeddings", None)

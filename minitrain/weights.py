@@ -150,7 +150,7 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     return header, 8 + n
 
 
-def _read_tensor(f, path: Path, data_start: int, info: dict) -> torch.Tensor:
+def read_tensor(f, path: Path, data_start: int, info: dict) -> torch.Tensor:
     """Read one tensor from an open file straight into a fresh (owned, not mmapped) tensor."""
     t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
     buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, writable
@@ -202,7 +202,7 @@ def load_pretrained(
             with open(path, "rb") as f:
                 # file order: sequential reads
                 for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                    t = _read_tensor(f, path, data_start, info)
+                    t = read_tensor(f, path, data_start, info)
                     if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                         t = t.to(dtype)  # rebinding t frees the uncast buffer: one extra tensor at most
                     t = t.to(device)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
 
 import models
 from minitrain.config import TrainConfig, doc
@@ -24,11 +23,8 @@ from minitrain.data import collate_causal
 from minitrain.errors import UserError
 from minitrain.lrc import init_lrc
 from minitrain.objectives import sft
-from minitrain.run import (Job, attach_adapters, base_dtype, check_out_dir, finish, load_examples, load_model, log,
-                           pick_device, prepare_out_dir)
-from minitrain.tokenizer import Tokenizer
+from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
 from minitrain.train import train
-from minitrain.weights import load_pretrained
 
 
 @dataclass
@@ -54,32 +50,9 @@ config = LRCConfig(
 )
 
 
-def load_quantized(config: LRCConfig) -> tuple[torch.nn.Module, Tokenizer]:
-    """`run.load_model`; on a CPU, which it refuses to quantize, the same steps with bitsandbytes' CPU kernels.
-
-    A stopgap until `run.load_model` accepts quantized CPU runs: bitsandbytes >= 0.45 has CPU nf4 /
-    int8 kernels (slow: for tests and small models).
-    """
-    device = pick_device(config.device)
-    if device.type == "cuda" or not config.model:
-        return load_model(config, models.from_hf_config)
-    from minitrain.quant import quantize_hook  # bitsandbytes, or a UserError saying how to install it
-
-    dtype = base_dtype(config.precision, device)
-    tok = Tokenizer.from_folder(config.model, chat_format=None if config.chat_format == "auto" else config.chat_format)
-    model = load_pretrained(config.model, models.from_hf_config, dtype=dtype, device=device,
-                            tensor_hook=quantize_hook(config.quantize, compute_dtype=dtype))
-    rows = model.input_embeddings.num_embeddings
-    if tok.vocab_size > rows:
-        raise UserError(f"{config.model}: the tokenizer has {tok.vocab_size} ids but the model's embedding has "
-                        f"{rows} rows — use the tokenizer saved with these weights")
-    log(f"model: {config.model} on {device}, base in {config.quantize} (bitsandbytes CPU kernels: slow)")
-    return model, tok
-
-
 def setup(config: LRCConfig) -> Job:
     """Load the quantized base, attach adapters, set them to the quantization error, read the data; writes nothing."""
-    model, tok = load_quantized(config)
+    model, tok = load_model(config, models.from_hf_config)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs")
     if config.init_adapter:

@@ -108,8 +108,8 @@ def test_reads_only_the_needed_tensors_from_a_sharded_checkpoint(hf_causal, tmp_
     assert (sharded / "model.safetensors.index.json").is_file()
     model = quantized(src, targets=["q_proj", "down_proj"])
     reads = []
-    real = lrc._read_tensor
-    monkeypatch.setattr(lrc, "_read_tensor", lambda f, path, start, info: reads.append(info) or real(f, path, start, info))
+    real = lrc.read_tensor
+    monkeypatch.setattr(lrc, "read_tensor", lambda f, path, start, info: reads.append(info) or real(f, path, start, info))
     report = init_lrc(model, sharded)
     assert len(reads) == len(report) == 4  # 2 layers x (q_proj, down_proj); nothing else is read
 

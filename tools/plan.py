@@ -1,0 +1,157 @@
+"""Predict a recipe's peak GPU memory before running it, and what to change to make it fit.
+
+    python tools/plan.py RECIPE.py key=value ... [--gpu-mem 12GiB] [--seq N] [--targets N] [--device cuda|cpu] [--all]
+
+The recipe's config is loaded exactly as `python -m minitrain RECIPE.py key=value ...` would
+(`minitrain.cli.load_recipe` + `apply_overrides` + `validate`); of the model only `config.json`
+is read, never the weights. The memory model is `minitrain.plan` (its docstring says what is
+counted and how). The worst case is planned: every row `max_len` long (or `--seq`), every
+position a target (or `--targets` per micro-batch). `--all` also prints the other candidate
+peak moments. Exit code: 0 fits (or no --gpu-mem), 1 does not fit, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from minitrain import plan as P  # noqa: E402
+from minitrain.errors import UserError  # noqa: E402
+
+USAGE = ("usage: python tools/plan.py RECIPE.py [key=value ...] [--gpu-mem 12GiB] [--seq N] [--targets N] "
+         "[--device cuda|cpu] [--all]")
+OPTIONS = {"--gpu-mem": str, "--seq": int, "--targets": int, "--device": str}
+
+
+def parse_args(argv: list[str]) -> tuple[str, list[str], dict]:
+    """(recipe path, key=value overrides, options)."""
+    opts: dict = {"--all": False, "--device": "cuda"}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=")
+        if a == "--all":
+            opts["--all"] = True
+        elif name in OPTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise UserError(f"{name}: needs a value — {USAGE}")
+                i += 1
+                value = argv[i]
+            try:
+                opts[name] = OPTIONS[name](value)
+            except ValueError:
+                raise UserError(f"{name} {value}: expected {OPTIONS[name].__name__} — {USAGE}") from None
+        elif a in ("-h", "--help"):
+            print(__doc__)
+            raise SystemExit(0)
+        else:
+            rest.append(a)
+        i += 1
+    if not rest or not rest[0].endswith(".py"):
+        raise UserError(f"no recipe file given — {USAGE}")
+    if opts["--device"] not in ("cuda", "cpu"):
+        raise UserError(f"--device {opts['--device']}: use cuda or cpu")
+    return rest[0], rest[1:], opts
+
+
+def load_config(path: str, overrides: list[str]):
+    from minitrain.cli import apply_overrides, load_recipe
+    from minitrain.config import validate
+
+    recipe = load_recipe(path)
+    cfg = apply_overrides(recipe.config, overrides, where=path)
+    validate(cfg)
+    return cfg
+
+
+def read_model_config(cfg) -> tuple[dict, Path]:
+    if not cfg.model:
+        raise UserError("model: not set — pass model=path/to/hf_model_folder (only its config.json is read)")
+    path = Path(cfg.model) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path}: not found — pass model=a folder holding the model's config.json")
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), path
+    except ValueError as e:
+        raise UserError(f"{path}: not valid JSON ({e}) — fix the file") from None
+
+
+def row(name: str, nbytes: int, formula: str = "", indent: int = 2) -> str:
+    return f"{' ' * indent}{name:<44}{P.fmt_bytes(nbytes):>12}   {formula}"
+
+
+def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]:
+    """The report text and whether it fits (True when no --gpu-mem is given)."""
+    hf, config_path = read_model_config(cfg)
+    model = P.ModelShape.from_hf(hf, where=str(config_path))
+    run = P.run_shape(cfg, device=opts["--device"], seq=opts.get("--seq"), targets=opts.get("--targets"))
+    plan = P.predict(model, run)
+    lines = [f"plan: {path} {' '.join(overrides)}".rstrip(),
+             f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, "
+             f"{model.num_hidden_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size:,})",
+             f"run: {opts['--device']}, {run.compute} compute, base {run.quantize if run.quantize != 'none' else run.compute}, "
+             f"LoRA r={run.lora_r} on {','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
+             + (f", DPO reference: {run.dpo_reference}" if run.dpo_reference else ""),
+             f"micro-batch: {run.rows} rows x {run.seq} tokens"
+             + (f" ({run.rows // 2} pairs, chosen + rejected in one forward)" if run.dpo_reference else "")
+             + (f", {run.targets} targets" if run.targets is not None else ", every position a target (worst case)"),
+             ""]
+    lines.append("  persistent")
+    for t in plan.persistent:
+        lines.append(row(t.name, t.bytes, t.formula, 4))
+    lines.append(row("persistent total", plan.persistent_bytes))
+    moments = list(plan.moments) if opts["--all"] else [plan.peak_moment]
+    for m in moments:
+        mark = " (the peak)" if m == plan.peak_moment else ""
+        lines.append(f"  activations and transients at: {m}{mark}")
+        for t in plan.moments[m]:
+            lines.append(row(t.name, t.bytes, t.formula, 4))
+        lines.append(row(f"total at {m}", plan.moment_bytes(m)))
+    for n in plan.notes:
+        lines.append(f"  note: {n}")
+    lines.append("")
+    lines.append(row("predicted peak (torch.cuda.max_memory_allocated)", plan.peak, "", 0))
+    needed = plan.peak * (1 + P.RESERVE_SLACK) + P.RESERVE_CONTEXT
+    lines.append(row(f"+ CUDA context ~{P.fmt_bytes(P.RESERVE_CONTEXT)} + {P.RESERVE_SLACK:.0%} allocator slack",
+                     int(needed), "", 0))
+    fits = True
+    gpu = opts.get("--gpu-mem")
+    if gpu:
+        budget = P.parse_bytes(gpu)
+        fits = needed <= budget
+        spare = budget - needed
+        lines.append(f"verdict: {'FITS' if fits else 'DOES NOT FIT'} in {P.fmt_bytes(budget)} "
+                     f"({P.fmt_bytes(needed)} needed, {P.fmt_bytes(abs(spare))} {'spare' if fits else 'short'})")
+    else:
+        lines.append("verdict: pass --gpu-mem 12GiB (your GPU's memory) for a verdict")
+    tips = P.suggestions(model, run, cfg.batch_size, cfg.grad_accum)
+    if tips:
+        lines.append("to use less memory (one change at a time, predicted saving -> new peak + reserve):")
+        for keys, saving, peak in sorted(tips, key=lambda t: -t[1]):
+            new_needed = peak * (1 + P.RESERVE_SLACK) + P.RESERVE_CONTEXT
+            ok = "" if not gpu else ("  fits" if new_needed <= P.parse_bytes(gpu) else "  still too big")
+            lines.append(f"  {keys:<58} saves {P.fmt_bytes(saving):>10} -> {P.fmt_bytes(new_needed)}{ok}")
+    return "\n".join(lines), fits
+
+
+def main(argv: list[str]) -> int:
+    try:
+        path, overrides, opts = parse_args(argv)
+        cfg = load_config(path, overrides)
+        text, fits = render(cfg, path, overrides, opts)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

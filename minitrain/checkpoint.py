@@ -125,6 +125,15 @@ def find(out_dir: str | os.PathLike) -> Path | None:
     return None
 
 
+def read_state(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """The loop state (`state.json`) of the checkpoint in `out_dir`, without restoring anything."""
+    folder = find(out_dir)
+    if folder is None:
+        raise UserError(f"{Path(out_dir) / NAME}: no checkpoint to resume from — run without resume=true")
+    with open(folder / "state.json") as f:
+        return json.load(f)
+
+
 def load(
     out_dir: str | os.PathLike,
     named_params: list[tuple[str, torch.Tensor]],
@@ -135,11 +144,8 @@ def load(
     The parameters must be the same names and shapes as when saved (the same run): anything
     else is a `UserError` rather than a silently different continuation.
     """
+    state = read_state(out_dir)
     folder = find(out_dir)
-    if folder is None:
-        raise UserError(f"{Path(out_dir) / NAME}: no checkpoint to resume from — run without resume=true")
-    with open(folder / "state.json") as f:
-        state = json.load(f)
     weights = load_file(folder / "weights.safetensors")
     want = {n for n, _ in named_params}
     if set(weights) != want:
@@ -148,10 +154,12 @@ def load(
             f"{folder}: checkpoint holds different trainable tensors (missing {missing[:3]}, "
             f"unexpected {extra[:3]}) — resume with the same model, adapters and settings"
         )
-    with torch.no_grad():
+    for n, p in named_params:
+        if weights[n].shape != p.shape:
+            raise UserError(f"{folder}: {n} has shape {tuple(weights[n].shape)}, the model {tuple(p.shape)} "
+                            f"— resume with the same model and adapter settings")
+    with torch.no_grad():  # every check passed: now restore
         for n, p in named_params:
-            if weights[n].shape != p.shape:
-                raise UserError(f"{folder}: {n} has shape {tuple(weights[n].shape)}, the model {tuple(p.shape)} — resume the same model")
             p.copy_(weights[n])
 
     # rebuild torch's own optimizer state dict (params by index) and let it place the tensors

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from minitrain import checkpoint as ckpt
+from minitrain.data import Batcher
 from minitrain.errors import UserError
 from minitrain.schedule import lr_at, resolve_steps
 
@@ -105,11 +106,13 @@ def train(
     random.seed(cfg.seed)
     _seed_numpy(cfg.seed)
 
-    from minitrain.data import Batcher  # data order: seed-shuffled, resumable
-
     batcher = Batcher([_length(ex) for ex in train_examples], cfg.batch_size, seed=cfg.seed,
                       shuffle=True, group_by_length=getattr(cfg, "group_by_length", False))
     optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr, device)
+    ours = {id(p) for p in params}
+    if any(id(p) not in ours for g in optimizer.param_groups for p in g["params"]):
+        raise UserError("optimizer: holds tensors that are not among the trainable ones — build it over "
+                        "exactly the parameters that require grad (or pass them as trainable=)")
     if cfg.checkpointing:
         n = enable_checkpointing(model)
         log(f"activation checkpointing (non-reentrant) on {n} blocks")
@@ -125,26 +128,27 @@ def train(
     counters = {"skipped_steps": 0, "bad_in_row": 0, "micro_batches": 0, "tokens_seen": 0}
     step = 0
     if cfg.resume:
-        state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
-        for k, v in state["run"].items():
+        for k, v in ckpt.read_state(out)["run"].items():  # check before touching the model
             if run_info.get(k) != v:
                 raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={run_info.get(k)} "
                                 f"— resume with the same settings, or start a new out folder")
+        state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
         step, counters = state["step"], state["counters"]
         batcher.load_state_dict(state["batcher"])
         if rank == 0:
             _truncate_metrics(out / "metrics.jsonl", step)
         log(f"resumed from {out / ckpt.NAME} at step {step}/{total_steps}")
 
+    def lr_of(s: int) -> float:  # the LR of optimizer step s (1-based): a pure function of s
+        return lr_at(s, total_steps=total_steps, warmup_steps=warmup_steps, peak_lr=cfg.lr,
+                     kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+
     def save_checkpoint() -> None:
         if rank == 0:
             ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "counters": counters,
                                                "batcher": batcher.state_dict(),
-                                               "schedule": {"lr_next": _lr(step + 1) if step < total_steps else None}})
-
-    def _lr(s: int) -> float:
-        return lr_at(s, total_steps=total_steps, warmup_steps=warmup_steps, peak_lr=cfg.lr,
-                     kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+                                               "schedule": {"next_step": step + 1, "total_steps": total_steps,
+                                                            "warmup_steps": warmup_steps}})
 
     metrics_f = open(out / "metrics.jsonl", "a", buffering=1) if rank == 0 else None  # line-buffered
     bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True, disable=rank != 0)
@@ -213,7 +217,7 @@ def train(
                         f"or use precision=fp32, then rerun with resume=true"
                     )
                 continue
-            lr = _lr(step + 1)
+            lr = lr_of(step + 1)
             for g in optimizer.param_groups:
                 g["lr"] = lr
             if scaler:
@@ -231,7 +235,7 @@ def train(
             row = {"step": step, "loss": loss_total / total, "lr": lr, "grad_norm": grad_norm,
                    "tokens": tokens, "target_tokens": int(total), "tokens_per_s": tokens * world / dt,
                    "peak_mem_mb": _peak_mem_mb(device), "epoch": counters["micro_batches"] / micro_per_epoch,
-                   "skipped_steps": counters["skipped_steps"],
+                   "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
                    **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
             if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):

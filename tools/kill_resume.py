@@ -330,20 +330,21 @@ def check_after_kill(out: Path, summary: Summary, where: str) -> None:
         summary.problems.append(f"{where}: metrics.jsonl steps {steps} are not 1..n")
 
 
-def kill_moment(child: Child, out: Path, mode: str, rng: random.Random, ref: dict[str, float]) -> None:
-    """Return when `child` should be killed (or has exited)."""
+def kill_moment(child: Child, out: Path, mode: str, rng: random.Random, ref: dict[str, float], left: float) -> None:
+    """Return when `child` should be killed (or has exited); `left`: the fraction of the run still to train."""
     def alive() -> bool:
         return child.proc.poll() is None
 
+    train_s = ref["train_s"] * left
     if mode == "anytime":
-        deadline = child.t0 + rng.uniform(0, ref["setup_s"] + ref["train_s"])
+        deadline = child.t0 + rng.uniform(0, ref["setup_s"] + train_s)
         while alive() and time.monotonic() < deadline:
             time.sleep(0.005)
         return
     while alive() and child.training_at is None:
         time.sleep(0.002)
     if mode == "training":
-        deadline = (child.training_at or time.monotonic()) + rng.uniform(0, ref["train_s"])
+        deadline = (child.training_at or time.monotonic()) + rng.uniform(0, train_s)
         while alive() and time.monotonic() < deadline:
             time.sleep(0.002)
         return
@@ -401,7 +402,9 @@ def harness(kills: int, seed: int, steps: int, work: Path, model: Path | None, d
             mode = rng.choice(MODES) if kill else "none"
             child = Child(command(model, data, adapter, out, steps, *extra), logs / f"attempt{attempt}")
             if kill:
-                kill_moment(child, out, mode, rng, summary.reference)
+                done = _step(out)
+                left = 1 - (int(done) / steps if done.isdigit() else 0)
+                kill_moment(child, out, mode, rng, summary.reference, max(left, 0.1))
                 killed = child.kill()
             else:
                 killed = False

@@ -36,10 +36,11 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minitrain.errors import UserError
+from minitrain.weights import io_error_reason
 
 log = logging.getLogger(__name__)
 
@@ -757,8 +758,12 @@ def _minimal_targets(model: nn.Module, wrapped: Sequence[str]) -> list[str]:
 
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | None = None, *,
@@ -806,9 +811,13 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
     if isinstance(emb, nn.Embedding):
         metadata[VOCAB_KEY] = str(emb.num_embeddings)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
-    _atomic_write(folder / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(folder / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
+        _atomic_write(folder / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    except (OSError, SafetensorError) as e:  # disk full, read-only, permissions
+        raise UserError(f"{folder}: cannot write the adapter: {io_error_reason(e)} — free space or choose a "
+                        f"writable folder, then save again") from e
     return folder
 
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -339,8 +340,12 @@ def save_pretrained(
         if "dtype" in config:
             config["dtype"] = config["torch_dtype"]
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    except OSError as e:
+        raise UserError(f"{folder}: cannot write the weights: {io_error_reason(e)} — free space or choose a "
+                        f"writable folder, then save again") from e
     try:
         names = [SINGLE_FILE] if len(shards) == 1 else [
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
@@ -358,6 +363,9 @@ def save_pretrained(
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _move_into_place(tmp, folder, names)
+    except (OSError, SafetensorError) as e:  # disk full, read-only, permissions: nothing half-written stays
+        raise UserError(f"{folder}: cannot write the weights: {io_error_reason(e)} — free space or choose a "
+                        f"writable folder, then save again") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
@@ -424,6 +432,21 @@ def _move_into_place(tmp: Path, folder: Path, weight_files: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def io_error_reason(e: BaseException) -> str:
+    """Why a write failed, for a one-line message: "no space left on device", "read-only file system", ...
+
+    safetensors raises its own `SafetensorError("... I/O error: No space left on device (os error
+    28)")`, not an OSError, so the errno is read back from its message.
+    """
+    code = getattr(e, "errno", None)
+    if not isinstance(code, int):
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else None
+    if isinstance(code, int) and code > 0:
+        return os.strerror(code).lower()
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _numel(shape: list[int]) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from minitrain import checkpoint, data
@@ -32,7 +33,7 @@ from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
-from minitrain.weights import load_pretrained
+from minitrain.weights import io_error_reason, load_pretrained
 
 log = functools.partial(print, flush=True)
 
@@ -149,12 +150,20 @@ def prepare_out_dir(cfg: Any) -> Path:
     the loop itself clears the old metrics and checkpoint under `overwrite=true`.
     """
     out = check_out_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{CONFIG_FILE}.tmp"
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(to_json(cfg), encoding="utf-8")
+        tmp.replace(out / CONFIG_FILE)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise UserError(f"{out}: cannot write {CONFIG_FILE}: {io_error_reason(e)} — free space or choose a "
+                        f"writable out folder") from None
     if not cfg.resume and (out / ADAPTER_DIR).is_dir():
         shutil.rmtree(out / ADAPTER_DIR)
-    tmp = out / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(to_json(cfg), encoding="utf-8")
-    tmp.replace(out / CONFIG_FILE)
     log(f"out: {out} ({'resuming' if cfg.resume else 'new run'}; config in {out / CONFIG_FILE})")
     return out
 
@@ -296,7 +305,14 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
 def finish(model: nn.Module, cfg: Any, lora: LoRAConfig, summary: dict[str, Any]) -> Path:
     """Save the adapter in PEFT's format into `out/adapter` and say where everything is."""
     out = Path(cfg.out)
-    folder = save_adapter(model, out / ADAPTER_DIR, lora)
+    try:
+        folder = save_adapter(model, out / ADAPTER_DIR, lora)
+    except UserError as e:
+        if not isinstance(e.__cause__, OSError | SafetensorError):
+            raise
+        raise UserError(f"{out / ADAPTER_DIR}: cannot write the adapter: {io_error_reason(e.__cause__)} — the "
+                        f"trained checkpoint is in {out / checkpoint.NAME}: free space or make {out} writable, "
+                        f"then rerun with resume=true to write the adapter") from None
     loss = summary.get("loss")
     parts = [f"done: step {summary.get('step')}/{summary.get('total_steps')}"]
     if loss is not None:

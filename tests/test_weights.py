@@ -355,7 +355,7 @@ def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
         save_file(tensors, path, metadata=metadata)
 
     monkeypatch.setattr(w, "save_file", flaky)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(UserError, match=r"ck: cannot write the weights: disk full — "):
         save_pretrained(m, tmp_path / "ck", cfg, max_shard_bytes=4096)
     assert os.listdir(tmp_path) == []  # no target, no temporary folder
 

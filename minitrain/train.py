@@ -74,6 +74,11 @@ def train(
     trainable: parameter names to train (default: every parameter with `requires_grad`).
     log: one-line messages (default: print, flushed).
 
+    Each metrics.jsonl row: step, loss (window loss sum / window count), lr, grad_norm (before
+    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb,
+    epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
+    eval/loss, eval/ppl on evaluation steps.
+
     Returns `{"step", "total_steps", "warmup_steps", "loss", "skipped_steps", "eval/loss",
     "eval/ppl" (when evaluated), "out_dir"}`. Raises `UserError` for bad settings and when
     `cfg.max_bad_steps` non-finite steps in a row stop the run (after saving a checkpoint).
@@ -84,7 +89,7 @@ def train(
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
     named = _trainable(model, trainable)
     params = [p for _, p in named]
-    amp_dtype, scaler = _precision(cfg.precision, device)
+    amp_dtype, scaler = resolve_precision(cfg.precision, device)
 
     # ---- size the run in optimizer steps (rule 1) and say so before step 1
     total_steps, warmup_steps, micro_per_epoch = resolve_steps(
@@ -156,15 +161,20 @@ def train(
     summary: dict[str, Any] = {"loss": None}
     model.train()
     try:
+        window: list[list[int]] | None = None  # the micro-batches (example indices) of this step
         while step < total_steps:
             t0 = time.perf_counter()
+            if window is None:  # (kept when an fp16 overflow makes us redo the same window)
+                window = [next(stream) for _ in range(cfg.grad_accum)]
+                first_mb = counters["micro_batches"]
+                counters["micro_batches"] += len(window)
             # ---- one accumulation window: grad_accum micro-batches, loss SUMs backpropagated
             window_loss = torch.zeros((), device=device)  # fp32, summed over the window
             window_count = torch.zeros((), device=device)
-            finite, where, metric_sums, tokens = [], [], {}, 0
-            for _ in range(cfg.grad_accum):
-                idx = next(stream)[rank::world]  # this rank's share of the global micro-batch
-                cpu_batch = collate([train_examples[i] for i in idx])
+            finite, metric_sums, tokens = [], {}, 0
+            for idx in window:
+                mine = idx[rank::world]  # this rank's share of the global micro-batch
+                cpu_batch = collate([train_examples[i] for i in mine])
                 tokens += _input_tokens(cpu_batch)  # counted on the host copy: no device sync
                 batch = _to_device(cpu_batch, device)
                 with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
@@ -175,8 +185,6 @@ def train(
                 window_loss += loss_sum.detach()
                 window_count += count
                 finite.append(torch.isfinite(loss_sum.detach()))
-                where.append((counters["micro_batches"], list(idx)))
-                counters["micro_batches"] += 1
                 for k, v in metrics.items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
 
@@ -189,21 +197,28 @@ def train(
             loss_total, total, all_finite = stats.tolist()  # the one host sync per step
             grad_norm = float("nan")
             ok = bool(all_finite == 1.0) and total > 0
+            unscaled = False
             if ok:
-                if scaler:
+                _reduce_and_scale_grads(params, 1.0 / total, world, model)  # sum over ranks, / count
+                if scaler:  # after the all-reduce, so every rank sees the same overflow
                     scaler.unscale_(optimizer)  # grads / loss scale, records overflow
-                _reduce_and_scale_grads(params, 1.0 / total, world, model)
+                    unscaled = True
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()  # pre-clip norm
                 ok = math.isfinite(grad_norm)
             if not ok:
                 optimizer.zero_grad(set_to_none=True)
-                if scaler and all_finite == 1.0 and total > 0:  # fp16 overflow: lower the scale, retry
+                if unscaled:  # fp16 overflow with a finite loss: halve the scale and redo the window,
+                    redo = scaler.get_scale() >= 1.0  # unless even unscaled gradients overflow
                     scaler.update()
-                    log(f"step {step + 1}: fp16 gradient overflow, loss scale now {scaler.get_scale():g}")
-                    continue
+                    if redo:
+                        log(f"step {step + 1}: fp16 gradient overflow, loss scale now {scaler.get_scale():g}; "
+                            f"redoing the window")
+                        continue
                 counters["skipped_steps"] += 1
                 counters["bad_in_row"] += 1
+                where = [(first_mb + j, idx) for j, idx in enumerate(window)]
+                window = None
                 bad = [w for w, f in zip(where, finite) if not bool(f)] or where
                 what = "no target tokens" if total == 0 else ("non-finite loss" if all_finite != 1.0 else "non-finite gradient")
                 log(f"step {step + 1}: {what} in micro-batch(es) "
@@ -227,6 +242,7 @@ def train(
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            window = None
             counters["bad_in_row"] = 0
             counters["tokens_seen"] += tokens
 
@@ -361,8 +377,11 @@ def _trainable(model: nn.Module, names: Iterable[str] | None) -> list[tuple[str,
     return named
 
 
-def _precision(precision: str, device: torch.device) -> tuple[torch.dtype | None, Any]:
-    """(autocast dtype or None for plain fp32, GradScaler or None) for `cfg.precision` on `device`."""
+def resolve_precision(precision: str, device: torch.device) -> tuple[torch.dtype | None, Any]:
+    """(autocast dtype or None for plain fp32, GradScaler or None) for `cfg.precision` on `device`.
+
+    auto: bf16 autocast on a CUDA device with bf16, else fp32 (CPU bf16 autocast works but is
+    slow, so only on request); fp16 always comes with a GradScaler (loss scaling)."""
     if precision == "auto":
         bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return (torch.bfloat16 if bf16_ok else None), None
@@ -373,8 +392,12 @@ def _precision(precision: str, device: torch.device) -> tuple[torch.dtype | None
             raise UserError("precision: this GPU has no bf16 support — use precision=fp16 or fp32")
         return torch.bfloat16, None
     if precision == "fp16":
-        return torch.float16, torch.amp.GradScaler(device.type)
+        # loss SUMs give per-token gradients ~count times a mean's, so start lower than torch's 2**16
+        return torch.float16, torch.amp.GradScaler(device.type, init_scale=2.0**10)
     raise UserError(f"precision: unknown value {precision!r} — use auto, bf16, fp32 or fp16")
+
+
+_precision = resolve_precision  # the name recipes/dpo_mistral.py imports
 
 
 def _prepare_out(out: Path, cfg: Any, rank: int) -> None:

@@ -188,12 +188,14 @@ from torch import nn
 sys.path.insert(0, {root!r})
 from minitrain.losses import chunked_cross_entropy_sum
 torch.set_num_threads(1)
-B, T, D, V, mode, chunk = {B}, {T}, {D}, {V}, {mode!r}, {chunk!r}
+B, T, D, V, mode, chunk, train_head = {B}, {T}, {D}, {V}, {mode!r}, {chunk!r}, {train_head!r}
 torch.manual_seed(0)
 hidden = torch.randn(B, T, D, requires_grad=True)
-head = nn.Linear(D, V, bias=False)
+head = nn.Linear(D, V, bias=False).requires_grad_(train_head)
 labels = torch.randint(0, V, (B, T))
-hidden.grad = torch.zeros_like(hidden); head.weight.grad = torch.zeros_like(head.weight)
+hidden.grad = torch.zeros_like(hidden)  # gradient buffers exist before the measurement
+if train_head:
+    head.weight.grad = torch.zeros_like(head.weight)
 def status(key):  # MiB, from the kernel's accounting of this process
     return int(re.search(key + r":\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
 def run(h, y):
@@ -211,7 +213,8 @@ print(json.dumps({{"peak_mb": status("VmHWM") - base, "loss": loss.item()}}))
 """
 
 
-def measure_peak(mode: str, *, B: int, T: int, D: int, V: int, chunk: int | None = None) -> dict:
+def measure_peak(mode: str, *, B: int, T: int, D: int, V: int, chunk: int | None = None,
+                 train_head: bool = True) -> dict:
     """Peak RSS growth (MiB) of one loss forward + backward in a fresh process (Linux)."""
     import pathlib
 
@@ -219,7 +222,7 @@ def measure_peak(mode: str, *, B: int, T: int, D: int, V: int, chunk: int | None
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
 
     root = str(pathlib.Path(__file__).resolve().parents[1])
-    code = _MEASURE.format(root=root, B=B, T=T, D=D, V=V, mode=mode, chunk=chunk)
+    code = _MEASURE.format(root=root, B=B, T=T, D=D, V=V, mode=mode, chunk=chunk, train_head=train_head)
     # fixed glibc thresholds: big blocks are mmapped and unmapped on free, so RSS tracks live bytes
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -238,9 +241,10 @@ def test_chunked_loss_peak_memory_is_a_fraction_of_full_logits():
 
 
 if __name__ == "__main__":
-    for V in (32000, 128256):
-        shape = dict(B=4, T=512, D=256, V=V)
-        full, chunked = measure_peak("full", **shape), measure_peak("chunked", **shape)
-        print(f"B=4 T=512 D=256 V={V}: logits {4 * 512 * V * 4 / 2**20:.0f} MiB fp32 | peak RSS growth "
-              f"full {full['peak_mb']:.0f} MiB, chunked {chunked['peak_mb']:.0f} MiB "
-              f"({full['peak_mb'] / max(chunked['peak_mb'], 1):.1f}x less)")
+    for train_head in (True, False):  # a trained head (full FT) adds its (V, D) gradient per chunk
+        for V in (32000, 128256):
+            shape = dict(B=4, T=512, D=256, V=V, train_head=train_head)
+            full, chunked = measure_peak("full", **shape), measure_peak("chunked", **shape)
+            print(f"B=4 T=512 D=256 V={V} head {'trained' if train_head else 'frozen '}: logits "
+                  f"{4 * 512 * V * 4 / 2**20:.0f} MiB fp32 | peak RSS growth full {full['peak_mb']:.0f} MiB, "
+                  f"chunked {chunked['peak_mb']:.0f} MiB ({full['peak_mb'] / max(chunked['peak_mb'], 1):.1f}x less)")

@@ -394,13 +394,19 @@ def test_integer_trainable_tensor_is_refused():
         train(model, sft, make_examples(4), collate, TrainConfig(out="/nonexistent"), trainable=["count"], log=quiet)
 
 
-def test_fp16_with_grad_scaler_runs(tmp_path):
-    cfg = cfg_for(tmp_path, batch_size=4, max_steps=2, precision="fp16", lr=1e-3)
-    model = freeze_embeddings(TinyLM())
-    before = trainable_state(model)
-    summary = train(model, sft, make_examples(8, seed=12), collate, cfg, log=quiet)
-    assert summary["step"] == 2 and math.isfinite(summary["loss"])
-    assert max_rel_diff(trainable_state(model), before) > 0
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_autocast_precisions_train_in_fp32_master_weights(tmp_path, precision):
+    examples = make_examples(8, seed=12)
+    losses = {}
+    for p in ("fp32", precision):
+        cfg = cfg_for(tmp_path / p, batch_size=4, max_steps=2, precision=p, lr=1e-3)
+        model = freeze_embeddings(TinyLM())
+        before = trainable_state(model)
+        summary = train(model, sft, examples, collate, cfg, log=quiet)
+        assert summary["step"] == 2 and all(v.dtype == torch.float32 for v in trainable_state(model).values())
+        assert max_rel_diff(trainable_state(model), before) > 0
+        losses[p] = [r["loss"] for r in rows(Path(cfg.out))]
+    assert losses[precision] == pytest.approx(losses["fp32"], rel=2e-2)  # same run, lower-precision matmuls
 
 
 def test_checkpointing_a_real_llama_with_lora_gives_the_same_grads(hf_causal):
@@ -494,3 +500,22 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # the ranks stayed in sync
     assert max_rel_diff(r0, one) <= 1e-6
     assert [r["step"] for r in rows(out / "run")] == [1, 2, 3]  # rank 0 alone wrote the log
+
+
+def test_fp16_overflow_redoes_the_same_window_with_a_lower_scale(tmp_path):
+    def loud(model, batch):  # gradients 300x larger: fp16 backward overflows at the initial scale
+        loss_sum, count, m = sft(model, batch)
+        return loss_sum * 300.0, count, m
+
+    examples = make_examples(8, seed=14)
+    runs = {}
+    for p in ("fp32", "fp16"):
+        msgs: list[str] = []
+        cfg = cfg_for(tmp_path / p, batch_size=4, max_steps=2, precision=p, lr=1e-3)
+        summary = train(freeze_embeddings(TinyLM()), loud, examples, collate, cfg, log=msgs.append)
+        runs[p] = (rows(Path(cfg.out)), msgs, summary)
+    (ref, _, _), (got, msgs, summary) = runs["fp32"], runs["fp16"]
+    assert any("fp16 gradient overflow" in m and "redoing" in m for m in msgs)
+    assert summary["skipped_steps"] == 0 and [r["step"] for r in got] == [1, 2]
+    assert [r["target_tokens"] for r in got] == [r["target_tokens"] for r in ref]  # same data, no window lost
+    assert got[0]["loss"] == pytest.approx(ref[0]["loss"], rel=1e-2)

@@ -112,7 +112,8 @@ class AuditReport:
             lines.append(f"note: {n}")
         for p in self.problems:
             lines.append(f"problem: {p}")
-        lines.append(self.verdict())
+        n = len(self.problems)
+        lines.append(self.verdict() if self.ok else f"audit: BROKEN — {n} problem{'s' * (n > 1)} above")
         return "\n".join(lines)
 
     def to_json(self) -> str:

@@ -91,11 +91,13 @@ def failing(monkeypatch, where: str):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
         monkeypatch.setattr(ckpt.os, "fsync", fsync)
-    elif where == "rename":
+    elif where == "rename":  # the new folder's rename into place fails (once)
         real_replace = os.replace
+        failed = []
 
         def replace(a, b):
-            if Path(b).name == ckpt.NAME:
+            if Path(b).name == ckpt.NAME and not failed:
+                failed.append(a)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(a), None, str(b))
             return real_replace(a, b)
 

@@ -4,7 +4,7 @@ SIGINT / SIGTERM stop a run cleanly with a checkpoint and a line saying how to r
 The harness kills `python -m minitrain recipes/sft_llama.py` with SIGKILL at seeded random
 moments (3 kills here; `python tools/kill_resume.py --kills 20` for the full check), loads every
 checkpoint after every kill, and compares the finished run's adapter and metrics with an
-uninterrupted run's, bitwise. Its own checks are tested on planted damage first, so a harness
+uninterrupted run's, bitwise. Its own checks are also tested on planted damage, so a harness
 that could not fail would show here.
 """
 
@@ -40,27 +40,37 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def finished(tiny) -> Path:
-    """One uninterrupted 3-step run (the harness's command line) to plant damage into."""
-    out = tiny["root"] / "finished"
-    rc, _, _, err = kr.run_to_end(kr.command(tiny["model"], tiny["data"], tiny["adapter"], out, 3),
-                                  tiny["root"] / "finished_log")
-    assert rc == 0, err
-    return out
+def killed(tiny, tmp_path_factory):
+    """The harness with 3 kills (steps=4); its work folder keeps the uninterrupted reference run."""
+    work = tmp_path_factory.mktemp("harness")
+    summary = kr.harness(kills=3, seed=1, steps=4, work=work, model=tiny["model"], data=tiny["data"])
+    return summary, work
+
+
+# ----------------------------------------------------------------------------- kill anywhere, resume, same result
+
+
+def test_killed_three_times_resumes_to_the_uninterrupted_result(killed):
+    summary = killed[0]
+    print(summary.text())
+    assert summary.ok, summary.text()
+    assert summary.kills == 3 and summary.rounds >= 1
+    assert summary.checkpoints_loaded + summary.no_checkpoint_yet >= 1
 
 
 # ----------------------------------------------------------------------------- the harness's checks can fail
 
 
-def test_harness_checks_catch_planted_damage(finished, tmp_path):
-    assert kr.compare_final(finished, finished, 3) == []
-    assert kr.load_checkpoint(finished / "checkpoint") == 3
+def test_harness_checks_catch_planted_damage(killed, tmp_path):
+    finished = killed[1] / "reference"  # an uninterrupted 4-step run
+    assert kr.compare_final(finished, finished, 4) == []
+    assert kr.load_checkpoint(finished / "checkpoint") == 4
 
     dup = tmp_path / "dup"
     shutil.copytree(finished, dup)
     lines = (dup / "metrics.jsonl").read_text().splitlines()
     (dup / "metrics.jsonl").write_text("\n".join(lines[:2] + lines[1:]) + "\n")  # step 2 twice
-    assert any("duplicated [2]" in p for p in kr.compare_final(dup, finished, 3))
+    assert any("duplicated [2]" in p for p in kr.compare_final(dup, finished, 4))
     summary = kr.Summary()
     kr.check_after_kill(dup, summary, "planted")
     assert summary.problems and "are not 1..n" in summary.problems[0]
@@ -73,7 +83,7 @@ def test_harness_checks_catch_planted_damage(finished, tmp_path):
     tensors[key] = tensors[key].clone()
     tensors[key].view(-1)[0] = torch.nextafter(tensors[key].view(-1)[0], torch.tensor(1e9))  # one ulp
     save_file(tensors, path)
-    assert any("adapter differs" in p for p in kr.compare_final(moved, finished, 3))
+    assert any("adapter differs" in p for p in kr.compare_final(moved, finished, 4))
 
     cut = tmp_path / "cut"
     shutil.copytree(finished, cut)
@@ -82,17 +92,6 @@ def test_harness_checks_catch_planted_damage(finished, tmp_path):
     summary = kr.Summary()
     kr.check_after_kill(cut, summary, "planted")
     assert summary.checkpoints_loaded == 0 and "checkpoint does not load" in summary.problems[0]
-
-
-# ----------------------------------------------------------------------------- kill anywhere, resume, same result
-
-
-def test_killed_three_times_resumes_to_the_uninterrupted_result(tiny, tmp_path):
-    summary = kr.harness(kills=3, seed=1, steps=4, work=tmp_path, model=tiny["model"], data=tiny["data"])
-    print(summary.text())
-    assert summary.ok, summary.text()
-    assert summary.kills == 3 and summary.rounds >= 1
-    assert summary.checkpoints_loaded + summary.no_checkpoint_yet >= 1
 
 
 # ----------------------------------------------------------------------------- SIGINT / SIGTERM

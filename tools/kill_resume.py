@@ -126,9 +126,11 @@ def make_start_adapter(model: Path, folder: Path, seed: int = 0) -> Path:
 
 
 def command(model: Path, data: Path, adapter: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "minitrain", str(RECIPE), f"model={model}", f"data={data}", f"out={out}",
-            f"init_adapter={adapter}", f"max_steps={steps}", "save_every=1", "batch_size=2", "grad_accum=2",
-            "warmup=2", "device=cpu", "seed=0", *extra]
+    """The run's command line; `extra` key=value settings are added or replace the harness's."""
+    keys = {"model": model, "data": data, "out": out, "init_adapter": adapter, "max_steps": steps, "save_every": 1,
+            "batch_size": 2, "grad_accum": 2, "warmup": 2, "device": "cpu", "seed": 0}
+    keys.update(e.split("=", 1) for e in extra)
+    return [sys.executable, "-m", "minitrain", str(RECIPE)] + [f"{k}={v}" for k, v in keys.items()]
 
 
 def environment() -> dict[str, str]:

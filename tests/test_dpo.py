@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import models
+from minitrain.config import validate
 from minitrain.data import collate_preference
 from minitrain.dpo import (
     LOSS_TYPES,
@@ -31,9 +32,9 @@ from minitrain.dpo import (
     precompute_reference,
     sequence_logps,
 )
-from minitrain.config import validate
 from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, LoRALinear, apply_lora, freeze_for_adapters, load_adapter, save_adapter
+from minitrain.train import train
 from minitrain.weights import load_pretrained
 
 PAD = 0
@@ -200,3 +201,330 @@ def _two_model_trainer(pol_dir, ref_dir, tok_dir, tmp_path):
     if "two" not in _TRAINERS:
         _TRAINERS["two"] = make_trainer(tmp_path, load_hf(pol_dir), load_hf(ref_dir), tok_dir=tok_dir)
     return _TRAINERS["two"]
+
+
+def test_sft_term_equals_trl_sigmoid_plus_sft_when_chosen_lengths_are_equal(formula_trainer):
+    """`sft_weight` adds each pair's per-token mean NLL of its chosen answer. TRL's `sft` loss is the
+    token mean over the whole batch: the two agree exactly when every chosen answer is as long."""
+    pairs = [([1, 5, 6], [8, 9, 2], [11, 2]), ([1, 12, 13, 14], [15, 16, 2], [17, 18, 19, 20, 2]),
+             ([1, 21], [22, 23, 2], [24, 25, 26, 2])]  # chosen answers: 3 tokens each
+    trainer = formula_trainer
+    g = torch.Generator().manual_seed(2)
+    inputs = trl_batch(trainer, pairs)
+    shift_mask = inputs["completion_mask"][:, 1:].float()
+    per_token = -3 * torch.rand(shift_mask.shape, generator=g) * shift_mask
+    P = len(pairs)
+    ref = per_token.sum(1) + torch.randn(2 * P, generator=g)
+    inputs = {**inputs, "ref_chosen_logps": ref[:P], "ref_rejected_logps": ref[P:]}
+    zeros = torch.zeros_like(per_token)
+    stub = lambda **kw: types.SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros,  # noqa: E731
+                                              is_top1=zeros.bool())
+    trainer.precompute_ref_logps = True
+    try:
+        trl_loss(trainer, stub, inputs, "sigmoid", 0.0)  # set the trainer up, then two losses
+        trainer.loss_types, trainer.loss_weights = ["sigmoid", "sft"], [1.0, 0.5]
+        with torch.no_grad():
+            expected = float(trainer._compute_loss(stub, inputs, False))
+    finally:
+        trainer.precompute_ref_logps = False
+    logps, lengths = per_token.sum(1), shift_mask.sum(1)
+    losses, _, _ = dpo_loss(logps[:P], logps[P:], ref[:P], ref[P:], beta=0.1)
+    ours = losses + 0.5 * -logps[:P] / lengths[:P]
+    assert float(ours.mean()) == pytest.approx(expected, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- references with adapters vs TRL
+
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _randomize_peft(model, which: str, seed: int, scale: float = 0.2):
+    """Move a PEFT adapter's tensors away from their init (B = 0 would make it a no-op)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if f".{which}." in n and "lora_" in n:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def test_parity_with_trl_fresh_adapter_reference_is_the_base(hf_causal, tok_dir, tmp_path):
+    """Mode (a): TRL with `peft_config` (its reference: the model with adapters disabled) vs our
+    `BaseReference`, after the adapter has moved (otherwise policy == reference trivially)."""
+    import peft
+
+    folder = hf_causal("dpo_policy")
+    trainer = make_trainer(tmp_path, load_hf(folder), None, peft_config=peft.LoraConfig(**LORA), tok_dir=tok_dir)
+    _randomize_peft(trainer.model, "default", seed=3)
+    trainer.model.save_pretrained(str(tmp_path / "moved"))
+    ours = load_ours(folder)
+    load_adapter(ours, tmp_path / "moved", trainable=True)
+    batch = collate_preference(our_examples(), PAD)
+    for loss_type, ls in CASES:
+        expected = trl_loss(trainer, trainer.model, trl_batch(trainer), loss_type, ls)
+        objective = make_dpo_objective(0.1, loss_type, ls, reference=BaseReference())
+        assert_matches_trl(our_stats(objective, ours, batch), expected)
+
+
+def test_parity_with_trl_continued_adapter_reference_is_stage_a(hf_causal, tok_dir, tmp_path):
+    """Mode (b): TRL given a trained PEFT adapter keeps a frozen "ref" copy of it; ours keeps a
+    snapshot of the adapter tensors. After the policy adapter moves, both losses agree — and the
+    adapter-disabled base, the wrong reference here, gives another loss."""
+    import peft
+
+    folder = hf_causal("dpo_policy")
+    stage_a = peft.get_peft_model(load_hf(folder), peft.LoraConfig(**LORA))
+    _randomize_peft(stage_a, "default", seed=4)
+    stage_a.save_pretrained(str(tmp_path / "stage_a"))
+    trl_model = peft.PeftModel.from_pretrained(load_hf(folder), str(tmp_path / "stage_a"), is_trainable=True)
+    trainer = make_trainer(tmp_path, trl_model, None, tok_dir=tok_dir)
+    assert "ref" in trainer.model.peft_config  # TRL made its frozen copy of Stage A
+    _randomize_peft(trainer.model, "default", seed=5, scale=0.1)  # "training" moved the policy
+    trainer.model.save_pretrained(str(tmp_path / "moved"), selected_adapters=["default"])
+
+    ours = load_ours(folder)
+    load_adapter(ours, tmp_path / "stage_a", trainable=True)
+    reference = AdapterSnapshotReference(ours)  # Stage A, before any step
+    load_adapter(ours, tmp_path / "moved", trainable=True)  # the moved policy, into the same layout
+    batch = collate_preference(our_examples(), PAD)
+    for loss_type, ls in CASES:
+        expected = trl_loss(trainer, trainer.model, trl_batch(trainer), loss_type, ls)
+        assert_matches_trl(our_stats(make_dpo_objective(0.1, loss_type, ls, reference=reference), ours, batch),
+                           expected)
+    wrong = our_stats(make_dpo_objective(0.1, "sigmoid", reference=BaseReference()), ours, batch)
+    assert abs(wrong["loss"] - trl_loss(trainer, trainer.model, trl_batch(trainer), "sigmoid", 0.0)[0]) > 1e-3
+
+
+# ----------------------------------------------------------------------------- step 0: policy == reference
+
+
+def our_lora_model(folder, targets=("q_proj", "v_proj")):
+    model = load_ours(folder)
+    cfg = LoRAConfig(r=4, alpha=8.0, targets=list(targets))
+    apply_lora(model, cfg)
+    freeze_for_adapters(model, cfg)
+    return model, cfg
+
+
+@pytest.fixture
+def stage_a_adapter(hf_causal, tmp_path):
+    """A saved Stage A adapter that is far from a no-op (A and B random)."""
+    model, cfg = our_lora_model(hf_causal("dpo_policy"))
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return save_adapter(model, tmp_path / "stage_a", cfg)
+
+
+def stage_b_model(folder, adapter):
+    """Stage B: the Stage A adapter loaded trainable (rule 4), nothing stacked on it."""
+    model = load_ours(folder)
+    load_adapter(model, adapter, trainable=True)
+    return model
+
+
+def _collate(examples):
+    return collate_with_reference(examples, PAD)
+
+
+@pytest.mark.parametrize("mode", ["fresh", "stage_a", "fresh+precomputed", "stage_a+precomputed"])
+def test_first_loss_is_log2_and_rewards_zero(hf_causal, stage_a_adapter, tmp_path, mode):
+    """The reference equals the policy at step 0 in every mode, so the sigmoid loss is log 2."""
+    folder = hf_causal("dpo_policy")
+    if mode.startswith("fresh"):
+        model, _ = our_lora_model(folder)
+        reference = BaseReference()
+    else:
+        model = stage_b_model(folder, stage_a_adapter)
+        reference = AdapterSnapshotReference(model)
+    examples = our_examples()
+    if mode.endswith("precomputed"):
+        precompute_reference(model, reference, examples, tmp_path / "ref" / "train", _collate, 3, log=lambda s: None)
+        objective = make_dpo_objective(0.1, "sigmoid", reference=None)  # only the cached values exist
+    else:
+        objective = make_dpo_objective(0.1, "sigmoid", reference=reference)
+    stats = our_stats(objective, model.train(), _collate(examples))
+    assert stats["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert stats[k] == pytest.approx(0.0, abs=1e-6), k
+
+
+def test_the_base_is_the_wrong_reference_for_a_continued_adapter(hf_causal, stage_a_adapter):
+    """Why mode (b) exists: with the Stage A adapter, the adapter-disabled base is another model."""
+    model = stage_b_model(hf_causal("dpo_policy"), stage_a_adapter)
+    stats = our_stats(make_dpo_objective(0.1, "sigmoid", reference=BaseReference()), model, _collate(our_examples()))
+    assert abs(stats["loss"] - math.log(2)) > 1e-3
+
+
+def test_stage_a_adapter_keeps_training_unstacked_and_the_snapshot_stays_stage_a(hf_causal, stage_a_adapter,
+                                                                                 tmp_path):
+    folder = hf_causal("dpo_policy")
+    model = stage_b_model(folder, stage_a_adapter)
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert len(wrapped) == 2 * 2  # q_proj and v_proj in 2 layers: one LoRA each
+    assert not any(isinstance(c, LoRALinear) for n in wrapped for c in model.get_submodule(n).modules()
+                   if c is not model.get_submodule(n))
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    saved = sorted(k.removeprefix("base_model.model.") for k in load_file(stage_a_adapter / "adapter_model.safetensors"))
+    assert trainable == saved  # exactly the Stage A tensors train, nothing new
+
+    reference = AdapterSnapshotReference(model)
+    objective = make_dpo_objective(0.1, "sigmoid", reference=reference)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    cfg = DPOConfig(out=str(tmp_path / "run"), max_steps=3, batch_size=2, lr=1e-2, warmup=0, schedule="constant")
+    train(model, objective, our_examples(), _collate, cfg, log=lambda s: None)
+    moved = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert all(not torch.equal(before[n], moved[n]) for n in before)  # A and B both train
+
+    batch = _collate(our_examples())
+    frozen_stage_a = stage_b_model(folder, stage_a_adapter).eval()
+    ref_c, ref_r = reference.logps(model, batch)
+    want = sequence_logps(frozen_stage_a, batch)
+    torch.testing.assert_close(ref_c, want.chosen, rtol=0, atol=1e-5)  # the reference is still Stage A
+    torch.testing.assert_close(ref_r, want.rejected, rtol=0, atol=1e-5)
+    for n, p in model.named_parameters():  # and the swap put the trained values back
+        if p.requires_grad:
+            assert torch.equal(p, moved[n]), n
+
+
+def _grads(model, objective, batch):
+    model.zero_grad(set_to_none=True)
+    loss, _, _ = objective(model, batch)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_snapshot_reference_leaves_gradients_exact_with_and_without_checkpointing(hf_causal, stage_a_adapter,
+                                                                                  tmp_path):
+    """Field report 002 lost gradients to checkpointing + LoRA. Here: the gradient with the live
+    Stage A reference equals the one with precomputed reference log-probs (the swap disturbs
+    nothing), equals it again under non-reentrant checkpointing, and reaches every adapter tensor."""
+    from minitrain.train import enable_checkpointing
+
+    model = stage_b_model(hf_causal("dpo_policy"), stage_a_adapter).train()
+    reference = AdapterSnapshotReference(model)
+    with torch.no_grad():  # move the policy so the loss has a gradient in A and B alike
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.mul_(1.1)
+    examples = our_examples()
+    live = _grads(model, make_dpo_objective(0.1, "sigmoid", sft_weight=0.3, reference=reference), _collate(examples))
+    precompute_reference(model, reference, examples, tmp_path / "ref", _collate, 4, log=lambda s: None)
+    cached = _grads(model, make_dpo_objective(0.1, "sigmoid", sft_weight=0.3), _collate(examples))
+    assert enable_checkpointing(model) == 2
+    checkpointed = _grads(model, make_dpo_objective(0.1, "sigmoid", sft_weight=0.3, reference=reference),
+                          _collate([{k: v for k, v in ex.items() if not k.startswith("ref_")} for ex in examples]))
+    for n in live:
+        assert live[n].abs().sum() > 0, n
+        torch.testing.assert_close(cached[n], live[n], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(checkpointed[n], live[n], rtol=1e-5, atol=1e-7)
+
+
+def test_reference_after_a_live_policy_graph_fails_loudly(hf_causal, stage_a_adapter):
+    """The snapshot is copied in place; run after the policy forward, autograd refuses the
+    backward instead of giving wrong gradients. The objective therefore runs the reference first."""
+    model = stage_b_model(hf_causal("dpo_policy"), stage_a_adapter)
+    reference = AdapterSnapshotReference(model)
+    batch = _collate(our_examples())
+    logps = sequence_logps(model, batch)
+    reference.logps(model, batch)
+    with pytest.raises(RuntimeError, match="inplace"):
+        logps.chosen.sum().backward()
+
+
+# ----------------------------------------------------------------------------- precomputed reference cache
+
+
+@pytest.mark.parametrize("mode", ["fresh", "stage_a"])
+def test_cache_holds_the_reference_not_the_policy(hf_causal, stage_a_adapter, tmp_path, mode):
+    """Train one step so policy and reference differ, rebuild the cache: it equals a fresh
+    reference forward and differs from the policy. Then: reused while fresh, rebuilt when the
+    data or the weights file change."""
+    folder = hf_causal("dpo_policy")
+    if mode == "fresh":
+        model, _ = our_lora_model(folder)
+        reference = BaseReference()
+    else:
+        model = stage_b_model(folder, stage_a_adapter)
+        reference = AdapterSnapshotReference(model)
+    examples = our_examples()
+    cache = tmp_path / "ref_logps" / "train"
+    quiet = lambda s: None  # noqa: E731
+    assert not precompute_reference(model, reference, examples, cache, _collate, 3, log=quiet)
+    cfg = DPOConfig(out=str(tmp_path / "run"), max_steps=1, batch_size=4, lr=5e-2, warmup=0, schedule="constant")
+    train(model, make_dpo_objective(0.1, "sigmoid", reference=reference), examples, _collate, cfg, log=quiet)
+
+    for suffix in (".safetensors", ".json"):
+        cache.with_suffix(suffix).unlink()
+    clean = our_examples()
+    assert not precompute_reference(model, reference, clean, cache, _collate, 3, log=quiet)
+    cached = load_file(str(cache.with_suffix(".safetensors")))
+    batch = collate_preference(our_examples(), PAD)
+    fresh_c, fresh_r = reference.logps(model, batch)
+    with torch.no_grad():
+        policy = sequence_logps(model.eval(), batch)
+    torch.testing.assert_close(cached["ref_chosen_logps"], fresh_c, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached["ref_rejected_logps"], fresh_r, rtol=0, atol=1e-5)
+    assert (cached["ref_chosen_logps"] - policy.chosen).abs().max() > 1e-3  # the policy moved away
+
+    assert precompute_reference(model, reference, our_examples(), cache, _collate, 3, log=quiet)  # fresh: reused
+    assert not precompute_reference(model, reference, our_examples(PAIRS[:3]), cache, _collate, 3, log=quiet)
+    weights = model.source_dir / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes, another file identity
+    try:
+        messages = []
+        assert not precompute_reference(model, reference, our_examples(PAIRS[:3]), cache, _collate, 3,
+                                        log=messages.append)
+        assert "weights" in messages[0]
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+# ----------------------------------------------------------------------------- the unit is the pair
+
+
+def test_batch4_accum1_equals_batch2_accum2_with_sft_term(hf_causal, tmp_path):
+    """Rule 2 for DPO: one SGD step on 4 pairs in one micro-batch equals 2 micro-batches of 2."""
+    folder = hf_causal("dpo_policy")
+    results = []
+    for batch_size, accum in ((4, 1), (2, 2)):
+        model, _ = our_lora_model(folder)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+        params = [p for p in model.parameters() if p.requires_grad]
+        cfg = DPOConfig(out=str(tmp_path / f"b{batch_size}"), max_steps=1, batch_size=batch_size, grad_accum=accum,
+                        lr=1.0, warmup=0, schedule="constant", max_grad_norm=0.0)
+        objective = make_dpo_objective(0.1, "sigmoid", sft_weight=0.5, reference=BaseReference())
+        train(model, objective, our_examples(), _collate, cfg, optimizer=torch.optim.SGD(params, lr=1.0),
+              log=lambda s: None)
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_evaluate_dpo_weighs_every_pair_the_same(hf_causal):
+    model, _ = our_lora_model(hf_causal("dpo_policy"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(8))
+    objective = make_dpo_objective(0.1, "sigmoid", reference=BaseReference())
+    got = evaluate_dpo(model, objective, our_examples(), _collate, batch_size=3)  # batches of 3 and 1
+    want = our_stats(objective, model.eval(), _collate(our_examples()))  # one batch: per-pair means
+    assert set(got) == {"eval/" + k for k in want}
+    for k, v in want.items():
+        assert got["eval/" + k] == pytest.approx(v, abs=1e-6), k
+
+
+def test_config_rejects_label_smoothing_where_it_means_nothing():
+    validate(DPOConfig(model="m", data="d", loss_type="robust", label_smoothing=0.1))
+    validate(DPOConfig(model="m", data="d", loss_type="sigmoid", label_smoothing=0.1))
+    with pytest.raises(UserError, match="label_smoothing"):
+        validate(DPOConfig(model="m", data="d", loss_type="ipo", label_smoothing=0.1))
+    with pytest.raises(UserError, match="loss_type"):
+        validate(DPOConfig(model="m", data="d", loss_type="kto"))

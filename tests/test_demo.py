@@ -1,0 +1,143 @@
+"""The committed demo (demo/, tools/make_demo.py) and the Mistral recipes run on it from the CLI.
+
+References: transformers loads the same folder (logits, tokenizer, chat template); the script
+that made the demo, rerun, rewrites the same tokenizer, config and data bytes; the recipes run
+end to end as a user runs them (`python -m minitrain RECIPE.py key=value`), in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+from minitrain.data import read_preference, read_sft
+from minitrain.tokenizer import Tokenizer
+from minitrain.weights import load_pretrained
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "demo"
+NAME = re.compile(r"^([A-Z][a-z]+), ")  # summaries start with the person's name
+
+
+def rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (DEMO / name).read_text().splitlines()]
+
+
+def test_demo_model_loads_in_minitrain_and_transformers_with_equal_logits():
+    import transformers
+
+    tok = Tokenizer.from_folder(DEMO / "model")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(DEMO / "model"))
+    pairs = rows("prefs_eval.jsonl")[:4]
+    ids = []
+    for r in pairs:
+        msgs = r["prompt"] + [{"role": "assistant", "content": r["chosen"]}]
+        ours, _ = tok.encode_chat(msgs)
+        theirs = hf_tok.apply_chat_template(msgs, tokenize=True)
+        theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+        assert ours == list(theirs)  # the tokenizer and its Mistral chat template agree with transformers
+        ids.append(ours)
+    T = max(map(len, ids))
+    x = torch.full((len(ids), T), tok.pad_id)
+    mask = torch.zeros_like(x)
+    for i, s in enumerate(ids):
+        x[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+
+    ours = load_pretrained(DEMO / "model", models.from_hf_config).eval()
+    assert ours.hf_config["model_type"] == "mistral" and ours.config.num_key_value_heads < ours.config.num_attention_heads
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(DEMO / "model"), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MistralForCausalLM"
+    with torch.no_grad():
+        got = ours.output_projection(ours(x, mask))
+        want = hf(input_ids=x, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
+
+
+def test_demo_data_reads_and_held_out_people_are_in_no_training_pair():
+    tok = Tokenizer.from_folder(DEMO / "model")
+    assert tok.chat_format == "mistral"
+    train = read_preference(DEMO / "prefs_train.jsonl", tok, max_len=128)
+    held = read_preference(DEMO / "prefs_eval.jsonl", tok, max_len=128)
+    sft = read_sft(DEMO / "sft_train.jsonl", tok, max_len=128)
+    assert len(train) >= 1000 and len(held) >= 100 and len(sft) >= 100
+    assert train.truncated == train.skipped == held.truncated == held.skipped == 0
+    names = lambda rs, key: {NAME.match(r[key]).group(1) for r in rs}  # noqa: E731
+    seen = names(rows("prefs_train.jsonl"), "chosen") | {NAME.match(r["messages"][1]["content"]).group(1)
+                                                         for r in rows("sft_train.jsonl")}
+    assert not names(rows("prefs_eval.jsonl"), "chosen") & seen
+    # chosen copies the note, rejected changes exactly one fact, which the note does not contain
+    for r in rows("prefs_eval.jsonl") + rows("prefs_train.jsonl")[:200]:
+        note = r["prompt"][0]["content"]
+        c, rj = r["chosen"].rstrip(".").split(", "), r["rejected"].rstrip(".").split(", ")
+        assert all(re.search(rf"\b{re.escape(v)}\b", note) for v in c)
+        diff = [(a, b) for a, b in zip(c, rj) if a != b]
+        assert len(diff) == 1 and not re.search(rf"\b{re.escape(diff[0][1])}\b", note)
+
+
+def test_make_demo_rewrites_the_committed_tokenizer_config_and_data(tmp_path):
+    """Data and tokenizer do not depend on the pre-training steps: a 2-step rerun must write the
+    committed bytes (the weights differ, of course), and two reruns the same weights."""
+    for out in ("a", "b"):
+        subprocess.run([sys.executable, str(ROOT / "tools" / "make_demo.py"), "--out", str(tmp_path / out),
+                        "--steps", "2"], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for f in ("model/config.json", "model/tokenizer.json", "model/tokenizer_config.json",
+              "model/special_tokens_map.json", "prefs_train.jsonl", "prefs_eval.jsonl", "sft_train.jsonl"):
+        assert (tmp_path / "a" / f).read_bytes() == (DEMO / f).read_bytes(), f
+    a, b = (tmp_path / x / "model" / "model.safetensors" for x in "ab")
+    assert a.read_bytes() == b.read_bytes()
+    assert sum(f.stat().st_size for f in DEMO.rglob("*") if f.is_file()) < 4 * 2**20  # a few MB
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "minitrain", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True)
+
+
+def test_short_demo_runs_from_the_cli_stage_a_then_stage_b(tmp_path):
+    """`python -m minitrain recipes/sft_mistral.py`, then `recipes/dpo_mistral.py` continuing its
+    adapter with a precomputed reference, as a user would type them (few steps)."""
+    sft = cli(str(ROOT / "recipes" / "sft_mistral.py"), "max_steps=2", "out=runs/a", cwd=tmp_path)
+    assert sft.returncode == 0, sft.stderr
+    stage_a = tmp_path / "runs" / "a" / "adapter"
+    assert (stage_a / "adapter_model.safetensors").is_file()
+    assert f"init_adapter={Path('runs/a/adapter')}" in sft.stdout
+
+    dpo = cli(str(ROOT / "recipes" / "dpo_mistral.py"), "max_steps=2", "out=runs/b", f"init_adapter={stage_a}",
+              "precompute_ref=true", cwd=tmp_path)
+    assert dpo.returncode == 0, dpo.stderr
+    out = tmp_path / "runs" / "b"
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "ref_logps" / "train.safetensors").is_file() and (out / "ref_logps" / "eval.json").is_file()
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2]
+    assert evals[0]["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # reference == Stage A policy
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"rewards/chosen", "rewards/accuracies", "logps/rejected"} <= set(metrics[-1])
+    assert "Stage A adapter" in dpo.stdout and "reusing" not in dpo.stdout
+    assert "model=/path/to/Mistral-7B-Instruct-v0.2" in dpo.stdout and "quantize=nf4" in dpo.stdout
+
+    again = cli(str(ROOT / "recipes" / "dpo_mistral.py"), "max_steps=2", "out=runs/b", f"init_adapter={stage_a}",
+                "precompute_ref=true", "overwrite=true", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("reusing") == 2  # train and eval caches are fresh
+
+
+def test_dpo_demo_defaults_run_with_no_arguments_but_the_output_folder(tmp_path):
+    """The default run (fresh adapter, base as reference) shortened to 3 steps."""
+    res = cli(str(ROOT / "recipes" / "dpo_mistral.py"), "max_steps=3", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "runs" / "dpo_mistral"
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert "base model (adapter disabled)" in res.stdout
+    first = json.loads((out / "eval.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["eval/rewards/accuracies"] == 0.0  # every pair ties at step 0

@@ -33,7 +33,7 @@ from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
-from minitrain.weights import io_error_reason, load_pretrained
+from minitrain.weights import io_error_reason, load_pretrained, read_header
 
 log = functools.partial(print, flush=True)
 
@@ -261,8 +261,34 @@ def attach_adapters(model: nn.Module, cfg: Any) -> LoRAConfig:
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()  # fp32 master weights for what trains in full (e.g. lm_head)
+    _check_resume_tensors(model, cfg)
     log(trainable_report(model))
     return lcfg
+
+
+def _check_resume_tensors(model: nn.Module, cfg: Any) -> None:
+    """With `resume=true`: every tensor that trains must be in the checkpoint with its shape (another
+    lora_r, lora_targets or base is refused here, before `prepare_out_dir` writes, not by the loop).
+
+    Only what trains now is checked: a recipe may add trainable tensors after this (ARD gates).
+    """
+    folder = checkpoint.find(cfg.out) if cfg.resume else None
+    if folder is None:
+        return
+    try:
+        header, _ = read_header(folder / "weights.safetensors")
+    except (OSError, UserError):
+        return  # an unreadable checkpoint is reported by checkpoint.load
+    saved = {k: tuple(v["shape"]) for k, v in header.items()}
+    mine = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(mine) - set(saved))
+    if missing:
+        raise UserError(f"{folder}: checkpoint holds different trainable tensors (missing {missing[:3]}) — resume "
+                        f"with the same model, adapters and settings")
+    for n, shape in mine.items():
+        if saved[n] != shape:
+            raise UserError(f"{folder}: {n} has shape {saved[n]}, the model {shape} — resume with the same model "
+                            f"and adapter settings")
 
 
 # ----------------------------------------------------------------------------- data

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import subprocess
-import uuid
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -113,16 +113,16 @@ def failing(monkeypatch, where: str):
 def _can_mount() -> bool:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return False
-    probe = Path(f"/tmp/minitrain-mount-probe-{uuid.uuid4().hex[:8]}")
-    probe.mkdir()
+    probe = Path(tempfile.mkdtemp(prefix="minitrain-mount-probe-"))
     try:
         if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
                           capture_output=True).returncode != 0:
             return False
-        subprocess.run(["umount", str(probe)], check=True)
-        return True
+        return subprocess.run(["umount", str(probe)], capture_output=True).returncode == 0
+    except OSError:
+        return False
     finally:
-        probe.rmdir()
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 CAN_MOUNT = _can_mount()

@@ -9,6 +9,7 @@ reference has loss log 2 and zero rewards; and a fresh reference forward for the
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import types
@@ -21,7 +22,6 @@ import models
 from minitrain.config import validate
 from minitrain.data import collate_preference
 from minitrain.dpo import (
-    LOSS_TYPES,
     AdapterSnapshotReference,
     BaseReference,
     DPOConfig,
@@ -82,8 +82,7 @@ def trl_loss(trainer, model, inputs, loss_type, label_smoothing, beta=0.1) -> tu
     """TRL's loss and logged metrics for one batch, with the trainer set to this loss."""
     trainer.loss_types, trainer.loss_weights = [loss_type], [1.0]
     trainer.label_smoothing, trainer.beta = label_smoothing, beta
-    trainer._metrics = {"train": __import__("collections").defaultdict(list),
-                        "eval": __import__("collections").defaultdict(list)}
+    trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
     with torch.no_grad():
         loss = trainer._compute_loss(model, inputs, False)
     mode = "train" if trainer.model.training else "eval"

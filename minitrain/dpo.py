@@ -181,9 +181,9 @@ class BaseReference:
 class AdapterSnapshotReference:
     """Mode (b), continuing a trained adapter: the reference is the policy as it was when made.
 
-    Keeps a frozen copy of the trainable (adapter) tensors only — LoRA A/B and any
-    `modules_to_save` — and, for each reference forward, copies them in under `no_grad` and the
-    live training values back afterwards. Create it right after `load_adapter(...,
+    Keeps a frozen copy of the trainable (adapter) tensors only — LoRA A/B (a few MB for a 7B
+    model) and any `modules_to_save`, which are copied in full — and, for each reference forward,
+    copies them in under `no_grad` and the live training values back afterwards. Create it right after `load_adapter(...,
     trainable=True)`, before any step. The reference forward must run before the policy forward
     of the same step: the copies change the tensors in place, which autograd would catch (an
     in-place error) if a policy graph were alive, instead of giving silently wrong gradients.

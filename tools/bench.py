@@ -1,0 +1,695 @@
+"""minitrain against the HF stack on the same LoRA SFT and LoRA DPO runs (CPU), and QLoRA DPO 7B GPU memory.
+
+    python tools/bench.py [--repeats 3] [--only sft|dpo] [--write BENCHMARKS.md] [--cache DIR] [--threads N]
+                          [--steps 10] [--batch 4] [--accum 1] [--dpo-steps 8] [--dpo-batch 2] [--dpo-accum 1]
+                          [--max-len 384] [--layers 4] [--dim 256] [--ffn 688] [--heads 4] [--kv-heads 4]
+                          [--vocab 32000] [--lora-r 16] [--targets q_proj,k_proj,v_proj,o_proj,...]
+    python tools/bench.py --gpu-dpo-7b [--seq 1024] [--dpo-steps 3] [--out FILE.json]   (CUDA only)
+    python tools/bench.py --profile mt-sft|mt-dpo   (one minitrain run under cProfile: the top functions)
+
+What runs (each run a fresh `python` subprocess, so peak RSS and start-up are honest):
+
+- the checkpoint: a LLaMA-shaped model (default 4 layers, hidden 256, vocab 32000) with random
+  weights, saved once by `transformers` (`save_pretrained`, fp32 safetensors) into the cache, with
+  a word-level tokenizer (`tokenizer.json`, 32000 ids) whose ids compose (prompt + completion
+  tokenizes to prompt ids + completion ids), so both sides see the same token sequences;
+- the data: synthetic JSONL made once, variable lengths (prompt and answers 8-200 words), exactly
+  one epoch of the run (steps x batch x accumulation rows), so both sides train on the same rows;
+- SFT: `python -m minitrain recipes/sft_llama.py ...` against transformers `Trainer` + peft
+  `get_peft_model` (the usual HF script: tokenized with the same rule, `DataCollatorForSeq2Seq`
+  padding to the batch's longest);
+- DPO: `python -m minitrain recipes/dpo_mistral.py ...` (fresh adapter: reference = adapter off)
+  against trl `DPOTrainer` + peft (`ref_model=None`: the reference is the adapter-disabled model);
+- the same on both: fp32 on CPU, batch, accumulation, steps, max_len, LoRA r / alpha / dropout 0 /
+  targets, constant LR, no warmup, AdamW (torch, foreach), grad clip 1.0, no eval, no saving
+  during the run (minitrain writes its final checkpoint and adapter after the last step, outside
+  the timed steps), dataloader workers 0, no length grouping (minitrain's loop has no
+  group_by_length key yet), no gradient checkpointing (TRL's DPOConfig defaults it on: set off),
+  logging every step on both sides (minitrain writes metrics.jsonl each step; HF logging_steps=1),
+  the same thread count (OMP_NUM_THREADS);
+- runs interleaved: mt, hf, hf, mt, mt, hf ... (`--repeats` each); medians reported.
+
+Measured per run, by this parent process:
+
+- time to first step: from just before the subprocess starts to the moment its first optimizer
+  step is on disk (minitrain: the first line of out/metrics.jsonl; HF: a `TrainerCallback`'s
+  `on_step_end` line), polled every 5 ms: interpreter start, imports, loading, tokenizing and
+  step 1 are all inside;
+- throughput over steps 2..N (step 1 excluded: warm-up): SFT tokens/s = non-padding input tokens
+  processed (sum of the attention masks of every micro-batch, the same definition on both sides,
+  counted by minitrain's loop and by a forward pre-hook on HF's model, grad-enabled forwards only) / seconds between the end
+  of step 1 and the end of step N; DPO pairs/s = pairs per step x (N - 1) / the same seconds;
+- peak memory: the child's peak RSS (`os.wait4` rusage `ru_maxrss`), libraries included.
+
+Results print as medians and ratios minitrain / HF; `--write` puts them, the machine (CPU, cores,
+RAM, load average), versions and the exact command into BENCHMARKS.md between the
+`<!-- bench:begin -->` / `<!-- bench:end -->` markers (the analysis around them is kept).
+Needs the bench extra (transformers, peft, trl, datasets, accelerate, psutil).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+NAN = float("nan")
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ----------------------------------------------------------------------------- setup (once, cached)
+
+
+def shape_key(a: argparse.Namespace) -> str:
+    keys = ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "steps", "batch", "accum", "dpo_steps",
+            "dpo_batch", "dpo_accum", "max_len", "seed")
+    blob = json.dumps({k: getattr(a, k) for k in keys}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def words(vocab: int) -> list[str]:
+    """vocab - 4 distinct lower-case pseudo-words (syllables), deterministic."""
+    rng = random.Random(1234)
+    cons, vows = "bcdfghjklmnprstvwz", "aeiou"
+    out, seen = [], set()
+    while len(out) < vocab - len(SPECIALS):
+        w = "".join(rng.choice(cons) + rng.choice(vows) for _ in range(rng.randint(1, 4)))
+        if w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
+
+
+def make_tokenizer(folder: Path, vocab: int) -> list[str]:
+    """A word-level `tokenizer.json` with `vocab` ids (<pad> 0, <s> 1, </s> 2, <unk> 3) + HF configs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    w = words(vocab)
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + w)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+           "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+           "model_max_length": 4096}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    (folder / "special_tokens_map.json").write_text(json.dumps({k: cfg[k] for k in
+                                                                ("bos_token", "eos_token", "pad_token", "unk_token")}))
+    return w
+
+
+def text(rng: random.Random, vocab_words: list[str], lo: int, hi: int) -> str:
+    n = rng.randint(lo, hi)
+    # Zipf-like word frequencies, so the embedding rows used look like real text's
+    return " ".join(vocab_words[min(int(rng.paretovariate(1.1)) - 1, len(vocab_words) - 1)] for _ in range(n))
+
+
+def prepare(a: argparse.Namespace) -> dict:
+    """The cached checkpoint folder and the two JSONL files; made once per shape."""
+    cache = Path(a.cache) / shape_key(a)
+    done = cache / "ready.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    cache.mkdir(parents=True, exist_ok=True)
+    import torch
+    import transformers
+
+    folder = cache / "model"
+    folder.mkdir(exist_ok=True)
+    cfg = transformers.LlamaConfig(vocab_size=a.vocab, hidden_size=a.dim, intermediate_size=a.ffn,
+                                   num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                                   num_key_value_heads=a.kv_heads, max_position_embeddings=max(2048, a.max_len),
+                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(a.seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(folder, safe_serialization=True)
+    vocab_words = make_tokenizer(folder, a.vocab)
+    rng = random.Random(a.seed)
+    half = (a.max_len - 2) // 2
+    sft = cache / "sft.jsonl"
+    with open(sft, "w") as f:
+        for _ in range(a.steps * a.batch * a.accum):
+            f.write(json.dumps({"prompt": text(rng, vocab_words, 8, min(200, half)),
+                                "completion": text(rng, vocab_words, 8, min(200, half))}) + "\n")
+    dpo = cache / "dpo.jsonl"
+    third = (a.max_len - 2) // 3
+    with open(dpo, "w") as f:
+        for _ in range(a.dpo_steps * a.dpo_batch * a.dpo_accum):
+            f.write(json.dumps({"prompt": text(rng, vocab_words, 8, min(200, half)),
+                                "chosen": text(rng, vocab_words, 8, min(150, third)),
+                                "rejected": text(rng, vocab_words, 8, min(150, third))}) + "\n")
+    info = {"model": str(folder), "sft": str(sft), "dpo": str(dpo), "params": sum(p.numel() for p in model.parameters())}
+    done.write_text(json.dumps(info))
+    return info
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[str]:
+    """The exact `python -m minitrain ...` command line of a minitrain run."""
+    common = [f"model={info['model']}", f"out={out}", f"max_len={a.max_len}", f"lora_r={a.lora_r}",
+              f"lora_alpha={2 * a.lora_r}", "lora_dropout=0.0", f"lora_targets={','.join(a.targets)}",
+              f"lr={a.lr}", "warmup=0", "schedule=constant", "precision=fp32", "device=cpu", "log_every=1",
+              "save_every=0", "max_grad_norm=1.0", "weight_decay=0.0", f"seed={a.seed}", "overwrite=true"]
+    if kind == "sft":
+        return [sys.executable, "-m", "minitrain", "recipes/sft_llama.py", f"data={info['sft']}", "eval_data=",
+                f"max_steps={a.steps}", f"batch_size={a.batch}", f"grad_accum={a.accum}", *common]
+    return [sys.executable, "-m", "minitrain", "recipes/dpo_mistral.py", f"data={info['dpo']}", "eval_data=",
+            f"max_steps={a.dpo_steps}", f"batch_size={a.dpo_batch}", f"grad_accum={a.dpo_accum}", "beta=0.1",
+            "loss_type=sigmoid", *common]
+
+
+def hf_spec(kind: str, a: argparse.Namespace, info: dict, out: Path) -> dict:
+    sft = kind == "sft"
+    return {"kind": kind, "model": info["model"], "data": info["sft" if sft else "dpo"], "out": str(out),
+            "steps": a.steps if sft else a.dpo_steps, "batch": a.batch if sft else a.dpo_batch,
+            "accum": a.accum if sft else a.dpo_accum, "max_len": a.max_len, "lora_r": a.lora_r,
+            "targets": a.targets, "lr": a.lr, "seed": a.seed}
+
+
+def child_env(a: argparse.Namespace) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads), TOKENIZERS_PARALLELISM="false",
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def timed_run(cmd: list[str], steps_file: Path, log_file: Path, env: dict) -> dict:
+    """Run `cmd`; return the arrival times of its step lines, their rows, peak RSS and exit code.
+
+    The child is waited for with `os.wait4`, which gives its own rusage (`ru_maxrss`: its peak
+    RSS), while its step file is read every 5 ms; a line's time is when it was first seen.
+    If this parent is interrupted, the child is killed rather than left running.
+    """
+    steps_file.parent.mkdir(parents=True, exist_ok=True)
+    steps_file.unlink(missing_ok=True)
+    rows: list[dict] = []
+    times: list[float] = []
+    buf, pos, usage, status = "", 0, None, 0
+    with open(log_file, "w") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                now = time.perf_counter() - t0
+                if steps_file.is_file():
+                    with open(steps_file) as f:
+                        f.seek(pos)
+                        buf += f.read()
+                        pos = f.tell()
+                    while "\n" in buf:
+                        line, buf = buf.split("\n", 1)
+                        if line.strip():
+                            rows.append(json.loads(line))
+                            times.append(now)
+                if pid:
+                    break
+                time.sleep(0.005)
+        except BaseException:
+            proc.kill()  # interrupted: do not leave the run behind
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"rc": proc.returncode, "times": times, "rows": rows, "wall": time.perf_counter() - t0,
+            "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def summarize(kind: str, side: str, r: dict, pairs_per_step: int) -> dict:
+    times, rows = r["times"], r["rows"]
+    out = {"side": side, "rc": r["rc"], "wall_s": r["wall"], "peak_rss_mb": r["peak_rss_mb"], "steps": len(rows)}
+    if r["rc"] != 0 or len(rows) < 2:
+        return out
+    tokens = [row["tokens"] for row in rows]  # per step (minitrain) / per step (HF clock lines)
+    span = times[-1] - times[0]
+    out.update(first_step_s=times[0], steady_s_per_step=span / (len(rows) - 1),
+               tokens_per_s=sum(tokens[1:]) / span, tokens_total=sum(tokens))
+    if kind == "dpo":
+        out["pairs_per_s"] = pairs_per_step * (len(rows) - 1) / span
+    return out
+
+
+def run_one(kind: str, side: str, a: argparse.Namespace, info: dict, rep: int) -> dict:
+    work = Path(a.cache) / shape_key(a) / "runs" / f"{kind}-{side}-{rep}"
+    work.mkdir(parents=True, exist_ok=True)
+    if side == "mt":
+        out = work / "out"
+        cmd = mt_command(kind, a, info, out)
+        steps_file = out / "metrics.jsonl"
+    else:
+        spec = hf_spec(kind, a, info, work / "hf_out")
+        (work / "spec.json").write_text(json.dumps(spec))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(work / "spec.json")]
+        steps_file = work / "hf_out" / "steps.jsonl"
+    r = timed_run(cmd, steps_file, work / "log.txt", child_env(a))
+    pairs = a.dpo_batch * a.dpo_accum
+    s = summarize(kind, side, r, pairs)
+    s["command"] = cmd
+    if r["rc"] != 0:
+        tail = (work / "log.txt").read_text()[-3000:]
+        print(f"  {kind} {side} run {rep} FAILED (exit {r['rc']}); log {work / 'log.txt'}:\n{tail}", flush=True)
+    else:
+        print(f"  {kind} {side} run {rep}: first step {s.get('first_step_s', float('nan')):.2f}s, "
+              f"{s.get('tokens_per_s', float('nan')):.0f} tok/s"
+              + (f", {s['pairs_per_s']:.2f} pairs/s" if 'pairs_per_s' in s else "")
+              + f", peak RSS {s['peak_rss_mb']:.0f} MiB, {s['steps']} steps", flush=True)
+    return s
+
+
+# ----------------------------------------------------------------------------- the HF worker
+
+
+def hf_worker(spec_path: str) -> int:
+    """One HF run (in its own process): Trainer + peft (SFT) or trl DPOTrainer + peft (DPO)."""
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+    import transformers
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    clock = open(out / "steps.jsonl", "w", buffering=1)
+    seen = {"tokens": 0, "padded": 0, "last": 0}
+
+    def count_tokens(module, args, kwargs):
+        """Non-pad tokens of each training forward (the reference forward runs under no_grad: skipped).
+
+        Counted at the forward, not in the collator: the Trainer fetches micro-batches ahead."""
+        mask = kwargs.get("attention_mask")
+        if torch.is_grad_enabled() and mask is not None:
+            seen["tokens"] += int(mask.sum())
+            seen["padded"] += int(mask.numel())
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            tokens = seen["tokens"] - seen["last"]
+            seen["last"] = seen["tokens"]
+            clock.write(json.dumps({"step": state.global_step, "tokens": tokens, "padded": seen["padded"]}) + "\n")
+            clock.flush()
+
+    rows = [json.loads(line) for line in open(spec["data"]) if line.strip()]
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0,
+                      target_modules=spec["targets"], task_type="CAUSAL_LM")
+    common = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=spec["batch"],
+                  gradient_accumulation_steps=spec["accum"], max_steps=spec["steps"], learning_rate=spec["lr"],
+                  lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+                  optim="adamw_torch", logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
+                  use_cpu=True, bf16=False, fp16=False, dataloader_num_workers=0, dataloader_pin_memory=False,
+                  seed=spec["seed"], gradient_checkpointing=False)
+    if spec["kind"] == "sft":
+        bos, eos = tok.bos_token_id, tok.eos_token_id
+
+        def tokenize(row):
+            p = [bos] + tok(row["prompt"], add_special_tokens=False)["input_ids"]
+            c = tok(row["completion"], add_special_tokens=False)["input_ids"] + [eos]
+            ids = (p + c)[: spec["max_len"]]
+            return {"input_ids": ids, "labels": ([-100] * len(p) + c)[: spec["max_len"]]}
+
+        ds = Dataset.from_list(rows).map(tokenize, remove_columns=["prompt", "completion"])
+        model = get_peft_model(model, lora)
+        args = transformers.TrainingArguments(remove_unused_columns=False, **common)
+        collator = transformers.DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, data_collator=collator,
+                                       callbacks=[StepClock()])
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        args = DPOConfig(beta=0.1, loss_type=["sigmoid"], max_length=spec["max_len"], precompute_ref_log_probs=False,
+                         **common)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                             peft_config=lora, callbacks=[StepClock()])
+    trainer.model.register_forward_pre_hook(count_tokens, with_kwargs=True)
+    trainer.train()
+    clock.close()
+    return 0
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def machine() -> dict:
+    cpu = platform.processor() or "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "os": platform.platform()}
+    try:
+        import psutil
+
+        info["ram_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    return info
+
+
+def versions() -> dict:
+    out = {}
+    code = ("import json,importlib.metadata as m\nd={}\nfor p in ('torch','transformers','peft','trl','accelerate',"
+            "'datasets'):\n  try: d[p]=m.version(p)\n  except Exception: d[p]=None\nimport minitrain\n"
+            "d['minitrain']=minitrain.__version__\nprint(json.dumps(d))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    try:
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        pass
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+        out["git"] = sha.stdout.strip()
+    except OSError:
+        pass
+    return out
+
+
+def import_times(env: dict) -> dict:
+    """Seconds to import what each side's command imports before any work (fresh interpreter, best of 3)."""
+    probes = {"minitrain (cli + sft recipe imports)": "import minitrain.cli, models, minitrain.run, minitrain.train, "
+                                                      "minitrain.objectives, minitrain.data",
+              "torch alone": "import torch",
+              "HF (transformers Trainer + peft + trl + datasets)": "import transformers, peft, trl, datasets; "
+                                                                   "from transformers import Trainer; "
+                                                                   "from trl import DPOTrainer"}
+    out = {}
+    for name, stmt in probes.items():
+        best = float("inf")
+        for _ in range(3):
+            code = f"import time; t=time.perf_counter(); {stmt}; print(time.perf_counter()-t)"
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+            try:
+                best = min(best, float(r.stdout.strip().splitlines()[-1]))
+            except (ValueError, IndexError):
+                pass
+        out[name] = best
+    return out
+
+
+def med(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else NAN
+
+
+def table(results: dict, kind: str) -> list[str]:
+    mt = [r for r in results[kind]["mt"] if r["rc"] == 0]
+    hf = [r for r in results[kind]["hf"] if r["rc"] == 0]
+    metrics = [("tokens/s (non-pad input tokens, steps 2..N)", "tokens_per_s", ">= 1.5x" if kind == "sft" else "")]
+    if kind == "dpo":
+        metrics.append(("pairs/s (steps 2..N)", "pairs_per_s", ">= 2x"))
+    metrics += [("peak RSS (MiB)", "peak_rss_mb", "<= 0.6x"), ("time to first step (s)", "first_step_s", "<= 0.5x"),
+                ("seconds per step (steps 2..N)", "steady_s_per_step", "")]
+    lines = [f"| {kind.upper()} | minitrain | HF | minitrain / HF | goal | runs (mt, hf) |", "|---|---|---|---|---|---|"]
+    for name, key, goal in metrics:
+        m, h = med([r.get(key) for r in mt]), med([r.get(key) for r in hf])
+        ratio = m / h if h and h == h and m == m else NAN
+        spread = " / ".join(", ".join(f"{r.get(key, NAN):.3g}" for r in side) for side in (mt, hf))
+        lines.append(f"| {name} | {m:.4g} | {h:.4g} | **{ratio:.2f}x** | {goal} | {spread} |")
+    tok_m, tok_h = med([r.get("tokens_total") for r in mt]), med([r.get("tokens_total") for r in hf])
+    lines.append(f"| tokens processed in the run (non-pad) | {tok_m:.0f} | {tok_h:.0f} | {tok_m / tok_h:.3f} | same data | |")
+    return lines
+
+
+def render(a: argparse.Namespace, results: dict, info: dict, argv: list[str], extra: dict) -> str:
+    mach, ver = extra["machine"], extra["versions"]
+    lines = [BEGIN, "",
+             f"Measured {extra['date']} on {mach['cpu']}, {mach['cores']} cores, {mach.get('ram_gib', '?')} GiB RAM, "
+             f"{mach['os']}, Python {mach['python']}; load average before / after: {extra['load_before']} / "
+             f"{extra['load_after']} (shared machine: other jobs ran at the same time, so absolute figures are noisy; "
+             f"runs were interleaved and medians are reported).",
+             "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
+             "",
+             f"Command: `python tools/bench.py {' '.join(shlex.quote(x) for x in argv)}`",
+             "",
+             f"Checkpoint: LLaMA-shaped, {a.layers} layers, hidden {a.dim}, intermediate {a.ffn}, {a.heads} heads "
+             f"({a.kv_heads} kv), vocab {a.vocab}: {info['params']:,} parameters, fp32; LoRA r={a.lora_r} alpha="
+             f"{2 * a.lora_r} dropout 0 on {','.join(a.targets)}; {a.threads} threads.",
+             f"SFT: {a.steps} steps x batch {a.batch} x accumulation {a.accum}, max_len {a.max_len}. "
+             f"DPO: {a.dpo_steps} steps x {a.dpo_batch} pairs x accumulation {a.dpo_accum}, beta 0.1, sigmoid.",
+             ""]
+    for kind in results:
+        lines += table(results, kind) + [""]
+    if extra.get("imports"):
+        lines += ["Import time (fresh interpreter, best of 3): " + "; ".join(
+            f"{k} {v:.2f}s" for k, v in extra["imports"].items()), ""]
+    if extra.get("padding"):
+        lines += [extra["padding"], ""]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def write_benchmarks(path: Path, block: str) -> None:
+    old = path.read_text() if path.is_file() else "# Benchmarks\n\n"
+    if BEGIN in old and END in old:
+        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip() + "\n\n" + block + "\n"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(new)
+    tmp.replace(path)
+
+
+def padding_note(a: argparse.Namespace, info: dict) -> str:
+    """How much of minitrain's SFT micro-batches is padding, with and without length grouping (its Batcher)."""
+    sys.path.insert(0, str(ROOT))
+    from minitrain.data import Batcher, read_sft
+    from minitrain.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(info["model"])
+    ex = read_sft(info["sft"], tok, max_len=a.max_len)
+    lengths = [len(e["input_ids"]) for e in ex]
+    out = []
+    for group in (False, True):
+        b = Batcher(lengths, a.batch, seed=a.seed, shuffle=True, group_by_length=group)
+        real = padded = 0
+        for batch in b.epoch_batches(0):
+            ls = [lengths[i] for i in batch]
+            real += sum(ls)
+            padded += max(ls) * len(ls)
+        out.append(f"{'grouped' if group else 'as run (no grouping)'}: {1 - real / padded:.1%} padding")
+    return ("Padding in the SFT micro-batches (minitrain's Batcher, same seed; HF pads to the batch's longest too): "
+            + "; ".join(out) + ".")
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def profile_run(a: argparse.Namespace, kind: str) -> int:
+    info = prepare(a)
+    work = Path(a.cache) / shape_key(a) / "runs" / f"profile-{kind}"
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = mt_command(kind.removeprefix("mt-"), a, info, work / "out")
+    cmd = [cmd[0], "-m", "cProfile", "-o", str(work / "run.prof"), *cmd[1:]]
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    r = subprocess.run(cmd, cwd=ROOT, env=child_env(a), capture_output=True, text=True)
+    if r.returncode:
+        print(r.stdout[-2000:], r.stderr[-2000:])
+        return r.returncode
+    import pstats
+
+    st = pstats.Stats(str(work / "run.prof"))
+    st.sort_stats("cumulative").print_stats(35)
+    st.sort_stats("tottime").print_stats(25)
+    return 0
+
+
+# ----------------------------------------------------------------------------- QLoRA DPO 7B on a GPU
+
+
+MISTRAL_7B = dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+TINY_MISTRAL = dict(MISTRAL_7B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+def gpu_dpo_7b(a: argparse.Namespace) -> int:
+    """Peak GPU memory of QLoRA DPO on a Mistral-7B-shaped model with random weights, vs the plan.
+
+    nf4 base (double quantization, bf16 compute, head and embeddings in bf16), LoRA r=16 alpha 32
+    on `--targets` (fp32), checkpointing on, one pair per micro-batch of `--seq` tokens (prompt
+    half, answers of different lengths so the batch is padded), reference = the adapter disabled,
+    `--dpo-steps` optimizer steps through `minitrain.train.train` (the real loop, fused AdamW).
+    Weights are drawn on the GPU one linear at a time and quantized by minitrain's loader hook as
+    it would quantize a checkpoint's tensors: no 14 GB file and no full-precision model in memory.
+    """
+    import torch
+
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("skipped: --gpu-dpo-7b needs a CUDA device and torch.cuda.is_available() is False here "
+              "(run it on a GPU machine: python tools/bench.py --gpu-dpo-7b)")
+        return 0
+    sys.path.insert(0, str(ROOT))
+    import models
+    from minitrain import plan as P
+    from minitrain.dpo import DPOConfig, make_dpo_objective, make_reference
+    from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.quant import quantize_hook
+    from minitrain.train import train
+
+    hf = TINY_MISTRAL if a.tiny else MISTRAL_7B
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = models.from_hf_config(hf)
+    hook = quantize_hook("nf4", compute_dtype=dtype)
+    for name, p in list(model.named_parameters()):  # draw each tensor where it lives, quantize the linears
+        w = torch.randn(p.shape, dtype=dtype, device=device) * (0.02 if p.dim() > 1 else 1.0)
+        if p.dim() == 1:
+            w = 1.0 + 0.1 * w
+        if not hook(model, name, w):
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(w, requires_grad=False))
+        del w
+    model.tie_weights()
+    targets = a.targets
+    lcfg = LoRAConfig(r=16, alpha=32.0, dropout=0.0, targets=list(targets))
+    apply_lora(model, lcfg)
+    freeze_for_adapters(model, lcfg)
+    seq, V = a.seq, hf["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, V, (seq // 2,), generator=g).tolist()
+    chosen = torch.randint(3, V, (seq - seq // 2,), generator=g).tolist()
+    rejected = torch.randint(3, V, (seq - seq // 2 - 7,), generator=g).tolist()  # shorter: a padded batch
+    ex = {"chosen_ids": prompt + chosen, "chosen_labels": [-100] * len(prompt) + chosen,
+          "rejected_ids": prompt + rejected, "rejected_labels": [-100] * len(prompt) + rejected}
+    examples = [dict(ex) for _ in range(a.dpo_steps)]
+    from minitrain.dpo import collate_with_reference
+
+    out = Path(tempfile.mkdtemp(prefix="minitrain_gpu_dpo_"))
+    cfg = DPOConfig(out=str(out), max_steps=a.dpo_steps, batch_size=1, grad_accum=1, lr=5e-6, warmup=0,
+                    schedule="constant", max_len=seq, precision="bf16", checkpointing=True, lora_r=16,
+                    lora_alpha=32.0, lora_targets=list(targets), quantize="nf4", device=str(device), beta=0.1,
+                    save_every=0, log_every=1)
+    objective = make_dpo_objective(cfg.beta, reference=make_reference(model, ""))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    summary = train(model, objective, examples, lambda b: collate_with_reference(b, 0), cfg, out_dir=out)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "seq": seq,
+              "steps": summary["step"], "seconds": time.perf_counter() - t0, "targets": list(targets),
+              "shape": "tiny" if a.tiny else "mistral-7b"}
+    if device.type == "cuda":
+        result.update(weights_and_adapters_bytes=before, max_allocated_bytes=torch.cuda.max_memory_allocated(),
+                      max_reserved_bytes=torch.cuda.max_memory_reserved())
+    run = P.RunShape(rows=2, seq=seq, compute="bf16", quantize="nf4", lora_r=16, lora_targets=tuple(targets),
+                     checkpointing=True, dpo_reference="base", optimizer_temps=device.type != "cuda",
+                     targets=len(chosen) + len(rejected) - 1)
+    plan = P.predict(P.ModelShape.from_hf(hf), run)
+    result.update(predicted_peak_bytes=plan.peak, predicted_moment=plan.peak_moment,
+                  predicted_persistent_bytes=plan.persistent_bytes)
+    if "max_allocated_bytes" in result:
+        result["measured_over_predicted"] = result["max_allocated_bytes"] / plan.peak
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", choices=("sft", "dpo"))
+    p.add_argument("--write", metavar="BENCHMARKS.md")
+    p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "minitrain_bench"))
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--dpo-steps", type=int, default=8)
+    p.add_argument("--dpo-batch", type=int, default=2)
+    p.add_argument("--dpo-accum", type=int, default=1)
+    p.add_argument("--max-len", type=int, default=384)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=688)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--targets", type=lambda s: s.split(","), default=list(ALL_LINEAR))
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-imports", action="store_true", help="skip the import-time probe")
+    p.add_argument("--worker", metavar="SPEC.json", help=argparse.SUPPRESS)
+    p.add_argument("--profile", choices=("mt-sft", "mt-dpo"))
+    p.add_argument("--gpu-dpo-7b", action="store_true")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", metavar="FILE.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    if a.worker:
+        return hf_worker(a.worker)
+    if a.gpu_dpo_7b:
+        if a.targets == list(ALL_LINEAR) and "--targets" not in " ".join(argv):
+            a.targets = ["q_proj", "k_proj", "v_proj", "o_proj"]  # recipes/dpo_mistral.py's default targets
+        return gpu_dpo_7b(a)
+    if a.profile:
+        return profile_run(a, a.profile)
+    info = prepare(a)
+    print(f"checkpoint {info['model']} ({info['params']:,} params); data {info['sft']}, {info['dpo']}", flush=True)
+    env = child_env(a)
+    extra = {"machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M"),
+             "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    kinds = [a.only] if a.only else ["sft", "dpo"]
+    results = {k: {"mt": [], "hf": []} for k in kinds}
+    for rep in range(a.repeats):
+        order = ("mt", "hf") if rep % 2 == 0 else ("hf", "mt")
+        for kind in kinds:
+            for side in order:
+                results[kind][side].append(run_one(kind, side, a, info, rep))
+    extra["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    if not a.no_imports:
+        extra["imports"] = import_times(env)
+    if "sft" in kinds:
+        extra["padding"] = padding_note(a, info)
+    block = render(a, results, info, argv, extra)
+    print(block)
+    raw = Path(a.cache) / shape_key(a) / "results.json"
+    raw.write_text(json.dumps({"results": results, "extra": extra}, indent=2, default=str))
+    if a.write:
+        write_benchmarks(Path(a.write), block)
+        print(f"wrote {a.write} (raw results: {raw})")
+    failed = [r for k in results.values() for side in k.values() for r in side if r["rc"] != 0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

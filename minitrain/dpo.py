@@ -183,8 +183,8 @@ class AdapterSnapshotReference:
 
     Keeps a frozen copy of the trainable (adapter) tensors only — LoRA A/B (a few MB for a 7B
     model) and any `modules_to_save`, which are copied in full — and, for each reference forward,
-    copies them in under `no_grad` and the live training values back afterwards. Create it right after `load_adapter(...,
-    trainable=True)`, before any step. The reference forward must run before the policy forward
+    copies them in under `no_grad` and the live training values back afterwards. Create it right
+    after `load_adapter(..., trainable=True)`, before any step. The reference forward must run before the policy forward
     of the same step: the copies change the tensors in place, which autograd would catch (an
     in-place error) if a policy graph were alive, instead of giving silently wrong gradients.
     """
@@ -419,7 +419,8 @@ def precompute_reference(model: nn.Module, reference: BaseReference | AdapterSna
             log(f"reference log-probs: reusing {tensors_path} ({len(examples)} pairs)")
         else:
             changed = [k for k in parts if k != "key" and old.get(k) != parts[k]]
-            log(f"reference log-probs: {tensors_path} is stale ({', '.join(changed) or 'unreadable'} changed) — rebuilding")
+            why = ", ".join(changed) or "unreadable"
+            log(f"reference log-probs: {tensors_path} is stale ({why} changed) — rebuilding")
     if not reused:
         chosen, rejected = compute_reference_logps(model, reference, examples, collate, batch_size, amp_dtype)
         stem.parent.mkdir(parents=True, exist_ok=True)

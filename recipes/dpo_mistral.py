@@ -78,11 +78,12 @@ def setup(config: DPOConfig) -> Job:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — DPO here trains causal LMs")
     lora = attach_adapters(model, config)
     reference = make_reference(model, config.init_adapter)  # before any step: the snapshot is Stage A
+    ref = (f"Stage A adapter (frozen copy of {config.init_adapter})" if config.init_adapter
+           else "base model (adapter disabled)")
     log(f"dpo: loss {config.loss_type}, beta={config.beta}"
         + (f", label_smoothing={config.label_smoothing}" if config.label_smoothing else "")
         + (f", sft_weight={config.sft_weight}" if config.sft_weight else "")
-        + f"; reference = {'Stage A adapter (frozen copy of ' + config.init_adapter + ')' if config.init_adapter else 'base model (adapter disabled)'}"
-        + (", precomputed once" if config.precompute_ref else ", run each step under no_grad"))
+        + f"; reference = {ref}" + (", precomputed once" if config.precompute_ref else ", run each step under no_grad"))
     objective = make_dpo_objective(config.beta, config.loss_type, config.label_smoothing, config.sft_weight, reference)
     train_examples, eval_examples = load_examples(config, tok, "preference")
     return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id),

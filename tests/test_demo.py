@@ -52,7 +52,8 @@ def test_demo_model_loads_in_minitrain_and_transformers_with_equal_logits():
         x[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
 
     ours = load_pretrained(DEMO / "model", models.from_hf_config).eval()
-    assert ours.hf_config["model_type"] == "mistral" and ours.config.num_key_value_heads < ours.config.num_attention_heads
+    assert ours.hf_config["model_type"] == "mistral"
+    assert ours.config.num_key_value_heads < ours.config.num_attention_heads  # GQA, as Mistral-7B
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(DEMO / "model"), dtype=torch.float32).eval()
     assert type(hf).__name__ == "MistralForCausalLM"
     with torch.no_grad():
@@ -90,7 +91,7 @@ def test_make_demo_rewrites_the_committed_tokenizer_config_and_data(tmp_path):
         subprocess.run([sys.executable, str(ROOT / "tools" / "make_demo.py"), "--out", str(tmp_path / out),
                         "--steps", "2"], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for f in ("model/config.json", "model/tokenizer.json", "model/tokenizer_config.json",
-              "model/special_tokens_map.json", "prefs_train.jsonl", "prefs_eval.jsonl", "sft_train.jsonl"):
+              "model/special_tokens_map.json", "README.md", "prefs_train.jsonl", "prefs_eval.jsonl", "sft_train.jsonl"):
         assert (tmp_path / "a" / f).read_bytes() == (DEMO / f).read_bytes(), f
     a, b = (tmp_path / x / "model" / "model.safetensors" for x in "ab")
     assert a.read_bytes() == b.read_bytes()

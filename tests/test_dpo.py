@@ -366,7 +366,8 @@ def test_stage_a_adapter_keeps_training_unstacked_and_the_snapshot_stays_stage_a
     assert not any(isinstance(c, LoRALinear) for n in wrapped for c in model.get_submodule(n).modules()
                    if c is not model.get_submodule(n))
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    saved = sorted(k.removeprefix("base_model.model.") for k in load_file(stage_a_adapter / "adapter_model.safetensors"))
+    in_file = load_file(stage_a_adapter / "adapter_model.safetensors")
+    saved = sorted(k.removeprefix("base_model.model.") for k in in_file)
     assert trainable == saved  # exactly the Stage A tensors train, nothing new
 
     reference = AdapterSnapshotReference(model)

@@ -1,6 +1,6 @@
 """Write `demo/`: a tiny Mistral-architecture checkpoint, its tokenizer and a preference set.
 
-    python tools/make_demo.py            # rewrites demo/ (about 2 minutes on one CPU core)
+    python tools/make_demo.py            # rewrites demo/ (about a minute of CPU time, one thread)
     python tools/make_demo.py --out /tmp/demo --steps 100
 
 The task mirrors field report 002 (a medical-summary model that hallucinates): summarise a short
@@ -26,6 +26,7 @@ Files written (a few MB):
     demo/prefs_train.jsonl           preference pairs {"prompt": [user message], "chosen", "rejected"}
     demo/prefs_eval.jsonl            held-out pairs (unseen people)
     demo/sft_train.jsonl             Stage A data: {"messages": [...]} with faithful summaries
+    demo/README.md                   this text
 
 Deterministic: everything comes from `--seed` (Python's `random`, `torch.manual_seed`), and the
 pre-training runs on one thread, so the same machine writes the same bytes.
@@ -56,7 +57,8 @@ TRAIN_NAMES = ("Anna Ben Carl Dora Emma Finn Gina Hugo Iris Jack Kira Leo Mia No
 HELDOUT_NAMES = ("Felix Greta Hans Ines Jonas Karl Lena Max Nina Otto").split()
 CONDITIONS = ("fever cough rash headache nausea fatigue dizziness insomnia asthma anemia migraine bronchitis "
               "sinusitis gastritis arthritis eczema").split()
-DRUGS = "aspirin ibuprofen insulin penicillin codeine morphine heparin warfarin naproxen lithium cortisone atropine".split()
+DRUGS = ("aspirin ibuprofen insulin penicillin codeine morphine heparin warfarin naproxen lithium cortisone "
+         "atropine").split()
 AGES = [str(a) for a in range(18, 90)]
 NOTES = (
     "{name} is {age} and reports {condition}. Prescribed {drug}.",
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(out / "prefs_train.jsonl", preference_rows(rng, TRAIN_NAMES, args.pairs))
     write_jsonl(out / "prefs_eval.jsonl", preference_rows(rng, HELDOUT_NAMES, args.eval_pairs))
     write_jsonl(out / "sft_train.jsonl", [{"messages": chat(rng, TRAIN_NAMES, 0.0)} for _ in range(1000)])
+    (out / "README.md").write_text("# demo/ — written by tools/make_demo.py\n\n```\n" + __doc__.strip() + "\n```\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"wrote {out} ({size / 2**20:.1f} MiB)")
 

@@ -41,7 +41,7 @@ from minitrain.dpo import (DPOConfig, collate_with_reference, evaluate_dpo, make
                            precompute_reference)
 from minitrain.errors import UserError
 from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
-from minitrain.train import _precision, train
+from minitrain.train import resolve_precision, train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 
@@ -96,7 +96,7 @@ def run(config: DPOConfig) -> dict:
     job = setup(config)
     out = prepare_out_dir(config)
     device = next(job.model.parameters()).device
-    amp_dtype, _ = _precision(config.precision, device)
+    amp_dtype, _ = resolve_precision(config.precision, device)
     if config.precompute_ref:
         batch = config.ref_batch_size or 2 * config.batch_size
         for name, examples in (("train", job.train_examples), ("eval", job.eval_examples)):

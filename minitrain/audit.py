@@ -57,7 +57,8 @@ class AuditReport:
     """What `audit` found. `ok` is False when any problem would make the run silently wrong."""
 
     tensors: list[TensorAudit]
-    problems: list[str]  # each one line: what is wrong, where, what to do
+    problems: list[str]  # broken gradient paths, each one line: what is wrong, where, what to do
+    numeric: list[str]  # non-finite loss or gradients on this batch (the loop skips such steps: rule 6)
     notes: list[str]  # worth knowing, not fatal
     frozen: int  # number of frozen parameter tensors
     frozen_numel: int
@@ -67,6 +68,11 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
+        return not self.problems and not self.numeric
+
+    @property
+    def paths_ok(self) -> bool:
+        """Every trainable tensor is reachable and applied: what the preflight requires."""
         return not self.problems
 
     def verdict(self) -> str:
@@ -76,7 +82,8 @@ class AuditReport:
             init = sum(t.status == ZERO_AT_INIT for t in self.tensors)
             extra = f" ({init} zero at init as expected: their LoRA B is zero; probe confirmed)" if init else ""
             return f"audit: healthy — {reached} of {n} trainable tensors receive gradient from the loss{extra}"
-        return f"audit: BROKEN — {self.problems[0]}" + (f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
+        found = self.problems + self.numeric
+        return f"audit: BROKEN — {found[0]}" + (f" (+{len(found) - 1} more)" if len(found) > 1 else "")
 
     def modules(self) -> list[tuple[str, int, str, float | None]]:
         """Roll-up per module: (module, tensors, worst status, gradient norm)."""
@@ -110,9 +117,9 @@ class AuditReport:
             lines.append(f"loss on the audit batch: {self.loss:.6g}")
         for n in self.notes:
             lines.append(f"note: {n}")
-        for p in self.problems:
+        for p in self.problems + self.numeric:
             lines.append(f"problem: {p}")
-        n = len(self.problems)
+        n = len(self.problems) + len(self.numeric)
         lines.append(self.verdict() if self.ok else f"audit: BROKEN — {n} problem{'s' * (n > 1)} above")
         return "\n".join(lines)
 
@@ -229,6 +236,7 @@ def audit(
     frozen = [(n, p) for n, p in named.items() if not p.requires_grad]
     quantized = [n for n, p in frozen if not p.dtype.is_floating_point]
     problems: list[str] = []
+    numeric: list[str] = []
     notes: list[str] = []
 
     for n, p in trainable:
@@ -269,7 +277,7 @@ def audit(
                 loss = _forward_loss(model, objective, batch, amp_dtype)
             loss_value = float(loss.detach().float())
             if not math.isfinite(loss_value):
-                problems.append(f"the loss on the audit batch is {loss_value} — look for fp16 overflow, a NaN in the "
+                numeric.append(f"the loss on the audit batch is {loss_value} — look for fp16 overflow, a NaN in the "
                                 f"data, or an empty target (all labels -100)")
             if loss.grad_fn is None:
                 problems.append(_why_no_graph(model, calls, reentrant, trainable))
@@ -293,12 +301,13 @@ def audit(
                         f"(e.g. {unreachable[0].name}){': ' + where if where else ''}")
     for t in statuses.values():
         if t.status == NONFINITE:
-            problems.append(f"{t.name}: non-finite gradient — check the data, the learning rate and the precision")
+            numeric.append(f"{t.name}: non-finite gradient — check the data, the learning rate and the precision")
         elif t.status == ZERO:
             notes.append(f"{t.name}: gradient exactly zero on this batch")
     return AuditReport(
         tensors=list(statuses.values()),
         problems=problems,
+        numeric=numeric,
         notes=notes,
         frozen=len(frozen),
         frozen_numel=sum(p.numel() for _, p in frozen),
@@ -318,10 +327,12 @@ def preflight(
     log: Callable[[str], None] = print,
 ) -> AuditReport:
     """The check every run makes before step 1: log the verdict; on a broken path, log the whole
-    report and stop with a `UserError` (exit 2) rather than train for hours while learning nothing."""
+    report and stop with a `UserError` (exit 2) rather than train for hours while learning nothing.
+
+    Non-finite values alone do not stop it: the loop skips and reports such steps (rule 6)."""
     report = audit(model, objective, batch, optimizer=optimizer, amp_dtype=amp_dtype)
-    if report.ok:
-        log(report.verdict())
+    if report.paths_ok:
+        log(report.verdict() if report.ok else f"warning: {report.numeric[0]} (the loop skips such steps)")
         return report
     log(report.table())
     raise UserError(f"gradient-path audit before step 1: {report.problems[0]} — fix it (report above), "
@@ -439,7 +450,7 @@ def _locate_cut(model: nn.Module, calls: dict[str, list[_Call]], reentrant: set[
         return f"the output of {mod} does not require grad although it holds trainable tensors (a .detach() inside it)"
     cut = _first_cut(calls)
     if cut:
-        return f"the path is cut at {cut}: its input requires grad but its output does not (a .detach() inside it)"
+        return _cut_at(calls, reentrant, cut)
     return ("the objective does not use this path: its output requires grad but the loss is built without it "
             "(.detach(), .item(), a numpy round trip or a no_grad section between the model output and the loss)")
 
@@ -464,6 +475,14 @@ def _first_cut(calls: dict[str, list[_Call]]) -> str | None:
     return None
 
 
+def _cut_at(calls: dict[str, list[_Call]], reentrant: set[str], cut: str) -> str:
+    """`cut`'s input required grad, its output does not: a no_grad section or a detach inside it."""
+    inside = [n for n, recs in calls.items() if n.startswith(cut + ".") and all(not r.grad_enabled for r in recs)]
+    if inside:
+        return _grad_off_where(calls, reentrant, inside[0])
+    return f"the output of {cut} does not require grad although its input does (a .detach() inside it)"
+
+
 def _why_no_graph(model: nn.Module, calls: dict[str, list[_Call]], reentrant: set[str], trainable: list) -> str:
     """The loss has no grad_fn: say where the graph stopped."""
     base = "the loss has no grad_fn (the classic 'element 0 of tensors does not require grad')"
@@ -477,7 +496,7 @@ def _why_no_graph(model: nn.Module, calls: dict[str, list[_Call]], reentrant: se
         return base + ": " + _grad_off_where(calls, reentrant, ran[0])
     cut = _first_cut(calls)
     if cut:
-        return base + f": the output of {cut} does not require grad although its input does (a .detach() inside it)"
+        return base + ": " + _cut_at(calls, reentrant, cut)
     return (base + ": the model's trainable path ran with grad, so the objective cut it — a .detach(), .item(), "
             "a numpy round trip or a no_grad section between the model output and the loss")
 

@@ -858,6 +858,18 @@ def _read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     return config, tensors
 
 
+def adapter_vocab_size(folder: str | os.PathLike) -> int | None:
+    """The input-embedding rows of the base an adapter was saved from (our safetensors metadata),
+    or None when unknown (e.g. an adapter saved by PEFT, or no readable file)."""
+    path = Path(folder) / ADAPTER_WEIGHTS
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            vocab = (f.metadata() or {}).get(VOCAB_KEY)
+    except Exception:  # a missing or damaged file is load_adapter's to report, with its own message
+        return None
+    return int(vocab) if vocab is not None and vocab.isdigit() else None
+
+
 def _config_from_peft(config: dict[str, Any], where: Path) -> LoRAConfig:
     if config.get("peft_type") != "LORA":
         raise UserError(f"{where}: peft_type is {config.get('peft_type')!r} — only LORA adapters can be loaded")
@@ -892,7 +904,7 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool
     vocab = config.get("vocab_size")
     emb = getattr(model, "input_embeddings", None)
     if vocab is not None and isinstance(emb, nn.Embedding) and emb.num_embeddings != vocab:
-        raise UserError(f"{folder / ADAPTER_CONFIG}: the adapter was trained on a vocabulary of {vocab} tokens but the "
+        raise UserError(f"{folder}: the adapter was trained on a vocabulary of {vocab} tokens but the "
                         f"model's input embedding has {emb.num_embeddings} — add the same special tokens and call "
                         f"model.resize_token_embeddings({vocab}) before load_adapter")
 

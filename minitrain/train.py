@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from minitrain import checkpoint as ckpt
+from minitrain.audit import preflight
 from minitrain.data import Batcher
 from minitrain.errors import UserError
 from minitrain.schedule import lr_at, resolve_steps
@@ -55,6 +56,7 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     trainable: Iterable[str] | None = None,
     log: Callable[[str], None] | None = None,
+    eval_fn: Callable[[nn.Module, int, dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Train `model` in place and return a summary dict; everything else goes to `out_dir`.
 
@@ -73,6 +75,14 @@ def train(
         fused on CUDA). Its learning rate is overwritten every step from the schedule.
     trainable: parameter names to train (default: every parameter with `requires_grad`).
     log: one-line messages (default: print, flushed).
+    eval_fn: called at each evaluation (needs eval_examples), after `eval/loss`, as
+        `eval_fn(model, step, row)` with the metrics row so far; the dict it returns is merged into
+        the row (e.g. `eval/rougeL` from generation). A returned `"stop": True` ends the run after
+        this step (early stopping): checkpoint and adapter are saved, the summary has `stopped_early`.
+
+    Before step 1 the gradient-path audit (`minitrain.audit.preflight`) runs on the first
+    micro-batch of the data and stops the run if a trainable tensor is unreachable from the loss
+    (rule 5); `cfg.skip_audit` skips it, and the skip is logged.
 
     Each metrics.jsonl row: step, loss (window loss sum / window count), lr, grad_norm (before
     clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb,
@@ -154,6 +164,13 @@ def train(
                                                "batcher": batcher.state_dict(),
                                                "schedule": {"next_step": step + 1, "total_steps": total_steps,
                                                             "warmup_steps": warmup_steps}})
+
+    # ---- rule 5: every trainable tensor must be reachable from the loss, checked before step 1
+    if getattr(cfg, "skip_audit", False):
+        log("notice: gradient-path audit skipped (skip_audit=true)")
+    else:
+        preflight(model, objective, first_micro_batch(train_examples, collate, cfg, device),
+                  optimizer=optimizer, amp_dtype=amp_dtype, log=log)
 
     metrics_f = open(out / "metrics.jsonl", "a", buffering=1) if rank == 0 else None  # line-buffered
     bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True, disable=rank != 0)
@@ -254,17 +271,26 @@ def train(
                    "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
                    **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
+            stop = False
             if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
                 row.update(evaluate(model, objective, eval_examples, collate, cfg.batch_size, amp_dtype))
-                summary.update({k: row[k] for k in ("eval/loss", "eval/ppl")})
                 log(f"step {step}: eval/loss {row['eval/loss']:.4f} eval/ppl {row['eval/ppl']:.3f}")
+                if eval_fn is not None:
+                    extra = dict(eval_fn(model, step, dict(row)))
+                    stop = bool(extra.pop("stop", False))
+                    row.update(extra)
+                summary.update({k: v for k, v in row.items() if k.startswith("eval/")})
             if metrics_f and (step % cfg.log_every == 0 or step == total_steps or "eval/loss" in row):
                 metrics_f.write(json.dumps(row) + "\n")
                 metrics_f.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
-            if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
+            if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop:
                 save_checkpoint()
+            if stop:
+                summary["stopped_early"] = step
+                log(f"step {step}: stopping early (eval_fn asked to), {total_steps - step} steps not run")
+                break
     finally:
         bar.close()
         if metrics_f:
@@ -278,6 +304,25 @@ def train(
 
 
 # ----------------------------------------------------------------------------- building blocks
+
+
+def first_micro_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg: Any,
+                      device: torch.device) -> dict[str, Any]:
+    """The first `batch_size` examples of the data, collated and on `device`: the audit's real batch."""
+    return _to_device(collate(examples[: cfg.batch_size]), device)
+
+
+def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list[dict]], dict],
+                 cfg: Any) -> tuple[dict[str, Any], torch.optim.Optimizer, torch.dtype | None]:
+    """What `train()` would audit before step 1, for `tools/audit.py`: the first micro-batch, the
+    optimizer `train()` would build, the autocast dtype; checkpointing applied as the run would."""
+    device = next(model.parameters()).device
+    named = _trainable(model, None)
+    amp_dtype, _ = resolve_precision(cfg.precision, device)
+    if cfg.checkpointing:
+        enable_checkpointing(model)
+    optimizer = build_optimizer(named, cfg.weight_decay, cfg.lr, device)
+    return first_micro_batch(examples, collate, cfg, device), optimizer, amp_dtype
 
 
 def build_optimizer(
@@ -368,6 +413,11 @@ def _trainable(model: nn.Module, names: Iterable[str] | None) -> list[tuple[str,
                 raise UserError(f"trainable: no parameter named {n!r} — use names from model.named_parameters()")
             named.append((n, all_named[n]))
     if not named:
+        frozen_adapter = next((n for n in all_named if ".lora_" in n), None)
+        if frozen_adapter:
+            raise UserError(f"model: no trainable parameters: the adapter is frozen (e.g. {frozen_adapter}) — it was "
+                            f"loaded without trainable=True; load it with load_adapter(..., trainable=True) / "
+                            f"init_adapter=")
         raise UserError("model: no trainable parameters — apply adapters or unfreeze the tensors to train")
     for n, p in named:
         if not p.dtype.is_floating_point:

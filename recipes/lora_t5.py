@@ -48,7 +48,7 @@ from minitrain import data
 from minitrain.config import TrainConfig, doc
 from minitrain.data import collate_seq2seq
 from minitrain.errors import UserError
-from minitrain.lora import ADAPTER_CONFIG, save_adapter
+from minitrain.lora import adapter_vocab_size, save_adapter
 from minitrain.objectives import seq2seq
 from minitrain.run import (ADAPTER_DIR, attach_adapters, base_dtype, check_out_dir, finish, load_model, log,
                            pick_device, prepare_out_dir)
@@ -128,13 +128,9 @@ def add_tokens(model, tok: Tokenizer, tokens: list[str]) -> None:
 
 def check_init_adapter_vocab(cfg: Seq2SeqConfig, model) -> None:
     """An adapter trained with added tokens needs the same tokens here: say which, before loading."""
-    path = Path(cfg.init_adapter) / ADAPTER_CONFIG
-    if not cfg.init_adapter or not path.is_file():
-        return  # load_adapter reports a missing folder
-    try:
-        vocab = json.loads(path.read_text()).get("vocab_size")
-    except ValueError:
-        return  # load_adapter reports the bad JSON with its line
+    if not cfg.init_adapter:
+        return
+    vocab = adapter_vocab_size(cfg.init_adapter)  # None: load_adapter reports what is wrong with the folder
     rows = model.input_embeddings.num_embeddings
     if vocab is None or vocab == rows:
         return

@@ -213,3 +213,91 @@ def test_t5_is_healthy(tmp_path):
     assert report.ok, report.table()
     assert any(k.startswith("encoder.block.") for k in report.layer_norms)
     assert any(k.startswith("decoder.block.") for k in report.layer_norms)
+
+
+def test_train_runs_the_preflight_and_stops_a_broken_run(lora_model, tmp_path):
+    """train() audits before step 1: a broken path stops the run (exit-2 error) before any step,
+    and skip_audit=true lets it through with a logged notice."""
+    from minitrain.config import TrainConfig
+    from minitrain.data import collate_causal
+    from minitrain.train import train
+
+    b = _batch()
+    examples = [{"input_ids": b["input_ids"][i].tolist(), "labels": b["labels"][i].tolist()} for i in range(2)]
+    collate = lambda ex: collate_causal(ex, pad_id=0)  # noqa: E731
+    block = lora_model.model.layers[0]
+    inner = block.forward
+
+    def forward(*args, **kwargs):
+        with torch.no_grad():
+            return inner(*args, **kwargs)
+
+    block.forward = forward
+    cfg = TrainConfig(out=str(tmp_path / "a"), max_steps=1, batch_size=2)
+    lines: list[str] = []
+    with pytest.raises(UserError, match="gradient-path audit before step 1: .*model.layers.0"):
+        train(lora_model, sft, examples, collate, cfg, log=lines.append)
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    assert any("unreachable" in line for line in lines)
+    cfg = TrainConfig(out=str(tmp_path / "b"), max_steps=1, batch_size=2, skip_audit=True)
+    lines = []
+    summary = train(lora_model, sft, examples, collate, cfg, log=lines.append)
+    assert summary["step"] == 1 and any("audit skipped" in line for line in lines)
+
+
+def test_tools_audit_cli_exit_codes(hf_causal, tmp_path):
+    """`python tools/audit.py RECIPE.py key=value`: table + verdict, exit 0 healthy, 1 broken, 2 bad input."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _tok import corpus, make_bpe_tokenizer
+
+    repo = Path(__file__).resolve().parent.parent
+    model = tmp_path / "model"
+    shutil.copytree(hf_causal("audit_llama"), model)
+    make_bpe_tokenizer(model)
+    data = tmp_path / "train.jsonl"
+    rows = [t.split() for t in corpus(8)]
+    data.write_text("".join(json.dumps({"prompt": " ".join(w[:3]), "completion": " ".join(w[3:]) or "end"}) + "\n"
+                            for w in rows))
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+
+    def audit_cli(*args):
+        return subprocess.run([sys.executable, str(repo / "tools" / "audit.py"), str(repo / "recipes" / "sft_llama.py"),
+                               f"model={model}", f"data={data}", "out=" + str(tmp_path / "out"), "batch_size=2", *args],
+                              capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    ok = audit_cli("checkpointing=true")
+    assert ok.returncode == 0, ok.stderr
+    assert "audit: healthy" in ok.stdout and "gradient norm per layer" in ok.stdout
+    assert not (tmp_path / "out").exists()  # the audit writes nothing
+    js = audit_cli("--json")
+    assert js.returncode == 0 and json.loads(js.stdout)["ok"] is True
+    # a recipe whose forward has a no_grad section: the table names it, exit 1
+    broken = tmp_path / "broken_recipe.py"
+    broken.write_text(f"""import runpy
+import torch
+base = runpy.run_path({str(repo / "recipes" / "sft_llama.py")!r})
+config = base["config"]
+def setup(config):
+    job = base["setup"](config)
+    block = job.model.model.layers[1]
+    inner = block.forward
+    def forward(*a, **k):
+        with torch.no_grad():
+            return inner(*a, **k)
+    block.forward = forward
+    return job
+def run(config):
+    raise SystemExit("audit only")
+""")
+    b = subprocess.run([sys.executable, str(repo / "tools" / "audit.py"), str(broken), f"model={model}", f"data={data}",
+                        "batch_size=2"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert b.returncode == 1, b.stderr
+    assert "unreachable" in b.stdout and "model.layers.1" in b.stdout and "no_grad" in b.stdout
+    bad = audit_cli("lr=-1")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "lr" in bad.stderr

@@ -70,6 +70,7 @@ class TrainConfig:
     chat_format: str = doc("auto", "how {\"messages\"} rows are rendered (auto: detected from the tokenizer)",
                            choices=("auto", "mistral", "llama2", "llama3"))
     truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
+    group_by_length: bool = doc(True, "batch examples of similar length together (less padding; order still seeded)")
     device: str = doc("auto", "where to train: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
     precision: str = doc("auto", "auto: bf16 autocast where supported, else fp32",
                          choices=("auto", "bf16", "fp32", "fp16"))

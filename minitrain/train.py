@@ -122,7 +122,7 @@ def train(
     _seed_numpy(cfg.seed)
 
     batcher = Batcher([_length(ex) for ex in train_examples], cfg.batch_size, seed=cfg.seed,
-                      shuffle=True, group_by_length=getattr(cfg, "group_by_length", False))
+                      shuffle=True, group_by_length=getattr(cfg, "group_by_length", True))
     optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr, device)
     ours = {id(p) for p in params}
     if any(id(p) not in ours for g in optimizer.param_groups for p in g["params"]):

@@ -170,7 +170,7 @@ class BaseReference:
 
     def logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) reference log-probs (P,), without a graph."""
-        with torch.no_grad(), _eval_mode(model), disable_adapters(model):
+        with torch.no_grad(), dropout_off(model), disable_adapters(model):
             s = sequence_logps(model, batch)
         return s.chosen, s.rejected
 
@@ -215,7 +215,7 @@ class AdapterSnapshotReference:
 
     def logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) reference log-probs (P,), without a graph."""
-        with torch.no_grad(), _eval_mode(model), self.swapped_in(model):
+        with torch.no_grad(), dropout_off(model), self.swapped_in(model):
             s = sequence_logps(model, batch)
         return s.chosen, s.rejected
 
@@ -229,14 +229,22 @@ class AdapterSnapshotReference:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """The reference is deterministic: adapter dropout off while it runs."""
-    was = model.training
-    model.eval()
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Switch off every dropout module, and nothing else, while scoring for the reference / eval.
+
+    Not `model.eval()`: quantized layers change their kernels with the mode (bitsandbytes' int8
+    matmul quantizes activations in eval mode, and its CPU 4-bit layer repacks its weight for
+    inference on an eval-mode no-grad forward, after which that weight passes no gradient), so
+    an eval-mode reference would neither equal the policy at step 0 nor leave training intact.
+    """
+    switched = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.training]
+    for m in switched:
+        m.eval()
     try:
         yield
     finally:
-        model.train(was)
+        for m in switched:
+            m.train()
 
 
 def make_reference(model: nn.Module, init_adapter: str = "") -> BaseReference | AdapterSnapshotReference:
@@ -305,12 +313,12 @@ def evaluate_dpo(model: nn.Module, objective: DPOObjective, examples: Sequence[d
     """Loss and TRL's metrics over held-out pairs, each a mean over all pairs, keys `eval/...`.
 
     Unlike a mean of per-batch means, every pair weighs the same whatever the batch sizes.
+    Scored as in training (same module modes, so the same kernels as the reference) with
+    dropout off (see `dropout_off`).
     """
     device = next(model.parameters()).device
-    was = model.training
-    model.eval()
     sums: dict[str, torch.Tensor] = {}
-    try:
+    with dropout_off(model):
         for i in range(0, len(examples), batch_size):
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                      for k, v in collate(list(examples[i : i + batch_size])).items()}
@@ -318,8 +326,6 @@ def evaluate_dpo(model: nn.Module, objective: DPOObjective, examples: Sequence[d
                 stats = objective.pair_stats(model, batch)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0) + v.detach().float().sum()
-    finally:
-        model.train(was)
     n = max(len(examples), 1)
     return {prefix + k: float(v) / n for k, v in sums.items()}
 
@@ -378,16 +384,25 @@ def compute_reference_logps(model: nn.Module, reference: BaseReference | Adapter
                             examples: Sequence[dict], collate: Callable[[list[dict]], dict[str, Any]],
                             batch_size: int, amp_dtype: torch.dtype | None = None,
                             desc: str = "reference log-probs") -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) reference log-probs of every pair, (N,) fp32 on the CPU, batched with a bar."""
+    """(chosen, rejected) reference log-probs of every pair, (N,) fp32 on the CPU, batched with a bar.
+
+    Runs with the model in training mode (as the loop will score the policy; dropout off), so
+    that mode-dependent quantized kernels give the reference the policy's numbers at step 0.
+    """
     device = next(model.parameters()).device
     chosen, rejected = [], []
-    for i in tqdm(range(0, len(examples), batch_size), desc=desc, dynamic_ncols=True):
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                 for k, v in collate(list(examples[i : i + batch_size])).items()}
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            c, r = reference.logps(model, batch)
-        chosen.append(c.float().cpu())
-        rejected.append(r.float().cpu())
+    was = model.training
+    model.train()
+    try:
+        for i in tqdm(range(0, len(examples), batch_size), desc=desc, dynamic_ncols=True):
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                     for k, v in collate(list(examples[i : i + batch_size])).items()}
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                c, r = reference.logps(model, batch)
+            chosen.append(c.float().cpu())
+            rejected.append(r.float().cpu())
+    finally:
+        model.train(was)
     return torch.cat(chosen), torch.cat(rejected)
 
 

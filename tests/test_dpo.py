@@ -528,3 +528,48 @@ def test_config_rejects_label_smoothing_where_it_means_nothing():
         validate(DPOConfig(model="m", data="d", loss_type="ipo", label_smoothing=0.1))
     with pytest.raises(UserError, match="loss_type"):
         validate(DPOConfig(model="m", data="d", loss_type="kto"))
+
+
+# ----------------------------------------------------------------------------- QLoRA: quantized base
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_qlora_step0_is_log2_and_gradients_reach_the_adapter(hf_causal, stage_a_adapter, kind):
+    """The field report's QLoRA Stage B: an 8-bit / 4-bit base, fresh or Stage A adapter. The
+    reference must equal the policy at step 0 and leave training intact, so it may not switch
+    the model to eval (bitsandbytes' int8 matmul differs between modes; its CPU 4-bit layer
+    repacks for inference on an eval no-grad forward and then passes no gradient): every adapter
+    tensor gets a gradient through the quantized layers after it, also with checkpointing."""
+    pytest.importorskip("bitsandbytes")
+    from minitrain.quant import quantize_hook
+    from minitrain.train import enable_checkpointing
+
+    folder = hf_causal("dpo_policy")
+    for mode in ("fresh", "stage_a"):
+        hook = quantize_hook(kind, compute_dtype=torch.float32)
+        model = load_pretrained(folder, models.from_hf_config, tensor_hook=hook)
+        if mode == "fresh":
+            cfg = LoRAConfig(r=4, alpha=8.0, targets=["q_proj", "v_proj"])
+            apply_lora(model, cfg)
+            freeze_for_adapters(model, cfg)
+            reference = BaseReference()
+        else:
+            load_adapter(model, stage_a_adapter, trainable=True)
+            reference = AdapterSnapshotReference(model)
+        model.train()
+        objective = make_dpo_objective(0.1, "sigmoid", reference=reference)
+        batch = _collate(our_examples())
+        stats = our_stats(objective, model, batch)
+        assert stats["loss"] == pytest.approx(math.log(2), abs=1e-5), (kind, mode)
+        ref_c, ref_r = reference.logps(model, batch)
+        with torch.no_grad():
+            pol = sequence_logps(model, batch)
+        torch.testing.assert_close(ref_c, pol.chosen, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ref_r, pol.rejected, rtol=0, atol=1e-6)
+        enable_checkpointing(model)
+        with torch.no_grad():  # move the adapter so that A and B both have a gradient
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
+        grads = _grads(model, objective, batch)
+        assert grads and all(g.abs().sum() > 0 for g in grads.values()), (kind, mode)

@@ -39,7 +39,11 @@ Measured per run, by this parent process:
   processed (sum of the attention masks of every micro-batch, the same definition on both sides,
   counted by minitrain's loop and by a forward pre-hook on HF's model, grad-enabled forwards only) / seconds between the end
   of step 1 and the end of step N; DPO pairs/s = pairs per step x (N - 1) / the same seconds;
-- peak memory: the child's peak RSS (`os.wait4` rusage `ru_maxrss`), libraries included.
+- peak memory: the child's peak RSS (`os.wait4` rusage `ru_maxrss`), libraries included;
+- the same in CPU-seconds (user + system time of the child, all threads, read from /proc/PID/stat
+  when each step line appears): on a shared machine wall-clock swings with the other jobs' load,
+  the CPU time a run needs much less, so the CPU-time ratios are the steadier comparison
+  (`--threads 1`, the default, keeps spinning worker threads out of it).
 
 Results print as medians and ratios minitrain / HF; `--write` puts them, the machine (CPU, cores,
 RAM, load average), versions and the exact command into BENCHMARKS.md between the
@@ -184,12 +188,16 @@ def hf_spec(kind: str, a: argparse.Namespace, info: dict, out: Path) -> dict:
             "targets": a.targets, "lr": a.lr, "seed": a.seed}
 
 
-def child_env(a: argparse.Namespace) -> dict:
+def child_env(a: argparse.Namespace, side: str = "") -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads), TOKENIZERS_PARALLELISM="false",
                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    if side == "mt":
+        for kv in a.mt_env:  # experiments: e.g. a sitecustomize on PYTHONPATH that patches a proposed fix in
+            key, _, value = kv.partition("=")
+            env[key] = value + (os.pathsep + env[key] if key == "PYTHONPATH" and env.get(key) else "")
     return env
 
 
@@ -204,6 +212,7 @@ def timed_run(cmd: list[str], steps_file: Path, log_file: Path, env: dict) -> di
     steps_file.unlink(missing_ok=True)
     rows: list[dict] = []
     times: list[float] = []
+    cpu: list[float] = []
     buf, pos, usage, status = "", 0, None, 0
     with open(log_file, "w") as log:
         t0 = time.perf_counter()
@@ -222,6 +231,7 @@ def timed_run(cmd: list[str], steps_file: Path, log_file: Path, env: dict) -> di
                         if line.strip():
                             rows.append(json.loads(line))
                             times.append(now)
+                            cpu.append(cpu_seconds(proc.pid))
                 if pid:
                     break
                 time.sleep(0.005)
@@ -230,26 +240,40 @@ def timed_run(cmd: list[str], steps_file: Path, log_file: Path, env: dict) -> di
             proc.wait()
             raise
         proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"rc": proc.returncode, "times": times, "rows": rows, "wall": time.perf_counter() - t0,
-            "peak_rss_mb": usage.ru_maxrss / 1024}
+    return {"rc": proc.returncode, "times": times, "cpu": cpu, "rows": rows, "wall": time.perf_counter() - t0,
+            "cpu_total": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process `pid` has used so far, all threads (/proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def summarize(kind: str, side: str, r: dict, pairs_per_step: int) -> dict:
-    times, rows = r["times"], r["rows"]
-    out = {"side": side, "rc": r["rc"], "wall_s": r["wall"], "peak_rss_mb": r["peak_rss_mb"], "steps": len(rows)}
+    times, rows, cpu = r["times"], r["rows"], r.get("cpu") or [NAN] * len(r["times"])
+    out = {"side": side, "rc": r["rc"], "wall_s": r["wall"], "peak_rss_mb": r["peak_rss_mb"], "steps": len(rows),
+           "times": times, "cpu": cpu}
     if r["rc"] != 0 or len(rows) < 2:
         return out
-    tokens = [row["tokens"] for row in rows]  # per step (minitrain) / per step (HF clock lines)
-    span = times[-1] - times[0]
+    tokens = [row["tokens"] for row in rows]  # non-pad input tokens of each optimizer step
+    span, cpu_span = times[-1] - times[0], cpu[-1] - cpu[0]
     out.update(first_step_s=times[0], steady_s_per_step=span / (len(rows) - 1),
-               tokens_per_s=sum(tokens[1:]) / span, tokens_total=sum(tokens))
+               tokens_per_s=sum(tokens[1:]) / span, tokens_total=sum(tokens),
+               cpu_first_step_s=cpu[0], cpu_s_per_step=cpu_span / (len(rows) - 1),
+               tokens_per_cpu_s=sum(tokens[1:]) / cpu_span if cpu_span > 0 else NAN)
     if kind == "dpo":
         out["pairs_per_s"] = pairs_per_step * (len(rows) - 1) / span
+        out["pairs_per_cpu_s"] = pairs_per_step * (len(rows) - 1) / cpu_span if cpu_span > 0 else NAN
     return out
 
 
 def run_one(kind: str, side: str, a: argparse.Namespace, info: dict, rep: int) -> dict:
-    work = Path(a.cache) / shape_key(a) / "runs" / f"{kind}-{side}-{rep}"
+    work = Path(a.cache) / shape_key(a) / "runs" / f"{a.tag + '-' if a.tag else ''}{kind}-{side}-{rep}"
     work.mkdir(parents=True, exist_ok=True)
     if side == "mt":
         out = work / "out"
@@ -260,7 +284,7 @@ def run_one(kind: str, side: str, a: argparse.Namespace, info: dict, rep: int) -
         (work / "spec.json").write_text(json.dumps(spec))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(work / "spec.json")]
         steps_file = work / "hf_out" / "steps.jsonl"
-    r = timed_run(cmd, steps_file, work / "log.txt", child_env(a))
+    r = timed_run(cmd, steps_file, work / "log.txt", child_env(a, side))
     pairs = a.dpo_batch * a.dpo_accum
     s = summarize(kind, side, r, pairs)
     s["command"] = cmd
@@ -417,11 +441,15 @@ def med(xs: list[float]) -> float:
 def table(results: dict, kind: str) -> list[str]:
     mt = [r for r in results[kind]["mt"] if r["rc"] == 0]
     hf = [r for r in results[kind]["hf"] if r["rc"] == 0]
-    metrics = [("tokens/s (non-pad input tokens, steps 2..N)", "tokens_per_s", ">= 1.5x" if kind == "sft" else "")]
+    metrics = [("tokens/s (non-pad input tokens, steps 2..N)", "tokens_per_s", ">= 1.5x" if kind == "sft" else ""),
+               ("tokens per CPU-second (steps 2..N)", "tokens_per_cpu_s", ">= 1.5x" if kind == "sft" else "")]
     if kind == "dpo":
-        metrics.append(("pairs/s (steps 2..N)", "pairs_per_s", ">= 2x"))
+        metrics += [("pairs/s (steps 2..N)", "pairs_per_s", ">= 2x"),
+                    ("pairs per CPU-second (steps 2..N)", "pairs_per_cpu_s", ">= 2x")]
     metrics += [("peak RSS (MiB)", "peak_rss_mb", "<= 0.6x"), ("time to first step (s)", "first_step_s", "<= 0.5x"),
-                ("seconds per step (steps 2..N)", "steady_s_per_step", "")]
+                ("CPU-seconds to first step", "cpu_first_step_s", "<= 0.5x"),
+                ("seconds per step (steps 2..N)", "steady_s_per_step", ""),
+                ("CPU-seconds per step (steps 2..N)", "cpu_s_per_step", "")]
     lines = [f"| {kind.upper()} | minitrain | HF | minitrain / HF | goal | runs (mt, hf) |", "|---|---|---|---|---|---|"]
     for name, key, goal in metrics:
         m, h = med([r.get(key) for r in mt]), med([r.get(key) for r in hf])
@@ -624,7 +652,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--only", choices=("sft", "dpo"))
     p.add_argument("--write", metavar="BENCHMARKS.md")
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "minitrain_bench"))
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--accum", type=int, default=1)
@@ -643,6 +671,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-imports", action="store_true", help="skip the import-time probe")
+    p.add_argument("--mt-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the minitrain runs only (experiments; PYTHONPATH is prepended)")
+    p.add_argument("--tag", default="", help="a name for this set of runs (kept apart in the cache)")
     p.add_argument("--worker", metavar="SPEC.json", help=argparse.SUPPRESS)
     p.add_argument("--profile", choices=("mt-sft", "mt-dpo"))
     p.add_argument("--gpu-dpo-7b", action="store_true")
@@ -682,7 +713,7 @@ def main(argv: list[str]) -> int:
         extra["padding"] = padding_note(a, info)
     block = render(a, results, info, argv, extra)
     print(block)
-    raw = Path(a.cache) / shape_key(a) / "results.json"
+    raw = Path(a.cache) / shape_key(a) / f"results{'-' + a.tag if a.tag else ''}.json"
     raw.write_text(json.dumps({"results": results, "extra": extra}, indent=2, default=str))
     if a.write:
         write_benchmarks(Path(a.write), block)

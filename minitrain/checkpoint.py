@@ -5,14 +5,23 @@
 - `weights.safetensors`: the trainable tensors, by parameter name (frozen ones come from the base);
 - `optimizer.safetensors`: per-parameter optimizer tensors as `"<param name>/<key>"`
   (AdamW: `exp_avg`, `exp_avg_sq`); scalar entries (AdamW's `step`) go to `state.json`;
-- `rng.safetensors`: the torch CPU generator state (uint8) and each CUDA device's state;
+- `rng.safetensors`: rank 0's torch CPU generator state (uint8) and each CUDA device's state;
+  under torchrun, `rng.rank<N>.safetensors` holds rank N's (every rank draws its own dropout);
 - `state.json`: step, schedule, data-order state (the Batcher's), running counters, python
-  `random` and numpy RNG states, and the run's config (to refuse resuming a different run).
+  `random` and numpy RNG states (a list, one per rank), the world size, and the run's config
+  (to refuse resuming a different run).
 
 No pickle: nothing here can execute code when loaded (field report 003: `torch.load` of an old
 checkpoint tripped a CVE guard). Saving writes `checkpoint.tmp-*` completely, moves the previous
 checkpoint aside, renames the new one into place, then deletes the old one; a crash at any point
 leaves either a complete `checkpoint/` or a complete `checkpoint.old-*`, which `load` falls back to.
+A write that fails (disk full, read-only folder, permissions; safetensors' own errors) is one
+`UserError` naming the folder and the reason; the temporary folder is removed and the previous
+checkpoint stays in place.
+
+Under torch.distributed every rank calls `save` and `load`: sharded (FSDP) tensors are gathered
+whole and each rank's RNG states collected, then rank 0 alone writes; a checkpoint resumes only
+at the world size that saved it.
 """
 
 from __future__ import annotations
@@ -25,15 +34,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from minitrain import distributed
 from minitrain.errors import UserError
+from minitrain.weights import io_error_reason
 
 NAME = "checkpoint"
+FORMAT = 2  # 2: per-rank RNG states and world_size (1: rank 0's RNG only; still loads)
+
+
+def _rng_file(rank: int) -> str:
+    return "rng.safetensors" if rank == 0 else f"rng.rank{rank}.safetensors"
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, json) capturing every random generator the loop may draw from."""
+    """(tensors, json) capturing every random generator the loop may draw from, in this process."""
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -67,15 +84,18 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> None
 def _optimizer_state(
     names: dict[torch.Tensor, str], optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """Split the optimizer state by parameter name into tensors and JSON scalars."""
+    """Split the optimizer state by parameter name into (whole) tensors and JSON scalars.
+
+    Every rank must call it in the same order under FSDP: sharded state is gathered whole."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for p, st in optimizer.state.items():
         name = names[p]
-        for key, v in st.items():
+        for key, v in sorted(st.items()):
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                tensors[f"{name}/{key}"] = v.detach().contiguous().cpu()
+                tensors[f"{name}/{key}"] = distributed.full_tensor(v.detach()).contiguous().cpu()
             elif isinstance(v, torch.Tensor):  # AdamW's step: a 0-d tensor
+                v = distributed.full_tensor(v)
                 scalars.setdefault(name, {})[key] = {"tensor": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
             else:
                 scalars.setdefault(name, {})[key] = v
@@ -88,31 +108,64 @@ def save(
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
 ) -> Path:
-    """Write `out_dir/checkpoint/` atomically; `state` is the loop's JSON-able state (step, ...)."""
+    """Write `out_dir/checkpoint/` atomically; `state` is the loop's JSON-able state (step, ...).
+
+    A failed write is a `UserError` (`<folder>: cannot write the checkpoint: <reason> — ...`), with
+    no `checkpoint.tmp-*` left and the previous checkpoint in place. Under torch.distributed every
+    rank calls it (gathers), rank 0 writes, and a failure is raised on every rank.
+    """
     out = Path(out_dir)
     final = out / NAME
-    tmp = out / f"{NAME}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     names = {p: n for n, p in named_params}
-    save_file({n: p.detach().contiguous().cpu() for n, p in named_params}, tmp / "weights.safetensors")
+    weights = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in named_params}
     opt_tensors, opt_scalars = _optimizer_state(names, optimizer)
-    save_file(opt_tensors, tmp / "optimizer.safetensors")
-    rng_tensors, rng_json = _rng_state()
-    save_file(rng_tensors, tmp / "rng.safetensors")
-    full = {**state, "optimizer_scalars": opt_scalars, "rng": rng_json, "format": 1}
-    with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder
-        json.dump(full, f)
-        f.flush()
-        os.fsync(f.fileno())
-    old = out / f"{NAME}.old-{os.getpid()}"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
+    rngs = distributed.gather_objects(_rng_state())  # one (tensors, json) per rank
+    full = {**state, "optimizer_scalars": opt_scalars, "rng": [js for _, js in rngs],
+            "world_size": len(rngs), "format": FORMAT}
+
+    def write() -> Path:
+        tmp = out / f"{NAME}.tmp-{os.getpid()}"
+        old = out / f"{NAME}.old-{os.getpid()}"
+        moved = False
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            save_file(weights, tmp / "weights.safetensors")
+            save_file(opt_tensors, tmp / "optimizer.safetensors")
+            for r, (tensors, _) in enumerate(rngs):
+                save_file(tensors, tmp / _rng_file(r))
+            with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder
+                json.dump(full, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                os.replace(final, old)
+                moved = True
+            os.replace(tmp, final)
+        except (OSError, SafetensorError) as e:  # disk full, read-only, permissions
+            shutil.rmtree(tmp, ignore_errors=True)
+            if moved and not final.exists():
+                try:
+                    os.replace(old, final)  # put the previous checkpoint back in place
+                except OSError:
+                    pass  # it stays complete as checkpoint.old-*, which find() falls back to
+            raise UserError(_write_error(out, e)) from None
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    distributed.main_only(write)
     return final
+
+
+def _write_error(out: Path, e: BaseException) -> str:
+    previous = find(out)
+    if previous is not None:
+        then = f"rerun with resume=true to continue from the last checkpoint ({previous.name}, intact)"
+    else:
+        then = "rerun (overwrite=true)"
+    return (f"{out / NAME}: cannot write the checkpoint: {io_error_reason(e)} — free space or make {out} "
+            f"writable, then {then}")
 
 
 def find(out_dir: str | os.PathLike) -> Path | None:
@@ -134,6 +187,17 @@ def read_state(out_dir: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
+def check_world_size(state: dict[str, Any], folder: str | os.PathLike, world: int | None = None) -> None:
+    """Refuse resuming at another world size: each rank's RNG state (dropout) is in the checkpoint."""
+    world = distributed.world_size() if world is None else world
+    saved = int(state.get("world_size", 1))
+    if saved != world:
+        how = (f"torchrun --nproc_per_node {saved} -m minitrain ..." if saved > 1
+               else "one process: python -m minitrain ..., without torchrun")
+        raise UserError(f"{folder}: checkpoint was saved by {saved} process{'es' if saved > 1 else ''}, this run "
+                        f"has {world} — resume at the same world size ({how} resume=true)")
+
+
 def load(
     out_dir: str | os.PathLike,
     named_params: list[tuple[str, torch.Tensor]],
@@ -141,11 +205,14 @@ def load(
 ) -> dict[str, Any]:
     """Restore trainable weights, optimizer state and RNG states in place; return the loop state.
 
-    The parameters must be the same names and shapes as when saved (the same run): anything
-    else is a `UserError` rather than a silently different continuation.
+    The parameters must be the same names and shapes as when saved (the same run), and the
+    world size the same: anything else is a `UserError` rather than a silently different
+    continuation. Under torch.distributed every rank reads the files and keeps its own shard
+    (FSDP) and its own RNG state.
     """
     state = read_state(out_dir)
     folder = find(out_dir)
+    check_world_size(state, folder)
     weights = load_file(folder / "weights.safetensors")
     want = {n for n, _ in named_params}
     if set(weights) != want:
@@ -160,7 +227,7 @@ def load(
                             f"— resume with the same model and adapter settings")
     with torch.no_grad():  # every check passed: now restore
         for n, p in named_params:
-            p.copy_(weights[n])
+            p.copy_(distributed.like(weights[n], p))
 
     # rebuild torch's own optimizer state dict (params by index) and let it place the tensors
     opt_tensors = load_file(folder / "optimizer.safetensors")
@@ -170,6 +237,7 @@ def load(
     for group_sd, group in zip(sd["param_groups"], optimizer.param_groups):
         for i, p in zip(group_sd["params"], group["params"]):
             index[i] = p
+    by_name = dict(named_params)
     per_name: dict[str, dict[str, Any]] = {}
     for name, entries in scalars.items():
         for key, v in entries.items():
@@ -177,11 +245,14 @@ def load(
             per_name.setdefault(name, {})[key] = torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"])) if is_tensor else v
     for full_key, t in opt_tensors.items():
         name, key = full_key.rsplit("/", 1)
-        per_name.setdefault(name, {})[key] = t
+        ref = by_name.get(name)
+        per_name.setdefault(name, {})[key] = distributed.like(t, ref) if ref is not None and t.shape == ref.shape else t
     names = {p: n for n, p in named_params}
     sd["state"] = {i: per_name[names[p]] for i, p in index.items() if names[p] in per_name}
     optimizer.load_state_dict(sd)
 
-    rng = load_file(folder / "rng.safetensors")
-    _set_rng_state(rng, state.pop("rng"))
+    rank = distributed.rank()
+    rng = load_file(folder / _rng_file(rank))
+    js = state.pop("rng")
+    _set_rng_state(rng, js[rank] if isinstance(js, list) else js)  # format 1: rank 0's dict
     return state

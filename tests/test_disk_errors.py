@@ -36,9 +36,6 @@ from minitrain.weights import io_error_reason
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "sft_llama.py")
 ENOSPC_SAFETENSORS = "Error while serializing: I/O error: No space left on device (os error 28)"
-CHECKPOINT_NEEDS = ("checkpoint.save does not turn write errors (OSError, SafetensorError) into a UserError naming "
-                    "the folder, nor remove its checkpoint.tmp-* folder")
-
 
 # ----------------------------------------------------------------------------- a checkpoint to damage
 
@@ -180,7 +177,6 @@ def test_disk_full_keeps_the_previous_checkpoint(disk_full):
     assert_intact(out, 1, values)
 
 
-@pytest.mark.xfail(strict=True, reason=CHECKPOINT_NEEDS)
 def test_disk_full_is_one_clear_line_and_leaves_no_tmp(disk_full):
     out, _, err = disk_full
     assert isinstance(err, UserError), f"{type(err).__name__}: {err}"
@@ -244,7 +240,6 @@ def test_read_only_out_keeps_the_previous_checkpoint(read_only_save):
     assert_intact(out, 1, values)
 
 
-@pytest.mark.xfail(strict=True, reason=CHECKPOINT_NEEDS)
 def test_read_only_out_is_one_clear_line(read_only_save):
     out, _, err = read_only_save
     assert isinstance(err, UserError), f"{type(err).__name__}: {err}"
@@ -323,7 +318,6 @@ def test_adapter_write_fails_at_the_end_then_resume_writes_it(model_dir, tmp_pat
     assert steps_logged(out) == [1, 2]
 
 
-@pytest.mark.xfail(strict=True, reason=CHECKPOINT_NEEDS)
 def test_checkpoint_write_fails_mid_run_then_resume_finishes(model_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     real = ckpt.save_file

@@ -11,7 +11,8 @@ strings (or assistant messages). The loss is TRL's DPO (`loss_type` sigmoid | ip
 robust, `beta`, `label_smoothing`), plus an optional NLL term on the chosen answers
 (`sft_weight`). metrics.jsonl logs TRL's names each step (`rewards/chosen`, `rewards/rejected`,
 `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`); with `eval_data`, the
-same on the held-out pairs (`eval/...`) before step 1 and after the last step go to out/eval.jsonl.
+same on the held-out pairs (`eval/...`) every `eval_every` steps and at the end, in metrics.jsonl
+and, with the value before step 1, in out/eval.jsonl.
 
 The reference model is never loaded a second time (field report 002: two 7B models did not fit
 12 GB):
@@ -58,6 +59,7 @@ config = DPOConfig(
     schedule="cosine",
     max_len=128,
     log_every=10,
+    eval_every=20,
     lora_r=8,
     lora_alpha=16.0,
     lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -104,19 +106,19 @@ def run(config: DPOConfig) -> dict:
                 precompute_reference(job.model, job.objective.reference, examples, out / "ref_logps" / name,
                                      job.collate, batch, amp_dtype, log)
 
-    def held_out(step: int) -> dict:
-        m = evaluate_dpo(job.model, job.objective, job.eval_examples, job.collate, 2 * config.batch_size, amp_dtype)
+    def held_out(model, step: int, row: dict | None = None) -> dict:
+        """TRL's metrics on every held-out pair (the loop's eval_fn; also before step 1)."""
+        m = evaluate_dpo(model, job.objective, job.eval_examples, job.collate, 2 * config.batch_size, amp_dtype)
         log(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in m.items()))
         with open(out / "eval.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **m}) + "\n")
         return m
 
-    if job.eval_examples:
+    if job.eval_examples and not config.resume:
         (out / "eval.jsonl").unlink(missing_ok=True)
-        held_out(0)
-    summary = train(job.model, job.objective, job.train_examples, job.collate, config)
-    if job.eval_examples:
-        summary.update(held_out(summary["step"]))
+        held_out(job.model, 0)  # the reference is the policy here: rewards 0, every pair a tie
+    summary = train(job.model, job.objective, job.train_examples, job.collate, config,
+                    eval_examples=job.eval_examples, eval_fn=held_out if job.eval_examples else None)
     finish(job.model, config, job.lora, summary)
     log(f"Stage B adapter: {out / 'adapter'} (PEFT format)")
     log(f"to train a real checkpoint (GPU, QLoRA):\n  {REAL_CHECKPOINT}")

@@ -16,7 +16,6 @@ passes the builder (`models.from_hf_config`) in.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from minitrain import checkpoint, data
+from minitrain import checkpoint, data, distributed
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
@@ -35,7 +34,12 @@ from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
 from minitrain.weights import io_error_reason, load_pretrained, read_header
 
-log = functools.partial(print, flush=True)
+
+def log(*args: Any, **kwargs: Any) -> None:
+    """print, flushed; under torchrun only rank 0 prints."""
+    if distributed.rank() == 0:
+        print(*args, **kwargs, flush=True)
+
 
 CONFIG_FILE = "config.json"
 ADAPTER_DIR = "adapter"
@@ -118,10 +122,11 @@ def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
     if not cfg.resume or folder is None:
         return
     try:
-        saved = json.loads((folder / "state.json").read_text(encoding="utf-8"))["run"]
-        items = list(saved.items())
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        items = list(state["run"].items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return  # an unreadable checkpoint is reported by checkpoint.load, with its own message
+    checkpoint.check_world_size(state, folder)
     mine = {**{k: getattr(cfg, k) for k, _ in items if hasattr(cfg, k)}, **(run or {})}
     for k, v in items:
         if k in mine and mine[k] != v:
@@ -149,6 +154,13 @@ def prepare_out_dir(cfg: Any) -> Path:
     `resume`) removes a previous run's adapter so no stale result sits beside the new config;
     the loop itself clears the old metrics and checkpoint under `overwrite=true`.
     """
+    out = Path(cfg.out)
+    distributed.main_only(lambda: _write_config(cfg))  # under torchrun: rank 0 writes
+    log(f"out: {out} ({'resuming' if cfg.resume else 'new run'}; config in {out / CONFIG_FILE})")
+    return out
+
+
+def _write_config(cfg: Any) -> None:
     out = check_out_dir(cfg)
     tmp = out / f".{CONFIG_FILE}.tmp"
     created = not out.exists()
@@ -164,17 +176,23 @@ def prepare_out_dir(cfg: Any) -> Path:
                         f"writable out folder") from None
     if not cfg.resume and (out / ADAPTER_DIR).is_dir():
         shutil.rmtree(out / ADAPTER_DIR)
-    log(f"out: {out} ({'resuming' if cfg.resume else 'new run'}; config in {out / CONFIG_FILE})")
-    return out
 
 
 # ----------------------------------------------------------------------------- model
 
 
 def pick_device(name: str) -> torch.device:
-    """`auto`: the GPU when there is one, else the CPU; an unavailable device is a UserError."""
+    """`auto`: the GPU when there is one, else the CPU; an unavailable device is a UserError.
+
+    Under torchrun, `auto` / `cuda` is this process's GPU, `cuda:LOCAL_RANK`."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if distributed.launched() and name.startswith("cuda") and torch.cuda.is_available():
+        mine = f"cuda:{distributed.local_rank()}"
+        if name not in ("cuda", mine):
+            raise UserError(f"device={name}: under torchrun each process uses its own GPU ({mine} here) — "
+                            f"use device=auto or device=cuda")
+        name = mine
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device={name}: no CUDA device is available here — use device=cpu (or auto)")
@@ -256,6 +274,7 @@ def attach_adapters(model: nn.Module, cfg: Any) -> LoRAConfig:
             f"the lora_* keys of this run are not used")
     else:
         lcfg = lora_config(cfg)
+        torch.manual_seed(cfg.seed)  # the adapter's init (LoRA A) follows `seed`: same seed, same start
         apply_lora(model, lcfg)
         freeze_for_adapters(model, lcfg)
     for name, p in model.named_parameters():
@@ -331,14 +350,8 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
 def finish(model: nn.Module, cfg: Any, lora: LoRAConfig, summary: dict[str, Any]) -> Path:
     """Save the adapter in PEFT's format into `out/adapter` and say where everything is."""
     out = Path(cfg.out)
-    try:
-        folder = save_adapter(model, out / ADAPTER_DIR, lora)
-    except UserError as e:
-        if not isinstance(e.__cause__, OSError | SafetensorError):
-            raise
-        raise UserError(f"{out / ADAPTER_DIR}: cannot write the adapter: {io_error_reason(e.__cause__)} — the "
-                        f"trained checkpoint is in {out / checkpoint.NAME}: free space or make {out} writable, "
-                        f"then rerun with resume=true to write the adapter") from None
+    folder = out / ADAPTER_DIR
+    distributed.main_only(lambda: _write_adapter(model, folder, lora))  # under torchrun: rank 0 writes
     loss = summary.get("loss")
     parts = [f"done: step {summary.get('step')}/{summary.get('total_steps')}"]
     if loss is not None:
@@ -351,3 +364,15 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig, summary: dict[str, Any]
     log(f"adapter (PEFT format): {folder}")
     log(f"metrics: {out / 'metrics.jsonl'} | config: {out / CONFIG_FILE}")
     return folder
+
+
+def _write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig) -> None:
+    out = folder.parent
+    try:
+        save_adapter(model, folder, lora)
+    except UserError as e:
+        if not isinstance(e.__cause__, OSError | SafetensorError):
+            raise
+        raise UserError(f"{folder}: cannot write the adapter: {io_error_reason(e.__cause__)} — the "
+                        f"trained checkpoint is in {out / checkpoint.NAME}: free space or make {out} writable, "
+                        f"then rerun with resume=true to write the adapter") from None

@@ -112,7 +112,6 @@ def _interrupted_run(tiny, out: Path, sig: int) -> tuple[subprocess.CompletedPro
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr), rows
 
 
-@pytest.mark.xfail(strict=True, reason="needs signal handling in train.py")
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_signal_finishes_the_step_saves_and_says_how_to_resume(tiny, tmp_path, sig, code):
     out = tmp_path / "out"
@@ -129,8 +128,6 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tiny, tmp_path, s
 # ----------------------------------------------------------------------------- same seed, same start
 
 
-@pytest.mark.xfail(strict=True, reason="run.attach_adapters does not seed the new adapter's init with cfg.seed "
-                                       "(tools/kill_resume.py starts from a saved adapter because of it)")
 def test_same_seed_gives_the_same_adapter_init(tiny):
     import models
     from minitrain.config import TrainConfig

@@ -76,6 +76,9 @@ class TrainConfig:
                          choices=("auto", "bf16", "fp32", "fp16"))
     checkpointing: bool = doc(False, "non-reentrant activation checkpointing per block")
     compile: bool = doc(False, "torch.compile each block (CUDA only)")
+    parallel: str = doc("ddp", "under torchrun: ddp (each rank holds the model, gradients summed) or fsdp "
+                               "(FSDP2 shards blocks, gradients and optimizer state); fsdp needs torchrun",
+                        choices=("ddp", "fsdp"))
     save_every: int = doc(0, "save a resumable checkpoint every N optimizer steps (0: only at the end)", ge=0)
     eval_every: int = doc(0, "evaluate every N optimizer steps (0: only at the end)", ge=0)
     log_every: int = doc(1, "write metrics every N optimizer steps", ge=1)

@@ -8,6 +8,12 @@
 The loop knows nothing about objectives beyond `(model, batch) -> (loss_sum, count, metrics)`
 and nothing about model families beyond the contract (`block_types` for checkpointing and
 compile). See DESIGN.md rules 1, 2, 6, 7, 8 for why each piece is here.
+
+Under torchrun (`minitrain.distributed`) the same function runs on every rank: each global
+micro-batch of `batch_size` examples is split across ranks, loss sums, target counts and
+gradients are summed over ranks at the optimizer step (or FSDP2 shards the model with
+`parallel=fsdp`), and rank 0 alone writes. SIGINT / SIGTERM finish the step in progress, save a
+checkpoint and raise `Interrupted` (exit 130 / 143 from the CLI).
 """
 
 from __future__ import annotations
@@ -19,17 +25,19 @@ import os
 import random
 import resource
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from minitrain import checkpoint as ckpt
+from minitrain import distributed
 from minitrain.audit import preflight
 from minitrain.data import Batcher
 from minitrain.errors import UserError
@@ -41,6 +49,26 @@ Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
 # to be the same run (the schedule, data order and loss normalisation depend on them).
 RESUME_KEYS = ("batch_size", "grad_accum", "seed", "lr", "schedule", "min_lr_ratio", "warmup",
                "epochs", "max_steps", "weight_decay", "max_grad_norm", "precision")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped by SIGINT / SIGTERM: the step in progress was finished and a checkpoint saved.
+
+    A KeyboardInterrupt, so it passes through `except Exception` like Ctrl-C does; the CLI prints
+    it with the command to resume and exits with `exit_code` (130 for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int, step: int, folder: Path):
+        self.signum, self.step, self.folder = signum, step, folder
+        self.exit_code = 128 + signum
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"stopped at step {step} by {self.signal_name}; checkpoint saved in {folder} "
+                         f"— resume with resume=true")
+
+    def resume_line(self, command: str) -> str:
+        """The message with the whole command to resume (`command` ends in `resume=true`)."""
+        return (f"stopped at step {self.step} by {self.signal_name}; checkpoint saved in {self.folder} "
+                f"— resume with: {command}")
 
 
 def train(
@@ -92,11 +120,33 @@ def train(
     Returns `{"step", "total_steps", "warmup_steps", "loss", "skipped_steps", "eval/loss",
     "eval/ppl" (when evaluated), "out_dir"}`. Raises `UserError` for bad settings and when
     `cfg.max_bad_steps` non-finite steps in a row stop the run (after saving a checkpoint).
+
+    SIGINT / SIGTERM while the loop runs (handlers installed here, the previous ones restored on
+    return): the step in progress is finished, a checkpoint saved, and `Interrupted` raised. A
+    repeat of the signal a second or more later acts as if these handlers were not there.
+
+    Distributed (a process group is initialised, e.g. by the CLI under torchrun): every rank calls
+    `train` with the same arguments. `cfg.batch_size` is the global micro-batch: rank r trains on
+    `indices[r::world]` of each (a rank left with none by a short last batch runs one example at
+    weight 0, so collectives stay in step). Trainable tensors start from rank 0's values. Loss
+    sums, target counts, input tokens and gradients are summed over ranks at the optimizer step,
+    so the update equals one process with the whole batch. `cfg.parallel` = "ddp" (every rank
+    holds the model; one bucketed gradient all-reduce per optimizer step) or "fsdp" (FSDP2
+    `fully_shard` per block then the root, after the audit; sharded gradients reduce-scattered as
+    sums; the model is gathered whole again at the end). Rank 0 alone logs and writes; every
+    rank's RNG state goes into the checkpoint; the objective's metrics in metrics.jsonl are rank 0's.
     """
     log = log or functools.partial(print, flush=True)
     out = Path(out_dir if out_dir is not None else cfg.out)
     device = next(model.parameters()).device
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    world, rank = distributed.world_size(), distributed.rank()
+    if rank != 0:
+        log = _quiet  # rank 0 alone logs
+    parallel = getattr(cfg, "parallel", "ddp")
+    distributed.check(cfg, world, under_torchrun=distributed.active())
+    if parallel == "fsdp" and optimizer is not None:
+        raise UserError("optimizer: parallel=fsdp replaces the parameters with sharded ones — let train() build "
+                        "the optimizer (optimizer=None), or use parallel=ddp")
     named = _trainable(model, trainable)
     params = [p for _, p in named]
     amp_dtype, scaler = resolve_precision(cfg.precision, device)
@@ -112,22 +162,25 @@ def train(
         f"(~{total_steps * cfg.grad_accum / micro_per_epoch:.2f} epochs) | warmup steps: {warmup_steps} | "
         f"schedule: {cfg.schedule} | trainable: {n_train:,} in {len(params)} tensors | "
         f"precision: {amp_dtype or torch.float32}{' + GradScaler' if scaler else ''} | world: {world}"
+        + (f" ({parallel}, {cfg.batch_size / world:g} examples per rank per micro-batch)" if world > 1 else "")
     )
     if any(p.dtype != torch.float32 for p in params):
         log("notice: some trainable tensors are not fp32; AdamW updates them in their own dtype")
 
-    _prepare_out(out, cfg, rank)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    _seed_numpy(cfg.seed)
+    distributed.main_only(lambda: _prepare_out(out, cfg))
+    torch.manual_seed(cfg.seed + rank)  # each rank draws its own dropout masks (rank 0: the seed)
+    random.seed(cfg.seed + rank)
+    _seed_numpy(cfg.seed + rank)
 
+    # the data order is the same on every rank (seeded); each rank takes its share of each batch
     batcher = Batcher([_length(ex) for ex in train_examples], cfg.batch_size, seed=cfg.seed,
                       shuffle=True, group_by_length=getattr(cfg, "group_by_length", True))
-    optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr, device)
-    ours = {id(p) for p in params}
-    if any(id(p) not in ours for g in optimizer.param_groups for p in g["params"]):
-        raise UserError("optimizer: holds tensors that are not among the trainable ones — build it over "
-                        "exactly the parameters that require grad (or pass them as trainable=)")
+    distributed.broadcast_tensors(params)  # every rank starts from rank 0's trainable values
+    if optimizer is not None:
+        ours = {id(p) for p in params}
+        if any(id(p) not in ours for g in optimizer.param_groups for p in g["params"]):
+            raise UserError("optimizer: holds tensors that are not among the trainable ones — build it over "
+                            "exactly the parameters that require grad (or pass them as trainable=)")
     if cfg.checkpointing:
         n = enable_checkpointing(model)
         log(f"activation checkpointing (non-reentrant) on {n} blocks")
@@ -138,45 +191,59 @@ def train(
         else:
             log(f"notice: compile=true ignored on {device.type} (torch.compile is used on CUDA only)")
 
-    run_info = {k: getattr(cfg, k) for k in RESUME_KEYS if hasattr(cfg, k)}
-    run_info.update(num_examples=len(train_examples), total_steps=total_steps, warmup_steps=warmup_steps)
-    counters = {"skipped_steps": 0, "bad_in_row": 0, "micro_batches": 0, "tokens_seen": 0}
-    step = 0
-    if cfg.resume:
-        for k, v in ckpt.read_state(out)["run"].items():  # check before touching the model
-            if run_info.get(k) != v:
-                raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={run_info.get(k)} "
-                                f"— resume with the same settings, or start a new out folder")
-        state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
-        step, counters = state["step"], state["counters"]
-        batcher.load_state_dict(state["batcher"])
-        if rank == 0:
-            _truncate_metrics(out / "metrics.jsonl", step)
-        log(f"resumed from {out / ckpt.NAME} at step {step}/{total_steps}")
-
-    def lr_of(s: int) -> float:  # the LR of optimizer step s (1-based): a pure function of s
-        return lr_at(s, total_steps=total_steps, warmup_steps=warmup_steps, peak_lr=cfg.lr,
-                     kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
-
-    def save_checkpoint() -> None:
-        if rank == 0:
-            ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "counters": counters,
-                                               "batcher": batcher.state_dict(),
-                                               "schedule": {"next_step": step + 1, "total_steps": total_steps,
-                                                            "warmup_steps": warmup_steps}})
-
     # ---- rule 5: every trainable tensor must be reachable from the loss, checked before step 1
+    # (on the whole model, before FSDP shards it; every rank audits the same batch)
     if getattr(cfg, "skip_audit", False):
         log("notice: gradient-path audit skipped (skip_audit=true)")
     else:
         preflight(model, objective, first_micro_batch(train_examples, collate, cfg, device),
                   optimizer=optimizer, amp_dtype=amp_dtype, log=log)
 
+    if parallel == "fsdp":  # from here on the trainable tensors are this rank's shards (DTensors)
+        blocks = distributed.shard(model, device)
+        log(f"FSDP2: fully_shard on {blocks} blocks and the root, over {world} ranks")
+        named = _trainable(model, [n for n, _ in named])
+        params = [p for _, p in named]
+    optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr, device)
+
+    run_info = {k: getattr(cfg, k) for k in RESUME_KEYS if hasattr(cfg, k)}
+    run_info.update(num_examples=len(train_examples), total_steps=total_steps, warmup_steps=warmup_steps)
+    counters = {"skipped_steps": 0, "bad_in_row": 0, "micro_batches": 0, "tokens_seen": 0}
+    step = 0
+    if cfg.resume:
+        saved = ckpt.read_state(out)
+        ckpt.check_world_size(saved, out / ckpt.NAME, world)
+        for k, v in saved["run"].items():  # check before touching the model
+            if run_info.get(k) != v:
+                raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={run_info.get(k)} "
+                                f"— resume with the same settings, or start a new out folder")
+        state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
+        step, counters = state["step"], state["counters"]
+        batcher.load_state_dict(state["batcher"])
+        distributed.main_only(lambda: _truncate_metrics(out / "metrics.jsonl", step))
+        log(f"resumed from {out / ckpt.NAME} at step {step}/{total_steps}")
+
+    def lr_of(s: int) -> float:  # the LR of optimizer step s (1-based): a pure function of s
+        return lr_at(s, total_steps=total_steps, warmup_steps=warmup_steps, peak_lr=cfg.lr,
+                     kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+
+    saved_at = step if cfg.resume else -1
+
+    def save_checkpoint() -> None:  # every rank calls it (gathers); rank 0 writes
+        nonlocal saved_at
+        ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "counters": counters,
+                                           "batcher": batcher.state_dict(),
+                                           "schedule": {"next_step": step + 1, "total_steps": total_steps,
+                                                        "warmup_steps": warmup_steps}})
+        saved_at = step
+
     metrics_f = open(out / "metrics.jsonl", "a", buffering=1) if rank == 0 else None  # line-buffered
     bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True, disable=rank != 0)
     stream = _micro_batches(batcher)
     summary: dict[str, Any] = {"loss": None}
     model.train()
+    stop = _SignalStop()  # SIGINT / SIGTERM: finish this step, save, raise Interrupted
+    stop.install()
     try:
         window: list[list[int]] | None = None  # the micro-batches (example indices) of this step
         while step < total_steps:
@@ -191,29 +258,34 @@ def train(
             finite, metric_sums, tokens = [], {}, 0
             for idx in window:
                 mine = idx[rank::world]  # this rank's share of the global micro-batch
-                cpu_batch = collate([train_examples[i] for i in mine])
-                tokens += _input_tokens(cpu_batch)  # counted on the host copy: no device sync
+                empty = not mine  # a short last batch left this rank nothing: one example at weight 0
+                cpu_batch = collate([train_examples[i] for i in (mine or idx[:1])])
+                if not empty:
+                    tokens += _input_tokens(cpu_batch)  # counted on the host copy: no device sync
                 batch = _to_device(cpu_batch, device)
                 with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
                     loss_sum, count, metrics = objective(model, batch)
                 loss_sum = loss_sum.float()
+                if empty:
+                    loss_sum, count = loss_sum * 0.0, 0
                 if loss_sum.requires_grad:
                     (scaler.scale(loss_sum) if scaler else loss_sum).backward()
                 window_loss += loss_sum.detach()
                 window_count += count
                 finite.append(torch.isfinite(loss_sum.detach()))
-                for k, v in metrics.items():
+                for k, v in ({} if empty else metrics).items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
 
             # ---- the optimizer step: normalise by the window's (and ranks') total count (rule 2)
-            stats = torch.stack([window_loss, window_count, torch.stack(finite).all().float()])
-            if world > 1:
-                stats[2] -= 1  # 0 if finite, -1 if not: SUM across ranks stays 0 only if all are
-                dist.all_reduce(stats)
-                stats[2] += 1
-            loss_total, total, all_finite = stats.tolist()  # the one host sync per step
+            # summed over ranks in one call: loss, target count, non-finite micro-batches, input
+            # tokens, and the SIGINT / SIGTERM seen so far (so every rank stops after the same step)
+            stats = torch.cat([torch.stack([window_loss, window_count, (~torch.stack(finite)).sum().float()]),
+                               torch.tensor([tokens, *stop.seen()], dtype=torch.float32, device=device)])
+            distributed.all_reduce_sum([stats])
+            loss_total, total, nonfinite, tokens_f, sigint, sigterm = stats.tolist()  # the one host sync per step
+            tokens = int(tokens_f)
             grad_norm = float("nan")
-            ok = bool(all_finite == 1.0) and total > 0
+            ok = nonfinite == 0 and total > 0
             unscaled = False
             if ok:
                 _reduce_and_scale_grads(params, 1.0 / total, world, model)  # sum over ranks, / count
@@ -221,7 +293,8 @@ def train(
                     scaler.unscale_(optimizer)  # grads / loss scale, records overflow
                     unscaled = True
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()  # pre-clip norm
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # pre-clip norm
+                grad_norm = distributed.full_tensor(norm).item()
                 ok = math.isfinite(grad_norm)
             if not ok:
                 optimizer.zero_grad(set_to_none=True)
@@ -237,7 +310,7 @@ def train(
                 where = [(first_mb + j, idx) for j, idx in enumerate(window)]
                 window = None
                 bad = [w for w, f in zip(where, finite) if not bool(f)] or where
-                what = "no target tokens" if total == 0 else ("non-finite loss" if all_finite != 1.0 else "non-finite gradient")
+                what = "no target tokens" if total == 0 else ("non-finite loss" if nonfinite else "non-finite gradient")
                 log(f"step {step + 1}: {what} in micro-batch(es) "
                     + ", ".join(f"#{mb} (examples {ex})" for mb, ex in bad)
                     + f" — step skipped ({counters['bad_in_row']} in a row, {counters['skipped_steps']} in all)")
@@ -266,18 +339,18 @@ def train(
             # ---- log, evaluate, save
             dt = time.perf_counter() - t0
             row = {"step": step, "loss": loss_total / total, "lr": lr, "grad_norm": grad_norm,
-                   "tokens": tokens, "target_tokens": int(total), "tokens_per_s": tokens * world / dt,
+                   "tokens": tokens, "target_tokens": int(total), "tokens_per_s": tokens / dt,
                    "peak_mem_mb": _peak_mem_mb(device), "epoch": counters["micro_batches"] / micro_per_epoch,
                    "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
                    **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
-            stop = False
+            stop_early = False
             if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
                 row.update(evaluate(model, objective, eval_examples, collate, cfg.batch_size, amp_dtype))
                 log(f"step {step}: eval/loss {row['eval/loss']:.4f} eval/ppl {row['eval/ppl']:.3f}")
                 if eval_fn is not None:
                     extra = dict(eval_fn(model, step, dict(row)))
-                    stop = bool(extra.pop("stop", False))
+                    stop_early = distributed.any_rank(bool(extra.pop("stop", False)), device)
                     row.update(extra)
                 summary.update({k: v for k, v in row.items() if k.startswith("eval/")})
             if metrics_f and (step % cfg.log_every == 0 or step == total_steps or "eval/loss" in row):
@@ -285,19 +358,28 @@ def train(
                 metrics_f.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
-            if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop:
+            if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop_early:
                 save_checkpoint()
-            if stop:
+            if world == 1:  # no other rank to agree with: stop after the step the signal came in
+                sigint, sigterm = stop.seen()
+            if sigint or sigterm:  # (ranks: seen by one before this step's sum) every rank stops here
+                if saved_at != step:
+                    save_checkpoint()
+                raise Interrupted(signal.SIGINT if sigint else signal.SIGTERM, step, out / ckpt.NAME)
+            if stop_early:
                 summary["stopped_early"] = step
                 log(f"step {step}: stopping early (eval_fn asked to), {total_steps - step} steps not run")
                 break
     finally:
+        stop.restore()
         bar.close()
         if metrics_f:
             metrics_f.close()
 
-    if save_adapter is not None and rank == 0:
-        save_adapter(model, out / "adapter")
+    if parallel == "fsdp":
+        distributed.unshard(model)  # whole tensors again on every rank: for saving and what follows
+    if save_adapter is not None:
+        distributed.main_only(lambda: save_adapter(model, out / "adapter"))
     summary.update(step=step, total_steps=total_steps, warmup_steps=warmup_steps,
                    skipped_steps=counters["skipped_steps"], out_dir=str(out))
     return summary
@@ -380,18 +462,18 @@ def evaluate(
 ) -> dict[str, float]:
     """`eval/loss` = total loss / total count over `examples` (mean token CE), `eval/ppl` = exp of it."""
     device = next(model.parameters()).device
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    world, rank = distributed.world_size(), distributed.rank()
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, device=device)  # (loss sum, count)
-    mine = examples[rank::world]
-    for i in range(0, len(mine), batch_size):
-        batch = _to_device(collate(mine[i : i + batch_size]), device)
+    for i in range(0, len(examples), batch_size):  # global batches, each split across ranks (as in training)
+        mine = examples[i : i + batch_size][rank::world]
+        batch = _to_device(collate(mine or examples[i : i + 1]), device)  # none left: one at weight 0
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             loss_sum, count, _ = objective(model, batch)
-        sums += torch.stack([loss_sum.float(), torch.as_tensor(count, device=device, dtype=torch.float32)])
-    if world > 1:
-        dist.all_reduce(sums)
+        if mine:
+            sums += torch.stack([loss_sum.float(), torch.as_tensor(count, device=device, dtype=torch.float32)])
+    distributed.all_reduce_sum([sums])
     model.train(was_training)
     loss_sum, count = sums.tolist()
     mean = loss_sum / max(count, 1.0)
@@ -450,10 +532,8 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[torch.dtype
 _precision = resolve_precision  # the name recipes/dpo_mistral.py imports
 
 
-def _prepare_out(out: Path, cfg: Any, rank: int) -> None:
+def _prepare_out(out: Path, cfg: Any) -> None:
     """Refuse to mix two runs in one folder; with overwrite, clear the old run's log and checkpoint."""
-    if rank != 0:
-        return
     out.mkdir(parents=True, exist_ok=True)
     old_run = (out / "metrics.jsonl").exists() or ckpt.find(out) is not None
     if cfg.resume or not old_run:
@@ -483,16 +563,67 @@ def _micro_batches(batcher: Any) -> Iterator[list[int]]:
 
 
 def _reduce_and_scale_grads(params: list[torch.Tensor], scale: float, world: int, model: nn.Module) -> None:
-    """Sum gradients across ranks (unless DDP already averaged them) and multiply by `scale`."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if world > 1:
+    """Sum gradients across ranks and multiply by `scale` (1 / the global target count).
+
+    FSDP2 has already reduce-scattered them as sums (sharded grads); a DDP-wrapped model has
+    averaged them (undo its 1/world); otherwise one bucketed all-reduce here, once per optimizer
+    step. A tensor that got no gradient on this rank takes part as zeros, so every rank sends the
+    same buffers."""
+    if world > 1 and not any(distributed.is_sharded(p) for p in params):
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            scale *= world  # DDP averaged: undo the 1/world, the count is already global
+            scale *= world
         else:
-            for g in grads:
-                dist.all_reduce(g)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            distributed.all_reduce_sum([p.grad for p in params])
+    grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, scale)
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    """The log of ranks other than 0."""
+
+
+class _SignalStop:
+    """SIGINT / SIGTERM while the loop runs: remember it; the loop finishes the step, saves, and
+    raises `Interrupted`. Nothing is printed here: a handler that prints while the main thread is
+    printing can fail ("reentrant call"). A repeat a second or more after the first restores the
+    previous handlers and re-raises the signal (Ctrl-C twice: stop now; the last complete
+    checkpoint stays valid); a repeat within the second is ignored (torchrun forwards the signal
+    a terminal already sent to every process of the group)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.got: set[int] = set()
+        self.first_at = 0.0
+        self.previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; leave the defaults
+        for s in self.SIGNALS:
+            self.previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.got:
+            self.first_at = time.monotonic()
+        elif time.monotonic() - self.first_at >= 1.0:
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.got.add(signum)
+
+    def seen(self) -> tuple[int, int]:
+        """(SIGINT seen, SIGTERM seen) as 0 / 1."""
+        return int(signal.SIGINT in self.got), int(signal.SIGTERM in self.got)
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self.previous.clear()
 
 
 def _length(ex: dict) -> int:

@@ -6,7 +6,11 @@
 3. `validate` the result (bounds, choices, cross-field rules) and call `run(config)`.
 
 Every user mistake is a `UserError`, printed as one `error: ...` line on stderr with exit code 2;
-Ctrl-C exits 130. Anything else is our bug and keeps its traceback.
+Ctrl-C exits 130. Training stopped by SIGINT / SIGTERM (`minitrain.train.Interrupted`) prints the
+command that resumes it and exits 130 / 143. Anything else is our bug and keeps its traceback.
+
+Under `torchrun --nproc_per_node N -m minitrain ...` the process group is joined here, once,
+before the recipe runs (`minitrain.distributed.init`); rank 0 alone prints these lines.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import textwrap
 import typing
@@ -51,14 +56,20 @@ def run_cli(argv: list[str]) -> int:
     try:
         return _main(list(argv))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if _rank() == 0:  # under torchrun every rank raises the same error: say it once
+            print(f"error: {e}", file=sys.stderr)
         return UserError.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        if _rank() == 0:
+            resume = getattr(e, "resume_line", None)  # minitrain.train.Interrupted: a checkpoint was saved
+            print(resume(_resume_command(argv)) if resume else "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
     except BrokenPipeError:  # `... --help | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        if "minitrain.distributed" in sys.modules:  # (imported, with torch, only once a recipe runs)
+            sys.modules["minitrain.distributed"].shutdown()
 
 
 def _main(argv: list[str]) -> int:
@@ -83,8 +94,24 @@ def _main(argv: list[str]) -> int:
         return 0
     config = apply_overrides(recipe.config, args, where=path)
     validate(config)
+    from minitrain import distributed
+
+    distributed.init(config)  # under torchrun: join the process group (else only checks parallel=)
     recipe.run(config)
     return 0
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (which sets RANK and LOCAL_RANK), else 0."""
+    return int(os.environ.get("RANK", "0")) if "LOCAL_RANK" in os.environ else 0
+
+
+def _resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same settings plus resume=true."""
+    args = [a for a in argv if not a.startswith(("resume=", "overwrite="))]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = f"torchrun --nproc_per_node {world} -m minitrain" if world > 1 else "python -m minitrain"
+    return f"{launch} {shlex.join(args)} resume=true"
 
 
 def _line_buffered() -> None:

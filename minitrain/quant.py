@@ -98,6 +98,10 @@ def _quantize_linear(bnb, old: nn.Linear, w: torch.Tensor, kind: str, compute_dt
             quant_type="nf4", quant_storage=torch.uint8, module=new, bnb_quantized=True,
         )
         new.quant_state = state
+        # bitsandbytes would repack the weight for a faster CPU kernel on the first eval + no_grad
+        # forward; through the repacked kernel no gradient flows (only a torch warning): a QLoRA run
+        # that evaluates once would then train with silently wrong gradients. Keep one layout.
+        new.support_avx512bf16_for_cpu = False
     else:
         new = bnb.nn.Linear8bitLt(in_f, out_f, bias=has_bias, has_fp16_weights=False, threshold=0.0, device="meta")
         # row-wise absmax int8 (LLM.int8()); bitsandbytes quantizes from fp16

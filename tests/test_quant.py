@@ -184,3 +184,26 @@ def test_bad_kind_or_compute_dtype():
         quantize_hook("fp8")
     with pytest.raises(UserError, match="compute_dtype"):
         quantize_hook("nf4", compute_dtype=torch.int8)
+
+
+def test_nf4_gradients_survive_an_eval_forward(hf_causal, ids):
+    """An evaluation (eval() + no_grad) must not change what backward computes afterwards.
+
+    bitsandbytes repacks a CPU Linear4bit's weight on its first eval + no_grad forward, and the
+    repacked kernel passes no gradient (torch only warns): gradients into the embedding came out
+    about 3x smaller after one evaluation. quantize_hook keeps one layout."""
+    model = load_pretrained(hf_causal("quant_llama"), from_hf_config,
+                            tensor_hook=quantize_hook("nf4", compute_dtype=torch.float32))
+    emb = model.input_embeddings.weight.requires_grad_(True)
+
+    def grad() -> torch.Tensor:
+        emb.grad = None
+        model(ids).float().pow(2).mean().backward()
+        return emb.grad.clone()
+
+    before = grad()
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+    model.train()
+    torch.testing.assert_close(grad(), before, rtol=0, atol=0)

@@ -461,9 +461,15 @@ def table(results: dict, kind: str) -> list[str]:
     return lines
 
 
+def markers(tag: str = "") -> tuple[str, str]:
+    """The comment lines that delimit a generated block in BENCHMARKS.md (one pair per --tag)."""
+    return (BEGIN, END) if not tag else (BEGIN.replace(" -->", f" {tag} -->"), END.replace(" -->", f" {tag} -->"))
+
+
 def render(a: argparse.Namespace, results: dict, info: dict, argv: list[str], extra: dict) -> str:
     mach, ver = extra["machine"], extra["versions"]
-    lines = [BEGIN, "",
+    begin, end = markers(getattr(a, "tag", ""))
+    lines = [begin, "",
              f"Measured {extra['date']} on {mach['cpu']}, {mach['cores']} cores, {mach.get('ram_gib', '?')} GiB RAM, "
              f"{mach['os']}, Python {mach['python']}; load average before / after: {extra['load_before']} / "
              f"{extra['load_after']} (shared machine: other jobs ran at the same time, so absolute figures are noisy; "
@@ -486,14 +492,16 @@ def render(a: argparse.Namespace, results: dict, info: dict, argv: list[str], ex
             f"{k} {v:.2f}s" for k, v in extra["imports"].items()), ""]
     if extra.get("padding"):
         lines += [extra["padding"], ""]
-    lines.append(END)
+    lines.append(end)
     return "\n".join(lines)
 
 
-def write_benchmarks(path: Path, block: str) -> None:
+def write_benchmarks(path: Path, block: str, tag: str = "") -> None:
+    """Put `block` between its markers in `path` (appended when they are not there yet); the rest is kept."""
+    begin, end = markers(tag)
     old = path.read_text() if path.is_file() else "# Benchmarks\n\n"
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+    if begin in old and end in old:
+        new = old[: old.index(begin)] + block + old[old.index(end) + len(end):]
     else:
         new = old.rstrip() + "\n\n" + block + "\n"
     tmp = path.with_name(f".{path.name}.tmp")
@@ -674,6 +682,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mt-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the minitrain runs only (experiments; PYTHONPATH is prepended)")
     p.add_argument("--tag", default="", help="a name for this set of runs (kept apart in the cache)")
+    p.add_argument("--sides", type=lambda x: x.split(","), default=["mt", "hf"], help="mt,hf (default) or one of them")
     p.add_argument("--worker", metavar="SPEC.json", help=argparse.SUPPRESS)
     p.add_argument("--profile", choices=("mt-sft", "mt-dpo"))
     p.add_argument("--gpu-dpo-7b", action="store_true")
@@ -702,7 +711,7 @@ def main(argv: list[str]) -> int:
     kinds = [a.only] if a.only else ["sft", "dpo"]
     results = {k: {"mt": [], "hf": []} for k in kinds}
     for rep in range(a.repeats):
-        order = ("mt", "hf") if rep % 2 == 0 else ("hf", "mt")
+        order = [x for x in (("mt", "hf") if rep % 2 == 0 else ("hf", "mt")) if x in a.sides]
         for kind in kinds:
             for side in order:
                 results[kind][side].append(run_one(kind, side, a, info, rep))
@@ -716,7 +725,7 @@ def main(argv: list[str]) -> int:
     raw = Path(a.cache) / shape_key(a) / f"results{'-' + a.tag if a.tag else ''}.json"
     raw.write_text(json.dumps({"results": results, "extra": extra}, indent=2, default=str))
     if a.write:
-        write_benchmarks(Path(a.write), block)
+        write_benchmarks(Path(a.write), block, a.tag)
         print(f"wrote {a.write} (raw results: {raw})")
     failed = [r for k in results.values() for side in k.values() for r in side if r["rc"] != 0]
     return 1 if failed else 0

@@ -100,7 +100,7 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
              f"LoRA r={run.lora_r} on {','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
              + (f", DPO reference: {run.dpo_reference}" if run.dpo_reference else ""),
              f"micro-batch: {run.rows} rows x {run.seq} tokens"
-             + (f" ({run.rows // 2} pairs, chosen + rejected in one forward)" if run.dpo_reference else "")
+             + (f" ({run.rows // 2} pair{'s' if run.rows > 2 else ''}, chosen + rejected in one forward)" if run.dpo_reference else "")
              + (f", {run.targets} targets" if run.targets is not None else ", every position a target (worst case)"),
              ""]
     lines.append("  persistent")

@@ -237,7 +237,9 @@ def shard(model: nn.Module, device: torch.device) -> int:
     for m in blocks:
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.set_gradient_divide_factor(1.0)
+    for m in [*blocks, model]:  # (per FSDP module: these setters do not recurse)
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return len(blocks)
 
 

@@ -1,0 +1,251 @@
+"""Data parallel training on CPU with gloo, 2 processes: the same result as one process.
+
+- `train()` in 2 ranks with batch_size=4 (2 examples per rank) equals 1 process with the whole
+  batch (adapter within 1e-5, metrics alike), for parallel=ddp and parallel=fsdp (FSDP2
+  `fully_shard` on CPU / gloo), with a short last batch that leaves rank 1 nothing.
+- A 2-rank run stopped by SIGTERM on ONE rank stops both after the same step; resumed at 2
+  ranks it equals the uninterrupted 2-rank run bitwise (per-rank dropout RNG restored); resuming
+  with another world size is one UserError.
+- `torchrun --nproc_per_node 2 -m minitrain recipes/sft_llama.py ...` equals the 1-process CLI
+  run, and rank 0 alone wrote the out folder.
+
+Ranks are separate processes (`python -c`, a file rendezvous), each running a function of this
+module; the 1-process references run in the test process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, rows, trainable_state
+
+from minitrain import distributed
+from minitrain.config import TrainConfig
+from minitrain.errors import UserError
+from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.objectives import sft
+from minitrain.train import Interrupted, train
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TRAIN = make_examples(21, seed=3)  # batch 4: 6 micro-batches per epoch, the last holds 1 example
+EVAL = make_examples(5, seed=4)
+STRIP = ("tokens_per_s", "peak_mem_mb")  # wall-clock and process figures
+
+
+def lora_model(dropout: float = 0.0) -> torch.nn.Module:
+    model = freeze_embeddings(TinyLM())
+    torch.manual_seed(1)
+    cfg = LoRAConfig(r=4, alpha=8.0, dropout=dropout, targets=["q_proj", "v_proj", "up_proj", "down_proj"])
+    apply_lora(model, cfg)
+    freeze_for_adapters(model, cfg)
+    return model
+
+
+def config(out: Path, **kw) -> TrainConfig:
+    return cfg_for(out, batch_size=4, grad_accum=2, lr=1e-2, max_grad_norm=0.2, **{"out": str(out), **kw})
+
+
+def launch(tmp_path: Path, fn: str, *args) -> list[str]:
+    """Run `fn(rank, *args)` of this module in 2 processes joined by gloo; their stderr."""
+    code = (f"import sys, torch, torch.distributed as dist\n"
+            f"sys.path[:0] = [{str(HERE)!r}, {str(REPO)!r}]\n"
+            f"torch.set_num_threads(1)\n"
+            f"rank = int(sys.argv[1])\n"
+            f"dist.init_process_group('gloo', init_method={'file://' + str(tmp_path / ('rdv-' + fn))!r}, "
+            f"rank=rank, world_size=2)\n"
+            f"import test_distributed\n"
+            f"test_distributed.{fn}(rank, *{args!r})\n"
+            f"dist.destroy_process_group()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errs = [p.communicate(timeout=None)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+    return errs
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+# ----------------------------------------------------------------------------- 2 ranks x 2 == 1 x 4
+
+
+def equal_batches_worker(rank: int, out: str, parallel: str) -> None:
+    model = lora_model()
+    summary = train(model, sft, TRAIN, collate, config(Path(out) / "run", parallel=parallel), eval_examples=EVAL,
+                    log=quiet)
+    save_file(trainable_state(model), f"{out}/rank{rank}.safetensors")  # whole tensors again (fsdp: unshard)
+    Path(f"{out}/summary{rank}.json").write_text(json.dumps(summary))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path, parallel):
+    one = lora_model()
+    ref_cfg = config(tmp_path / "one")
+    ref_summary = train(one, sft, TRAIN, collate, ref_cfg, eval_examples=EVAL, log=quiet)
+    want = trainable_state(one)
+
+    out = tmp_path / "two"
+    out.mkdir()
+    launch(tmp_path, "equal_batches_worker", str(out), parallel)
+    r0, r1 = load_file(out / "rank0.safetensors"), load_file(out / "rank1.safetensors")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)  # the ranks agree
+    start = trainable_state(lora_model())
+    assert max_abs_diff(want, start) > 1e-3  # training moved the adapter: the comparison means something
+    assert max_abs_diff(r0, want) <= 1e-5
+
+    got, ref = rows(out / "run"), rows(Path(ref_cfg.out))
+    assert [r["step"] for r in got] == [1, 2, 3]  # rank 0 alone wrote the log
+    for g, w in zip(got, ref):
+        assert {k: g[k] for k in ("tokens", "target_tokens", "epoch")} == {k: w[k] for k in ("tokens", "target_tokens", "epoch")}
+        for k in ("loss", "grad_norm"):
+            assert g[k] == pytest.approx(w[k], rel=1e-5), k
+    assert got[-1]["eval/loss"] == pytest.approx(ref[-1]["eval/loss"], rel=1e-5)
+    for r in (0, 1):
+        assert json.loads((out / f"summary{r}.json").read_text())["eval/loss"] == pytest.approx(ref_summary["eval/loss"], rel=1e-5)
+    ck = out / "run" / "checkpoint"
+    assert sorted(p.name for p in ck.iterdir()) == ["optimizer.safetensors", "rng.rank1.safetensors", "rng.safetensors",
+                                                    "state.json", "weights.safetensors"]
+    assert max_abs_diff(load_file(ck / "weights.safetensors"), want) <= 1e-5  # whole tensors, also under fsdp
+
+
+# ----------------------------------------------------------------------------- stop on one rank, resume at 2
+
+
+def stop_resume_worker(rank: int, root: str, parallel: str) -> None:
+    cfg = config(Path(root) / "straight", epochs=2.0, parallel=parallel)  # 6 steps
+    straight = lora_model(dropout=0.2)  # dropout: each rank's RNG must resume exactly
+    train(straight, sft, TRAIN, collate, cfg, log=quiet)
+    save_file(trainable_state(straight), f"{root}/straight{rank}.safetensors")
+
+    calls = [0]
+
+    def sigterm_on_rank1(model, batch):  # rank 1 alone gets SIGTERM in step 2's first micro-batch
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return sft(model, batch)
+
+    cut = dataclasses.replace(cfg, out=str(Path(root) / "cut"), skip_audit=True)  # (the audit calls the objective)
+    try:
+        train(lora_model(dropout=0.2), sigterm_on_rank1, TRAIN, collate, cut, log=quiet)
+        raise AssertionError("not interrupted")
+    except Interrupted as e:
+        Path(f"{root}/stopped{rank}.json").write_text(json.dumps([e.step, e.exit_code]))
+    resumed = lora_model(dropout=0.2)
+    train(resumed, sft, TRAIN, collate, dataclasses.replace(cut, resume=True), log=quiet)
+    save_file(trainable_state(resumed), f"{root}/resumed{rank}.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_sigterm_on_one_rank_stops_both_and_resume_equals_the_uninterrupted_two_rank_run(tmp_path, parallel):
+    launch(tmp_path, "stop_resume_worker", str(tmp_path), parallel)
+    for r in (0, 1):  # both ranks stopped after step 2, though only rank 1 got the signal
+        assert json.loads((tmp_path / f"stopped{r}.json").read_text()) == [2, 143]
+    straight, resumed = load_file(tmp_path / "straight0.safetensors"), load_file(tmp_path / "resumed0.safetensors")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)  # bitwise
+    assert all(torch.equal(load_file(tmp_path / "resumed1.safetensors")[k], straight[k]) for k in straight)
+    got, want = rows(tmp_path / "cut"), rows(tmp_path / "straight")
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert [{k: v for k, v in r.items() if k not in STRIP} for r in got] == \
+           [{k: v for k, v in r.items() if k not in STRIP} for r in want]
+    # the ranks drew different dropout masks, and each one's generator is saved
+    ck = tmp_path / "straight" / "checkpoint"
+    assert not torch.equal(load_file(ck / "rng.safetensors")["torch_cpu"], load_file(ck / "rng.rank1.safetensors")["torch_cpu"])
+
+    # resuming the 2-rank checkpoint in one process is refused in one line (one process: ddp)
+    with pytest.raises(UserError) as e:
+        train(lora_model(dropout=0.2), sft, TRAIN, collate, config(tmp_path / "straight", epochs=2.0, resume=True),
+              log=quiet)
+    assert "\n" not in str(e.value) and "saved by 2 processes, this run has 1" in str(e.value)
+    assert "torchrun --nproc_per_node 2" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- settings refused
+
+
+def test_batch_smaller_than_the_world_and_fsdp_without_torchrun_are_refused():
+    with pytest.raises(UserError, match=r"^batch_size=1: smaller than the 2 processes — "):
+        distributed.check(TrainConfig(batch_size=1), world=2, under_torchrun=True)
+    with pytest.raises(UserError, match=r"^parallel=fsdp: needs processes started by torchrun — "):
+        distributed.check(TrainConfig(parallel="fsdp"), world=1, under_torchrun=False)
+    with pytest.raises(UserError, match=r"^parallel=fsdp with precision=fp16: "):
+        distributed.check(TrainConfig(parallel="fsdp", precision="fp16"), world=2, under_torchrun=True)
+    distributed.check(TrainConfig(batch_size=2), world=2, under_torchrun=True)  # no error
+
+
+def test_cli_refuses_fsdp_without_torchrun_before_writing(tmp_path, capsys, monkeypatch):
+    from minitrain.cli import run_cli
+
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / "out"
+    assert run_cli([str(REPO / "recipes" / "sft_llama.py"), f"out={out}", "parallel=fsdp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: parallel=fsdp: needs processes started by torchrun — ")
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- torchrun + the CLI
+
+
+@pytest.fixture(scope="module")
+def tiny_model(hf_causal, tmp_path_factory) -> Path:
+    from _tok import make_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("dist_model") / "model"
+    shutil.copytree(hf_causal("dist_llama"), d)
+    make_bpe_tokenizer(d)
+    return d
+
+
+def cli_args(model: Path, out: Path, *extra: str) -> list[str]:
+    data = REPO / "tests" / "bad_inputs" / "data" / "good.jsonl"
+    return [str(REPO / "recipes" / "sft_llama.py"), f"model={model}", f"data={data}", f"out={out}", "max_steps=3",
+            "batch_size=4", "grad_accum=1", "lora_r=4", "device=cpu", "precision=fp32", "chat_format=mistral",
+            "warmup=0", "save_every=2", *extra]
+
+
+@pytest.mark.slow
+def test_torchrun_cli_equals_one_process_and_rank0_alone_writes(tiny_model, tmp_path, capsys):
+    from minitrain.cli import run_cli
+
+    one = tmp_path / "one"
+    assert run_cli(cli_args(tiny_model, one)) == 0, capsys.readouterr().err
+    capsys.readouterr()
+
+    two = tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["torchrun", "--nproc_per_node", "2", "-m", "minitrain", *cli_args(tiny_model, two)],
+                       cwd=REPO, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "Traceback" not in p.stderr
+    assert p.stdout.count("done: step 3/3") == 1  # rank 0 alone prints
+    assert sorted(x.name for x in two.iterdir()) == ["adapter", "checkpoint", "config.json", "metrics.jsonl"]
+    assert (two / "checkpoint" / "rng.rank1.safetensors").is_file()
+    want = load_file(one / "adapter" / "adapter_model.safetensors")
+    got = load_file(two / "adapter" / "adapter_model.safetensors")
+    assert max_abs_diff(got, want) <= 1e-5
+    for g, w in zip(rows(two), rows(one), strict=True):
+        assert (g["step"], g["tokens"], g["target_tokens"]) == (w["step"], w["tokens"], w["target_tokens"])
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+
+    # resuming the 2-process run with one process: one line, exit 2, nothing rewritten
+    before = (two / "config.json").read_bytes()
+    assert run_cli(cli_args(tiny_model, two, "resume=true")) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "saved by 2 processes, this run has 1" in err[0], err
+    assert (two / "config.json").read_bytes() == before

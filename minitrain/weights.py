@@ -318,8 +318,12 @@ def save_pretrained(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `config.json` and the model's weights in HF's safetensors layout; returns the folder.
+
+    `state_dict` replaces the model's own tensors when given (e.g. `lora.merged_state_dict(model)`:
+    adapters folded in, HF keys only).
 
     Floating tensors are cast to `dtype` (None keeps theirs). Above `max_shard_bytes` the weights
     are split into `model-0000i-of-0000N.safetensors` with a `model.safetensors.index.json`. A
@@ -332,7 +336,7 @@ def save_pretrained(
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder}: exists and is not a folder — choose another output path")
-    tensors = _tensors_to_save(model)
+    tensors = _tensors_to_save(model, state_dict)
     shards = _plan_shards(tensors, dtype, max_shard_bytes)
     config = dict(config)
     if dtype is not None:
@@ -371,8 +375,11 @@ def save_pretrained(
     return folder
 
 
-def _tensors_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with tied duplicates dropped; quantized or unloaded weights are refused."""
+def _tensors_to_save(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's state dict (or `state_dict`) with tied duplicates dropped; quantized or unloaded
+    weights are refused."""
+    if state_dict is not None:
+        return _dedup(state_dict)
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.is_meta:
             raise UserError(f"save_pretrained: parameter {name} was never loaded (still on meta) — load the weights first")
@@ -381,9 +388,13 @@ def _tensors_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
                 f"save_pretrained: parameter {name} is {p.dtype} (quantized) — save_pretrained writes float weights; "
                 "save the adapter with save_adapter, or load the base in a float dtype to merge and save it"
             )
+    return _dedup(model.state_dict(keep_vars=True))
+
+
+def _dedup(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in tensors.items():
         t = t.detach()
         ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if ident in seen:  # tied: the same tensor under a second name (lm_head.weight -> embed_tokens.weight)

@@ -1,0 +1,68 @@
+"""Merge a LoRA adapter into its base and save an HF-format folder (transformers loads it).
+
+    python tools/merge.py --model demo/model --adapter runs/dpo_mistral/adapter --out merged/
+    python tools/merge.py --model path/to/Mistral-7B --adapter runs/x/adapter --out merged/ --dtype bfloat16
+
+The base is loaded in float (never quantized: merging into 4-bit weights would round the update
+away), the adapter is folded in (W + scaling * B @ A), and the folder gets config.json, the
+weights (sharded above 5 GB) and the tokenizer files of the adapter folder if it has them, else
+of the base. Written to a temporary folder and renamed: nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+import models  # noqa: E402
+from minitrain.errors import UserError  # noqa: E402
+from minitrain.lora import load_adapter, merged_state_dict  # noqa: E402
+from minitrain.weights import load_pretrained, save_pretrained  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def merge(model_dir: str, adapter_dir: str, out: str, dtype: str = "float32") -> Path:
+    """Load base + adapter, fold the adapter in, save an HF folder at `out`; returns it."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
+    model = load_pretrained(model_dir, models.from_hf_config, dtype=torch.float32)
+    load_adapter(model, adapter_dir)
+    emb = model.input_embeddings
+    config = dict(model.hf_config, vocab_size=emb.num_embeddings)  # an adapter trained on added tokens
+    folder = save_pretrained(model, out, config, dtype=DTYPES[dtype], state_dict=merged_state_dict(model))
+    for src in (Path(adapter_dir), Path(model_dir)):
+        found = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+        if any(f in found for f in ("tokenizer.json", "tokenizer.model", "spiece.model")):
+            for f in found:
+                shutil.copy2(src / f, folder / f)
+            break
+    return folder
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="the base: an HF-format folder")
+    p.add_argument("--adapter", required=True, help="a PEFT-format adapter folder (minitrain's out/adapter)")
+    p.add_argument("--out", required=True, help="folder to write the merged model into")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 for the saved weights")
+    args = p.parse_args(argv)
+    try:
+        folder = merge(args.model, args.adapter, args.out, args.dtype)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"merged model (HF format): {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

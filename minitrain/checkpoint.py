@@ -160,10 +160,12 @@ def save(
 
 def _write_error(out: Path, e: BaseException) -> str:
     previous = find(out)
-    if previous is not None:
-        then = f"rerun with resume=true to continue from the last checkpoint ({previous.name}, intact)"
-    else:
-        then = "rerun (overwrite=true)"
+    try:
+        step = json.loads((previous / "state.json").read_text())["step"] if previous is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        step = "?"
+    then = (f"rerun with resume=true to continue from the last complete checkpoint (step {step})"
+            if previous is not None else "rerun (overwrite=true)")
     return (f"{out / NAME}: cannot write the checkpoint: {io_error_reason(e)} — free space or make {out} "
             f"writable, then {then}")
 

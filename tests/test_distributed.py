@@ -83,8 +83,8 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def equal_batches_worker(rank: int, out: str, parallel: str) -> None:
     model = lora_model()
-    summary = train(model, sft, TRAIN, collate, config(Path(out) / "run", parallel=parallel), eval_examples=EVAL,
-                    log=quiet)
+    cfg = config(Path(out) / "run", parallel=parallel, checkpointing=parallel == "fsdp")  # fsdp: with recompute
+    summary = train(model, sft, TRAIN, collate, cfg, eval_examples=EVAL, log=quiet)
     save_file(trainable_state(model), f"{out}/rank{rank}.safetensors")  # whole tensors again (fsdp: unshard)
     Path(f"{out}/summary{rank}.json").write_text(json.dumps(summary))
 

@@ -1,8 +1,9 @@
 """Data parallel training on CPU with gloo, 2 processes: the same result as one process.
 
 - `train()` in 2 ranks with batch_size=4 (2 examples per rank) equals 1 process with the whole
-  batch (adapter within 1e-5, metrics alike), for parallel=ddp and parallel=fsdp (FSDP2
-  `fully_shard` on CPU / gloo), with a short last batch that leaves rank 1 nothing.
+  batch (trained tensors within 1e-5, metrics alike), with a short last batch that leaves rank 1
+  nothing: LoRA with parallel=ddp, LoRA with parallel=fsdp (FSDP2 `fully_shard` on CPU / gloo,
+  activation checkpointing on), and full fine-tuning with parallel=fsdp.
 - A 2-rank run stopped by SIGTERM on ONE rank stops both after the same step; resumed at 2
   ranks it equals the uninterrupted 2-rank run bitwise (per-rank dropout RNG restored); resuming
   with another world size is one UserError.
@@ -81,28 +82,33 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 # ----------------------------------------------------------------------------- 2 ranks x 2 == 1 x 4
 
 
-def equal_batches_worker(rank: int, out: str, parallel: str) -> None:
-    model = lora_model()
-    cfg = config(Path(out) / "run", parallel=parallel, checkpointing=parallel == "fsdp")  # fsdp: with recompute
+def model_for(case: str) -> torch.nn.Module:
+    return TinyLM() if case == "fsdp-full" else lora_model()  # full fine-tuning: every tensor trains
+
+
+def equal_batches_worker(rank: int, out: str, case: str) -> None:
+    model = model_for(case)
+    parallel = case.split("-")[0]
+    cfg = config(Path(out) / "run", parallel=parallel, checkpointing=case == "fsdp-lora")  # with recompute
     summary = train(model, sft, TRAIN, collate, cfg, eval_examples=EVAL, log=quiet)
     save_file(trainable_state(model), f"{out}/rank{rank}.safetensors")  # whole tensors again (fsdp: unshard)
     Path(f"{out}/summary{rank}.json").write_text(json.dumps(summary))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path, parallel):
-    one = lora_model()
+@pytest.mark.parametrize("case", ["ddp-lora", "fsdp-lora", "fsdp-full"])
+def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path, case):
+    one = model_for(case)
     ref_cfg = config(tmp_path / "one")
     ref_summary = train(one, sft, TRAIN, collate, ref_cfg, eval_examples=EVAL, log=quiet)
     want = trainable_state(one)
 
     out = tmp_path / "two"
     out.mkdir()
-    launch(tmp_path, "equal_batches_worker", str(out), parallel)
+    launch(tmp_path, "equal_batches_worker", str(out), case)
     r0, r1 = load_file(out / "rank0.safetensors"), load_file(out / "rank1.safetensors")
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # the ranks agree
-    start = trainable_state(lora_model())
+    start = trainable_state(model_for(case))
     assert max_abs_diff(want, start) > 1e-3  # training moved the adapter: the comparison means something
     assert max_abs_diff(r0, want) <= 1e-5
 

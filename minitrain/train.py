@@ -192,7 +192,8 @@ def train(
             log(f"notice: compile=true ignored on {device.type} (torch.compile is used on CUDA only)")
 
     # ---- rule 5: every trainable tensor must be reachable from the loss, checked before step 1
-    # (on the whole model, before FSDP shards it; every rank audits the same batch)
+    # (on the model as given: before FSDP shards it and before a checkpoint is restored into it;
+    # every rank audits the same batch)
     if getattr(cfg, "skip_audit", False):
         log("notice: gradient-path audit skipped (skip_audit=true)")
     else:

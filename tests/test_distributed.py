@@ -115,12 +115,14 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path, case):
     got, ref = rows(out / "run"), rows(Path(ref_cfg.out))
     assert [r["step"] for r in got] == [1, 2, 3]  # rank 0 alone wrote the log
     for g, w in zip(got, ref):
-        assert {k: g[k] for k in ("tokens", "target_tokens", "epoch")} == {k: w[k] for k in ("tokens", "target_tokens", "epoch")}
+        exact = ("tokens", "target_tokens", "epoch")
+        assert {k: g[k] for k in exact} == {k: w[k] for k in exact}
         for k in ("loss", "grad_norm"):
             assert g[k] == pytest.approx(w[k], rel=1e-5), k
     assert got[-1]["eval/loss"] == pytest.approx(ref[-1]["eval/loss"], rel=1e-5)
     for r in (0, 1):
-        assert json.loads((out / f"summary{r}.json").read_text())["eval/loss"] == pytest.approx(ref_summary["eval/loss"], rel=1e-5)
+        summary = json.loads((out / f"summary{r}.json").read_text())
+        assert summary["eval/loss"] == pytest.approx(ref_summary["eval/loss"], rel=1e-5)
     ck = out / "run" / "checkpoint"
     assert sorted(p.name for p in ck.iterdir()) == ["optimizer.safetensors", "rng.rank1.safetensors", "rng.safetensors",
                                                     "state.json", "weights.safetensors"]
@@ -170,7 +172,8 @@ def test_sigterm_on_one_rank_stops_both_and_resume_equals_the_uninterrupted_two_
            [{k: v for k, v in r.items() if k not in STRIP} for r in want]
     # the ranks drew different dropout masks, and each one's generator is saved
     ck = tmp_path / "straight" / "checkpoint"
-    assert not torch.equal(load_file(ck / "rng.safetensors")["torch_cpu"], load_file(ck / "rng.rank1.safetensors")["torch_cpu"])
+    rng0, rng1 = load_file(ck / "rng.safetensors"), load_file(ck / "rng.rank1.safetensors")
+    assert not torch.equal(rng0["torch_cpu"], rng1["torch_cpu"])
 
     # resuming the 2-rank checkpoint in one process is refused in one line (one process: ddp)
     with pytest.raises(UserError) as e:
@@ -234,7 +237,8 @@ def test_torchrun_cli_equals_one_process_and_rank0_alone_writes(tiny_model, tmp_
     capsys.readouterr()
 
     two = tmp_path / "two"
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["torchrun", "--nproc_per_node", "2", "-m", "minitrain", *cli_args(tiny_model, two)],
                        cwd=REPO, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-4000:]

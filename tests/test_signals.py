@@ -136,7 +136,8 @@ def test_cli_prints_the_command_that_resumes_and_exits_143(tmp_path, capsys):
     lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("stopped")]
     assert "Traceback" not in err and len(lines) == 1, err
     command = f"python -m minitrain {recipe} seed=0 resume=true"
-    assert lines[0] == f"stopped at step 2 by SIGTERM; checkpoint saved in {out / 'checkpoint'} — resume with: {command}"
+    saved = out / "checkpoint"
+    assert lines[0] == f"stopped at step 2 by SIGTERM; checkpoint saved in {saved} — resume with: {command}"
     assert run_cli(shlex.split(command)[3:]) == 0  # the printed command works
     total = resolve_steps(len(EXAMPLES), 4, 2, 2.0, -1, 0.0)[0]
     assert total > 2 and [r["step"] for r in rows(out)] == list(range(1, total + 1))

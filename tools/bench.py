@@ -23,9 +23,10 @@ What runs (each run a fresh `python` subprocess, so peak RSS and start-up are ho
 - the same on both: fp32 on CPU, batch, accumulation, steps, max_len, LoRA r / alpha / dropout 0 /
   targets, constant LR, no warmup, AdamW (torch, foreach), grad clip 1.0, no eval, no saving
   during the run (minitrain writes its final checkpoint and adapter after the last step, outside
-  the timed steps), dataloader workers 0, no length grouping (minitrain's loop has no
-  group_by_length key yet), no gradient checkpointing (TRL's DPOConfig defaults it on: set off),
+  the timed steps), dataloader workers 0, no gradient checkpointing (TRL's DPOConfig defaults it on: set off),
   logging every step on both sides (minitrain writes metrics.jsonl each step; HF logging_steps=1),
+  no length grouping on either side (minitrain `group_by_length=false`, its default is true; HF
+  `train_sampling_strategy="random"`, its default),
   the same thread count (OMP_NUM_THREADS);
 - runs interleaved: mt, hf, hf, mt, mt, hf ... (`--repeats` each); medians reported.
 
@@ -171,7 +172,8 @@ def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[
     common = [f"model={info['model']}", f"out={out}", f"max_len={a.max_len}", f"lora_r={a.lora_r}",
               f"lora_alpha={2 * a.lora_r}", "lora_dropout=0.0", f"lora_targets={','.join(a.targets)}",
               f"lr={a.lr}", "warmup=0", "schedule=constant", "precision=fp32", "device=cpu", "log_every=1",
-              "save_every=0", "max_grad_norm=1.0", "weight_decay=0.0", f"seed={a.seed}", "overwrite=true"]
+              "save_every=0", "max_grad_norm=1.0", "weight_decay=0.0", f"seed={a.seed}", "overwrite=true",
+              "group_by_length=false"]  # as HF's default sampler: both sides see the same shuffled, ungrouped batches
     if kind == "sft":
         return [sys.executable, "-m", "minitrain", "recipes/sft_llama.py", f"data={info['sft']}", "eval_data=",
                 f"max_steps={a.steps}", f"batch_size={a.batch}", f"grad_accum={a.accum}", *common]
@@ -341,6 +343,7 @@ def hf_worker(spec_path: str) -> int:
                   gradient_accumulation_steps=spec["accum"], max_steps=spec["steps"], learning_rate=spec["lr"],
                   lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
                   optim="adamw_torch", logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
+                  train_sampling_strategy="random",
                   use_cpu=True, bf16=False, fp16=False, dataloader_num_workers=0, dataloader_pin_memory=False,
                   seed=spec["seed"], gradient_checkpointing=False)
     if spec["kind"] == "sft":
@@ -527,7 +530,8 @@ def padding_note(a: argparse.Namespace, info: dict) -> str:
             real += sum(ls)
             padded += max(ls) * len(ls)
         out.append(f"{'grouped' if group else 'as run (no grouping)'}: {1 - real / padded:.1%} padding")
-    return ("Padding in the SFT micro-batches (minitrain's Batcher, same seed; HF pads to the batch's longest too): "
+    return ("Padding in minitrain's SFT micro-batches (its Batcher, same seed; HF pads to the batch's longest too, "
+            "and its sampler shuffles differently): "
             + "; ".join(out) + ".")
 
 
@@ -638,7 +642,7 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
                       max_reserved_bytes=torch.cuda.max_memory_reserved())
     run = P.RunShape(rows=2, seq=seq, compute="bf16", quantize="nf4", lora_r=16, lora_targets=tuple(targets),
                      checkpointing=True, dpo_reference="base", optimizer_temps=device.type != "cuda",
-                     targets=len(chosen) + len(rejected) - 1)
+                     targets=len(chosen) + len(rejected))  # positions whose next token is an answer token
     plan = P.predict(P.ModelShape.from_hf(hf), run)
     result.update(predicted_peak_bytes=plan.peak, predicted_moment=plan.peak_moment,
                   predicted_persistent_bytes=plan.persistent_bytes)

@@ -322,12 +322,15 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
         shared = {_INPUT_OF[n] for n in LINEARS if run.quantize == "int8"} - {"attn"}
     else:
         kept = 0
-        shared = {_INPUT_OF[n] for n in adapted} | ({_INPUT_OF[n] for n in LINEARS} if run.quantize == "int8" else set())
+        shared = {_INPUT_OF[n] for n in adapted}
+        if run.quantize == "int8":
+            shared |= {_INPUT_OF[n] for n in LINEARS}
         shared -= {"attn"}  # the attention output is already counted (SDPA keeps it)
     kept += sum(width[k] for k in shared)
     if kept:
         terms.append(Term("linear inputs kept for adapter / int8 grads", N * kept * s,
-                          f"{kept:,} x {s} B per token" + (" (one copy per adapter: autocast)" if run.cast_copies else "")))
+                          f"{kept:,} x {s} B per token"
+                          + (" (one copy per adapter: autocast)" if run.cast_copies else "")))
     if adapted:
         terms.append(Term("LoRA B inputs", N * len(adapted) * run.lora_r * s, f"{len(adapted)} x r x {s} per token"))
     return terms
@@ -358,7 +361,8 @@ def _block_forward(model: ModelShape, run: RunShape) -> list[Term]:
     down = "mlp.down_proj" in adapted_linears(model, run.lora_targets)
     kept = (down and not run.cast_copies) or run.quantize == "int8"
     width = (0 if kept else F * s) + (F * 4 if down and run.cast_copies else 0) + D * s
-    return [Term("block forward (recompute) working set", N * width, f"{width:,} B per token")] + _dequantized(model, run)
+    work = Term("block forward (recompute) working set", N * width, f"{width:,} B per token")
+    return [work] + _dequantized(model, run)
 
 
 def _dequantized(model: ModelShape, run: RunShape) -> list[Term]:
@@ -435,7 +439,8 @@ def predict(model: ModelShape, run: RunShape) -> Plan:
     notes = []
     if run.dpo_reference in ("base", "snapshot"):
         # no_grad forward before the policy's: at most one block's tensors alive at a time
-        ref = msaved + [Term("reference forward: one block (no grad)", per_block, "block_saved, freed as it goes")] + lfwd
+        one = Term("reference forward: one block (no grad)", per_block, "block_saved, freed as it goes")
+        ref = msaved + [one] + lfwd
         if run.dpo_reference == "snapshot":
             ref.append(Term("reference: live adapter values kept aside", trainable, "clone of the adapter tensors"))
         moments["DPO reference forward"] = ref

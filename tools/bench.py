@@ -38,8 +38,9 @@ Measured per run, by this parent process:
   step 1 are all inside;
 - throughput over steps 2..N (step 1 excluded: warm-up): SFT tokens/s = non-padding input tokens
   processed (sum of the attention masks of every micro-batch, the same definition on both sides,
-  counted by minitrain's loop and by a forward pre-hook on HF's model, grad-enabled forwards only) / seconds between the end
-  of step 1 and the end of step N; DPO pairs/s = pairs per step x (N - 1) / the same seconds;
+  counted by minitrain's loop and by a forward pre-hook on HF's model, grad-enabled forwards
+  only) / seconds between the end of step 1 and the end of step N; DPO pairs/s = pairs per step
+  x (N - 1) / the same seconds;
 - peak memory: the child's peak RSS (`os.wait4` rusage `ru_maxrss`), libraries included;
 - the same in CPU-seconds (user + system time of the child, all threads, read from /proc/PID/stat
   when each step line appears): on a shared machine wall-clock swings with the other jobs' load,
@@ -159,7 +160,8 @@ def prepare(a: argparse.Namespace) -> dict:
             f.write(json.dumps({"prompt": text(rng, vocab_words, 8, min(200, half)),
                                 "chosen": text(rng, vocab_words, 8, min(150, third)),
                                 "rejected": text(rng, vocab_words, 8, min(150, third))}) + "\n")
-    info = {"model": str(folder), "sft": str(sft), "dpo": str(dpo), "params": sum(p.numel() for p in model.parameters())}
+    info = {"model": str(folder), "sft": str(sft), "dpo": str(dpo),
+            "params": sum(p.numel() for p in model.parameters())}
     done.write_text(json.dumps(info))
     return info
 
@@ -453,14 +455,16 @@ def table(results: dict, kind: str) -> list[str]:
                 ("CPU-seconds to first step", "cpu_first_step_s", "<= 0.5x"),
                 ("seconds per step (steps 2..N)", "steady_s_per_step", ""),
                 ("CPU-seconds per step (steps 2..N)", "cpu_s_per_step", "")]
-    lines = [f"| {kind.upper()} | minitrain | HF | minitrain / HF | goal | runs (mt, hf) |", "|---|---|---|---|---|---|"]
+    lines = [f"| {kind.upper()} | minitrain | HF | minitrain / HF | goal | runs (mt, hf) |",
+             "|---|---|---|---|---|---|"]
     for name, key, goal in metrics:
         m, h = med([r.get(key) for r in mt]), med([r.get(key) for r in hf])
         ratio = m / h if h and h == h and m == m else NAN
         spread = " / ".join(", ".join(f"{r.get(key, NAN):.3g}" for r in side) for side in (mt, hf))
         lines.append(f"| {name} | {m:.4g} | {h:.4g} | **{ratio:.2f}x** | {goal} | {spread} |")
     tok_m, tok_h = med([r.get("tokens_total") for r in mt]), med([r.get("tokens_total") for r in hf])
-    lines.append(f"| tokens processed in the run (non-pad) | {tok_m:.0f} | {tok_h:.0f} | {tok_m / tok_h:.3f} | same data | |")
+    lines.append(f"| tokens processed in the run (non-pad) | {tok_m:.0f} | {tok_h:.0f} | {tok_m / tok_h:.3f} "
+                 f"| same data | |")
     return lines
 
 
@@ -659,7 +663,8 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", choices=("sft", "dpo"))
     p.add_argument("--write", metavar="BENCHMARKS.md")

@@ -96,11 +96,13 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
     lines = [f"plan: {path} {' '.join(overrides)}".rstrip(),
              f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, "
              f"{model.num_hidden_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size:,})",
-             f"run: {opts['--device']}, {run.compute} compute, base {run.quantize if run.quantize != 'none' else run.compute}, "
-             f"LoRA r={run.lora_r} on {','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
+             f"run: {opts['--device']}, {run.compute} compute, "
+             f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA r={run.lora_r} on "
+             f"{','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
              + (f", DPO reference: {run.dpo_reference}" if run.dpo_reference else ""),
              f"micro-batch: {run.rows} rows x {run.seq} tokens"
-             + (f" ({run.rows // 2} pair{'s' if run.rows > 2 else ''}, chosen + rejected in one forward)" if run.dpo_reference else "")
+             + (f" ({run.rows // 2} pair{'s' if run.rows > 2 else ''}, chosen + rejected in one forward)"
+                if run.dpo_reference else "")
              + (f", {run.targets} targets" if run.targets is not None else ", every position a target (worst case)"),
              ""]
     lines.append("  persistent")

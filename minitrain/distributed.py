@@ -31,6 +31,7 @@ fails there is raised on every rank (`main_only`), so no rank is left waiting in
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -204,9 +205,10 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
 
 
 def is_sharded(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    """A DTensor (FSDP2 shard)? Without importing torch.distributed.tensor when nothing sharded
+    anything (that import costs most of a second at step 1 of every single-process run)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ passes the builder (`models.from_hf_config`) in.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from minitrain import checkpoint, data, distributed
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
+from minitrain.objectives import sft
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
 from minitrain.weights import io_error_reason, load_pretrained, read_header
@@ -342,6 +344,20 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
                 + (f", {ex.truncated} truncated to max_len={cfg.max_len}" if ex.truncated else "")
                 + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else ""))
     return train, evals
+
+
+def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
+    """The causal-LM SFT job that `recipes/sft_llama.py` and `recipes/sft_mistral.py` share:
+    model (+ adapters) from `cfg.model`, `{"prompt","completion"}` / `{"messages"}` / `{"text"}`
+    examples, the `sft` objective and the padding collator. Writes nothing."""
+    model, tok = load_model(cfg, build)
+    if model.is_encoder_decoder:
+        raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
+                        f"use recipes/lora_t5.py for it")
+    lora = attach_adapters(model, cfg)
+    train_examples, eval_examples = load_examples(cfg, tok, "sft")
+    return Job(model, sft, train_examples, functools.partial(data.collate_causal, pad_id=tok.pad_id),
+               eval_examples, lora, tok)
 
 
 # ----------------------------------------------------------------------------- the end

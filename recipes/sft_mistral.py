@@ -15,15 +15,11 @@ policy. The defaults train the committed demo (demo/sft_train.jsonl: faithful su
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import models
 from minitrain.config import TrainConfig
-from minitrain.data import collate_causal
-from minitrain.errors import UserError
-from minitrain.objectives import sft
-from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
+from minitrain.run import Job, check_out_dir, finish, log, prepare_out_dir, sft_job
 from minitrain.train import train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
@@ -47,14 +43,7 @@ config = TrainConfig(
 
 def setup(config: TrainConfig) -> Job:
     """Load the model, attach the adapter, read the data; writes nothing."""
-    model, tok = load_model(config, models.from_hf_config)
-    if model.is_encoder_decoder:
-        raise UserError(f"{config.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
-                        f"use recipes/lora_t5.py for it")
-    lora = attach_adapters(model, config)
-    train_examples, eval_examples = load_examples(config, tok, "sft")
-    return Job(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), eval_examples,
-               lora, tok)
+    return sft_job(config, models.from_hf_config)
 
 
 def run(config: TrainConfig) -> dict:

@@ -368,7 +368,7 @@ def _valid(ex: dict, vocab: int, max_len: int, kind: str) -> None:
         ids, labels = ex[ids_k], ex[lab_k]
         assert all(isinstance(i, int) and 0 <= i < vocab for i in ids)
         assert all(x == IGNORE or 0 <= x < vocab for x in labels)
-        assert 1 <= len(ids) <= max_len
+        assert 0 < len(ids) <= max_len
         if kind == "seq2seq":
             assert labels and labels[-1] != IGNORE or len(labels) == max_len
         else:

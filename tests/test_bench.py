@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,14 @@ def test_hf_worker_runs_and_counts_tokens_like_minitrain(tiny, kind):
     else:  # the same rows, the same tokens: the non-pad count of the whole run matches minitrain's
         mt = bench.run_one(kind, "mt", a, info, rep=1)
         assert mt["tokens_total"] == hf["tokens_total"]
+
+
+def test_summary_of_steps_seen_in_one_poll_has_no_rate_but_counts_tokens():
+    run = {"rc": 0, "times": [1.0, 1.0], "cpu": [2.5, 2.5], "rows": [{"tokens": 7}, {"tokens": 9}],
+           "wall": 1.5, "peak_rss_mb": 400.0}
+    s = bench.summarize("dpo", "mt", run, pairs_per_step=2)
+    assert s["tokens_total"] == 16 and s["first_step_s"] == 1.0
+    assert all(math.isnan(s[k]) for k in ("tokens_per_s", "tokens_per_cpu_s", "pairs_per_s", "pairs_per_cpu_s"))
 
 
 def test_summary_table_and_benchmarks_markers(tmp_path, tiny):

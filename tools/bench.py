@@ -266,13 +266,15 @@ def summarize(kind: str, side: str, r: dict, pairs_per_step: int) -> dict:
         return out
     tokens = [row["tokens"] for row in rows]  # non-pad input tokens of each optimizer step
     span, cpu_span = times[-1] - times[0], cpu[-1] - cpu[0]
+    # steps seen in the same poll (a tiny model, a loaded machine) give span 0: no rate, not a crash
+    per_s = lambda n, dt: n / dt if dt > 0 else NAN  # noqa: E731
     out.update(first_step_s=times[0], steady_s_per_step=span / (len(rows) - 1),
-               tokens_per_s=sum(tokens[1:]) / span, tokens_total=sum(tokens),
+               tokens_per_s=per_s(sum(tokens[1:]), span), tokens_total=sum(tokens),
                cpu_first_step_s=cpu[0], cpu_s_per_step=cpu_span / (len(rows) - 1),
-               tokens_per_cpu_s=sum(tokens[1:]) / cpu_span if cpu_span > 0 else NAN)
+               tokens_per_cpu_s=per_s(sum(tokens[1:]), cpu_span))
     if kind == "dpo":
-        out["pairs_per_s"] = pairs_per_step * (len(rows) - 1) / span
-        out["pairs_per_cpu_s"] = pairs_per_step * (len(rows) - 1) / cpu_span if cpu_span > 0 else NAN
+        out["pairs_per_s"] = per_s(pairs_per_step * (len(rows) - 1), span)
+        out["pairs_per_cpu_s"] = per_s(pairs_per_step * (len(rows) - 1), cpu_span)
     return out
 
 

@@ -61,7 +61,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from minitrain.errors import UserError
-from minitrain.losses import IGNORE_INDEX, LOGITS_PER_CHUNK, shift_labels
+from minitrain.losses import IGNORE_INDEX, default_chunk, shift_labels
 from minitrain.lora import LoRALinear, LoRALinear4bit, LoRALinear8bit
 
 
@@ -316,8 +316,7 @@ def uncertainty_eval(model: nn.Module, examples: Sequence[dict], collate: Callab
     sums = torch.zeros(bins, 3, dtype=torch.float64, device=device)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     head = model.output_projection
-    vocab = getattr(head, "out_features", None) or 32768
-    chunk = chunk or max(64, LOGITS_PER_CHUNK // vocab)
+    chunk = chunk or default_chunk(head, device)
     try:
         for g in layers:
             g.sample = samples > 0

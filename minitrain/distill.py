@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minitrain.config import TrainConfig, doc
 from minitrain.errors import UserError
-from minitrain.losses import IGNORE_INDEX, LOGITS_PER_CHUNK, chunked_cross_entropy_sum, shift_labels
+from minitrain.losses import IGNORE_INDEX, chunked_cross_entropy_sum, default_chunk, shift_labels
 from minitrain.tokenizer import Tokenizer
 
 METRICS = ("kd", "ce", "kd_weighted", "ce_weighted", "ppl")
@@ -158,7 +158,7 @@ def chunked_kd_ce(student_hidden: torch.Tensor, student_head: nn.Module, teacher
     student_hidden (..., D), teacher_hidden (..., Dt), targets (...) aligned with both (already
     shifted for causal models; -100: no target, never projected). Rows come out in the order of
     the target positions in `targets.reshape(-1)`. `chunk`: target positions per chunk (default
-    about 2**24 logits per chunk, as `minitrain.losses`).
+    `minitrain.losses.default_chunk`).
     """
     flat_y = targets.reshape(-1)
     keep = (flat_y != IGNORE_INDEX).nonzero().squeeze(1)  # (n,)
@@ -168,9 +168,7 @@ def chunked_kd_ce(student_hidden: torch.Tensor, student_head: nn.Module, teacher
     if keep.numel() == 0:
         zero = student_hidden.new_zeros(0, dtype=torch.float32)
         return zero, zero
-    if chunk is None:
-        vocab = getattr(student_head, "out_features", None) or 32768
-        chunk = max(64, LOGITS_PER_CHUNK // vocab)
+    chunk = chunk or default_chunk(student_head, h_s.device)
     track = torch.is_grad_enabled() and (h_s.requires_grad or any(p.requires_grad for p in student_head.parameters()))
     ces, kds = [], []
     for start in range(0, h_s.shape[0], chunk):

@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minitrain.errors import UserError
-from minitrain.weights import io_error_reason
+from minitrain.weights import io_error_reason, skip_init
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +245,11 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / (math.sqrt(r) if rslora else r)
         device = base.weight.device
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        # skip_init: no throw-away default init, so reset_lora's draws are the only ones
-        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, r, bias=False, device=device, dtype=dtype)
-        self.lora_B = nn.utils.skip_init(nn.Linear, r, self.out_features, bias=False, device=device, dtype=dtype)
+        # no throw-away default init, so reset_lora's draws are the only ones (and nothing is built on
+        # meta: nn.utils.skip_init would, importing torch's Python decompositions on first use)
+        with skip_init():
+            self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)
+            self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)
         self.reset_lora()
         self.merged = False  # base weight currently holds W + scaling * B @ A
         self.disabled = False  # set by `disable_adapters`

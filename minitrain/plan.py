@@ -51,11 +51,11 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
              "self_attn.o_proj": "attn", "mlp.gate_proj": "xn2", "mlp.up_proj": "xn2", "mlp.down_proj": "act"}
 
 
-def logits_per_chunk() -> int:
-    """The loss's chunk size in logits (from `minitrain.losses`, so the plan follows the code)."""
-    from minitrain.losses import LOGITS_PER_CHUNK
+def logits_per_chunk(device: str = "cuda") -> int:
+    """The loss's chunk size in logits on `device` (from `minitrain.losses`, so the plan follows the code)."""
+    from minitrain.losses import logits_per_chunk as per_device
 
-    return LOGITS_PER_CHUNK
+    return per_device(device)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -147,7 +147,8 @@ class RunShape:
     mask: bool = True
     dpo_reference: str | None = None  # None: not DPO | base | snapshot | precomputed
     optimizer_temps: bool = True  # foreach AdamW temporaries (False: fused CUDA AdamW)
-    logits_chunk: int | None = None  # logits per chunk (None: minitrain.losses' value)
+    logits_chunk: int | None = None  # logits per chunk (None: minitrain.losses' value on `device`)
+    device: str = "cuda"  # cuda | cpu: only the default logits chunk depends on it
 
     @property
     def s(self) -> int:
@@ -386,25 +387,37 @@ def _model_saved(model: ModelShape, run: RunShape) -> list[Term]:
 def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], int]:
     """(forward terms, backward terms, target rows n) of the chunked loss.
 
-    The loss gathers the n target rows of the final hidden state (n x D x s, kept by each chunk's
-    checkpoint) and projects c = min(n, chunk) rows at a time: forward holds the chunk's logits
-    (c x V x s), their fp32 copy when s < 4 and logsumexp's fp32 temporary (measured: 8 B per
-    logit in fp32, 10 in bf16); backward recomputes that forward, then holds the logits (s), the
-    fp32 gradient (4) and its compute-dtype copy when s < 4; plus the gradient of the gathered
-    rows (n x D x s).
+    The loss gathers the n target rows of the final hidden state (n x D x s) and projects
+    c = min(n, chunk) rows at a time: forward holds the chunk's logits (c x V x s), their fp32
+    copy when s < 4 and logsumexp's fp32 temporary (measured: 8 B per logit in fp32, 10 in bf16).
+    A frozen head (not trained, not adapted) computes the rows' gradient in that forward and keeps
+    it (n x D x s); the backward only scales it. Any other head keeps the gathered rows for each
+    chunk's checkpoint; its backward recomputes the forward, then holds the logits (s), the fp32
+    gradient (4) and its compute-dtype copy when s < 4; plus the gradient of the gathered rows.
     """
     n = run.tokens if run.targets is None else min(run.targets, run.tokens)
     V, D, s = model.vocab_size, model.hidden_size, run.s
-    per_chunk = run.logits_chunk or logits_per_chunk()
+    per_chunk = run.logits_chunk or logits_per_chunk(run.device)
     c = min(n, max(64, per_chunk // V))
     gathered = Term("loss: gathered target rows", n * D * s, "n x D x s")
+    rows_grad = Term("loss: grad of gathered rows", n * D * s, "n x D x s")
     fwd_per = s + (4 if s < 4 else 0) + 4
-    bwd_per = max(fwd_per, s + 4 + (s if s < 4 else 0))  # the recompute, then the gradient
     fwd = [gathered, Term("loss: final hidden states", run.tokens * D * s, "N x D x s"),
            Term("loss: logits chunk (forward)", c * V * fwd_per, f"c={c:,} x V x {fwd_per} B")]
+    if head_is_frozen(model, run):
+        kept = Term("loss: rows' gradient made in forward", n * D * s, "n x D x s")
+        return fwd + [kept], [kept, rows_grad], n
+    bwd_per = max(fwd_per, s + 4 + (s if s < 4 else 0))  # the recompute, then the gradient
     bwd = [gathered, Term("loss: logits chunk (backward)", c * V * bwd_per, f"c={c:,} x V x {bwd_per} B"),
-           Term("loss: grad of gathered rows", n * D * s, "n x D x s")]
+           rows_grad]
     return fwd, bwd, n
+
+
+def head_is_frozen(model: ModelShape, run: RunShape) -> bool:
+    """Whether the output projection is a plain frozen Linear (minitrain.losses' two-matmul path)."""
+    trained = list(run.lora_targets) + list(run.modules_to_save)
+    tied_embed = model.tie_word_embeddings and any(_matches("model.embed_tokens", m) for m in run.modules_to_save)
+    return not (any(_matches("lm_head", m) for m in trained) or tied_embed)
 
 
 def _scaled(terms: list[Term], k: int, name: str, formula: str) -> Term:
@@ -474,7 +487,7 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,
-                    optimizer_temps=device != "cuda")
+                    optimizer_temps=device != "cuda", device=device)
 
 
 def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: int) -> list[tuple[str, int, int]]:

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from minitrain.errors import UserError
@@ -219,10 +220,32 @@ def load_pretrained(
     return model
 
 
+class skip_init(TorchFunctionMode):
+    """Within it, torch's random and constant initialisers leave their tensor as it is.
+
+    For modules whose every value is overwritten right after they are built: a model built on
+    meta before its checkpoint is streamed in, LoRA factors that `reset_lora` draws itself.
+    On meta tensors these initialisers run torch's Python decompositions, whose first use imports
+    `torch._refs` and sympy: 2.5 to 3 s before the first step (BENCHMARKS.md). Only initialisers
+    are touched: `nn.init`'s uniform_, normal_, constant_ and kaiming_uniform_ (what `nn.Linear` and
+    `nn.Embedding` use) and the in-place random / fill tensor methods, which the other `nn.init`
+    functions call (zeros_, ones_, xavier_*, kaiming_normal_); every other call runs as usual.
+    """
+
+    SKIPPED = frozenset({nn.init.uniform_, nn.init.normal_, nn.init.constant_, nn.init.kaiming_uniform_,
+                         torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_,
+                         torch.Tensor.random_, torch.Tensor.exponential_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def _build_on_meta(build: Callable[[dict[str, Any]], nn.Module], config: dict, config_path: Path) -> nn.Module:
     """`build(config)` under the meta device; a ValueError (the model's "bad config") becomes a UserError."""
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), skip_init():
             model = build(config)
     except ValueError as e:
         msg = str(e)

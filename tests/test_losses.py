@@ -52,6 +52,44 @@ def test_sum_and_grads_equal_full_cross_entropy(chunk, bias):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 7, None])
+@pytest.mark.parametrize("bias", [False, True])
+def test_frozen_head_path_gives_the_same_values_and_hidden_grads(chunk, bias, monkeypatch):
+    # a frozen plain Linear takes the path that computes the row gradients in the forward: no checkpoint
+    import minitrain.losses as losses
+
+    monkeypatch.setattr(losses, "checkpoint", lambda *a, **k: pytest.fail("frozen head went through checkpoint"))
+    hidden, head, labels = _data(bias=bias, seed=3)
+    head.requires_grad_(False)
+    weights = torch.rand(labels.shape, generator=torch.Generator().manual_seed(4))  # DPO-like: per-token weights
+    lp = chunked_token_logprobs(hidden, head, labels, chunk=chunk)
+    (lp * weights).sum().backward()
+    ours, hidden.grad = hidden.grad.clone(), None
+
+    full = F.log_softmax(head(hidden), dim=-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    ref = full.masked_fill(labels == -100, 0.0)
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(lp, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours, hidden.grad, rtol=1e-5, atol=1e-6)
+    assert head.weight.grad is None
+
+
+def test_frozen_and_checkpointed_paths_agree_under_bf16_autocast():
+    hidden, head, labels = _data(seed=5, V=300)
+    grads, values = [], []
+    for frozen in (True, False):
+        head.requires_grad_(not frozen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = chunked_cross_entropy_sum(hidden, head, labels, chunk=4)
+        loss.backward()
+        grads.append(hidden.grad.clone())
+        values.append(loss.detach())
+        hidden.grad = None
+    assert values[0].dtype == torch.float32
+    torch.testing.assert_close(values[0], values[1], rtol=1e-6, atol=1e-6)  # the same bf16 logits, fp32 sums
+    torch.testing.assert_close(grads[0], grads[1], rtol=0.02, atol=2e-3)  # bf16 products, other order
+
+
 def test_token_logprobs_equal_log_softmax_and_zero_on_ignored():
     hidden, head, labels = _data(seed=1)
     with torch.no_grad():

@@ -178,6 +178,7 @@ CASES = {
     "bf16 all-linear ckpt": dict(targets=ALL, compute="bf16", ckpt=True),
     "fp32 vocab32k": dict(vocab=32000, seq=192),
     "fp32 vocab32k ckpt all-linear": dict(vocab=32000, seq=192, targets=ALL, ckpt=True),
+    "fp32 vocab32k adapted head": dict(vocab=32000, seq=192, targets=ATTN + ("lm_head",)),  # checkpointed loss
     "nf4 all-linear": dict(targets=ALL, quantize="nf4"),
 }
 
@@ -197,7 +198,7 @@ def test_sft_step_peak_within_20_percent(case):
     measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
     targets = int((batch["labels"][:, 1:] != -100).sum())
     run = P.RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], lora_targets=c["targets"],
-                     checkpointing=c["ckpt"], targets=targets, quantize=c["quantize"] or "none")
+                     checkpointing=c["ckpt"], targets=targets, quantize=c["quantize"] or "none", device="cpu")
     plan = P.predict(P.ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
     assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
@@ -217,7 +218,7 @@ def test_dpo_step_peak_within_20_percent(ckpt):
     objective = dpo.make_dpo_objective(beta=0.1, reference=dpo.BaseReference())
     measured = measured_step(model, objective, b, autocast=False)
     run = P.RunShape(rows=2 * pairs, seq=seq, compute="fp32", lora_targets=ALL, checkpointing=ckpt,
-                     targets=int((b["labels"][:, 1:] != -100).sum()), dpo_reference="base")
+                     targets=int((b["labels"][:, 1:] != -100).sum()), dpo_reference="base", device="cpu")
     plan = P.predict(P.ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
     assert 0.8 <= predicted / measured <= 1.2, (plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))

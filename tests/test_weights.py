@@ -18,7 +18,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from minitrain.errors import UserError
-from minitrain.weights import load_pretrained, save_pretrained
+from minitrain.weights import load_pretrained, save_pretrained, skip_init
 
 CFG = dict(
     model_type="llama",
@@ -494,3 +494,38 @@ def test_old_llama_saves_with_rotary_inv_freq_load(hf_causal, tmp_path):
     save_file({**sd, "model.layers.0.self_attn.stray": torch.zeros(2)}, tmp_path / "model.safetensors")
     with pytest.raises(UserError, match="unexpected keys.*stray"):
         load_pretrained(tmp_path, models.from_hf_config)
+
+
+def test_skip_init_leaves_tensors_and_the_rng_alone_and_runs_everything_else():
+    t = torch.full((4, 3), 7.0)
+    rng = torch.get_rng_state()
+    with skip_init():
+        nn.init.normal_(t)
+        nn.init.kaiming_uniform_(t, a=5**0.5)
+        nn.init.zeros_(t)
+        nn.init.xavier_normal_(t)  # not torch-function aware: its tensor method (normal_) is caught instead
+        t.uniform_()
+        lin = nn.Linear(3, 5)  # reset_parameters runs, draws nothing
+        emb = nn.Embedding(6, 2, padding_idx=0)
+        s = torch.ones(2) + 1  # anything else is unchanged
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert (t == 7.0).all() and s.tolist() == [2.0, 2.0]
+    assert lin.weight.shape == (5, 3) and emb.weight.shape == (6, 2)
+    nn.init.zeros_(t)  # outside, initialisers work again
+    assert (t == 0).all()
+
+
+def test_meta_build_imports_no_python_decompositions(tmp_path):
+    # building on meta used to import sympy through torch's Python refs: seconds before step 1
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from minitrain.weights import _build_on_meta; from models import from_hf_config; "
+            "from pathlib import Path; cfg = dict(model_type='llama', vocab_size=64, hidden_size=32, "
+            "intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2); "
+            "_build_on_meta(from_hf_config, cfg, Path('config.json')); print('sympy' in sys.modules)")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -31,7 +31,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -40,6 +40,9 @@ from safetensors.torch import load_file, save_file
 from minitrain import distributed
 from minitrain.errors import UserError
 from minitrain.weights import io_error_reason
+
+if TYPE_CHECKING:
+    from minitrain.optim import AdamW
 
 NAME = "checkpoint"
 FORMAT = 2  # 2: per-rank RNG states and world_size (1: rank 0's RNG only; still loads)
@@ -82,7 +85,7 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> None
 
 
 def _optimizer_state(
-    names: dict[torch.Tensor, str], optimizer: torch.optim.Optimizer
+    names: dict[torch.Tensor, str], optimizer: torch.optim.Optimizer | AdamW
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """Split the optimizer state by parameter name into (whole) tensors and JSON scalars.
 
@@ -105,7 +108,7 @@ def _optimizer_state(
 def save(
     out_dir: str | os.PathLike,
     named_params: list[tuple[str, torch.Tensor]],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | AdamW,
     state: dict[str, Any],
 ) -> Path:
     """Write `out_dir/checkpoint/` atomically; `state` is the loop's JSON-able state (step, ...).
@@ -203,7 +206,7 @@ def check_world_size(state: dict[str, Any], folder: str | os.PathLike, world: in
 def load(
     out_dir: str | os.PathLike,
     named_params: list[tuple[str, torch.Tensor]],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | AdamW,
 ) -> dict[str, Any]:
     """Restore trainable weights, optimizer state and RNG states in place; return the loop state.
 
@@ -231,7 +234,8 @@ def load(
         for n, p in named_params:
             p.copy_(distributed.like(weights[n], p))
 
-    # rebuild torch's own optimizer state dict (params by index) and let it place the tensors
+    # rebuild the optimizer's state dict in torch's format (params by index; minitrain.optim.AdamW
+    # uses the same) and let the optimizer place the tensors
     opt_tensors = load_file(folder / "optimizer.safetensors")
     scalars = state.pop("optimizer_scalars")
     sd = optimizer.state_dict()

@@ -41,6 +41,7 @@ from minitrain import distributed
 from minitrain.audit import preflight
 from minitrain.data import Batcher
 from minitrain.errors import UserError
+from minitrain.optim import AdamW
 from minitrain.schedule import lr_at, resolve_steps
 
 Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
@@ -81,7 +82,7 @@ def train(
     eval_examples: list[dict] | None = None,
     out_dir: str | os.PathLike | None = None,
     save_adapter: Callable[[nn.Module, Path], None] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | AdamW | None = None,
     trainable: Iterable[str] | None = None,
     log: Callable[[str], None] | None = None,
     eval_fn: Callable[[nn.Module, int, dict[str, Any]], dict[str, Any]] | None = None,
@@ -99,8 +100,9 @@ def train(
     out_dir: default `cfg.out`. Receives `metrics.jsonl` (one JSON object per logged optimizer
         step), `checkpoint/` (resumable) and, via `save_adapter(model, out_dir / "adapter")`
         called once at the end of a finished run, the adapter.
-    optimizer: default AdamW over exactly the trainable tensors (weight decay on >= 2-D only,
-        fused on CUDA). Its learning rate is overwritten every step from the schedule.
+    optimizer: default `minitrain.optim.AdamW` over exactly the trainable tensors (weight decay
+        on >= 2-D only); a `torch.optim.Optimizer` works too. Its learning rate is overwritten
+        every step from the schedule.
     trainable: parameter names to train (default: every parameter with `requires_grad`).
     log: one-line messages (default: print, flushed).
     eval_fn: called at each evaluation (needs eval_examples), after `eval/loss`, as
@@ -205,7 +207,7 @@ def train(
         log(f"FSDP2: fully_shard on {blocks} blocks and the root, over {world} ranks")
         named = _trainable(model, [n for n, _ in named])
         params = [p for _, p in named]
-    optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr, device)
+    optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr)
 
     run_info = {k: getattr(cfg, k) for k in RESUME_KEYS if hasattr(cfg, k)}
     run_info.update(num_examples=len(train_examples), total_steps=total_steps, warmup_steps=warmup_steps)
@@ -400,7 +402,7 @@ def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg
 
 
 def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list[dict]], dict],
-                 cfg: Any) -> tuple[dict[str, Any], torch.optim.Optimizer, torch.dtype | None]:
+                 cfg: Any) -> tuple[dict[str, Any], AdamW, torch.dtype | None]:
     """What `train()` would audit before step 1, for `tools/audit.py`: the audit batch, the
     optimizer `train()` would build, the autocast dtype; checkpointing applied as the run would."""
     device = next(model.parameters()).device
@@ -408,19 +410,24 @@ def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list
     amp_dtype, _ = resolve_precision(cfg.precision, device)
     if cfg.checkpointing:
         enable_checkpointing(model)
-    optimizer = build_optimizer(named, cfg.weight_decay, cfg.lr, device)
+    optimizer = build_optimizer(named, cfg.weight_decay, cfg.lr)
     return audit_batch(examples, collate, cfg, device), optimizer, amp_dtype
 
 
 def build_optimizer(
-    named: list[tuple[str, torch.Tensor]], weight_decay: float, lr: float, device: torch.device
-) -> torch.optim.AdamW:
-    """AdamW over exactly these tensors; decay on matrices only (not norms, biases); fused on CUDA."""
+    named: list[tuple[str, torch.Tensor]], weight_decay: float, lr: float, device: torch.device | None = None
+) -> AdamW:
+    """AdamW over exactly these tensors; decay on matrices only (not norms, biases).
+
+    `minitrain.optim.AdamW`, not torch's (whose construction imports torch._dynamo: about a
+    CPU-second before step 1), with the same foreach update on every device; `device` is
+    accepted for callers written when CUDA took the fused kernel, and changes nothing.
+    """
     decay = [p for _, p in named if p.dim() >= 2]
     no_decay = [p for _, p in named if p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=lr, fused=device.type == "cuda" or None)
+    return AdamW(groups, lr=lr)
 
 
 def enable_checkpointing(model: nn.Module) -> int:

@@ -146,7 +146,7 @@ class RunShape:
     targets: int | None = None
     mask: bool = True
     dpo_reference: str | None = None  # None: not DPO | base | snapshot | precomputed
-    optimizer_temps: bool = True  # foreach AdamW temporaries (False: fused CUDA AdamW)
+    optimizer_temps: bool = True  # foreach AdamW temporaries (minitrain.optim; False: a fused optimizer)
     logits_chunk: int | None = None  # logits per chunk (None: minitrain.losses' value on `device`)
     device: str = "cuda"  # cuda | cpu: only the default logits chunk depends on it
 
@@ -487,7 +487,7 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,
-                    optimizer_temps=device != "cuda", device=device)
+                    device=device)
 
 
 def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: int) -> list[tuple[str, int, int]]:

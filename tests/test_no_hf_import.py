@@ -47,3 +47,23 @@ def test_version_flag():
     r = run("-m", "minitrain", "--version")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"minitrain {minitrain.__version__}"
+
+
+# A whole single-process run: load the demo checkpoint, attach LoRA, audit, train, evaluate, save.
+# torch._dynamo, sympy and DTensor each cost about a CPU-second on first import, before step 1
+# (BENCHMARKS.md, "What stands in the way"); nothing in a plain run needs them.
+WHOLE_RUN = """
+import sys
+from minitrain.cli import run_cli
+rc = run_cli(["recipes/dpo_mistral.py", "max_steps=2", "eval_every=0", "out=" + sys.argv[1]])
+heavy = sorted(m for m in ("torch._dynamo", "sympy", "torch.distributed.tensor") if m in sys.modules)
+print("rc", rc, "heavy:", " ".join(heavy))
+"""
+
+
+def test_a_plain_training_run_imports_neither_dynamo_nor_sympy(tmp_path):
+    r = run("-c", WHOLE_RUN, str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("rc 0 "), r.stdout[-3000:] + r.stderr[-3000:]
+    assert last.split(":", 1)[1].split() == [], last

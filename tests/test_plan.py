@@ -234,7 +234,7 @@ MISTRAL_7B = dict(model_type="mistral", vocab_size=32000, hidden_size=4096, inte
 
 def qlora_dpo_7b(**kw) -> P.RunShape:
     base = dict(rows=2, seq=1024, compute="bf16", quantize="nf4", lora_r=16, lora_targets=ALL, checkpointing=True,
-                dpo_reference="base", optimizer_temps=False)
+                dpo_reference="base")
     base.update(kw)
     return P.RunShape(**base)
 

@@ -580,7 +580,7 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
     nf4 base (double quantization, bf16 compute, head and embeddings in bf16), LoRA r=16 alpha 32
     on `--targets` (fp32), checkpointing on, one pair per micro-batch of `--seq` tokens (prompt
     half, answers of different lengths so the batch is padded), reference = the adapter disabled,
-    `--dpo-steps` optimizer steps through `minitrain.train.train` (the real loop, fused AdamW).
+    `--dpo-steps` optimizer steps through `minitrain.train.train` (the real loop, minitrain.optim.AdamW).
     Weights are drawn on the GPU one linear at a time and quantized by minitrain's loader hook as
     it would quantize a checkpoint's tensors: no 14 GB file and no full-precision model in memory.
     """
@@ -647,7 +647,7 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
         result.update(weights_and_adapters_bytes=before, max_allocated_bytes=torch.cuda.max_memory_allocated(),
                       max_reserved_bytes=torch.cuda.max_memory_reserved())
     run = P.RunShape(rows=2, seq=seq, compute="bf16", quantize="nf4", lora_r=16, lora_targets=tuple(targets),
-                     checkpointing=True, dpo_reference="base", optimizer_temps=device.type != "cuda",
+                     checkpointing=True, dpo_reference="base", device=device.type,
                      targets=len(chosen) + len(rejected))  # positions whose next token is an answer token
     plan = P.predict(P.ModelShape.from_hf(hf), run)
     result.update(predicted_peak_bytes=plan.peak, predicted_moment=plan.peak_moment,

@@ -267,7 +267,14 @@ class DPOObjective:
     token mean over the whole batch instead, which equals this when chosen lengths are equal.
     Batches carrying `ref_chosen_logps` / `ref_rejected_logps` (precomputed) use them;
     otherwise `reference.logps(model, batch)` runs first, then the policy forward.
+
+    For the loop's evaluation (`minitrain.train.train`): `token_level = False` (the unit is the
+    pair, so exp of the loss is no perplexity and the generic `evaluate` reports none), and
+    `evaluate(...)` is the held-out pass the loop calls instead of the generic one: `evaluate_dpo`,
+    the loss and TRL's metrics from one pass over the pairs.
     """
+
+    token_level = False
 
     def __init__(self, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                  sft_weight: float = 0.0, reference: BaseReference | AdapterSnapshotReference | None = None):
@@ -299,6 +306,11 @@ class DPOObjective:
         means = torch.stack([stats[k].mean() for k in METRICS]).tolist()  # one host sync
         return stats["loss"].sum(), num_pairs(batch), dict(zip(METRICS, means))
 
+    def evaluate(self, model: nn.Module, examples: Sequence[dict], collate: Callable[[list[dict]], dict[str, Any]],
+                 batch_size: int, amp_dtype: torch.dtype | None = None) -> dict[str, float]:
+        """`eval/loss` (mean per pair) and `eval/<TRL metric>` over `examples` (see `evaluate_dpo`)."""
+        return evaluate_dpo(model, self, examples, collate, batch_size, amp_dtype)
+
 
 def make_dpo_objective(beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                        sft_weight: float = 0.0, reference=None) -> DPOObjective:
@@ -314,7 +326,11 @@ def evaluate_dpo(model: nn.Module, objective: DPOObjective, examples: Sequence[d
 
     Unlike a mean of per-batch means, every pair weighs the same whatever the batch sizes.
     Scored as in training (same module modes, so the same kernels as the reference) with
-    dropout off (see `dropout_off`).
+    dropout off (see `dropout_off`). `eval/loss` is the mean training loss per pair (with the
+    `sft_weight` term), the value the generic `minitrain.train.evaluate` would give.
+
+    Not split across ranks: under torchrun every rank scores every pair (the same numbers on
+    every rank, as the loop needs, at `world` times the work).
     """
     device = next(model.parameters()).device
     sums: dict[str, torch.Tensor] = {}

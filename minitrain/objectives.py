@@ -7,6 +7,15 @@ dict of floats the loop averages over the accumulation window. The loop adds `lo
 an objective never takes a mean itself. The loop knows nothing else about objectives: new
 ones (DPO, distillation) are new functions in this file.
 
+Two optional attributes shape the loop's held-out evaluation (`minitrain.train`):
+
+- `token_level: bool` (absent: True): the unit is the target token, so exp of the mean loss is
+  a perplexity and the generic `evaluate` reports `eval/ppl`; DPO's unit is the pair (False);
+- `evaluate(model, examples, collate, batch_size, amp_dtype) -> dict`: the objective's own
+  held-out pass, called by the loop instead of the generic one; it returns `eval/loss` (with the
+  meaning the generic pass would give it) and any other `eval/...` metrics, the same values on
+  every rank (DPO: `DPOObjective.evaluate`, TRL's metrics from the same forwards as the loss).
+
 Batches are the collators' dicts of tensors already on the model's device:
 `input_ids (B, T)`, `attention_mask (B, T)`, `labels (B, T)` with `-100` where no loss is taken
 (prompt tokens, padding). For causal models `labels` are aligned with `input_ids` (as HF does)

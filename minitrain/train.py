@@ -105,10 +105,16 @@ def train(
         every step from the schedule.
     trainable: parameter names to train (default: every parameter with `requires_grad`).
     log: one-line messages (default: print, flushed).
-    eval_fn: called at each evaluation (needs eval_examples), after `eval/loss`, as
+    eval_fn: called at each evaluation (needs eval_examples), after the held-out pass below, as
         `eval_fn(model, step, row)` with the metrics row so far; the dict it returns is merged into
         the row (e.g. `eval/rougeL` from generation). A returned `"stop": True` ends the run after
         this step (early stopping): checkpoint and adapter are saved, the summary has `stopped_early`.
+
+    Evaluation (every `cfg.eval_every` steps and at the end, with eval_examples): one held-out
+    pass, logged as one line. If the objective has an `evaluate(model, examples, collate,
+    batch_size, amp_dtype) -> dict` method, that is the pass (DPO: `eval/loss` and TRL's metrics
+    in one pass over the pairs); it must return `eval/loss` and the same values on every rank.
+    Otherwise the generic `evaluate()`: `eval/loss`, plus `eval/ppl` for token-level objectives.
 
     Before step 1 the gradient-path audit (`minitrain.audit.preflight`) runs on one real
     example (the shortest of the data) and stops the run if a trainable tensor is unreachable from
@@ -117,10 +123,11 @@ def train(
     Each metrics.jsonl row: step, loss (window loss sum / window count), lr, grad_norm (before
     clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb,
     epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
-    eval/loss, eval/ppl on evaluation steps.
+    on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
+    and eval_fn's.
 
-    Returns `{"step", "total_steps", "warmup_steps", "loss", "skipped_steps", "eval/loss",
-    "eval/ppl" (when evaluated), "out_dir"}`. Raises `UserError` for bad settings and when
+    Returns `{"step", "total_steps", "warmup_steps", "loss", "skipped_steps", "out_dir"}` and the
+    last evaluation's `eval/...` metrics (when evaluated). Raises `UserError` for bad settings and when
     `cfg.max_bad_steps` non-finite steps in a row stop the run (after saving a checkpoint).
 
     SIGINT / SIGTERM while the loop runs (handlers installed here, the previous ones restored on
@@ -347,16 +354,21 @@ def train(
                    "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
                    **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
-            stop_early = False
+            stop_early = evaluated = False
             if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
-                row.update(evaluate(model, objective, eval_examples, collate, cfg.batch_size, amp_dtype))
-                log(f"step {step}: eval/loss {row['eval/loss']:.4f} eval/ppl {row['eval/ppl']:.3f}")
+                evaluated = True  # one held-out pass: the objective's own when it has one (DPO), else the generic
+                if hasattr(objective, "evaluate"):
+                    held_out = objective.evaluate(model, eval_examples, collate, cfg.batch_size, amp_dtype)
+                else:
+                    held_out = evaluate(model, objective, eval_examples, collate, cfg.batch_size, amp_dtype)
+                row.update(held_out)
+                log(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in held_out.items()))
                 if eval_fn is not None:
                     extra = dict(eval_fn(model, step, dict(row)))
                     stop_early = distributed.any_rank(bool(extra.pop("stop", False)), device)
                     row.update(extra)
                 summary.update({k: v for k, v in row.items() if k.startswith("eval/")})
-            if metrics_f and (step % cfg.log_every == 0 or step == total_steps or "eval/loss" in row):
+            if metrics_f and (step % cfg.log_every == 0 or step == total_steps or evaluated):
                 metrics_f.write(json.dumps(row) + "\n")
                 metrics_f.flush()
             bar.update(1)
@@ -472,7 +484,15 @@ def evaluate(
     batch_size: int,
     amp_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
-    """`eval/loss` = total loss / total count over `examples` (mean token CE), `eval/ppl` = exp of it."""
+    """The generic held-out pass: `eval/loss` = total loss / total count over `examples`.
+
+    That is the mean loss per unit of the objective (`minitrain.objectives`): the mean token CE
+    for SFT, seq2seq, and distillation and ARD in eval mode. `eval/ppl` = exp(`eval/loss`) is
+    added only for an objective whose unit is the target token, i.e. unless it says
+    `token_level = False` (DPO: the pair, where exp of the loss is no perplexity). Runs in eval
+    mode (objectives may switch on `model.training`); each global batch is split across ranks
+    and the sums all-reduced, so every rank returns the same values.
+    """
     device = next(model.parameters()).device
     world, rank = distributed.world_size(), distributed.rank()
     was_training = model.training
@@ -489,6 +509,8 @@ def evaluate(
     model.train(was_training)
     loss_sum, count = sums.tolist()
     mean = loss_sum / max(count, 1.0)
+    if not getattr(objective, "token_level", True):
+        return {"eval/loss": mean}
     return {"eval/loss": mean, "eval/ppl": math.exp(mean) if mean < 700 else float("inf")}
 
 

@@ -38,8 +38,7 @@ import json
 from pathlib import Path
 
 import models
-from minitrain.dpo import (DPOConfig, collate_with_reference, evaluate_dpo, make_dpo_objective, make_reference,
-                           precompute_reference)
+from minitrain.dpo import DPOConfig, collate_with_reference, make_dpo_objective, make_reference, precompute_reference
 from minitrain.errors import UserError
 from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
 from minitrain.train import resolve_precision, train
@@ -106,19 +105,22 @@ def run(config: DPOConfig) -> dict:
                 precompute_reference(job.model, job.objective.reference, examples, out / "ref_logps" / name,
                                      job.collate, batch, amp_dtype, log)
 
-    def held_out(model, step: int, row: dict | None = None) -> dict:
-        """TRL's metrics on every held-out pair (the loop's eval_fn; also before step 1)."""
-        m = evaluate_dpo(model, job.objective, job.eval_examples, job.collate, 2 * config.batch_size, amp_dtype)
-        log(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in m.items()))
-        with open(out / "eval.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **m}) + "\n")
-        return m
+    def record(model, step: int, row: dict) -> dict:
+        """The loop's eval_fn: copy this evaluation's `eval/...` metrics to out/eval.jsonl.
 
-    if job.eval_examples and not config.resume:
-        (out / "eval.jsonl").unlink(missing_ok=True)
-        held_out(job.model, 0)  # the reference is the policy here: rewards 0, every pair a tie
+        The loop has already scored the held-out pairs with the objective's own pass
+        (`DPOObjective.evaluate`: loss and TRL's metrics, logged), so nothing is run again here."""
+        with open(out / "eval.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **{k: v for k, v in row.items() if k.startswith("eval/")}}) + "\n")
+        return {}
+
+    if job.eval_examples and not config.resume:  # the value before step 1: the reference is the policy
+        (out / "eval.jsonl").unlink(missing_ok=True)  # here, so rewards are 0 and every pair is a tie
+        m = job.objective.evaluate(job.model, job.eval_examples, job.collate, config.batch_size, amp_dtype)
+        log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in m.items()))
+        record(job.model, 0, m)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
-                    eval_examples=job.eval_examples, eval_fn=held_out if job.eval_examples else None)
+                    eval_examples=job.eval_examples, eval_fn=record if job.eval_examples else None)
     finish(job.model, config, job.lora, summary)
     log(f"Stage B adapter: {out / 'adapter'} (PEFT format)")
     log(f"to train a real checkpoint (GPU, QLoRA):\n  {REAL_CHECKPOINT}")

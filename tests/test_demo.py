@@ -7,6 +7,8 @@ end to end as a user runs them (`python -m minitrain RECIPE.py key=value`), in a
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
 import re
@@ -142,3 +144,52 @@ def test_dpo_demo_defaults_run_with_no_arguments_but_the_output_folder(tmp_path)
     assert "base model (adapter disabled)" in res.stdout
     first = json.loads((out / "eval.jsonl").read_text().splitlines()[0])
     assert first["step"] == 0 and first["eval/rewards/accuracies"] == 0.0  # every pair ties at step 0
+
+
+def test_dpo_recipe_scores_the_held_out_pairs_once_per_evaluation_and_logs_no_perplexity(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The recipe's evaluations (before step 1, then the loop's) each score every held-out pair
+    once: one reference and one policy forward, counted on the model. `eval/loss` is the mean DPO
+    loss per pair in metrics.jsonl, out/eval.jsonl and the summary alike, and `eval/ppl` (exp of
+    a pair loss) appears nowhere: not logged, not written, not returned."""
+    from minitrain.cli import load_recipe
+
+    recipe = load_recipe(str(ROOT / "recipes" / "dpo_mistral.py"))
+    for name, n in (("prefs_train.jsonl", 32), ("prefs_eval.jsonl", 12)):  # a few pairs: seconds, not minutes
+        (tmp_path / name).write_text("".join(line + "\n" for line in (DEMO / name).read_text().splitlines()[:n]))
+    cfg = dataclasses.replace(recipe.config, data=str(tmp_path / "prefs_train.jsonl"),
+                              eval_data=str(tmp_path / "prefs_eval.jsonl"), out=str(tmp_path / "out"),
+                              max_steps=2, eval_every=1)
+    held_out, scored = set(), collections.Counter()  # held-out chosen sequence -> forwards it went through
+
+    def count(module, args):
+        for row, mask in zip(args[0].tolist(), args[1].tolist()):
+            seq = tuple(t for t, m in zip(row, mask) if m)
+            if seq in held_out:
+                scored[seq] += 1
+
+    setup = recipe.module.setup
+
+    def counting_setup(config):
+        job = setup(config)
+        held_out.update(tuple(ex["chosen_ids"]) for ex in job.eval_examples)
+        job.model.register_forward_pre_hook(count)
+        return job
+
+    monkeypatch.setattr(recipe.module, "setup", counting_setup)
+    summary = recipe.run(cfg)
+    printed = capsys.readouterr().out
+
+    assert len(held_out) == 12
+    assert scored == {seq: 3 * 2 for seq in held_out}  # evaluations at steps 0, 1, 2 x (reference + policy)
+    out = tmp_path / "out"
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1, 2] and [m["step"] for m in metrics] == [1, 2]
+    for m, e in zip(metrics, evals[1:]):
+        assert {k: v for k, v in m.items() if k.startswith("eval/")} == {k: v for k, v in e.items() if k != "step"}
+        assert {"eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"} <= set(m)
+    assert summary["eval/loss"] == evals[-1]["eval/loss"]
+    assert "eval/ppl" not in summary and not any("eval/ppl" in m for m in metrics) and "eval/ppl" not in printed
+    assert f"step 2: eval/loss {evals[-1]['eval/loss']:.4f} | eval/rewards/chosen" in printed  # one line each
+    assert printed.count("step 2: eval/loss") == 1

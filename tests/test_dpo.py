@@ -10,6 +10,8 @@ reference has loss log 2 and zero rewards; and a fresh reference forward for the
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import math
 import os
 import types
@@ -33,8 +35,9 @@ from minitrain.dpo import (
     sequence_logps,
 )
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, LoRALinear, apply_lora, freeze_for_adapters, load_adapter, save_adapter
-from minitrain.train import train
+from minitrain.lora import (LoRAConfig, LoRALinear, apply_lora, disable_adapters, freeze_for_adapters, load_adapter,
+                            save_adapter)
+from minitrain.train import evaluate, train
 from minitrain.weights import load_pretrained
 
 PAD = 0
@@ -519,6 +522,88 @@ def test_evaluate_dpo_weighs_every_pair_the_same(hf_causal):
     assert set(got) == {"eval/" + k for k in want}
     for k, v in want.items():
         assert got["eval/" + k] == pytest.approx(v, abs=1e-6), k
+
+
+# held-out pairs with tokens no training pair has (so a forward of them is recognisable)
+EVAL_PAIRS = [
+    ([1, 40, 41], [42, 43, 2], [44, 2]),
+    ([1, 45], [46, 47, 48, 2], [49, 50, 2]),
+    ([1, 51, 52, 53], [54, 2], [55, 56, 57, 58, 2]),
+]
+
+
+def by_hand_mean_loss(model, pairs, beta, sft_weight) -> float:
+    """The mean DPO (+ NLL) loss per pair, one pair at a time, from log-probs written out here:
+    policy = the model, reference = adapters off, sigmoid loss, NLL per chosen token."""
+    losses = []
+    with torch.no_grad():
+        for prompt, chosen, rejected in pairs:
+            logps = []
+            for adapters_on in (True, False):
+                for answer in (chosen, rejected):
+                    ids = torch.tensor([prompt + answer])
+                    with contextlib.ExitStack() as stack:
+                        if not adapters_on:
+                            stack.enter_context(disable_adapters(model))
+                        logits = model.output_projection(model(ids, torch.ones_like(ids))).float()  # (1, T, V)
+                    token_logps = logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]  # (T - 1,)
+                    logps.append(float(token_logps[len(prompt) - 1 :].sum()))
+            pol_c, pol_r, ref_c, ref_r = logps
+            delta = (pol_c - ref_c) - (pol_r - ref_r)
+            losses.append(-math.log(1 / (1 + math.exp(-beta * delta))) + sft_weight * -pol_c / len(chosen))
+    return sum(losses) / len(losses)
+
+
+def test_training_eval_is_the_dpo_pass_once_with_eval_loss_and_no_perplexity(hf_causal, tmp_path):
+    """The loop evaluates a DPO run with the objective's own pass (`DPOObjective.evaluate`): each
+    held-out pair is scored once per evaluation (a reference and a policy forward), `eval/loss`
+    is the mean loss per pair and TRL's `eval/...` metrics come with it, and no `eval/ppl`
+    (exp of a pair loss is no perplexity) is logged or returned."""
+    model, _ = our_lora_model(hf_causal("dpo_policy"))
+    objective = make_dpo_objective(0.1, "sigmoid", sft_weight=0.5, reference=BaseReference())
+    eval_examples = our_examples(EVAL_PAIRS)
+    held_out = {tuple(p + c) for p, c, _ in EVAL_PAIRS}
+    scored = collections.Counter()  # held-out chosen sequence -> forwards it went through
+    counting = [True]
+
+    def count(module, args):
+        if counting[0]:
+            for row, mask in zip(args[0].tolist(), args[1].tolist()):
+                seq = tuple(t for t, m in zip(row, mask) if m)
+                if seq in held_out:
+                    scored[seq] += 1
+
+    model.register_forward_pre_hook(count)
+    by_hand = {}
+
+    def eval_fn(m, step, row):  # the loss at this evaluation, computed here without the library's DPO code
+        counting[0] = False
+        by_hand[step] = by_hand_mean_loss(m, EVAL_PAIRS, beta=0.1, sft_weight=0.5)
+        counting[0] = True
+        return {}
+
+    cfg = DPOConfig(out=str(tmp_path / "run"), max_steps=3, batch_size=2, eval_every=2, log_every=1, lr=5e-2,
+                    warmup=0, schedule="constant", skip_audit=True)
+    summary = train(model, objective, our_examples(), _collate, cfg, eval_examples=eval_examples, eval_fn=eval_fn,
+                    log=lambda s: None)
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [2, 3]
+    assert by_hand[2] != pytest.approx(by_hand[3], abs=1e-4)  # training moved the policy between evaluations
+    for r in evals:
+        assert r["eval/loss"] == pytest.approx(by_hand[r["step"]], abs=1e-5)
+        assert {"eval/" + k for k in TRL_METRICS} <= set(r)
+    assert not any("eval/ppl" in r for r in rows) and "eval/ppl" not in summary
+    assert summary["eval/loss"] == pytest.approx(by_hand[3], abs=1e-5)
+    # 2 evaluations x (1 reference + 1 policy forward) per held-out pair: the set is scored once each time
+    assert scored == {seq: 4 for seq in held_out}
+    assert evaluate_dpo(model, objective, eval_examples, _collate, 2) == pytest.approx(
+        {k: v for k, v in evals[-1].items() if k.startswith("eval/")}, abs=1e-6)
+
+    # the generic pass on the same objective: the same eval/loss, and no perplexity for a pair unit
+    generic = evaluate(model, objective, eval_examples, _collate, 2)
+    assert set(generic) == {"eval/loss"} and generic["eval/loss"] == pytest.approx(by_hand[3], abs=1e-5)
 
 
 def test_config_rejects_label_smoothing_where_it_means_nothing():

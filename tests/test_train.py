@@ -276,6 +276,8 @@ def test_eval_loss_and_ppl_are_mean_token_ce(tmp_path):
         ref = F.cross_entropy(logits.reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1)).item()
     assert summary["eval/loss"] == pytest.approx(ref, rel=1e-5)
     assert summary["eval/ppl"] == pytest.approx(math.exp(ref), rel=1e-5)
+    for r in evals:  # the token is sft's unit: every evaluation row has its perplexity
+        assert r["eval/ppl"] == pytest.approx(math.exp(r["eval/loss"]), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- (h) checkpointing

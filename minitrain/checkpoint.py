@@ -13,8 +13,10 @@
 
 No pickle: nothing here can execute code when loaded (field report 003: `torch.load` of an old
 checkpoint tripped a CVE guard). Saving writes `checkpoint.tmp-*` completely, moves the previous
-checkpoint aside, renames the new one into place, then deletes the old one; a crash at any point
-leaves either a complete `checkpoint/` or a complete `checkpoint.old-*`, which `load` falls back to.
+checkpoint aside, renames the new one into place, then deletes the old one (`weights.write_folder`);
+a crash at any point leaves either a complete `checkpoint/` or a complete `checkpoint.old-*`, which
+`find` falls back to (the highest step, if several). A successful save also removes the
+`checkpoint.tmp-*` / `checkpoint.old-*` folders that killed runs left behind.
 A write that fails (disk full, read-only folder, permissions; safetensors' own errors) is one
 `UserError` naming the folder and the reason; the temporary folder is removed and the previous
 checkpoint stays in place.
@@ -29,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from minitrain import distributed
 from minitrain.errors import UserError
-from minitrain.weights import io_error_reason
+from minitrain.weights import io_error_reason, write_folder
 
 if TYPE_CHECKING:
     from minitrain.optim import AdamW
@@ -126,36 +127,21 @@ def save(
     full = {**state, "optimizer_scalars": opt_scalars, "rng": [js for _, js in rngs],
             "world_size": len(rngs), "format": FORMAT}
 
-    def write() -> Path:
-        tmp = out / f"{NAME}.tmp-{os.getpid()}"
-        old = out / f"{NAME}.old-{os.getpid()}"
-        moved = False
+    def fill(tmp: Path) -> None:
+        save_file(weights, tmp / "weights.safetensors")
+        save_file(opt_tensors, tmp / "optimizer.safetensors")
+        for r, (tensors, _) in enumerate(rngs):
+            save_file(tensors, tmp / _rng_file(r))
+        with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder
+            json.dump(full, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write() -> None:
         try:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            save_file(weights, tmp / "weights.safetensors")
-            save_file(opt_tensors, tmp / "optimizer.safetensors")
-            for r, (tensors, _) in enumerate(rngs):
-                save_file(tensors, tmp / _rng_file(r))
-            with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder
-                json.dump(full, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():
-                os.replace(final, old)
-                moved = True
-            os.replace(tmp, final)
+            write_folder(final, fill)  # also removes the tmp-* / old-* folders of killed writers
         except (OSError, SafetensorError) as e:  # disk full, read-only, permissions
-            shutil.rmtree(tmp, ignore_errors=True)
-            if moved and not final.exists():
-                try:
-                    os.replace(old, final)  # put the previous checkpoint back in place
-                except OSError:
-                    pass  # it stays complete as checkpoint.old-*, which find() falls back to
             raise UserError(_write_error(out, e)) from None
-        shutil.rmtree(old, ignore_errors=True)
-        return final
 
     distributed.main_only(write)
     return final
@@ -163,24 +149,42 @@ def save(
 
 def _write_error(out: Path, e: BaseException) -> str:
     previous = find(out)
-    try:
-        step = json.loads((previous / "state.json").read_text())["step"] if previous is not None else None
-    except (OSError, ValueError, KeyError, TypeError):
-        step = "?"
-    then = (f"rerun with resume=true to continue from the last complete checkpoint (step {step})"
+    step = saved_step(previous) if previous is not None else None
+    then = (f"rerun with resume=true to continue from the last complete checkpoint (step {'?' if step is None else step})"
             if previous is not None else "rerun (overwrite=true)")
     return (f"{out / NAME}: cannot write the checkpoint: {io_error_reason(e)} — free space or make {out} "
             f"writable, then {then}")
 
 
+def saved_step(folder: Path) -> int | None:
+    """The step in `folder/state.json`, or None where it does not read."""
+    try:
+        step = json.loads((folder / "state.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def find(out_dir: str | os.PathLike) -> Path | None:
-    """The complete checkpoint folder in `out_dir`, or None (falls back to a `checkpoint.old-*`)."""
+    """The checkpoint folder to resume from in `out_dir`, or None.
+
+    `checkpoint/` when complete (it has a state.json); else, after a save killed between its two
+    renames, the `checkpoint.old-*` whose state.json reads and holds the highest step (pids order
+    nothing). A `checkpoint.tmp-*` is never complete enough to pick.
+    """
     out = Path(out_dir)
-    candidates = [out / NAME] + sorted(out.glob(f"{NAME}.old-*"))
-    for c in candidates:
-        if (c / "state.json").is_file():
-            return c
-    return None
+    if (out / NAME / "state.json").is_file():
+        return out / NAME
+    olds = [(step, c) for c in sorted(out.glob(f"{NAME}.old-*")) if (step := saved_step(c)) is not None]
+    return max(olds, key=lambda sc: sc[0])[1] if olds else None
+
+
+def fallback_note(out_dir: str | os.PathLike) -> str | None:
+    """The line to log when resuming from a `checkpoint.old-*` rather than `checkpoint/`, else None."""
+    folder = find(out_dir)
+    if folder is None or folder.name == NAME:
+        return None
+    return f"checkpoint: resuming from {folder.name} (step {saved_step(folder)}) — the last save was interrupted"
 
 
 def read_state(out_dir: str | os.PathLike) -> dict[str, Any]:

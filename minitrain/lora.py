@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minitrain.errors import UserError
-from minitrain.weights import io_error_reason, skip_init
+from minitrain.weights import io_error_reason, skip_init, write_folder
 
 log = logging.getLogger(__name__)
 
@@ -758,20 +758,11 @@ def _minimal_targets(model: nn.Module, wrapped: Sequence[str]) -> list[str]:
     return leaves if selected == set(wrapped) else sorted(wrapped)
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | None = None, *,
                  base_model_name_or_path: str | None = None) -> Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` in PEFT's format (loadable by
-    `peft.PeftModel.from_pretrained`), each to a temporary name then renamed.
+    `peft.PeftModel.from_pretrained`) into a temporary folder beside `folder`, then swap it in by
+    renames (`weights.write_folder`); other files already in `folder` (a tokenizer) are kept.
 
     Keys are `base_model.model.<module>.lora_A.weight` / `.lora_B.weight` (and
     `base_model.model.<param>` for modules_to_save). The safetensors metadata adds our own
@@ -812,11 +803,14 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
     metadata = {"format": "pt"}
     if isinstance(emb, nn.Embedding):
         metadata[VOCAB_KEY] = str(emb.num_embeddings)
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata=metadata)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
     folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata=metadata))
-        _atomic_write(folder / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    try:  # weights and config appear together: a crash never pairs new weights with an old config
+        write_folder(folder, fill, keep_others=True)
     except (OSError, SafetensorError) as e:  # disk full, read-only, permissions
         raise UserError(f"{folder}: cannot write the adapter: {io_error_reason(e)} — free space or choose a "
                         f"writable folder, then save again") from e

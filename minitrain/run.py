@@ -92,6 +92,9 @@ def check_out_dir(cfg: Any) -> Path:
                                 f"first save) — pass overwrite=true instead of resume=true to start it again")
             raise UserError(f"{out}: holds no checkpoint to resume from — run without resume=true first")
         check_resume(cfg)
+        note = checkpoint.fallback_note(out)
+        if note:
+            log(note)
         return out
     if not out.is_dir() or not any(out.iterdir()) or cfg.overwrite:
         return out

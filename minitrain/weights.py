@@ -13,10 +13,12 @@ JSON header `{name: {"dtype", "shape", "data_offsets": [begin, end]}}`, then the
 
 `save_pretrained` writes HF's layout (`model.safetensors`, or `model-0000i-of-0000N.safetensors`
 plus `model.safetensors.index.json`) into a temporary folder and renames it into place.
+`write_folder` replaces a whole folder by renames (checkpoints, adapters: files that must agree).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -463,6 +465,67 @@ def _move_into_place(tmp: Path, folder: Path, weight_files: list[str]) -> None:
         os.replace(tmp / name, folder / name)
     for p in stale:
         p.unlink()
+
+
+def write_folder(folder: Path, fill: Callable[[Path], None], *, keep_others: bool = False) -> None:
+    """Replace `folder` as a whole: `fill(tmp)` writes every file into `<folder>.tmp-<pid>` beside it,
+    then two renames swap it in (a previous `folder` moves to `<folder>.old-<pid>`, and back if the
+    second rename fails). A failure removes the temporary folder and re-raises. A crash leaves a
+    complete `folder`, or, between the renames, no `folder` but the complete previous one as
+    `<folder>.old-<pid>` (checkpoint.find falls back to it).
+
+    After the swap the leftovers of killed writers (`<folder>.tmp-*`, `<folder>.old-*`) are removed:
+    one process writes a folder at a time. `keep_others`: what else a previous `folder` holds (a
+    tokenizer saved beside an adapter) is hard-linked (or copied) into the new one.
+    """
+    folder = Path(os.path.abspath(folder))  # "." gets a name
+    if folder.is_symlink():  # replace the link's target, not the link
+        folder = folder.resolve()
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+    if Path.cwd().is_relative_to(folder.resolve()):
+        raise UserError(f"{folder}: is (or holds) the current folder, and is replaced as a whole — write into "
+                        f"a new subfolder")
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    old = folder.with_name(f"{folder.name}.old-{os.getpid()}")
+    moved = False
+    try:
+        if tmp.exists():  # a killed writer with our pid
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        if keep_others and folder.is_dir():
+            written = {p.name for p in tmp.iterdir()}
+            shutil.copytree(folder, tmp, symlinks=True, dirs_exist_ok=True, copy_function=_link_or_copy,
+                            ignore=lambda d, names: [n for n in names if Path(d) == folder and n in written])
+        if folder.exists():
+            if old.exists():  # a killed writer with our pid; `folder` is complete, so it is not needed
+                shutil.rmtree(old)
+            os.replace(folder, old)
+            moved = True
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if moved and not folder.exists():
+            try:
+                os.replace(old, folder)  # put the previous folder back in place
+            except OSError:
+                pass  # it stays complete as <folder>.old-<pid>
+        raise
+    leftover = re.compile(rf"{re.escape(folder.name)}\.(tmp|old)-\d+")
+    try:
+        for p in folder.parent.iterdir():
+            if leftover.fullmatch(p.name) and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+    except OSError:
+        pass  # the new folder is in place; leftovers are only clutter
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(src, dst)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -6,8 +6,13 @@ transformers' LlamaForCausalLM, and our models.llama.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
+import os
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -509,6 +514,63 @@ def test_save_load_round_trip_and_trainable_flag(tmp_path):
         other = TinyLM()
         apply_lora(other, LoRAConfig(r=2, targets=("q_proj",)))
         load_adapter(other, tmp_path / "ad")
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_failed_adapter_save_keeps_the_previous_pair(tmp_path, monkeypatch):
+    """The weights are written, then the config write fails: the folder still holds the previous
+    weights and config together, and no temporary folder is left."""
+    model = TinyLM()
+    apply_lora(model, LoRAConfig(r=2, alpha=4, targets=("q_proj",)))
+    folder = save_adapter(model, tmp_path / "ad")
+    before = _files(folder)
+    randomize_lora(model)
+    real = Path.write_text
+
+    def write_text(self, *a, **kw):
+        if "adapter_config.json" in self.name:  # under whatever temporary name
+            assert (self.parent / "adapter_model.safetensors").is_file()  # the new weights are written
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(UserError, match=f"^{re.escape(str(folder))}: cannot write the adapter: no space left on "
+                                        f"device — free space or choose a writable folder, then save again$"):
+        save_adapter(model, folder, base_model_name_or_path="other")
+    monkeypatch.undo()
+    assert _files(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ad"]  # no ad.tmp-* / ad.old-*
+
+
+def test_adapter_resave_keeps_other_files_and_clears_leftovers(tmp_path, monkeypatch):
+    model = TinyLM()
+    apply_lora(model, LoRAConfig(r=2, alpha=4, targets=("q_proj",)))
+    folder = save_adapter(model, tmp_path / "ad")
+    (folder / "tokenizer.json").write_text("{}")  # saved beside the adapter (recipes/lora_t5.py does)
+    (folder / "sub").mkdir()
+    (folder / "sub" / "adapter_config.json").write_text("another adapter's")
+    for leftover in ("ad.tmp-99", "ad.old-98"):  # writers killed mid-save
+        shutil.copytree(folder, tmp_path / leftover)
+    randomize_lora(model)
+    save_adapter(model, folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ad"]
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "sub",
+                                                        "tokenizer.json"]
+    assert (folder / "sub" / "adapter_config.json").read_text() == "another adapter's"
+    other = TinyLM()
+    load_adapter(other, folder)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="file: cannot write the adapter: not a directory"):
+        save_adapter(model, tmp_path / "file")
+    monkeypatch.chdir(folder)  # replacing the current folder would leave this process in a deleted one
+    with pytest.raises(UserError, match="is \\(or holds\\) the current folder"):
+        save_adapter(model, ".")
 
 
 def test_load_peft_key_variants(tmp_path):

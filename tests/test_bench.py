@@ -52,11 +52,16 @@ def test_prepare_is_cached_and_tokenizers_agree(tiny):
         assert ours.encode(text) == ours.encode(r["prompt"]) + ours.encode(r["completion"], continuation=True)
 
 
+def timed(s: dict, key: str = "tokens_per_s") -> bool:
+    """A positive rate, or NaN because the tiny run's step lines all arrived in one 5 ms poll."""
+    return s[key] > 0 or (math.isnan(s[key]) and s["times"][-1] == s["times"][0])
+
+
 def test_minitrain_run_is_timed_from_its_metrics(tiny):
     a, info = tiny
     s = bench.run_one("sft", "mt", a, info, rep=0)
     assert s["rc"] == 0 and s["steps"] == a.steps
-    assert 0 < s["first_step_s"] and s["peak_rss_mb"] > 50 and s["tokens_per_s"] > 0
+    assert 0 < s["first_step_s"] and s["peak_rss_mb"] > 50 and timed(s)
     assert s["command"][1:4] == ["-m", "minitrain", "recipes/sft_llama.py"]
 
 
@@ -67,9 +72,9 @@ def test_hf_worker_runs_and_counts_tokens_like_minitrain(tiny, kind):
     a, info = tiny
     hf = bench.run_one(kind, "hf", a, info, rep=0)
     assert hf["rc"] == 0 and hf["steps"] == (a.steps if kind == "sft" else a.dpo_steps)
-    assert hf["tokens_per_s"] > 0 and hf["first_step_s"] > 0
+    assert timed(hf) and hf["first_step_s"] > 0
     if kind == "dpo":
-        assert hf["pairs_per_s"] > 0
+        assert timed(hf, "pairs_per_s")
     else:  # the same rows, the same tokens: the non-pad count of the whole run matches minitrain's
         mt = bench.run_one(kind, "mt", a, info, rep=1)
         assert mt["tokens_total"] == hf["tokens_total"]

@@ -67,7 +67,11 @@ def launch(tmp_path: Path, fn: str, *args) -> list[str]:
             f"rank=rank, world_size=2)\n"
             f"import test_distributed\n"
             f"test_distributed.{fn}(rank, *{args!r})\n"
-            f"dist.destroy_process_group()\n")
+            f"dist.destroy_process_group()\n"
+            # skip interpreter finalisation: gloo's worker threads may still hold tensors then, and
+            # freeing them without an interpreter aborts now and then (pytorch/pytorch#179291)
+            f"sys.stdout.flush(); sys.stderr.flush()\n"
+            f"import os; os._exit(0)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     errs = [p.communicate(timeout=None)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)

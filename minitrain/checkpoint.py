@@ -192,8 +192,12 @@ def read_state(out_dir: str | os.PathLike) -> dict[str, Any]:
     folder = find(out_dir)
     if folder is None:
         raise UserError(f"{Path(out_dir) / NAME}: no checkpoint to resume from — run without resume=true")
-    with open(folder / "state.json") as f:
-        return json.load(f)
+    try:
+        with open(folder / "state.json") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{folder / 'state.json'}: unreadable ({e}) — the checkpoint is damaged: restore it, or "
+                        f"start again without resume=true (overwrite=true)") from None
 
 
 def check_world_size(state: dict[str, Any], folder: str | os.PathLike, world: int | None = None) -> None:

@@ -231,7 +231,7 @@ def train(
         step, counters = state["step"], state["counters"]
         batcher.load_state_dict(state["batcher"])
         distributed.main_only(lambda: _truncate_metrics(out / "metrics.jsonl", step))
-        log(f"resumed from {out / ckpt.NAME} at step {step}/{total_steps}")
+        log(f"resumed from {ckpt.find(out)} at step {step}/{total_steps}")
 
     def lr_of(s: int) -> float:  # the LR of optimizer step s (1-based): a pure function of s
         return lr_at(s, total_steps=total_steps, warmup_steps=warmup_steps, peak_lr=cfg.lr,

@@ -38,6 +38,7 @@ import json
 from pathlib import Path
 
 import models
+from minitrain import distributed
 from minitrain.dpo import DPOConfig, collate_with_reference, make_dpo_objective, make_reference, precompute_reference
 from minitrain.errors import UserError
 from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
@@ -109,13 +110,16 @@ def run(config: DPOConfig) -> dict:
         """The loop's eval_fn: copy this evaluation's `eval/...` metrics to out/eval.jsonl.
 
         The loop has already scored the held-out pairs with the objective's own pass
-        (`DPOObjective.evaluate`: loss and TRL's metrics, logged), so nothing is run again here."""
-        with open(out / "eval.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **{k: v for k, v in row.items() if k.startswith("eval/")}}) + "\n")
+        (`DPOObjective.evaluate`: loss and TRL's metrics, logged), so nothing is run again here.
+        Under torchrun, rank 0 alone writes (every rank holds the same figures)."""
+        def write() -> None:
+            with open(out / "eval.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **{k: v for k, v in row.items() if k.startswith("eval/")}}) + "\n")
+        distributed.main_only(write)
         return {}
 
     if job.eval_examples and not config.resume:  # the value before step 1: the reference is the policy
-        (out / "eval.jsonl").unlink(missing_ok=True)  # here, so rewards are 0 and every pair is a tie
+        distributed.main_only((out / "eval.jsonl").unlink)  # here, so rewards are 0 and every pair is a tie
         m = job.objective.evaluate(job.model, job.eval_examples, job.collate, config.batch_size, amp_dtype)
         log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in m.items()))
         record(job.model, 0, m)

@@ -119,3 +119,14 @@ def test_resume_logs_the_fallback_once(leftovers, capsys):
     save_step(leftovers, 4)
     check_out_dir(cfg)
     assert capsys.readouterr().out == ""
+
+
+def test_a_damaged_state_json_is_one_line_not_a_traceback(tmp_path):
+    out = tmp_path / "out"
+    save_step(out, 2)
+    (out / ckpt.NAME / "state.json").write_text('{"step": 2, "run"')  # damaged by hand, not by a save
+    with pytest.raises(UserError) as e:
+        ckpt.read_state(out)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{out / ckpt.NAME / 'state.json'}: unreadable (")
+    assert "without resume=true" in msg

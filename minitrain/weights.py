@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -371,7 +370,9 @@ def save_pretrained(
 
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"  # mkdir's mode: a new folder is not 0700
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed writer with our pid
+        tmp.mkdir()
     except OSError as e:
         raise UserError(f"{folder}: cannot write the weights: {io_error_reason(e)} — free space or choose a "
                         f"writable folder, then save again") from e

@@ -342,6 +342,17 @@ def test_save_refuses_quantized_or_unloaded_params(tmp_path):
 # ----------------------------------------------------------------------------- atomic saves
 
 
+def test_a_new_folder_gets_the_usual_permissions(tmp_path):
+    # a temporary folder made by mkdtemp is 0700: renamed into place, others could not read the model
+    m, cfg = random_model()
+    mask = os.umask(0o022)
+    try:
+        save_pretrained(m, tmp_path / "merged", cfg)
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "merged").stat().st_mode & 0o777 == 0o755
+
+
 def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
     import minitrain.weights as w
 

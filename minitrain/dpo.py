@@ -34,16 +34,19 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from minitrain import distributed
 from minitrain.config import TrainConfig, doc
 from minitrain.data import collate_preference
 from minitrain.errors import UserError
 from minitrain.lora import disable_adapters
 from minitrain.losses import IGNORE_INDEX, shift_labels
 from minitrain.objectives import causal_token_logprobs
+from minitrain.weights import io_error_reason
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -329,19 +332,24 @@ def evaluate_dpo(model: nn.Module, objective: DPOObjective, examples: Sequence[d
     dropout off (see `dropout_off`). `eval/loss` is the mean training loss per pair (with the
     `sft_weight` term), the value the generic `minitrain.train.evaluate` would give.
 
-    Not split across ranks: under torchrun every rank scores every pair (the same numbers on
-    every rank, as the loop needs, at `world` times the work).
+    Under torchrun each batch of `batch_size` pairs is split across ranks (as the loop's
+    `evaluate` does) and the sums are added over ranks, so every rank returns the same figures.
+    A rank left without pairs in the last batch scores one at weight 0, so that every rank runs
+    the same forwards (FSDP's collectives stay in step).
     """
     device = next(model.parameters()).device
+    world, rank = distributed.world_size(), distributed.rank()
     sums: dict[str, torch.Tensor] = {}
     with dropout_off(model):
         for i in range(0, len(examples), batch_size):
+            mine = list(examples[i : i + batch_size])[rank::world]
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                     for k, v in collate(list(examples[i : i + batch_size])).items()}
+                     for k, v in collate(mine or list(examples[i : i + 1])).items()}
             with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
                 stats = objective.pair_stats(model, batch)
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0) + v.detach().float().sum()
+                sums[k] = sums.get(k, 0) + v.detach().float().sum() * (1.0 if mine else 0.0)
+    distributed.all_reduce_sum(list(sums.values()))
     n = max(len(examples), 1)
     return {prefix + k: float(v) / n for k, v in sums.items()}
 
@@ -454,13 +462,23 @@ def precompute_reference(model: nn.Module, reference: BaseReference | AdapterSna
             log(f"reference log-probs: {tensors_path} is stale ({why} changed) — rebuilding")
     if not reused:
         chosen, rejected = compute_reference_logps(model, reference, examples, collate, batch_size, amp_dtype)
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tensors_path.with_name(f".{tensors_path.name}.tmp")
-        save_file({"ref_chosen_logps": chosen.contiguous(), "ref_rejected_logps": rejected.contiguous()}, str(tmp))
-        os.replace(tmp, tensors_path)
-        tmp = meta_path.with_name(f".{meta_path.name}.tmp")
-        tmp.write_text(json.dumps(parts, indent=2) + "\n")
-        os.replace(tmp, meta_path)
+
+        def write() -> None:  # rank 0 alone under torchrun (every rank computed the same values)
+            tmp = tensors_path.with_name(f".{tensors_path.name}.tmp")
+            try:
+                stem.parent.mkdir(parents=True, exist_ok=True)
+                save_file({"ref_chosen_logps": chosen.contiguous(), "ref_rejected_logps": rejected.contiguous()},
+                          str(tmp))
+                os.replace(tmp, tensors_path)
+                tmp = meta_path.with_name(f".{meta_path.name}.tmp")
+                tmp.write_text(json.dumps(parts, indent=2) + "\n")
+                os.replace(tmp, meta_path)
+            except (OSError, SafetensorError) as e:
+                tmp.unlink(missing_ok=True)
+                raise UserError(f"{tensors_path}: cannot write the reference cache: {io_error_reason(e)} — free "
+                                f"space or choose a writable out folder") from None
+
+        distributed.main_only(write)
         log(f"reference log-probs: {len(examples)} pairs cached in {tensors_path}")
     for ex, c, r in zip(examples, chosen.tolist(), rejected.tolist()):
         ex["ref_chosen_logp"], ex["ref_rejected_logp"] = c, r

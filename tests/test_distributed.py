@@ -187,6 +187,43 @@ def test_sigterm_on_one_rank_stops_both_and_resume_equals_the_uninterrupted_two_
     assert "torchrun --nproc_per_node 2" in str(e.value)
 
 
+# ----------------------------------------------------------------------------- DPO held-out metrics
+
+
+def demo_dpo_job():
+    """The demo DPO job (tiny Mistral, held-out pairs) in fp32, so batch shapes do not move the figures."""
+    from minitrain.cli import apply_overrides, load_recipe
+
+    recipe = load_recipe(str(REPO / "recipes" / "dpo_mistral.py"))
+    return recipe.module.setup(apply_overrides(recipe.config, ["precision=fp32"], where="test"))
+
+
+def dpo_eval_worker(rank: int, out: str, parallel: str) -> None:
+    from minitrain.dpo import evaluate_dpo
+
+    job = demo_dpo_job()
+    if parallel == "fsdp":
+        distributed.shard(job.model, torch.device("cpu"))
+    m = evaluate_dpo(job.model, job.objective, job.eval_examples[:5], job.collate, batch_size=4)
+    Path(f"{out}/eval{rank}.json").write_text(json.dumps(m))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_dpo_held_out_metrics_are_split_across_ranks_and_equal_one_process(tmp_path, parallel):
+    from minitrain.dpo import evaluate_dpo
+
+    job = demo_dpo_job()
+    want = evaluate_dpo(job.model, job.objective, job.eval_examples[:5], job.collate, batch_size=4)
+    launch(tmp_path, "dpo_eval_worker", str(tmp_path), parallel)
+    got = [json.loads((tmp_path / f"eval{r}.json").read_text()) for r in (0, 1)]
+    assert got[0] == got[1]  # every rank returns the same figures
+    assert set(got[0]) == set(want) and "eval/loss" in want
+    # 5 pairs in batches of 4: the ranks score 2 + 2, then 1 + none (rank 1 runs one pair at weight 0)
+    for k in want:
+        assert got[0][k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+
+
 # ----------------------------------------------------------------------------- settings refused
 
 

@@ -486,6 +486,24 @@ def test_cache_holds_the_reference_not_the_policy(hf_causal, stage_a_adapter, tm
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_no_temporary(hf_causal, tmp_path, monkeypatch):
+    import minitrain.dpo as dpo_mod
+
+    model, _ = our_lora_model(hf_causal("dpo_policy"))
+    cache = tmp_path / "ref_logps" / "train"
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dpo_mod, "save_file", full)
+    with pytest.raises(UserError) as e:
+        precompute_reference(model, BaseReference(), our_examples(), cache, _collate, 3, log=lambda s: None)
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith(f"{cache.with_suffix('.safetensors')}: cannot write the reference cache: ")
+    assert list(cache.parent.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- the unit is the pair
 
 

@@ -119,7 +119,7 @@ def run(config: DPOConfig) -> dict:
         return {}
 
     if job.eval_examples and not config.resume:  # the value before step 1: the reference is the policy
-        distributed.main_only((out / "eval.jsonl").unlink)  # here, so rewards are 0 and every pair is a tie
+        distributed.main_only(lambda: (out / "eval.jsonl").unlink(missing_ok=True))  # here, so rewards are 0
         m = job.objective.evaluate(job.model, job.eval_examples, job.collate, config.batch_size, amp_dtype)
         log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in m.items()))
         record(job.model, 0, m)

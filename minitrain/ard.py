@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from minitrain import checkpoint
 from minitrain.errors import UserError
 from minitrain.losses import IGNORE_INDEX, default_chunk, shift_labels
 from minitrain.lora import LoRALinear, LoRALinear4bit, LoRALinear8bit
@@ -397,12 +398,6 @@ class PriorSchedule:
 
     def restore(self, model: nn.Module, step: int) -> None:
         """For a run resumed at `step`: the prior of the last update at or before it; later rows are dropped."""
-        if not self.path.is_file():
-            return
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        keep = [r for r in rows if r["step"] <= step]
+        keep = checkpoint.truncate_log(self.path, step)
         if keep:
             load_prior_state(model, keep[-1]["alpha"])
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        tmp.replace(self.path)

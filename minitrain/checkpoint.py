@@ -187,6 +187,19 @@ def fallback_note(out_dir: str | os.PathLike) -> str | None:
     return f"checkpoint: resuming from {folder.name} (step {saved_step(folder)}) — the last save was interrupted"
 
 
+def truncate_log(path: str | os.PathLike, step: int) -> list[dict[str, Any]]:
+    """For a run resumed at `step`: drop the rows of the JSONL log `path` written after it (they will
+    be written again); returns the rows kept. A missing file is an empty log."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    keep = [row for row in map(json.loads, filter(str.strip, path.read_text().splitlines())) if row["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
+    os.replace(tmp, path)
+    return keep
+
+
 def read_state(out_dir: str | os.PathLike) -> dict[str, Any]:
     """The loop state (`state.json`) of the checkpoint in `out_dir`, without restoring anything."""
     folder = find(out_dir)

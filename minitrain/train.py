@@ -230,7 +230,7 @@ def train(
         state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
         step, counters = state["step"], state["counters"]
         batcher.load_state_dict(state["batcher"])
-        distributed.main_only(lambda: _truncate_metrics(out / "metrics.jsonl", step))
+        distributed.main_only(lambda: ckpt.truncate_log(out / "metrics.jsonl", step))
         log(f"resumed from {ckpt.find(out)} at step {step}/{total_steps}")
 
     def lr_of(s: int) -> float:  # the LR of optimizer step s (1-based): a pure function of s
@@ -578,16 +578,6 @@ def _prepare_out(out: Path, cfg: Any) -> None:
     (out / "metrics.jsonl").unlink(missing_ok=True)
     for d in [out / ckpt.NAME, *out.glob(f"{ckpt.NAME}.old-*"), *out.glob(f"{ckpt.NAME}.tmp-*")]:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines logged after the checkpoint's step (they will be logged again)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
 
 
 def _micro_batches(batcher: Any) -> Iterator[list[int]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 
 import models
@@ -106,8 +105,7 @@ def run(config: ARDConfig) -> dict:
                              batch_size=config.batch_size, bins=config.ece_bins, samples=config.uncertainty_samples,
                              max_batches=config.uncertainty_batches, log=log)
     if config.resume:
-        state = json.loads((checkpoint.find(out) / "state.json").read_text())
-        schedule.restore(model, state["step"])  # the prior as it was at the checkpoint's step
+        schedule.restore(model, checkpoint.read_state(out)["step"])  # the prior as it was at the checkpoint's step
     else:
         (out / ARD_LOG).unlink(missing_ok=True)
     device = next(model.parameters()).device

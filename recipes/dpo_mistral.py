@@ -38,6 +38,7 @@ import json
 from pathlib import Path
 
 import models
+from minitrain import checkpoint as ckpt
 from minitrain import distributed
 from minitrain.dpo import DPOConfig, collate_with_reference, make_dpo_objective, make_reference, precompute_reference
 from minitrain.errors import UserError
@@ -118,7 +119,10 @@ def run(config: DPOConfig) -> dict:
         distributed.main_only(write)
         return {}
 
-    if job.eval_examples and not config.resume:  # the value before step 1: the reference is the policy
+    if config.resume:  # rows after the checkpoint's step will be written again
+        step = ckpt.read_state(out)["step"]
+        distributed.main_only(lambda: ckpt.truncate_log(out / "eval.jsonl", step))
+    elif job.eval_examples:  # the value before step 1: the reference is the policy
         distributed.main_only(lambda: (out / "eval.jsonl").unlink(missing_ok=True))  # here, so rewards are 0
         m = job.objective.evaluate(job.model, job.eval_examples, job.collate, config.batch_size, amp_dtype)
         log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in m.items()))

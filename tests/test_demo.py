@@ -193,3 +193,9 @@ def test_dpo_recipe_scores_the_held_out_pairs_once_per_evaluation_and_logs_no_pe
     assert "eval/ppl" not in summary and not any("eval/ppl" in m for m in metrics) and "eval/ppl" not in printed
     assert f"step 2: eval/loss {evals[-1]['eval/loss']:.4f} | eval/rewards/chosen" in printed  # one line each
     assert printed.count("step 2: eval/loss") == 1
+
+    # a run killed after logging an evaluation past its last checkpoint, then resumed: that row goes
+    with open(out / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "eval/loss": 0.0}) + "\n")
+    recipe.run(dataclasses.replace(cfg, resume=True))
+    assert [json.loads(line)["step"] for line in (out / "eval.jsonl").read_text().splitlines()] == [0, 1, 2]

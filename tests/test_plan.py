@@ -9,7 +9,11 @@
   free of the CPU allocator in order, the running sum's maximum) and compared with the plan's
   activation peak + gradients: within 20% for fp32 and bf16 autocast, with and without
   checkpointing, GQA, attention-only and all-linear adapters, a 32k vocabulary (logits-bound),
-  a 4-bit base and a DPO step (reference forward + policy forward of [chosen; rejected]).
+  a 4-bit base and a DPO step (reference forward + policy forward of [chosen; rejected]);
+- T5 (v1.0 relu + tied scaled head, v1.1 gated-gelu + own head): the same exact terms, each
+  block's saved tensors equal to the bytes the autograd graph keeps (enumerated with
+  saved-tensor hooks), and seq2seq step peaks within 20% (fp32 and bf16 autocast, with and
+  without checkpointing, dropout + lora_dropout, a 32k vocabulary with a frozen and an adapted head).
   RSS is not used: the allocator returns memory to the OS lazily and other processes share the
   machine, so it says little about one step.
 """
@@ -277,8 +281,12 @@ def test_from_hf_defaults_and_refusals():
                               "num_hidden_layers": 2, "num_attention_heads": 4})
     assert m.num_key_value_heads == 8  # HF's MistralConfig default
     assert m.head_dim == 16 and m.sliding_window == 4096
-    with pytest.raises(UserError, match="T5 is not modelled"):
-        P.ModelShape.from_hf({"model_type": "t5"})
+    with pytest.raises(UserError, match="models LLaMA / Mistral and T5"):
+        P.shape_from_hf({"model_type": "gpt2"})
+    assert isinstance(P.shape_from_hf({"model_type": "t5"}), P.T5Shape)  # transformers' T5Config defaults
+    assert P.shape_from_hf({"model_type": "t5"}).num_decoder_layers == 6
+    with pytest.raises(UserError, match="d_model"):
+        P.shape_from_hf({"model_type": "t5", "d_model": "512"})
     with pytest.raises(UserError, match="missing"):
         P.ModelShape.from_hf({"model_type": "llama", "vocab_size": 10})
 
@@ -315,3 +323,192 @@ def test_plan_tool_table_verdict_and_exit_codes(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: --gpu-mem lots: not a size")
     unknown = plan_cli(*common, "lr_typo=1")
     assert unknown.returncode == 2 and "error:" in unknown.stderr
+
+
+# ----------------------------------------------------------------------------- T5
+
+
+T5_ALL = ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")  # recipes/lora_t5.py's targets
+
+
+def t5_config(v10: bool = False, **kw) -> dict:
+    """A tiny T5 v1.0 (relu, tied head scaled by d_model**-0.5) or v1.1 (gated-gelu, own head) config."""
+    d = dict(model_type="t5", vocab_size=2048, d_model=256, d_kv=64, d_ff=1024 if v10 else 704, num_layers=2,
+             num_decoder_layers=2, num_heads=4, feed_forward_proj="relu" if v10 else "gated-gelu",
+             tie_word_embeddings=v10, dropout_rate=0.0)
+    d.update(kw)
+    return d
+
+
+def build_t5(hf: dict, dtype=torch.float32, targets=T5_ALL, r=16, lora_dropout=0.0, modules_to_save=()):
+    """As the recipe does it: LoRA on the targets, fp32 trainable tensors, training mode (dropout on)."""
+    torch.manual_seed(0)
+    model = models.from_hf_config(hf).to(dtype)
+    cfg = LoRAConfig(r=r, alpha=2 * r, dropout=lora_dropout, targets=list(targets), modules_to_save=list(modules_to_save))
+    apply_lora(model, cfg)
+    freeze_for_adapters(model, cfg)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # minitrain.run.attach_adapters: fp32 master weights
+    return model.train()
+
+
+def seq2seq_batch(rows: int, src: int, tgt: int, vocab: int, seed: int = 0) -> dict:
+    """collate_seq2seq's keys: padded sources and targets of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, src), generator=g)
+    mask = torch.ones(rows, src, dtype=torch.long)
+    labels = torch.randint(3, vocab, (rows, tgt), generator=g)
+    for i in range(1, rows, 2):
+        mask[i, src - src // (i + 2):] = 0
+        labels[i, tgt - tgt // (i + 2):] = -100
+    ids[mask == 0] = 0
+    dec = torch.cat([torch.zeros(rows, 1, dtype=torch.long), labels[:, :-1]], dim=1)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "decoder_input_ids": dec.masked_fill(dec == -100, 0),
+            "decoder_attention_mask": (labels != -100).long()}
+
+
+@pytest.mark.parametrize("dtype,compute", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("v10", [True, False], ids=["v1.0", "v1.1"])
+def test_t5_weights_adapters_optimizer_grads_exact(dtype, compute, v10):
+    hf = t5_config(v10, d_kv=48, num_decoder_layers=3)  # heads x d_kv != d_model, more decoder than encoder blocks
+    model = build_t5(hf, dtype, T5_ALL, r=8)
+    ms = P.shape_from_hf(hf)
+    run = P.RunShape(rows=2, seq=16, target_seq=8, compute=compute, lora_r=8, lora_targets=T5_ALL)
+    base = [p for p in model.parameters() if not p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(t.bytes for t in ms.weight_terms(run)) == tensor_bytes(base)
+    assert ms.num_params() == sum(p.numel() for p in base)
+    plan = P.predict(ms, run)
+    assert plan.term("adapters") == tensor_bytes(trainable)
+    opt = build_optimizer([(n, p) for n, p in model.named_parameters() if p.requires_grad], 0.0, 1e-3,
+                          torch.device("cpu"))
+    from minitrain.objectives import seq2seq
+
+    loss, _, _ = seq2seq(model, seq2seq_batch(2, 16, 8, hf["vocab_size"]))
+    loss.backward()
+    assert plan.term("gradients") == tensor_bytes(p.grad for p in trainable)
+    opt.step()
+    state = [v for s in opt.state.values() for v in s.values()]
+    assert plan.term("optimizer (AdamW)") == tensor_bytes(state)
+
+
+def test_t5_flan_small_and_trained_head_counts():
+    from test_lora_t5 import FLAN_T5_SMALL
+
+    ms = P.shape_from_hf(FLAN_T5_SMALL)
+    assert ms.num_params() == 76_961_152  # google/flan-t5-small
+    v10 = P.shape_from_hf(t5_config(True))
+    run = P.RunShape(rows=1, seq=8, lora_targets=("q",), modules_to_save=("shared", "lm_head"))
+    assert v10.trainable_tensors(run)[-1:] == [2048 * 256]  # tied: lm_head is `shared`, one tensor
+    assert not P.head_is_frozen(v10, run) and P.head_is_frozen(v10, P.RunShape(rows=1, seq=8, lora_targets=("q",)))
+
+
+def saved_bytes_per_block(model, batch: dict, autocast: bool) -> dict[str, int]:
+    """Bytes each block keeps for backward, from saved-tensor hooks: every saved tensor's storage
+    (parameters excluded) counted once, for the innermost module running when it was first saved."""
+    from minitrain.objectives import seq2seq
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack, seen, hooks = ["model"], {}, []
+    for name, m in model.named_modules():
+        hooks.append(m.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))  # returns None
+        hooks.append(m.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1]))  # None: output unchanged
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen.setdefault((st.data_ptr(), st.nbytes()), (stack[-1], st.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            seq2seq(model, batch)
+    for h in hooks:
+        h.remove()
+    out: dict[str, int] = {}
+    for owner, nbytes in seen.values():
+        parts = owner.split(".")
+        key = ".".join(parts[:3]) if len(parts) >= 3 and parts[1] == "block" else owner
+        out[key] = out.get(key, 0) + nbytes
+    return out
+
+
+SAVED_CASES = {
+    "v1.1 fp32": dict(),
+    "v1.0 fp32 o,wo": dict(v10=True, targets=("o", "wo")),
+    "v1.1 bf16": dict(compute="bf16"),
+    "v1.1 fp32 dropout": dict(dropout=0.1, lora_dropout=0.05),
+    "v1.0 bf16 dropout q,v,wo": dict(v10=True, compute="bf16", dropout=0.1, lora_dropout=0.05, targets=("q", "v", "wo")),
+    "v1.1 fp32 dropout q,v": dict(dropout=0.1, targets=("q", "v")),
+}
+
+
+@pytest.mark.parametrize("case", list(SAVED_CASES))
+def test_t5_block_saved_equals_the_autograd_graph(case):
+    """Block 1 of each stack (block 0's input comes from the frozen embedding and needs no grad)."""
+    c = dict(v10=False, compute="fp32", targets=T5_ALL, dropout=0.0, lora_dropout=0.0)
+    c.update(SAVED_CASES[case])
+    hf = t5_config(c["v10"], vocab_size=512, d_model=64, d_kv=16, d_ff=160, num_heads=4, dropout_rate=c["dropout"])
+    model = build_t5(hf, torch.bfloat16 if c["compute"] == "bf16" else torch.float32, c["targets"], r=8,
+                     lora_dropout=c["lora_dropout"])
+    got = saved_bytes_per_block(model, seq2seq_batch(2, 64, 32, 512), autocast=c["compute"] == "bf16")
+    ms = P.shape_from_hf(hf)
+    run = P.RunShape(rows=2, seq=64, target_seq=32, compute=c["compute"], lora_r=8, lora_targets=c["targets"],
+                     lora_dropout=c["lora_dropout"], device="cpu")
+    assert got["encoder.block.1"] == sum(t.bytes for t in ms.block_saved(run, decoder=False))
+    assert got["decoder.block.1"] == sum(t.bytes for t in ms.block_saved(run, decoder=True))
+
+
+T5_CASES = {
+    "v1.1 fp32": dict(),
+    "v1.1 fp32 ckpt": dict(ckpt=True),
+    "v1.0 fp32": dict(v10=True),
+    "v1.0 fp32 ckpt": dict(v10=True, ckpt=True),
+    "v1.1 bf16": dict(compute="bf16"),
+    "v1.1 bf16 ckpt": dict(compute="bf16", ckpt=True),
+    "v1.0 bf16 ckpt": dict(v10=True, compute="bf16", ckpt=True),
+    "v1.1 fp32 q,v": dict(targets=("q", "v")),
+    "v1.1 fp32 dropout": dict(dropout=0.1, lora_dropout=0.05, rows=2),  # the recipe's (and FLAN-T5's) dropout
+    "v1.1 bf16 dropout ckpt": dict(compute="bf16", dropout=0.1, lora_dropout=0.05, rows=2, ckpt=True),
+    "v1.1 long source ckpt": dict(src=512, tgt=64, ckpt=True),  # attention-bound backward
+    "v1.1 vocab32k": dict(vocab=32000, tgt=192),  # logits-bound, frozen head
+    "v1.0 vocab32k adapted head": dict(v10=True, vocab=32000, tgt=192, targets=("q", "v", "lm_head")),  # checkpointed loss
+}
+
+
+@pytest.mark.parametrize("case", list(T5_CASES))
+def test_t5_step_peak_within_20_percent(case):
+    from minitrain.objectives import seq2seq
+
+    c = dict(v10=False, compute="fp32", ckpt=False, targets=T5_ALL, vocab=2048, rows=4, src=256, tgt=128,
+             dropout=0.0, lora_dropout=0.0)
+    c.update(T5_CASES[case])
+    hf = t5_config(c["v10"], vocab_size=c["vocab"], dropout_rate=c["dropout"])
+    model = build_t5(hf, torch.bfloat16 if c["compute"] == "bf16" else torch.float32, c["targets"],
+                     lora_dropout=c["lora_dropout"])
+    if c["ckpt"]:
+        assert enable_checkpointing(model) == 4  # T5's block_types: T5Block, in both stacks
+    batch = seq2seq_batch(c["rows"], c["src"], c["tgt"], c["vocab"])
+    measured = measured_step(model, seq2seq, batch, autocast=c["compute"] == "bf16")
+    run = P.RunShape(rows=c["rows"], seq=c["src"], target_seq=c["tgt"], compute=c["compute"], lora_targets=c["targets"],
+                     lora_dropout=c["lora_dropout"], checkpointing=c["ckpt"],
+                     targets=int((batch["labels"] != -100).sum()), device="cpu")
+    plan = P.predict(P.shape_from_hf(hf), run)
+    predicted = plan.activation_peak + plan.term("gradients")
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
+
+
+def test_plan_tool_on_the_t5_recipe(tmp_path):
+    from test_lora_t5 import FLAN_T5_SMALL
+
+    (tmp_path / "config.json").write_text(json.dumps({**FLAN_T5_SMALL, "dropout_rate": 0.1}))
+    p = plan_cli(str(ROOT / "recipes" / "lora_t5.py"), f"model={tmp_path}", "--gpu-mem", "8GiB", "--all")
+    assert p.returncode == 0, p.stderr
+    assert "8 encoder + 8 decoder layers" in p.stdout and "0.08B params" in p.stdout
+    assert "8 rows x 512 source + 256 target tokens" in p.stdout  # batch_size, max_len, max_target_len
+    assert "saved activations x 8 decoder blocks" in p.stdout and "FITS in 8.00 GiB" in p.stdout
+    short = plan_cli(str(ROOT / "recipes" / "lora_t5.py"), f"model={tmp_path}", "max_target_len=64",
+                     "checkpointing=true", "--all")
+    assert short.returncode == 0 and "512 source + 64 target tokens" in short.stdout
+    assert "decoder block inputs x 8 (checkpointing)" in short.stdout

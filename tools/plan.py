@@ -5,8 +5,9 @@
 The recipe's config is loaded exactly as `python -m minitrain RECIPE.py key=value ...` would
 (`minitrain.cli.load_recipe` + `apply_overrides` + `validate`); of the model only `config.json`
 is read, never the weights. The memory model is `minitrain.plan` (its docstring says what is
-counted and how). The worst case is planned: every row `max_len` long (or `--seq`), every
-position a target (or `--targets` per micro-batch). `--all` also prints the other candidate
+counted and how); it models LLaMA / Mistral and T5 (source rows `max_len` or `--seq` long,
+target rows `max_target_len`). The worst case is planned: every row `max_len` long (or `--seq`),
+every position a target (or `--targets` per micro-batch). `--all` also prints the other candidate
 peak moments. Exit code: 0 fits (or no --gpu-mem), 1 does not fit, 2 bad input.
 """
 
@@ -90,17 +91,18 @@ def row(name: str, nbytes: int, formula: str = "", indent: int = 2) -> str:
 def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]:
     """The report text and whether it fits (True when no --gpu-mem is given)."""
     hf, config_path = read_model_config(cfg)
-    model = P.ModelShape.from_hf(hf, where=str(config_path))
+    model = P.shape_from_hf(hf, where=str(config_path))
     run = P.run_shape(cfg, device=opts["--device"], seq=opts.get("--seq"), targets=opts.get("--targets"))
     plan = P.predict(model, run)
     lines = [f"plan: {path} {' '.join(overrides)}".rstrip(),
-             f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, "
-             f"{model.num_hidden_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size:,})",
+             f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, {model.describe()})",
              f"run: {opts['--device']}, {run.compute} compute, "
              f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA r={run.lora_r} on "
              f"{','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
              + (f", DPO reference: {run.dpo_reference}" if run.dpo_reference else ""),
-             f"micro-batch: {run.rows} rows x {run.seq} tokens"
+             f"micro-batch: {run.rows} rows x "
+             + (f"{run.seq} source + {run.target_seq or run.seq} target tokens" if model.is_encoder_decoder
+                else f"{run.seq} tokens")
              + (f" ({run.rows // 2} pair{'s' if run.rows > 2 else ''}, chosen + rejected in one forward)"
                 if run.dpo_reference else "")
              + (f", {run.targets} targets" if run.targets is not None else ", every position a target (worst case)"),

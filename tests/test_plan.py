@@ -474,6 +474,7 @@ T5_CASES = {
     "v1.1 long source ckpt": dict(src=512, tgt=64, ckpt=True),  # attention-bound backward
     "v1.1 vocab32k": dict(vocab=32000, tgt=192),  # logits-bound, frozen head
     "v1.0 vocab32k adapted head": dict(v10=True, vocab=32000, tgt=192, targets=("q", "v", "lm_head")),  # checkpointed loss
+    "v1.1 bf16 vocab32k adapted head": dict(compute="bf16", vocab=32000, tgt=192, targets=("q", "v", "lm_head")),
 }
 
 

@@ -467,7 +467,8 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
 def head_is_frozen(model: ModelShape, run: RunShape) -> bool:
     """Whether the output projection is a plain frozen Linear (minitrain.losses' two-matmul path)."""
     trained = list(run.lora_targets) + list(run.modules_to_save)
-    tied_embed = model.tie_word_embeddings and any(_matches(e, m) for e in model.EMBEDDINGS for m in run.modules_to_save)
+    saved = run.modules_to_save
+    tied_embed = model.tie_word_embeddings and any(_matches(e, m) for e in model.EMBEDDINGS for m in saved)
     return not (any(_matches("lm_head", m) for m in trained) or tied_embed)
 
 
@@ -734,7 +735,8 @@ class T5Shape:
         if b:
             terms.append(Term("linear inputs kept for adapter / int8 grads", b, f"{how}, x {s} B"))
         if adapted:
-            terms.append(Term("LoRA B inputs", sum(rows[k] for k in inputs) * r * s, f"{len(adapted)} x r x {s} per row"))
+            terms.append(Term("LoRA B inputs", sum(rows[k] for k in inputs) * r * s,
+                              f"{len(adapted)} x r x {s} per row"))
         if run.cast_copies and adapted:
             terms.append(Term("LoRA weights cast by autocast", sum(r * sum(lin[x]) for x in adapted) * s,
                               "r x (in + out) x s per adapter"))
@@ -753,7 +755,8 @@ class T5Shape:
             m = run.mask_bytes(s)
             terms.append(Term("final dropout masks", (enc_n + dec_n) * D * m, f"D x {m} per token"))
         if "enc" in self._kept_inputs(run, decoder=True):
-            terms.append(Term("encoder output (cross-attention adapters' input)", enc_n * D * s, "source tokens x D x s"))
+            terms.append(Term("encoder output (cross-attention adapters' input)", enc_n * D * s,
+                              "source tokens x D x s"))
         return terms
 
     def _bias(self, run: RunShape, decoder: bool) -> Term:
@@ -762,8 +765,8 @@ class T5Shape:
         decoder's cross-attention mask (rows x source)."""
         if decoder:
             T = run.target_seq or run.seq
-            return Term("decoder attention biases (fp32, block inputs)", run.rows * (self.num_heads * T * T + run.seq) * 4,
-                        "rows x (heads x T^2 + S) x 4")
+            return Term("decoder attention biases (fp32, block inputs)",
+                        run.rows * (self.num_heads * T * T + run.seq) * 4, "rows x (heads x T^2 + S) x 4")
         return Term("encoder attention bias (fp32, block input)",
                     (run.rows if run.mask else 1) * self.num_heads * run.seq ** 2 * 4, "rows x heads x S^2 x 4")
 
@@ -805,6 +808,13 @@ class T5Shape:
         big = max(i * o for i, o in self.linears(True).values())
         return [Term("4-bit weight dequantized for a matmul", big * run.s, "largest linear x s")]
 
+    def _recomputed(self, run: RunShape, saved: list[Term], decoder: bool) -> list[Term]:
+        """Checkpointing: one block's saved tensors recomputed, + its larger forward or backward working set."""
+        fwd, bwd = self._block_forward(run, decoder), self._block_backward(run, decoder)
+        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in bwd) else bwd
+        name = "decoder" if decoder else "encoder"
+        return [Term(f"one {name} block recomputed", sum(t.bytes for t in saved), "block_saved")] + worst
+
     def moments(self, run: RunShape) -> tuple[dict[str, list[Term]], list[str]]:
         """The candidate peaks: end of forward and loss backward (everything the two stacks keep +
         the chunked loss over the decoder's tokens), the first decoder and the first encoder block
@@ -818,21 +828,19 @@ class T5Shape:
         lfwd, lbwd, _ = _logits(self, replace(run, seq=run.target_seq or run.seq))
         batch = [t for t in msaved if t.name.startswith("batch")]
         if run.checkpointing:
-            enc_kept = [Term(f"encoder block inputs x {Le} (checkpointing)", Le * enc_n * D * s, f"{Le} x N_src x D x {s}"),
-                        self._bias(run, False)]
-            dec_kept = [Term(f"decoder block inputs x {Ld} (checkpointing)", Ld * dec_n * D * s, f"{Ld} x N_tgt x D x {s}")]
+            enc_kept = [Term(f"encoder block inputs x {Le} (checkpointing)", Le * enc_n * D * s,
+                             f"{Le} x N_src x D x {s}"), self._bias(run, False)]
+            dec_kept = [Term(f"decoder block inputs x {Ld} (checkpointing)", Ld * dec_n * D * s,
+                             f"{Ld} x N_tgt x D x {s}")]
             if not any(t.name.startswith("encoder output") for t in msaved):
                 dec_kept.append(Term("encoder output (decoder blocks' input)", enc_n * D * s, "N_src x D x s"))
             dec_kept.append(self._bias(run, True))
-            def one(saved: list[Term], decoder: bool) -> list[Term]:
-                fwd, bwd = self._block_forward(run, decoder), self._block_backward(run, decoder)
-                worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in bwd) else bwd
-                name = "decoder" if decoder else "encoder"
-                return [Term(f"one {name} block recomputed", sum(t.bytes for t in saved), "block_saved")] + worst
-            dec_moment, enc_moment = one(dec, True), one(enc, False)
+            dec_moment, enc_moment = self._recomputed(run, dec, True), self._recomputed(run, enc, False)
         else:
-            enc_kept = [Term(f"saved activations x {Le} encoder blocks", Le * enc_b, f"{Le} x {enc_b / enc_n:,.0f} B per source token")]
-            dec_kept = [Term(f"saved activations x {Ld} decoder blocks", Ld * dec_b, f"{Ld} x {dec_b / dec_n:,.0f} B per target token")]
+            enc_kept = [Term(f"saved activations x {Le} encoder blocks", Le * enc_b,
+                             f"{Le} x {enc_b / enc_n:,.0f} B per source token")]
+            dec_kept = [Term(f"saved activations x {Ld} decoder blocks", Ld * dec_b,
+                             f"{Ld} x {dec_b / dec_n:,.0f} B per target token")]
             dec_moment, enc_moment = self._block_backward(run, True), self._block_backward(run, False)
         enc_grad = Term("grad of the encoder output (summed over cross-attentions)", enc_n * D * s, "N_src x D x s")
         moments = {

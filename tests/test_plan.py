@@ -344,7 +344,8 @@ def build_t5(hf: dict, dtype=torch.float32, targets=T5_ALL, r=16, lora_dropout=0
     """As the recipe does it: LoRA on the targets, fp32 trainable tensors, training mode (dropout on)."""
     torch.manual_seed(0)
     model = models.from_hf_config(hf).to(dtype)
-    cfg = LoRAConfig(r=r, alpha=2 * r, dropout=lora_dropout, targets=list(targets), modules_to_save=list(modules_to_save))
+    cfg = LoRAConfig(r=r, alpha=2 * r, dropout=lora_dropout, targets=list(targets),
+                     modules_to_save=list(modules_to_save))
     apply_lora(model, cfg)
     freeze_for_adapters(model, cfg)
     for p in model.parameters():
@@ -364,8 +365,8 @@ def seq2seq_batch(rows: int, src: int, tgt: int, vocab: int, seed: int = 0) -> d
         labels[i, tgt - tgt // (i + 2):] = -100
     ids[mask == 0] = 0
     dec = torch.cat([torch.zeros(rows, 1, dtype=torch.long), labels[:, :-1]], dim=1)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "decoder_input_ids": dec.masked_fill(dec == -100, 0),
-            "decoder_attention_mask": (labels != -100).long()}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+            "decoder_input_ids": dec.masked_fill(dec == -100, 0), "decoder_attention_mask": (labels != -100).long()}
 
 
 @pytest.mark.parametrize("dtype,compute", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
@@ -439,7 +440,8 @@ SAVED_CASES = {
     "v1.0 fp32 o,wo": dict(v10=True, targets=("o", "wo")),
     "v1.1 bf16": dict(compute="bf16"),
     "v1.1 fp32 dropout": dict(dropout=0.1, lora_dropout=0.05),
-    "v1.0 bf16 dropout q,v,wo": dict(v10=True, compute="bf16", dropout=0.1, lora_dropout=0.05, targets=("q", "v", "wo")),
+    "v1.0 bf16 dropout q,v,wo": dict(v10=True, compute="bf16", dropout=0.1, lora_dropout=0.05,
+                                     targets=("q", "v", "wo")),
     "v1.1 fp32 dropout q,v": dict(dropout=0.1, targets=("q", "v")),
 }
 
@@ -473,7 +475,8 @@ T5_CASES = {
     "v1.1 bf16 dropout ckpt": dict(compute="bf16", dropout=0.1, lora_dropout=0.05, rows=2, ckpt=True),
     "v1.1 long source ckpt": dict(src=512, tgt=64, ckpt=True),  # attention-bound backward
     "v1.1 vocab32k": dict(vocab=32000, tgt=192),  # logits-bound, frozen head
-    "v1.0 vocab32k adapted head": dict(v10=True, vocab=32000, tgt=192, targets=("q", "v", "lm_head")),  # checkpointed loss
+    # a LoRA-wrapped head: the loss's checkpointed path
+    "v1.0 vocab32k adapted head": dict(v10=True, vocab=32000, tgt=192, targets=("q", "v", "lm_head")),
     "v1.1 bf16 vocab32k adapted head": dict(compute="bf16", vocab=32000, tgt=192, targets=("q", "v", "lm_head")),
 }
 

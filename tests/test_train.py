@@ -414,26 +414,30 @@ def test_autocast_precisions_train_in_fp32_master_weights(tmp_path, precision):
     assert losses[precision] == pytest.approx(losses["fp32"], rel=2e-2)  # same run, lower-precision matmuls
 
 
-def test_checkpointing_a_real_llama_with_lora_gives_the_same_grads(hf_causal):
+def _real_llama_grads(folder, wrap) -> dict[str, torch.Tensor]:
+    """LoRA grads of models/llama.py loaded from `folder`, after `wrap(model)` (checkpointing, compile)."""
     import models
     from minitrain.weights import load_pretrained
 
+    model = load_pretrained(folder, models.from_hf_config)
+    torch.manual_seed(0)  # the same adapter init in every run
+    lcfg = LoRAConfig(r=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+    apply_lora(model, lcfg)
+    freeze_for_adapters(model, lcfg)  # embeddings frozen: the case reentrant checkpointing breaks
+    with torch.no_grad():  # B = 0 at init would leave A without gradient
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    wrap(model)
+    return _grads(model, collate_causal(make_examples(3, seed=13), pad_id=0))
+
+
+def test_checkpointing_a_real_llama_with_lora_gives_the_same_grads(hf_causal):
+    def checkpointed(model):
+        assert enable_checkpointing(model) == 2
+
     folder = hf_causal("llama_ckpt")
-    batch = collate_causal(make_examples(3, seed=13), pad_id=0)
-    grads = []
-    for flag in (False, True):
-        model = load_pretrained(folder, models.from_hf_config)
-        torch.manual_seed(0)  # the same adapter init in both runs
-        lcfg = LoRAConfig(r=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
-        apply_lora(model, lcfg)
-        freeze_for_adapters(model, lcfg)  # embeddings frozen: the case reentrant checkpointing breaks
-        with torch.no_grad():  # B = 0 at init would leave A without gradient in both runs
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.1)
-        if flag:
-            assert enable_checkpointing(model) == 2
-        grads.append(_grads(model, batch))
+    grads = [_real_llama_grads(folder, lambda m: None), _real_llama_grads(folder, checkpointed)]
     assert len(grads[0]) == 12 and grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-6, atol=1e-8)
@@ -445,27 +449,14 @@ def test_checkpointing_a_real_llama_with_lora_gives_the_same_grads(hf_causal):
 def test_compiled_checkpointed_blocks_give_the_same_grads(hf_causal):
     """What train() does on CUDA with compile=true checkpointing=true (each block compiled, under
     non-reentrant checkpointing; frozen embeddings), run on the CPU: the LoRA grads equal eager ones."""
-    import models
     from minitrain.train import compile_blocks
-    from minitrain.weights import load_pretrained
+
+    def compiled(model):
+        enable_checkpointing(model)
+        assert compile_blocks(model) == 2
 
     folder = hf_causal("llama_ckpt")
-    batch = collate_causal(make_examples(3, seed=13), pad_id=0)
-    grads = []
-    for compiled in (False, True):
-        model = load_pretrained(folder, models.from_hf_config)
-        torch.manual_seed(0)  # the same adapter init in both runs
-        lcfg = LoRAConfig(r=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
-        apply_lora(model, lcfg)
-        freeze_for_adapters(model, lcfg)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.1)
-        if compiled:
-            enable_checkpointing(model)
-            assert compile_blocks(model) == 2
-        grads.append(_grads(model, batch))
+    grads = [_real_llama_grads(folder, lambda m: None), _real_llama_grads(folder, compiled)]
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6)
         assert grads[0][n].abs().sum() > 0

@@ -110,9 +110,12 @@ def init(cfg: Any) -> None:
     device = str(getattr(cfg, "device", "auto"))
     use_cuda = torch.cuda.is_available() and device != "cpu"
     if use_cuda:
-        if local_rank() >= torch.cuda.device_count():
-            raise UserError(f"torchrun: local rank {local_rank()} has no GPU ({torch.cuda.device_count()} here) — "
-                            f"use --nproc_per_node {torch.cuda.device_count()} or fewer")
+        # every rank checks the whole machine, so every rank refuses (rank 0 says it) before any joins:
+        # a rank refusing alone would leave the others waiting to join, with nothing printed
+        procs, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank() + 1)), torch.cuda.device_count()
+        if procs > gpus:
+            raise UserError(f"torchrun: {procs} processes on this machine, {gpus} GPU{'s' if gpus != 1 else ''} — "
+                            f"use --nproc_per_node {gpus} or fewer (or device=cpu)")
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo")
 

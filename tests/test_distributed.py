@@ -249,6 +249,28 @@ def test_cli_refuses_fsdp_without_torchrun_before_writing(tmp_path, capsys, monk
     assert not out.exists()
 
 
+def test_more_processes_than_gpus_is_refused_on_every_rank_before_joining(tmp_path, capsys, monkeypatch):
+    # torchrun --nproc_per_node 4 on a 2-GPU machine: had ranks 2 and 3 refused alone, ranks 0 and 1
+    # would wait to join and nobody would print why; every rank refuses, rank 0 says it once
+    from minitrain.cli import run_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    joined = []
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: joined.append(a))
+    out = tmp_path / "out"
+    printed = []
+    for rank in (3, 0):
+        for k, v in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 4), ("LOCAL_WORLD_SIZE", 4)):
+            monkeypatch.setenv(k, str(v))
+        assert run_cli([str(REPO / "recipes" / "sft_llama.py"), f"out={out}"]) == 2
+        printed.append(capsys.readouterr().err.strip().splitlines())
+    assert printed[0] == []  # rank 3: the same refusal, not printed again
+    assert printed[1] == ["error: torchrun: 4 processes on this machine, 2 GPUs — use --nproc_per_node 2 or fewer "
+                          "(or device=cpu)"]
+    assert joined == [] and not out.exists()
+
+
 # ----------------------------------------------------------------------------- torchrun + the CLI
 
 

@@ -58,6 +58,12 @@ def _vocab_size(head: nn.Module) -> int | None:
     return int(n) if n else None
 
 
+def _onehot_minus_softmax_(shifted: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`onehot(labels) - softmax`, made in place from `shifted` = logits - logsumexp (n, V); returned."""
+    shifted.exp_().neg_()  # -softmax
+    return shifted.scatter_add_(1, labels[:, None], torch.ones_like(shifted[:, :1]))
+
+
 class _LabelLogProb(torch.autograd.Function):
     """`log_softmax(logits)[row, label]` in fp32 (at least), with a lean backward.
 
@@ -75,9 +81,7 @@ class _LabelLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, labels, lse = ctx.saved_tensors
-        grad = logits - lse[:, None]  # (n, V) in lse's dtype: bf16 logits promote to fp32
-        grad.exp_().neg_()  # -softmax
-        grad.scatter_add_(1, labels[:, None], torch.ones_like(grad[:, :1]))  # onehot - softmax
+        grad = _onehot_minus_softmax_(logits - lse[:, None], labels)  # (n, V) in lse's dtype (fp32 at least)
         grad.mul_(grad_out[:, None])
         return grad.to(logits.dtype), None
 
@@ -118,8 +122,7 @@ class _FrozenHeadLogProb(torch.autograd.Function):
         lse = torch.logsumexp(acc, dim=1)  # (c,)
         out.copy_(acc.gather(1, y[:, None]).squeeze(1) - lse)
         if grad is not None:
-            p = acc.sub_(lse[:, None]).exp_().neg_()  # -softmax, in place over the fp32 logits
-            p.scatter_add_(1, y[:, None], torch.ones_like(p[:, :1]))  # onehot - softmax
+            p = _onehot_minus_softmax_(acc.sub_(lse[:, None]), y)  # in place over the fp32 logits
             grad.copy_(p.to(w.dtype) @ w)  # (c, D)
         return w
 

@@ -352,10 +352,10 @@ def save_pretrained(
     Floating tensors are cast to `dtype` (None keeps theirs). Above `max_shard_bytes` the weights
     are split into `model-0000i-of-0000N.safetensors` with a `model.safetensors.index.json`. A
     tied weight is written once, under its first name (the embedding), as HF does. Everything is
-    written into a temporary folder beside `folder` first: a new folder appears whole by one
-    rename; into an existing folder the finished files are renamed one by one (other files, e.g. a
-    tokenizer, are kept; weight files of an earlier save are removed) — a failure never leaves a
-    half-written file.
+    written into `<folder>.tmp-<pid>` beside `folder` and swapped in as a whole (`write_folder`):
+    a crash or a failure leaves the previous save or the new one, never a mix of their shards.
+    Other files already in `folder` (a tokenizer) are carried over; an earlier save's weight
+    files are not.
     """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -368,18 +368,11 @@ def save_pretrained(
         if "dtype" in config:
             config["dtype"] = config["torch_dtype"]
 
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"  # mkdir's mode: a new folder is not 0700
-        shutil.rmtree(tmp, ignore_errors=True)  # a killed writer with our pid
-        tmp.mkdir()
-    except OSError as e:
-        raise UserError(f"{folder}: cannot write the weights: {io_error_reason(e)} — free space or choose a "
-                        f"writable folder, then save again") from e
-    try:
-        names = [SINGLE_FILE] if len(shards) == 1 else [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-        ]
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+
+    def fill(tmp: Path) -> None:
         weight_map, total_size = {}, 0
         for fname, keys in zip(names, shards):
             part = {k: _prepare(tensors[k], dtype) for k in keys}
@@ -392,12 +385,12 @@ def save_pretrained(
             index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        _move_into_place(tmp, folder, names)
+
+    try:  # one folder swap: a crash never mixes the shards (or index) of two saves
+        write_folder(folder, fill, keep_others=lambda name: not _is_weight_file(name))
     except (OSError, SafetensorError) as e:  # disk full, read-only, permissions: nothing half-written stays
         raise UserError(f"{folder}: cannot write the weights: {io_error_reason(e)} — free space or choose a "
                         f"writable folder, then save again") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
@@ -451,24 +444,13 @@ def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to("cpu").contiguous()
 
 
-def _move_into_place(tmp: Path, folder: Path, weight_files: list[str]) -> None:
-    if not folder.exists():
-        os.replace(tmp, folder)  # the whole folder appears at once
-        return
-    # weights first, the index and config last, so a reader never sees an index naming absent shards
-    order = weight_files + [n for n in (INDEX_FILE, "config.json") if (tmp / n).exists()]
-    stale = [
-        p for p in folder.iterdir()
-        if p.name not in order
-        and (p.name in (SINGLE_FILE, INDEX_FILE) or (p.name.startswith("model-") and p.name.endswith(".safetensors")))
-    ]
-    for name in order:
-        os.replace(tmp / name, folder / name)
-    for p in stale:
-        p.unlink()
+def _is_weight_file(name: str) -> bool:
+    """A file of an HF weights save: `model.safetensors`, its shards or its index."""
+    return name in (SINGLE_FILE, INDEX_FILE) or (name.startswith("model-") and name.endswith(".safetensors"))
 
 
-def write_folder(folder: Path, fill: Callable[[Path], None], *, keep_others: bool = False) -> None:
+def write_folder(folder: Path, fill: Callable[[Path], None], *,
+                 keep_others: bool | Callable[[str], bool] = False) -> None:
     """Replace `folder` as a whole: `fill(tmp)` writes every file into `<folder>.tmp-<pid>` beside it,
     then two renames swap it in (a previous `folder` moves to `<folder>.old-<pid>`, and back if the
     second rename fails). A failure removes the temporary folder and re-raises. A crash leaves a
@@ -477,7 +459,8 @@ def write_folder(folder: Path, fill: Callable[[Path], None], *, keep_others: boo
 
     After the swap the leftovers of killed writers (`<folder>.tmp-*`, `<folder>.old-*`) are removed:
     one process writes a folder at a time. `keep_others`: what else a previous `folder` holds (a
-    tokenizer saved beside an adapter) is hard-linked (or copied) into the new one.
+    tokenizer saved beside an adapter) is hard-linked (or copied) into the new one: everything
+    (True), or the top-level names the function accepts (e.g. not the weights of an earlier save).
     """
     folder = Path(os.path.abspath(folder))  # "." gets a name
     if folder.is_symlink():  # replace the link's target, not the link
@@ -496,9 +479,11 @@ def write_folder(folder: Path, fill: Callable[[Path], None], *, keep_others: boo
         tmp.mkdir(parents=True)
         fill(tmp)
         if keep_others and folder.is_dir():
+            keep = (lambda name: True) if keep_others is True else keep_others
             written = {p.name for p in tmp.iterdir()}
             shutil.copytree(folder, tmp, symlinks=True, dirs_exist_ok=True, copy_function=_link_or_copy,
-                            ignore=lambda d, names: [n for n in names if Path(d) == folder and n in written])
+                            ignore=lambda d, names: [n for n in names if Path(d) == folder
+                                                     and (n in written or not keep(n))])
         if folder.exists():
             if old.exists():  # a killed writer with our pid; `folder` is complete, so it is not needed
                 shutil.rmtree(old)

@@ -388,6 +388,30 @@ def test_save_into_existing_folder_keeps_other_files_and_drops_stale_shards(tmp_
     assert torch.equal(load_pretrained(tmp_path / "ck", LlamaShaped).lm_head.weight, m.lm_head.weight)
 
 
+def test_a_save_that_fails_while_moving_in_leaves_the_previous_save_whole(tmp_path, monkeypatch):
+    # moved file by file, a failure after the first shard would pair new and old shards of one folder
+    import minitrain.weights as w
+
+    m, cfg = random_model()
+    save_pretrained(m, tmp_path / "ck", cfg, max_shard_bytes=4096)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()}
+    assert len(before) > 3  # several shards, an index, the config
+    real, calls = os.replace, []
+
+    def second_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(w.os, "replace", second_fails)
+    with pytest.raises(UserError, match=r"ck: cannot write the weights: "):
+        save_pretrained(random_model(seed=1)[0], tmp_path / "ck", cfg, max_shard_bytes=4096)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
 # ----------------------------------------------------------------------------- transformers as the reference
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from minitrain.errors import UserError
-from minitrain.tokenizer import Tokenizer
+from minitrain.tokenizer import Tokenizer, common_prefix_len
 
 IGNORE = -100
 SIDES = ("left", "right")
@@ -309,7 +309,7 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
                                     f'assistant message — give the answer as a string or as assistant message(s)')
                 turn = a if isinstance(a, list) else [{"role": "assistant", "content": row.text(name)}]
                 fulls.append(_chat(tok, where, prompt + turn))
-            n = min(_lcp_len(p, ids) for ids, _ in fulls)  # where the answers start
+            n = min(common_prefix_len(p, ids) for ids, _ in fulls)  # where the answers start
             p = p[:n]
             for ids, mask in fulls:
                 answers.append([(t, t if m else IGNORE) for t, m in zip(ids[n:], mask[n:])])
@@ -332,15 +332,6 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
             continue
         out.append(ex)
     return out
-
-
-def _lcp_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # --------------------------------------------------------------------------- batch order

@@ -60,13 +60,6 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
              "self_attn.o_proj": "attn", "mlp.gate_proj": "xn2", "mlp.up_proj": "xn2", "mlp.down_proj": "act"}
 
 
-def logits_per_chunk(device: str = "cuda") -> int:
-    """The loss's chunk size in logits on `device` (from `minitrain.losses`, so the plan follows the code)."""
-    from minitrain.losses import logits_per_chunk as per_device
-
-    return per_device(device)
-
-
 # ----------------------------------------------------------------------------- shapes
 
 
@@ -446,6 +439,8 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     """
     n = run.tokens if run.targets is None else min(run.targets, run.tokens)
     V, D, s = model.vocab_size, model.hidden_size, run.s
+    from minitrain.losses import logits_per_chunk  # the loss's own value, so the plan follows the code
+
     per_chunk = run.logits_chunk or logits_per_chunk(run.device)
     c = min(n, max(64, per_chunk // V))
     gathered = Term("loss: gathered target rows", n * D * s, "n x D x s")

@@ -265,7 +265,8 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _lcp(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -622,7 +623,7 @@ class Tokenizer:
             full = self._encode_span("".join(texts), prev_special)
             cuts = [0]
             for k in range(1, len(texts)):
-                cuts.append(max(cuts[-1], _lcp(self._encode_span("".join(texts[:k]), prev_special), full)))
+                cuts.append(max(cuts[-1], common_prefix_len(self._encode_span("".join(texts[:k]), prev_special), full)))
             cuts.append(len(full))
             for k, (_, target) in enumerate(span):
                 mask.extend([target] * (cuts[k + 1] - cuts[k]))

@@ -9,8 +9,9 @@ per trainable tensor and per module, whether its gradient is
 
     unreachable  None: no autograd path from the loss (the run would silently not train it)
     zero         exactly zero (suspicious unless expected)
-    zero at init exactly zero because its zero-initialised partner (LoRA B) is zero: confirmed by a
-                 probe that makes B non-zero and sees the gradient appear (rule 5)
+    zero at init exactly zero because its zero-initialised, trainable partner (LoRA B) is zero:
+                 confirmed by a probe that makes B non-zero and sees the gradient appear (rule 5);
+                 any other exact zero (a frozen zero partner, a `* 0` term) is a problem
     non-finite   NaN / inf
     ok           with its norm
 
@@ -33,7 +34,7 @@ import torch.utils.checkpoint as tuc
 from torch import nn
 
 from minitrain.errors import UserError
-from minitrain.lora import LoRALinear
+from minitrain.lora import LoRALinear, logical_numel
 
 Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
 
@@ -244,6 +245,8 @@ def audit(
             problems.append(f"{n}: a {p.dtype} tensor is marked trainable — only floating-point tensors can "
                             f"train; train a LoRA adapter on this layer instead")
     problems += _double_wrapped(model)
+    bypassed = _bypassed_adapters(model)
+    problems += bypassed
     adapters_frozen = [n for n, _ in frozen if ".lora_" in n]
     if not trainable:
         if adapters_frozen:
@@ -280,7 +283,8 @@ def audit(
                 numeric.append(f"the loss on the audit batch is {loss_value} — look for fp16 overflow, a NaN in the "
                                 f"data, or an empty target (all labels -100)")
             if loss.grad_fn is None:
-                problems.append(_why_no_graph(model, calls, reentrant, trainable))
+                if not bypassed:  # a merged / disabled adapter already says why nothing reaches the loss
+                    problems.append(_why_no_graph(model, calls, reentrant, trainable))
                 reachable: set[int] = set()
             else:
                 reachable = _reachable_leaves(loss)
@@ -294,7 +298,8 @@ def audit(
             for n, p in trainable:
                 p.grad = saved_grads[n]
 
-    unreachable = [t for t in statuses.values() if t.status == UNREACHABLE]
+    skipped = _bypassed_modules(model)
+    unreachable = [t for t in statuses.values() if t.status == UNREACHABLE and t.module not in skipped]
     if unreachable and loss_value is not None and not any("no grad_fn" in p for p in problems):
         where = _locate_cut(model, calls, reentrant, unreachable)
         problems.append(f"{len(unreachable)} of {len(trainable)} trainable tensors are unreachable from the loss "
@@ -302,15 +307,14 @@ def audit(
     for t in statuses.values():
         if t.status == NONFINITE:
             numeric.append(f"{t.name}: non-finite gradient — check the data, the learning rate and the precision")
-        elif t.status == ZERO:
-            notes.append(f"{t.name}: gradient exactly zero on this batch")
+    problems += _unexplained_zeros(model, statuses, len(trainable))
     return AuditReport(
         tensors=list(statuses.values()),
         problems=problems,
         numeric=numeric,
         notes=notes,
         frozen=len(frozen),
-        frozen_numel=sum(p.numel() for _, p in frozen),
+        frozen_numel=sum(logical_numel(p) for _, p in frozen),
         quantized=quantized,
         layer_norms=_layer_norms(statuses.values()),
         loss=loss_value,
@@ -391,14 +395,17 @@ def _double_wrapped(model: nn.Module) -> list[str]:
 
 def _probe_zero_at_init(model, objective, batch, amp_dtype, trainable, statuses, problems) -> None:
     """A LoRA A whose gradient is exactly zero because its B is zero is expected at init; prove it
-    by making B non-zero (tiny random values), re-running, and seeing A's gradient appear."""
+    by making B non-zero (tiny random values), re-running, and seeing A's gradient appear.
+
+    Only a B that can move explains the zero: a frozen B stays zero for ever, and so does A's
+    gradient (`_unexplained_zeros` reports it). A zero that the probe does not lift stays ZERO."""
     named = dict(trainable)
     every = dict(model.named_parameters())
     suspects = []
     for n, t in statuses.items():
         if t.status == ZERO and ".lora_A." in n:
             partner = every.get(n.replace(".lora_A.", ".lora_B."))
-            if partner is not None and not partner.detach().any():
+            if partner is not None and partner.requires_grad and not partner.detach().any():
                 suspects.append((n, partner))
     if not suspects:
         return
@@ -416,13 +423,61 @@ def _probe_zero_at_init(model, objective, batch, amp_dtype, trainable, statuses,
             g = named[n].grad
             if g is not None and torch.isfinite(g).all() and g.abs().sum() > 0:
                 statuses[n].status = ZERO_AT_INIT
-            else:
-                problems.append(f"{n}: gradient stays zero even with its LoRA B made non-zero — the path through "
-                                f"this adapter is broken")
     finally:
         with torch.no_grad():
             for b, v in saved:
                 b.copy_(v)
+
+
+def _unexplained_zeros(model: nn.Module, statuses: dict[str, TensorAudit], n_trainable: int) -> list[str]:
+    """Trainable tensors whose gradient is exactly zero with no partner that can move: each would
+    stay bit-identical for the whole run, so they are problems, never notes (rule 5)."""
+    every = dict(model.named_parameters())
+    out, others = [], []
+    for n, t in statuses.items():
+        if t.status != ZERO:
+            continue
+        swap = {".lora_A.": ".lora_B.", ".lora_B.": ".lora_A."}
+        kind = next((k for k in swap if k in n), None)
+        partner_name = n.replace(kind, swap[kind]) if kind else None
+        partner = every.get(partner_name) if partner_name else None
+        if partner is not None and not partner.requires_grad and not partner.detach().any():
+            side = "B" if kind == ".lora_A." else "A"
+            out.append(f"{n}: gradient exactly zero for ever — its LoRA {side} ({partner_name}) is zero and frozen "
+                       f"(requires_grad=False), so nothing can make it non-zero — train {side} as well (to freeze one "
+                       f"side, as LoRA-FA does, freeze A and train B)")
+        else:
+            others.append(n)
+    if others:
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        out.append(f"{len(others)} of {n_trainable} trainable tensors get an exactly zero gradient (e.g. {others[0]}"
+                   f"{more}), so they would never change: the loss reaches them only through a factor that is zero "
+                   f"(a `+ p.sum() * 0` term, a frozen tensor that is zero, a mask over every target) — make the "
+                   f"loss depend on them")
+    return out
+
+
+def _bypassed_modules(model: nn.Module) -> dict[str, str]:
+    """LoRA layers whose forward skips the adapter: {module name: "merged" | "disabled"}."""
+    return {n: "merged" if m.merged else "disabled" for n, m in model.named_modules()
+            if isinstance(m, LoRALinear) and (m.merged or m.disabled)}
+
+
+def _bypassed_adapters(model: nn.Module) -> list[str]:
+    """Adapters folded into their base (`merge`) or switched off (`disable_adapters`) do not run in
+    the forward, so their trainable tensors get no gradient: say which layers and what to do."""
+    found = _bypassed_modules(model)
+    todo = {"merged": "merged into its base weights", "disabled": "disabled"}
+    fix = {"merged": "call minitrain.lora.unmerge(model) before training (merge only to export a trained adapter)",
+           "disabled": "train outside the disable_adapters() block"}
+    out = []
+    for state in ("merged", "disabled"):
+        names = [n for n, s in found.items() if s == state]
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            out.append(f"the adapter is {todo[state]} in {len(names)} layer{'s' * (len(names) > 1)} ({shown}), so "
+                       f"their lora_A / lora_B do not run in the forward and get no gradient — {fix[state]}")
+    return out
 
 
 def _grad_off_where(calls: dict[str, list[_Call]], reentrant: set[str], mod: str) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import json
 import logging
 import math
@@ -147,8 +148,9 @@ def _quant_kind(obj: Any) -> str | None:
     return None
 
 
-def _logical_numel(p: torch.Tensor) -> int:
-    """Number of weights a tensor stands for (a packed 4-bit tensor holds two per byte)."""
+def logical_numel(p: torch.Tensor) -> int:
+    """Number of weights a tensor stands for (a packed 4-bit tensor holds two per byte): the count to
+    show a user, never `p.numel()` (which halves every nf4 layer)."""
     qs = getattr(p, "quant_state", None)
     if _quant_kind(p) == "4bit" and qs is not None:
         return math.prod(qs.shape)
@@ -421,8 +423,12 @@ def _head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
-def _target_names(model: nn.Module, targets: Sequence[str] | str) -> list[str]:
-    """Full names of the modules `targets` selects (every one checked to be a supported linear)."""
+def _target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = False) -> list[str]:
+    """Full names of the modules `targets` selects (every one checked to be a supported linear).
+
+    `strict` (new adapters): every listed suffix must select a module — one typo among valid names
+    (`q_prj,v_proj`) would otherwise train `v_proj` alone. A saved PEFT adapter's list is read as
+    PEFT reads it (names absent from this model are skipped)."""
     if targets == ALL_LINEAR:
         head = _head(model)
         if head is None:
@@ -433,6 +439,9 @@ def _target_names(model: nn.Module, targets: Sequence[str] | str) -> list[str]:
         chosen = [n for n, _ in model.named_modules() if n and re.fullmatch(targets, n)]
     else:
         chosen = [n for n, _ in model.named_modules() if n and any(_name_matches(n, t) for t in targets)]
+        missed = [t for t in targets if not any(_name_matches(n, t) for n in chosen)]
+        if strict and missed and chosen:  # none at all: apply_lora's own message lists the linears
+            raise UserError(_no_module(model, "target", missed[0]))
     modules = dict(model.named_modules())
     for n in chosen:
         m = modules[n]
@@ -446,6 +455,20 @@ def _target_names(model: nn.Module, targets: Sequence[str] | str) -> list[str]:
             raise UserError(f"{n}: is a {type(m).__name__}, not a linear layer LoRA can wrap (nn.Linear, "
                             f"bitsandbytes Linear4bit / Linear8bitLt) — target its linear submodules instead")
     return chosen
+
+
+def _did_you_mean(model: nn.Module, want: str) -> str:
+    """`did you mean 'q_proj'? ` for the module-name ending closest to `want`, or ""."""
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n})
+    close = difflib.get_close_matches(want.rsplit(".", 1)[-1], leaves, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _no_module(model: nn.Module, what: str, want: str) -> str:
+    """`<what> 'q_prj' matches no module of the model — did you mean 'q_proj'? ...` (linears listed)."""
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_wrappable(m)})
+    return (f"{what} {want!r} matches no module of the model — {_did_you_mean(model, want)}its linear layers end "
+            f"in {', '.join(linears) or '(none)'}")
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -464,11 +487,12 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
         raise UserError("apply_lora: the model already has LoRA adapters — adapters are applied once (rule 4); "
                         "to continue a saved adapter use load_adapter(model, folder, trainable=True), "
                         "to start a new one build the base model again")
-    names = _target_names(model, cfg.targets) if cfg.targets else []
+    names = _target_names(model, cfg.targets, strict=True) if cfg.targets else []
     if not names and cfg.targets:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_wrappable(m)})
-        raise UserError(f"targets={cfg.targets!r}: match no module of the model — its linear layers end in "
-                        f"{', '.join(linears) or '(none)'}")
+        first = cfg.targets if isinstance(cfg.targets, str) else cfg.targets[0]
+        raise UserError(f"targets={cfg.targets!r}: match no module of the model — {_did_you_mean(model, first)}its "
+                        f"linear layers end in {', '.join(linears) or '(none)'}")
     saved = _resolve_modules_to_save(model, cfg, names)
     if not names and not saved:
         raise UserError("apply_lora: no targets and no modules_to_save, so nothing would train — "
@@ -486,7 +510,8 @@ def _resolve_modules_to_save(model: nn.Module, cfg: LoRAConfig, wrapped: list[st
     for want in cfg.modules_to_save:
         hits = [n for n, _ in model.named_modules() if n and _name_matches(n, want)]
         if not hits:
-            raise UserError(f"modules_to_save: {want!r} matches no module of the model — use a module name "
+            raise UserError(f"modules_to_save: {want!r} matches no module of the model — "
+                            f"{_did_you_mean(model, want)}use a module name "
                             f"suffix such as 'lm_head' or 'embed_tokens'")
         for n in hits:
             if any(w == n or w.startswith(n + ".") for w in wrapped):
@@ -518,7 +543,12 @@ def freeze_for_adapters(model: nn.Module, cfg: LoRAConfig | None = None) -> int:
     for n in names:
         check_float_trainable(n, params[n])
         params[n].requires_grad_(True)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(logical_numel(p) for p in model.parameters() if p.requires_grad)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """The model's logical parameter count (shared tensors once; nf4 layers at their unpacked size)."""
+    return sum(logical_numel(p) for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------- using
@@ -718,7 +748,7 @@ def trainable_report(model: nn.Module) -> str:
     extra_bytes = 0
     total = trainable = 0
     for n, p in model.named_parameters():  # shared (tied) parameters are counted once
-        k = _logical_numel(p)
+        k = logical_numel(p)
         total += k
         if not p.requires_grad:
             continue

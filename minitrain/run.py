@@ -1,10 +1,12 @@
 """The steps every training recipe takes, as plain functions a recipe calls in order.
 
     check_out_dir(cfg)             refuse a folder holding another run, before minutes of loading
-    -- a recipe's `setup(cfg) -> Job` does the next three, writing nothing (tools/audit.py uses it) --
-    load_model(cfg, build)         tokenizer + weights streamed into `build(config.json)` (+ quantized)
+    -- a recipe's `setup(cfg) -> Job` does the next four, writing nothing (tools/audit.py uses it) --
+    load_tokenizer(cfg)            the tokenizer alone (light)
+    load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval): before the weights, so a
+                                   bad row costs seconds, not minutes of loading
+    load_model(cfg, build, tok)    weights streamed into `build(config.json)` (+ quantized)
     attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report
-    load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval)
     prepare_out_dir(cfg)           create `out`, write the resolved `config.json`
     ... train(...) ...             minitrain.train: the loop, called by the recipe itself
     finish(model, cfg, lora, summary)  the adapter in PEFT format in `out/adapter`, and where things are
@@ -30,7 +32,8 @@ from torch import nn
 from minitrain import checkpoint, data, distributed
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
+from minitrain.lora import (LoRAConfig, apply_lora, count_parameters, freeze_for_adapters, load_adapter, save_adapter,
+                            trainable_report)
 from minitrain.objectives import sft
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
@@ -219,22 +222,30 @@ def base_dtype(precision: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
-def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> tuple[nn.Module, Tokenizer]:
-    """The tokenizer and the model of folder `cfg.model`, on `cfg.device` in the dtype for `cfg.precision`.
-
-    With `cfg.quantize` nf4 / int8, each base linear is quantized as its weight arrives (no
-    full-precision copy of the model in memory). A tokenizer with more ids than the model's
-    embedding has rows is refused here, not as an index error mid-step.
-    """
+def load_tokenizer(cfg: Any) -> Tokenizer:
+    """The tokenizer of folder `cfg.model` (light: read before the weights, so a bad data row costs seconds)."""
     if not cfg.model:
         raise UserError("model: not set — pass model=path/to/hf_model_folder (config.json, *.safetensors, tokenizer)")
     folder = Path(cfg.model)
     if not folder.is_dir():
         raise UserError(f"{folder}: no such model folder — pass model=path/to/hf_model_folder "
                         f"(config.json, *.safetensors, tokenizer)")
+    return Tokenizer.from_folder(folder, chat_format=None if cfg.chat_format == "auto" else cfg.chat_format)
+
+
+def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
+               tok: Tokenizer | None = None) -> tuple[nn.Module, Tokenizer]:
+    """The tokenizer and the model of folder `cfg.model`, on `cfg.device` in the dtype for `cfg.precision`.
+
+    `tok`: the tokenizer `load_tokenizer(cfg)` already read (recipes read the data with it before
+    the weights); else it is read here. With `cfg.quantize` nf4 / int8, each base linear is
+    quantized as its weight arrives (no full-precision copy of the model in memory). A tokenizer
+    with more ids than the model's embedding has rows is refused here, not as an index error mid-step.
+    """
+    tok = load_tokenizer(cfg) if tok is None else tok
+    folder = Path(cfg.model)
     device = pick_device(cfg.device)
     dtype = base_dtype(cfg.precision, device)
-    tok = Tokenizer.from_folder(folder, chat_format=None if cfg.chat_format == "auto" else cfg.chat_format)
     hook = None
     if cfg.quantize != "none":
         from minitrain.quant import quantize_hook, require_bitsandbytes  # bitsandbytes: only when asked for
@@ -253,7 +264,7 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> tuple[
     if isinstance(emb, nn.Embedding) and tok.vocab_size > emb.num_embeddings:
         raise UserError(f"{folder}: the tokenizer has {tok.vocab_size} ids but the model's embedding has "
                         f"{emb.num_embeddings} rows — use the tokenizer saved with these weights")
-    n = sum(p.numel() for p in model.parameters())
+    n = count_parameters(model)  # logical: an nf4 layer's packed bytes hold two weights each
     kind = model.hf_config.get("model_type", "?")
     log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in "
         f"{cfg.quantize if cfg.quantize != 'none' else str(dtype).removeprefix('torch.')}")
@@ -353,12 +364,13 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     """The causal-LM SFT job that `recipes/sft_llama.py` and `recipes/sft_mistral.py` share:
     model (+ adapters) from `cfg.model`, `{"prompt","completion"}` / `{"messages"}` / `{"text"}`
     examples, the `sft` objective and the padding collator. Writes nothing."""
-    model, tok = load_model(cfg, build)
+    tok = load_tokenizer(cfg)
+    train_examples, eval_examples = load_examples(cfg, tok, "sft")  # a bad row costs seconds, not a model load
+    model, tok = load_model(cfg, build, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
                         f"use recipes/lora_t5.py for it")
     lora = attach_adapters(model, cfg)
-    train_examples, eval_examples = load_examples(cfg, tok, "sft")
     return Job(model, sft, train_examples, functools.partial(data.collate_causal, pad_id=tok.pad_id),
                eval_examples, lora, tok)
 

@@ -15,7 +15,8 @@ with `patience` > 0 the run stops after that many evaluations without an improve
 than `min_delta`.
 
 LoRA: r=16 on every attention and feed-forward projection (`q k v o`, and `wi_0 wi_1 wo` on
-v1.1 / FLAN-T5 or `wi wo` on T5 v1.0; targets that name no module of the model are skipped).
+v1.1 / FLAN-T5 or `wi wo` on T5 v1.0: the default list keeps those the model has; a target you
+list yourself must name a module of the model).
 Precision: bf16 autocast where the GPU supports it (`precision=auto`); T5's activations overflow
 float16, so `precision=fp16` is refused. `warmup` below 1 is a ratio of the optimizer steps.
 
@@ -34,6 +35,7 @@ loss,eval/rougeL --out curves.png`. `--help` lists every key.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -50,8 +52,8 @@ from minitrain.data import collate_seq2seq
 from minitrain.errors import UserError
 from minitrain.lora import adapter_vocab_size, save_adapter
 from minitrain.objectives import seq2seq
-from minitrain.run import (ADAPTER_DIR, attach_adapters, base_dtype, check_out_dir, finish, load_model, log,
-                           pick_device, prepare_out_dir)
+from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, base_dtype, check_out_dir, finish, load_model,
+                           load_tokenizer, log, pick_device, prepare_out_dir)
 from minitrain.seq2seq_eval import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, EarlyStopping, GenerationEval
 from minitrain.tokenizer import Tokenizer
 from minitrain.train import train
@@ -163,17 +165,36 @@ def read_examples(cfg: Seq2SeqConfig, tok: Tokenizer) -> tuple[list[dict], list[
     return train_ex, eval_ex
 
 
-def run(config: Seq2SeqConfig) -> dict:
-    """Load, add tokens, adapt, train with generation eval, save the last and the best adapter."""
-    check_out_dir(config)  # a refusal comes before minutes of loading
-    model, tok = load_model(config, models.from_hf_config)
+def t5_targets(config: Seq2SeqConfig, model) -> Seq2SeqConfig:
+    """The recipe's default targets name both T5 feed-forward layouts (`wi` on v1.0; `wi_0`, `wi_1` on
+    v1.1 / FLAN-T5): keep those this model has. Targets the user lists must all exist."""
+    if list(config.lora_targets) != T5_TARGETS:
+        return config
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    return dataclasses.replace(config, lora_targets=[t for t in T5_TARGETS if t in leaves])
+
+
+def setup(config: Seq2SeqConfig) -> Job:
+    """Read the data (tokenizer only), load the model, add tokens, attach the adapter; writes nothing."""
+    tok = load_tokenizer(config)
+    tok.add_special_tokens(config.added_tokens)  # the data is tokenized with them
+    train_examples, eval_examples = read_examples(config, tok)  # a bad row costs seconds, not a model load
+    model, tok = load_model(config, models.from_hf_config)  # its own tokenizer: add_tokens grows the model to it
     if not model.is_encoder_decoder:
         raise UserError(f"{config.model}: is a causal LM ({model.hf_config.get('model_type')}) — this recipe trains "
                         f"T5 / FLAN-T5; use recipes/sft_llama.py")
     add_tokens(model, tok, config.added_tokens)
     check_init_adapter_vocab(config, model)
-    lora = attach_adapters(model, config)
-    train_examples, eval_examples = read_examples(config, tok)
+    lora = attach_adapters(model, t5_targets(config, model))
+    collate = functools.partial(collate_seq2seq, pad_id=tok.pad_id, decoder_start_id=model.config.decoder_start_token_id)
+    return Job(model, seq2seq, train_examples, collate, eval_examples, lora, tok)
+
+
+def run(config: Seq2SeqConfig) -> dict:
+    """Load, add tokens, adapt, train with generation eval, save the last and the best adapter."""
+    check_out_dir(config)  # a refusal comes before minutes of loading
+    job = setup(config)
+    model, tok, lora, eval_examples = job.model, job.tok, job.lora, job.eval_examples
     out = prepare_out_dir(config)
     if not config.resume:  # no stale best adapter or predictions beside a new run
         for stale in (BEST_DIR, PREDICTIONS_DIR):
@@ -190,9 +211,8 @@ def run(config: Seq2SeqConfig) -> dict:
         eval_fn = GenerationEval(eval_examples, tok, generate, out_dir=out, save_best=save_with_tokenizer,
                                  stopper=stopper, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
                                  num_beams=config.num_beams, amp_dtype=None if dtype == torch.float32 else dtype)
-    collate = functools.partial(collate_seq2seq, pad_id=tok.pad_id,
-                                decoder_start_id=model.config.decoder_start_token_id)
-    summary = train(model, seq2seq, train_examples, collate, config, eval_examples=eval_examples, eval_fn=eval_fn)
+    summary = train(model, seq2seq, job.train_examples, job.collate, config, eval_examples=eval_examples,
+                    eval_fn=eval_fn)
     finish(model, config, lora, summary)
     tok.save(out / ADAPTER_DIR)
     if (out / BEST_DIR / BEST_FILE).is_file():

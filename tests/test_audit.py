@@ -301,3 +301,103 @@ def run(config):
     assert "unreachable" in b.stdout and "model.layers.1" in b.stdout and "no_grad" in b.stdout
     bad = audit_cli("lr=-1")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "lr" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- blind spots (issue 13)
+
+
+def _nonzero_b(model) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.normal_(0, 0.02)
+
+
+def _only_through_times_zero(model, batch):
+    """Field report 000's hack: the logits come from a no_grad forward, and `+ p.sum() * 0` keeps
+    backward from raising — every trainable tensor is 'used', none can ever move."""
+    with torch.no_grad():
+        hidden = model(batch["input_ids"], batch["attention_mask"])
+    loss_sum, count = chunked_cross_entropy_sum(hidden, model.output_projection, shift_labels(batch["labels"]))
+    keep = sum(p.sum() for p in model.parameters() if p.requires_grad)
+    return loss_sum + keep * 0, count, {}
+
+
+def test_g_frozen_zero_lora_b_is_not_zero_at_init(lora_model):
+    """LoRA-FA done backwards: B frozen (and zero), A trainable — A's gradient is zero for ever."""
+    for n, p in lora_model.named_parameters():
+        if ".lora_B." in n:
+            p.requires_grad_(False)
+    report = audit(lora_model, sft, _batch())
+    assert not report.ok and "healthy" not in report.table()
+    assert not any(t.status == ZERO_AT_INIT for t in report.tensors)
+    problem = report.problems[0]
+    assert ".lora_A." in problem and "is zero and frozen" in problem and "train B as well" in problem
+    with pytest.raises(UserError, match="gradient exactly zero for ever"):
+        preflight(lora_model, sft, _batch(), log=lambda _: None)
+
+
+def test_g_frozen_zero_partner_on_the_other_side(lora_model):
+    """The neighbour: A frozen at zero, B trainable — B's gradient (x A^T) is zero for ever too."""
+    with torch.no_grad():
+        for n, p in lora_model.named_parameters():
+            if ".lora_A." in n:
+                p.zero_()
+                p.requires_grad_(False)
+    report = audit(lora_model, sft, _batch())
+    assert not report.ok
+    assert "LoRA A" in report.problems[0] and ".lora_B." in report.problems[0]
+
+
+def test_h_continued_adapter_reached_only_through_times_zero(lora_model):
+    """A continued adapter (B non-zero) under an objective that adds `p.sum() * 0`: every gradient is
+    exactly zero, and 'healthy — 0 of 16' is no longer a verdict the audit can give."""
+    _nonzero_b(lora_model)
+    report = audit(lora_model, _only_through_times_zero, _batch())
+    assert report.loss is not None and all(t.status == "zero" for t in report.tensors)
+    assert not report.ok and "healthy" not in report.verdict()
+    assert report.problems[0].startswith(f"{len(report.tensors)} of {len(report.tensors)} trainable tensors get an "
+                                         f"exactly zero gradient")
+    assert "* 0" in report.problems[0]
+
+
+def test_h_fresh_adapter_reached_only_through_times_zero(lora_model):
+    """The same hack at init: B is zero, but the probe cannot lift A's zero, so nothing is 'as expected'."""
+    report = audit(lora_model, _only_through_times_zero, _batch())
+    assert not report.ok
+    assert not any(t.status == ZERO_AT_INIT for t in report.tensors)
+
+
+def test_i_adapter_merged_before_training(lora_model, hf_causal, tmp_path):
+    """init_adapter then merge(): the forward skips the adapter; say so, name the layers, say what to do."""
+    from minitrain.lora import merge
+
+    _nonzero_b(lora_model)
+    save_adapter(lora_model, tmp_path / "adapter", CFG)
+    fresh = load_pretrained(hf_causal("audit_llama"), models.from_hf_config)
+    load_adapter(fresh, tmp_path / "adapter", trainable=True)
+    merge(fresh)
+    report = audit(fresh, sft, _batch())
+    assert not report.ok
+    assert len(report.problems) == 1, report.problems  # not also "a .detach() in the objective"
+    problem = report.problems[0]
+    assert "merged into its base weights in 4 layers" in problem
+    assert "model.layers.0.self_attn.q_proj" in problem and "unmerge(model)" in problem
+    assert "detach" not in problem
+
+
+def test_i_adapter_merged_in_some_layers_only(lora_model):
+    """Half merged by hand: the loss still has a graph; the merged layers are named, not 'unreachable'."""
+    lora_model.model.layers[1].self_attn.v_proj.merge("v")
+    report = audit(lora_model, sft, _batch())
+    assert not report.ok
+    assert report.problems == [p for p in report.problems if "merged" in p]
+    assert "1 layer (model.layers.1.self_attn.v_proj)" in report.problems[0]
+
+
+def test_i_adapter_disabled_during_training(lora_model):
+    from minitrain.lora import disable_adapters
+
+    with disable_adapters(lora_model):
+        report = audit(lora_model, sft, _batch())
+    assert not report.ok and "disabled in 4 layers" in report.problems[0]

@@ -207,3 +207,34 @@ def test_nf4_gradients_survive_an_eval_forward(hf_causal, ids):
         model(ids)
     model.train()
     torch.testing.assert_close(grad(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_parameter_counts_are_logical_with_a_quantized_base(hf_causal, kind, tmp_path, capsys):
+    """The model line, the trainable report and the audit count weights, not packed bytes: an nf4
+    base is transformers' own `num_parameters()` (before: the packed 4-bit bytes, half of each layer)."""
+    import shutil
+
+    import transformers
+    from _tok import make_bpe_tokenizer
+
+    from minitrain.audit import audit
+    from minitrain.config import TrainConfig
+    from minitrain.lora import count_parameters, trainable_report
+    from minitrain.objectives import sft
+    from minitrain.run import attach_adapters, load_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(hf_causal("quant_count"), folder)
+    make_bpe_tokenizer(folder)
+    want = transformers.AutoModelForCausalLM.from_pretrained(folder).num_parameters()
+    cfg = TrainConfig(model=str(folder), device="cpu", quantize=kind, lora_r=4, lora_targets=["q_proj", "v_proj"])
+    model, _ = load_model(cfg, from_hf_config)
+    assert count_parameters(model) == want
+    assert f"(llama, {want:,} parameters)" in capsys.readouterr().out
+    attach_adapters(model, cfg)
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert f"trainable: {lora:,} of {want + lora:,} parameters" in trainable_report(model)
+    ids = torch.randint(3, 128, (1, 8))
+    report = audit(model, sft, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    assert report.frozen_numel == want

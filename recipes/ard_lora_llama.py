@@ -29,8 +29,8 @@ from minitrain.data import collate_causal
 from minitrain.errors import UserError
 from minitrain.lora import trainable_report
 from minitrain.quant import INSTALL
-from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log,
-                           prepare_out_dir)
+from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
+                           load_tokenizer, log, prepare_out_dir)
 from minitrain.train import build_optimizer, train
 
 ARD_LOG = "ard.jsonl"
@@ -81,14 +81,15 @@ def resolve_quantize(config: ARDConfig) -> str:
 
 def setup(config: ARDConfig) -> Job:
     """Load the base, attach LoRA with ARD gates, read the data; writes nothing."""
-    model, tok = load_model(dataclasses.replace(config, quantize=resolve_quantize(config)), models.from_hf_config)
+    tok = load_tokenizer(config)
+    train_examples, eval_examples = load_examples(config, tok, "sft")  # before the weights: seconds, not minutes
+    model, tok = load_model(dataclasses.replace(config, quantize=resolve_quantize(config)), models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs")
     lora = attach_adapters(model, config)
     names = make_ard(model, init_std=config.gate_init_std)
     log(f"ard: gates on {len(names)} adapters (mu=1, sigma={config.gate_init_std}, prior N(0, 1)); now "
         + trainable_report(model).splitlines()[0])
-    train_examples, eval_examples = load_examples(config, tok, "sft")
     objective = ARDObjective(dataset_target_tokens(train_examples), beta=config.beta)
     log(f"ard: KL x beta={config.beta} spread over {objective.dataset_tokens:,} training target tokens")
     return Job(model, objective, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), eval_examples,

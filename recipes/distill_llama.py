@@ -22,7 +22,8 @@ import models
 from minitrain.data import collate_causal
 from minitrain.distill import DistillConfig, check_same_tokenizer, check_same_vocab, make_distill_objective
 from minitrain.errors import UserError
-from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
+from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer, log,
+                           prepare_out_dir)
 from minitrain.train import train
 
 config = DistillConfig(
@@ -45,7 +46,9 @@ config = DistillConfig(
 def setup(config: DistillConfig) -> Job:
     """Load student and teacher, check they share a tokenizer, adapt the student, read the data; writes nothing."""
     check_same_tokenizer(config.model, config.teacher)  # before minutes of loading weights
-    model, tok = load_model(config, models.from_hf_config)
+    tok = load_tokenizer(config)
+    train_examples, eval_examples = load_examples(config, tok, "sft")  # before the weights: seconds, not minutes
+    model, tok = load_model(config, models.from_hf_config, tok)
     teacher, _ = load_model(dataclasses.replace(config, model=config.teacher, quantize=config.teacher_quantize),
                             models.from_hf_config)
     for folder, m in ((config.model, model), (config.teacher, teacher)):
@@ -58,7 +61,6 @@ def setup(config: DistillConfig) -> Job:
     log(f"distill: T={config.temperature} (KL x T^2), kd_weight={config.kd_weight}, ce_weight={config.ce_weight}, "
         f"{'top-' + str(config.top_k) + ' subset' if config.top_k else 'full-vocabulary'} KD; "
         f"teacher frozen ({config.teacher_quantize if config.teacher_quantize != 'none' else 'not quantized'})")
-    train_examples, eval_examples = load_examples(config, tok, "sft")
     return Job(model, objective, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), eval_examples,
                lora, tok)
 

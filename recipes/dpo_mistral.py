@@ -42,7 +42,8 @@ from minitrain import checkpoint as ckpt
 from minitrain import distributed
 from minitrain.dpo import DPOConfig, collate_with_reference, make_dpo_objective, make_reference, precompute_reference
 from minitrain.errors import UserError
-from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
+from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer, log,
+                           prepare_out_dir)
 from minitrain.train import resolve_precision, train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
@@ -76,7 +77,9 @@ REAL_CHECKPOINT = ("python -m minitrain recipes/dpo_mistral.py model=/path/to/Mi
 
 def setup(config: DPOConfig) -> Job:
     """Load the model, attach (or continue) the adapter, pick the reference, read the pairs; writes nothing."""
-    model, tok = load_model(config, models.from_hf_config)
+    tok = load_tokenizer(config)
+    train_examples, eval_examples = load_examples(config, tok, "preference")  # before the weights: seconds, not minutes
+    model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — DPO here trains causal LMs")
     lora = attach_adapters(model, config)
@@ -88,7 +91,6 @@ def setup(config: DPOConfig) -> Job:
         + (f", sft_weight={config.sft_weight}" if config.sft_weight else "")
         + f"; reference = {ref}" + (", precomputed once" if config.precompute_ref else ", run each step under no_grad"))
     objective = make_dpo_objective(config.beta, config.loss_type, config.label_smoothing, config.sft_weight, reference)
-    train_examples, eval_examples = load_examples(config, tok, "preference")
     return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id),
                eval_examples, lora, tok)
 

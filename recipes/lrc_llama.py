@@ -23,7 +23,8 @@ from minitrain.data import collate_causal
 from minitrain.errors import UserError
 from minitrain.lrc import init_lrc
 from minitrain.objectives import sft
-from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
+from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer, log,
+                           prepare_out_dir)
 from minitrain.train import train
 
 
@@ -52,7 +53,9 @@ config = LRCConfig(
 
 def setup(config: LRCConfig) -> Job:
     """Load the quantized base, attach adapters, set them to the quantization error, read the data; writes nothing."""
-    model, tok = load_model(config, models.from_hf_config)
+    tok = load_tokenizer(config)
+    train_examples, eval_examples = load_examples(config, tok, "sft")  # before the weights: seconds, not minutes
+    model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs")
     if config.init_adapter:
@@ -61,7 +64,6 @@ def setup(config: LRCConfig) -> Job:
                         f"(quantize={config.quantize}) instead")
     lora = attach_adapters(model, config)
     init_lrc(model, config.model, iters=config.lrc_iters, log=log)
-    train_examples, eval_examples = load_examples(config, tok, "sft")
     return Job(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), eval_examples,
                lora, tok)
 

@@ -8,8 +8,9 @@
 - `rng.safetensors`: rank 0's torch CPU generator state (uint8) and each CUDA device's state;
   under torchrun, `rng.rank<N>.safetensors` holds rank N's (every rank draws its own dropout);
 - `state.json`: step, schedule, data-order state (the Batcher's), running counters, python
-  `random` and numpy RNG states (a list, one per rank), the world size, and the run's config
-  (to refuse resuming a different run).
+  `random` and numpy RNG states (a list, one per rank), the world size, the run's config and
+  what the run was made from (`made_from`: fingerprints of the base model and its tokenizer,
+  the adapter's r / alpha / targets), so a resume against another run, model or adapter is refused.
 
 No pickle: nothing here can execute code when loaded (field report 003: `torch.load` of an old
 checkpoint tripped a CVE guard). Saving writes `checkpoint.tmp-*` completely, moves the previous
@@ -28,6 +29,7 @@ at the world size that saved it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -154,6 +156,108 @@ def _write_error(out: Path, e: BaseException) -> str:
             if previous is not None else "rerun (overwrite=true)")
     return (f"{out / NAME}: cannot write the checkpoint: {io_error_reason(e)} — free space or make {out} "
             f"writable, then {then}")
+
+
+# ----------------------------------------------------------------------------- what a run was made from
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json",
+                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+_SAMPLE = 1 << 20  # bytes of tensor data hashed at each end of a weights file
+
+
+def model_fingerprint(folder: str | os.PathLike) -> str:
+    """A hash of `config.json`, each weights file's header and the first and last MiB of its data.
+
+    Cheap (a few MiB read however large the model) and it tells apart two checkpoints of the same
+    shapes (a base and its fine-tune: same headers, other values). OSError if a file does not read."""
+    folder = Path(folder)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = min(8 + int.from_bytes(f.read(8), "little"), size)  # the length and the JSON header
+            f.seek(0)
+            h.update(f.read(head))
+            h.update(f.read(_SAMPLE))  # the first MiB of tensor data
+            f.seek(max(head, size - _SAMPLE))
+            h.update(f.read(_SAMPLE))  # the last
+    return h.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(folder: str | os.PathLike) -> str:
+    """A hash of the tokenizer files in `folder` (vocabulary, config, special tokens, chat template)."""
+    h = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        path = Path(folder) / name
+        if path.is_file():
+            h.update(name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def made_from(model: torch.nn.Module) -> dict[str, Any]:
+    """What a checkpoint of `model` is tied to: its base folder's fingerprints and its adapter's shape.
+
+    A model not loaded from a folder (`load_pretrained` sets `source_dir`) records None for those."""
+    from minitrain.lora import adapter_signature  # lora imports nothing of ours but errors / weights
+
+    folder = getattr(model, "source_dir", None)
+    out: dict[str, Any] = {"model_path": None, "model": None, "tokenizer": None, "adapter": adapter_signature(model)}
+    if folder is not None:
+        try:
+            out.update(model_path=str(folder), model=model_fingerprint(folder), tokenizer=tokenizer_fingerprint(folder))
+        except OSError:
+            pass
+    return out
+
+
+def check_made_from(saved: dict[str, Any] | None, mine: dict[str, Any], folder: str | os.PathLike) -> None:
+    """Refuse a resume whose base model, tokenizer or adapter is not the one the checkpoint was made
+    from (keys absent on either side, as in checkpoints written before this was recorded, pass)."""
+    if not isinstance(saved, dict):
+        return
+    was = saved.get("model_path") or "the one it was trained from"
+    todo = "or start a new out folder (another out=, or overwrite=true)"
+    if saved.get("model") and mine.get("model") and saved["model"] != mine["model"]:
+        raise UserError(f"{folder}: the checkpoint was made from another model ({was}); {mine.get('model_path')} "
+                        f"differs in config.json or weights — resume with model={was}, {todo}")
+    if saved.get("tokenizer") and mine.get("tokenizer") and saved["tokenizer"] != mine["tokenizer"]:
+        raise UserError(f"{folder}: the checkpoint was made with another tokenizer (the tokenizer files of {was}); "
+                        f"those of {mine.get('model_path')} differ — resume with model={was}, {todo}")
+    a, b = saved.get("adapter"), mine.get("adapter")
+    if a and b and a != b:
+        show = lambda s: ", ".join(f"{k}={v}" for k, v in s.items())  # noqa: E731
+        raise UserError(f"{folder}: the checkpoint's adapter is {show(a)}; this run's is {show(b)} — resume with "
+                        f"the same lora_* settings (or init_adapter), {todo}")
+
+
+def check_readable(folder: str | os.PathLike) -> dict[str, Any]:
+    """The state of the checkpoint `folder` after checking, without loading anything, that every file
+    `load` will read is there and reads (state.json parses; safetensors headers are whole): a
+    damaged checkpoint is refused before a resume writes anything."""
+    from minitrain.weights import read_header
+
+    folder = Path(folder)
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{folder / 'state.json'}: unreadable ({e}) — the checkpoint is damaged: restore it, or "
+                        f"start again without resume=true (overwrite=true)") from None
+    need = {"step": int, "run": dict, "counters": dict, "batcher": dict, "optimizer_scalars": dict}
+    bad = [k for k, t in need.items() if not isinstance(state, dict) or not isinstance(state.get(k), t)]
+    if bad:
+        raise UserError(f"{folder / 'state.json'}: damaged ({', '.join(bad)} missing or of the wrong type) — restore "
+                        f"the checkpoint, or start again without resume=true (overwrite=true)")
+    for name in ("weights.safetensors", "optimizer.safetensors", _rng_file(0)):
+        path = folder / name
+        if not path.is_file():
+            raise UserError(f"{path}: missing — the checkpoint is incomplete: restore it, or start again without "
+                            f"resume=true (overwrite=true)")
+        try:
+            read_header(path)
+        except UserError as e:
+            raise UserError(f"{e.message.split(' — ')[0]} — the checkpoint is damaged: restore it, or start again "
+                            f"without resume=true (overwrite=true)") from None
+    return state
 
 
 def saved_step(folder: Path) -> int | None:

@@ -122,6 +122,17 @@ class _Applied:
     saved: list[tuple[str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
 
 
+def adapter_signature(model: nn.Module) -> dict[str, Any] | None:
+    """What a checkpoint records of the model's adapter (r, alpha, rslora, targets, modules_to_save),
+    JSON-able; None without one. Two runs with equal signatures train the same tensors the same way."""
+    st = getattr(model, _STATE_ATTR, None)
+    if st is None:
+        return None
+    c = st.config
+    return {"r": c.r, "alpha": float(c.alpha), "rslora": c.rslora, "targets": _minimal_targets(model, st.wrapped),
+            "modules_to_save": list(c.modules_to_save)}
+
+
 def applied_config(model: nn.Module) -> LoRAConfig | None:
     """The `LoRAConfig` that `apply_lora` / `load_adapter` used on this model, or None."""
     st = getattr(model, _STATE_ATTR, None)
@@ -477,17 +488,19 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+def apply_lora(model: nn.Module, cfg: LoRAConfig, *, every_target: bool = True) -> list[str]:
     """Swap every target linear for a `LoRALinear` in place; returns the wrapped module names.
 
     Base parameters are not frozen here: call `freeze_for_adapters(model, cfg)` next. Applying a
-    second time, or to a model that already has LoRA layers, is a `UserError` (rule 4).
+    second time, or to a model that already has LoRA layers, is a `UserError` (rule 4), and so is a
+    listed target that selects no module (`every_target`; `load_adapter` reads a saved list as
+    PEFT does, skipping names this model lacks).
     """
     if getattr(model, _STATE_ATTR, None) is not None or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise UserError("apply_lora: the model already has LoRA adapters — adapters are applied once (rule 4); "
                         "to continue a saved adapter use load_adapter(model, folder, trainable=True), "
                         "to start a new one build the base model again")
-    names = _target_names(model, cfg.targets, strict=True) if cfg.targets else []
+    names = _target_names(model, cfg.targets, strict=every_target) if cfg.targets else []
     if not names and cfg.targets:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_wrappable(m)})
         first = cfg.targets if isinstance(cfg.targets, str) else cfg.targets[0]
@@ -947,7 +960,7 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool
     _check_adapter_tensors(model, cfg, wrapped, tensors, wpath)
 
     if st is None:
-        apply_lora(model, cfg)
+        apply_lora(model, cfg, every_target=False)
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for key, t in tensors.items():
@@ -986,6 +999,9 @@ def _check_adapter_tensors(model: nn.Module, cfg: LoRAConfig, wrapped: list[str]
                 raise UserError(f"{wpath}: no {ab} tensor for {n}, which the config's target_modules select — "
                                 f"the file and adapter_config.json do not belong together")
     for key, t in tensors.items():
+        if not t.dtype.is_floating_point:  # copy_ would silently turn integers into floats
+            raise UserError(f"{wpath}: {key} is stored as {str(t.dtype).removeprefix('torch.')} — adapter tensors "
+                            f"are floating point; the file is damaged or not a LoRA adapter: save it again")
         lora = re.fullmatch(r"(.+)\.(lora_[AB])\.weight", key)
         if lora:
             name, ab = lora.groups()

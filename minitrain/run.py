@@ -30,10 +30,11 @@ from safetensors import SafetensorError
 from torch import nn
 
 from minitrain import checkpoint, data, distributed
+from minitrain.audit import preflight
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
-from minitrain.lora import (LoRAConfig, apply_lora, count_parameters, freeze_for_adapters, load_adapter, save_adapter,
-                            trainable_report)
+from minitrain.lora import (LoRAConfig, adapter_signature, apply_lora, count_parameters, freeze_for_adapters,
+                            load_adapter, save_adapter, trainable_report)
 from minitrain.objectives import sft
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
@@ -88,6 +89,9 @@ def check_out_dir(cfg: Any) -> Path:
         raise UserError("out: empty — pass out=runs/<name>")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a folder — choose another out")
+    under = next((p for p in out.parents if p.exists()), None)  # the nearest ancestor that exists
+    if under is not None and not under.is_dir():
+        raise UserError(f"{out}: {under} is a file, so no folder can be made under it — choose another out")
     if cfg.resume:
         if not out.is_dir() or checkpoint.find(out) is None:
             if out.is_dir() and any(out.iterdir()):
@@ -120,26 +124,33 @@ def check_out_dir(cfg: Any) -> Path:
 
 
 def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
-    """Refuse `resume=true` when the checkpoint in `cfg.out` was made with other settings (writes nothing).
+    """Refuse `resume=true` when the checkpoint in `cfg.out` was made by another run (writes nothing).
 
-    The loop refuses the same when it loads the checkpoint, but by then `prepare_out_dir` has
-    rewritten `config.json`; checking here keeps a refused resume from changing the folder.
-    `run` adds values only known after reading the data (num_examples, total_steps, warmup_steps).
+    The checkpoint must read (state.json, the safetensors headers), hold this world size, these
+    settings, and have been made from this base model and tokenizer (`checkpoint.made_from`). The
+    loop checks the same when it loads it, but by then `prepare_out_dir` has rewritten
+    `config.json`; checking here keeps a refused resume from changing the folder. `run` adds values
+    only known after reading the data (num_examples, total_steps, warmup_steps).
     """
     folder = checkpoint.find(cfg.out)
     if not cfg.resume or folder is None:
         return
-    try:
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        items = list(state["run"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # an unreadable checkpoint is reported by checkpoint.load, with its own message
+    state = checkpoint.check_readable(folder)
     checkpoint.check_world_size(state, folder)
+    items = list(state["run"].items())
     mine = {**{k: getattr(cfg, k) for k, _ in items if hasattr(cfg, k)}, **(run or {})}
     for k, v in items:
         if k in mine and mine[k] != v:
             raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={mine[k]} "
                             f"— resume with the same settings, or start a new out folder")
+    model = Path(cfg.model) if getattr(cfg, "model", None) else None
+    if model is not None and model.is_dir():
+        try:
+            here = {"model_path": str(model), "model": checkpoint.model_fingerprint(model),
+                    "tokenizer": checkpoint.tokenizer_fingerprint(model)}
+        except OSError:
+            return  # an unreadable model folder is reported by load_model, with its own message
+        checkpoint.check_made_from(state.get("made_from"), here, folder)
 
 
 def config_differences(cfg: Any, config_path: Path) -> list[str]:
@@ -155,13 +166,22 @@ def config_differences(cfg: Any, config_path: Path) -> list[str]:
     return [k for k in keys if k not in NOT_THE_RUN and old.get(k) != new.get(k)]
 
 
-def prepare_out_dir(cfg: Any) -> Path:
+def prepare_out_dir(cfg: Any, job: Job | None = None) -> Path:
     """Create `out` and write the resolved config to `out/config.json` (atomically); returns `out`.
 
-    Call it after loading the model and data, right before training. A fresh start (no
-    `resume`) removes a previous run's adapter so no stale result sits beside the new config;
-    the loop itself clears the old metrics and checkpoint under `overwrite=true`.
+    Call it after loading the model and data, right before training. With the recipe's `job`, the
+    gradient-path audit that `train()` would run before step 1 runs first (the loop then does not
+    repeat it), so every refusal before step 1 comes before anything is written: the folder of a
+    refused start stays byte for byte as it was. A fresh start (no `resume`) removes a previous
+    run's adapter so no stale result sits beside the new config; the loop itself clears the old
+    metrics and checkpoint under `overwrite=true`.
     """
+    if job is not None and not getattr(cfg, "skip_audit", False):
+        from minitrain.train import audit_inputs, mark_audited  # train imports nothing of run
+
+        batch, optimizer, amp_dtype = audit_inputs(job.model, job.train_examples, job.collate, cfg)
+        preflight(job.model, job.objective, batch, optimizer=optimizer, amp_dtype=amp_dtype, log=log)
+        mark_audited(job.model, job.objective)
     out = Path(cfg.out)
     distributed.main_only(lambda: _write_config(cfg))  # under torchrun: rank 0 writes
     log(f"out: {out} ({'resuming' if cfg.resume else 'new run'}; config in {out / CONFIG_FILE})")
@@ -324,6 +344,12 @@ def _check_resume_tensors(model: nn.Module, cfg: Any) -> None:
         if saved[n] != shape:
             raise UserError(f"{folder}: {n} has shape {saved[n]}, the model {shape} — resume with the same model "
                             f"and adapter settings")
+    try:  # same tensors, same shapes: the adapter's alpha, rsLoRA or targets may still differ
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(state, dict):
+        checkpoint.check_made_from(state.get("made_from"), {"adapter": adapter_signature(model)}, folder)
 
 
 # ----------------------------------------------------------------------------- data

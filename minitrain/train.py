@@ -205,6 +205,8 @@ def train(
     # every rank audits the same batch)
     if getattr(cfg, "skip_audit", False):
         log("notice: gradient-path audit skipped (skip_audit=true)")
+    elif getattr(model, _AUDITED, None) == id(objective) and optimizer is None:
+        pass  # run.prepare_out_dir audited this model and objective before writing out/
     else:
         preflight(model, objective, audit_batch(train_examples, collate, cfg, device),
                   optimizer=optimizer, amp_dtype=amp_dtype, log=log)
@@ -220,9 +222,11 @@ def train(
     run_info.update(num_examples=len(train_examples), total_steps=total_steps, warmup_steps=warmup_steps)
     counters = {"skipped_steps": 0, "bad_in_row": 0, "micro_batches": 0, "tokens_seen": 0}
     step = 0
+    made_from = ckpt.made_from(model)  # base model, tokenizer, adapter: a resume must match them
     if cfg.resume:
         saved = ckpt.read_state(out)
         ckpt.check_world_size(saved, out / ckpt.NAME, world)
+        ckpt.check_made_from(saved.get("made_from"), made_from, ckpt.find(out))
         for k, v in saved["run"].items():  # check before touching the model
             if run_info.get(k) != v:
                 raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={run_info.get(k)} "
@@ -241,8 +245,8 @@ def train(
 
     def save_checkpoint() -> None:  # every rank calls it (gathers); rank 0 writes
         nonlocal saved_at
-        ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "counters": counters,
-                                           "batcher": batcher.state_dict(),
+        ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "made_from": made_from,
+                                           "counters": counters, "batcher": batcher.state_dict(),
                                            "schedule": {"next_step": step + 1, "total_steps": total_steps,
                                                         "warmup_steps": warmup_steps}})
         saved_at = step
@@ -424,6 +428,16 @@ def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list
         enable_checkpointing(model)
     optimizer = build_optimizer(named, cfg.weight_decay, cfg.lr)
     return audit_batch(examples, collate, cfg, device), optimizer, amp_dtype
+
+
+_AUDITED = "_minitrain_audited_objective"
+
+
+def mark_audited(model: nn.Module, objective: Objective) -> None:
+    """Note that the preflight passed for `model` with `objective` (run.prepare_out_dir runs it before
+    writing anything), so `train()` does not run it again. An id, not the objective: an objective
+    that is an nn.Module must not become a submodule of the model."""
+    setattr(model, _AUDITED, id(objective))
 
 
 def build_optimizer(

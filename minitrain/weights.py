@@ -265,13 +265,13 @@ def _check_against_model(model: nn.Module, folder: Path, headers: dict[Path, tup
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # on meta: only makes the tied names one Parameter, so we can see the groups
     expected = model.state_dict(keep_vars=True)  # includes every name of a tied tensor
-    ckpt: dict[str, tuple[list[int], Path]] = {}
+    ckpt: dict[str, tuple[list[int], Path, str]] = {}
     duplicated = []
     for path, (header, _) in headers.items():
         for key, info in header.items():
             if key in ckpt:
                 duplicated.append(f"{key} (in {ckpt[key][1].name} and {path.name})")
-            ckpt[key] = (info["shape"], path)
+            ckpt[key] = (info["shape"], path, info["dtype"])
 
     unexpected = [k for k in ckpt if k not in expected] + duplicated
     mismatched = [
@@ -279,14 +279,18 @@ def _check_against_model(model: nn.Module, folder: Path, headers: dict[Path, tup
         for k, t in expected.items()
         if k in ckpt and list(t.shape) != list(ckpt[k][0])
     ]
+    # a float weight stored as integers (an int64 cast, a quantized export) would fail mid-matmul
+    mistyped = [f"{k}: checkpoint {ckpt[k][2]}, the model needs a float" for k, t in expected.items()
+                if k in ckpt and t.dtype.is_floating_point and not _DTYPES[ckpt[k][2]].is_floating_point]
     names_of: dict[int, list[str]] = {}
     for k, t in expected.items():
         names_of.setdefault(id(t), []).append(k)
     missing = [k for names in names_of.values() if not any(n in ckpt for n in names) for k in names]
-    _raise_if_problems(folder, missing, unexpected, mismatched)
+    _raise_if_problems(folder, missing, unexpected, mismatched, mistyped)
 
 
-def _raise_if_problems(folder: Path, missing: list[str], unexpected: list[str], mismatched: list[str]) -> None:
+def _raise_if_problems(folder: Path, missing: list[str], unexpected: list[str], mismatched: list[str],
+                       mistyped: list[str] = ()) -> None:
     parts = []
     if missing:
         parts.append(f"missing keys {_names(missing)}")
@@ -294,6 +298,11 @@ def _raise_if_problems(folder: Path, missing: list[str], unexpected: list[str], 
         parts.append(f"unexpected keys {_names(unexpected)}")
     if mismatched:
         parts.append(f"shape mismatches {_names(mismatched)}")
+    if mistyped:
+        parts.append(f"dtype mismatches {_names(mistyped)}")
+    if mistyped and len(parts) == 1:
+        raise UserError(f"{folder}: checkpoint does not match the model: {parts[0]} — these weights were saved as "
+                        f"integers; use the original floating-point checkpoint (fp32 / fp16 / bf16 safetensors)")
     if parts:
         raise UserError(
             f"{folder}: checkpoint does not match the model built from its config.json: {'; '.join(parts)} — "

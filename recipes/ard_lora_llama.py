@@ -100,7 +100,7 @@ def run(config: ARDConfig) -> dict:
     """Train the ARD-LoRA adapter, re-estimating the prior on schedule; save the posterior-mean adapter."""
     out = check_out_dir(config)
     job = setup(config)
-    prepare_out_dir(config)
+    prepare_out_dir(config, job)
     model = job.model
     schedule = PriorSchedule(config.ard_every, out / ARD_LOG, eval_examples=job.eval_examples, collate=job.collate,
                              batch_size=config.batch_size, bins=config.ece_bins, samples=config.uncertainty_samples,

@@ -69,7 +69,7 @@ def run(config: DistillConfig) -> dict:
     """Distil into the student's adapter and save it; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
-    prepare_out_dir(config)
+    prepare_out_dir(config, job)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples)
     finish(job.model, config, job.lora, summary)

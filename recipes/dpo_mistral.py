@@ -99,7 +99,7 @@ def run(config: DPOConfig) -> dict:
     """Train the adapter with DPO and save it; returns the loop's summary plus the held-out metrics."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
-    out = prepare_out_dir(config)
+    out = prepare_out_dir(config, job)
     device = next(job.model.parameters()).device
     amp_dtype, _ = resolve_precision(config.precision, device)
     if config.precompute_ref:

@@ -195,7 +195,7 @@ def run(config: Seq2SeqConfig) -> dict:
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
     model, tok, lora, eval_examples = job.model, job.tok, job.lora, job.eval_examples
-    out = prepare_out_dir(config)
+    out = prepare_out_dir(config, job)
     if not config.resume:  # no stale best adapter or predictions beside a new run
         for stale in (BEST_DIR, PREDICTIONS_DIR):
             shutil.rmtree(out / stale, ignore_errors=True)

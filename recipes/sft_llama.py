@@ -46,7 +46,7 @@ def run(config: TrainConfig) -> dict:
     """Load, adapt, train, save the adapter; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
-    prepare_out_dir(config)
+    prepare_out_dir(config, job)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples)
     finish(job.model, config, job.lora, summary)

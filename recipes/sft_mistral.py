@@ -50,7 +50,7 @@ def run(config: TrainConfig) -> dict:
     """Train the Stage A adapter and save it; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
-    out = prepare_out_dir(config)
+    out = prepare_out_dir(config, job)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples)
     finish(job.model, config, job.lora, summary)

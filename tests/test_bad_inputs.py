@@ -84,6 +84,14 @@ def models_dir(hf_causal, tmp_path_factory) -> Path:
     save_file(small, d / "model.safetensors", metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
 
+    d = variant("int_weight")  # a float weight saved as integers
+    save_file({**tensors, key: tensors[key].to(torch.int64)}, d / "model.safetensors", metadata={"format": "pt"})
+    d = variant("other_weights")  # the same shapes and tokenizer, other values (another fine-tune)
+    save_file({k: t + 0.01 for k, t in tensors.items()}, d / "model.safetensors", metadata={"format": "pt"})
+    d = variant("other_tokenizer")  # the same weights, tokenizer files that differ
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tc, "model_max_length": 77}))
+
     import models
     from minitrain.weights import load_pretrained, save_pretrained
 
@@ -189,6 +197,17 @@ def test_bad_input(case, models_dir, adapter_other_base, trained, tmp_path, caps
         (out / "notes.txt").write_text("my notes")
     elif kind == "file":
         out.write_text("not a folder")
+    elif kind in ("damaged_state", "state_without_batcher", "damaged_weights"):
+        shutil.copytree(trained, out)
+        ck = out / "checkpoint"
+        if kind == "damaged_state":
+            (ck / "state.json").write_text((ck / "state.json").read_text()[:50])
+        elif kind == "state_without_batcher":
+            state = json.loads((ck / "state.json").read_text())
+            del state["batcher"]
+            (ck / "state.json").write_text(json.dumps(state))
+        else:
+            (ck / "weights.safetensors").write_bytes((ck / "weights.safetensors").read_bytes()[:100])
     else:
         assert kind == "fresh", kind
     before = snapshot(out)

@@ -35,13 +35,16 @@ SIDES = ("left", "right")
 
 
 class Examples(list):
-    """A list of examples, with what reading cost: `truncated` and `skipped` row counts."""
+    """A list of examples, with what reading cost: `truncated`, `skipped` and (preference pairs
+    whose two answers are the same tokens, dropped on request) `identical` row counts."""
 
-    def __init__(self, items: Sequence[dict] = (), *, path: str = "", truncated: int = 0, skipped: int = 0):
+    def __init__(self, items: Sequence[dict] = (), *, path: str = "", truncated: int = 0, skipped: int = 0,
+                 identical: int = 0):
         super().__init__(items)
         self.path = path
         self.truncated = truncated
         self.skipped = skipped
+        self.identical = identical
 
     @property
     def lengths(self) -> list[int]:
@@ -281,13 +284,17 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
 
 
 def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
-                    max_prompt_len: int | None = None, fields: dict[str, str] | None = None) -> Examples:
+                    max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+                    drop_identical: bool = False) -> Examples:
     """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`.
 
     Rows: `{"prompt", "chosen", "rejected"}`. The prompt is a string (`[bos] prompt`, the answers
     continuing it, + eos) or a list of chat messages (then each answer is the next assistant
     turn, via `tok.encode_chat`). The answers may also be lists of assistant messages. Prompt
     tokens are labelled -100 in both sequences; truncation cuts the shared prompt once.
+    A pair whose answers are the same tokens (as written, or once cut to `max_len`) teaches
+    nothing — its DPO loss sits at ln 2 with a zero gradient — and is refused naming its line,
+    or with `drop_identical` dropped and counted (`Examples.identical`).
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = _check_fields(fields, ("prompt", "chosen", "rejected"))
@@ -321,12 +328,23 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
                                     f'is a string — give both as messages or both as strings')
                 ids = tok.encode(row.text(name), continuation=True) + eos
                 answers.append([(t, t) for t in ids])
+        same_rows = answers[0] == answers[1]
         p, answers, cut = _fit(p, answers, max_len, max_prompt_len, truncation_side, tok.bos_id)
         out.truncated += cut
         ex: dict[str, list[int]] = {}
         for name, a in zip(("chosen", "rejected"), answers):
             ex[f"{name}_ids"] = p + [t for t, _ in a]
             ex[f"{name}_labels"] = [IGNORE] * len(p) + [lab for _, lab in a]
+        if ex["chosen_ids"] == ex["rejected_ids"] and ex["chosen_labels"] == ex["rejected_labels"]:
+            if drop_identical:
+                out.identical += 1
+                continue
+            why = ("are the same tokens" if same_rows else
+                   f"are the same tokens once cut to max_len={max_len} (they differ only past it)")
+            todo = "fix the row" if same_rows else "raise max_len or fix the row"
+            raise UserError(f'{where}: "{row.key("chosen")}" and "{row.key("rejected")}" {why}: the pair teaches '
+                            f'nothing (DPO loss ln 2, zero gradient) — {todo}, or pass drop_identical_pairs=true to '
+                            f'drop such pairs (counted)')
         if _targets(ex["chosen_labels"]) == 0 or _targets(ex["rejected_labels"]) == 0:
             out.skipped += 1
             continue

@@ -64,6 +64,8 @@ class DPOConfig(TrainConfig):
     sft_weight: float = doc(0.0, "weight of an NLL term on the chosen answers (per-token mean per pair; RPO)", ge=0)
     precompute_ref: bool = doc(False, "compute the reference log-probs once before training, cached in out/ref_logps")
     ref_batch_size: int = doc(0, "pairs per batch when precomputing the reference (0: 2 x batch_size)", ge=0)
+    drop_identical_pairs: bool = doc(False, "drop pairs whose chosen and rejected are the same tokens (counted); "
+                                            "else such a pair is an error naming its line")
 
     def check(self) -> None:
         super().check()

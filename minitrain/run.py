@@ -368,7 +368,12 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
         raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
     read = readers[kind]
     options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side)
+    if kind == "preference":
+        options["drop_identical"] = getattr(cfg, "drop_identical_pairs", False)
     train = read(cfg.data, tok, **options)
+    if not train and getattr(train, "identical", 0):
+        raise UserError(f"{cfg.data}: no usable examples ({train.identical} pairs dropped: chosen == rejected"
+                        + (f", {train.skipped} left no target token" if train.skipped else "") + ") — fix the rows")
     if not train:
         raise UserError(f"{cfg.data}: no usable examples ({train.skipped} rows left no target token within "
                         f"max_len={cfg.max_len}) — check the rows or raise max_len")
@@ -382,7 +387,8 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
         if ex is not None:
             log(f"data ({name}): {len(ex)} examples from {ex.path}"
                 + (f", {ex.truncated} truncated to max_len={cfg.max_len}" if ex.truncated else "")
-                + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else ""))
+                + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else "")
+                + (f", {ex.identical} dropped (chosen == rejected)" if getattr(ex, "identical", 0) else ""))
     return train, evals
 
 

@@ -213,7 +213,7 @@ def test_bad_input(case, models_dir, adapter_other_base, trained, tmp_path, caps
     before = snapshot(out)
 
     def fill(text: str) -> str:
-        return text.format(cases=CASES_DIR, tmp=tmp_path, adapter_other_base=adapter_other_base)
+        return text.format(cases=CASES_DIR, tmp=tmp_path, adapter_other_base=adapter_other_base, repo=REPO)
 
     argv = command_line(case, model, out, fill)
     if case.get("subprocess") or case.get("env") or ALL_SUBPROCESS:
@@ -288,3 +288,29 @@ def test_an_all_padding_batch_is_never_trained_on(models_dir):
             ex = read_sft(CASES_DIR / "data" / "truncation.jsonl", tok, max_len=max_len, truncation_side=side)
             assert all(any(x != IGNORE for x in e["labels"][1:]) for e in ex), (max_len, side)
             assert len(ex) + ex.skipped == 4
+
+
+def test_identical_dpo_pairs_dropped_on_request_and_counted(models_dir, tmp_path, capsys):
+    """drop_identical_pairs=true: the identical pair is left out and counted; the run trains on the
+    rest. Such a pair is worthless by the formula: -log sigmoid(beta * 0) = ln 2 whatever the
+    policy, so its gradient is exactly zero (checked with autograd)."""
+    import torch.nn.functional as F
+
+    from minitrain.data import read_preference
+    from minitrain.tokenizer import Tokenizer
+
+    data = CASES_DIR / "data" / "identical_pair.jsonl"
+    tok = Tokenizer.from_folder(models_dir / "good", chat_format="mistral")
+    ex = read_preference(data, tok, max_len=64, drop_identical=True)
+    assert (len(ex), ex.identical) == (2, 1)
+    logp = torch.tensor(-3.0, requires_grad=True)  # the same answer: the same log-prob on both sides
+    loss = -F.logsigmoid(0.1 * ((logp - (-3.5)) - (logp - (-3.5))))
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(math.log(2)) and float(logp.grad) == 0.0
+
+    out = tmp_path / "out"
+    args = {**base_args(models_dir / "good", out), "data": str(data), "drop_identical_pairs": "true", "eval_data": ""}
+    code = run_cli([str(REPO / "recipes" / "dpo_mistral.py")] + [f"{k}={v}" for k, v in args.items()])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"data (train): 2 examples from {data}, 1 dropped (chosen == rejected)" in stdout

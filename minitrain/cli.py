@@ -228,18 +228,86 @@ def parse_override(arg: str, config: Any, types_: dict[str, Any], where: str) ->
         bare = key.lstrip("-").replace("-", "_")
         if bare in types_:
             raise UserError(f"{shown(arg)}: keys take no dashes — write {bare}={shown(text) or '...'}")
+        ours = hf_name(bare, text, types_)
+        if ours:
+            raise UserError(f"{shown(arg)}: keys take no dashes, and {bare} is the Hugging Face name — write {ours}")
         raise UserError(f"{shown(arg)}: unknown option — options are --help and --version; settings are key=value")
     if not eq:
         example = f"{key}={_example(config, key)}" if key in types_ else "lr=1e-4"
         raise UserError(f"{arg!r}: expected key=value (no spaces around =) — e.g. {example}")
     if key not in types_:
-        close = difflib.get_close_matches(key, list(types_), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise UserError(f"unknown key {_quoted(key)} for {where} — {hint}valid keys: {', '.join(types_)}")
+        raise UserError(f"unknown key {_quoted(key)} for {where} — {_did_you_mean(key, text, types_)}valid keys: "
+                        f"{', '.join(types_)}")
     try:
         return key, parse_value(text, types_[key])
     except _Bad as e:
         raise UserError(f"{key}={shown(text)}: expected {e} — e.g. {key}={_example(config, key)}") from None
+
+
+# Hugging Face names people arrive with (transformers TrainingArguments, PEFT LoraConfig, TRL,
+# from_pretrained flags) -> ours; a value in the pair is the setting that means the same
+HF_NAMES: dict[str, tuple[str, str | None]] = {
+    "learning_rate": ("lr", None),
+    "per_device_train_batch_size": ("batch_size", None),
+    "train_batch_size": ("batch_size", None),
+    "gradient_accumulation_steps": ("grad_accum", None),
+    "num_train_epochs": ("epochs", None),
+    "warmup_ratio": ("warmup", None),  # warmup < 1 is a ratio of the optimizer steps
+    "warmup_steps": ("warmup", None),  # warmup >= 1 is a step count
+    "lr_scheduler_type": ("schedule", None),
+    "max_seq_length": ("max_len", None),
+    "max_length": ("max_len", None),
+    "model_max_length": ("max_len", None),
+    "output_dir": ("out", None),
+    "model_name_or_path": ("model", None),
+    "pretrained_model_name_or_path": ("model", None),
+    "train_file": ("data", None),
+    "dataset": ("data", None),
+    "validation_file": ("eval_data", None),
+    "eval_dataset": ("eval_data", None),
+    "logging_steps": ("log_every", None),
+    "eval_steps": ("eval_every", None),
+    "save_steps": ("save_every", None),
+    "gradient_checkpointing": ("checkpointing", None),
+    "resume_from_checkpoint": ("resume", "true"),
+    "overwrite_output_dir": ("overwrite", None),
+    "bf16": ("precision", "bf16"),
+    "fp16": ("precision", "fp16"),
+    "load_in_4bit": ("quantize", "nf4"),
+    "load_in_8bit": ("quantize", "int8"),
+    "r": ("lora_r", None),
+    "rank": ("lora_r", None),
+    "alpha": ("lora_alpha", None),
+    "dropout": ("lora_dropout", None),
+    "target_modules": ("lora_targets", None),
+    "use_rslora": ("rslora", None),
+    "teacher_model": ("teacher", None),
+    "teacher_model_name_or_path": ("teacher", None),
+}
+
+
+def _did_you_mean(key: str, text: str, types_: dict[str, Any]) -> str:
+    """`did you mean lr=2e-4? (...)` for a Hugging Face name we know (also misspelt) where this recipe has
+    the key, else the closest key by spelling, else ""."""
+    hf = key.lower().lstrip("-").replace("-", "_")
+    if hf not in HF_NAMES:
+        close = difflib.get_close_matches(hf, list(HF_NAMES), n=1, cutoff=0.85)
+        hf = close[0] if close else hf
+    ours = hf_name(hf, text, types_)
+    if ours:
+        return f"did you mean {ours}? ({hf} is the Hugging Face name); "
+    close = difflib.get_close_matches(key, list(types_), n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
+def hf_name(key: str, text: str, types_: dict[str, Any]) -> str | None:
+    """`learning_rate`, "2e-4" -> `lr=2e-4` where this recipe has `lr`; None for a name we do not map."""
+    ours, value = HF_NAMES.get(key.lower().lstrip("-").replace("-", "_"), (None, None))
+    if ours not in types_:
+        return None
+    if value is not None and text.strip().lower() in _FALSE:
+        value = None  # bf16=false, load_in_4bit=false: the default already
+    return f"{ours}={value or shown(text).strip() or '...'}"
 
 
 def _quoted(key: str) -> str:

@@ -7,6 +7,7 @@ check what a user really sees: exit code, one `error:` line on stderr, no traceb
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -424,3 +425,41 @@ def test_list_of_str_starting_with_bracket_is_a_plain_value():
     assert parse_value("[Question]", list[str]) == ["[Question]"]
     assert parse_value("[Question],[Answer]", list[str]) == ["[Question]", "[Answer]"]
     assert parse_value('["a","b"]', list[str]) == ["a", "b"]
+
+
+def test_hugging_face_names_get_a_did_you_mean():
+    """Every name in cli.HF_NAMES is a real Hugging Face name (a field of transformers'
+    TrainingArguments / BitsAndBytesConfig, PEFT's LoraConfig, TRL's SFT/DPO/GKD configs, or the
+    example scripts' ModelArguments / DataTrainingArguments), and each maps to a key of our configs
+    with a did-you-mean that carries the value."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    trl = pytest.importorskip("trl")
+    from minitrain.cli import HF_NAMES, apply_overrides
+    from minitrain.config import TrainConfig
+    from minitrain.distill import DistillConfig
+    from minitrain.dpo import DPOConfig
+    from minitrain.errors import UserError
+
+    real = set()
+    for cls in (transformers.TrainingArguments, transformers.BitsAndBytesConfig, peft.LoraConfig, trl.SFTConfig,
+                trl.DPOConfig, getattr(trl, "GKDConfig", trl.SFTConfig)):
+        real |= {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    real |= set(inspect.signature(transformers.BitsAndBytesConfig).parameters)
+    real |= set(inspect.signature(transformers.PreTrainedModel.from_pretrained).parameters)
+    # examples/pytorch/language-modeling/run_clm.py's ModelArguments / DataTrainingArguments, and the
+    # names people write for a teacher in distillation scripts
+    scripts = {"model_name_or_path", "train_file", "validation_file", "dataset", "eval_dataset", "rank", "alpha",
+               "dropout", "teacher_model", "teacher_model_name_or_path", "max_length", "train_batch_size"}
+    # names of transformers 4.x / TRL < 0.20 (gone from the installed versions, still in most tutorials)
+    older = {"warmup_ratio", "overwrite_output_dir", "max_seq_length", "model_max_length"}
+    assert set(HF_NAMES) - real - scripts - older == set()
+    ours = {f.name for cls in (TrainConfig, DPOConfig, DistillConfig) for f in dataclasses.fields(cls)}
+    assert {k for k, _ in HF_NAMES.values()} <= ours
+    for hf, (key, value) in HF_NAMES.items():
+        config = DistillConfig() if key == "teacher" else TrainConfig()
+        with pytest.raises(UserError) as e:
+            apply_overrides(config, [f"{hf}=true" if value else f"{hf}=7"])
+        assert f"did you mean {key}={value or 7}? ({hf} is the Hugging Face name)" in str(e.value), str(e.value)

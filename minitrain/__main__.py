@@ -41,4 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _unshadow()
+    from minitrain.cli import main_quietly  # `--version | head`: a closed pipe ends it quietly
+
+    sys.exit(main_quietly(main))

@@ -72,6 +72,23 @@ def run_cli(argv: list[str]) -> int:
             sys.modules["minitrain.distributed"].shutdown()
 
 
+def main_quietly(main: Callable[..., int | None], *args: Any) -> int:
+    """Run a command-line entry point (`tools/*.py`); a reader that closed the pipe (`... | head`)
+    ends it quietly with exit code 0 instead of a BrokenPipeError traceback.
+
+    stdout is flushed inside the guard (a closed pipe shows up here, not at interpreter exit, also
+    after argparse's `--help` exits), then pointed at /dev/null so the exit flush has nowhere to fail."""
+    try:
+        try:
+            code = main(*args)
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code or 0
+
+
 def _main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -77,3 +77,25 @@ def test_generate_one_prompt_and_stdin_agree(adapter):
                  stdin=prompt + "\n")
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout.strip() == one.stdout.strip()  # greedy: the same answer either way
+
+
+def _closed_pipe_run(args: list[str]) -> subprocess.CompletedProcess:
+    """Run `args` with a stdout pipe that the reader closes at once (`... | head` at its limit)."""
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    p.stdout.close()  # before the process writes: its first write or flush meets a closed pipe
+    err = p.stderr.read().decode()
+    return subprocess.CompletedProcess(args, p.wait(), "", err)
+
+
+@pytest.mark.parametrize("cmd", [
+    *[[f"tools/{t.name}", "--help"] for t in sorted((REPO / "tools").glob("*.py"))],
+    ["tools/plan.py", "recipes/sft_mistral.py", "--all"],
+    ["-m", "minitrain", "recipes/sft_llama.py", "--help"],
+    ["-m", "minitrain", "--version"],
+], ids=lambda c: " ".join(c))
+def test_a_closed_pipe_ends_every_tool_and_the_cli_quietly(cmd):
+    """`python tools/plan.py ... | head`: no BrokenPipeError traceback, no 'Exception ignored', exit 0."""
+    p = _closed_pipe_run([sys.executable, *cmd])
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    assert p.returncode == 0, p.stderr

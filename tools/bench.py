@@ -743,4 +743,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.path.insert(0, str(ROOT))
+    from minitrain.cli import main_quietly
+
+    sys.exit(main_quietly(main, sys.argv[1:]))

@@ -247,4 +247,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
+
+    sys.exit(main_quietly(main))

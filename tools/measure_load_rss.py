@@ -151,4 +151,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(ROOT))
+    from minitrain.cli import main_quietly
+
+    sys.exit(main_quietly(main))

@@ -158,4 +158,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
+
+    sys.exit(main_quietly(main, sys.argv[1:]))

@@ -175,4 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
+
+    sys.exit(main_quietly(main))

@@ -16,8 +16,12 @@ per trainable tensor and per module, whether its gradient is
     ok           with its norm
 
 and, when a path is cut, names where: the module whose output stopped requiring grad, a region
-that ran under `no_grad`, a loss detached from the model's output. `preflight` is what the
-training loop runs before step 1; `tools/audit.py` prints the same report for any recipe.
+that ran under `no_grad`, a loss detached from the model's output, an adapter merged into its
+base (or disabled) whose layers it lists. A gradient that is exactly zero with no partner that
+can move (a LoRA B frozen at zero, a loss that reaches the tensors only through `* 0`) is a
+problem: no verdict with such a tensor is "healthy". `preflight` is what the training loop runs
+before step 1 (recipes run it in `run.prepare_out_dir`, before `out` is written);
+`tools/audit.py` prints the same report for any recipe.
 """
 
 from __future__ import annotations
@@ -256,8 +260,8 @@ def audit(
             problems.append("no trainable tensors: every parameter is frozen — attach an adapter (apply_lora) or "
                             "mark the tensors to train")
     elif adapters_frozen:
-        notes.append(f"{len(adapters_frozen)} adapter tensors are frozen (e.g. {adapters_frozen[0]}): loaded without "
-                     f"trainable=True, so they will not train")
+        notes.append(f"{len(adapters_frozen)} adapter tensors are frozen (e.g. {adapters_frozen[0]}), so they will "
+                     f"not train")
     if optimizer is not None:
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, p in trainable if id(p) not in held]
@@ -433,21 +437,26 @@ def _unexplained_zeros(model: nn.Module, statuses: dict[str, TensorAudit], n_tra
     """Trainable tensors whose gradient is exactly zero with no partner that can move: each would
     stay bit-identical for the whole run, so they are problems, never notes (rule 5)."""
     every = dict(model.named_parameters())
-    out, others = [], []
+    swap = {".lora_A.": ".lora_B.", ".lora_B.": ".lora_A."}
+    stuck: list[tuple[str, str, str]] = []  # (tensor, its frozen zero partner, the partner's side)
+    others: list[str] = []
     for n, t in statuses.items():
         if t.status != ZERO:
             continue
-        swap = {".lora_A.": ".lora_B.", ".lora_B.": ".lora_A."}
         kind = next((k for k in swap if k in n), None)
-        partner_name = n.replace(kind, swap[kind]) if kind else None
-        partner = every.get(partner_name) if partner_name else None
+        partner_name = n.replace(kind, swap[kind]) if kind else ""
+        partner = every.get(partner_name)
         if partner is not None and not partner.requires_grad and not partner.detach().any():
-            side = "B" if kind == ".lora_A." else "A"
-            out.append(f"{n}: gradient exactly zero for ever — its LoRA {side} ({partner_name}) is zero and frozen "
-                       f"(requires_grad=False), so nothing can make it non-zero — train {side} as well (to freeze one "
-                       f"side, as LoRA-FA does, freeze A and train B)")
+            stuck.append((n, partner_name, "B" if kind == ".lora_A." else "A"))
         else:
             others.append(n)
+    out = []
+    if stuck:
+        n, partner, side = stuck[0]
+        more = f" (and {len(stuck) - 1} more like it)" if len(stuck) > 1 else ""
+        out.append(f"{n}{more}: gradient exactly zero for ever — its LoRA {side} ({partner}) is zero and frozen "
+                   f"(requires_grad=False), so nothing can make it non-zero — train {side} as well (to freeze one "
+                   f"side, as LoRA-FA does, freeze A and train B)")
     if others:
         more = f" and {len(others) - 1} more" if len(others) > 1 else ""
         out.append(f"{len(others)} of {n_trainable} trainable tensors get an exactly zero gradient (e.g. {others[0]}"

@@ -242,8 +242,10 @@ def check_readable(folder: str | os.PathLike) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise UserError(f"{folder / 'state.json'}: unreadable ({e}) — the checkpoint is damaged: restore it, or "
                         f"start again without resume=true (overwrite=true)") from None
-    need = {"step": int, "run": dict, "counters": dict, "batcher": dict, "optimizer_scalars": dict}
+    need = {"step": int, "optimizer_scalars": dict, "rng": (list, dict)}  # what `save` always writes
+    loop = {"run": dict, "counters": dict, "batcher": dict}  # the loop's, when present
     bad = [k for k, t in need.items() if not isinstance(state, dict) or not isinstance(state.get(k), t)]
+    bad += [k for k, t in loop.items() if isinstance(state, dict) and k in state and not isinstance(state[k], t)]
     if bad:
         raise UserError(f"{folder / 'state.json'}: damaged ({', '.join(bad)} missing or of the wrong type) — restore "
                         f"the checkpoint, or start again without resume=true (overwrite=true)")

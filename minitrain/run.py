@@ -137,7 +137,7 @@ def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
         return
     state = checkpoint.check_readable(folder)
     checkpoint.check_world_size(state, folder)
-    items = list(state["run"].items())
+    items = list(state.get("run", {}).items())
     mine = {**{k: getattr(cfg, k) for k, _ in items if hasattr(cfg, k)}, **(run or {})}
     for k, v in items:
         if k in mine and mine[k] != v:

@@ -227,6 +227,10 @@ def train(
         saved = ckpt.read_state(out)
         ckpt.check_world_size(saved, out / ckpt.NAME, world)
         ckpt.check_made_from(saved.get("made_from"), made_from, ckpt.find(out))
+        missing = [k for k in ("run", "counters", "batcher") if k not in saved]
+        if missing:
+            raise UserError(f"{ckpt.find(out) / 'state.json'}: holds no {', '.join(missing)} — it was not written by "
+                            f"this training loop; start again without resume=true (overwrite=true)")
         for k, v in saved["run"].items():  # check before touching the model
             if run_info.get(k) != v:
                 raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={run_info.get(k)} "

@@ -197,14 +197,14 @@ def test_bad_input(case, models_dir, adapter_other_base, trained, tmp_path, caps
         (out / "notes.txt").write_text("my notes")
     elif kind == "file":
         out.write_text("not a folder")
-    elif kind in ("damaged_state", "state_without_batcher", "damaged_weights"):
+    elif kind in ("damaged_state", "state_without_optimizer_scalars", "damaged_weights"):
         shutil.copytree(trained, out)
         ck = out / "checkpoint"
         if kind == "damaged_state":
             (ck / "state.json").write_text((ck / "state.json").read_text()[:50])
-        elif kind == "state_without_batcher":
+        elif kind == "state_without_optimizer_scalars":
             state = json.loads((ck / "state.json").read_text())
-            del state["batcher"]
+            del state["optimizer_scalars"]
             (ck / "state.json").write_text(json.dumps(state))
         else:
             (ck / "weights.safetensors").write_bytes((ck / "weights.safetensors").read_bytes()[:100])

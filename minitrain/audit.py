@@ -30,7 +30,7 @@ import contextlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -70,6 +70,9 @@ class AuditReport:
     quantized: list[str]  # quantized (non-float) tensors, never trainable
     layer_norms: dict[str, float]  # per block: gradient norm of its trainable tensors
     loss: float | None
+    # not fatal, but the verdict cannot be "healthy": some (not all) tensors get an exactly zero
+    # gradient on this batch with nothing to explain it (data-dependent, or a `* 0` term)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -82,6 +85,9 @@ class AuditReport:
 
     def verdict(self) -> str:
         n = len(self.tensors)
+        if self.ok and self.warnings:
+            return f"audit: WARNING — {self.warnings[0]}" + (f" (+{len(self.warnings) - 1} more)"
+                                                              if len(self.warnings) > 1 else "")
         if self.ok:
             reached = sum(t.status in (OK, ZERO_AT_INIT) for t in self.tensors)
             init = sum(t.status == ZERO_AT_INIT for t in self.tensors)
@@ -122,6 +128,8 @@ class AuditReport:
             lines.append(f"loss on the audit batch: {self.loss:.6g}")
         for n in self.notes:
             lines.append(f"note: {n}")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
         for p in self.problems + self.numeric:
             lines.append(f"problem: {p}")
         n = len(self.problems) + len(self.numeric)
@@ -311,7 +319,8 @@ def audit(
     for t in statuses.values():
         if t.status == NONFINITE:
             numeric.append(f"{t.name}: non-finite gradient — check the data, the learning rate and the precision")
-    problems += _unexplained_zeros(model, statuses, len(trainable))
+    stuck, warnings = _unexplained_zeros(model, statuses, len(trainable))
+    problems += stuck
     return AuditReport(
         tensors=list(statuses.values()),
         problems=problems,
@@ -322,6 +331,7 @@ def audit(
         quantized=quantized,
         layer_norms=_layer_norms(statuses.values()),
         loss=loss_value,
+        warnings=warnings,
     )
 
 
@@ -433,9 +443,12 @@ def _probe_zero_at_init(model, objective, batch, amp_dtype, trainable, statuses,
                 b.copy_(v)
 
 
-def _unexplained_zeros(model: nn.Module, statuses: dict[str, TensorAudit], n_trainable: int) -> list[str]:
-    """Trainable tensors whose gradient is exactly zero with no partner that can move: each would
-    stay bit-identical for the whole run, so they are problems, never notes (rule 5)."""
+def _unexplained_zeros(model: nn.Module, statuses: dict[str, TensorAudit],
+                       n_trainable: int) -> tuple[list[str], list[str]]:
+    """(problems, warnings) for trainable tensors whose gradient is exactly zero with no partner that
+    can move. A partner frozen at zero, or every trainable tensor at zero, means nothing can ever
+    train: a problem. Some tensors at zero may be this batch alone (a single loss position makes
+    attention's q / k gradients exactly zero): a warning, and the verdict is not "healthy"."""
     every = dict(model.named_parameters())
     swap = {".lora_A.": ".lora_B.", ".lora_B.": ".lora_A."}
     stuck: list[tuple[str, str, str]] = []  # (tensor, its frozen zero partner, the partner's side)
@@ -450,20 +463,24 @@ def _unexplained_zeros(model: nn.Module, statuses: dict[str, TensorAudit], n_tra
             stuck.append((n, partner_name, "B" if kind == ".lora_A." else "A"))
         else:
             others.append(n)
-    out = []
+    problems, warnings = [], []
     if stuck:
         n, partner, side = stuck[0]
         more = f" (and {len(stuck) - 1} more like it)" if len(stuck) > 1 else ""
-        out.append(f"{n}{more}: gradient exactly zero for ever — its LoRA {side} ({partner}) is zero and frozen "
-                   f"(requires_grad=False), so nothing can make it non-zero — train {side} as well (to freeze one "
-                   f"side, as LoRA-FA does, freeze A and train B)")
-    if others:
-        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
-        out.append(f"{len(others)} of {n_trainable} trainable tensors get an exactly zero gradient (e.g. {others[0]}"
-                   f"{more}), so they would never change: the loss reaches them only through a factor that is zero "
-                   f"(a `+ p.sum() * 0` term, a frozen tensor that is zero, a mask over every target) — make the "
-                   f"loss depend on them")
-    return out
+        problems.append(f"{n}{more}: gradient exactly zero for ever — its LoRA {side} ({partner}) is zero and frozen "
+                        f"(requires_grad=False), so nothing can make it non-zero — train {side} as well (to freeze one "
+                        f"side, as LoRA-FA does, freeze A and train B)")
+    if others and len(others) == n_trainable:
+        problems.append(f"{len(others)} of {n_trainable} trainable tensors get an exactly zero gradient (e.g. "
+                        f"{others[0]}{f' and {len(others) - 1} more' if len(others) > 1 else ''}), so they would "
+                        f"never change: the loss reaches them only through a factor that is zero (a `+ p.sum() * 0` "
+                        f"term, a frozen tensor that is zero, a mask over every target) — make the loss depend on them")
+    elif others:
+        warnings.append(f"{len(others)} of {n_trainable} trainable tensors get an exactly zero gradient on this batch "
+                        f"(e.g. {others[0]}): either this example does not exercise them (one loss position gives "
+                        f"attention's q / k a zero gradient) or the loss reaches them only through `* 0` — check "
+                        f"with a longer example")
+    return problems, warnings
 
 
 def _bypassed_modules(model: nn.Module) -> dict[str, str]:

@@ -401,3 +401,30 @@ def test_i_adapter_disabled_during_training(lora_model):
     with disable_adapters(lora_model):
         report = audit(lora_model, sft, _batch())
     assert not report.ok and "disabled in 4 layers" in report.problems[0]
+
+
+def test_h_zero_on_this_batch_only_is_a_warning_not_healthy_and_not_fatal():
+    """One loss position (a 2-token example: the first token predicts the second): attention over a
+    single key has a q / k gradient of exactly zero whatever the weights (the softmax of one score is
+    1). The batch, not the run, is at fault: the verdict is a WARNING (never "healthy") and the
+    preflight lets the run go. (The exact zero needs an exact softmax backward: test_train's TinyLM.)"""
+    from minitrain.data import collate_causal
+    from test_train import TinyLM, freeze_embeddings
+
+    model = freeze_embeddings(TinyLM(seed=3))
+    batch = collate_causal([{"input_ids": [5, 9], "labels": [-100, 9]}], pad_id=0)
+    report = audit(model, sft, batch)
+    zero = {t.name for t in report.tensors if t.status == "zero"}
+    # reference: autograd on the same loss gives exactly zero for those tensors, non-zero for the rest
+    loss_sum, count, _ = sft(model, batch)
+    (loss_sum / count).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert zero == {n for n, g in grads.items() if not g.any()}
+    assert zero and all(".self_attn.q_proj." in n or ".self_attn.k_proj." in n for n in zero), zero
+    assert report.ok and not report.problems
+    assert report.verdict().startswith(f"audit: WARNING — {len(zero)} of {len(grads)} trainable tensors get an "
+                                       f"exactly zero gradient on this batch")
+    model.zero_grad(set_to_none=True)
+    lines: list[str] = []
+    preflight(model, sft, batch, log=lines.append)
+    assert lines[0].startswith("audit: WARNING")

@@ -19,6 +19,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "mistral": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "LlamaForCausalLM"),
     "qwen3": ("llama", "LlamaForCausalLM"),
+    "gemma2": ("gemma", "GemmaForCausalLM"),
+    "gemma3_text": ("gemma", "GemmaForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     "t5": ("t5", "T5ForConditionalGeneration"),
 }
 SUPPORTED = tuple(FAMILIES)

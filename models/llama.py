@@ -76,12 +76,14 @@ ROPE_KEYS: dict[str, tuple[str, ...]] = {
         "truncate",
     ),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings"),
 }
 ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
 }
 
 # HF's class defaults for fields a config.json may leave out (they differ between the families).
@@ -142,7 +144,7 @@ def _normalize_rope_scaling(
         raise ValueError(f"config.json: rope_scaling of type {rope_type!r} is missing {missing} — add them")
     if rope_type == "default":
         return None
-    if rope_type in ("yarn", "llama3"):
+    if rope_type in ("yarn", "llama3", "longrope"):
         r.setdefault("original_max_position_embeddings", max_position_embeddings)
     return {"rope_type": rope_type, **r}
 
@@ -399,6 +401,17 @@ def rope_inv_freq(config: LlamaConfig, seq_len: int | None = None) -> tuple[torc
         inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
         return inv_freq, float(attention_factor)
 
+    if kind == "longrope":  # Phi-3: per-frequency divisors, the long set once past the trained length
+        old_len = r["original_max_position_embeddings"]
+        factor = r.get("factor") or config.max_position_embeddings / old_len
+        attention_factor = r.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+        ext = r["long_factor"] if seq_len and seq_len > old_len else r["short_factor"]
+        if len(ext) != dim // 2:
+            raise ValueError(f"config.json: rope_scaling factors have {len(ext)} entries — RoPE needs head_dim/2 = {dim // 2}")
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**exponents), float(attention_factor)
+
     raise ValueError(f"config.json: rope_type {kind!r} is not supported")  # from_hf already refused it
 
 
@@ -410,20 +423,24 @@ class RotaryEmbedding:
 
     def __init__(self, config: LlamaConfig) -> None:
         self.config = config
-        self._cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
+        self._cache: dict[tuple, tuple[torch.Tensor, float]] = {}  # (device[, long]) -> table
 
     def inv_freq(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
         device = position_ids.device
         r = self.config.rope_scaling
-        if r is not None and r["rope_type"] == "dynamic":
+        key: tuple = (device,)
+        if r is not None and r["rope_type"] in ("dynamic", "longrope"):
             seq_len = int(position_ids.max()) + 1  # HF: the longest position in the batch
-            if seq_len > self.config.max_position_embeddings:
+            if r["rope_type"] == "dynamic" and seq_len > self.config.max_position_embeddings:
                 inv_freq, scale = rope_inv_freq(self.config, seq_len)
                 return inv_freq.to(device), scale
-        if device not in self._cache:
-            inv_freq, scale = rope_inv_freq(self.config)
-            self._cache[device] = (inv_freq.to(device), scale)
-        return self._cache[device]
+            if r["rope_type"] == "longrope":  # two tables: short and long factors
+                key = (device, seq_len > r["original_max_position_embeddings"])
+                seq_len = seq_len if key[1] else None
+        if key not in self._cache:
+            inv_freq, scale = rope_inv_freq(self.config, seq_len if len(key) > 1 else None)
+            self._cache[key] = (inv_freq.to(device), scale)
+        return self._cache[key]
 
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids (B, T) -> cos, sin (B, T, hd) in `dtype` (the residual stream's, as HF)."""

@@ -269,7 +269,7 @@ BASE = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_siz
     [
         ({"foo_scale": 2.0}, "foo_scale"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "mrope"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "mystery": 1}}, "mystery"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),

@@ -7,7 +7,7 @@
                                    bad row costs seconds, not minutes of loading
     load_model(cfg, build, tok)    weights streamed into `build(config.json)` (+ quantized)
     attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report
-    prepare_out_dir(cfg)           create `out`, write the resolved `config.json`
+    prepare_out_dir(cfg, job)      the preflight audit, then create `out`, write the resolved `config.json`
     ... train(...) ...             minitrain.train: the loop, called by the recipe itself
     finish(model, cfg, lora, summary)  the adapter in PEFT format in `out/adapter`, and where things are
 

@@ -344,6 +344,8 @@ def build_t5(hf: dict, dtype=torch.float32, targets=T5_ALL, r=16, lora_dropout=0
     """As the recipe does it: LoRA on the targets, fp32 trainable tensors, training mode (dropout on)."""
     torch.manual_seed(0)
     model = models.from_hf_config(hf).to(dtype)
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    targets = [t for t in targets if t in leaves]  # recipes/lora_t5.py keeps the defaults the model has
     cfg = LoRAConfig(r=r, alpha=2 * r, dropout=lora_dropout, targets=list(targets),
                      modules_to_save=list(modules_to_save))
     apply_lora(model, cfg)

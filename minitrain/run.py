@@ -75,6 +75,8 @@ class Job:
 def check_out_dir(cfg: Any) -> Path:
     """Refuse an `out` that holds something other than a run we may write (writes nothing).
 
+    First, a run without `model` or `data` is refused (before minutes of loading).
+
     A folder with run outputs (metrics, checkpoint, adapter) needs `resume=true` (continue it)
     or `overwrite=true` (replace it); the message says how its config.json differs from this
     run's. A non-empty folder without a config.json is not ours to write into without
@@ -83,6 +85,10 @@ def check_out_dir(cfg: Any) -> Path:
     out = Path(cfg.out)
     if not str(cfg.out):
         raise UserError("out: empty — pass out=runs/<name>")
+    if not cfg.model:  # a real run asks for what it lacks before anything loads
+        raise UserError("model: not set — pass model=path/to/hf_model_folder (config.json, *.safetensors, tokenizer)")
+    if not getattr(cfg, "data", "x"):
+        raise UserError("data: not set — pass data=path/to/train.jsonl")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a folder — choose another out")
     if cfg.resume:

@@ -82,7 +82,12 @@ class TrainConfig:
     save_every: int = doc(0, "save a resumable checkpoint every N optimizer steps (0: only at the end)", ge=0)
     eval_every: int = doc(0, "evaluate every N optimizer steps (0: only at the end)", ge=0)
     log_every: int = doc(1, "write metrics every N optimizer steps", ge=1)
+    report_to: str = doc("none", "a metrics sink beside metrics.jsonl: tensorboard writes out/tensorboard/ "
+                                 "(needs the tensorboard extra)", choices=("none", "tensorboard"))
     resume: bool = doc(False, "continue exactly from out/checkpoint")
+    extend: bool = doc(False, "with resume: continue a run (finished or not) to a new max_steps / epochs; the "
+                              "steps after the checkpoint take the LR of a schedule sized for the new total "
+                              "(printed before they run)")
     overwrite: bool = doc(False, "allow writing into an output folder that holds a different run")
     max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many non-finite steps in a row", ge=1)
     skip_audit: bool = doc(False, "skip the gradient-path audit before step 1 (the skip is logged)")
@@ -100,8 +105,15 @@ class TrainConfig:
 
     def check(self) -> None:
         """Rules across fields (per-field bounds and choices are checked by `validate`)."""
+        if self.report_to != "none":
+            from minitrain.progress import check_sink
+
+            check_sink(self.report_to)
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"device={shown(self.device)}: not a device — use auto, cpu, cuda or cuda:N")
+        if self.extend and not self.resume:
+            raise UserError("extend=true: extends a saved run — pass resume=true with it (and the new max_steps "
+                            "or epochs)")
         if self.max_steps == 0:
             raise UserError("max_steps=0: would train nothing — give a number of optimizer steps, "
                             "or max_steps=-1 to derive it from epochs")

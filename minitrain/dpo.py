@@ -418,7 +418,7 @@ def compute_reference_logps(model: nn.Module, reference: BaseReference | Adapter
     was = model.training
     model.train()
     try:
-        for i in tqdm(range(0, len(examples), batch_size), desc=desc, dynamic_ncols=True):
+        for i in tqdm(range(0, len(examples), batch_size), desc=desc, dynamic_ncols=True, disable=None):
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                      for k, v in collate(list(examples[i : i + batch_size])).items()}
             with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):

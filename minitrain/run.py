@@ -48,7 +48,7 @@ ADAPTER_DIR = "adapter"
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR)
 # keys that say where / how to start, not what the run is
-NOT_THE_RUN = ("out", "resume", "overwrite")
+NOT_THE_RUN = ("out", "resume", "overwrite", "extend")
 
 
 
@@ -139,10 +139,7 @@ def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
         return  # an unreadable checkpoint is reported by checkpoint.load, with its own message
     checkpoint.check_world_size(state, folder)
     mine = {**{k: getattr(cfg, k) for k, _ in items if hasattr(cfg, k)}, **(run or {})}
-    for k, v in items:
-        if k in mine and mine[k] != v:
-            raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={mine[k]} "
-                            f"— resume with the same settings, or start a new out folder")
+    checkpoint.check_run(dict(items), mine, extend=getattr(cfg, "extend", False))
 
 
 def config_differences(cfg: Any, config_path: Path) -> list[str]:

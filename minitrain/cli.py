@@ -104,8 +104,16 @@ def _main(argv: list[str]) -> int:
     from minitrain import distributed
 
     distributed.init(config)  # under torchrun: join the process group (else only checks parallel=)
+    from minitrain import fit
+
+    config = fit.check(config, log=_log)  # on CUDA: plan the peak before any weight is read
     recipe.run(config)
     return 0
+
+
+def _log(line: str) -> None:
+    if _rank() == 0:
+        print(line, flush=True)
 
 
 def _rank() -> int:

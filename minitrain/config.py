@@ -75,6 +75,12 @@ class TrainConfig:
     precision: str = doc("auto", "auto: bf16 autocast where supported, else fp32",
                          choices=("auto", "bf16", "fp32", "fp16"))
     checkpointing: bool = doc(False, "non-reentrant activation checkpointing per block")
+    memory_check: bool = doc(True, "on CUDA, plan the peak memory from config.json before loading and stop "
+                                   "with suggestions if it exceeds the free memory (minitrain.fit)")
+    auto_fit: bool = doc(False, "when the plan does not fit: choose checkpointing and the micro-batch "
+                                "(global batch kept through grad_accum) instead of stopping")
+    gpu_mem: str = doc("", "plan against this much device memory (e.g. 12GiB) instead of the GPU's free "
+                           "memory; also checks on a machine without a GPU")
     compile: bool = doc(False, "torch.compile each block (CUDA only)")
     parallel: str = doc("ddp", "under torchrun: ddp (each rank holds the model, gradients summed) or fsdp "
                                "(FSDP2 shards blocks, gradients and optimizer state); fsdp needs torchrun",
@@ -111,6 +117,13 @@ class TrainConfig:
             check_sink(self.report_to)
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"device={shown(self.device)}: not a device — use auto, cpu, cuda or cuda:N")
+        if self.gpu_mem:
+            from minitrain.plan import parse_bytes
+
+            try:
+                parse_bytes(self.gpu_mem)
+            except UserError:
+                raise UserError(f"gpu_mem={shown(self.gpu_mem)}: not a size — e.g. gpu_mem=12GiB") from None
         if self.extend and not self.resume:
             raise UserError("extend=true: extends a saved run — pass resume=true with it (and the new max_steps "
                             "or epochs)")

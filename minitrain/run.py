@@ -85,7 +85,7 @@ def check_out_dir(cfg: Any) -> Path:
     out = Path(cfg.out)
     if not str(cfg.out):
         raise UserError("out: empty — pass out=runs/<name>")
-    if not cfg.model:  # a real run asks for what it lacks before anything loads
+    if not getattr(cfg, "model", "x"):  # a real run asks for what it lacks before anything loads
         raise UserError("model: not set — pass model=path/to/hf_model_folder (config.json, *.safetensors, tokenizer)")
     if not getattr(cfg, "data", "x"):
         raise UserError("data: not set — pass data=path/to/train.jsonl")

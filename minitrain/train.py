@@ -41,6 +41,7 @@ from minitrain import distributed
 from minitrain.audit import preflight
 from minitrain.data import Batcher
 from minitrain.errors import UserError
+from minitrain.fit import planned_peak_mb
 from minitrain.optim import AdamW
 from minitrain.progress import Progress, open_sink
 from minitrain.schedule import lr_at, resolve_steps
@@ -122,7 +123,8 @@ def train(
     the loss (rule 5); `cfg.skip_audit` skips it, and the skip is logged.
 
     Each metrics.jsonl row: step, loss (window loss sum / window count), lr, grad_norm (before
-    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb,
+    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb (and
+    planned_peak_mb, the plan's figure, on CUDA or with `gpu_mem`: `minitrain.fit`),
     epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
     on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
     and eval_fn's.
@@ -178,6 +180,7 @@ def train(
         log("notice: some trainable tensors are not fp32; AdamW updates them in their own dtype")
 
     distributed.main_only(lambda: _prepare_out(out, cfg))
+    planned_mb = planned_peak_mb(cfg, device)  # logged beside the measured peak_mem_mb (CUDA)
     torch.manual_seed(cfg.seed + rank)  # each rank draws its own dropout masks (rank 0: the seed)
     random.seed(cfg.seed + rank)
     _seed_numpy(cfg.seed + rank)
@@ -355,7 +358,8 @@ def train(
             dt = time.perf_counter() - t0
             row = {"step": step, "loss": loss_total / total, "lr": lr, "grad_norm": grad_norm,
                    "tokens": tokens, "target_tokens": int(total), "tokens_per_s": tokens / dt,
-                   "peak_mem_mb": _peak_mem_mb(device), "epoch": counters["micro_batches"] / micro_per_epoch,
+                   "peak_mem_mb": _peak_mem_mb(device), **({"planned_peak_mb": planned_mb} if planned_mb else {}),
+                   "epoch": counters["micro_batches"] / micro_per_epoch,
                    "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
                    **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]

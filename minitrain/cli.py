@@ -107,8 +107,21 @@ def _main(argv: list[str]) -> int:
     from minitrain import fit
 
     config = fit.check(config, log=_log)  # on CUDA: plan the peak before any weight is read
+    if _on_cpu(config):
+        from minitrain.cpu import set_threads
+
+        set_threads(getattr(config, "threads", 0), _log)  # busy cores: fewer threads (minitrain.cpu)
     recipe.run(config)
     return 0
+
+
+def _on_cpu(config: Any) -> bool:
+    device = str(getattr(config, "device", "auto"))
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
 
 
 def _log(line: str) -> None:

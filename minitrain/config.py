@@ -72,6 +72,8 @@ class TrainConfig:
     truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
     group_by_length: bool = doc(True, "batch examples of similar length together (less padding; order still seeded)")
     device: str = doc("auto", "where to train: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
+    threads: int = doc(0, "CPU runs: torch threads (0: the cores idle at start, at least 1; OMP_NUM_THREADS "
+                          "also sets it)", ge=0)
     precision: str = doc("auto", "auto: bf16 autocast where supported, else fp32",
                          choices=("auto", "bf16", "fp32", "fp16"))
     checkpointing: bool = doc(False, "non-reentrant activation checkpointing per block")

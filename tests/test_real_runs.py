@@ -123,3 +123,17 @@ def test_stage_a_prints_a_stage_b_command_with_the_runs_model_data_out_and_quant
             "batch_size=2", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert f"data (train): 6 examples from {train.name}" in p.stdout and "Stage A adapter" in p.stdout
+
+
+def test_with_an_sft_term_the_pure_dpo_loss_is_logged_too(tmp_path):
+    """The demo keeps sft_weight=1: `eval/loss` is then DPO + NLL, and the pure DPO term is logged beside it."""
+    shutil.copytree(DEMO / "model", tmp_path / "ckpt")
+    train, held = _user_pairs(tmp_path, 4)
+    p = cli(str(ROOT / "recipes" / "dpo_mistral.py"), "model=ckpt", f"data={train.name}", f"eval_data={held.name}",
+            "sft_weight=1.0", "max_len=128", "max_steps=1", "batch_size=2", "out=c", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    step0 = json.loads((tmp_path / "c" / "eval.jsonl").read_text().splitlines()[0])
+    assert step0["eval/dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert step0["eval/loss"] == pytest.approx(math.log(2) + step0["eval/sft_nll"], abs=1e-5)
+    row = json.loads((tmp_path / "c" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["loss"] == pytest.approx(row["dpo_loss"] + row["sft_nll"], rel=1e-5)

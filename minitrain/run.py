@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from minitrain import checkpoint, data, distributed
+from minitrain.collate import collate_causal
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
@@ -359,7 +360,7 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
                         f"use recipes/lora_t5.py for it")
     lora = attach_adapters(model, cfg)
     train_examples, eval_examples = load_examples(cfg, tok, "sft")
-    return Job(model, sft, train_examples, functools.partial(data.collate_causal, pad_id=tok.pad_id),
+    return Job(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id),
                eval_examples, lora, tok)
 
 

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from minitrain import checkpoint as ckpt
 from minitrain import distributed
 from minitrain.audit import preflight
-from minitrain.data import Batcher
+from minitrain.batcher import Batcher
 from minitrain.errors import UserError
 from minitrain.optim import AdamW
 from minitrain.schedule import lr_at, resolve_steps

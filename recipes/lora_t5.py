@@ -46,7 +46,7 @@ import models
 from models.t5 import generate
 from minitrain import data
 from minitrain.config import TrainConfig, doc
-from minitrain.data import collate_seq2seq
+from minitrain.collate import collate_seq2seq
 from minitrain.errors import UserError
 from minitrain.lora import adapter_vocab_size, save_adapter
 from minitrain.objectives import seq2seq

@@ -162,9 +162,13 @@ FORMATS = {"mistral": mistral, "llama2": llama2, "llama3": llama3}
 CHAT_FORMATS = tuple(FORMATS)
 
 
-def check_messages(messages, *, alternate: bool) -> list[dict]:
+def check_messages(messages, *, alternate: bool, template: bool = False) -> list[dict]:
     """Validate a chat: a non-empty list of {role, content: str}; for [INST] formats an optional
-    first system message, then user/assistant turns alternating from user."""
+    first system message, then user/assistant turns alternating from user.
+
+    For a chat template (`template=True`) any role is passed on (the template decides what it
+    accepts), and so are a message's other keys (e.g. `reasoning_content`), those set to null
+    dropped as transformers does."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise UserError("messages: must be a non-empty list of {\"role\", \"content\"} objects — fix the row")
     out = []
@@ -172,7 +176,9 @@ def check_messages(messages, *, alternate: bool) -> list[dict]:
         if not isinstance(m, dict):
             raise UserError(f"messages[{i}]: expected an object with \"role\" and \"content\", got {type(m).__name__} — fix the row")
         role, content = m.get("role"), m.get("content")
-        if role not in ("system", "user", "assistant"):
+        if template and (not isinstance(role, str) or not role):
+            raise UserError(f"messages[{i}]: role {role!r} — give each message a role such as \"user\" or \"assistant\"")
+        if not template and role not in ("system", "user", "assistant"):
             raise UserError(f"messages[{i}]: role {role!r} — use \"system\", \"user\" or \"assistant\"")
         if not isinstance(content, str):
             raise UserError(f"messages[{i}]: content must be a string, got {type(content).__name__} — fix the row")
@@ -182,6 +188,9 @@ def check_messages(messages, *, alternate: bool) -> list[dict]:
             content.encode("utf-8")
         except UnicodeEncodeError:
             raise UserError(f"messages[{i}]: content holds a lone surrogate (a broken \\u escape) — fix the text") from None
+        if template:
+            out.append({k: v for k, v in m.items() if v is not None})
+            continue
         if role == "system" and i != 0:
             raise UserError(f"messages[{i}]: a system message may only come first — move or merge it")
         out.append({"role": role, "content": content})

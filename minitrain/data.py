@@ -25,10 +25,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from minitrain.batcher import Batcher  # noqa: F401  (re-exported: minitrain.data.Batcher)
 from minitrain.collate import IGNORE, collate_causal, collate_preference, collate_seq2seq  # noqa: F401
-from minitrain.data_files import read_jsonl
-from minitrain.data_rows import Row, check_fields
+from minitrain.data_files import read_jsonl, read_rows  # noqa: F401  (read_jsonl: re-exported)
+from minitrain.data_rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields
 from minitrain.errors import UserError
 from minitrain.tokenizer import Tokenizer, common_prefix_len
 
@@ -36,13 +38,17 @@ SIDES = ("left", "right")
 
 
 class Examples(list):
-    """A list of examples, with what reading cost: `truncated` and `skipped` row counts."""
+    """A list of examples, with what reading cost: `truncated` and `skipped` row counts, and
+    `bos_in_text`: rows whose text began with the bos token already (text copied from a
+    rendered chat), which get no second bos."""
 
-    def __init__(self, items: Sequence[dict] = (), *, path: str = "", truncated: int = 0, skipped: int = 0):
+    def __init__(self, items: Sequence[dict] = (), *, path: str = "", truncated: int = 0, skipped: int = 0,
+                 bos_in_text: int = 0):
         super().__init__(items)
         self.path = path
         self.truncated = truncated
         self.skipped = skipped
+        self.bos_in_text = bos_in_text  # rows whose text already began with bos: not given a second one
 
     @property
     def lengths(self) -> list[int]:
@@ -105,26 +111,64 @@ def _targets(labels: list[int]) -> int:
 # --------------------------------------------------------------------------- readers
 
 
-def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
-             max_prompt_len: int | None = None, fields: dict[str, str] | None = None) -> Examples:
-    """Causal-LM examples `{"input_ids", "labels"}` from rows of one of three shapes:
+def _answer(row: Row, name: str) -> str | list:
+    """A preference answer: text, a list of messages, or a ShareGPT turn `{"from", "value"}`."""
+    v = row.get(name)
+    if isinstance(v, list):
+        return row.messages(name)
+    if isinstance(v, dict) and "value" in v:
+        v = v["value"]
+        if not isinstance(v, str) or not v.strip():
+            raise UserError(f'{row.where}: "{row.key(name)}" value must be non-empty text — fix the row')
+        return v
+    return row.text(name)
 
+
+def _preference_parts(row: Row) -> tuple[str | list, tuple[str | list, str | list]]:
+    """(prompt, (chosen, rejected)) of a preference row in any of `read_preference`'s shapes."""
+    if row.has("conversations") and not row.has("prompt"):
+        return row.sharegpt("conversations"), (_answer(row, "chosen"), _answer(row, "rejected"))
+    if not row.has("prompt") and row.has("chosen") and isinstance(row.get("chosen"), list):
+        chosen, rejected = row.messages("chosen"), row.messages("rejected") if row.has("rejected") else None
+        if not isinstance(rejected, list):
+            raise UserError(f'{row.where}: "{row.key("chosen")}" is a conversation, so "{row.key("rejected")}" must be '
+                            f'one too (TRL\'s format with an implicit prompt) — fix the row')
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        if n == 0:
+            raise UserError(f'{row.where}: "{row.key("chosen")}" and "{row.key("rejected")}" share no first message, so '
+                            f'there is no prompt — give a "prompt" key, or conversations that begin alike')
+        return chosen[:n], (chosen[n:], rejected[n:])
+    prompt = row.get("prompt")
+    prompt = row.messages("prompt") if isinstance(prompt, list) else row.text("prompt")
+    return prompt, (_answer(row, "chosen"), _answer(row, "rejected"))
+
+
+def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
+             max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+             split: str | None = None) -> Examples:
+    """Causal-LM examples `{"input_ids", "labels"}` from the rows of a data file (any format of
+    `minitrain.data_files`; `split` picks a split of a datasets folder), in these shapes:
+
+    - chats: `{"messages"}`, ShareGPT `{"conversations"}` or Alpaca `{"instruction", "input",
+      "output"}` (`minitrain.data_rows`): `tok.encode_chat`, loss on the assistant turns;
     - `{"prompt", "completion"}`: `[bos] prompt completion [eos]`, loss on completion + eos;
       the completion is encoded as continuing the prompt (its leading space kept as written);
-    - `{"messages": [{"role", "content"}, ...]}`: `tok.encode_chat`, loss on assistant turns;
     - `{"text"}`: `[bos] text [eos]`, loss on every token.
 
-    `fields` maps these names to the file's keys (`{"prompt": "question"}`).
+    `fields` maps these names to the file's keys (`{"prompt": "question"}`). A prompt or text
+    that already begins with the bos token gets no second one (counted in `bos_in_text`).
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
-    fields = check_fields(fields, ("prompt", "completion", "messages", "text"))
-    bos = [tok.bos_id] if tok.bos_id is not None else []
+    fields = check_fields(fields, SFT_FIELDS)
     eos = [tok.eos_id] if tok.eos_id is not None else []
     out = Examples(path=str(path))
-    for where, raw in read_jsonl(path):
+    for where, raw in read_rows(path, split):
         row = Row(where, raw, fields, '"prompt" and "completion", "messages" or "text"')
-        if row.has("messages"):
-            ids, mask = _chat(tok, where, row.messages("messages"))
+        chat = row.chat()
+        if chat is not None:
+            ids, mask = _chat(tok, where, chat)
             labels = [i if m else IGNORE for i, m in zip(ids, mask)]
             if len(ids) > max_len:
                 out.truncated += 1
@@ -132,21 +176,22 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
                 ids, labels = [ids[k] for k in keep], [labels[k] for k in keep]
         elif row.has("prompt") or row.has("completion"):
             row.expect = '"prompt" and "completion"'
-            p = bos + tok.encode(row.text("prompt"))
+            p = _with_bos(tok, tok.encode(row.text("prompt")), out)
             c = tok.encode(row.text("completion"), continuation=True) + eos
             p, (c,), cut = _fit(p, [c], max_len, max_prompt_len, truncation_side, tok.bos_id)
             out.truncated += cut
             ids, labels = p + c, [IGNORE] * len(p) + c
         elif row.has("text"):
-            ids = (bos + tok.encode(row.text("text")) + eos)
+            ids = _with_bos(tok, tok.encode(row.text("text")), out) + eos
             if len(ids) > max_len:
                 out.truncated += 1
                 ids = ids[:max_len]
-            labels = ([IGNORE] + ids[1:]) if bos else list(ids)
+            labels = ([IGNORE] + ids[1:]) if tok.bos_id is not None else list(ids)
         else:
             keys = ", ".join(f'"{k}"' for k in list(raw)[:5]) or "none"
             raise UserError(f'{where}: no "prompt"/"completion", "messages" or "text" key (keys: {keys}) — '
-                            f'use one of these row shapes, or map your keys with fields={{...}}')
+                            f'use one of these row shapes (or ShareGPT "conversations", Alpaca "instruction"/'
+                            f'"output"), or map your keys with fields={{"prompt": "{list(raw)[0] if raw else "q"}", ...}}')
         if _targets(labels) == 0:
             out.skipped += 1
             continue
@@ -154,10 +199,20 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
     return out
 
 
+def _with_bos(tok: Tokenizer, ids: list[int], out: Examples) -> list[int]:
+    """`[bos] + ids`, unless `ids` begin with bos already (counted: a second one is never added)."""
+    if tok.bos_id is None:
+        return ids
+    if ids[:1] == [tok.bos_id]:
+        out.bos_in_text += 1
+        return ids
+    return [tok.bos_id] + ids
+
+
 def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                  max_target_len: int | None = None, fields: dict[str, str] | None = None,
-                 max_prompt_len: int | None = None) -> Examples:
-    """Encoder-decoder examples from `{"prompt", "completion"}` rows.
+                 max_prompt_len: int | None = None, split: str | None = None) -> Examples:
+    """Encoder-decoder examples from `{"prompt", "completion"}` rows (any file format, as `read_sft`).
 
     `input_ids` = prompt + eos (cut to `max_len` on `truncation_side`, the eos kept),
     `labels` = completion + eos (cut on the right to `max_target_len`, default `max_len`), as
@@ -168,9 +223,9 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
     max_target_len = max_len if max_target_len is None else max_target_len
     if not isinstance(max_target_len, int) or max_target_len < 1:
         raise UserError(f"max_target_len={max_target_len!r}: must be an integer >= 1")
-    fields = check_fields(fields, ("prompt", "completion"))
+    fields = check_fields(fields, SEQ2SEQ_FIELDS)
     out = Examples(path=str(path))
-    for where, raw in read_jsonl(path):
+    for where, raw in read_rows(path, split):
         row = Row(where, raw, fields, '"prompt" and "completion"')
         src = tok.encode(row.text("prompt"), eos=True)
         tgt = tok.encode(row.text("completion"), eos=True)
@@ -184,45 +239,51 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
 
 
 def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
-                    max_prompt_len: int | None = None, fields: dict[str, str] | None = None) -> Examples:
+                    max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+                    split: str | None = None) -> Examples:
     """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`.
 
-    Rows: `{"prompt", "chosen", "rejected"}`. The prompt is a string (`[bos] prompt`, the answers
-    continuing it, + eos) or a list of chat messages (then each answer is the next assistant
-    turn, via `tok.encode_chat`). The answers may also be lists of assistant messages. Prompt
-    tokens are labelled -100 in both sequences; truncation cuts the shared prompt once.
+    Rows (any file format, as `read_sft`):
+
+    - `{"prompt", "chosen", "rejected"}`. The prompt is a string (`[bos] prompt`, the answers
+      continuing it, + eos) or a list of chat messages (then each answer is the next assistant
+      turn, via `tok.encode_chat`); the answers may also be lists of assistant messages.
+    - `{"chosen", "rejected"}` as two whole conversations (TRL's conversational format with an
+      implicit prompt): the messages both begin with are the prompt.
+    - ShareGPT `{"conversations", "chosen", "rejected"}` (LLaMA-Factory): the conversation is the
+      prompt, the answers `{"from": "gpt", "value"}` objects or strings.
+
+    Prompt tokens are labelled -100 in both sequences; truncation cuts the shared prompt once.
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
-    fields = check_fields(fields, ("prompt", "chosen", "rejected"))
-    bos = [tok.bos_id] if tok.bos_id is not None else []
+    fields = check_fields(fields, PREFERENCE_FIELDS)
     eos = [tok.eos_id] if tok.eos_id is not None else []
     out = Examples(path=str(path))
-    for where, raw in read_jsonl(path):
+    for where, raw in read_rows(path, split):
         row = Row(where, raw, fields, '"prompt", "chosen" and "rejected"')
-        prompt = row.get("prompt")
+        prompt, answers_in = _preference_parts(row)
         # each answer as (id, label) pairs after the shared prompt
         answers: list[list[tuple[int, int]]] = []
         if isinstance(prompt, list):
             p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
             fulls = []
-            for name in ("chosen", "rejected"):
-                a = row.get(name)
+            for name, a in zip(("chosen", "rejected"), answers_in):
                 if isinstance(a, list) and not (a and isinstance(a[-1], dict) and a[-1].get("role") == "assistant"):
                     raise UserError(f'{where}: "{row.key(name)}" is a list of messages that does not end with an '
                                     f'assistant message — give the answer as a string or as assistant message(s)')
-                turn = a if isinstance(a, list) else [{"role": "assistant", "content": row.text(name)}]
+                turn = a if isinstance(a, list) else [{"role": "assistant", "content": a}]
                 fulls.append(_chat(tok, where, prompt + turn))
             n = min(common_prefix_len(p, ids) for ids, _ in fulls)  # where the answers start
             p = p[:n]
             for ids, mask in fulls:
                 answers.append([(t, t if m else IGNORE) for t, m in zip(ids[n:], mask[n:])])
         else:
-            p = bos + tok.encode(row.text("prompt"))
-            for name in ("chosen", "rejected"):
-                if isinstance(row.get(name), list):
+            p = _with_bos(tok, tok.encode(prompt), out)
+            for name, a in zip(("chosen", "rejected"), answers_in):
+                if isinstance(a, list):
                     raise UserError(f'{where}: "{row.key(name)}" is a list of messages but "{row.key("prompt")}" '
                                     f'is a string — give both as messages or both as strings')
-                ids = tok.encode(row.text(name), continuation=True) + eos
+                ids = tok.encode(a, continuation=True) + eos
                 answers.append([(t, t) for t in ids])
         p, answers, cut = _fit(p, answers, max_len, max_prompt_len, truncation_side, tok.bos_id)
         out.truncated += cut
@@ -235,3 +296,19 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
             continue
         out.append(ex)
     return out
+
+
+def hold_out(examples: Examples, share: float, seed: int) -> tuple[Examples, Examples]:
+    """(train, eval): a seeded `share` of `examples` held out for evaluation (at least one example,
+    never all). The choice is a pure function of the example count and `seed`, so a resumed run
+    holds out the same examples; train keeps the file's order, eval is disjoint from it."""
+    n = len(examples)
+    k = max(1, round(n * share))
+    if k >= n:
+        raise UserError(f"eval_split={share}: {n} examples leave none to train on — lower eval_split or add data")
+    held = set(np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k].tolist())
+    train = Examples([ex for i, ex in enumerate(examples) if i not in held], path=examples.path,
+                     truncated=examples.truncated, skipped=examples.skipped, bos_in_text=examples.bos_in_text)
+    evals = Examples([ex for i, ex in enumerate(examples) if i in held],
+                     path=f"{examples.path} (eval_split={share}: {k} held out, seed {seed})")
+    return train, evals

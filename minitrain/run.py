@@ -319,11 +319,13 @@ def _check_resume_tensors(model: nn.Module, cfg: Any) -> None:
 # ----------------------------------------------------------------------------- data
 
 
-def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dict], list[dict] | None]:
-    """(train, eval) examples from `cfg.data` / `cfg.eval_data` (None without eval data).
+def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -> tuple[list[dict], list[dict] | None]:
+    """(train, eval) examples from `cfg.data` / `cfg.eval_data`, or `cfg.eval_split` of `cfg.data`
+    held out (None without either).
 
-    kind: "sft" (`{"prompt","completion"}`, `{"messages"}` or `{"text"}` rows -> input_ids and
-    labels), "seq2seq" or "preference"; rows are read by `minitrain.data`.
+    kind: "sft" (prompt / completion, chats, text -> input_ids and labels), "seq2seq" or
+    "preference"; rows are read by `minitrain.data` with `cfg.fields`, the tokenizer's chat
+    template gets `cfg.chat_template_kwargs`; `options` go to the reader (e.g. max_target_len).
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
@@ -331,22 +333,32 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
     if kind not in readers:
         raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
     read = readers[kind]
-    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side)
+    tok.chat_template_kwargs = dict(getattr(cfg, "chat_template_kwargs", {}) or {})
+    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side, fields=getattr(cfg, "fields", None),
+                   **options)
     train = read(cfg.data, tok, **options)
     if not train:
         raise UserError(f"{cfg.data}: no usable examples ({train.skipped} rows left no target token within "
                         f"max_len={cfg.max_len}) — check the rows or raise max_len")
+    if cfg.eval_data and (Path(cfg.eval_data) / "dataset_dict.json").is_file():
+        raise UserError(f"eval_data={cfg.eval_data}: a datasets folder with splits — name the split, e.g. "
+                        f"eval_data={Path(cfg.eval_data) / 'validation'}")
+    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
+    if evals is None and getattr(cfg, "eval_split", 0):
+        train, evals = data.hold_out(train, cfg.eval_split, cfg.seed)
     # the run's size in optimizer steps (warmup longer than the run, ...) is refused now, before
     # prepare_out_dir writes anything, rather than by the loop
     total, warmup, _ = resolve_steps(len(train), cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps,
                                      cfg.warmup)
     check_resume(cfg, {"num_examples": len(train), "total_steps": total, "warmup_steps": warmup})
-    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
     for name, ex in (("train", train), ("eval", evals)):
         if ex is not None:
             log(f"data ({name}): {len(ex)} examples from {ex.path}"
                 + (f", {ex.truncated} truncated to max_len={cfg.max_len}" if ex.truncated else "")
-                + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else ""))
+                + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else "")
+                + (f", {ex.bos_in_text} began with bos already (not doubled)" if ex.bos_in_text else ""))
+    if kind != "seq2seq":
+        log(f"chats: rendered by {tok.chat_renderer()}")
     return train, evals
 
 

@@ -36,6 +36,7 @@ from typing import Sequence
 
 from minitrain import chat_formats
 from minitrain.chat_formats import CHAT_FORMATS, common_prefix_len  # noqa: F401  (common_prefix_len: re-exported)
+from minitrain.chat_template import RESERVED, ChatTemplate, has_generation_markers, read_templates
 from minitrain.errors import UserError
 from minitrain.tokenizer_backends import HFTokenizers, SentencePiece
 
@@ -81,6 +82,7 @@ class Tokenizer:
         unk: str | None = None,
         chat_format: str | None = None,
         chat_template: str | None = None,
+        chat_templates: dict[str, str] | None = None,
         extra_ids: int = 0,
         source: str = "tokenizer",
         config: dict | None = None,
@@ -89,7 +91,11 @@ class Tokenizer:
         self._config = dict(config or {})  # tokenizer_config.json as read, kept by save()
         self.source = source
         self.extra_ids = extra_ids
-        self.chat_template = chat_template
+        self.chat_templates = dict(chat_templates or {})
+        if chat_template is not None:
+            self.chat_templates["default"] = chat_template
+        self.chat_template_kwargs: dict = {}
+        self._template = None
         self._pad_warned = False
         ids = {}
         for name, tok in (("bos", bos), ("eos", eos), ("pad", pad), ("unk", unk)):
@@ -107,7 +113,35 @@ class Tokenizer:
             ids[name] = idx
         self._bos, self._eos, self._pad, self._unk = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
         self._chat_format: str | None = None
-        self.chat_format = chat_format if chat_format is not None else self._detect_chat_format()
+        self.chat_format = chat_format if chat_format is not None or self.chat_template else self._detect_chat_format()
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template ("default" of `chat_templates`), rendered by `encode_chat`
+        unless `chat_format` names a hand-written format."""
+        return self.chat_templates.get("default")
+
+    @chat_template.setter
+    def chat_template(self, value: str | None) -> None:
+        if value is None:
+            self.chat_templates.pop("default", None)
+        else:
+            self.chat_templates["default"] = value
+
+    def special_tokens_map(self) -> dict[str, str]:
+        """`bos_token`, `eos_token`, ... -> their strings, as transformers passes them to a chat template
+        (bos / eos / unk / pad from the ids in use; sep / cls / mask as tokenizer_config.json names them)."""
+        out = {}
+        for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"):
+            idx = getattr(self, f"_{name}", None)
+            token = self.id_to_token(idx) if idx is not None else _token_str(self._config.get(f"{name}_token"))
+            if token is not None and (idx is not None or self.token_to_id(token) is not None):
+                out[f"{name}_token"] = token
+        return out
+
+    def special_strings(self) -> list[str]:
+        """The strings of the special tokens (control and added special tokens, eos included)."""
+        return self._b.special_strings() + ([self.id_to_token(self._eos)] if self._eos is not None else [])
 
     # ------------------------------------------------------------------ loading / saving
 
@@ -169,7 +203,7 @@ class Tokenizer:
             pad=special("pad_token", sp_ids.pad_id() if sp_ids else -1),
             unk=special("unk_token", sp_ids.unk_id() if sp_ids else -1),
             chat_format=chat_format or config.get("minitrain_chat_format"),
-            chat_template=config.get("chat_template") if isinstance(config.get("chat_template"), str) else None,
+            chat_templates=read_templates(folder, config),
             extra_ids=extra_ids,
             source=str(folder),
             config=config,
@@ -201,6 +235,7 @@ class Tokenizer:
                 f"({b.base} pieces) without gaps — re-save the tokenizer"
             )
         b.add(by_id[i] for i in extra)
+        b.legacy = config.get("legacy") is True
         default_extra = 100 if sp_file.name == "spiece.model" else 0  # HF's T5 vocab file
         extra_ids = config.get("extra_ids", default_extra)
         if not isinstance(extra_ids, int) or extra_ids < 0:
@@ -249,8 +284,10 @@ class Tokenizer:
             config["extra_ids"] = self.extra_ids
             default_class = "T5Tokenizer" if b.file_name == "spiece.model" else "LlamaTokenizer"
             config.setdefault("tokenizer_class", default_class)
-        if self.chat_template is not None:
+        if set(self.chat_templates) == {"default"}:
             config["chat_template"] = self.chat_template
+        elif self.chat_templates:
+            config["chat_template"] = [{"name": k, "template": v} for k, v in self.chat_templates.items()]
         tmp = folder / "tokenizer_config.json.tmp"
         tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
         tmp.replace(folder / "tokenizer_config.json")
@@ -364,17 +401,35 @@ class Tokenizer:
         self._chat_format = value
 
     def _detect_chat_format(self) -> str | None:
-        """From the vocabulary (llama3 header tokens, mistral [INST]) or the chat template."""
+        """For a tokenizer without a chat template: from the vocabulary (llama3 header tokens,
+        mistral [INST] control token)."""
         if self.token_to_id("<|start_header_id|>") is not None and self.token_to_id("<|eot_id|>") is not None:
             return "llama3"
-        t = self.chat_template or ""
-        if "<|start_header_id|>" in t:
-            return "llama3"
-        if "<<SYS>>" in t:
-            return "llama2"
-        if "[INST]" in t or self.special_id("[INST]") is not None:
+        if self.special_id("[INST]") is not None:
             return "mistral"
         return None
+
+    def chat_renderer(self) -> str:
+        """How `encode_chat` renders, in words (for the run's log)."""
+        if self.chat_format is not None:
+            return f"chat_format {self.chat_format}"
+        if self.chat_template is not None:
+            return "the checkpoint's chat template" + (" (with generation markers)" if has_generation_markers(
+                self.chat_template) else "")
+        return "no chat template"
+
+    def template(self) -> ChatTemplate:
+        """The chat template, compiled, with `chat_template_kwargs` (rebuilt when either changes)."""
+        if self.chat_template is None:
+            raise UserError(f"{self.source}: the tokenizer has no chat template — set chat_format to one of "
+                            f"{', '.join(CHAT_FORMATS)}")
+        t = self._template
+        if t is None or t.source != self.chat_template or t.kwargs != self.chat_template_kwargs:
+            for k in self.chat_template_kwargs:
+                if k in RESERVED:
+                    raise UserError(f"chat_template_kwargs: {k!r} is set by minitrain itself — remove it")
+            t = self._template = ChatTemplate(self, self.chat_template, kwargs=self.chat_template_kwargs)
+        return t
 
     def special_id(self, token: str) -> int | None:
         """Id of `token` when it is one special token of the vocabulary (not plain text)."""
@@ -384,17 +439,22 @@ class Tokenizer:
     def encode_chat(
         self, messages: Sequence[dict], *, add_generation_prompt: bool = False
     ) -> tuple[list[int], list[bool]]:
-        """Ids of a conversation in `chat_format`, and the target mask.
+        """Ids of a conversation and the target mask: rendered by the checkpoint's chat template
+        (`minitrain.chat_template`, with `chat_template_kwargs`), or by the hand-written
+        `chat_format` when one is set (it overrides the template) or the tokenizer has no template.
 
         `target_mask[i]` is True on assistant content tokens and on the token ending each
-        assistant turn (eos / `<|eot_id|>`), False elsewhere. Messages are dicts with `role`
-        (system / user / assistant) and string `content`; errors are UserErrors naming the message.
-        `add_generation_prompt` appends the assistant header (llama3); the [INST] formats need
-        nothing, their prompt already ends with `[/INST]`.
+        assistant turn (eos / `<|eot_id|>` / `<|im_end|>` ...), False elsewhere. Messages are dicts
+        with `role` and string `content`; errors are UserErrors naming the message.
+        `add_generation_prompt` appends the assistant header (llama3, templates); the [INST]
+        formats need nothing, their prompt already ends with `[/INST]`.
         """
+        if self.chat_format is None and self.chat_template is not None:
+            msgs = chat_formats.check_messages(messages, alternate=False, template=True)
+            return self.template().encode(msgs, add_generation_prompt)
         if self.chat_format is None:
             raise UserError(
-                f"{self.source}: the tokenizer has no chat format — set chat_format to one of "
+                f"{self.source}: the tokenizer has no chat template or chat format — set chat_format to one of "
                 f"{', '.join(CHAT_FORMATS)}"
             )
         msgs = chat_formats.check_messages(messages, alternate=self.chat_format != "llama3")

@@ -36,6 +36,9 @@ class SentencePiece:
             if self.sp.is_control(i) or self.sp.is_unknown(i)
         }
         self._pattern: re.Pattern | None = None
+        # transformers' `legacy=True` (tokenizer_config.json): text after a special token gets
+        # sentencepiece's dummy prefix like any other text; otherwise it continues the token
+        self.legacy = False
         self.add(added)
         first = self.sp.encode("a", out_type=str)
         self.prefix_space = bool(first) and first[0].startswith("▁")
@@ -81,6 +84,9 @@ class SentencePiece:
     def is_special(self, idx: int) -> bool:
         return idx >= self.base or self.sp.is_control(idx) or idx in self._special_ids
 
+    def special_strings(self) -> list[str]:
+        return [t for t in self.specials if t]
+
     def split(self, text: str) -> list[str | int]:
         """Text split on special strings: pieces of plain text and special ids, in order."""
         if not self.specials:
@@ -106,7 +112,7 @@ class SentencePiece:
         for piece in self.split(text):
             if isinstance(piece, int):
                 ids.append(piece)
-                continuation = True
+                continuation = not self.legacy
             elif continuation:
                 ids.extend(self.encode_continuation(piece))
             else:
@@ -189,6 +195,9 @@ class HFTokenizers:
     def is_special(self, idx: int) -> bool:
         t = self.tok.get_added_tokens_decoder().get(idx)
         return bool(t is not None and t.special)
+
+    def special_strings(self) -> list[str]:
+        return [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special and t.content]
 
     def encode(self, text: str, continuation: bool = False) -> list[int]:
         if continuation and self.anchor is not None:

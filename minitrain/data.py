@@ -188,10 +188,10 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
                 ids = ids[:max_len]
             labels = ([IGNORE] + ids[1:]) if tok.bos_id is not None else list(ids)
         else:
-            keys = ", ".join(f'"{k}"' for k in list(raw)[:5]) or "none"
+            keys = ", ".join(f'"{k}"' for k, v in list(raw.items())[:5] if v is not None) or "none"
             raise UserError(f'{where}: no "prompt"/"completion", "messages" or "text" key (keys: {keys}) — '
                             f'use one of these row shapes (or ShareGPT "conversations", Alpaca "instruction"/'
-                            f'"output"), or map your keys with fields={{"prompt": "{list(raw)[0] if raw else "q"}", ...}}')
+                            f'"output"), or map your keys with fields={{"prompt": "your_key", ...}}')
         if _targets(labels) == 0:
             out.skipped += 1
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,35 @@ def test_hold_out_is_seeded_disjoint_and_stable(tmp_path, tok):
     assert [key(e) for e in hold_out(ex, 0.1, seed=4)[1]] != [key(e) for e in evals]
     with pytest.raises(UserError, match="leave none to train on"):
         hold_out(type(ex)(ex[:1]), 0.5, seed=0)
+
+
+# --------------------------------------------------------------------------- bos / eos
+
+
+def test_text_that_begins_with_bos_gets_no_second_bos(tmp_path, tok):
+    """Rows copied from a rendered chat already start with <|begin_of_text|>: adding the
+    tokenizer's bos again (TRL's double-BOS with Llama-3) is avoided, and counted."""
+    plain = [{"text": "Hello there."}, {"prompt": "Hi", "completion": " yes"}]
+    doubled = [{"text": "<|begin_of_text|>Hello there."}, {"prompt": "<|begin_of_text|>Hi", "completion": " yes"}]
+    base = read_sft(write_jsonl(tmp_path / "p.jsonl", plain), tok, max_len=64)
+    got = read_sft(write_jsonl(tmp_path / "d.jsonl", doubled), tok, max_len=64)
+    assert list(got) == list(base) and got.bos_in_text == 2 and base.bos_in_text == 0
+    assert all(ex["input_ids"].count(tok.bos_id) == 1 for ex in got)
+
+
+def test_eos_stays_a_target_when_pad_is_eos(tmp_path, tok):
+    """pad == eos (this tokenizer has no pad): padding is masked by length, never by id, so the
+    final eos keeps its label (TRL issue: EOS never learned when pad == eos)."""
+    from minitrain.collate import collate_causal
+
+    ex = read_sft(write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["prompt_completion"][:2] + SFT_ROWS["messages"][:1]),
+                  tok, max_len=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no pad token; padding with eos", once per tokenizer
+        pad = tok.pad_id
+    assert pad == tok.eos_id
+    batch = collate_causal(list(ex), pad)
+    for row, e in zip(batch["labels"].tolist(), ex):
+        n = len(e["input_ids"])
+        assert row[n - 1] == e["input_ids"][-1] and e["input_ids"][-1] in (tok.eos_id, tok.token_to_id("<|eot_id|>"))
+        assert all(x == -100 for x in row[n:])

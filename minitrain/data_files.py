@@ -251,7 +251,9 @@ def _batches_rows(p: Path, batches) -> Iterator[tuple[str, dict]]:
 def _read_parquet(p: Path, fmt: str) -> Iterator[tuple[str, dict]]:
     pa = pyarrow()
     try:
-        f = pa.parquet.ParquetFile(p)
+        # pre_buffer=False: pyarrow's default (True) buffers every column chunk it will read, i.e.
+        # the whole file by the end of the iteration (measured: 1.0x the file in RSS)
+        f = pa.parquet.ParquetFile(p, pre_buffer=False, buffer_size=1 << 20)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{p}: cannot read as Parquet ({e}) — the file is damaged or not Parquet") from None
     try:

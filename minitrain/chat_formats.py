@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 Item = tuple[int | str, bool]
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids `a` and `b` share."""
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """How many leading items (ids, or characters of two strings) `a` and `b` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

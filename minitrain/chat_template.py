@@ -62,15 +62,6 @@ _PROBE = "\ue000\ue001"  # private-use characters: assistant content that no tem
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class TemplateRefused(Exception):
     """The template's own `raise_exception(message)`."""
 
@@ -286,7 +277,7 @@ class ChatTemplate:
             # enable_thinking=false writes an empty think block in the prompt, not in earlier answers)
             if i:
                 alone, prompt = self.render(messages[:i])[0], self.render(messages[:i], add_generation_prompt=True)[0]
-                base = prompt[: _common_prefix(alone, prompt)]
+                base = prompt[: common_prefix_len(alone, prompt)]
             else:
                 base = prompt = ""
             if not text.startswith(base) or len(base) < done:
@@ -294,7 +285,7 @@ class ChatTemplate:
                                 f"renders the conversation before it differently once the conversation goes on "
                                 f"(e.g. it moves the system message) — use a template with {{% generation %}} "
                                 f"markers, or set chat_format")
-            start = len(base) + _common_prefix(prompt[len(base):], text[len(base):])
+            start = len(base) + common_prefix_len(prompt[len(base):], text[len(base):])
             if end_token is None:
                 nxt = len(text)
                 if i + 1 < len(messages):

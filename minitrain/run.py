@@ -49,7 +49,7 @@ ADAPTER_DIR = "adapter"
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR)
 # keys that say where / how to start, not what the run is
-NOT_THE_RUN = ("out", "resume", "overwrite")
+NOT_THE_RUN = ("out", "resume", "overwrite", "extend")
 
 
 
@@ -76,6 +76,8 @@ class Job:
 def check_out_dir(cfg: Any) -> Path:
     """Refuse an `out` that holds something other than a run we may write (writes nothing).
 
+    First, a run without `model` or `data` is refused (before minutes of loading).
+
     A folder with run outputs (metrics, checkpoint, adapter) needs `resume=true` (continue it)
     or `overwrite=true` (replace it); the message says how its config.json differs from this
     run's. A non-empty folder without a config.json is not ours to write into without
@@ -84,6 +86,10 @@ def check_out_dir(cfg: Any) -> Path:
     out = Path(cfg.out)
     if not str(cfg.out):
         raise UserError("out: empty — pass out=runs/<name>")
+    if not getattr(cfg, "model", "x"):  # a real run asks for what it lacks before anything loads
+        raise UserError("model: not set — pass model=path/to/hf_model_folder (config.json, *.safetensors, tokenizer)")
+    if not getattr(cfg, "data", "x"):
+        raise UserError("data: not set — pass data=path/to/train.jsonl")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a folder — choose another out")
     if cfg.resume:
@@ -134,10 +140,7 @@ def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
         return  # an unreadable checkpoint is reported by checkpoint.load, with its own message
     checkpoint.check_world_size(state, folder)
     mine = {**{k: getattr(cfg, k) for k, _ in items if hasattr(cfg, k)}, **(run or {})}
-    for k, v in items:
-        if k in mine and mine[k] != v:
-            raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={mine[k]} "
-                            f"— resume with the same settings, or start a new out folder")
+    checkpoint.check_run(dict(items), mine, extend=getattr(cfg, "extend", False))
 
 
 def config_differences(cfg: Any, config_path: Path) -> list[str]:

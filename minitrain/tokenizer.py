@@ -30,7 +30,7 @@ inserted by id, so the target mask is exact. The backends live in `minitrain.tok
 from __future__ import annotations
 
 import json
-import warnings
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -318,18 +318,16 @@ class Tokenizer:
 
     @property
     def pad_id(self) -> int:
-        """The pad token; without one, eos (or 0 without eos), with a warning once."""
+        """The pad token; without one, eos (or 0 without eos), said once in a `note:` line."""
         if self._pad is not None:
             return self._pad
         fallback = self._eos if self._eos is not None else 0
-        if not self._pad_warned:
+        if not self._pad_warned:  # one log line (under torchrun: rank 0's), not a warning with its source line
             self._pad_warned = True
             what = "eos" if self._eos is not None else "0"
-            warnings.warn(
-                f"{self.source}: the tokenizer defines no pad token; padding with {what} "
-                f"(id {fallback}). Padded positions are masked, so this is safe.",
-                stacklevel=2,
-            )
+            if os.environ.get("RANK", "0") == "0":
+                print(f"note: {self.source}: the tokenizer defines no pad token; padding with {what} (id {fallback}); "
+                      f"padded positions are masked, so this is safe", flush=True)
         return fallback
 
     @property

@@ -2,8 +2,8 @@
 
 Trains on JSONL rows `{"prompt": "...", "completion": "..."}` (other key names: `fields`):
 
-    python -m minitrain recipes/lora_t5.py model=path/to/flan-t5-base data=train.jsonl \\
-        eval_data=val.jsonl out=runs/flan-t5-base eval_every=500 patience=10
+    python -m minitrain recipes/lora_t5.py model=/path/to/flan-t5-base data=train.jsonl \\
+        eval_data=val.jsonl out=runs/flan-t5-base eval_every=500 patience=10   # 12 GB GPU
     python -m minitrain recipes/lora_t5.py ... fields='{"prompt": "context", "completion": "question"}'
 
 Loss: decoder cross-entropy on the completion + eos, teacher-forced (objective `seq2seq`). Every

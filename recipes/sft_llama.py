@@ -10,7 +10,8 @@ TSV, Parquet, Arrow or a `datasets` folder (docs/data.md; other column names: `f
                                                       "output"}: chats too
     {"text": "..."}                                   loss on every token
 
-    python -m minitrain recipes/sft_llama.py model=path/to/llama data=train.jsonl out=runs/sft max_steps=200
+    python -m minitrain recipes/sft_llama.py model=/path/to/Meta-Llama-3-8B-Instruct data=train.jsonl \\
+        quantize=nf4 checkpointing=true out=runs/sft                    # 12 GB GPU
 
 `model` is an HF-format folder (config.json, *.safetensors, tokenizer files). The run writes
 out/config.json, out/metrics.jsonl (one line per optimizer step), out/checkpoint/ (resume with

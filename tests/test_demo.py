@@ -157,9 +157,9 @@ def test_dpo_recipe_scores_the_held_out_pairs_once_per_evaluation_and_logs_no_pe
     recipe = load_recipe(str(ROOT / "recipes" / "dpo_mistral.py"))
     for name, n in (("prefs_train.jsonl", 32), ("prefs_eval.jsonl", 12)):  # a few pairs: seconds, not minutes
         (tmp_path / name).write_text("".join(line + "\n" for line in (DEMO / name).read_text().splitlines()[:n]))
-    cfg = dataclasses.replace(recipe.config, data=str(tmp_path / "prefs_train.jsonl"),
-                              eval_data=str(tmp_path / "prefs_eval.jsonl"), out=str(tmp_path / "out"),
-                              max_steps=2, eval_every=1)
+    cfg = dataclasses.replace(recipe.config, **{**recipe.module.demo, "data": str(tmp_path / "prefs_train.jsonl"),
+                                                "eval_data": str(tmp_path / "prefs_eval.jsonl"),
+                                                "out": str(tmp_path / "out"), "max_steps": 2, "eval_every": 1})
     held_out, scored = set(), collections.Counter()  # held-out chosen sequence -> forwards it went through
 
     def count(module, args):

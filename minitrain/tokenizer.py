@@ -452,7 +452,7 @@ class Tokenizer:
             return self.template().encode(msgs, add_generation_prompt)
         if self.chat_format is None:
             raise UserError(
-                f"{self.source}: the tokenizer has no chat template or chat format — set chat_format to one of "
+                f"{self.source}: the tokenizer has no chat template and no chat format — set chat_format to one of "
                 f"{', '.join(CHAT_FORMATS)}"
             )
         msgs = chat_formats.check_messages(messages, alternate=self.chat_format != "llama3")

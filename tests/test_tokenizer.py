@@ -372,7 +372,7 @@ def test_chat_format_detection_and_override(mistral, tmp_path):
     with pytest.raises(UserError, match="chat_format='chatml': unknown"):
         Tokenizer.from_folder(folder, chat_format="chatml")
     bare = Tokenizer.from_folder(make_bpe_tokenizer(tmp_path / "bpe2"))
-    with pytest.raises(UserError, match="no chat template or chat format"):
+    with pytest.raises(UserError, match="no chat template and no chat format"):
         bare.encode_chat(CHATS[0])
 
 

@@ -52,8 +52,13 @@ class TrainConfig:
     """Keys every training recipe has."""
 
     model: str = doc("", "HF-format model folder (config.json + *.safetensors + tokenizer)")
-    data: str = doc("", "training data, JSONL")
-    eval_data: str = doc("", "held-out data, JSONL (empty: no eval)")
+    data: str = doc("", "training data: JSONL, JSON, CSV/TSV, Parquet, Arrow or a datasets folder (its train split)")
+    eval_data: str = doc("", "held-out data, same formats; a datasets folder's validation split: "
+                             "path/to/folder/validation (empty: no eval, or eval_split)")
+    eval_split: float = doc(0.0, "hold out this share of data (seeded, the same on every resume) when there is "
+                                 "no eval_data", ge=0, lt=1)
+    fields: dict[str, str] = doc({}, 'your column names for the row shapes\' keys, e.g. {"prompt": "question", '
+                                     '"completion": "answer"}')
     out: str = doc("runs/run", "output folder: metrics.jsonl, config.json, adapter/, checkpoint/")
     max_steps: int = doc(-1, "optimizer steps to run (-1: derived from epochs)", ge=-1)
     epochs: float = doc(1.0, "passes over the data when max_steps is -1", gt=0)
@@ -67,8 +72,10 @@ class TrainConfig:
     min_lr_ratio: float = doc(0.0, "cosine / linear decay floor as a fraction of lr", ge=0, le=1)
     seed: int = doc(0, "seed for init, shuffling and dropout", ge=0)
     max_len: int = doc(512, "maximum tokens per sequence (prompt + completion)", ge=2)
-    chat_format: str = doc("auto", "how {\"messages\"} rows are rendered (auto: detected from the tokenizer)",
+    chat_format: str = doc("auto", "how chats are rendered: auto = the checkpoint's chat template (else detected "
+                                   "from the vocabulary); a name overrides the template",
                            choices=("auto", "mistral", "llama2", "llama3"))
+    chat_template_kwargs: dict = doc({}, 'variables for the chat template, e.g. {"enable_thinking": false}')
     truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
     group_by_length: bool = doc(True, "batch examples of similar length together (less padding; order still seeded)")
     device: str = doc("auto", "where to train: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
@@ -135,6 +142,11 @@ class TrainConfig:
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             raise UserError(f"warmup={format_value(self.warmup)}: a warmup of 1 or more counts optimizer "
                             f"steps and must be whole — e.g. warmup=100, or warmup=0.03 for a ratio")
+        if self.eval_split and self.eval_data:
+            raise UserError(f"eval_split={format_value(self.eval_split)}: eval_data is given too — use one of them")
+        for k in self.chat_template_kwargs:
+            if k in ("messages", "add_generation_prompt", "tools", "documents"):
+                raise UserError(f"chat_template_kwargs: {k!r} is set by minitrain itself — remove it")
         if not self.lora_targets and not self.modules_to_save and not self.init_adapter:
             raise UserError("lora_targets: empty, so nothing would train — name modules to adapt, "
                             "e.g. lora_targets=q_proj,v_proj (or all-linear)")

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from minitrain import distributed
 from minitrain.config import TrainConfig, doc
-from minitrain.data import collate_preference
+from minitrain.collate import collate_preference
 from minitrain.errors import UserError
 from minitrain.lora import disable_adapters
 from minitrain.losses import IGNORE_INDEX, shift_labels

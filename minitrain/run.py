@@ -31,6 +31,7 @@ from torch import nn
 
 from minitrain import checkpoint, data, distributed
 from minitrain.audit import preflight
+from minitrain.collate import collate_causal
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
 from minitrain.lora import (LoRAConfig, adapter_signature, apply_lora, count_parameters, freeze_for_adapters,
@@ -358,11 +359,13 @@ def _check_resume_tensors(model: nn.Module, cfg: Any) -> None:
 # ----------------------------------------------------------------------------- data
 
 
-def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dict], list[dict] | None]:
-    """(train, eval) examples from `cfg.data` / `cfg.eval_data` (None without eval data).
+def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -> tuple[list[dict], list[dict] | None]:
+    """(train, eval) examples from `cfg.data` / `cfg.eval_data`, or `cfg.eval_split` of `cfg.data`
+    held out (None without either).
 
-    kind: "sft" (`{"prompt","completion"}`, `{"messages"}` or `{"text"}` rows -> input_ids and
-    labels), "seq2seq" or "preference"; rows are read by `minitrain.data`.
+    kind: "sft" (prompt / completion, chats, text -> input_ids and labels), "seq2seq" or
+    "preference"; rows are read by `minitrain.data` with `cfg.fields`, the tokenizer's chat
+    template gets `cfg.chat_template_kwargs`; `options` go to the reader (e.g. max_target_len).
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
@@ -370,7 +373,9 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
     if kind not in readers:
         raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
     read = readers[kind]
-    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side)
+    tok.chat_template_kwargs = dict(getattr(cfg, "chat_template_kwargs", {}) or {})
+    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side, fields=getattr(cfg, "fields", None),
+                   **options)
     if kind == "preference":
         options["drop_identical"] = getattr(cfg, "drop_identical_pairs", False)
     train = read(cfg.data, tok, **options)
@@ -380,18 +385,26 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
     if not train:
         raise UserError(f"{cfg.data}: no usable examples ({train.skipped} rows left no target token within "
                         f"max_len={cfg.max_len}) — check the rows or raise max_len")
+    if cfg.eval_data and (Path(cfg.eval_data) / "dataset_dict.json").is_file():
+        raise UserError(f"eval_data={cfg.eval_data}: a datasets folder with splits — name the split, e.g. "
+                        f"eval_data={Path(cfg.eval_data) / 'validation'}")
+    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
+    if evals is None and getattr(cfg, "eval_split", 0):
+        train, evals = data.hold_out(train, cfg.eval_split, cfg.seed)
     # the run's size in optimizer steps (warmup longer than the run, ...) is refused now, before
     # prepare_out_dir writes anything, rather than by the loop
     total, warmup, _ = resolve_steps(len(train), cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps,
                                      cfg.warmup)
     check_resume(cfg, {"num_examples": len(train), "total_steps": total, "warmup_steps": warmup})
-    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
     for name, ex in (("train", train), ("eval", evals)):
         if ex is not None:
             log(f"data ({name}): {len(ex)} examples from {ex.path}"
                 + (f", {ex.truncated} truncated to max_len={cfg.max_len}" if ex.truncated else "")
                 + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else "")
+                + (f", {ex.bos_in_text} began with bos already (not doubled)" if ex.bos_in_text else "")
                 + (f", {ex.identical} dropped (chosen == rejected)" if getattr(ex, "identical", 0) else ""))
+    if kind != "seq2seq":
+        log(f"chats: rendered by {tok.chat_renderer()}")
     return train, evals
 
 
@@ -406,7 +419,7 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
                         f"use recipes/lora_t5.py for it")
     lora = attach_adapters(model, cfg)
-    return Job(model, sft, train_examples, functools.partial(data.collate_causal, pad_id=tok.pad_id),
+    return Job(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id),
                eval_examples, lora, tok)
 
 

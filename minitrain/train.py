@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from minitrain import checkpoint as ckpt
 from minitrain import distributed
 from minitrain.audit import preflight
-from minitrain.data import Batcher
+from minitrain.batcher import Batcher
 from minitrain.errors import UserError
 from minitrain.fit import planned_peak_mb
 from minitrain.optim import AdamW

@@ -5,8 +5,9 @@
         data=prefs.jsonl eval_data=prefs_eval.jsonl quantize=nf4 out=runs/dpo   # 12 GB GPU
 
 Rows are `{"prompt", "chosen", "rejected"}`: the prompt a string or a list of chat messages
-(rendered with the tokenizer's chat format, e.g. Mistral's `[INST] ... [/INST]`), the answers
-strings (or assistant messages). The loss is TRL's DPO (`loss_type` sigmoid | ipo | hinge |
+(rendered with the checkpoint's chat template, e.g. Mistral's `[INST] ... [/INST]`), the answers
+strings (or assistant messages); or TRL's conversational pairs `{"chosen": [...], "rejected":
+[...]}` (the shared leading messages are the prompt). Any file format of docs/data.md. The loss is TRL's DPO (`loss_type` sigmoid | ipo | hinge |
 robust, `beta`, `label_smoothing`), plus an optional NLL term on the chosen answers
 (`sft_weight`). metrics.jsonl logs TRL's names each step (`rewards/chosen`, `rewards/rejected`,
 `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`); with `eval_data`, the

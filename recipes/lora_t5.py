@@ -46,14 +46,13 @@ import torch
 
 import models
 from models.t5 import generate
-from minitrain import data
 from minitrain.config import TrainConfig, doc
-from minitrain.data import collate_seq2seq
+from minitrain.collate import collate_seq2seq
 from minitrain.errors import UserError
 from minitrain.lora import adapter_vocab_size, save_adapter
 from minitrain.objectives import seq2seq
-from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, base_dtype, check_out_dir, finish, load_model,
-                           load_tokenizer, log, pick_device, prepare_out_dir)
+from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, base_dtype, check_out_dir, finish, load_examples,
+                           load_model, load_tokenizer, log, pick_device, prepare_out_dir)
 from minitrain.seq2seq_eval import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, EarlyStopping, GenerationEval
 from minitrain.tokenizer import Tokenizer
 from minitrain.train import train
@@ -65,7 +64,6 @@ T5_TARGETS = ["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"]
 class Seq2SeqConfig(TrainConfig):
     """TrainConfig plus the keys of a generation-evaluated seq2seq run."""
 
-    fields: dict[str, str] = doc({}, 'your row keys for "prompt" / "completion", e.g. {"prompt": "question"}')
     max_target_len: int = doc(256, "maximum decoder tokens per example (completion + eos); longer ones are cut", ge=1)
     added_tokens: list[str] = doc([], 'special tokens to add, e.g. \'["[Question]"]\'; embeddings grow before adapters attach')
     num_beams: int = doc(1, "generation at eval: 1 is greedy, more is beam search", ge=1)
@@ -150,19 +148,9 @@ def check_init_adapter_vocab(cfg: Seq2SeqConfig, model) -> None:
 
 
 def read_examples(cfg: Seq2SeqConfig, tok: Tokenizer) -> tuple[list[dict], list[dict] | None]:
-    """(train, eval) seq2seq examples, with `fields` and `max_target_len` (eval: None without eval_data)."""
-    if not cfg.data:
-        raise UserError("data: not set — pass data=path/to/train.jsonl")
-    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side, max_target_len=cfg.max_target_len,
-                   fields=cfg.fields)
-    train_ex = data.read_seq2seq(cfg.data, tok, **options)
-    eval_ex = data.read_seq2seq(cfg.eval_data, tok, **options) if cfg.eval_data else None
-    for name, ex in (("train", train_ex), ("eval", eval_ex)):
-        if ex is not None:
-            log(f"data ({name}): {len(ex)} examples from {ex.path}"
-                + (f", {ex.truncated} truncated (max_len={cfg.max_len}, max_target_len={cfg.max_target_len})"
-                   if ex.truncated else ""))
-    return train_ex, eval_ex
+    """(train, eval) seq2seq examples, with `fields` and `max_target_len` (eval: None without eval_data
+    or eval_split)."""
+    return load_examples(cfg, tok, "seq2seq", max_target_len=cfg.max_target_len)
 
 
 def t5_targets(config: Seq2SeqConfig, model) -> Seq2SeqConfig:

@@ -1,10 +1,13 @@
 """SFT: supervised fine-tuning of a LLaMA / Mistral checkpoint with a LoRA adapter.
 
-Trains on JSONL rows of any of these shapes (they may be mixed in one file):
+Trains on rows of any of these shapes (they may be mixed in one file), in JSON lines, JSON, CSV /
+TSV, Parquet, Arrow or a `datasets` folder (docs/data.md; other column names: `fields=`):
 
     {"prompt": "...", "completion": "..."}           loss on the completion tokens only
     {"messages": [{"role": "user", "content": ...},  loss on the assistant turns, rendered with
-                  {"role": "assistant", ...}]}         the tokenizer's chat format
+                  {"role": "assistant", ...}]}         the checkpoint's chat template
+    {"conversations": [{"from": "human", ...}]}       ShareGPT, and Alpaca {"instruction", "input",
+                                                      "output"}: chats too
     {"text": "..."}                                   loss on every token
 
     python -m minitrain recipes/sft_llama.py model=/path/to/Meta-Llama-3-8B-Instruct data=train.jsonl \\

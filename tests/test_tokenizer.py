@@ -363,14 +363,16 @@ def test_chat_format_detection_and_override(mistral, tmp_path):
     folder = make_sp_tokenizer(tmp_path / "sp")
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": LLAMA2_TEMPLATE}))
-    tok = Tokenizer.from_folder(folder)
-    assert tok.chat_format == "llama2"
+    tok = Tokenizer.from_folder(folder)  # a chat template: rendered as it is, no hand-written format
+    assert tok.chat_format is None and tok.chat_template == LLAMA2_TEMPLATE
     tok.save(tmp_path / "saved")
-    assert Tokenizer.from_folder(tmp_path / "saved").chat_format == "llama2"
+    again = Tokenizer.from_folder(tmp_path / "saved")
+    assert again.chat_format is None and again.chat_template == LLAMA2_TEMPLATE
+    assert Tokenizer.from_folder(folder, chat_format="llama2").chat_format == "llama2"  # the override wins
     with pytest.raises(UserError, match="chat_format='chatml': unknown"):
         Tokenizer.from_folder(folder, chat_format="chatml")
     bare = Tokenizer.from_folder(make_bpe_tokenizer(tmp_path / "bpe2"))
-    with pytest.raises(UserError, match="no chat format"):
+    with pytest.raises(UserError, match="no chat template and no chat format"):
         bare.encode_chat(CHATS[0])
 
 

@@ -41,6 +41,7 @@ from minitrain import distributed
 from minitrain.audit import preflight
 from minitrain.data import Batcher
 from minitrain.errors import UserError
+from minitrain.flops import FlopCounter, device_peak_flops
 from minitrain.losses import IGNORE_INDEX
 from minitrain.optim import AdamW
 from minitrain.schedule import lr_at, resolve_steps
@@ -119,10 +120,13 @@ def train(
 
     Before step 1 the gradient-path audit (`minitrain.audit.preflight`) runs on one real
     example (a 32-token window around the first target of the shortest row, `audit_slice`) and
-    stops the run if a trainable tensor is unreachable from the loss (rule 5); `cfg.skip_audit` skips it, and the skip is logged.
+    stops the run if a trainable tensor is unreachable from the loss (rule 5); `cfg.skip_audit`
+    skips it, and the skip is logged.
 
     Each metrics.jsonl row: step, loss (window loss sum / window count), lr, grad_norm (before
-    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb,
+    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, flops_per_s (model
+    FLOPs per second, all ranks: `minitrain.flops`), mfu (per device, on CUDA devices of known
+    peak), peak_mem_mb,
     epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
     on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
     and eval_fn's.
@@ -253,6 +257,8 @@ def train(
     stream = _micro_batches(batcher)
     summary: dict[str, Any] = {"loss": None}
     model.train()
+    flop_counter = FlopCounter.of(model)  # model FLOPs per token (minitrain.flops: the formula)
+    peak_flops = device_peak_flops(device)  # dense bf16 peak of a known CUDA device, for MFU
     stop = _SignalStop()  # SIGINT / SIGTERM: finish this step, save, raise Interrupted
     stop.install()
     try:
@@ -266,13 +272,14 @@ def train(
             # ---- one accumulation window: grad_accum micro-batches, loss SUMs backpropagated
             window_loss = torch.zeros((), device=device)  # fp32, summed over the window
             window_count = torch.zeros((), device=device)
-            finite, metric_sums, tokens = [], {}, 0
+            finite, metric_sums, tokens, flops = [], {}, 0, 0.0
             for idx in window:
                 mine = idx[rank::world]  # this rank's share of the global micro-batch
                 empty = not mine  # a short last batch left this rank nothing: one example at weight 0
                 cpu_batch = collate([train_examples[i] for i in (mine or idx[:1])])
                 if not empty:
                     tokens += _input_tokens(cpu_batch)  # counted on the host copy: no device sync
+                    flops += flop_counter.batch(cpu_batch)
                 batch = _to_device(cpu_batch, device)
                 with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
                     loss_sum, count, metrics = objective(model, batch)
@@ -291,9 +298,9 @@ def train(
             # summed over ranks in one call: loss, target count, non-finite micro-batches, input
             # tokens, and the SIGINT / SIGTERM seen so far (so every rank stops after the same step)
             stats = torch.cat([torch.stack([window_loss, window_count, (~torch.stack(finite)).sum().float()]),
-                               torch.tensor([tokens, *stop.seen()], dtype=torch.float32, device=device)])
+                               torch.tensor([tokens, flops, *stop.seen()], dtype=torch.float32, device=device)])
             distributed.all_reduce_sum([stats])
-            loss_total, total, nonfinite, tokens_f, sigint, sigterm = stats.tolist()  # the one host sync per step
+            loss_total, total, nonfinite, tokens_f, flops, sigint, sigterm = stats.tolist()  # the one host sync per step
             tokens = int(tokens_f)
             grad_norm = float("nan")
             ok = nonfinite == 0 and total > 0
@@ -353,6 +360,8 @@ def train(
                    "tokens": tokens, "target_tokens": int(total), "tokens_per_s": tokens / dt,
                    "peak_mem_mb": _peak_mem_mb(device), "epoch": counters["micro_batches"] / micro_per_epoch,
                    "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
+                   "flops_per_s": flops / dt,
+                   **({"mfu": flops / dt / world / peak_flops} if peak_flops else {}),
                    **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
             stop_early = evaluated = False

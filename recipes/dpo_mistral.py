@@ -89,7 +89,8 @@ def setup(config: DPOConfig) -> Job:
         + f"; reference = {ref}" + (", precomputed once" if config.precompute_ref else ", run each step under no_grad"))
     objective = make_dpo_objective(config.beta, config.loss_type, config.label_smoothing, config.sft_weight, reference)
     train_examples, eval_examples = load_examples(config, tok, "preference")
-    return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id),
+    return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id,
+                                                                     shared_prompt=config.shared_prompt),
                eval_examples, lora, tok)
 
 

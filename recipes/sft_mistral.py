@@ -18,13 +18,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import models
-from minitrain.config import TrainConfig
+from minitrain.config import SFTConfig
 from minitrain.run import Job, check_out_dir, finish, log, prepare_out_dir, sft_job
 from minitrain.train import train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 
-config = TrainConfig(
+config = SFTConfig(
     model=str(DEMO / "model"),
     data=str(DEMO / "sft_train.jsonl"),
     out="runs/sft_mistral",
@@ -41,12 +41,12 @@ config = TrainConfig(
 )
 
 
-def setup(config: TrainConfig) -> Job:
+def setup(config: SFTConfig) -> Job:
     """Load the model, attach the adapter, read the data; writes nothing."""
     return sft_job(config, models.from_hf_config)
 
 
-def run(config: TrainConfig) -> dict:
+def run(config: SFTConfig) -> dict:
     """Train the Stage A adapter and save it; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)

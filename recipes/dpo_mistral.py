@@ -110,7 +110,8 @@ def setup(config: DPOConfig) -> Job:
     objective = make_dpo_objective(config.beta, config.loss_type, config.label_smoothing, config.sft_weight, reference)
     if not eval_examples:
         log("note: no eval_data — no held-out evaluation (pass eval_data=pairs.jsonl for eval/rewards/...)")
-    return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id),
+    return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id,
+                                                                     shared_prompt=config.shared_prompt),
                eval_examples, lora, tok)
 
 

@@ -322,11 +322,12 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
     """(train, eval) examples from `cfg.data` / `cfg.eval_data` (None without eval data).
 
     kind: "sft" (`{"prompt","completion"}`, `{"messages"}` or `{"text"}` rows -> input_ids and
-    labels), "seq2seq" or "preference"; rows are read by `minitrain.data`.
+    labels), "seq2seq", "preference" or "unpaired" (KTO); rows are read by `minitrain.data`.
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
-    readers = {"sft": data.read_sft, "seq2seq": data.read_seq2seq, "preference": data.read_preference}
+    readers = {"sft": data.read_sft, "seq2seq": data.read_seq2seq, "preference": data.read_preference,
+               "unpaired": data.read_unpaired}
     if kind not in readers:
         raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
     read = readers[kind]

@@ -251,3 +251,19 @@ def test_config_refusals_are_one_line():
         with pytest.raises(UserError, match=key) as e:
             validate(PreferenceConfig(model="m", data="d", **bad))
         assert "\n" not in str(e.value) and " — " in str(e.value)
+
+
+def test_plan_knows_the_reference_free_methods_forwards():
+    """tools/plan.py's model: orpo / cpo / simpo forward 2 x pairs rows with a graph and no reference
+    forward at all (DPO's `sigmoid` with the same keys has one: its peak can only be higher)."""
+    from minitrain import plan as P
+
+    model = P.ModelShape.from_hf({"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
+                                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                  "num_key_value_heads": 8})
+    for loss_type in ("orpo", "cpo", "simpo"):
+        run = P.run_shape(PreferenceConfig(loss_type=loss_type, batch_size=2, max_len=1024))
+        assert run.rows == 4 and run.dpo_reference == "none"
+        assert not any("reference" in m for m in P.predict(model, run).moments)
+    dpo = P.run_shape(PreferenceConfig(loss_type="sigmoid", batch_size=2, max_len=1024))
+    assert dpo.rows == 4 and "DPO reference forward" in P.predict(model, dpo).moments

@@ -196,6 +196,25 @@ def test_nll_is_per_pair_so_grouping_does_not_change_it(hf_causal):
     assert float(whole) == pytest.approx(float(a + b), abs=1e-5)
 
 
+@pytest.mark.parametrize("case", ["orpo", "cpo_simpo"])
+def test_batch4_accum1_equals_batch2_accum2_in_the_loop(hf_causal, tmp_path, case):
+    """Rule 2 through `train()`: one SGD step on 4 pairs of different lengths in one micro-batch
+    equals 2 micro-batches of 2 (the unit is the pair, the NLL each pair's own mean)."""
+    folder = hf_causal("pref_policy")
+    results = []
+    for batch_size, accum in ((4, 1), (2, 2)):
+        model = load_pretrained(folder, models.from_hf_config).requires_grad_(True)
+        loss_type, sft_weight, gamma, _ = CASES[case]
+        cfg = PreferenceConfig(out=str(tmp_path / f"{case}{batch_size}"), max_steps=1, batch_size=batch_size,
+                               grad_accum=accum, lr=1.0, warmup=0, schedule="constant", max_grad_norm=0.0,
+                               loss_type=loss_type, sft_weight=sft_weight, simpo_gamma=gamma, skip_audit=True)
+        train(model, make_pair_objective(cfg), our_examples(VARIED), _collate, cfg,
+              optimizer=torch.optim.SGD(list(model.parameters()), lr=1.0), log=lambda s: None)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- trajectory vs TRL's trainer
 
 

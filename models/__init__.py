@@ -1,29 +1,42 @@
 """Hand-written model families that load HF safetensors key-for-key.
 
-Each family file (llama.py, t5.py) imports only torch and can be copied alone.
+Each family file (llama.py: LLaMA / Mistral / Qwen2 / Qwen3; gemma.py: Gemma 2 / Gemma 3 text;
+phi3.py: Phi-3; t5.py) imports only torch (gemma.py and phi3.py also reuse llama.py's rotary,
+cache and generation code) and each exposes `config_from_hf(d)`.
 `from_hf_config` picks the family from a `config.json` dict.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch.nn as nn
 
-SUPPORTED = ("llama", "mistral", "t5")
+# model_type -> family file (module in models/) and its causal-LM class
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("llama", "LlamaForCausalLM"),
+    "qwen3": ("llama", "LlamaForCausalLM"),
+    "gemma2": ("gemma", "GemmaForCausalLM"),
+    "gemma3_text": ("gemma", "GemmaForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "t5": ("t5", "T5ForConditionalGeneration"),
+}
+SUPPORTED = tuple(FAMILIES)
 
 
 def config_from_hf(config: dict[str, Any]):
     """The family config dataclass for an HF `config.json` dict (ValueError if unsupported)."""
     model_type = config.get("model_type")
-    if model_type in ("llama", "mistral"):
-        from models.llama import LlamaConfig
-
-        return LlamaConfig.from_hf(config)
-    if model_type == "t5":
-        from models.t5 import T5Config
-
-        return T5Config.from_hf(config)
+    if model_type in FAMILIES:
+        return importlib.import_module(f"models.{FAMILIES[model_type][0]}").config_from_hf(config)
+    if model_type == "gemma3":
+        raise ValueError(
+            "config.json: model_type 'gemma3' is a multimodal Gemma 3 (vision tower + text model) — minitrain "
+            "trains the text model only: use a text-only checkpoint (model_type 'gemma3_text', Gemma3ForCausalLM)"
+        )
     raise ValueError(
         f"config.json: model_type {model_type!r} is not supported — minitrain loads {', '.join(SUPPORTED)}"
     )
@@ -35,10 +48,11 @@ def from_hf_config(config: dict[str, Any]) -> nn.Module:
     Call it under `with torch.device("meta"):` to build without allocating weights.
     """
     cfg = config_from_hf(config)
-    if cfg.model_type == "t5":
-        from models.t5 import T5ForConditionalGeneration
+    module_name, class_name = FAMILIES[cfg.model_type]
+    return getattr(importlib.import_module(f"models.{module_name}"), class_name)(cfg)
 
-        return T5ForConditionalGeneration(cfg)
-    from models.llama import LlamaForCausalLM
 
-    return LlamaForCausalLM(cfg)
+def family(model: nn.Module):
+    """The family module (models.llama, models.gemma, ...) of a model built here: its `generate`,
+    `KVCache`, config class. Chosen by the model's config, never by the class."""
+    return importlib.import_module(f"models.{FAMILIES[model.config.model_type][0]}")

@@ -1,4 +1,4 @@
-"""LLaMA 2 / 3 / 3.1 / 3.2 and Mistral v0.1-v0.3 in one file, importing only torch.
+"""LLaMA 2 / 3 / 3.1 / 3.2, Mistral v0.1-v0.3, Qwen2 / Qwen2.5 and Qwen3 in one file, importing only torch.
 
 Read top to bottom: config, RMSNorm, rotary embeddings (every rope_scaling type these
 checkpoints use), attention (GQA, sliding window, KV cache), MLP (SwiGLU), decoder block, model,
@@ -10,7 +10,10 @@ The model returns hidden states after the final norm, never logits: callers appl
 `model.output_projection` to the slices they need (see docs/contracts.md).
 
 Mistral is LLaMA with `sliding_window` set: key j is visible from query i when
-`i - window < j <= i` (sequence indices, as HF does).
+`i - window < j <= i` (sequence indices, as HF does). Qwen2 is LLaMA with q/k/v biases (and a
+window on the layers `layer_types` names "sliding_attention", when `use_sliding_window`); Qwen3
+adds an RMSNorm over each query and key head (`q_norm`, `k_norm`) before RoPE. LLaMA exports with
+`attention_bias` (q/k/v/o) or `mlp_bias` (gate/up/down) get those biases.
 
 Shapes in comments: B batch, T new tokens, S keys (cached + new), D hidden_size, H query heads,
 Hkv key/value heads, hd head_dim, V vocab_size.
@@ -73,18 +76,36 @@ ROPE_KEYS: dict[str, tuple[str, ...]] = {
         "truncate",
     ),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings"),
 }
 ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
 }
 
 # HF's class defaults for fields a config.json may leave out (they differ between the families).
+_QWEN_DEFAULTS = {"max_position_embeddings": 32768, "num_key_value_heads": None, "sliding_window": 4096,
+                  "use_sliding_window": False, "max_window_layers": 28, "bos_token_id": None, "eos_token_id": None}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None, "sliding_window": None},
     "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": _QWEN_DEFAULTS,
+    "qwen3": {**_QWEN_DEFAULTS, "head_dim": 128},
+}
+FAMILIES = tuple(_DEFAULTS)
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}  # the model_types this file loads
+# fields that exist only in some of the families (HF's config classes differ): name -> families
+_FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
+    "sliding_window": ("mistral", "qwen2", "qwen3"),
+    "use_sliding_window": ("qwen2", "qwen3"),
+    "max_window_layers": ("qwen2", "qwen3"),
+    "layer_types": ("qwen2", "qwen3"),
+    "attention_bias": ("llama", "qwen3"),
+    "mlp_bias": ("llama",),
 }
 
 
@@ -123,18 +144,21 @@ def _normalize_rope_scaling(
         raise ValueError(f"config.json: rope_scaling of type {rope_type!r} is missing {missing} — add them")
     if rope_type == "default":
         return None
-    if rope_type in ("yarn", "llama3"):
+    if rope_type in ("yarn", "llama3", "longrope"):
         r.setdefault("original_max_position_embeddings", max_position_embeddings)
     return {"rope_type": rope_type, **r}
 
 
 @dataclass
 class LlamaConfig:
-    """LLaMA / Mistral hyper-parameters under their HF `config.json` names.
+    """LLaMA / Mistral / Qwen2 / Qwen3 hyper-parameters under their HF `config.json` names.
 
     `head_dim=None` means `hidden_size // num_attention_heads`; `num_key_value_heads=None` means
     plain multi-head attention. `rope_scaling` is HF's dict (None for plain RoPE), normalised to
-    carry `rope_type`. `sliding_window` is only meaningful for `model_type="mistral"`.
+    carry `rope_type`. `sliding_window`: Mistral windows every layer; Qwen windows the layers
+    `layer_types` marks "sliding_attention", and only with `use_sliding_window` (as transformers:
+    otherwise the field is kept for the round trip but means nothing). `layer_windows()` says
+    which window each layer uses.
     """
 
     vocab_size: int
@@ -152,6 +176,9 @@ class LlamaConfig:
     sliding_window: int | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
+    use_sliding_window: bool = False
+    max_window_layers: int | None = None
+    layer_types: list[str] | None = None
     hidden_act: str = "silu"
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
@@ -159,8 +186,10 @@ class LlamaConfig:
     model_type: str = "llama"
 
     def __post_init__(self) -> None:
-        if self.model_type not in ("llama", "mistral"):
-            raise ValueError(f"config.json: model_type {self.model_type!r} is not LLaMA — use 'llama' or 'mistral'")
+        if self.model_type not in FAMILIES:
+            raise ValueError(
+                f"config.json: model_type {self.model_type!r} is not one of this file's families — use one of {FAMILIES}"
+            )
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -173,21 +202,41 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"config.json: head_dim={self.head_dim} is odd — rotary embeddings need an even head_dim")
         if self.hidden_act != "silu":
-            raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported — LLaMA/Mistral use 'silu'")
-        for name in ("attention_bias", "mlp_bias"):
-            if getattr(self, name):
+            raise ValueError(
+                f"config.json: hidden_act {self.hidden_act!r} is not supported — LLaMA/Mistral/Qwen use 'silu'"
+            )
+        for name, families in _FAMILY_FIELDS.items():
+            default = getattr(type(self), name, None)
+            if self.model_type not in families and getattr(self, name) not in (default, None, False):
                 raise ValueError(
-                    f"config.json: {name}=true is not supported — LLaMA/Mistral checkpoints have no biases"
+                    f"config.json: {name}={getattr(self, name)!r} is not a {self.model_type} field (transformers "
+                    f"ignores it there) — remove it, or use the model_type of the family that has it ({families})"
                 )
-        if self.sliding_window is not None:
-            if self.model_type != "mistral":
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"config.json: sliding_window={self.sliding_window!r} — use a positive int or null")
+        if self.model_type in ("qwen2", "qwen3") and self.layer_types is None:
+            # transformers' rule: layers from max_window_layers on slide (when windows are on)
+            on = self.use_sliding_window and self.sliding_window is not None
+            self.layer_types = [
+                "sliding_attention" if on and i >= (self.max_window_layers or 0) else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if self.layer_types is not None:
+            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            if bad or len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(
-                    f"config.json: sliding_window={self.sliding_window} with model_type 'llama' (transformers "
-                    "ignores it there) — remove it, or use model_type 'mistral' if the model uses a window"
+                    f"config.json: layer_types must list 'sliding_attention' / 'full_attention' once per layer "
+                    f"({self.num_hidden_layers}) — got {len(self.layer_types)} entries{f', unknown {bad}' if bad else ''}"
                 )
-            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
-                raise ValueError(f"config.json: sliding_window={self.sliding_window!r} — use a positive int or null")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+
+    def layer_windows(self) -> list[int | None]:
+        """The sliding window of each layer (None: full causal attention)."""
+        if self.model_type == "mistral":
+            return [self.sliding_window] * self.num_hidden_layers
+        if self.model_type in ("qwen2", "qwen3") and self.use_sliding_window and self.sliding_window:
+            return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
+        return [None] * self.num_hidden_layers
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
@@ -198,7 +247,7 @@ class LlamaConfig:
         d = dict(d)
         model_type = d.pop("model_type", None)
         if model_type not in _DEFAULTS:
-            raise ValueError(f"config.json: model_type {model_type!r} is not LLaMA — use 'llama' or 'mistral'")
+            raise ValueError(f"config.json: model_type {model_type!r} is not one of this file's families — use one of {FAMILIES}")
         for name in IGNORED_FIELDS:
             d.pop(name, None)
 
@@ -231,7 +280,7 @@ class LlamaConfig:
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in d]
         if missing:
-            raise ValueError(f"config.json: missing {missing} — this does not look like a LLaMA/Mistral config")
+            raise ValueError(f"config.json: missing {missing} — this does not look like a {model_type} config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -251,12 +300,10 @@ class LlamaConfig:
         """The `config.json` dict transformers loads (old `rope_theta`/`rope_scaling` spelling,
         which every transformers version reads)."""
         d = asdict(self)
-        d["architectures"] = ["MistralForCausalLM" if self.model_type == "mistral" else "LlamaForCausalLM"]
-        if self.model_type == "llama":
-            d.pop("sliding_window")  # not a LLaMA field
-        else:
-            d.pop("attention_bias")  # not Mistral fields
-            d.pop("mlp_bias")
+        d["architectures"] = [_ARCHITECTURES[self.model_type]]
+        for name, families in _FAMILY_FIELDS.items():
+            if self.model_type not in families:
+                d.pop(name)
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         return d
 
@@ -354,6 +401,17 @@ def rope_inv_freq(config: LlamaConfig, seq_len: int | None = None) -> tuple[torc
         inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
         return inv_freq, float(attention_factor)
 
+    if kind == "longrope":  # Phi-3: per-frequency divisors, the long set once past the trained length
+        old_len = r["original_max_position_embeddings"]
+        factor = r.get("factor") or config.max_position_embeddings / old_len
+        attention_factor = r.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+        ext = r["long_factor"] if seq_len and seq_len > old_len else r["short_factor"]
+        if len(ext) != dim // 2:
+            raise ValueError(f"config.json: rope_scaling factors have {len(ext)} entries — RoPE needs head_dim/2 = {dim // 2}")
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**exponents), float(attention_factor)
+
     raise ValueError(f"config.json: rope_type {kind!r} is not supported")  # from_hf already refused it
 
 
@@ -365,20 +423,24 @@ class RotaryEmbedding:
 
     def __init__(self, config: LlamaConfig) -> None:
         self.config = config
-        self._cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
+        self._cache: dict[tuple, tuple[torch.Tensor, float]] = {}  # (device[, long]) -> table
 
     def inv_freq(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
         device = position_ids.device
         r = self.config.rope_scaling
-        if r is not None and r["rope_type"] == "dynamic":
+        key: tuple = (device,)
+        if r is not None and r["rope_type"] in ("dynamic", "longrope"):
             seq_len = int(position_ids.max()) + 1  # HF: the longest position in the batch
-            if seq_len > self.config.max_position_embeddings:
+            if r["rope_type"] == "dynamic" and seq_len > self.config.max_position_embeddings:
                 inv_freq, scale = rope_inv_freq(self.config, seq_len)
                 return inv_freq.to(device), scale
-        if device not in self._cache:
-            inv_freq, scale = rope_inv_freq(self.config)
-            self._cache[device] = (inv_freq.to(device), scale)
-        return self._cache[device]
+            if r["rope_type"] == "longrope":  # two tables: short and long factors
+                key = (device, seq_len > r["original_max_position_embeddings"])
+                seq_len = seq_len if key[1] else None
+        if key not in self._cache:
+            inv_freq, scale = rope_inv_freq(self.config, seq_len if len(key) > 1 else None)
+            self._cache[key] = (inv_freq.to(device), scale)
+        return self._cache[key]
 
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids (B, T) -> cos, sin (B, T, hd) in `dtype` (the residual stream's, as HF)."""
@@ -481,7 +543,11 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention with RoPE, unfused q/k/v projections (HF names, LoRA-swappable)."""
+    """Grouped-query attention with RoPE, unfused q/k/v projections (HF names, LoRA-swappable).
+
+    Qwen2: biases on q/k/v (not o); `attention_bias` (LLaMA, Qwen3): biases on q/k/v/o.
+    Qwen3: `q_norm` / `k_norm`, an RMSNorm over each head's hd features, before RoPE.
+    """
 
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -490,10 +556,14 @@ class LlamaAttention(nn.Module):
         self.n_kv = config.num_key_value_heads
         self.head_dim = config.head_dim
         D, hd = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(D, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(D, self.n_kv * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=False)
+        qkv_bias = config.attention_bias or config.model_type == "qwen2"
+        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(D, self.n_kv * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(D, self.n_kv * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=config.attention_bias)
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
     def forward(
         self,
@@ -505,8 +575,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, Hkv, hd)
+        if hasattr(self, "q_norm"):  # Qwen3: per-head norms
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
@@ -520,14 +593,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); biases when `mlp_bias`."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        D, F_ = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(D, F_, bias=False)
-        self.up_proj = nn.Linear(D, F_, bias=False)
-        self.down_proj = nn.Linear(F_, D, bias=False)
+        D, F_, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(D, F_, bias=bias)
+        self.up_proj = nn.Linear(D, F_, bias=bias)
+        self.down_proj = nn.Linear(F_, D, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -572,6 +645,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
+        self.windows = config.layer_windows()  # per layer: its sliding window or None
 
     def forward(
         self,
@@ -598,18 +672,17 @@ class LlamaModel(nn.Module):
         if position_ids is None:
             position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
 
-        window = self.config.sliding_window
-        plain_causal = (
-            cache is None
-            and (window is None or T <= window)
-            and (attention_mask is None or bool(valid.all()))
-        )
-        # None lets SDPA use its causal kernels (flash on CUDA); otherwise an explicit bool mask
-        mask = None if plain_causal else attention_mask_4d(key_valid, start, window)  # (B, 1, T, S)
+        # one mask per distinct window (Qwen mixes full and sliding layers); None lets SDPA use its
+        # causal kernels (flash on CUDA); otherwise an explicit bool mask (B, 1, T, S)
+        padded = attention_mask is not None and not bool(valid.all())
+        masks = {
+            w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
+            for w in set(self.windows)
+        }
 
         cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, hd)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache)
+        for layer, w in zip(self.layers, self.windows):
+            x = layer(x, cos, sin, masks[w], cache)
         if cache is not None:
             cache.end(T)
         return self.norm(x)
@@ -761,3 +834,8 @@ def generate(
     if not new_tokens:
         return input_ids
     return torch.cat([input_ids, torch.stack(new_tokens, 1)], dim=1)
+
+
+def config_from_hf(d: dict[str, Any]) -> LlamaConfig:
+    """The registry's entry point (models/__init__.py): `LlamaConfig.from_hf`."""
+    return LlamaConfig.from_hf(d)

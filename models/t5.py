@@ -852,3 +852,8 @@ def _beam_search(model, encoder_hidden, attention_mask, start, max_new_tokens, e
 
     out_len = 1 + int(fin_len[:, 0].max())
     return fin_seq[:, 0, :out_len]
+
+
+def config_from_hf(d: dict) -> T5Config:
+    """The registry's entry point (models/__init__.py): `T5Config.from_hf`."""
+    return T5Config.from_hf(d)

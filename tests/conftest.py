@@ -1,6 +1,6 @@
 """Shared fixtures: tiny reference checkpoints saved by `transformers` (test extra only).
 
-`hf_causal(name, **overrides)` saves a tiny LLaMA/Mistral checkpoint once per session and returns
+`hf_causal(name, **overrides)` saves a tiny causal checkpoint of any family transformers knows once per session and returns
 its folder. Overrides are HF config fields (e.g. `num_key_value_heads=2`, `sliding_window=4`,
 `model_type="mistral"`, `tie_word_embeddings=True`, `rope_scaling={...}`).
 """
@@ -36,18 +36,14 @@ def save_hf_causal(folder: Path, seed: int = 0, model_type: str = "llama", **ove
     import transformers
 
     kw = {**TINY_LLAMA, **overrides}
-    if model_type == "mistral":
-        cfg = transformers.MistralConfig(**kw)
-        cls = transformers.MistralForCausalLM
-    else:
-        cfg = transformers.LlamaConfig(**kw)
-        cls = transformers.LlamaForCausalLM
+    # any causal family transformers knows (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3)
+    cfg = transformers.AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    # random init has tiny norms and zero-ish weights in places; perturb so every tensor matters
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    # random init has tiny norms and zero biases; perturb so every tensor matters
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder, safe_serialization=True)
     return Path(folder)

@@ -63,6 +63,8 @@ def models_dir(hf_causal, tmp_path_factory) -> Path:
     config = json.loads((good / "config.json").read_text())
     d = variant("gpt2")
     (d / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    d = variant("gemma3")
+    (d / "config.json").write_text(json.dumps({**config, "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}))
     d = variant("config_not_json")
     (d / "config.json").write_text((good / "config.json").read_text()[:40])
     d = variant("pickle_only")

@@ -41,6 +41,13 @@ VARIANTS: dict[str, dict] = {
             "beta_slow": 2.0,
         }
     ),
+    "llama_bias": dict(attention_bias=True, mlp_bias=True),  # exports that keep biases
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, rope_theta=1000000.0),  # q/k/v biases
+    "qwen2_window": dict(  # Qwen's window applies from max_window_layers on: layer 0 full, layer 1 slides
+        model_type="qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1
+    ),
+    "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),  # q/k norms
+    "qwen3_bias": dict(model_type="qwen3", num_key_value_heads=2, head_dim=16, attention_bias=True),
     "rope_llama3": dict(  # LLaMA 3.2 style: big theta, llama3 scaling, tied head
         rope_theta=500000.0,
         tie_word_embeddings=True,
@@ -172,8 +179,9 @@ def test_rope_scaling_is_not_a_no_op(hf_causal, name):
     assert (our_logits(plain.eval(), ids, mask) - hf_logits(load_hf(folder), ids, mask)).abs().max() > 1e-3
 
 
-def test_sliding_window_is_not_a_no_op(hf_causal):
-    folder = checkpoint(hf_causal, "mistral_window")
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
+def test_sliding_window_is_not_a_no_op(hf_causal, name):
+    folder = checkpoint(hf_causal, name)
     d = read_config(folder)
     d["sliding_window"] = None
     full = ml.LlamaForCausalLM(ml.LlamaConfig.from_hf(d))
@@ -224,7 +232,8 @@ def test_from_hf_reads_both_rope_spellings(hf_causal):
     assert ml.LlamaConfig.from_hf(old).rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
-@pytest.mark.parametrize("name", ["tied", "mistral_window", "rope_yarn_mscale", "rope_llama3", "rope_dynamic"])
+@pytest.mark.parametrize("name", ["tied", "mistral_window", "rope_yarn_mscale", "rope_llama3", "rope_dynamic",
+                                  "llama_bias", "qwen2_window", "qwen3"])
 def test_to_hf_round_trips_and_loads_in_transformers(hf_causal, tmp_path, name):
     folder = checkpoint(hf_causal, name)
     cfg = ml.LlamaConfig.from_hf(read_config(folder))
@@ -260,14 +269,15 @@ BASE = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_siz
     [
         ({"foo_scale": 2.0}, "foo_scale"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "mrope"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "mystery": 1}}, "mystery"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"pretraining_tp": 2}, "pretraining_tp"),
-        ({"attention_bias": True}, "attention_bias"),
-        ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "qwen2", "attention_bias": True}, "attention_bias"),  # not a Qwen2 field
+        ({"model_type": "qwen3", "mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "qwen3", "layer_types": ["full_attention"]}, "layer_types"),  # one per layer
         ({"attention_dropout": 0.1}, "attention_dropout"),
         ({"sliding_window": 8}, "sliding_window"),  # on model_type llama transformers would ignore it
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
@@ -309,8 +319,9 @@ def test_build_on_meta_then_assign(hf_causal):
     assert (a[real] - b[real]).abs().max() <= 1e-4
 
 
-def test_state_dict_keys_are_hf_keys(hf_causal):
-    folder = checkpoint(hf_causal, "gqa")
+@pytest.mark.parametrize("name", ["gqa", "llama_bias", "qwen2", "qwen3_bias"])
+def test_state_dict_keys_are_hf_keys(hf_causal, name):
+    folder = checkpoint(hf_causal, name)
     hf = load_hf(folder)
     ours = ml.LlamaForCausalLM(ml.LlamaConfig.from_hf(read_config(folder)))
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in hf.state_dict().items()}
@@ -372,7 +383,7 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :12], mask[:, :12]  # row 1: 7 pads then 5 real tokens
 
 
-@pytest.mark.parametrize("name", ["gqa", "mistral_window", "rope_llama3"])
+@pytest.mark.parametrize("name", ["gqa", "mistral_window", "rope_llama3", "qwen2_window", "qwen3"])
 def test_greedy_generate_matches_transformers(hf_causal, name):
     folder = checkpoint(hf_causal, name)
     ours, hf = load_ours(folder), load_hf(folder)

@@ -213,6 +213,21 @@ def read_state(out_dir: str | os.PathLike) -> dict[str, Any]:
                         f"start again without resume=true (overwrite=true)") from None
 
 
+# what may change when a run is extended (`extend=true`): its length, and what follows from it
+EXTEND_KEYS = ("max_steps", "epochs", "total_steps", "warmup_steps")
+
+
+def check_run(saved: dict[str, Any], mine: dict[str, Any], extend: bool = False) -> None:
+    """Refuse resuming with settings other than the checkpoint's (`saved`: its `run` dict); with
+    `extend`, the run's length (EXTEND_KEYS) may differ, everything else must not."""
+    for k, v in saved.items():
+        if k not in mine or mine[k] == v or (extend and k in EXTEND_KEYS):
+            continue
+        hint = " or extend=true to continue the run to a new length," if k in EXTEND_KEYS else ""
+        raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={mine[k]} — resume with the "
+                        f"same settings,{hint} or start a new out folder")
+
+
 def check_world_size(state: dict[str, Any], folder: str | os.PathLike, world: int | None = None) -> None:
     """Refuse resuming at another world size: each rank's RNG state (dropout) is in the checkpoint."""
     world = distributed.world_size() if world is None else world

@@ -5,6 +5,10 @@
 2. apply `key=value` overrides, each parsed by the type of the dataclass field it names;
 3. `validate` the result (bounds, choices, cross-field rules) and call `run(config)`.
 
+A recipe may also define `demo`, a dict of settings for its built-in demo: they apply only when
+the command names none of `model`, `data`, `eval_data` (`resolve_config`), so a real run gets
+the recipe's own defaults and is asked for what it lacks, never the demo's files or settings.
+
 Every user mistake is a `UserError`, printed as one `error: ...` line on stderr with exit code 2;
 Ctrl-C exits 130. Training stopped by SIGINT / SIGTERM (`minitrain.train.Interrupted`) prints the
 command that resumes it and exits 130 / 143. Anything else is our bug and keeps its traceback.
@@ -92,13 +96,37 @@ def _main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(recipe_help(recipe))
         return 0
-    config = apply_overrides(recipe.config, args, where=path)
+    config, demo = resolve_config(recipe, args)
     validate(config)
+    if demo and _rank() == 0:
+        print("demo: no model, data or eval_data given, so this trains the built-in demo with the recipe's demo "
+              "settings (--help lists them); for your own checkpoint pass model=... data=...", flush=True)
     from minitrain import distributed
 
     distributed.init(config)  # under torchrun: join the process group (else only checks parallel=)
+    from minitrain import fit
+
+    config = fit.check(config, log=_log)  # on CUDA: plan the peak before any weight is read
+    if _on_cpu(config):
+        from minitrain.cpu import set_threads
+
+        set_threads(getattr(config, "threads", 0), _log)  # busy cores: fewer threads (minitrain.cpu)
     recipe.run(config)
     return 0
+
+
+def _on_cpu(config: Any) -> bool:
+    device = str(getattr(config, "device", "auto"))
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def _log(line: str) -> None:
+    if _rank() == 0:
+        print(line, flush=True)
 
 
 def _rank() -> int:
@@ -164,6 +192,21 @@ def load_recipe(path: str) -> Recipe:
     return Recipe(path, module, config, run)
 
 
+# a command that names one of these is a real run: the recipe's `demo` settings do not apply
+REAL_RUN_KEYS = ("model", "data", "eval_data")
+
+
+def resolve_config(recipe: Recipe, args: list[str]) -> tuple[Any, dict[str, Any]]:
+    """(the run's config, the demo settings it took or {}): the recipe's `config`, its `demo`
+    settings when the command names none of `REAL_RUN_KEYS`, then the command's `key=value`s."""
+    demo = getattr(recipe.module, "demo", None) or {}
+    named = {a.partition("=")[0].strip() for a in args}
+    if named & set(REAL_RUN_KEYS):
+        demo = {}
+    base = dataclasses.replace(copy.deepcopy(recipe.config), **demo) if demo else recipe.config
+    return apply_overrides(base, args, where=recipe.path), demo
+
+
 def _recipes_in(folder: Path) -> str:
     found = sorted(str(f) for f in folder.glob("*.py")) if folder.is_dir() else []
     found = [f for f in found if not Path(f).name.startswith("_")]
@@ -190,6 +233,11 @@ def recipe_help(recipe: Recipe) -> str:
             text = f"{text} [{limits}]" if text else f"[{limits}]"
         if text:
             lines += textwrap.wrap(text, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    demo = getattr(recipe.module, "demo", None)
+    if demo:
+        lines += ["", f"demo settings (used only when the command names none of {', '.join(REAL_RUN_KEYS)}):"]
+        lines += textwrap.wrap(" ".join(f"{k}={format_value(v)}" for k, v in demo.items()), width=96,
+                               initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
 
 

@@ -52,8 +52,13 @@ class TrainConfig:
     """Keys every training recipe has."""
 
     model: str = doc("", "HF-format model folder (config.json + *.safetensors + tokenizer)")
-    data: str = doc("", "training data, JSONL")
-    eval_data: str = doc("", "held-out data, JSONL (empty: no eval)")
+    data: str = doc("", "training data: JSONL, JSON, CSV/TSV, Parquet, Arrow or a datasets folder (its train split)")
+    eval_data: str = doc("", "held-out data, same formats; a datasets folder's validation split: "
+                             "path/to/folder/validation (empty: no eval, or eval_split)")
+    eval_split: float = doc(0.0, "hold out this share of data (seeded, the same on every resume) when there is "
+                                 "no eval_data", ge=0, lt=1)
+    fields: dict[str, str] = doc({}, 'your column names for the row shapes\' keys, e.g. {"prompt": "question", '
+                                     '"completion": "answer"}')
     out: str = doc("runs/run", "output folder: metrics.jsonl, config.json, adapter/, checkpoint/")
     max_steps: int = doc(-1, "optimizer steps to run (-1: derived from epochs)", ge=-1)
     epochs: float = doc(1.0, "passes over the data when max_steps is -1", gt=0)
@@ -67,14 +72,24 @@ class TrainConfig:
     min_lr_ratio: float = doc(0.0, "cosine / linear decay floor as a fraction of lr", ge=0, le=1)
     seed: int = doc(0, "seed for init, shuffling and dropout", ge=0)
     max_len: int = doc(512, "maximum tokens per sequence (prompt + completion)", ge=2)
-    chat_format: str = doc("auto", "how {\"messages\"} rows are rendered (auto: detected from the tokenizer)",
+    chat_format: str = doc("auto", "how chats are rendered: auto = the checkpoint's chat template (else detected "
+                                   "from the vocabulary); a name overrides the template",
                            choices=("auto", "mistral", "llama2", "llama3"))
+    chat_template_kwargs: dict = doc({}, 'variables for the chat template, e.g. {"enable_thinking": false}')
     truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
     group_by_length: bool = doc(True, "batch examples of similar length together (less padding; order still seeded)")
     device: str = doc("auto", "where to train: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
+    threads: int = doc(0, "CPU runs: torch threads (0: the cores idle at start, at least 1; OMP_NUM_THREADS "
+                          "also sets it)", ge=0)
     precision: str = doc("auto", "auto: bf16 autocast where supported, else fp32",
                          choices=("auto", "bf16", "fp32", "fp16"))
     checkpointing: bool = doc(False, "non-reentrant activation checkpointing per block")
+    memory_check: bool = doc(True, "on CUDA, plan the peak memory from config.json before loading and stop "
+                                   "with suggestions if it exceeds the free memory (minitrain.fit)")
+    auto_fit: bool = doc(False, "when the plan does not fit: choose checkpointing and the micro-batch "
+                                "(global batch kept through grad_accum) instead of stopping")
+    gpu_mem: str = doc("", "plan against this much device memory (e.g. 12GiB) instead of the GPU's free "
+                           "memory; also checks on a machine without a GPU")
     compile: bool = doc(False, "torch.compile each block (CUDA only)")
     parallel: str = doc("ddp", "under torchrun: ddp (each rank holds the model, gradients summed) or fsdp "
                                "(FSDP2 shards blocks, gradients and optimizer state); fsdp needs torchrun",
@@ -82,7 +97,12 @@ class TrainConfig:
     save_every: int = doc(0, "save a resumable checkpoint every N optimizer steps (0: only at the end)", ge=0)
     eval_every: int = doc(0, "evaluate every N optimizer steps (0: only at the end)", ge=0)
     log_every: int = doc(1, "write metrics every N optimizer steps", ge=1)
+    report_to: str = doc("none", "a metrics sink beside metrics.jsonl: tensorboard writes out/tensorboard/ "
+                                 "(needs the tensorboard extra)", choices=("none", "tensorboard"))
     resume: bool = doc(False, "continue exactly from out/checkpoint")
+    extend: bool = doc(False, "with resume: continue a run (finished or not) to a new max_steps / epochs; the "
+                              "steps after the checkpoint take the LR of a schedule sized for the new total "
+                              "(printed before they run)")
     overwrite: bool = doc(False, "allow writing into an output folder that holds a different run")
     max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many non-finite steps in a row", ge=1)
     skip_audit: bool = doc(False, "skip the gradient-path audit before step 1 (the skip is logged)")
@@ -100,14 +120,33 @@ class TrainConfig:
 
     def check(self) -> None:
         """Rules across fields (per-field bounds and choices are checked by `validate`)."""
+        if self.report_to != "none":
+            from minitrain.progress import check_sink
+
+            check_sink(self.report_to)
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"device={shown(self.device)}: not a device — use auto, cpu, cuda or cuda:N")
+        if self.gpu_mem:
+            from minitrain.plan import parse_bytes
+
+            try:
+                parse_bytes(self.gpu_mem)
+            except UserError:
+                raise UserError(f"gpu_mem={shown(self.gpu_mem)}: not a size — e.g. gpu_mem=12GiB") from None
+        if self.extend and not self.resume:
+            raise UserError("extend=true: extends a saved run — pass resume=true with it (and the new max_steps "
+                            "or epochs)")
         if self.max_steps == 0:
             raise UserError("max_steps=0: would train nothing — give a number of optimizer steps, "
                             "or max_steps=-1 to derive it from epochs")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             raise UserError(f"warmup={format_value(self.warmup)}: a warmup of 1 or more counts optimizer "
                             f"steps and must be whole — e.g. warmup=100, or warmup=0.03 for a ratio")
+        if self.eval_split and self.eval_data:
+            raise UserError(f"eval_split={format_value(self.eval_split)}: eval_data is given too — use one of them")
+        for k in self.chat_template_kwargs:
+            if k in ("messages", "add_generation_prompt", "tools", "documents"):
+                raise UserError(f"chat_template_kwargs: {k!r} is set by minitrain itself — remove it")
         if not self.lora_targets and not self.modules_to_save and not self.init_adapter:
             raise UserError("lora_targets: empty, so nothing would train — name modules to adapt, "
                             "e.g. lora_targets=q_proj,v_proj (or all-linear)")

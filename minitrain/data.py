@@ -1,8 +1,10 @@
-"""JSONL rows -> token-id examples, a resumable batch order, and padding collators.
+"""Rows -> token-id examples: what the readers make of each row shape, and truncation.
 
-Readers (`read_sft`, `read_seq2seq`, `read_preference`, `read_unpaired`) turn one JSON object per line into
-examples of token ids; a user's mistake in the file is one `UserError` naming `file:line`.
-They return an `Examples` list that also says how many rows were truncated or skipped.
+Readers (`read_sft`, `read_seq2seq`, `read_preference`, `read_unpaired`) turn the rows of a data file
+(`minitrain.data_files`, typed access through `minitrain.data_rows`) into examples of token
+ids; a user's mistake in the file is one `UserError` naming `file:line`. They return an
+`Examples` list that also says how many rows were truncated or skipped. The batch order is
+`minitrain.batcher`, the padding collators `minitrain.collate` (both re-exported here).
 
 Labels are aligned with `input_ids` (as in transformers): `labels[i]` is the token at position
 `i`, or -100 where no loss is taken (prompt, bos, padding); causal objectives shift them.
@@ -20,131 +22,38 @@ Truncation (`max_len` tokens per sequence), explicit and counted:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
-import torch
 
+from minitrain.batcher import Batcher  # noqa: F401  (re-exported: minitrain.data.Batcher)
+from minitrain.collate import IGNORE, collate_causal, collate_preference, collate_seq2seq  # noqa: F401
+from minitrain.data_files import read_jsonl, read_rows  # noqa: F401  (read_jsonl: re-exported)
+from minitrain.data_rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields
 from minitrain.errors import UserError
 from minitrain.tokenizer import Tokenizer, common_prefix_len
 
-IGNORE = -100
 SIDES = ("left", "right")
 
 
 class Examples(list):
-    """A list of examples, with what reading cost: `truncated` and `skipped` row counts."""
+    """A list of examples, with what reading cost: `truncated` and `skipped` row counts, and
+    `bos_in_text`: rows whose text began with the bos token already (text copied from a
+    rendered chat), which get no second bos."""
 
-    def __init__(self, items: Sequence[dict] = (), *, path: str = "", truncated: int = 0, skipped: int = 0):
+    def __init__(self, items: Sequence[dict] = (), *, path: str = "", truncated: int = 0, skipped: int = 0,
+                 bos_in_text: int = 0):
         super().__init__(items)
         self.path = path
         self.truncated = truncated
         self.skipped = skipped
+        self.bos_in_text = bos_in_text  # rows whose text already began with bos: not given a second one
 
     @property
     def lengths(self) -> list[int]:
         """Tokens per example (all its id lists), for `Batcher` length grouping."""
         return [sum(len(v) for k, v in ex.items() if k.endswith("ids")) for ex in self]
-
-
-# --------------------------------------------------------------------------- reading rows
-
-
-def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:
-    """Yield `("file:line", row)` for each non-blank line; UserError for anything not an object."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such file — check the data path")
-    any_row = False
-    with open(p, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            where = f"{p}:{n}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{where}: not UTF-8 ({e.reason} at byte {e.start}) — save the file as UTF-8") from None
-            if n == 1:
-                line = line.lstrip("\ufeff")  # a byte-order mark some editors write
-            if not line.strip():
-                continue
-            line = line.rstrip("\r\n")
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: malformed JSON ({e.msg} at column {e.colno}) — "
-                                f"each line must be one JSON object") from None
-            except RecursionError:
-                raise UserError(f"{where}: JSON nested too deeply — each line must be one flat JSON object") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{where}: expected a JSON object, got {_type(row)} — "
-                                f"each line must be one JSON object like {{\"prompt\": ..., \"completion\": ...}}")
-            any_row = True
-            yield where, row
-    if not any_row:
-        raise UserError(f"{p}: empty file (no JSON rows) — add one JSON object per line")
-
-
-def _type(v: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-class _Row:
-    """One row with the canonical key names mapped to the file's (`fields`)."""
-
-    def __init__(self, where: str, row: dict, fields: dict[str, str], expect: str):
-        self.where, self.row, self.fields, self.expect = where, row, fields, expect
-
-    def key(self, name: str) -> str:
-        return self.fields.get(name, name)
-
-    def has(self, name: str) -> bool:
-        return self.key(name) in self.row
-
-    def get(self, name: str) -> Any:
-        k = self.key(name)
-        if k not in self.row:
-            hint = f' (or map fields, e.g. fields={{"{name}": "your_key"}})' if k == name else ""
-            raise UserError(f'{self.where}: missing key "{k}" — every row needs {self.expect}{hint}')
-        return self.row[k]
-
-    def text(self, name: str) -> str:
-        v = self.get(name)
-        k = self.key(name)
-        if not isinstance(v, str):
-            raise UserError(f'{self.where}: "{k}" must be a string, got {_type(v)} — fix the row')
-        if not v.strip():
-            raise UserError(f'{self.where}: "{k}" is empty — fill it or remove the row')
-        if not _utf8(v):
-            raise UserError(f'{self.where}: "{k}" holds a lone surrogate (a broken \\u escape) — fix the text')
-        return v
-
-    def messages(self, name: str) -> list:
-        v = self.get(name)
-        if not isinstance(v, list):
-            raise UserError(f'{self.where}: "{self.key(name)}" must be a list of {{"role", "content"}} '
-                            f'objects, got {_type(v)} — fix the row')
-        return v
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
-def _check_fields(fields: dict[str, str] | None, valid: tuple[str, ...]) -> dict[str, str]:
-    fields = dict(fields or {})
-    for k, v in fields.items():
-        if k not in valid:
-            raise UserError(f"fields: unknown name {k!r} — map these names to your keys: {', '.join(valid)}")
-        if not isinstance(v, str) or not v:
-            raise UserError(f"fields[{k!r}]: {v!r} — give the key name used in your file")
-    return fields
 
 
 def _check_options(max_len: int, truncation_side: str, max_prompt_len: int | None) -> int:
@@ -202,26 +111,64 @@ def _targets(labels: list[int]) -> int:
 # --------------------------------------------------------------------------- readers
 
 
-def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
-             max_prompt_len: int | None = None, fields: dict[str, str] | None = None) -> Examples:
-    """Causal-LM examples `{"input_ids", "labels"}` from rows of one of three shapes:
+def _answer(row: Row, name: str) -> str | list:
+    """A preference answer: text, a list of messages, or a ShareGPT turn `{"from", "value"}`."""
+    v = row.get(name)
+    if isinstance(v, list):
+        return row.messages(name)
+    if isinstance(v, dict) and "value" in v:
+        v = v["value"]
+        if not isinstance(v, str) or not v.strip():
+            raise UserError(f'{row.where}: "{row.key(name)}" value must be non-empty text — fix the row')
+        return v
+    return row.text(name)
 
+
+def _preference_parts(row: Row) -> tuple[str | list, tuple[str | list, str | list]]:
+    """(prompt, (chosen, rejected)) of a preference row in any of `read_preference`'s shapes."""
+    if row.has("conversations") and not row.has("prompt"):
+        return row.sharegpt("conversations"), (_answer(row, "chosen"), _answer(row, "rejected"))
+    if not row.has("prompt") and row.has("chosen") and isinstance(row.get("chosen"), list):
+        chosen, rejected = row.messages("chosen"), row.messages("rejected") if row.has("rejected") else None
+        if not isinstance(rejected, list):
+            raise UserError(f'{row.where}: "{row.key("chosen")}" is a conversation, so "{row.key("rejected")}" must be '
+                            f'one too (TRL\'s format with an implicit prompt) — fix the row')
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        if n == 0:
+            raise UserError(f'{row.where}: "{row.key("chosen")}" and "{row.key("rejected")}" share no first message, so '
+                            f'there is no prompt — give a "prompt" key, or conversations that begin alike')
+        return chosen[:n], (chosen[n:], rejected[n:])
+    prompt = row.get("prompt")
+    prompt = row.messages("prompt") if isinstance(prompt, list) else row.text("prompt")
+    return prompt, (_answer(row, "chosen"), _answer(row, "rejected"))
+
+
+def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
+             max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+             split: str | None = None) -> Examples:
+    """Causal-LM examples `{"input_ids", "labels"}` from the rows of a data file (any format of
+    `minitrain.data_files`; `split` picks a split of a datasets folder), in these shapes:
+
+    - chats: `{"messages"}`, ShareGPT `{"conversations"}` or Alpaca `{"instruction", "input",
+      "output"}` (`minitrain.data_rows`): `tok.encode_chat`, loss on the assistant turns;
     - `{"prompt", "completion"}`: `[bos] prompt completion [eos]`, loss on completion + eos;
       the completion is encoded as continuing the prompt (its leading space kept as written);
-    - `{"messages": [{"role", "content"}, ...]}`: `tok.encode_chat`, loss on assistant turns;
     - `{"text"}`: `[bos] text [eos]`, loss on every token.
 
-    `fields` maps these names to the file's keys (`{"prompt": "question"}`).
+    `fields` maps these names to the file's keys (`{"prompt": "question"}`). A prompt or text
+    that already begins with the bos token gets no second one (counted in `bos_in_text`).
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
-    fields = _check_fields(fields, ("prompt", "completion", "messages", "text"))
-    bos = [tok.bos_id] if tok.bos_id is not None else []
+    fields = check_fields(fields, SFT_FIELDS)
     eos = [tok.eos_id] if tok.eos_id is not None else []
     out = Examples(path=str(path))
-    for where, raw in read_jsonl(path):
-        row = _Row(where, raw, fields, '"prompt" and "completion", "messages" or "text"')
-        if row.has("messages"):
-            ids, mask = _chat(tok, where, row.messages("messages"))
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt" and "completion", "messages" or "text"')
+        chat = row.chat()
+        if chat is not None:
+            ids, mask = _chat(tok, where, chat)
             labels = [i if m else IGNORE for i, m in zip(ids, mask)]
             if len(ids) > max_len:
                 out.truncated += 1
@@ -229,21 +176,22 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
                 ids, labels = [ids[k] for k in keep], [labels[k] for k in keep]
         elif row.has("prompt") or row.has("completion"):
             row.expect = '"prompt" and "completion"'
-            p = bos + tok.encode(row.text("prompt"))
+            p = _with_bos(tok, tok.encode(row.text("prompt")), out)
             c = tok.encode(row.text("completion"), continuation=True) + eos
             p, (c,), cut = _fit(p, [c], max_len, max_prompt_len, truncation_side, tok.bos_id)
             out.truncated += cut
             ids, labels = p + c, [IGNORE] * len(p) + c
         elif row.has("text"):
-            ids = (bos + tok.encode(row.text("text")) + eos)
+            ids = _with_bos(tok, tok.encode(row.text("text")), out) + eos
             if len(ids) > max_len:
                 out.truncated += 1
                 ids = ids[:max_len]
-            labels = ([IGNORE] + ids[1:]) if bos else list(ids)
+            labels = ([IGNORE] + ids[1:]) if tok.bos_id is not None else list(ids)
         else:
-            keys = ", ".join(f'"{k}"' for k in list(raw)[:5]) or "none"
+            keys = ", ".join(f'"{k}"' for k, v in list(raw.items())[:5] if v is not None) or "none"
             raise UserError(f'{where}: no "prompt"/"completion", "messages" or "text" key (keys: {keys}) — '
-                            f'use one of these row shapes, or map your keys with fields={{...}}')
+                            f'use one of these row shapes (or ShareGPT "conversations", Alpaca "instruction"/'
+                            f'"output"), or map your keys with fields={{"prompt": "your_key", ...}}')
         if _targets(labels) == 0:
             out.skipped += 1
             continue
@@ -251,10 +199,20 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
     return out
 
 
+def _with_bos(tok: Tokenizer, ids: list[int], out: Examples) -> list[int]:
+    """`[bos] + ids`, unless `ids` begin with bos already (counted: a second one is never added)."""
+    if tok.bos_id is None:
+        return ids
+    if ids[:1] == [tok.bos_id]:
+        out.bos_in_text += 1
+        return ids
+    return [tok.bos_id] + ids
+
+
 def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                  max_target_len: int | None = None, fields: dict[str, str] | None = None,
-                 max_prompt_len: int | None = None) -> Examples:
-    """Encoder-decoder examples from `{"prompt", "completion"}` rows.
+                 max_prompt_len: int | None = None, split: str | None = None) -> Examples:
+    """Encoder-decoder examples from `{"prompt", "completion"}` rows (any file format, as `read_sft`).
 
     `input_ids` = prompt + eos (cut to `max_len` on `truncation_side`, the eos kept),
     `labels` = completion + eos (cut on the right to `max_target_len`, default `max_len`), as
@@ -265,10 +223,10 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
     max_target_len = max_len if max_target_len is None else max_target_len
     if not isinstance(max_target_len, int) or max_target_len < 1:
         raise UserError(f"max_target_len={max_target_len!r}: must be an integer >= 1")
-    fields = _check_fields(fields, ("prompt", "completion"))
+    fields = check_fields(fields, SEQ2SEQ_FIELDS)
     out = Examples(path=str(path))
-    for where, raw in read_jsonl(path):
-        row = _Row(where, raw, fields, '"prompt" and "completion"')
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt" and "completion"')
         src = tok.encode(row.text("prompt"), eos=True)
         tgt = tok.encode(row.text("completion"), eos=True)
         if len(src) > max_len or len(tgt) > max_target_len:
@@ -281,45 +239,51 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
 
 
 def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
-                    max_prompt_len: int | None = None, fields: dict[str, str] | None = None) -> Examples:
+                    max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+                    split: str | None = None) -> Examples:
     """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`.
 
-    Rows: `{"prompt", "chosen", "rejected"}`. The prompt is a string (`[bos] prompt`, the answers
-    continuing it, + eos) or a list of chat messages (then each answer is the next assistant
-    turn, via `tok.encode_chat`). The answers may also be lists of assistant messages. Prompt
-    tokens are labelled -100 in both sequences; truncation cuts the shared prompt once.
+    Rows (any file format, as `read_sft`):
+
+    - `{"prompt", "chosen", "rejected"}`. The prompt is a string (`[bos] prompt`, the answers
+      continuing it, + eos) or a list of chat messages (then each answer is the next assistant
+      turn, via `tok.encode_chat`); the answers may also be lists of assistant messages.
+    - `{"chosen", "rejected"}` as two whole conversations (TRL's conversational format with an
+      implicit prompt): the messages both begin with are the prompt.
+    - ShareGPT `{"conversations", "chosen", "rejected"}` (LLaMA-Factory): the conversation is the
+      prompt, the answers `{"from": "gpt", "value"}` objects or strings.
+
+    Prompt tokens are labelled -100 in both sequences; truncation cuts the shared prompt once.
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
-    fields = _check_fields(fields, ("prompt", "chosen", "rejected"))
-    bos = [tok.bos_id] if tok.bos_id is not None else []
+    fields = check_fields(fields, PREFERENCE_FIELDS)
     eos = [tok.eos_id] if tok.eos_id is not None else []
     out = Examples(path=str(path))
-    for where, raw in read_jsonl(path):
-        row = _Row(where, raw, fields, '"prompt", "chosen" and "rejected"')
-        prompt = row.get("prompt")
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt", "chosen" and "rejected"')
+        prompt, answers_in = _preference_parts(row)
         # each answer as (id, label) pairs after the shared prompt
         answers: list[list[tuple[int, int]]] = []
         if isinstance(prompt, list):
             p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
             fulls = []
-            for name in ("chosen", "rejected"):
-                a = row.get(name)
+            for name, a in zip(("chosen", "rejected"), answers_in):
                 if isinstance(a, list) and not (a and isinstance(a[-1], dict) and a[-1].get("role") == "assistant"):
                     raise UserError(f'{where}: "{row.key(name)}" is a list of messages that does not end with an '
                                     f'assistant message — give the answer as a string or as assistant message(s)')
-                turn = a if isinstance(a, list) else [{"role": "assistant", "content": row.text(name)}]
+                turn = a if isinstance(a, list) else [{"role": "assistant", "content": a}]
                 fulls.append(_chat(tok, where, prompt + turn))
             n = min(common_prefix_len(p, ids) for ids, _ in fulls)  # where the answers start
             p = p[:n]
             for ids, mask in fulls:
                 answers.append([(t, t if m else IGNORE) for t, m in zip(ids[n:], mask[n:])])
         else:
-            p = bos + tok.encode(row.text("prompt"))
-            for name in ("chosen", "rejected"):
-                if isinstance(row.get(name), list):
+            p = _with_bos(tok, tok.encode(prompt), out)
+            for name, a in zip(("chosen", "rejected"), answers_in):
+                if isinstance(a, list):
                     raise UserError(f'{where}: "{row.key(name)}" is a list of messages but "{row.key("prompt")}" '
                                     f'is a string — give both as messages or both as strings')
-                ids = tok.encode(row.text(name), continuation=True) + eos
+                ids = tok.encode(a, continuation=True) + eos
                 answers.append([(t, t) for t in ids])
         p, answers, cut = _fit(p, answers, max_len, max_prompt_len, truncation_side, tok.bos_id)
         out.truncated += cut
@@ -335,7 +299,8 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
 
 
 def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
-                  max_prompt_len: int | None = None, fields: dict[str, str] | None = None) -> Examples:
+                  max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+                  split: str | None = None) -> Examples:
     """Unpaired feedback (KTO) `{"input_ids", "labels", "label", "prompt_len"}`.
 
     Rows: `{"prompt", "completion", "label": true|false}` (a thumbs-up or thumbs-down on one
@@ -344,24 +309,24 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
     message(s)), encoded as `read_preference` encodes an answer; prompt tokens are labelled -100.
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
-    fields = _check_fields(fields, ("prompt", "completion", "label"))
-    bos = [tok.bos_id] if tok.bos_id is not None else []
+    fields = check_fields(fields, ("prompt", "completion", "label", "role", "content"))
     eos = [tok.eos_id] if tok.eos_id is not None else []
     out = Examples(path=str(path))
-    for where, raw in read_jsonl(path):
-        row = _Row(where, raw, fields, '"prompt", "completion" and "label"')
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt", "completion" and "label"')
         label = row.get("label")
         if not isinstance(label, bool):
             raise UserError(f'{where}: "{row.key("label")}" must be true or false (desirable or not), got '
-                            f'{_type(label)} — fix the row')
-        prompt, answer = row.get("prompt"), row.get("completion")
+                            f'{type(label).__name__} — fix the row')
+        prompt, answer = row.get("prompt"), _answer(row, "completion")
         if isinstance(prompt, list):
+            prompt = row.messages("prompt")
             p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
             if isinstance(answer, list) and not (answer and isinstance(answer[-1], dict)
                                                  and answer[-1].get("role") == "assistant"):
                 raise UserError(f'{where}: "{row.key("completion")}" is a list of messages that does not end with '
                                 f'an assistant message — give the answer as a string or as assistant message(s)')
-            turn = answer if isinstance(answer, list) else [{"role": "assistant", "content": row.text("completion")}]
+            turn = answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}]
             ids, mask = _chat(tok, where, prompt + turn)
             n = common_prefix_len(p, ids)
             p, a = p[:n], [(t, t if m else IGNORE) for t, m in zip(ids[n:], mask[n:])]
@@ -369,8 +334,8 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
             if isinstance(answer, list):
                 raise UserError(f'{where}: "{row.key("completion")}" is a list of messages but '
                                 f'"{row.key("prompt")}" is a string — give both as messages or both as strings')
-            p = bos + tok.encode(row.text("prompt"))
-            a = [(t, t) for t in tok.encode(row.text("completion"), continuation=True) + eos]
+            p = _with_bos(tok, tok.encode(row.text("prompt")), out)
+            a = [(t, t) for t in tok.encode(answer, continuation=True) + eos]
         p, (a,), cut = _fit(p, [a], max_len, max_prompt_len, truncation_side, tok.bos_id)
         out.truncated += cut
         ex = {"input_ids": p + [t for t, _ in a], "labels": [IGNORE] * len(p) + [lab for _, lab in a],
@@ -382,140 +347,17 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
     return out
 
 
-# --------------------------------------------------------------------------- batch order
-
-
-class Batcher:
-    """Deterministic batches of example indices, epoch after epoch, resumable exactly.
-
-    The order of epoch `e` is a pure function of `(seed, e)`: indices are shuffled, then (with
-    `group_by_length`) cut into mega-batches of `mega_batch` batches, each sorted by length and
-    cut into batches, and the batch order is shuffled again — so batches hold similar lengths
-    (little padding) while their order stays random. Iterating yields the remaining batches of
-    the current epoch; the next iteration starts the next epoch. `state_dict()` records the
-    epoch and how many batches were handed out, so a resumed run sees exactly the rest.
-    """
-
-    def __init__(self, lengths: Sequence[int], batch_size: int, *, seed: int, shuffle: bool = True,
-                 group_by_length: bool = True, drop_last: bool = False, mega_batch: int = 50):
-        if batch_size < 1:
-            raise UserError(f"batch_size={batch_size}: must be >= 1")
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.group_by_length = group_by_length
-        self.drop_last = drop_last
-        self.mega_batch = mega_batch
-        if len(self) == 0:
-            raise UserError(f"data: {len(self.lengths)} examples make no batch of {batch_size} with drop_last — "
-                            f"lower batch_size or add data")
-        self.epoch = 0
-        self.position = 0  # batches of `epoch` already handed out
-
-    def __len__(self) -> int:
-        n = len(self.lengths)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """All batches of `epoch`, in order."""
-        n, bs = len(self.lengths), self.batch_size
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(n) if self.shuffle else np.arange(n)
-        if not self.group_by_length:
-            batches = [order[i : i + bs] for i in range(0, n, bs)]
-        else:
-            chunk = bs * self.mega_batch
-            batches = []
-            for s in range(0, n, chunk):
-                part = order[s : s + chunk]
-                part = part[np.argsort(-self.lengths[part], kind="stable")]  # longest first
-                batches += [part[i : i + bs] for i in range(0, len(part), bs)]
-        if self.drop_last and batches and len(batches[-1]) < bs:
-            batches.pop()
-        if self.group_by_length and self.shuffle:
-            batches = [batches[i] for i in rng.permutation(len(batches))]
-        return [[int(i) for i in b] for b in batches]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if self.position >= len(self):
-            self.epoch += 1
-            self.position = 0
-        batches = self.epoch_batches(self.epoch)
-        while self.position < len(batches):
-            b = batches[self.position]
-            self.position += 1
-            yield b
-
-    def _fingerprint(self) -> str:
-        """Which data the order belongs to: count and a checksum of the lengths."""
-        return f"{len(self.lengths)}:{int(np.sum(self.lengths * (np.arange(len(self.lengths)) % 9973 + 1)))}"
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able position in the data order (the order itself follows from seed and epoch)."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "group_by_length": self.group_by_length, "drop_last": self.drop_last,
-                "mega_batch": self.mega_batch, "data": self._fingerprint()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where `state` was taken; the data and order settings must be the same."""
-        for k in ("seed", "batch_size", "shuffle", "group_by_length", "drop_last", "mega_batch"):
-            if k in state and state[k] != getattr(self, k):
-                raise UserError(f"resume: the data order was saved with {k}={state[k]}, this run has "
-                                f"{k}={getattr(self, k)} — resume with the same settings")
-        if "data" in state and state["data"] != self._fingerprint():
-            raise UserError("resume: the training data changed since the checkpoint (example count or "
-                            "lengths differ) — resume with the same data and tokenizer, or start a new run")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-# --------------------------------------------------------------------------- collators
-
-
-def _pad(rows: Sequence[Sequence[int]], value: int, length: int) -> torch.Tensor:
-    out = torch.full((len(rows), length), value, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-    return out
-
-
-def _mask(rows: Sequence[Sequence[int]], length: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = 1
-    return out
-
-
-def collate_causal(examples: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """`input_ids`, `attention_mask`, `labels` (B, T), right-padded to the longest example
-    (pads: `pad_id` in inputs, 0 in the mask, -100 in labels)."""
-    ids = [ex["input_ids"] for ex in examples]
-    T = max(len(r) for r in ids)
-    return {"input_ids": _pad(ids, pad_id, T), "attention_mask": _mask(ids, T),
-            "labels": _pad([ex["labels"] for ex in examples], IGNORE, T)}
-
-
-def collate_seq2seq(examples: Sequence[dict], pad_id: int, decoder_start_id: int | None = None) -> dict[str, torch.Tensor]:
-    """Encoder `input_ids` / `attention_mask` (B, S), decoder `labels` (B, T) padded with -100,
-    and `decoder_input_ids` = labels shifted right behind `decoder_start_id` (default: pad, as
-    T5) with `decoder_attention_mask`."""
-    start = pad_id if decoder_start_id is None else decoder_start_id
-    src = [ex["input_ids"] for ex in examples]
-    tgt = [ex["labels"] for ex in examples]
-    S, T = max(len(r) for r in src), max(len(r) for r in tgt)
-    labels = _pad(tgt, IGNORE, T)
-    dec = torch.cat([torch.full((len(tgt), 1), start, dtype=torch.long), labels[:, :-1]], dim=1)
-    return {"input_ids": _pad(src, pad_id, S), "attention_mask": _mask(src, S),
-            "labels": labels, "decoder_input_ids": dec.masked_fill(dec == IGNORE, pad_id),
-            "decoder_attention_mask": _mask(tgt, T)}
-
-
-def collate_preference(examples: Sequence[dict], pad_id: int) -> dict[str, Any]:
-    """One batch of 2B rows, `[chosen_0..chosen_{B-1}; rejected_0..rejected_{B-1}]`, padded to a
-    common length (one forward computes both), plus `num_pairs` = B."""
-    rows = [ex["chosen_ids"] for ex in examples] + [ex["rejected_ids"] for ex in examples]
-    labels = [ex["chosen_labels"] for ex in examples] + [ex["rejected_labels"] for ex in examples]
-    T = max(len(r) for r in rows)
-    return {"input_ids": _pad(rows, pad_id, T), "attention_mask": _mask(rows, T),
-            "labels": _pad(labels, IGNORE, T), "num_pairs": len(examples)}
+def hold_out(examples: Examples, share: float, seed: int) -> tuple[Examples, Examples]:
+    """(train, eval): a seeded `share` of `examples` held out for evaluation (at least one example,
+    never all). The choice is a pure function of the example count and `seed`, so a resumed run
+    holds out the same examples; train keeps the file's order, eval is disjoint from it."""
+    n = len(examples)
+    k = max(1, round(n * share))
+    if k >= n:
+        raise UserError(f"eval_split={share}: {n} examples leave none to train on — lower eval_split or add data")
+    held = set(np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k].tolist())
+    train = Examples([ex for i, ex in enumerate(examples) if i not in held], path=examples.path,
+                     truncated=examples.truncated, skipped=examples.skipped, bos_in_text=examples.bos_in_text)
+    evals = Examples([ex for i, ex in enumerate(examples) if i in held],
+                     path=f"{examples.path} (eval_split={share}: {k} held out, seed {seed})")
+    return train, evals

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from minitrain import distributed
 from minitrain.config import TrainConfig, doc
-from minitrain.data import collate_preference
+from minitrain.collate import collate_preference
 from minitrain.errors import UserError
 from minitrain.lora import disable_adapters
 from minitrain.losses import IGNORE_INDEX, shift_labels
@@ -265,7 +265,8 @@ class DPOObjective:
     `rewards/accuracies` (share of pairs with chosen reward > rejected reward; a tie, as at
     step 0, counts as wrong, like TRL), `rewards/margins`, `logps/chosen`, `logps/rejected`.
     With `sft_weight > 0`, each pair adds `sft_weight * NLL(chosen) / tokens(chosen)` (the
-    per-token mean over that pair's chosen answer, as RPO, Pang et al. 2024), so the term does
+    per-token mean over that pair's chosen answer, as RPO, Pang et al. 2024; both terms are also
+    logged alone, as `dpo_loss` and `sft_nll`), so the term does
     not depend on how pairs are grouped into micro-batches (rule 2); TRL's `sft` loss takes the
     token mean over the whole batch instead, which equals this when chosen lengths are equal.
     Batches carrying `ref_chosen_logps` / `ref_rejected_logps` (precomputed) use them;
@@ -298,16 +299,20 @@ class DPOObjective:
         losses, r_c, r_r = dpo_loss(pol.chosen, pol.rejected, ref_c, ref_r, beta=self.beta,
                                     loss_type=self.loss_type, label_smoothing=self.label_smoothing,
                                     chosen_lengths=pol.chosen_tokens, rejected_lengths=pol.rejected_tokens)
-        if self.sft_weight:
-            losses = losses + self.sft_weight * -pol.chosen / pol.chosen_tokens.clamp(min=1)
-        return {"loss": losses, "rewards/chosen": r_c, "rewards/rejected": r_r,
-                "rewards/accuracies": (r_c > r_r).float(), "rewards/margins": r_c - r_r,
-                "logps/chosen": pol.chosen.detach(), "logps/rejected": pol.rejected.detach()}
+        stats = {"rewards/chosen": r_c, "rewards/rejected": r_r,
+                 "rewards/accuracies": (r_c > r_r).float(), "rewards/margins": r_c - r_r,
+                 "logps/chosen": pol.chosen.detach(), "logps/rejected": pol.rejected.detach()}
+        if self.sft_weight:  # the two terms logged apart too: the pure DPO loss stays visible
+            nll = -pol.chosen / pol.chosen_tokens.clamp(min=1)
+            stats.update({"dpo_loss": losses.detach(), "sft_nll": nll.detach()})
+            losses = losses + self.sft_weight * nll
+        return {"loss": losses, **stats}
 
     def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, int, dict[str, float]]:
         stats = self.pair_stats(model, batch)
-        means = torch.stack([stats[k].mean() for k in METRICS]).tolist()  # one host sync
-        return stats["loss"].sum(), num_pairs(batch), dict(zip(METRICS, means))
+        keys = [k for k in stats if k != "loss"]  # METRICS (+ dpo_loss, sft_nll with sft_weight)
+        means = torch.stack([stats[k].mean() for k in keys]).tolist()  # one host sync
+        return stats["loss"].sum(), num_pairs(batch), dict(zip(keys, means))
 
     def evaluate(self, model: nn.Module, examples: Sequence[dict], collate: Callable[[list[dict]], dict[str, Any]],
                  batch_size: int, amp_dtype: torch.dtype | None = None) -> dict[str, float]:
@@ -418,7 +423,7 @@ def compute_reference_logps(model: nn.Module, reference: BaseReference | Adapter
     was = model.training
     model.train()
     try:
-        for i in tqdm(range(0, len(examples), batch_size), desc=desc, dynamic_ncols=True):
+        for i in tqdm(range(0, len(examples), batch_size), desc=desc, dynamic_ncols=True, disable=None):
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                      for k, v in collate(list(examples[i : i + batch_size])).items()}
             with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):

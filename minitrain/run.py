@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from minitrain import checkpoint, data, distributed
+from minitrain.collate import collate_causal
 from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
@@ -48,7 +49,7 @@ ADAPTER_DIR = "adapter"
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR)
 # keys that say where / how to start, not what the run is
-NOT_THE_RUN = ("out", "resume", "overwrite")
+NOT_THE_RUN = ("out", "resume", "overwrite", "extend")
 
 
 
@@ -75,6 +76,8 @@ class Job:
 def check_out_dir(cfg: Any) -> Path:
     """Refuse an `out` that holds something other than a run we may write (writes nothing).
 
+    First, a run without `model` or `data` is refused (before minutes of loading).
+
     A folder with run outputs (metrics, checkpoint, adapter) needs `resume=true` (continue it)
     or `overwrite=true` (replace it); the message says how its config.json differs from this
     run's. A non-empty folder without a config.json is not ours to write into without
@@ -83,6 +86,10 @@ def check_out_dir(cfg: Any) -> Path:
     out = Path(cfg.out)
     if not str(cfg.out):
         raise UserError("out: empty — pass out=runs/<name>")
+    if not getattr(cfg, "model", "x"):  # a real run asks for what it lacks before anything loads
+        raise UserError("model: not set — pass model=path/to/hf_model_folder (config.json, *.safetensors, tokenizer)")
+    if not getattr(cfg, "data", "x"):
+        raise UserError("data: not set — pass data=path/to/train.jsonl")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a folder — choose another out")
     if cfg.resume:
@@ -133,10 +140,7 @@ def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
         return  # an unreadable checkpoint is reported by checkpoint.load, with its own message
     checkpoint.check_world_size(state, folder)
     mine = {**{k: getattr(cfg, k) for k, _ in items if hasattr(cfg, k)}, **(run or {})}
-    for k, v in items:
-        if k in mine and mine[k] != v:
-            raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={mine[k]} "
-                            f"— resume with the same settings, or start a new out folder")
+    checkpoint.check_run(dict(items), mine, extend=getattr(cfg, "extend", False))
 
 
 def config_differences(cfg: Any, config_path: Path) -> list[str]:
@@ -318,11 +322,13 @@ def _check_resume_tensors(model: nn.Module, cfg: Any) -> None:
 # ----------------------------------------------------------------------------- data
 
 
-def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dict], list[dict] | None]:
-    """(train, eval) examples from `cfg.data` / `cfg.eval_data` (None without eval data).
+def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -> tuple[list[dict], list[dict] | None]:
+    """(train, eval) examples from `cfg.data` / `cfg.eval_data`, or `cfg.eval_split` of `cfg.data`
+    held out (None without either).
 
-    kind: "sft" (`{"prompt","completion"}`, `{"messages"}` or `{"text"}` rows -> input_ids and
-    labels), "seq2seq", "preference" or "unpaired" (KTO); rows are read by `minitrain.data`.
+    kind: "sft" (prompt / completion, chats, text -> input_ids and labels), "seq2seq",
+    "preference" or "unpaired" (KTO); rows are read by `minitrain.data` with `cfg.fields`, the tokenizer's chat
+    template gets `cfg.chat_template_kwargs`; `options` go to the reader (e.g. max_target_len).
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
@@ -331,22 +337,32 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft") -> tuple[list[dic
     if kind not in readers:
         raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
     read = readers[kind]
-    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side)
+    tok.chat_template_kwargs = dict(getattr(cfg, "chat_template_kwargs", {}) or {})
+    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side, fields=getattr(cfg, "fields", None),
+                   **options)
     train = read(cfg.data, tok, **options)
     if not train:
         raise UserError(f"{cfg.data}: no usable examples ({train.skipped} rows left no target token within "
                         f"max_len={cfg.max_len}) — check the rows or raise max_len")
+    if cfg.eval_data and (Path(cfg.eval_data) / "dataset_dict.json").is_file():
+        raise UserError(f"eval_data={cfg.eval_data}: a datasets folder with splits — name the split, e.g. "
+                        f"eval_data={Path(cfg.eval_data) / 'validation'}")
+    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
+    if evals is None and getattr(cfg, "eval_split", 0):
+        train, evals = data.hold_out(train, cfg.eval_split, cfg.seed)
     # the run's size in optimizer steps (warmup longer than the run, ...) is refused now, before
     # prepare_out_dir writes anything, rather than by the loop
     total, warmup, _ = resolve_steps(len(train), cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps,
                                      cfg.warmup)
     check_resume(cfg, {"num_examples": len(train), "total_steps": total, "warmup_steps": warmup})
-    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
     for name, ex in (("train", train), ("eval", evals)):
         if ex is not None:
             log(f"data ({name}): {len(ex)} examples from {ex.path}"
                 + (f", {ex.truncated} truncated to max_len={cfg.max_len}" if ex.truncated else "")
-                + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else ""))
+                + (f", {ex.skipped} skipped (no target token left)" if ex.skipped else "")
+                + (f", {ex.bos_in_text} began with bos already (not doubled)" if ex.bos_in_text else ""))
+    if kind != "seq2seq":
+        log(f"chats: rendered by {tok.chat_renderer()}")
     return train, evals
 
 
@@ -360,7 +376,7 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
                         f"use recipes/lora_t5.py for it")
     lora = attach_adapters(model, cfg)
     train_examples, eval_examples = load_examples(cfg, tok, "sft")
-    return Job(model, sft, train_examples, functools.partial(data.collate_causal, pad_id=tok.pad_id),
+    return Job(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id),
                eval_examples, lora, tok)
 
 

@@ -3,7 +3,8 @@
     micro-batches -> forward under autocast -> objective's loss SUM + target count -> backward
     -> at the optimizer step: grads / total count of the window, clip (log the pre-clip norm),
        AdamW step with the LR of this optimizer step, zero grads
-    -> metrics.jsonl (one line per step, flushed) + tqdm bar -> eval -> atomic checkpoint
+    -> metrics.jsonl (one line per step, flushed; + tensorboard with report_to) + progress (a tqdm bar
+       on a terminal, plain lines in a log: minitrain.progress) -> eval -> atomic checkpoint
 
 The loop knows nothing about objectives beyond `(model, batch) -> (loss_sum, count, metrics)`
 and nothing about model families beyond the contract (`block_types` for checkpointing and
@@ -34,14 +35,15 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
 
 from minitrain import checkpoint as ckpt
 from minitrain import distributed
 from minitrain.audit import preflight
-from minitrain.data import Batcher
+from minitrain.batcher import Batcher
 from minitrain.errors import UserError
+from minitrain.fit import planned_peak_mb
 from minitrain.optim import AdamW
+from minitrain.progress import Progress, open_sink
 from minitrain.schedule import lr_at, resolve_steps
 
 Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
@@ -121,7 +123,8 @@ def train(
     the loss (rule 5); `cfg.skip_audit` skips it, and the skip is logged.
 
     Each metrics.jsonl row: step, loss (window loss sum / window count), lr, grad_norm (before
-    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb,
+    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb (and
+    planned_peak_mb, the plan's figure, on CUDA or with `gpu_mem`: `minitrain.fit`),
     epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
     on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
     and eval_fn's.
@@ -177,6 +180,7 @@ def train(
         log("notice: some trainable tensors are not fp32; AdamW updates them in their own dtype")
 
     distributed.main_only(lambda: _prepare_out(out, cfg))
+    planned_mb = planned_peak_mb(cfg, device)  # logged beside the measured peak_mem_mb (CUDA)
     torch.manual_seed(cfg.seed + rank)  # each rank draws its own dropout masks (rank 0: the seed)
     random.seed(cfg.seed + rank)
     _seed_numpy(cfg.seed + rank)
@@ -223,15 +227,18 @@ def train(
     if cfg.resume:
         saved = ckpt.read_state(out)
         ckpt.check_world_size(saved, out / ckpt.NAME, world)
-        for k, v in saved["run"].items():  # check before touching the model
-            if run_info.get(k) != v:
-                raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={run_info.get(k)} "
-                                f"— resume with the same settings, or start a new out folder")
+        extend = getattr(cfg, "extend", False)
+        ckpt.check_run(saved["run"], run_info, extend)  # before touching the model
+        if extend and total_steps <= saved["step"]:
+            raise UserError(f"extend=true: the checkpoint is at step {saved['step']} and this run has {total_steps} "
+                            f"optimizer steps — raise max_steps (or epochs) past {saved['step']}")
         state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
         step, counters = state["step"], state["counters"]
         batcher.load_state_dict(state["batcher"])
         distributed.main_only(lambda: ckpt.truncate_log(out / "metrics.jsonl", step))
         log(f"resumed from {ckpt.find(out)} at step {step}/{total_steps}")
+        if extend and total_steps != saved["run"].get("total_steps"):
+            log(extension_rule(step, saved["run"].get("total_steps"), total_steps, warmup_steps, cfg))
 
     def lr_of(s: int) -> float:  # the LR of optimizer step s (1-based): a pure function of s
         return lr_at(s, total_steps=total_steps, warmup_steps=warmup_steps, peak_lr=cfg.lr,
@@ -248,7 +255,8 @@ def train(
         saved_at = step
 
     metrics_f = open(out / "metrics.jsonl", "a", buffering=1) if rank == 0 else None  # line-buffered
-    bar = tqdm(total=total_steps, initial=step, desc="train", dynamic_ncols=True, disable=rank != 0)
+    sink = open_sink(getattr(cfg, "report_to", "none"), out, step) if rank == 0 else None  # e.g. tensorboard
+    progress = Progress(total_steps, step, log, enabled=rank == 0)  # a bar on a terminal, plain lines in a log
     stream = _micro_batches(batcher)
     summary: dict[str, Any] = {"loss": None}
     model.train()
@@ -350,7 +358,8 @@ def train(
             dt = time.perf_counter() - t0
             row = {"step": step, "loss": loss_total / total, "lr": lr, "grad_norm": grad_norm,
                    "tokens": tokens, "target_tokens": int(total), "tokens_per_s": tokens / dt,
-                   "peak_mem_mb": _peak_mem_mb(device), "epoch": counters["micro_batches"] / micro_per_epoch,
+                   "peak_mem_mb": _peak_mem_mb(device), **({"planned_peak_mb": planned_mb} if planned_mb else {}),
+                   "epoch": counters["micro_batches"] / micro_per_epoch,
                    "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
                    **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
@@ -371,8 +380,9 @@ def train(
             if metrics_f and (step % cfg.log_every == 0 or step == total_steps or evaluated):
                 metrics_f.write(json.dumps(row) + "\n")
                 metrics_f.flush()
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+                if sink:
+                    sink.write(row)
+            progress.update(step, row)
             if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop_early:
                 save_checkpoint()
             if world == 1:  # no other rank to agree with: stop after the step the signal came in
@@ -387,9 +397,11 @@ def train(
                 break
     finally:
         stop.restore()
-        bar.close()
+        progress.close()
         if metrics_f:
             metrics_f.close()
+        if sink:
+            sink.close()
 
     if parallel == "fsdp":
         distributed.unshard(model)  # whole tensors again on every rank: for saving and what follows
@@ -401,6 +413,23 @@ def train(
 
 
 # ----------------------------------------------------------------------------- building blocks
+
+
+def extension_rule(step: int, old_total: int | None, total: int, warmup: int, cfg: Any) -> str:
+    """The line that states how an extended run (`extend=true`) schedules its remaining steps.
+
+    The rule: steps `step + 1 .. total` take the LR that a run planned for `total` steps from the
+    start (same lr, warmup, schedule, min_lr_ratio) gives them; the steps already taken keep the
+    LR they had. A pure function of the step again from here on (rule 1), so a resume inside the
+    extension continues it exactly."""
+    def lr(s: int) -> float:
+        return lr_at(s, total_steps=total, warmup_steps=warmup, peak_lr=cfg.lr, kind=cfg.schedule,
+                     min_lr_ratio=cfg.min_lr_ratio)
+
+    return (f"extend: the run of {old_total} steps continues from step {step} to {total}; steps {step + 1}..{total} "
+            f"take the LR a {total}-step {cfg.schedule} schedule (warmup {warmup}) gives them: "
+            f"{lr(step + 1):.3g} at step {step + 1} -> {lr(total):.3g} at step {total}")
+
 
 
 def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg: Any,

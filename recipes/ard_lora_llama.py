@@ -25,7 +25,7 @@ from minitrain import checkpoint
 from minitrain.ard import (ARDObjective, PriorSchedule, dataset_target_tokens, fold_gates, make_ard, save_gates,
                            uncertainty_eval)
 from minitrain.config import TrainConfig, doc
-from minitrain.data import collate_causal
+from minitrain.collate import collate_causal
 from minitrain.errors import UserError
 from minitrain.lora import trainable_report
 from minitrain.quant import INSTALL

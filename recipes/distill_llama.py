@@ -19,7 +19,7 @@ import dataclasses
 import functools
 
 import models
-from minitrain.data import collate_causal
+from minitrain.collate import collate_causal
 from minitrain.distill import DistillConfig, check_same_tokenizer, check_same_vocab, make_distill_objective
 from minitrain.errors import UserError
 from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir

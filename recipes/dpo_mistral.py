@@ -1,13 +1,13 @@
 """DPO (Stage B) on a Mistral checkpoint with a LoRA adapter — the reference without a second model.
 
-    python -m minitrain recipes/dpo_mistral.py                       # the built-in demo (CPU, minutes)
+    python -m minitrain recipes/dpo_mistral.py                       # the built-in demo (CPU, seconds)
     python -m minitrain recipes/dpo_mistral.py model=/path/to/Mistral-7B-Instruct-v0.2 \\
-        data=prefs.jsonl eval_data=prefs_eval.jsonl quantize=nf4 lr=5e-6 max_steps=-1 epochs=1 \\
-        batch_size=2 grad_accum=8 max_len=1024 lora_r=16 lora_alpha=32 out=runs/dpo
+        data=prefs.jsonl eval_data=prefs_eval.jsonl quantize=nf4 out=runs/dpo   # 12 GB GPU
 
 Rows are `{"prompt", "chosen", "rejected"}`: the prompt a string or a list of chat messages
-(rendered with the tokenizer's chat format, e.g. Mistral's `[INST] ... [/INST]`), the answers
-strings (or assistant messages). The loss is TRL's DPO (`loss_type` sigmoid | ipo | hinge |
+(rendered with the checkpoint's chat template, e.g. Mistral's `[INST] ... [/INST]`), the answers
+strings (or assistant messages); or TRL's conversational pairs `{"chosen": [...], "rejected":
+[...]}` (the shared leading messages are the prompt). Any file format of docs/data.md. The loss is TRL's DPO (`loss_type` sigmoid | ipo | hinge |
 robust, `beta`, `label_smoothing`), plus an optional NLL term on the chosen answers
 (`sft_weight`). metrics.jsonl logs TRL's names each step (`rewards/chosen`, `rewards/rejected`,
 `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`); with `eval_data`, the
@@ -31,10 +31,13 @@ The reference model is never loaded a second time (field report 002: two 7B mode
   in out/ref_logps/ (reused while the weights, adapter, data, tokenizer and max_len are the same),
   so each step runs one forward instead of two.
 
-The defaults train the committed demo (demo/, written by tools/make_demo.py): a tiny Mistral
-that, like the report's Stage A model, puts invented facts in its summaries; the pairs prefer the
-summary that copies the note. Its held-out pairs are about people seen in no training pair.
-For a 7B model, change what the second command above changes (lr, steps, batch, max_len, QLoRA).
+The defaults are for a real 7B run (one epoch, 2 pairs x 8 accumulation, lr 5e-6, max_len
+1024, LoRA r=16, checkpointing, `sft_weight=0` as in TRL): `model=` and `data=` must be given,
+and without `eval_data` nothing is evaluated (the run says so). Only a command that names none
+of model / data / eval_data trains the committed demo (demo/, written by tools/make_demo.py)
+with the `demo` settings below: a tiny Mistral that, like the report's Stage A model, puts
+invented facts in its summaries; the pairs prefer the summary that copies the note. Its
+held-out pairs are about people seen in no training pair.
 """
 
 from __future__ import annotations
@@ -54,31 +57,45 @@ from minitrain.train import resolve_precision, train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 
-config = PreferenceConfig(
+config = PreferenceConfig(  # a real run: model= and data= are asked for; no eval_data, no held-out evaluation
+    out="runs/dpo_mistral",
+    max_steps=-1,
+    epochs=1.0,
+    batch_size=2,
+    grad_accum=8,
+    lr=5e-6,
+    warmup=0.1,
+    schedule="cosine",
+    max_len=1024,
+    log_every=10,
+    lora_r=16,
+    lora_alpha=32.0,
+    lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+    checkpointing=True,  # a 7B model's activations at 2 pairs x 1024 tokens: ~25 GiB without it
+    beta=0.1,
+    loss_type="sigmoid",
+)
+
+# the built-in demo: used only when the command names none of model / data / eval_data
+demo = dict(
     model=str(DEMO / "model"),
     data=str(DEMO / "prefs_train.jsonl"),
     eval_data=str(DEMO / "prefs_eval.jsonl"),
-    out="runs/dpo_mistral",
     max_steps=100,
     batch_size=8,
     grad_accum=1,
     lr=2e-3,
-    warmup=0.1,
-    schedule="cosine",
     max_len=128,
-    log_every=10,
     eval_every=20,
     lora_r=8,
     lora_alpha=16.0,
-    lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"],
-    beta=0.1,
-    loss_type="sigmoid",
+    checkpointing=False,
     sft_weight=1.0,  # demo: pure DPO pushes the chosen log-probs down too and garbles generation
 )
 
+# for a 12 GB GPU: fits by tools/plan.py (tests/test_advertised.py checks every advertised command)
 REAL_CHECKPOINT = ("python -m minitrain recipes/dpo_mistral.py model=/path/to/Mistral-7B-Instruct-v0.2 "
-                   "data=prefs.jsonl eval_data=prefs_eval.jsonl quantize=nf4 lr=5e-6 max_steps=-1 epochs=1 "
-                   "batch_size=2 grad_accum=8 max_len=1024 lora_r=16 lora_alpha=32 out=runs/dpo")
+                   "data=prefs.jsonl eval_data=prefs_eval.jsonl quantize=nf4 out=runs/dpo")
 
 
 def setup(config: PreferenceConfig) -> Job:
@@ -101,6 +118,8 @@ def setup(config: PreferenceConfig) -> Job:
         + f"; reference = {ref}")
     objective = make_pair_objective(config, reference)
     train_examples, eval_examples = load_examples(config, tok, "preference")
+    if not eval_examples:
+        log("note: no eval_data — no held-out evaluation (pass eval_data=pairs.jsonl for eval/rewards/...)")
     return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id),
                eval_examples, lora, tok)
 
@@ -143,5 +162,6 @@ def run(config: PreferenceConfig) -> dict:
                     eval_examples=job.eval_examples, eval_fn=record if job.eval_examples else None)
     finish(job.model, config, job.lora, summary)
     log(f"Stage B adapter: {out / 'adapter'} (PEFT format)")
-    log(f"to train a real checkpoint (GPU, QLoRA):\n  {REAL_CHECKPOINT}")
+    if (config.model, config.data) == (demo["model"], demo["data"]):
+        log(f"to train a real checkpoint (12 GB GPU, QLoRA):\n  {REAL_CHECKPOINT}")
     return summary

@@ -2,8 +2,8 @@
 
 Trains on JSONL rows `{"prompt": "...", "completion": "..."}` (other key names: `fields`):
 
-    python -m minitrain recipes/lora_t5.py model=path/to/flan-t5-base data=train.jsonl \\
-        eval_data=val.jsonl out=runs/flan-t5-base eval_every=500 patience=10
+    python -m minitrain recipes/lora_t5.py model=/path/to/flan-t5-base data=train.jsonl \\
+        eval_data=val.jsonl out=runs/flan-t5-base eval_every=500 patience=10   # 12 GB GPU
     python -m minitrain recipes/lora_t5.py ... fields='{"prompt": "context", "completion": "question"}'
 
 Loss: decoder cross-entropy on the completion + eos, teacher-forced (objective `seq2seq`). Every
@@ -44,14 +44,13 @@ import torch
 
 import models
 from models.t5 import generate
-from minitrain import data
 from minitrain.config import TrainConfig, doc
-from minitrain.data import collate_seq2seq
+from minitrain.collate import collate_seq2seq
 from minitrain.errors import UserError
 from minitrain.lora import adapter_vocab_size, save_adapter
 from minitrain.objectives import seq2seq
-from minitrain.run import (ADAPTER_DIR, attach_adapters, base_dtype, check_out_dir, finish, load_model, log,
-                           pick_device, prepare_out_dir)
+from minitrain.run import (ADAPTER_DIR, attach_adapters, base_dtype, check_out_dir, finish, load_examples,
+                           load_model, log, pick_device, prepare_out_dir)
 from minitrain.seq2seq_eval import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, EarlyStopping, GenerationEval
 from minitrain.tokenizer import Tokenizer
 from minitrain.train import train
@@ -63,7 +62,6 @@ T5_TARGETS = ["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"]
 class Seq2SeqConfig(TrainConfig):
     """TrainConfig plus the keys of a generation-evaluated seq2seq run."""
 
-    fields: dict[str, str] = doc({}, 'your row keys for "prompt" / "completion", e.g. {"prompt": "question"}')
     max_target_len: int = doc(256, "maximum decoder tokens per example (completion + eos); longer ones are cut", ge=1)
     added_tokens: list[str] = doc([], 'special tokens to add, e.g. \'["[Question]"]\'; embeddings grow before adapters attach')
     num_beams: int = doc(1, "generation at eval: 1 is greedy, more is beam search", ge=1)
@@ -148,19 +146,9 @@ def check_init_adapter_vocab(cfg: Seq2SeqConfig, model) -> None:
 
 
 def read_examples(cfg: Seq2SeqConfig, tok: Tokenizer) -> tuple[list[dict], list[dict] | None]:
-    """(train, eval) seq2seq examples, with `fields` and `max_target_len` (eval: None without eval_data)."""
-    if not cfg.data:
-        raise UserError("data: not set — pass data=path/to/train.jsonl")
-    options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side, max_target_len=cfg.max_target_len,
-                   fields=cfg.fields)
-    train_ex = data.read_seq2seq(cfg.data, tok, **options)
-    eval_ex = data.read_seq2seq(cfg.eval_data, tok, **options) if cfg.eval_data else None
-    for name, ex in (("train", train_ex), ("eval", eval_ex)):
-        if ex is not None:
-            log(f"data ({name}): {len(ex)} examples from {ex.path}"
-                + (f", {ex.truncated} truncated (max_len={cfg.max_len}, max_target_len={cfg.max_target_len})"
-                   if ex.truncated else ""))
-    return train_ex, eval_ex
+    """(train, eval) seq2seq examples, with `fields` and `max_target_len` (eval: None without eval_data
+    or eval_split)."""
+    return load_examples(cfg, tok, "seq2seq", max_target_len=cfg.max_target_len)
 
 
 def run(config: Seq2SeqConfig) -> dict:

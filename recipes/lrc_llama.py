@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import models
 from minitrain.config import TrainConfig, doc
-from minitrain.data import collate_causal
+from minitrain.collate import collate_causal
 from minitrain.errors import UserError
 from minitrain.lrc import init_lrc
 from minitrain.objectives import sft

@@ -1,13 +1,17 @@
 """SFT: supervised fine-tuning of a LLaMA / Mistral checkpoint with a LoRA adapter.
 
-Trains on JSONL rows of any of these shapes (they may be mixed in one file):
+Trains on rows of any of these shapes (they may be mixed in one file), in JSON lines, JSON, CSV /
+TSV, Parquet, Arrow or a `datasets` folder (docs/data.md; other column names: `fields=`):
 
     {"prompt": "...", "completion": "..."}           loss on the completion tokens only
     {"messages": [{"role": "user", "content": ...},  loss on the assistant turns, rendered with
-                  {"role": "assistant", ...}]}         the tokenizer's chat format
+                  {"role": "assistant", ...}]}         the checkpoint's chat template
+    {"conversations": [{"from": "human", ...}]}       ShareGPT, and Alpaca {"instruction", "input",
+                                                      "output"}: chats too
     {"text": "..."}                                   loss on every token
 
-    python -m minitrain recipes/sft_llama.py model=path/to/llama data=train.jsonl out=runs/sft max_steps=200
+    python -m minitrain recipes/sft_llama.py model=/path/to/Meta-Llama-3-8B-Instruct data=train.jsonl \\
+        quantize=nf4 checkpointing=true out=runs/sft                    # 12 GB GPU
 
 `model` is an HF-format folder (config.json, *.safetensors, tokenizer files). The run writes
 out/config.json, out/metrics.jsonl (one line per optimizer step), out/checkpoint/ (resume with

@@ -273,7 +273,8 @@ def test_collate_causal_pads_right_to_longest():
         (['{"prompt": "a"}'], 1, ['missing key "completion"']),
         (['{"prompt": "a", "completion": 3}'], 1, ['"completion" must be a string, got a number']),
         (['{"prompt": "a", "completion": ""}'], 1, ['"completion" is empty']),
-        (['', '', '[1, 2]'], 3, ["expected a JSON object, got a list"]),
+        (['{"prompt": "a", "completion": "b"}', '', '[1, 2]'], 3, ["expected a JSON object, got a list"]),
+        (['', '', '[1, 2]'], "row 1", ["expected a JSON object, got a number", "row of the array"]),  # a JSON array
         (['{"prompt": "a", "completion": "b"}', '{"other": 1}'], 2, ['no "prompt"/"completion", "messages" or "text" key']),
         (['{"messages": "hi"}'], 1, ['"messages" must be a list']),
         (['{"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]}'], 1,

@@ -67,7 +67,7 @@ def test_demo_model_loads_in_minitrain_and_transformers_with_equal_logits():
 
 def test_demo_data_reads_and_held_out_people_are_in_no_training_pair():
     tok = Tokenizer.from_folder(DEMO / "model")
-    assert tok.chat_format == "mistral"
+    assert tok.chat_template is not None and tok.chat_format is None  # the checkpoint's own template
     train = read_preference(DEMO / "prefs_train.jsonl", tok, max_len=128)
     held = read_preference(DEMO / "prefs_eval.jsonl", tok, max_len=128)
     sft = read_sft(DEMO / "sft_train.jsonl", tok, max_len=128)
@@ -158,9 +158,9 @@ def test_dpo_recipe_scores_the_held_out_pairs_once_per_evaluation_and_logs_no_pe
     recipe = load_recipe(str(ROOT / "recipes" / "dpo_mistral.py"))
     for name, n in (("prefs_train.jsonl", 32), ("prefs_eval.jsonl", 12)):  # a few pairs: seconds, not minutes
         (tmp_path / name).write_text("".join(line + "\n" for line in (DEMO / name).read_text().splitlines()[:n]))
-    cfg = dataclasses.replace(recipe.config, data=str(tmp_path / "prefs_train.jsonl"),
-                              eval_data=str(tmp_path / "prefs_eval.jsonl"), out=str(tmp_path / "out"),
-                              max_steps=2, eval_every=1)
+    cfg = dataclasses.replace(recipe.config, **{**recipe.module.demo, "data": str(tmp_path / "prefs_train.jsonl"),
+                                                "eval_data": str(tmp_path / "prefs_eval.jsonl"),
+                                                "out": str(tmp_path / "out"), "max_steps": 2, "eval_every": 1})
     held_out, scored = set(), collections.Counter()  # held-out chosen sequence -> forwards it went through
 
     def count(module, args):

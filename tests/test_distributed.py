@@ -192,10 +192,10 @@ def test_sigterm_on_one_rank_stops_both_and_resume_equals_the_uninterrupted_two_
 
 def demo_dpo_job():
     """The demo DPO job (tiny Mistral, held-out pairs) in fp32, so batch shapes do not move the figures."""
-    from minitrain.cli import apply_overrides, load_recipe
+    from minitrain.cli import load_recipe, resolve_config
 
     recipe = load_recipe(str(REPO / "recipes" / "dpo_mistral.py"))
-    return recipe.module.setup(apply_overrides(recipe.config, ["precision=fp32"], where="test"))
+    return recipe.module.setup(resolve_config(recipe, ["precision=fp32"])[0])
 
 
 def dpo_eval_worker(rank: int, out: str, parallel: str) -> None:

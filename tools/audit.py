@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from minitrain.audit import audit  # noqa: E402
-from minitrain.cli import apply_overrides, load_recipe  # noqa: E402
+from minitrain.cli import load_recipe, resolve_config  # noqa: E402
 from minitrain.config import validate  # noqa: E402
 from minitrain.errors import UserError  # noqa: E402
 from minitrain.train import audit_inputs  # noqa: E402
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
         return 0 if args else 2
     try:
         recipe = load_recipe(args[0])
-        config = apply_overrides(recipe.config, args[1:], where=args[0])
+        config, _ = resolve_config(recipe, args[1:])  # a recipe's demo settings only without model / data
         validate(config)
         setup = getattr(recipe.module, "setup", None)
         if setup is None:

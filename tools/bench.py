@@ -199,6 +199,7 @@ def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[
               f"lora_alpha={2 * a.lora_r}", "lora_dropout=0.0", f"lora_targets={','.join(a.targets)}",
               f"lr={a.lr}", "warmup=0", "schedule=constant", "precision=fp32", "device=cpu", "log_every=1",
               "save_every=0", "max_grad_norm=1.0", "weight_decay=0.0", f"seed={a.seed}", "overwrite=true",
+              "checkpointing=false",
               "group_by_length=false"]  # as HF's default sampler: both sides see the same shuffled, ungrouped batches
     if kind == "sft":
         return [sys.executable, "-m", "minitrain", "recipes/sft_llama.py", f"data={info['sft']}", "eval_data=",

@@ -51,7 +51,7 @@ def complete(model: torch.nn.Module, tok: Tokenizer, prompt: str, args: argparse
         return tok.decode(out[0].tolist())
     from models.llama import generate as llama_generate
 
-    if tok.chat_format and not args.raw:
+    if (tok.chat_format or tok.chat_template) and not args.raw:
         ids, _ = tok.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = tok.encode(prompt, bos=True)

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = [chat(rng, TRAIN_NAMES + HELDOUT_NAMES, HALLUCINATION_RATE) for _ in range(20000)]
     print(f"tokenizer: BPE, vocab {args.vocab}, on {len(corpus)} transcripts")
     tok = train_tokenizer([as_text(m) for m in corpus], out / "model", args.vocab)
-    assert tok.chat_format == "mistral" and [tok.token_to_id(t) for t in SPECIALS] == list(range(len(SPECIALS)))
+    assert tok.chat_template == CHAT_TEMPLATE and [tok.token_to_id(t) for t in SPECIALS] == list(range(len(SPECIALS)))
     seqs = [tok.encode_chat(m)[0] for m in corpus]
 
     config = LlamaConfig.from_hf({**MODEL, "vocab_size": tok.vocab_size})

@@ -3,7 +3,8 @@
     python tools/plan.py RECIPE.py key=value ... [--gpu-mem 12GiB] [--seq N] [--targets N] [--device cuda|cpu] [--all]
 
 The recipe's config is loaded exactly as `python -m minitrain RECIPE.py key=value ...` would
-(`minitrain.cli.load_recipe` + `apply_overrides` + `validate`); of the model only `config.json`
+(`minitrain.cli.load_recipe` + `resolve_config` + `validate`: a recipe's demo settings apply
+only when no model, data or eval_data is named); of the model only `config.json`
 is read, never the weights. The memory model is `minitrain.plan` (its docstring says what is
 counted and how); it models LLaMA / Mistral and T5 (source rows `max_len` or `--seq` long,
 target rows `max_target_len`). The worst case is planned: every row `max_len` long (or `--seq`),
@@ -63,11 +64,10 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], dict]:
 
 
 def load_config(path: str, overrides: list[str]):
-    from minitrain.cli import apply_overrides, load_recipe
+    from minitrain.cli import load_recipe, resolve_config
     from minitrain.config import validate
 
-    recipe = load_recipe(path)
-    cfg = apply_overrides(recipe.config, overrides, where=path)
+    cfg, _ = resolve_config(load_recipe(path), overrides)
     validate(cfg)
     return cfg
 

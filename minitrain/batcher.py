@@ -1,0 +1,94 @@
+"""The order of batches: seeded, length-grouped, resumable exactly (`Batcher`)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from minitrain.errors import UserError
+
+
+class Batcher:
+    """Deterministic batches of example indices, epoch after epoch, resumable exactly.
+
+    The order of epoch `e` is a pure function of `(seed, e)`: indices are shuffled, then (with
+    `group_by_length`) cut into mega-batches of `mega_batch` batches, each sorted by length and
+    cut into batches, and the batch order is shuffled again — so batches hold similar lengths
+    (little padding) while their order stays random. Iterating yields the remaining batches of
+    the current epoch; the next iteration starts the next epoch. `state_dict()` records the
+    epoch and how many batches were handed out, so a resumed run sees exactly the rest.
+    """
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, *, seed: int, shuffle: bool = True,
+                 group_by_length: bool = True, drop_last: bool = False, mega_batch: int = 50):
+        if batch_size < 1:
+            raise UserError(f"batch_size={batch_size}: must be >= 1")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.group_by_length = group_by_length
+        self.drop_last = drop_last
+        self.mega_batch = mega_batch
+        if len(self) == 0:
+            raise UserError(f"data: {len(self.lengths)} examples make no batch of {batch_size} with drop_last — "
+                            f"lower batch_size or add data")
+        self.epoch = 0
+        self.position = 0  # batches of `epoch` already handed out
+
+    def __len__(self) -> int:
+        n = len(self.lengths)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """All batches of `epoch`, in order."""
+        n, bs = len(self.lengths), self.batch_size
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        if not self.group_by_length:
+            batches = [order[i : i + bs] for i in range(0, n, bs)]
+        else:
+            chunk = bs * self.mega_batch
+            batches = []
+            for s in range(0, n, chunk):
+                part = order[s : s + chunk]
+                part = part[np.argsort(-self.lengths[part], kind="stable")]  # longest first
+                batches += [part[i : i + bs] for i in range(0, len(part), bs)]
+        if self.drop_last and batches and len(batches[-1]) < bs:
+            batches.pop()
+        if self.group_by_length and self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        return [[int(i) for i in b] for b in batches]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+        batches = self.epoch_batches(self.epoch)
+        while self.position < len(batches):
+            b = batches[self.position]
+            self.position += 1
+            yield b
+
+    def _fingerprint(self) -> str:
+        """Which data the order belongs to: count and a checksum of the lengths."""
+        return f"{len(self.lengths)}:{int(np.sum(self.lengths * (np.arange(len(self.lengths)) % 9973 + 1)))}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able position in the data order (the order itself follows from seed and epoch)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "group_by_length": self.group_by_length, "drop_last": self.drop_last,
+                "mega_batch": self.mega_batch, "data": self._fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` was taken; the data and order settings must be the same."""
+        for k in ("seed", "batch_size", "shuffle", "group_by_length", "drop_last", "mega_batch"):
+            if k in state and state[k] != getattr(self, k):
+                raise UserError(f"resume: the data order was saved with {k}={state[k]}, this run has "
+                                f"{k}={getattr(self, k)} — resume with the same settings")
+        if "data" in state and state["data"] != self._fingerprint():
+            raise UserError("resume: the training data changed since the checkpoint (example count or "
+                            "lengths differ) — resume with the same data and tokenizer, or start a new run")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

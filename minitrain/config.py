@@ -155,6 +155,14 @@ class TrainConfig:
 # ----------------------------------------------------------------------------- values and types
 
 
+@dataclass
+class SFTConfig(TrainConfig):
+    """A causal SFT run (`recipes/sft_llama.py`, `recipes/sft_mistral.py`): `TrainConfig` plus packing."""
+
+    packing: bool = doc(False, "pack each micro-batch's examples into rows of up to max_len tokens (positions "
+                               "restart, attention stays inside each example; same loss, no padding)")
+
+
 def field_types(cls: type) -> dict[str, Any]:
     """The resolved type of each dataclass field (string annotations evaluated)."""
     hints = typing.get_type_hints(cls)

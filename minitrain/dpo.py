@@ -44,7 +44,7 @@ from minitrain.config import TrainConfig, doc
 from minitrain.collate import collate_preference
 from minitrain.errors import UserError
 from minitrain.lora import disable_adapters
-from minitrain.losses import IGNORE_INDEX, shift_labels
+from minitrain.losses import IGNORE_INDEX, chunked_token_logprobs, shift_labels
 from minitrain.objectives import causal_token_logprobs
 from minitrain.weights import io_error_reason
 
@@ -64,6 +64,8 @@ class DPOConfig(TrainConfig):
     sft_weight: float = doc(0.0, "weight of an NLL term on the chosen answers (per-token mean per pair; RPO)", ge=0)
     precompute_ref: bool = doc(False, "compute the reference log-probs once before training, cached in out/ref_logps")
     ref_batch_size: int = doc(0, "pairs per batch when precomputing the reference (0: 2 x batch_size)", ge=0)
+    shared_prompt: bool = doc(False, "one row [prompt, chosen, rejected] per pair: the prompt's forward and "
+                                     "backward run once (exact; faster when prompts are long)")
 
     def check(self) -> None:
         super().check()
@@ -152,8 +154,16 @@ def sequence_logps(model: nn.Module, batch: dict[str, Any]) -> SequenceLogps:
 
     One forward (not two) halves the kernel launches and keeps both halves under the same
     padding, so a pair's two scores differ only by their answers. Log-probs come from
-    `chunked_token_logprobs` (no `2P x T x V` logits tensor) in fp32.
+    `chunked_token_logprobs` (no `2P x T x V` logits tensor) in fp32. A `collate_shared_prompt`
+    batch (P rows) is scored from its one row per pair, the shared prefix computed once.
     """
+    if "rejected_targets" in batch:  # collate_shared_prompt: one row [prompt, chosen, rejected] per pair
+        hidden = model(batch["input_ids"], batch["block_mask"], position_ids=batch["position_ids"])  # (P, T, D)
+        head = model.output_projection
+        c_t, r_t = batch["chosen_targets"], batch["rejected_targets"]  # (P, T), already shifted
+        c = chunked_token_logprobs(hidden, head, c_t).sum(dim=1)  # (P,)
+        r = chunked_token_logprobs(hidden, head, r_t).sum(dim=1)
+        return SequenceLogps(c, r, (c_t != IGNORE_INDEX).sum(dim=1), (r_t != IGNORE_INDEX).sum(dim=1))
     labels = batch["labels"]  # (2P, T), aligned with input_ids, -100 off the completion
     token_logps = causal_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), labels)  # (2P, T)
     logps = token_logps.sum(dim=1)  # (2P,)
@@ -362,10 +372,51 @@ def evaluate_dpo(model: nn.Module, objective: DPOObjective, examples: Sequence[d
 # ----------------------------------------------------------------------------- precomputed reference (c)
 
 
-def collate_with_reference(examples: Sequence[dict], pad_id: int) -> dict[str, Any]:
-    """`collate_preference`, plus `ref_chosen_logps` / `ref_rejected_logps` (P,) when the examples
-    carry precomputed reference log-probs (see `precompute_reference`)."""
-    batch = collate_preference(examples, pad_id)
+def collate_shared_prompt(examples: Sequence[dict], pad_id: int) -> dict[str, Any]:
+    """One row per pair, `[prefix, chosen rest, rejected rest]`, so the prompt runs forward and
+    backward once per pair instead of twice.
+
+    The prefix is the longest start the two sequences share, ids and labels alike (the prompt,
+    and any first answer tokens they have in common). The rejected tokens take the positions
+    that follow the prefix (as in their own sequence) and attend to the prefix and to themselves,
+    never to the chosen tokens; a causal model therefore gives every token the hidden state it
+    has in the two-sequence form. Keys: `input_ids`, `position_ids`, `attention_mask` (P, T) of
+    real tokens, `block_mask` (P, 1, T, T) bool (True = may attend; padding keys are seen by themselves only),
+    `chosen_targets` / `rejected_targets` (P, T): the token each position predicts for that
+    answer, -100 elsewhere (already shifted: the last prefix position predicts both first answer
+    tokens), and `num_pairs`.
+    """
+    rows, pos, c_tg, r_tg, segs = [], [], [], [], []
+    for ex in examples:
+        c, r, cl, rl = ex["chosen_ids"], ex["rejected_ids"], ex["chosen_labels"], ex["rejected_labels"]
+        n = 0  # shared prefix: equal ids and equal labels
+        while n < min(len(c), len(r)) - 1 and c[n] == r[n] and cl[n] == rl[n]:
+            n += 1
+        rows.append(list(c) + list(r[n:]))
+        pos.append(list(range(len(c))) + list(range(n, len(r))))
+        c_tg.append(list(cl[1:]) + [IGNORE_INDEX] * (len(r) - n + 1))
+        r_tg.append(list(rl[1 : n + 1]) + [IGNORE_INDEX] * (len(c) - n) + list(rl[n + 1 :]) + [IGNORE_INDEX])
+        segs.append([0] * n + [1] * (len(c) - n) + [2] * (len(r) - n))
+    T = max(len(x) for x in rows)
+
+    def pad(xs: list[list[int]], value: int) -> torch.Tensor:
+        return torch.tensor([x + [value] * (T - len(x)) for x in xs], dtype=torch.long)
+
+    seg = pad(segs, 3)  # 0 prefix, 1 chosen, 2 rejected, 3 padding
+    idx = torch.arange(T)
+    allowed = (idx[None, :] <= idx[:, None])[None] & (seg[:, None, :] != 3)  # (P, T, T) causal, real keys
+    allowed &= ~((seg[:, :, None] == 2) & (seg[:, None, :] == 1))  # rejected never sees chosen
+    allowed |= torch.eye(T, dtype=torch.bool)[None]  # every query sees itself (no empty row)
+    return {"input_ids": pad(rows, pad_id), "position_ids": pad(pos, 0), "attention_mask": (seg != 3).long(),
+            "block_mask": allowed[:, None], "chosen_targets": pad(c_tg, IGNORE_INDEX),
+            "rejected_targets": pad(r_tg, IGNORE_INDEX), "num_pairs": len(examples)}
+
+
+def collate_with_reference(examples: Sequence[dict], pad_id: int, shared_prompt: bool = False) -> dict[str, Any]:
+    """`collate_preference` (or `collate_shared_prompt` with `shared_prompt`), plus
+    `ref_chosen_logps` / `ref_rejected_logps` (P,) when the examples carry precomputed reference
+    log-probs (see `precompute_reference`)."""
+    batch = (collate_shared_prompt if shared_prompt else collate_preference)(examples, pad_id)
     have = ["ref_chosen_logp" in ex for ex in examples]
     if any(have):
         if not all(have):

@@ -280,8 +280,12 @@ class LoRALinear(nn.Module):
             return out
         a = self.lora_A.weight
         h = self.lora_dropout(x.to(a.dtype))  # (..., in) in the adapter dtype
-        delta = self.lora_B(self.lora_A(h)) * self.scaling  # (..., out)
-        return out + delta.to(out.dtype)
+        z = self.lora_A(h) * self.scaling  # (..., r): the scaling costs r, not out, per row
+        if z.dtype != out.dtype:  # e.g. a bf16 base with fp32 adapters outside autocast
+            return out + self.lora_B(z).to(out.dtype)
+        # out + z @ B.T in one GEMM that accumulates into a copy of `out` (no (..., out) delta, no add pass)
+        b = self.lora_B.weight  # (out, r)
+        return torch.addmm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]), b.t()).view(out.shape)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in fp32, (out, in)."""

@@ -8,7 +8,8 @@ projected at all. Two paths, the same values and gradients:
 - frozen plain `nn.Linear` head (every LoRA run that does not train `lm_head`): the gradient
   with respect to the chunk's hidden rows, `(onehot - softmax) @ W`, is computed in the forward,
   chunk by chunk, and kept (`c x D`, the size of the rows themselves); the backward only scales
-  it. Two head matmuls per chunk instead of three, and no `c x V` tensor outlives its chunk.
+  it. Two head matmuls per chunk instead of three; the softmax is made in place in one `c x V`
+  buffer reused by every chunk (`frozen_head_logprobs`; no-grad passes take it too).
 - any other head (trainable, LoRA-wrapped, quantized): each chunk runs under non-reentrant
   `torch.utils.checkpoint`: the forward keeps only the chunk's hidden rows and its per-token
   log-probs; the backward recomputes that chunk's logits, back-propagates them and frees them.
@@ -91,45 +92,70 @@ class _FrozenHeadLogProb(torch.autograd.Function):
 
     The forward also computes the gradient of each row with respect to `h`, `(onehot - softmax)
     @ W` (`c x D` per chunk, in `h`'s dtype), and saves only that; the backward scales it by the
-    incoming gradient. The softmax is made in place over the chunk's fp32 logits.
+    incoming gradient. See `frozen_head_logprobs` for the memory.
     """
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                 chunk: int) -> torch.Tensor:
-        n = h.shape[0]
-        out = torch.empty(n, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        w = weight  # cast once to the logits' dtype (under autocast a frozen weight is not cached)
-        for start in range(0, n, chunk):
-            rows = slice(start, start + chunk)
-            w = _FrozenHeadLogProb.chunk(h[rows], w, bias, labels[rows], out[rows],
-                                         None if grad is None else grad[rows])
+        out = frozen_head_logprobs(h, weight, bias, labels, chunk, grad)
         ctx.save_for_backward(grad)
         return out
-
-    @staticmethod
-    def chunk(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, out: torch.Tensor,
-              grad: torch.Tensor | None) -> torch.Tensor:
-        """One chunk: log-probs into `out` (c,), row gradients into `grad` (c, D); returns the cast weight.
-
-        A function of its own so the chunk's `(c, V)` tensors are freed before the next chunk.
-        """
-        logits = F.linear(h, w, bias)  # (c, V)
-        w = w.to(logits.dtype)
-        acc = logits.to(out.dtype)  # the same tensor when the logits are fp32 already
-        del logits
-        lse = torch.logsumexp(acc, dim=1)  # (c,)
-        out.copy_(acc.gather(1, y[:, None]).squeeze(1) - lse)
-        if grad is not None:
-            p = _onehot_minus_softmax_(acc.sub_(lse[:, None]), y)  # in place over the fp32 logits
-            grad.copy_(p.to(w.dtype) @ w)  # (c, D)
-        return w
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (grad,) = ctx.saved_tensors
         return grad * grad_out[:, None].to(grad.dtype), None, None, None, None
+
+
+def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                         chunk: int, grad: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(label) under a frozen head for rows h (n, D), labels (n,) -> (n,) fp32 (at least).
+
+    With `grad` (n, D) given, also writes `(onehot - softmax) @ W` into it (the rows' gradient).
+    One fp32 `(c, V)` buffer serves every chunk (plus one in the compute dtype under bf16/fp16
+    autocast): the head's GEMM writes into it, and the max, the shift, `exp`, the row sums and the
+    softmax are made in place over it, so no chunk allocates a `(c, V)` temporary (torch's
+    `logsumexp` makes one per call, and a fresh block per chunk is page faults on a CPU).
+    """
+    n, device = h.shape[0], h.device
+    acc = torch.promote_types(h.dtype, torch.float32)
+    cdt = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h.dtype
+    out = torch.empty(n, dtype=acc, device=device)
+    c = min(n, chunk)
+    buf = torch.empty(c, weight.shape[0], dtype=acc, device=device)  # (c, V) fp32, reused
+    low = None if cdt == acc else torch.empty(c, weight.shape[0], dtype=cdt, device=device)  # (c, V) compute dtype
+    w = weight.to(cdt)  # cast once (under autocast a frozen weight is not cached)
+    b = None if bias is None else bias.to(cdt)
+    with torch.autocast(device.type, enabled=False):
+        for start in range(0, n, c):
+            y = labels[start : start + c]
+            m = y.shape[0]
+            x, lo = buf[:m], (None if low is None else low[:m])
+            dst = x if lo is None else lo
+            hc = h[start : start + c].to(cdt)
+            if b is None:
+                torch.mm(hc, w.t(), out=dst)
+            else:
+                torch.addmm(b, hc, w.t(), out=dst)
+            if lo is not None:
+                x.copy_(lo)
+            x.sub_(x.amax(dim=1, keepdim=True))  # shifted logits, in place
+            picked = x.gather(1, y[:, None]).squeeze(1)  # (m,)
+            total = x.exp_().sum(dim=1)  # exp in place; (m,) row sums
+            out[start : start + m] = picked - total.log()
+            if grad is not None:  # onehot - softmax, in place: x * (-1 / total), then + 1 at the label
+                x.mul_(total.reciprocal_().neg_()[:, None])
+                x.scatter_add_(1, y[:, None], torch.ones_like(x[:, :1]))
+                if lo is not None:
+                    x = lo.copy_(x)
+                g = grad[start : start + m]  # (m, D)
+                if g.dtype == cdt:
+                    torch.mm(x, w, out=g)
+                else:  # fp32 rows under bf16 autocast: the product in bf16, as autocast's matmul
+                    g.copy_(x @ w)
+    return out
 
 
 def _is_frozen_linear(head: nn.Module) -> bool:
@@ -164,8 +190,11 @@ def chunked_token_logprobs(
     track = torch.is_grad_enabled() and (
         h.requires_grad or any(p.requires_grad for p in head.parameters())
     )
-    if track and _is_frozen_linear(head):
-        picked = _FrozenHeadLogProb.apply(h, head.weight, head.bias, y, chunk)
+    if _is_frozen_linear(head):
+        if track:
+            picked = _FrozenHeadLogProb.apply(h, head.weight, head.bias, y, chunk)
+        else:  # reference / evaluation forwards: the same in-place buffer, no row gradients
+            picked = frozen_head_logprobs(h, head.weight, head.bias, y, chunk)
         return out.to(picked.dtype).index_put((keep,), picked).reshape(labels.shape)
     pieces = []
     for start in range(0, h.shape[0], chunk):

@@ -43,8 +43,13 @@ def causal_token_logprobs(
 
 
 def sft(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Causal-LM cross-entropy on the completion tokens (prompt tokens carry label -100)."""
-    hidden = model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, D)
+    """Causal-LM cross-entropy on the completion tokens (prompt tokens carry label -100).
+
+    A packed batch (`minitrain.packing`) brings its block mask and per-example positions."""
+    if "block_mask" in batch:
+        hidden = model(batch["input_ids"], batch["block_mask"], position_ids=batch["position_ids"])  # (B, T, D)
+    else:
+        hidden = model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, D)
     loss_sum, count = chunked_cross_entropy_sum(hidden, model.output_projection, shift_labels(batch["labels"]))
     return loss_sum, count, {}
 

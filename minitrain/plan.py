@@ -433,7 +433,9 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
 
     The loss gathers the n target rows of the final hidden state (n x D x s) and projects
     c = min(n, chunk) rows at a time: forward holds the chunk's logits (c x V x s), their fp32
-    copy when s < 4 and logsumexp's fp32 temporary (measured: 8 B per logit in fp32, 10 in bf16).
+    copy when s < 4 and logsumexp's fp32 temporary (measured: 8 B per logit in fp32, 10 in bf16);
+    a frozen head writes its GEMM into one reused fp32 buffer and makes the softmax in place
+    (4 B per logit in fp32; 6 in bf16, with the compute-dtype buffer).
     A LoRA-wrapped head holds its base logits, the delta and their sum at once (3 x s per logit).
     A frozen head (not trained, not adapted) computes the rows' gradient in that forward and keeps
     it (n x D x s); the backward only scales it. Any other head keeps the gathered rows for each
@@ -449,7 +451,9 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     gathered = Term("loss: gathered target rows", n * D * s, "n x D x s")
     rows_grad = Term("loss: grad of gathered rows", n * D * s, "n x D x s")
     fwd_per = s + (4 if s < 4 else 0) + 4
-    if any(_matches("lm_head", t) for t in run.lora_targets):
+    if head_is_frozen(model, run):  # one reused fp32 buffer (+ one in the compute dtype when s < 4)
+        fwd_per = 4 + (s if s < 4 else 0)
+    elif any(_matches("lm_head", t) for t in run.lora_targets):
         fwd_per = max(fwd_per, 3 * s)  # a LoRA head: base logits, the LoRA delta and their sum at once
     fwd = [gathered, Term("loss: final hidden states", run.tokens * D * s, "N x D x s"),
            Term("loss: logits chunk (forward)", c * V * fwd_per, f"c={c:,} x V x {fwd_per} B")]

@@ -33,6 +33,7 @@ from minitrain.config import to_dict, to_json
 from minitrain.errors import UserError
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter, trainable_report
 from minitrain.objectives import sft
+from minitrain.packing import collate_packed_causal
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
 from minitrain.weights import io_error_reason, load_pretrained, read_header
@@ -369,15 +370,17 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
 def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     """The causal-LM SFT job that `recipes/sft_llama.py` and `recipes/sft_mistral.py` share:
     model (+ adapters) from `cfg.model`, `{"prompt","completion"}` / `{"messages"}` / `{"text"}`
-    examples, the `sft` objective and the padding collator. Writes nothing."""
+    examples, the `sft` objective and the padding collator (`cfg.packing`: the packing one,
+    `minitrain.packing`). Writes nothing."""
     model, tok = load_model(cfg, build)
     if model.is_encoder_decoder:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
                         f"use recipes/lora_t5.py for it")
     lora = attach_adapters(model, cfg)
     train_examples, eval_examples = load_examples(cfg, tok, "sft")
-    return Job(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id),
-               eval_examples, lora, tok)
+    collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
+               if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
+    return Job(model, sft, train_examples, collate, eval_examples, lora, tok)
 
 
 # ----------------------------------------------------------------------------- the end

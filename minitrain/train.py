@@ -42,6 +42,8 @@ from minitrain.audit import preflight
 from minitrain.batcher import Batcher
 from minitrain.errors import UserError
 from minitrain.fit import planned_peak_mb
+from minitrain.flops import FlopCounter, device_peak_flops
+from minitrain.losses import IGNORE_INDEX
 from minitrain.optim import AdamW
 from minitrain.progress import Progress, open_sink
 from minitrain.schedule import lr_at, resolve_steps
@@ -119,12 +121,15 @@ def train(
     Otherwise the generic `evaluate()`: `eval/loss`, plus `eval/ppl` for token-level objectives.
 
     Before step 1 the gradient-path audit (`minitrain.audit.preflight`) runs on one real
-    example (the shortest of the data) and stops the run if a trainable tensor is unreachable from
-    the loss (rule 5); `cfg.skip_audit` skips it, and the skip is logged.
+    example (a 32-token window around the first target of the shortest row, `audit_slice`) and
+    stops the run if a trainable tensor is unreachable from the loss (rule 5); `cfg.skip_audit`
+    skips it, and the skip is logged.
 
     Each metrics.jsonl row: step, loss (window loss sum / window count), lr, grad_norm (before
-    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, peak_mem_mb (and
-    planned_peak_mb, the plan's figure, on CUDA or with `gpu_mem`: `minitrain.fit`),
+    clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, flops_per_s (model
+    FLOPs per second, all ranks: `minitrain.flops`), mfu (per device, on CUDA devices of known
+    peak), peak_mem_mb (and planned_peak_mb, the plan's figure, on CUDA or with `gpu_mem`:
+    `minitrain.fit`),
     epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
     on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
     and eval_fn's.
@@ -260,6 +265,8 @@ def train(
     stream = _micro_batches(batcher)
     summary: dict[str, Any] = {"loss": None}
     model.train()
+    flop_counter = FlopCounter.of(model)  # model FLOPs per token (minitrain.flops: the formula)
+    peak_flops = device_peak_flops(device)  # dense bf16 peak of a known CUDA device, for MFU
     stop = _SignalStop()  # SIGINT / SIGTERM: finish this step, save, raise Interrupted
     stop.install()
     try:
@@ -273,13 +280,14 @@ def train(
             # ---- one accumulation window: grad_accum micro-batches, loss SUMs backpropagated
             window_loss = torch.zeros((), device=device)  # fp32, summed over the window
             window_count = torch.zeros((), device=device)
-            finite, metric_sums, tokens = [], {}, 0
+            finite, metric_sums, tokens, flops = [], {}, 0, 0.0
             for idx in window:
                 mine = idx[rank::world]  # this rank's share of the global micro-batch
                 empty = not mine  # a short last batch left this rank nothing: one example at weight 0
                 cpu_batch = collate([train_examples[i] for i in (mine or idx[:1])])
                 if not empty:
                     tokens += _input_tokens(cpu_batch)  # counted on the host copy: no device sync
+                    flops += flop_counter.batch(cpu_batch)
                 batch = _to_device(cpu_batch, device)
                 with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
                     loss_sum, count, metrics = objective(model, batch)
@@ -298,9 +306,9 @@ def train(
             # summed over ranks in one call: loss, target count, non-finite micro-batches, input
             # tokens, and the SIGINT / SIGTERM seen so far (so every rank stops after the same step)
             stats = torch.cat([torch.stack([window_loss, window_count, (~torch.stack(finite)).sum().float()]),
-                               torch.tensor([tokens, *stop.seen()], dtype=torch.float32, device=device)])
+                               torch.tensor([tokens, flops, *stop.seen()], dtype=torch.float32, device=device)])
             distributed.all_reduce_sum([stats])
-            loss_total, total, nonfinite, tokens_f, sigint, sigterm = stats.tolist()  # the one host sync per step
+            loss_total, total, nonfinite, tokens_f, flops, sigint, sigterm = stats.tolist()  # the one host sync per step
             tokens = int(tokens_f)
             grad_norm = float("nan")
             ok = nonfinite == 0 and total > 0
@@ -361,6 +369,8 @@ def train(
                    "peak_mem_mb": _peak_mem_mb(device), **({"planned_peak_mb": planned_mb} if planned_mb else {}),
                    "epoch": counters["micro_batches"] / micro_per_epoch,
                    "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
+                   "flops_per_s": flops / dt,
+                   **({"mfu": flops / dt / world / peak_flops} if peak_flops else {}),
                    **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
             stop_early = evaluated = False
@@ -415,6 +425,33 @@ def train(
 # ----------------------------------------------------------------------------- building blocks
 
 
+AUDIT_SLICE = 16  # tokens kept on each side of the first target by `audit_slice`
+
+
+def audit_slice(ex: dict, keep: int = AUDIT_SLICE) -> dict:
+    """A short window of one example for the audit: `keep` tokens before its first target and
+    `keep` from it, cut from `input_ids` and `labels`, and from every `<name>_ids` list and its
+    `<name>_labels` partner (DPO's chosen and rejected rows), alike.
+
+    The window is taken in each id list with the same offsets as in its labels, so a causal
+    example stays aligned (position t still predicts token t + 1) and at least one target stays
+    in it; seq2seq's encoder ids are cut with the decoder's window, which keeps both non-empty.
+    Other keys (a precomputed reference log-prob) are kept as they are.
+    """
+    out = dict(ex)
+    for key, ids in ex.items():
+        if not key.endswith("ids") or not isinstance(ids, (list, tuple)):
+            continue
+        lab_key = "labels" if key == "input_ids" else key[: -len("ids")] + "labels"
+        labels = ex.get(lab_key)
+        if not isinstance(labels, (list, tuple)):
+            continue
+        first = next((t for t in range(1, len(labels)) if labels[t] != IGNORE_INDEX), 1)
+        start, stop = max(0, first - keep), first + keep
+        out[key], out[lab_key] = list(ids[start:stop]), list(labels[start:stop])
+    return out
+
+
 def extension_rule(step: int, old_total: int | None, total: int, warmup: int, cfg: Any) -> str:
     """The line that states how an extended run (`extend=true`) schedules its remaining steps.
 
@@ -431,15 +468,16 @@ def extension_rule(step: int, old_total: int | None, total: int, warmup: int, cf
             f"{lr(step + 1):.3g} at step {step + 1} -> {lr(total):.3g} at step {total}")
 
 
-
 def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg: Any,
                 device: torch.device) -> dict[str, Any]:
-    """The audit's real batch: the shortest example of the data, collated and on `device`.
+    """The audit's real batch: a short slice (`audit_slice`) of the shortest example, collated and
+    on `device`.
 
     Whether a tensor is reachable from the loss does not depend on the batch's size or length,
-    so the preflight costs a fraction of a step instead of two full micro-batches.
+    so the preflight costs a fraction of a step instead of two full micro-batches; on long-row
+    data (an 890-token shortest row) even one full example was a third of the time to step 1.
     """
-    return _to_device(collate([min(examples, key=_length)]), device)
+    return _to_device(collate([audit_slice(min(examples, key=_length))]), device)
 
 
 def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list[dict]], dict],

@@ -659,9 +659,13 @@ class LlamaModel(nn.Module):
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right), for the T new
         tokens only (the cache remembers earlier ones). position_ids default to the count of real
         tokens before each one (mask cumsum - 1), so left-padded rows start at position 0.
+        Or a bool (B, 1, T, T) mask, True = may attend, with position_ids given: several sequences
+        in one row (packing, DPO's shared prompt; see `_forward_block_mask`).
         """
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, D)
+        if attention_mask is not None and attention_mask.dim() == 4:  # the caller's own (B, 1, T, T) mask
+            return self._forward_block_mask(x, attention_mask, position_ids, cache)
         valid = (
             torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
             if attention_mask is None
@@ -685,6 +689,23 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, masks[w], cache)
         if cache is not None:
             cache.end(T)
+        return self.norm(x)
+
+    def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None,
+                            cache: KVCache | None) -> torch.Tensor:
+        """Several sequences in one row (packed rows, DPO's [prompt, chosen, rejected]): the caller
+        gives the bool mask (B, 1, T, T), True = may attend, and each token's position_ids (B, T);
+        a sliding window applies to positions, so it stays inside each sequence."""
+        if cache is not None or position_ids is None:
+            raise ValueError("a 4-D attention_mask needs position_ids and no KV cache")
+        mask = mask.to(device=x.device, dtype=torch.bool)
+        window = self.config.sliding_window
+        if window is not None:
+            pos = position_ids.to(x.device)
+            mask = mask & ((pos[:, None, :, None] - pos[:, None, None, :]) < window)
+        cos, sin = self.rotary(position_ids.to(x.device), dtype=x.dtype)  # (B, T, hd)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
         return self.norm(x)
 
 

@@ -120,7 +120,8 @@ def setup(config: PreferenceConfig) -> Job:
     train_examples, eval_examples = load_examples(config, tok, "preference")
     if not eval_examples:
         log("note: no eval_data — no held-out evaluation (pass eval_data=pairs.jsonl for eval/rewards/...)")
-    return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id),
+    return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id,
+                                                                     shared_prompt=config.shared_prompt),
                eval_examples, lora, tok)
 
 

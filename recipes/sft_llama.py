@@ -23,11 +23,11 @@ from __future__ import annotations
 
 
 import models
-from minitrain.config import TrainConfig
+from minitrain.config import SFTConfig
 from minitrain.run import Job, check_out_dir, finish, prepare_out_dir, sft_job
 from minitrain.train import train
 
-config = TrainConfig(
+config = SFTConfig(
     out="runs/sft_llama",
     lr=2e-4,
     warmup=0.03,
@@ -41,12 +41,12 @@ config = TrainConfig(
 )
 
 
-def setup(config: TrainConfig) -> Job:
+def setup(config: SFTConfig) -> Job:
     """Load the model, attach the adapter, read the data; writes nothing."""
     return sft_job(config, models.from_hf_config)
 
 
-def run(config: TrainConfig) -> dict:
+def run(config: SFTConfig) -> dict:
     """Load, adapt, train, save the adapter; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)

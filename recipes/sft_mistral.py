@@ -23,13 +23,13 @@ import shlex
 from pathlib import Path
 
 import models
-from minitrain.config import TrainConfig
+from minitrain.config import SFTConfig
 from minitrain.run import Job, check_out_dir, finish, log, prepare_out_dir, sft_job
 from minitrain.train import train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 
-config = TrainConfig(  # a real run: model= and data= are asked for; no eval_data, no held-out evaluation
+config = SFTConfig(  # a real run: model= and data= are asked for; no eval_data, no held-out evaluation
     out="runs/sft_mistral",
     max_steps=-1,
     epochs=1.0,
@@ -65,12 +65,12 @@ REAL_CHECKPOINT = ("python -m minitrain recipes/sft_mistral.py model=/path/to/Mi
                    "data=chats.jsonl quantize=nf4 out=runs/sft")
 
 
-def setup(config: TrainConfig) -> Job:
+def setup(config: SFTConfig) -> Job:
     """Load the model, attach the adapter, read the data; writes nothing."""
     return sft_job(config, models.from_hf_config)
 
 
-def run(config: TrainConfig) -> dict:
+def run(config: SFTConfig) -> dict:
     """Train the Stage A adapter and save it; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
@@ -82,7 +82,7 @@ def run(config: TrainConfig) -> dict:
     return summary
 
 
-def stage_b_command(config: TrainConfig) -> str:
+def stage_b_command(config: SFTConfig) -> str:
     """The `recipes/dpo_mistral.py` command that continues this run's adapter.
 
     On the demo: the demo's Stage B. Otherwise a real run's: the same model, quantize, max_len

@@ -301,3 +301,44 @@ def run(config):
     assert "unreachable" in b.stdout and "model.layers.1" in b.stdout and "no_grad" in b.stdout
     bad = audit_cli("lr=-1")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "lr" in bad.stderr
+
+
+def test_audit_runs_on_a_short_slice_of_the_shortest_example(lora_model):
+    """The audit batch is a window of the shortest row (<= 32 tokens however long the row), keeps
+    the causal alignment (labels are -100 or the id at the same position) and a target, cuts DPO's
+    two rows alike and seq2seq's encoder and decoder both; the audit on it is healthy and still
+    finds a planted break (a forward section under no_grad)."""
+    from minitrain.data import collate_causal, collate_preference, collate_seq2seq
+    from minitrain.train import AUDIT_SLICE, audit_batch
+
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for n_prompt, n_answer in ((300, 40), (900, 60)):
+        ids = torch.randint(3, 128, (n_prompt + n_answer,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * n_prompt + ids[n_prompt:]})
+    batch = audit_batch(rows, lambda ex: collate_causal(ex, pad_id=0), None, torch.device("cpu"))
+    ids, labels = batch["input_ids"][0], batch["labels"][0]
+    assert ids.numel() == 2 * AUDIT_SLICE and ids.tolist() == rows[0]["input_ids"][300 - AUDIT_SLICE: 300 + AUDIT_SLICE]
+    assert ((labels == -100) | (labels == ids)).all() and (labels[1:] != -100).sum() == AUDIT_SLICE
+    report = audit(lora_model, sft, batch)
+    assert report.ok, report.table()
+
+    pair = {"chosen_ids": rows[1]["input_ids"], "chosen_labels": rows[1]["labels"],
+            "rejected_ids": rows[1]["input_ids"][:920], "rejected_labels": rows[1]["labels"][:920]}
+    b = audit_batch([pair], lambda ex: collate_preference(ex, pad_id=0), None, torch.device("cpu"))
+    assert b["input_ids"].shape == (2, 2 * AUDIT_SLICE) and torch.equal(b["input_ids"][0], b["input_ids"][1])
+    s2s = {"input_ids": list(range(3, 503)), "labels": list(range(3, 103))}
+    b = audit_batch([s2s], lambda ex: collate_seq2seq(ex, pad_id=0), None, torch.device("cpu"))
+    assert b["input_ids"].shape == (1, 1 + AUDIT_SLICE) and b["labels"].shape == (1, 1 + AUDIT_SLICE)
+
+    block = lora_model.model.layers[0]
+    inner = block.forward
+
+    def forward(*args, **kwargs):
+        with torch.no_grad():
+            return inner(*args, **kwargs)
+
+    block.forward = forward
+    report = audit(lora_model, sft, audit_batch(rows, lambda ex: collate_causal(ex, pad_id=0), None,
+                                                torch.device("cpu")))
+    assert any(t.status == UNREACHABLE for t in report.tensors if "layers.0" in t.name)

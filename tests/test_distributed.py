@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TRAIN = make_examples(21, seed=3)  # batch 4: 6 micro-batches per epoch, the last holds 1 example
 EVAL = make_examples(5, seed=4)
-STRIP = ("tokens_per_s", "peak_mem_mb")  # wall-clock and process figures
+STRIP = ("tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb")  # wall-clock and process figures
 
 
 def lora_model(dropout: float = 0.0) -> torch.nn.Module:

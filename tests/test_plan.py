@@ -325,6 +325,18 @@ def test_plan_tool_table_verdict_and_exit_codes(tmp_path):
     assert unknown.returncode == 2 and "error:" in unknown.stderr
 
 
+def test_plan_tool_follows_the_recipes_device(tmp_path):
+    """device=cpu plans a CPU run (no CUDA context in the verdict, the CPU loss chunk) without --device;
+    --device still wins, and device=auto plans for CUDA."""
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_7B))
+    common = [str(ROOT / "recipes" / "sft_llama.py"), f"model={tmp_path}", "batch_size=1", "max_len=1024"]
+    cpu = plan_cli(*common, "device=cpu")
+    assert cpu.returncode == 0, cpu.stderr
+    assert "run: cpu," in cpu.stdout
+    assert "run: cuda," in plan_cli(*common, "device=cpu", "--device", "cuda").stdout
+    assert "run: cuda," in plan_cli(*common).stdout
+
+
 # ----------------------------------------------------------------------------- T5
 
 

@@ -20,7 +20,7 @@ import torch
 from _tok import corpus, make_bpe_tokenizer
 
 from minitrain.cli import run_cli
-from minitrain.config import TrainConfig, from_json
+from minitrain.config import SFTConfig, from_json
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "sft_llama.py")
@@ -98,7 +98,7 @@ def test_smoke_run_writes_metrics_config_adapter(smoke, tiny):
         assert all(k in r for k in METRIC_KEYS), r
         assert math.isfinite(r["loss"]) and r["loss"] > 0 and r["lr"] > 0 and r["target_tokens"] > 0
 
-    cfg = from_json((out / "config.json").read_text(), TrainConfig)
+    cfg = from_json((out / "config.json").read_text(), SFTConfig)  # the recipe's class
     assert (cfg.max_steps, cfg.batch_size, cfg.lora_r, cfg.chat_format) == (3, 2, 4, "mistral")
     assert cfg.model == str(tiny["model"]) and cfg.out == str(out)
     assert cfg.lr == 2e-4  # the recipe's own value where not overridden

@@ -4,7 +4,7 @@
     python tools/audit.py recipes/dpo_mistral.py --json
 
 Builds the recipe's job exactly as a run would (its `setup(config)`: model, adapters, data),
-then runs ONE forward and backward on the shortest example of the data (no optimizer step, nothing
+then runs ONE forward and backward on a 32-token slice of the shortest example of the data (no optimizer step, nothing
 written) and prints a table per module (tensors, status, gradient norm), the gradient norm per
 layer (does signal reach the deep layers?) and a one-line verdict.
 

@@ -7,7 +7,8 @@ The recipe's config is loaded exactly as `python -m minitrain RECIPE.py key=valu
 only when no model, data or eval_data is named); of the model only `config.json`
 is read, never the weights. The memory model is `minitrain.plan` (its docstring says what is
 counted and how); it models LLaMA / Mistral and T5 (source rows `max_len` or `--seq` long,
-target rows `max_target_len`). The worst case is planned: every row `max_len` long (or `--seq`),
+target rows `max_target_len`). The device is the recipe's (`device=cpu` plans a CPU run:
+its smaller loss chunk, no CUDA context) unless `--device` says otherwise. The worst case is planned: every row `max_len` long (or `--seq`),
 every position a target (or `--targets` per micro-batch). `--all` also prints the other candidate
 peak moments. Exit code: 0 fits (or no --gpu-mem), 1 does not fit, 2 bad input.
 """
@@ -32,7 +33,7 @@ OPTIONS = {"--gpu-mem": str, "--seq": int, "--targets": int, "--device": str}
 
 def parse_args(argv: list[str]) -> tuple[str, list[str], dict]:
     """(recipe path, key=value overrides, options)."""
-    opts: dict = {"--all": False, "--device": "cuda"}
+    opts: dict = {"--all": False, "--device": None}
     rest: list[str] = []
     i = 0
     while i < len(argv):
@@ -58,7 +59,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], dict]:
         i += 1
     if not rest or not rest[0].endswith(".py"):
         raise UserError(f"no recipe file given — {USAGE}")
-    if opts["--device"] not in ("cuda", "cpu"):
+    if opts["--device"] not in (None, "cuda", "cpu"):
         raise UserError(f"--device {opts['--device']}: use cuda or cpu")
     return rest[0], rest[1:], opts
 
@@ -84,6 +85,14 @@ def read_model_config(cfg) -> tuple[dict, Path]:
         raise UserError(f"{path}: not valid JSON ({e}) — fix the file") from None
 
 
+def plan_device(cfg, given: str | None) -> str:
+    """The device planned for: `--device` when given, else the recipe's `device` (cpu for `device=cpu`;
+    cuda for cuda, cuda:N and auto, since a plan is mostly asked for a GPU)."""
+    if given:
+        return given
+    return "cpu" if str(getattr(cfg, "device", "auto")).startswith("cpu") else "cuda"
+
+
 def row(name: str, nbytes: int, formula: str = "", indent: int = 2) -> str:
     return f"{' ' * indent}{name:<44}{P.fmt_bytes(nbytes):>12}   {formula}"
 
@@ -91,6 +100,7 @@ def row(name: str, nbytes: int, formula: str = "", indent: int = 2) -> str:
 def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]:
     """The report text and whether it fits (True when no --gpu-mem is given)."""
     hf, config_path = read_model_config(cfg)
+    opts = {**opts, "--device": plan_device(cfg, opts["--device"])}
     model = P.shape_from_hf(hf, where=str(config_path))
     run = P.run_shape(cfg, device=opts["--device"], seq=opts.get("--seq"), targets=opts.get("--targets"))
     plan = P.predict(model, run)

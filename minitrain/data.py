@@ -1,6 +1,6 @@
 """Rows -> token-id examples: what the readers make of each row shape, and truncation.
 
-Readers (`read_sft`, `read_seq2seq`, `read_preference`) turn the rows of a data file
+Readers (`read_sft`, `read_seq2seq`, `read_preference`, `read_unpaired`) turn the rows of a data file
 (`minitrain.data_files`, typed access through `minitrain.data_rows`) into examples of token
 ids; a user's mistake in the file is one `UserError` naming `file:line`. They return an
 `Examples` list that also says how many rows were truncated or skipped. The batch order is
@@ -306,6 +306,55 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
                             f'nothing (DPO loss ln 2, zero gradient) — {todo}, or pass drop_identical_pairs=true to '
                             f'drop such pairs (counted)')
         if _targets(ex["chosen_labels"]) == 0 or _targets(ex["rejected_labels"]) == 0:
+            out.skipped += 1
+            continue
+        out.append(ex)
+    return out
+
+
+def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
+                  max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+                  split: str | None = None) -> Examples:
+    """Unpaired feedback (KTO) `{"input_ids", "labels", "label", "prompt_len"}`.
+
+    Rows: `{"prompt", "completion", "label": true|false}` (a thumbs-up or thumbs-down on one
+    answer). The prompt is a string (`[bos] prompt`, the completion continuing it, + eos) or a
+    list of chat messages (the completion is then the next assistant turn, or assistant
+    message(s)), encoded as `read_preference` encodes an answer; prompt tokens are labelled -100.
+    """
+    max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
+    fields = check_fields(fields, ("prompt", "completion", "label", "role", "content"))
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    out = Examples(path=str(path))
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt", "completion" and "label"')
+        label = row.get("label")
+        if not isinstance(label, bool):
+            raise UserError(f'{where}: "{row.key("label")}" must be true or false (desirable or not), got '
+                            f'{type(label).__name__} — fix the row')
+        prompt, answer = row.get("prompt"), _answer(row, "completion")
+        if isinstance(prompt, list):
+            prompt = row.messages("prompt")
+            p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
+            if isinstance(answer, list) and not (answer and isinstance(answer[-1], dict)
+                                                 and answer[-1].get("role") == "assistant"):
+                raise UserError(f'{where}: "{row.key("completion")}" is a list of messages that does not end with '
+                                f'an assistant message — give the answer as a string or as assistant message(s)')
+            turn = answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}]
+            ids, mask = _chat(tok, where, prompt + turn)
+            n = common_prefix_len(p, ids)
+            p, a = p[:n], [(t, t if m else IGNORE) for t, m in zip(ids[n:], mask[n:])]
+        else:
+            if isinstance(answer, list):
+                raise UserError(f'{where}: "{row.key("completion")}" is a list of messages but '
+                                f'"{row.key("prompt")}" is a string — give both as messages or both as strings')
+            p = _with_bos(tok, tok.encode(row.text("prompt")), out)
+            a = [(t, t) for t in tok.encode(answer, continuation=True) + eos]
+        p, (a,), cut = _fit(p, [a], max_len, max_prompt_len, truncation_side, tok.bos_id)
+        out.truncated += cut
+        ex = {"input_ids": p + [t for t, _ in a], "labels": [IGNORE] * len(p) + [lab for _, lab in a],
+              "label": label, "prompt_len": len(p)}
+        if _targets(ex["labels"]) == 0:
             out.skipped += 1
             continue
         out.append(ex)

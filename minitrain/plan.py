@@ -157,7 +157,9 @@ class ModelShape:
 class RunShape:
     """What one training micro-batch looks like to memory.
 
-    rows: sequences per forward (SFT: batch_size; DPO: 2 x pairs, chosen and rejected together).
+    rows: sequences per forward (SFT: batch_size; DPO, ORPO, CPO, SimPO: 2 x pairs, chosen and
+    rejected together; KTO: batch_size rows with a graph, while its reference scores them and their
+    KL rows, `reference_rows` = 2 x batch_size, and a no_grad policy forward scores the KL rows).
     seq: the padded length T (the worst case is max_len; encoder-decoder: the source length).
     target_seq: the decoder's length (encoder-decoder only; None: seq). targets: positions that
     get a loss (None: all of them, the worst case). compute: activation dtype (bf16 under autocast
@@ -180,7 +182,8 @@ class RunShape:
     checkpointing: bool = False
     targets: int | None = None
     mask: bool = True
-    dpo_reference: str | None = None  # None: not DPO | base | snapshot | precomputed
+    dpo_reference: str | None = None  # None: not DPO | base | snapshot | precomputed | none (orpo, cpo, simpo)
+    reference_rows: int | None = None  # rows of the no_grad reference forward (None: rows; KTO: 2 x rows)
     optimizer_temps: bool = True  # foreach AdamW temporaries (minitrain.optim; False: a fused optimizer)
     logits_chunk: int | None = None  # logits per chunk (None: minitrain.losses' value on `device`)
     device: str = "cuda"  # cuda | cpu: the default logits chunk and the dropout mask's dtype depend on it
@@ -511,8 +514,11 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     notes = []
     if run.dpo_reference in ("base", "snapshot"):
         # no_grad forward before the policy's: at most one block's tensors alive at a time
-        one = Term("reference forward: one block (no grad)", per_block, "block_saved, freed as it goes")
-        ref = msaved + [one] + lfwd
+        r = run if run.reference_rows in (None, run.rows) else replace(run, rows=run.reference_rows, targets=None)
+        one = Term("reference forward: one block (no grad)", sum(t.bytes for t in block_saved(model, r)),
+                   "block_saved, freed as it goes" + (f"; {r.rows} rows" if r is not run else ""))
+        ref = (_model_saved(model, r) if r is not run else msaved) + [one] + (_logits(model, r)[0] if r is not run
+                                                                               else lfwd)
         if run.dpo_reference == "snapshot":
             ref.append(Term("reference: live adapter values kept aside", trainable, "clone of the adapter tensors"))
         moments["DPO reference forward"] = ref
@@ -879,7 +885,9 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
 
     DPO configs (with `beta` and `precompute_ref`) forward 2 x batch_size rows and have a
     reference: `precomputed` with precompute_ref, `snapshot` when continuing an adapter
-    (init_adapter), else `base` (adapters disabled).
+    (init_adapter), else `base` (adapters disabled). `loss_type` orpo / cpo / simpo: the same
+    rows and no reference (`none`). KTO configs (`desirable_weight`): batch_size rows with a
+    graph, and a reference forward of 2 x batch_size rows (the rows and their KL rows).
     """
     precision = getattr(cfg, "precision", "auto")
     if precision == "auto":
@@ -887,16 +895,19 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
     else:
         compute = precision
     is_dpo = hasattr(cfg, "beta") and hasattr(cfg, "precompute_ref")
+    is_kto = is_dpo and hasattr(cfg, "desirable_weight")
     ref = None
     if is_dpo:
         ref = "precomputed" if cfg.precompute_ref else ("snapshot" if getattr(cfg, "init_adapter", "") else "base")
-    rows = cfg.batch_size * (2 if is_dpo else 1)
+        if getattr(cfg, "loss_type", "") in ("orpo", "cpo", "simpo"):
+            ref = "none"
+    rows = cfg.batch_size * (2 if is_dpo and not is_kto else 1)
     return RunShape(rows=rows, seq=seq or cfg.max_len, target_seq=getattr(cfg, "max_target_len", None),
                     compute=compute, quantize=getattr(cfg, "quantize", "none"),
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets), lora_dropout=float(cfg.lora_dropout),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,
-                    device=device)
+                    reference_rows=2 * rows if is_kto else None, device=device)
 
 
 def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: int) -> list[tuple[str, int, int]]:
@@ -922,7 +933,7 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
     while b > 1:
         b //= 2
         add(f"batch_size={b} grad_accum={grad_accum * batch_size // b} (same effective batch)",
-            replace(run, rows=b * per_row))
+            replace(run, rows=b * per_row, reference_rows=run.reference_rows and run.reference_rows * b // batch_size))
     if run.dpo_reference in ("base", "snapshot"):
         add("precompute_ref=true", replace(run, dpo_reference="precomputed"))
     return out

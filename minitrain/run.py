@@ -364,13 +364,14 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     """(train, eval) examples from `cfg.data` / `cfg.eval_data`, or `cfg.eval_split` of `cfg.data`
     held out (None without either).
 
-    kind: "sft" (prompt / completion, chats, text -> input_ids and labels), "seq2seq" or
-    "preference"; rows are read by `minitrain.data` with `cfg.fields`, the tokenizer's chat
+    kind: "sft" (prompt / completion, chats, text -> input_ids and labels), "seq2seq",
+    "preference" or "unpaired" (KTO); rows are read by `minitrain.data` with `cfg.fields`, the tokenizer's chat
     template gets `cfg.chat_template_kwargs`; `options` go to the reader (e.g. max_target_len).
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
-    readers = {"sft": data.read_sft, "seq2seq": data.read_seq2seq, "preference": data.read_preference}
+    readers = {"sft": data.read_sft, "seq2seq": data.read_seq2seq, "preference": data.read_preference,
+               "unpaired": data.read_unpaired}
     if kind not in readers:
         raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
     read = readers[kind]

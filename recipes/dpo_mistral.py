@@ -14,6 +14,12 @@ robust, `beta`, `label_smoothing`), plus an optional NLL term on the chosen answ
 same on the held-out pairs (`eval/...`) every `eval_every` steps and at the end, in metrics.jsonl
 and, with the value before step 1, in out/eval.jsonl.
 
+`loss_type=orpo | cpo | simpo` trains without any reference (one forward per pair, TRL's ORPO and
+CPO trainers' formulas and metric names, see `minitrain.preference`): ORPO adds the chosen NLL
+(`sft_weight=1` as published) to `beta` x its odds-ratio term; CPO's NLL weight (TRL's `cpo_alpha`)
+is `sft_weight`; SimPO uses `beta` and the margin `simpo_gamma` on per-token mean log-probs
+(`sft_weight=0`: SimPO as published, `> 0`: TRL's CPO-SimPO).
+
 The reference model is never loaded a second time (field report 002: two 7B models did not fit
 12 GB):
 
@@ -43,15 +49,16 @@ from pathlib import Path
 import models
 from minitrain import checkpoint as ckpt
 from minitrain import distributed
-from minitrain.dpo import DPOConfig, collate_with_reference, make_dpo_objective, make_reference, precompute_reference
+from minitrain.dpo import collate_with_reference, make_reference, precompute_reference
 from minitrain.errors import UserError
+from minitrain.preference import REFERENCE_FREE, PreferenceConfig, make_pair_objective
 from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer, log,
                            prepare_out_dir)
 from minitrain.train import resolve_precision, train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 
-config = DPOConfig(  # a real run: model= and data= are asked for; no eval_data, no held-out evaluation
+config = PreferenceConfig(  # a real run: model= and data= are asked for; no eval_data, no held-out evaluation
     out="runs/dpo_mistral",
     max_steps=-1,
     epochs=1.0,
@@ -92,7 +99,7 @@ REAL_CHECKPOINT = ("python -m minitrain recipes/dpo_mistral.py model=/path/to/Mi
                    "data=prefs.jsonl eval_data=prefs_eval.jsonl quantize=nf4 out=runs/dpo")
 
 
-def setup(config: DPOConfig) -> Job:
+def setup(config: PreferenceConfig) -> Job:
     """Load the model, attach (or continue) the adapter, pick the reference, read the pairs; writes nothing."""
     tok = load_tokenizer(config)
     train_examples, eval_examples = load_examples(config, tok, "preference")  # before the weights: seconds, not minutes
@@ -100,14 +107,19 @@ def setup(config: DPOConfig) -> Job:
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — DPO here trains causal LMs")
     lora = attach_adapters(model, config)
-    reference = make_reference(model, config.init_adapter)  # before any step: the snapshot is Stage A
-    ref = (f"Stage A adapter (frozen copy of {config.init_adapter})" if config.init_adapter
-           else "base model (adapter disabled)")
-    log(f"dpo: loss {config.loss_type}, beta={config.beta}"
+    if config.loss_type in REFERENCE_FREE:  # orpo / cpo / simpo: one forward per pair, no reference
+        reference, ref = None, "none (reference-free: one forward per pair)"
+    else:
+        reference = make_reference(model, config.init_adapter)  # before any step: the snapshot is Stage A
+        ref = (f"Stage A adapter (frozen copy of {config.init_adapter})" if config.init_adapter
+               else "base model (adapter disabled)")
+        ref += ", precomputed once" if config.precompute_ref else ", run each step under no_grad"
+    log(f"{'dpo' if reference else config.loss_type}: loss {config.loss_type}, beta={config.beta}"
+        + (f", simpo_gamma={config.simpo_gamma}" if config.loss_type == "simpo" else "")
         + (f", label_smoothing={config.label_smoothing}" if config.label_smoothing else "")
         + (f", sft_weight={config.sft_weight}" if config.sft_weight else "")
-        + f"; reference = {ref}" + (", precomputed once" if config.precompute_ref else ", run each step under no_grad"))
-    objective = make_dpo_objective(config.beta, config.loss_type, config.label_smoothing, config.sft_weight, reference)
+        + f"; reference = {ref}")
+    objective = make_pair_objective(config, reference)
     if not eval_examples:
         log("note: no eval_data — no held-out evaluation (pass eval_data=pairs.jsonl for eval/rewards/...)")
     return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id,
@@ -115,7 +127,7 @@ def setup(config: DPOConfig) -> Job:
                eval_examples, lora, tok)
 
 
-def run(config: DPOConfig) -> dict:
+def run(config: PreferenceConfig) -> dict:
     """Train the adapter with DPO and save it; returns the loop's summary plus the held-out metrics."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)

@@ -80,6 +80,25 @@ def test_hf_worker_runs_and_counts_tokens_like_minitrain(tiny, kind):
         assert mt["tokens_total"] == hf["tokens_total"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,unit", [("orpo", "pairs"), ("kto", "rows")])
+def test_orpo_and_kto_run_on_both_sides_on_the_same_rows(tiny, kind, unit):
+    """ORPO: the DPO pairs through `loss_type=orpo` and TRL's ORPOTrainer; KTO: the pairs unpaired
+    (2 rows each) through recipes/kto_mistral.py and TRL's KTOTrainer; both timed per pair / row."""
+    pytest.importorskip("trl")
+    a, info = tiny
+    rows = [json.loads(x) for x in open(info["kto"])]
+    pairs = [json.loads(x) for x in open(info["dpo"])]
+    assert [r["completion"] for r in rows] == [p[k] for p in pairs for k in ("chosen", "rejected")]
+    assert [r["label"] for r in rows] == [True, False] * len(pairs)
+    for side in ("mt", "hf"):
+        s = bench.run_one(kind, side, a, info, rep=0)
+        assert s["rc"] == 0 and s["steps"] == a.dpo_steps, side
+        assert timed(s, f"{unit}_per_s"), side
+    cmd = bench.mt_command(kind, a, info, Path("o"))
+    assert ("recipes/kto_mistral.py" in cmd) == (kind == "kto") and ("loss_type=orpo" in cmd) == (kind == "orpo")
+
+
 def test_summary_of_steps_seen_in_one_poll_has_no_rate_but_counts_tokens():
     run = {"rc": 0, "times": [1.0, 1.0], "cpu": [2.5, 2.5], "rows": [{"tokens": 7}, {"tokens": 9}],
            "wall": 1.5, "peak_rss_mb": 400.0}

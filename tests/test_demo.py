@@ -93,7 +93,8 @@ def test_make_demo_rewrites_the_committed_tokenizer_config_and_data(tmp_path):
         subprocess.run([sys.executable, str(ROOT / "tools" / "make_demo.py"), "--out", str(tmp_path / out),
                         "--steps", "2"], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for f in ("model/config.json", "model/tokenizer.json", "model/tokenizer_config.json",
-              "model/special_tokens_map.json", "README.md", "prefs_train.jsonl", "prefs_eval.jsonl", "sft_train.jsonl"):
+              "model/special_tokens_map.json", "README.md", "prefs_train.jsonl", "prefs_eval.jsonl", "sft_train.jsonl",
+              "kto_train.jsonl", "kto_eval.jsonl"):
         assert (tmp_path / "a" / f).read_bytes() == (DEMO / f).read_bytes(), f
     a, b = (tmp_path / x / "model" / "model.safetensors" for x in "ab")
     assert a.read_bytes() == b.read_bytes()

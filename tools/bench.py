@@ -1,6 +1,6 @@
-"""minitrain against the HF stack on the same LoRA SFT and LoRA DPO runs (CPU), and QLoRA DPO 7B GPU memory.
+"""minitrain against the HF stack on the same LoRA SFT, DPO, ORPO and KTO runs (CPU), and QLoRA DPO 7B GPU memory.
 
-    python tools/bench.py [--repeats 3] [--only sft|dpo] [--write BENCHMARKS.md] [--cache DIR] [--threads N]
+    python tools/bench.py [--repeats 3] [--only sft|dpo|orpo|kto] [--kinds sft,dpo] [--write BENCHMARKS.md] [--cache DIR] [--threads N]
                           [--steps 10] [--batch 4] [--accum 1] [--dpo-steps 8] [--dpo-batch 2] [--dpo-accum 1]
                           [--max-len 384] [--layers 4] [--dim 256] [--ffn 688] [--heads 4] [--kv-heads 4]
                           [--vocab 32000] [--lora-r 16] [--targets q_proj,k_proj,v_proj,o_proj,...]
@@ -20,6 +20,13 @@ What runs (each run a fresh `python` subprocess, so peak RSS and start-up are ho
   padding to the batch's longest);
 - DPO: `python -m minitrain recipes/dpo_mistral.py ...` (fresh adapter: reference = adapter off)
   against trl `DPOTrainer` + peft (`ref_model=None`: the reference is the adapter-disabled model);
+- ORPO (`--kinds orpo`): `recipes/dpo_mistral.py loss_type=orpo sft_weight=1` (no reference, one
+  forward per pair) against `trl.experimental.orpo.ORPOTrainer` + peft, on the DPO pairs;
+- KTO (`--kinds kto`): `recipes/kto_mistral.py` (reference = adapter off) against
+  `trl.experimental.kto.KTOTrainer` + peft (`ref_model=None`), on the DPO pairs unpaired (each pair
+  gives its chosen answer, label true, and its rejected one, label false: 2 x pairs rows per step);
+  TRL's KTO requires sequential sampling (its KL rows are fixed neighbours), so its HF side runs
+  `train_sampling_strategy="sequential"`; minitrain shuffles as for the other kinds;
 - the same on both: fp32 on CPU, batch, accumulation, steps, max_len, LoRA r / alpha / dropout 0 /
   targets, constant LR, no warmup, AdamW (torch, foreach), grad clip 1.0, no eval, no saving
   during the run (minitrain writes its final checkpoint and adapter after the last step, outside
@@ -39,8 +46,8 @@ Measured per run, by this parent process:
 - throughput over steps 2..N (step 1 excluded: warm-up): SFT tokens/s = non-padding input tokens
   processed (sum of the attention masks of every micro-batch, the same definition on both sides,
   counted by minitrain's loop and by a forward pre-hook on HF's model, grad-enabled forwards
-  only) / seconds between the end of step 1 and the end of step N; DPO pairs/s = pairs per step
-  x (N - 1) / the same seconds;
+  only) / seconds between the end of step 1 and the end of step N; DPO and ORPO pairs/s = pairs per
+  step x (N - 1) / the same seconds; KTO rows/s the same with its rows (2 x pairs per step);
 - peak memory: the child's peak RSS (`os.wait4` rusage `ru_maxrss`), libraries included;
 - the same in CPU-seconds (user + system time of the child, all threads, read from /proc/PID/stat
   when each step line appears): on a shared machine wall-clock swings with the other jobs' load,
@@ -72,6 +79,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 NAN = float("nan")
+UNITS = {"dpo": "pairs", "orpo": "pairs", "kto": "rows"}  # what a preference kind's throughput counts
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -131,7 +139,11 @@ def prepare(a: argparse.Namespace) -> dict:
     cache = Path(a.cache) / shape_key(a)
     done = cache / "ready.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        info = json.loads(done.read_text())
+        if "kto" not in info:  # a cache made before the KTO rows existed
+            info["kto"] = unpaired(Path(info["dpo"]))
+            done.write_text(json.dumps(info))
+        return info
     cache.mkdir(parents=True, exist_ok=True)
     import torch
     import transformers
@@ -162,8 +174,20 @@ def prepare(a: argparse.Namespace) -> dict:
                                 "rejected": text(rng, vocab_words, 8, min(150, third))}) + "\n")
     info = {"model": str(folder), "sft": str(sft), "dpo": str(dpo),
             "params": sum(p.numel() for p in model.parameters())}
+    info["kto"] = unpaired(dpo)
     done.write_text(json.dumps(info))
     return info
+
+
+def unpaired(dpo: Path) -> str:
+    """KTO's rows from the DPO pairs: the chosen answer (label true), then the rejected one (false)."""
+    kto = dpo.with_name("kto.jsonl")
+    with open(dpo) as f, open(kto, "w") as g:
+        for line in f:
+            r = json.loads(line)
+            for answer, label in (("chosen", True), ("rejected", False)):
+                g.write(json.dumps({"prompt": r["prompt"], "completion": r[answer], "label": label}) + "\n")
+    return str(kto)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -180,15 +204,22 @@ def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[
     if kind == "sft":
         return [sys.executable, "-m", "minitrain", "recipes/sft_llama.py", f"data={info['sft']}", "eval_data=",
                 f"max_steps={a.steps}", f"batch_size={a.batch}", f"grad_accum={a.accum}", *common]
+    if kind == "kto":
+        return [sys.executable, "-m", "minitrain", "recipes/kto_mistral.py", f"data={info['kto']}", "eval_data=",
+                f"max_steps={a.dpo_steps}", f"batch_size={2 * a.dpo_batch}", f"grad_accum={a.dpo_accum}", "beta=0.1",
+                *common]
+    loss = ["loss_type=orpo", "sft_weight=1.0"] if kind == "orpo" else ["loss_type=sigmoid", "sft_weight=0.0"]
     return [sys.executable, "-m", "minitrain", "recipes/dpo_mistral.py", f"data={info['dpo']}", "eval_data=",
             f"max_steps={a.dpo_steps}", f"batch_size={a.dpo_batch}", f"grad_accum={a.dpo_accum}", "beta=0.1",
-            "loss_type=sigmoid", *common]
+            *loss, *common]
 
 
 def hf_spec(kind: str, a: argparse.Namespace, info: dict, out: Path) -> dict:
     sft = kind == "sft"
-    return {"kind": kind, "model": info["model"], "data": info["sft" if sft else "dpo"], "out": str(out),
-            "steps": a.steps if sft else a.dpo_steps, "batch": a.batch if sft else a.dpo_batch,
+    data = info["sft"] if sft else info["kto"] if kind == "kto" else info["dpo"]
+    return {"kind": kind, "model": info["model"], "data": data, "out": str(out),
+            "steps": a.steps if sft else a.dpo_steps,
+            "batch": a.batch if sft else 2 * a.dpo_batch if kind == "kto" else a.dpo_batch,
             "accum": a.accum if sft else a.dpo_accum, "max_len": a.max_len, "lora_r": a.lora_r,
             "targets": a.targets, "lr": a.lr, "seed": a.seed}
 
@@ -273,9 +304,10 @@ def summarize(kind: str, side: str, r: dict, pairs_per_step: int) -> dict:
                tokens_per_s=per_s(sum(tokens[1:]), span), tokens_total=sum(tokens),
                cpu_first_step_s=cpu[0], cpu_s_per_step=cpu_span / (len(rows) - 1),
                tokens_per_cpu_s=per_s(sum(tokens[1:]), cpu_span))
-    if kind == "dpo":
-        out["pairs_per_s"] = per_s(pairs_per_step * (len(rows) - 1), span)
-        out["pairs_per_cpu_s"] = per_s(pairs_per_step * (len(rows) - 1), cpu_span)
+    if kind in UNITS:  # preference kinds: pairs (rows for KTO) per second
+        unit = UNITS[kind]
+        out[f"{unit}_per_s"] = per_s(pairs_per_step * (len(rows) - 1), span)
+        out[f"{unit}_per_cpu_s"] = per_s(pairs_per_step * (len(rows) - 1), cpu_span)
     return out
 
 
@@ -292,7 +324,7 @@ def run_one(kind: str, side: str, a: argparse.Namespace, info: dict, rep: int) -
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(work / "spec.json")]
         steps_file = work / "hf_out" / "steps.jsonl"
     r = timed_run(cmd, steps_file, work / "log.txt", child_env(a, side))
-    pairs = a.dpo_batch * a.dpo_accum
+    pairs = a.dpo_batch * a.dpo_accum * (2 if kind == "kto" else 1)
     s = summarize(kind, side, r, pairs)
     s["command"] = cmd
     if r["rc"] != 0:
@@ -301,7 +333,7 @@ def run_one(kind: str, side: str, a: argparse.Namespace, info: dict, rep: int) -
     else:
         print(f"  {kind} {side} run {rep}: first step {s.get('first_step_s', float('nan')):.2f}s, "
               f"{s.get('tokens_per_s', float('nan')):.0f} tok/s"
-              + (f", {s['pairs_per_s']:.2f} pairs/s" if 'pairs_per_s' in s else "")
+              + "".join(f", {s[u + '_per_s']:.2f} {u}/s" for u in ("pairs", "rows") if u + "_per_s" in s)
               + f", peak RSS {s['peak_rss_mb']:.0f} MiB, {s['steps']} steps", flush=True)
     return s
 
@@ -366,6 +398,19 @@ def hf_worker(spec_path: str) -> int:
         collator = transformers.DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, data_collator=collator,
                                        callbacks=[StepClock()])
+    elif spec["kind"] == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        args = ORPOConfig(beta=0.1, max_length=spec["max_len"], **common)
+        trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                              peft_config=lora, callbacks=[StepClock()])
+    elif spec["kind"] == "kto":
+        from trl.experimental.kto import KTOConfig, KTOTrainer
+
+        common["train_sampling_strategy"] = "sequential"  # TRL's KTO requires it (its KL rows are fixed neighbours)
+        args = KTOConfig(beta=0.1, max_length=spec["max_len"], precompute_ref_log_probs=False, **common)
+        trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                             peft_config=lora, callbacks=[StepClock()])
     else:
         from trl import DPOConfig, DPOTrainer
 
@@ -451,11 +496,14 @@ def table(results: dict, kind: str) -> list[str]:
     hf = [r for r in results[kind]["hf"] if r["rc"] == 0]
     metrics = [("tokens/s (non-pad input tokens, steps 2..N)", "tokens_per_s", ">= 1.5x" if kind == "sft" else ""),
                ("tokens per CPU-second (steps 2..N)", "tokens_per_cpu_s", ">= 1.5x" if kind == "sft" else "")]
-    if kind == "dpo":
-        metrics += [("pairs/s (steps 2..N)", "pairs_per_s", ">= 2x"),
-                    ("pairs per CPU-second (steps 2..N)", "pairs_per_cpu_s", ">= 2x")]
-    metrics += [("peak RSS (MiB)", "peak_rss_mb", "<= 0.6x"), ("time to first step (s)", "first_step_s", "<= 0.5x"),
-                ("CPU-seconds to first step", "cpu_first_step_s", "<= 0.5x"),
+    if kind in UNITS:
+        u, goal = UNITS[kind], ">= 2x" if kind == "dpo" else ""
+        metrics += [(f"{u}/s (steps 2..N)", f"{u}_per_s", goal),
+                    (f"{u} per CPU-second (steps 2..N)", f"{u}_per_cpu_s", goal)]
+    goals = kind in ("sft", "dpo")  # the issue's goals were set for these two
+    metrics += [("peak RSS (MiB)", "peak_rss_mb", "<= 0.6x" if goals else ""),
+                ("time to first step (s)", "first_step_s", "<= 0.5x" if goals else ""),
+                ("CPU-seconds to first step", "cpu_first_step_s", "<= 0.5x" if goals else ""),
                 ("seconds per step (steps 2..N)", "steady_s_per_step", ""),
                 ("CPU-seconds per step (steps 2..N)", "cpu_s_per_step", "")]
     lines = [f"| {kind.upper()} | minitrain | HF | minitrain / HF | goal | runs (mt, hf) |",
@@ -493,7 +541,11 @@ def render(a: argparse.Namespace, results: dict, info: dict, argv: list[str], ex
              f"({a.kv_heads} kv), vocab {a.vocab}: {info['params']:,} parameters, fp32; LoRA r={a.lora_r} alpha="
              f"{2 * a.lora_r} dropout 0 on {','.join(a.targets)}; {a.threads} threads.",
              f"SFT: {a.steps} steps x batch {a.batch} x accumulation {a.accum}, max_len {a.max_len}. "
-             f"DPO: {a.dpo_steps} steps x {a.dpo_batch} pairs x accumulation {a.dpo_accum}, beta 0.1, sigmoid.",
+             f"DPO: {a.dpo_steps} steps x {a.dpo_batch} pairs x accumulation {a.dpo_accum}, beta 0.1, sigmoid"
+             + ("; ORPO: the same pairs, beta (lambda) 0.1, no reference" if "orpo" in results else "")
+             + (f"; KTO: the same pairs unpaired, {2 * a.dpo_batch} rows x accumulation {a.dpo_accum} per step, "
+                f"beta 0.1, weights 1 / 1, reference = adapter off (HF: sequential sampling, as TRL's KTO requires)"
+                if "kto" in results else "") + ".",
              ""]
     for kind in results:
         lines += table(results, kind) + [""]
@@ -669,7 +721,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", choices=("sft", "dpo"))
+    p.add_argument("--only", choices=("sft", "dpo", "orpo", "kto"))
+    p.add_argument("--kinds", type=lambda s: s.split(","), default=["sft", "dpo"],
+                   help="which runs, comma-separated: sft,dpo (default), orpo, kto")
     p.add_argument("--write", metavar="BENCHMARKS.md")
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "minitrain_bench"))
     p.add_argument("--threads", type=int, default=1)
@@ -720,7 +774,11 @@ def main(argv: list[str]) -> int:
     env = child_env(a)
     extra = {"machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M"),
              "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
-    kinds = [a.only] if a.only else ["sft", "dpo"]
+    kinds = [a.only] if a.only else a.kinds
+    bad = [k for k in kinds if k not in ("sft", "dpo", "orpo", "kto")]
+    if bad:
+        print(f"error: --kinds: unknown {', '.join(bad)} — use sft, dpo, orpo, kto", file=sys.stderr)
+        return 2
     results = {k: {"mt": [], "hf": []} for k in kinds}
     for rep in range(a.repeats):
         order = [x for x in (("mt", "hf") if rep % 2 == 0 else ("hf", "mt")) if x in a.sides]

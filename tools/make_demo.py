@@ -26,6 +26,9 @@ Files written (a few MB):
     demo/prefs_train.jsonl           preference pairs {"prompt": [user message], "chosen", "rejected"}
     demo/prefs_eval.jsonl            held-out pairs (unseen people)
     demo/sft_train.jsonl             Stage A data: {"messages": [...]} with faithful summaries
+    demo/kto_train.jsonl             unpaired feedback {"prompt", "completion", "label"} (KTO): one answer
+                                     of each training pair, chosen (label true) or rejected (false)
+    demo/kto_eval.jsonl              the same from the held-out pairs
     demo/README.md                   this text
 
 Deterministic: everything comes from `--seed` (Python's `random`, `torch.manual_seed`), and the
@@ -109,6 +112,15 @@ def preference_rows(rng: random.Random, names: list[str], n: int) -> list[dict]:
         facts, text = note(rng, names)
         rows.append({"prompt": [{"role": "user", "content": INSTRUCTION + text}],
                      "chosen": summary(facts), "rejected": summary(hallucinate(rng, facts))})
+    return rows
+
+
+def unpaired_rows(rng: random.Random, pairs: list[dict]) -> list[dict]:
+    """Thumbs-up / thumbs-down rows: ONE answer of each pair, the chosen (true) or the rejected (false)."""
+    rows = []
+    for r in pairs:
+        good = rng.random() < 0.5
+        rows.append({"prompt": r["prompt"], "completion": r["chosen" if good else "rejected"], "label": good})
     return rows
 
 
@@ -238,9 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     pretrain(model, seqs, args.steps, args.batch_size, args.lr, args.seed, tok.pad_id)
     save_checkpoint(model, config, out / "model")
 
-    write_jsonl(out / "prefs_train.jsonl", preference_rows(rng, TRAIN_NAMES, args.pairs))
-    write_jsonl(out / "prefs_eval.jsonl", preference_rows(rng, HELDOUT_NAMES, args.eval_pairs))
+    train_pairs = preference_rows(rng, TRAIN_NAMES, args.pairs)
+    eval_pairs = preference_rows(rng, HELDOUT_NAMES, args.eval_pairs)
+    write_jsonl(out / "prefs_train.jsonl", train_pairs)
+    write_jsonl(out / "prefs_eval.jsonl", eval_pairs)
     write_jsonl(out / "sft_train.jsonl", [{"messages": chat(rng, TRAIN_NAMES, 0.0)} for _ in range(1000)])
+    kto_rng = random.Random(args.seed + 1)  # its own stream: the files above keep their bytes
+    write_jsonl(out / "kto_train.jsonl", unpaired_rows(kto_rng, train_pairs))
+    write_jsonl(out / "kto_eval.jsonl", unpaired_rows(kto_rng, eval_pairs))
     (out / "README.md").write_text("# demo/ — written by tools/make_demo.py\n\n```\n" + __doc__.strip() + "\n```\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"wrote {out} ({size / 2**20:.1f} MiB)")

@@ -109,12 +109,16 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
              f"run: {opts['--device']}, {run.compute} compute, "
              f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA r={run.lora_r} on "
              f"{','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
-             + (f", DPO reference: {run.dpo_reference}" if run.dpo_reference else ""),
+             + (f", {'KTO' if run.reference_rows else 'DPO'} reference: {run.dpo_reference}"
+                if run.dpo_reference not in (None, "none") else "")
+             + (", no reference (orpo / cpo / simpo: one forward per pair)" if run.dpo_reference == "none" else ""),
              f"micro-batch: {run.rows} rows x "
              + (f"{run.seq} source + {run.target_seq or run.seq} target tokens" if model.is_encoder_decoder
                 else f"{run.seq} tokens")
              + (f" ({run.rows // 2} pair{'s' if run.rows > 2 else ''}, chosen + rejected in one forward)"
-                if run.dpo_reference else "")
+                if run.dpo_reference and not run.reference_rows else "")
+             + (f" (KTO: the reference scores {run.reference_rows} rows, these and their KL rows; the KL rows' "
+                f"policy forward has no graph)" if run.reference_rows else "")
              + (f", {run.targets} targets" if run.targets is not None else ", every position a target (worst case)"),
              ""]
     lines.append("  persistent")

@@ -35,7 +35,8 @@ from minitrain import distributed
 from minitrain.dpo import make_reference
 from minitrain.errors import UserError
 from minitrain.kto import KTOConfig, KTOObjective, add_kl_rows, collate_kto, precompute_kto_reference
-from minitrain.run import Job, attach_adapters, check_out_dir, finish, load_examples, load_model, log, prepare_out_dir
+from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer, log,
+                           prepare_out_dir)
 from minitrain.train import resolve_precision, train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
@@ -63,12 +64,13 @@ config = KTOConfig(
 
 def setup(config: KTOConfig) -> Job:
     """Load the model, attach (or continue) the adapter, pick the reference, read the rows; writes nothing."""
-    model, tok = load_model(config, models.from_hf_config)
+    tok = load_tokenizer(config)
+    train_examples, eval_examples = load_examples(config, tok, "unpaired")  # before the weights: seconds, not minutes
+    model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — KTO here trains causal LMs")
     lora = attach_adapters(model, config)
     reference = make_reference(model, config.init_adapter)  # before any step: the snapshot is Stage A
-    train_examples, eval_examples = load_examples(config, tok, "unpaired")
     for examples in (train_examples, eval_examples):
         if examples:
             add_kl_rows(examples, config.batch_size)
@@ -90,7 +92,7 @@ def run(config: KTOConfig) -> dict:
     """Train the adapter with KTO and save it; returns the loop's summary plus the held-out metrics."""
     check_out_dir(config)
     job = setup(config)
-    out = prepare_out_dir(config)
+    out = prepare_out_dir(config, job)
     device = next(job.model.parameters()).device
     amp_dtype, _ = resolve_precision(config.precision, device)
     if config.precompute_ref:

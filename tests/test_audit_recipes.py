@@ -52,7 +52,11 @@ def inputs(hf_causal, tmp_path_factory) -> dict[str, Path]:
     prefs = root / "prefs.jsonl"
     prefs.write_text("".join(json.dumps({"prompt": " ".join(w[:3]), "chosen": " ".join(w[3:6]) or "yes",
                                          "rejected": " ".join(w[6:8]) or "no"}) + "\n" for w in lines))
-    return {"llama": llama, "mistral": mistral, "t5": root / "t5", "sft": sft, "prefs": prefs, "root": root}
+    kto = root / "kto.jsonl"
+    kto.write_text("".join(json.dumps({"prompt": " ".join(w[:3]), "completion": " ".join(w[3:6]) or "yes",
+                                       "label": i % 2 == 0}) + "\n" for i, w in enumerate(lines)))
+    return {"llama": llama, "mistral": mistral, "t5": root / "t5", "sft": sft, "prefs": prefs, "kto": kto,
+            "root": root}
 
 
 def args_for(recipe: str, d: dict[str, Path]) -> list[str]:
@@ -65,6 +69,7 @@ def args_for(recipe: str, d: dict[str, Path]) -> list[str]:
         "ard_lora_llama.py": {"model": d["llama"], "data": d["sft"], "eval_data": d["sft"]},
         "lrc_llama.py": {"model": d["llama"], "data": d["sft"]},
         "lora_t5.py": {"model": d["t5"], "data": d["sft"]},
+        "kto_mistral.py": {"model": d["mistral"], "data": d["kto"], "eval_data": d["kto"]},
     }
     assert recipe in per, f"recipes/{recipe}: add its command line to args_for in this test"
     return [str(REPO / "recipes" / recipe)] + [f"{k}={v}" for k, v in {**common, **per[recipe]}.items()]
@@ -103,7 +108,7 @@ def test_every_recipe_reads_the_data_before_the_weights(recipe, inputs, tmp_path
     if recipe in NEEDS_BNB:
         pytest.importorskip("bitsandbytes")
     bad = {}
-    for kind in ("sft", "prefs"):  # one good row, then a broken one
+    for kind in ("sft", "prefs", "kto"):  # one good row, then a broken one
         bad[kind] = tmp_path / f"bad_{kind}.jsonl"
         bad[kind].write_text(inputs[kind].read_text().splitlines()[0] + "\n{not json\n")
     broken = {}

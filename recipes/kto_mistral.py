@@ -3,7 +3,7 @@
     python -m minitrain recipes/kto_mistral.py                       # the built-in demo (CPU, a minute)
     python -m minitrain recipes/kto_mistral.py model=/path/to/Mistral-7B-Instruct-v0.2 \\
         data=feedback.jsonl eval_data=feedback_eval.jsonl quantize=nf4 lr=5e-6 max_steps=-1 epochs=1 \\
-        batch_size=8 grad_accum=4 max_len=1024 lora_r=16 lora_alpha=32 out=runs/kto
+        batch_size=8 grad_accum=4 max_len=1024 lora_r=16 lora_alpha=32 checkpointing=true out=runs/kto   # 12 GB GPU
 
 Rows are `{"prompt", "completion", "label": true|false}`: the prompt a string or a list of chat
 messages, the completion the answer that got the thumbs-up (true) or -down (false). No pairs are

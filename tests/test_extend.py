@@ -102,7 +102,7 @@ def test_a_crash_and_resume_inside_the_extension_is_bitwise_equal_to_running_it_
     train(resumed, sft, examples, collate, crash_cfg, log=said.append)  # the same command again
     assert any("at step 9/12" in m for m in said)
     got = rows(Path(crash_cfg.out))
-    strip = ("tokens_per_s", "peak_mem_mb")
+    strip = ("tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb", "planned_peak_mb")  # timings and memory vary
     assert [{k: v for k, v in r.items() if k not in strip} for r in got] == \
            [{k: v for k, v in r.items() if k not in strip} for r in want]
     for k, v in model_state(through).items():

@@ -22,6 +22,8 @@ Truncation (`max_len` tokens per sequence), explicit and counted:
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Sequence
 
@@ -190,7 +192,7 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
                 ids = ids[:max_len]
             labels = ([IGNORE] + ids[1:]) if tok.bos_id is not None else list(ids)
         else:
-            keys = ", ".join(f'"{k}"' for k, v in list(raw.items())[:5] if v is not None) or "none"
+            keys = ", ".join(json.dumps(k) for k, v in list(raw.items())[:5] if v is not None) or "none"
             raise UserError(f'{where}: no "prompt"/"completion", "messages" or "text" key (keys: {keys}) — '
                             f'use one of these row shapes (or ShareGPT "conversations", Alpaca "instruction"/'
                             f'"output"), or map your keys with fields={{"prompt": "your_key", ...}}')

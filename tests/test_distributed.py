@@ -302,7 +302,7 @@ def test_torchrun_cli_equals_one_process_and_rank0_alone_writes(tiny_model, tmp_
     two = tmp_path / "two"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(["torchrun", "--nproc_per_node", "2", "-m", "minitrain", *cli_args(tiny_model, two)],
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "minitrain", *cli_args(tiny_model, two)],
                        cwd=REPO, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "Traceback" not in p.stderr

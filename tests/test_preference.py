@@ -263,6 +263,7 @@ def test_three_sgd_steps_follow_trl_trainer_step_by_step(hf_causal, tok_dir, tmp
 def test_config_refusals_are_one_line():
     validate(PreferenceConfig(model="m", data="d", loss_type="simpo", sft_weight=0.0))
     validate(PreferenceConfig(model="m", data="d", loss_type="cpo", label_smoothing=0.1))
+    validate(PreferenceConfig(model="m", data="d", loss_type="orpo"))  # unset: ORPO's own NLL weight, 1
     for bad, key in ((dict(loss_type="orpo", sft_weight=0.0), "sft_weight=0"),
                      (dict(loss_type="simpo", precompute_ref=True), "precompute_ref"),
                      (dict(loss_type="orpo", sft_weight=1.0, label_smoothing=0.1), "label_smoothing"),

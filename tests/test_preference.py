@@ -218,7 +218,7 @@ def test_batch4_accum1_equals_batch2_accum2_in_the_loop(hf_causal, tmp_path, cas
 # ----------------------------------------------------------------------------- trajectory vs TRL's trainer
 
 
-@pytest.mark.parametrize("case", ["orpo", "simpo"])
+@pytest.mark.parametrize("case", ["orpo", "cpo", "simpo"])
 def test_three_sgd_steps_follow_trl_trainer_step_by_step(hf_causal, tok_dir, tmp_path, case):
     """TRL's `Trainer.train()` (its loss, its loop: SGD, constant LR, no clipping) for 3 steps on all
     4 pairs at once, against our `train()` with the same optimizer: the loss of every step and

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from _tok import corpus, make_bpe_tokenizer, make_sp_tokenizer
 
-from minitrain.distill import (DistillObjective, check_same_tokenizer, check_same_vocab, chunked_kd_ce,
-                               kd_ce_from_logits, make_distill_objective)
+from minitrain.distill import (PROJECTIONS, DistillObjective, attach_projections, attention_kl, balance_note,
+                               check_ids_shared, check_same_tokenizer, chunked_kd_ce, feature_distance,
+                               kd_ce_from_logits, make_distill_objective, map_layers, save_projections,
+                               shared_vocab, uniform_layer_map)
 from minitrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -276,14 +278,21 @@ def test_tokenizer_check(tmp_path):
         check_same_tokenizer(a, d)
 
 
-def test_head_size_check(pair, hf_causal, tmp_path):
+def test_shared_vocab_and_ids_beyond_it(pair, hf_causal):
     import models
+    from minitrain.data import Examples
     from minitrain.weights import load_pretrained
 
-    other = load_pretrained(hf_causal("distill_v160", vocab_size=160), models.from_hf_config)
-    with pytest.raises(UserError, match="scores 160 ids but the student's"):
-        check_same_vocab(pair[0], other, "s_dir", "t_dir")
-    check_same_vocab(pair[0], pair[1], "s_dir", "t_dir")
+    padded = load_pretrained(hf_causal("distill_v160", vocab_size=160), models.from_hf_config)
+    assert shared_vocab(pair[0], padded) == shared_vocab(padded, pair[0]) == 128
+    assert shared_vocab(pair[0], pair[1]) == 128
+    ok = Examples([{"input_ids": [1, 5, 127], "labels": [-100, 5, 127]}], path="train.jsonl")
+    assert check_ids_shared([ok, None], 128, "t_dir") == 127
+    bad = Examples([*ok, {"input_ids": [1, 140], "labels": [-100, 140]}], path="train.jsonl")
+    with pytest.raises(UserError) as e:
+        check_ids_shared([ok, bad], 128, "t_dir")
+    msg = str(e.value)
+    assert msg.startswith("train.jsonl: example 1 holds token id 140") and "0..127" in msg and "\n" not in msg
 
 
 # ----------------------------------------------------------------------------- the recipe

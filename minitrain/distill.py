@@ -381,7 +381,7 @@ def balance_note(raw: Mapping[str, float], weights: Mapping[str, float], factor:
         share, intended = weights[k] * raw[k] / total, weights[k] / wsum
         ratio = share / intended
         if ratio > factor or ratio < 1 / factor:
-            off.append(f"{k} is {share:.1%} of the loss, its weight intends {intended:.1%} ({ratio:.3g}x)")
+            off.append(f"{k} is {share * 100:.3g}% of the loss, its weight intends {intended * 100:.3g}% ({ratio:.3g}x)")
     if not off:
         return None
     scales = ", ".join(f"{k} {raw[k]:.4g}" for k in terms)
@@ -410,9 +410,9 @@ class DistillObjective:
     mode under `no_grad`, on the batch as given.
 
     `feature_map` / `attention_map`: {student layer: teacher layer} (`map_layers`); feature
-    projections are the student's `distill_projections` (`attach_projections`). `balance_steps`
-    steps of `micro_batches` calls each are watched for the loss balance (`balance_note`), said
-    once through `log`.
+    projections are the student's `distill_projections` (`attach_projections`). The first
+    `balance_steps` steps of `micro_batches` training calls each (from construction or
+    `restart_balance`) are watched for the loss balance (`balance_note`), said once through `log`.
     """
 
     def __init__(self, teacher: nn.Module, *, temperature: float, kd_weight: float, ce_weight: float,
@@ -447,11 +447,18 @@ class DistillObjective:
         self.weights = weights
         self.kd_weight, self.ce_weight = kd_weight, ce_weight
         self.feature_loss = feature_loss
-        self.balance_steps, self.balance_factor = balance_steps, balance_factor
-        self._balance_left = balance_steps * micro_batches  # calls still to watch
+        self.balance_steps, self.balance_factor, self.micro_batches = balance_steps, balance_factor, micro_batches
+        self.log = log or _log_rank0
+        self.restart_balance()
+
+    def restart_balance(self, steps: int | None = None) -> None:
+        """Watch the next `steps` (default `balance_steps`) steps' calls afresh. A recipe builds the
+        objective with `balance_steps=0` and calls this after the gradient audit, whose forwards
+        are not training steps."""
+        self.balance_steps = self.balance_steps if steps is None else steps
+        self._balance_left = self.balance_steps * self.micro_batches  # calls still to watch
         self._balance_sums = dict.fromkeys(TERMS, 0.0)
         self._balance_calls = 0
-        self.log = log or _log_rank0
 
     @property
     def terms(self) -> tuple[str, ...]:
@@ -509,7 +516,7 @@ class DistillObjective:
             return loss_sum, count, {}
         losses = self.token_losses(student, batch)
         sums = {k: v.sum() for k, v in losses.items()}
-        loss_sum = sum(self.weights[k] * v for k, v in sums.items())
+        loss_sum = sum(self.weights[k] * v for k, v in sums.items() if self.weights[k] > 0)  # a 0 weight: no graph
         n = count.clamp(min=1).float()
         means = torch.stack([sums[k].detach() / n for k in self.terms])
         *raw, ppl = torch.cat([means, means[1:2].exp()]).tolist()  # one host sync; means[1] is ce

@@ -85,7 +85,7 @@ def setup(config: DistillConfig) -> Job:
                                        ce_weight=config.ce_weight, top_k=config.top_k,
                                        feature_weight=config.feature_weight, attention_weight=config.attention_weight,
                                        feature_loss=config.feature_loss, feature_map=feature_map,
-                                       attention_map=attention_map, balance_steps=config.balance_steps,
+                                       attention_map=attention_map, balance_steps=0,  # watched from step 1: run()
                                        balance_factor=config.balance_factor, micro_batches=config.grad_accum, log=log)
     log(f"distill: T={config.temperature} (KL x T^2), kd_weight={config.kd_weight}, ce_weight={config.ce_weight}, "
         f"{'top-' + str(config.top_k) + ' subset' if config.top_k else 'full-vocabulary'} KD; "
@@ -106,7 +106,8 @@ def run(config: DistillConfig) -> dict:
     """Distil into the student's adapter and save it; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
-    prepare_out_dir(config, job)
+    prepare_out_dir(config, job)  # the gradient audit runs the objective: its calls are no steps
+    job.objective.restart_balance(config.balance_steps)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples)
     folder = finish(job.model, config, job.lora, summary)

@@ -63,7 +63,6 @@ renormalised over them, and `check_ids_shared` refuses data holding an id beyond
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -317,9 +316,9 @@ def map_layers(student: nn.Module, teacher: nn.Module, layers: Sequence[int] | N
 
 
 def captures_layers(model: nn.Module) -> bool:
-    """Whether the model's forward takes `hidden_layers` / `attention_layers` (docs/contracts.md)."""
-    params = inspect.signature(model.forward).parameters
-    return "hidden_layers" in params and "attention_layers" in params
+    """Whether the model's forward takes `hidden_layers` / `attention_layers` (`model.captures_layers`,
+    docs/contracts.md)."""
+    return bool(getattr(model, "captures_layers", False))
 
 
 def width(model: nn.Module) -> int:

@@ -508,6 +508,19 @@ def test_projections_are_saved_and_taken_off_the_model(pair6, tmp_path):
     assert attach_projections(s, student, {0: 0}) is None  # same width: no projection
 
 
+def test_a_family_without_captured_layers_is_refused(pair, hf_causal):
+    """Phi-3 inherits LLaMA's causal LM with a body of its own that returns no layers: one error line."""
+    import models
+    from minitrain.weights import load_pretrained
+
+    phi3 = load_pretrained(hf_causal("distill_phi3", model_type="phi3", num_key_value_heads=2), models.from_hf_config)
+    assert pair[1].captures_layers and not phi3.captures_layers
+    with pytest.raises(UserError, match="^feature_weight / attention_weight: the teacher's model family does not"):
+        make_distill_objective(phi3, temperature=2.0, kd_weight=0.5, ce_weight=0.5, feature_weight=0.1,
+                               feature_map={0: 0})
+    make_distill_objective(phi3, temperature=2.0, kd_weight=0.5, ce_weight=0.5)  # KD + CE need no layers
+
+
 @pytest.mark.parametrize("bad,match", [(dict(feature_weight=1.0), "^feature_weight=1.0: no layers are mapped"),
                                         (dict(feature_loss="l1"), "^feature_loss=l1: must be mse or cosine"),
                                         (dict(kd_weight=0.0, ce_weight=0.0), "weights must be >= 0 and not all 0")])

@@ -342,20 +342,28 @@ def attach_projections(student: nn.Module, teacher: nn.Module, feature_map: Mapp
     return proj
 
 
-def save_projections(student: nn.Module, path: str | Path, feature_map: Mapping[int, int]) -> Path | None:
-    """Write the student's feature projections (if any) to `path` (safetensors, keys `<layer>.weight`,
-    the layer map in the metadata) and take them off the student, so what is saved as the model is
-    the model alone. Returns the path, or None when there were none."""
+def take_projections(student: nn.Module) -> dict[str, torch.Tensor]:
+    """The student's feature projections as whole fp32 CPU tensors (`<layer>.weight`; empty when it
+    has none), taken off the student so that what is saved as the model is the model alone. Every
+    rank calls it (FSDP: the shards are gathered)."""
     proj = getattr(student, PROJECTIONS, None)
     if proj is None:
+        return {}
+    tensors = {k: distributed.full_tensor(v.detach()).float().contiguous().cpu() for k, v in proj.state_dict().items()}
+    delattr(student, PROJECTIONS)
+    return tensors
+
+
+def save_projections(tensors: Mapping[str, torch.Tensor], path: str | Path, feature_map: Mapping[int, int]) -> Path | None:
+    """Write `take_projections`' tensors to `path` (safetensors, written to a temporary name and
+    renamed; the layer map in the metadata). None, writing nothing, when there are none."""
+    if not tensors:
         return None
-    tensors = {k: v.detach().float().contiguous().cpu() for k, v in proj.state_dict().items()}
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "minitrain.layer_map": json.dumps(
+    save_file(dict(tensors), str(tmp), metadata={"format": "pt", "minitrain.layer_map": json.dumps(
         {str(i): j for i, j in feature_map.items()})})
     tmp.replace(path)
-    delattr(student, PROJECTIONS)
     return path
 
 

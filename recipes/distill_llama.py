@@ -19,6 +19,8 @@ groups averaged when the head counts differ. metrics.jsonl logs each term raw an
 runs frozen under no_grad in the compute dtype; `teacher_quantize=nf4` loads it 4-bit (a GPU with
 bitsandbytes). Teacher and student must share the tokenizer (a mismatch is refused before
 training, naming both folders); heads of different sizes distil over the ids both have.
+`finetune=full` trains every weight of the student (fp32) instead of a LoRA adapter and saves it as
+an HF folder in out/model (the projections beside it, not in it).
 Data rows are as for SFT (`{"prompt","completion"}`, `{"messages"}`, `{"text"}`).
 """
 
@@ -32,7 +34,7 @@ from minitrain.collate import collate_causal
 from minitrain import distributed
 from minitrain.distill import (PROJECTIONS_FILE, DistillConfig, attach_projections, captures_layers, check_ids_shared,
                                check_same_tokenizer, make_distill_objective, map_layers, save_projections,
-                               shared_vocab)
+                               shared_vocab, take_projections)
 from minitrain.errors import UserError
 from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
                            load_tokenizer, log, prepare_out_dir)
@@ -61,7 +63,8 @@ def setup(config: DistillConfig) -> Job:
     tok = load_tokenizer(config)
     train_examples, eval_examples = load_examples(config, tok, "sft")  # before the weights: seconds, not minutes
     model, tok = load_model(config, models.from_hf_config, tok)
-    teacher, _ = load_model(dataclasses.replace(config, model=config.teacher, quantize=config.teacher_quantize),
+    teacher, _ = load_model(dataclasses.replace(config, model=config.teacher, quantize=config.teacher_quantize,
+                                                finetune="lora"),  # frozen: the compute dtype, even for a full student
                             models.from_hf_config)
     for folder, m in ((config.model, model), (config.teacher, teacher)):
         if m.is_encoder_decoder:
@@ -103,15 +106,17 @@ def setup(config: DistillConfig) -> Job:
 
 
 def run(config: DistillConfig) -> dict:
-    """Distil into the student's adapter and save it; returns the loop's summary."""
+    """Distil into the student's adapter (or, finetune=full, the student itself) and save it, with the
+    feature projections beside it; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
     prepare_out_dir(config, job)  # the gradient audit runs the objective: its calls are no steps
     job.objective.restart_balance(config.balance_steps)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples)
+    projections = take_projections(job.model)  # off the student: out/model holds the model alone
     folder = finish(job.model, config, job.lora, summary)
-    saved = distributed.main_only(lambda: save_projections(job.model, folder / PROJECTIONS_FILE,
+    saved = distributed.main_only(lambda: save_projections(projections, folder / PROJECTIONS_FILE,
                                                            job.objective.feature_map))
     if saved:
         log(f"feature projections: {saved}")

@@ -23,7 +23,7 @@ from _tok import corpus, make_bpe_tokenizer, make_sp_tokenizer
 from minitrain.distill import (PROJECTIONS, DistillObjective, attach_projections, attention_kl, balance_note,
                                check_ids_shared, check_same_tokenizer, chunked_kd_ce, feature_distance,
                                kd_ce_from_logits, make_distill_objective, map_layers, save_projections,
-                               shared_vocab, uniform_layer_map)
+                               shared_vocab, take_projections, uniform_layer_map)
 from minitrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -498,13 +498,14 @@ def test_projections_are_saved_and_taken_off_the_model(pair6, tmp_path):
     s = copy.deepcopy(student)
     proj = attach_projections(s, teacher, {0: 1, 1: 2})
     want = {k: v.detach().clone() for k, v in proj.state_dict().items()}
-    path = save_projections(s, tmp_path / "p.safetensors", {0: 1, 1: 2})
+    path = save_projections(take_projections(s), tmp_path / "p.safetensors", {0: 1, 1: 2})
     assert not hasattr(s, PROJECTIONS) and not any(n.startswith(PROJECTIONS) for n, _ in s.named_parameters())
     with safe_open(str(path), "pt") as f:
         assert json.loads(f.metadata()["minitrain.layer_map"]) == {"0": 1, "1": 2}
         for k, v in want.items():
             torch.testing.assert_close(f.get_tensor(k), v)
-    assert save_projections(s, tmp_path / "q.safetensors", {}) is None
+    assert take_projections(s) == {} and save_projections({}, tmp_path / "q.safetensors", {}) is None
+    assert not (tmp_path / "q.safetensors").exists()
     assert attach_projections(s, student, {0: 0}) is None  # same width: no projection
 
 
@@ -626,14 +627,18 @@ def test_recipe_refuses_another_tokenizer(tiny, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_recipe_with_feature_and_attention_terms(tiny):
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_recipe_with_feature_and_attention_terms(tiny, finetune):
     """All four terms through the CLI (checkpointing on): each logged raw and weighted, the loss their
-    weighted sum, the projections saved beside the adapter, the balance line said once."""
+    weighted sum, the balance line said once, the projections saved beside the adapter or the model
+    (finetune=full: out/model holds the student's own keys only and loads in transformers)."""
+    import transformers
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
-    out = tiny["root"] / "out_terms"
+    out = tiny["root"] / f"out_terms_{finetune}"
     p = run_recipe(tiny, out, "feature_weight=0.3", "attention_weight=0.2", "feature_loss=cosine",
-                   "checkpointing=true", "balance_steps=1", "balance_factor=1.01", "max_steps=3")
+                   "checkpointing=true", "balance_steps=1", "balance_factor=1.01", f"finetune={finetune}")
     assert p.returncode == 0, p.stderr
     assert "feature_weight=0.3 (cosine) on student:teacher layers 0:1, 1:2; 2 projections 64->96" in p.stdout
     assert "attention_weight=0.2 on student:teacher layers 1:2" in p.stdout
@@ -643,5 +648,9 @@ def test_recipe_with_feature_and_attention_terms(tiny):
         parts = [r[f"{k}_weighted"] for k in ("kd", "ce", "feature", "attention")]
         assert r["loss"] == pytest.approx(sum(parts), rel=1e-5)
         assert r["feature_weighted"] == pytest.approx(0.3 * r["feature"], rel=1e-6) and r["attention"] > 0
-    with safe_open(str(out / "adapter" / "distill_projections.safetensors"), "pt") as f:
+    folder = out / ("adapter" if finetune == "lora" else "model")
+    with safe_open(str(folder / "distill_projections.safetensors"), "pt") as f:
         assert sorted(f.keys()) == ["0.weight", "1.weight"] and f.get_tensor("0.weight").shape == (96, 64)
+    if finetune == "full":
+        assert set(load_file(folder / "model.safetensors")) == set(load_file(tiny["student"] / "model.safetensors"))
+        transformers.AutoModelForCausalLM.from_pretrained(folder)

@@ -67,9 +67,9 @@ def unpack_ternary(packed: torch.Tensor, in_features: int) -> torch.Tensor:
 
 def dequantize_ternary(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight (out, in) in `dtype`: (code - 1) * scale."""
+    """A fresh weight (out, in) in `dtype`: (code - 1) * scale (in place: one weight-sized float tensor)."""
     w = unpack_ternary(packed, in_features).to(dtype)
-    return (w - 1) * scale.to(dtype)
+    return w.sub_(1).mul_(scale.to(dtype))
 
 
 def fake_quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -165,7 +165,3 @@ def store_ternary(layer: nn.Module, w: torch.Tensor) -> None:
     layer.weight.data = pack_ternary(codes).to(layer.weight.device)
     layer.weight_scale = s.to(layer.weight_scale.device)
 
-
-def ternary_bytes(in_features: int, out_features: int, scale: str = "tensor") -> int:
-    """Bytes of one ternary weight: packed codes (ceil(in / 4) bytes a row) + the fp32 scale(s)."""
-    return out_features * -(-in_features // 4) + 4 * (out_features if scale == "channel" else 1)

@@ -27,8 +27,9 @@ from minitrain.lora import (LoRAConfig, LoRALinearTernary, apply_lora, count_par
                             load_adapter, merged_state_dict, save_adapter, set_trainable)
 from minitrain.lrc import init_lrc, lrc_factors, lrc_ranks, resolve_rank
 from minitrain.quant import quantize_hook
+from minitrain.plan import ternary_bytes
 from minitrain.ternary import (TernaryLinear, dequantize_ternary, fake_quantize_activations, pack_ternary,
-                               ternary_bytes, ternary_quantize, unpack_ternary)
+                               ternary_quantize, unpack_ternary)
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

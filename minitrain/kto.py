@@ -78,9 +78,20 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
     return torch.where(desirable, good, bad), beta * logratios.detach()
 
 
-def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
-    """z0 = max(0, mean(policy - reference) over the KL rows), detached (no gradient flows through it)."""
-    return (policy_kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor, weight: float = 1.0
+                       ) -> torch.Tensor:
+    """z0 = max(0, mean(policy - reference) over the KL rows), detached (no gradient flows through it).
+
+    Under torchrun, as TRL (`gather_for_metrics(kl).mean()`): the mean of the ranks' means, clamped
+    after averaging, so every rank uses the same z0; a rank scoring a stand-in row passes `weight=0`.
+    Every rank must call it the same number of times (the loop and `evaluate_kto` ensure that).
+    """
+    kl = (policy_kl_logps - ref_kl_logps).mean().detach().float()
+    if distributed.world_size() > 1:
+        both = torch.stack([kl * weight, torch.tensor(float(weight), device=kl.device)])
+        distributed.all_reduce_sum([both])
+        kl = both[0] / both[1].clamp(min=1e-12)
+    return kl.clamp(min=0)
 
 
 # ----------------------------------------------------------------------------- the data
@@ -162,8 +173,9 @@ class KTOObjective:
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
         self.reference = reference
 
-    def row_stats(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """`loss` (B,) with graph, `rewards`, `logps` (B,), `label` (B,) bool and `kl` (scalar), detached."""
+    def row_stats(self, model: nn.Module, batch: dict[str, Any], weight: float = 1.0) -> dict[str, torch.Tensor]:
+        """`loss` (B,) with graph, `rewards`, `logps` (B,), `label` (B,) bool and `kl` (scalar), detached;
+        `weight` is this rank's weight in z0's mean over ranks (0 for a stand-in batch)."""
         B = num_pairs(batch)
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]  # (2B, T)
         if "ref_logps" in batch:
@@ -173,7 +185,7 @@ class KTOObjective:
         else:
             raise ValueError("KTOObjective: no reference and the batch carries no ref_logps")
         with torch.no_grad():
-            kl = kl_reference_point(_completion_logps(model, ids[B:], mask[B:], labels[B:]), ref_kl)
+            kl = kl_reference_point(_completion_logps(model, ids[B:], mask[B:], labels[B:]), ref_kl, weight)
         logps = _completion_logps(model, ids[:B], mask[:B], labels[:B])  # (B,) with graph
         desirable = batch["label"].to(logps.device).bool()
         losses, rewards = kto_loss(logps, ref, desirable, kl, beta=self.beta,
@@ -233,7 +245,7 @@ def evaluate_kto(model: nn.Module, objective: KTOObjective, examples: Sequence[d
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                      for k, v in collate(mine or list(examples[i : i + 1])).items()}
             with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                s = objective.row_stats(model, batch)
+                s = objective.row_stats(model, batch, weight=1.0 if mine else 0.0)
             sums, kl = _sums(s)
             n = float(len(s["loss"]))
             row = torch.tensor([*(sums[k] for k in keys[:7]), kl * n, n], device=device)

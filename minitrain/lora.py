@@ -494,6 +494,8 @@ def _target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool =
     elif isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one
         chosen = [n for n, _ in model.named_modules() if n and re.fullmatch(targets, n)]
     else:
+        if strict:
+            targets = _fused_targets(model, targets)
         chosen = [n for n, _ in model.named_modules() if n and any(_name_matches(n, t) for t in targets)]
         missed = [t for t in targets if not any(_name_matches(n, t) for n in chosen)]
         if strict and missed and chosen:  # none at all: apply_lora's own message lists the linears
@@ -512,6 +514,30 @@ def _target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool =
                             f"bitsandbytes Linear4bit / Linear8bitLt, TernaryLinear) — target its linear "
                             f"submodules instead")
     return chosen
+
+
+def _fused_targets(model: nn.Module, targets: Sequence[str]) -> list[str]:
+    """`targets` with the unfused names of a fused linear replaced by its own name.
+
+    A model whose linears are fused (Phi-3: `qkv_proj` holds q, k and v; `gate_up_proj` gate and up)
+    declares them as `model.fused_linears = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), ...}`, so
+    a list written for LLaMA (the recipes' defaults) adapts the same projections there. One adapter
+    on a fused linear adapts all of its parts: a list naming only some of them cannot be honoured.
+    """
+    out = list(targets)
+    for name, parts in (getattr(model, "fused_linears", None) or {}).items():
+        named = [t for t in out if t in parts]
+        if not named:
+            continue
+        if len(named) < len(parts):
+            raise UserError(f"targets {', '.join(named)}: this model fuses {', '.join(parts)} into one linear "
+                            f"{name!r}, and an adapter on it adapts all of them — name {name} (or all of "
+                            f"{', '.join(parts)}), or leave {', '.join(named)} out")
+        at = out.index(named[0])
+        out = [t for t in out if t not in parts]
+        if name not in out:
+            out.insert(at, name)
+    return out
 
 
 def _did_you_mean(model: nn.Module, want: str) -> str:

@@ -44,6 +44,7 @@ from minitrain.losses import IGNORE_INDEX, shift_labels
 from minitrain.objectives import causal_token_logprobs
 
 REFERENCE_FREE = ("orpo", "cpo", "simpo")
+METHOD_SFT_WEIGHT = {"orpo": 1.0, "cpo": 1.0}  # each method's NLL weight when `sft_weight` is unset (others: 0)
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected", "nll_loss")
 ORPO_METRICS = PAIR_METRICS + ("log_odds_ratio", "log_odds_chosen")
@@ -57,8 +58,13 @@ class PreferenceConfig(DPOConfig):
                                     "per pair), or orpo | cpo | simpo (no reference)",
                          choices=LOSS_TYPES + REFERENCE_FREE)
     simpo_gamma: float = doc(0.5, "SimPO's target reward margin (loss_type=simpo; TRL's default)", ge=0)
+    sft_weight: float | None = doc(None, "weight of an NLL term on the chosen answers (per-token mean per pair); "
+                                         "unset: the method's own, 1 for orpo and cpo (ORPO as published, TRL's "
+                                         "cpo_alpha), 0 for the DPO losses and simpo", ge=0)
 
     def check(self) -> None:
+        if self.sft_weight is None:  # resolved here, so out/config.json records the weight the run used
+            self.sft_weight = METHOD_SFT_WEIGHT.get(self.loss_type, 0.0)
         if self.loss_type in REFERENCE_FREE:
             if self.precompute_ref:
                 raise UserError(f"precompute_ref=true: loss_type={self.loss_type} uses no reference model — "

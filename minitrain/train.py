@@ -289,7 +289,7 @@ def train(
             # ---- one accumulation window: grad_accum micro-batches, loss SUMs backpropagated
             window_loss = torch.zeros((), device=device)  # fp32, summed over the window
             window_count = torch.zeros((), device=device)
-            finite, metric_sums, tokens, flops = [], {}, 0, 0.0
+            finite, metric_sums, metric_counts, tokens, flops = [], {}, {}, 0, 0.0
             for idx in window:
                 mine = idx[rank::world]  # this rank's share of the global micro-batch
                 empty = not mine  # a short last batch left this rank nothing: one example at weight 0
@@ -310,6 +310,8 @@ def train(
                 finite.append(torch.isfinite(loss_sum.detach()))
                 for k, v in ({} if empty else metrics).items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+                    metric_counts[k] = metric_counts.get(k, 0) + 1  # a key a micro-batch lacks (KTO: no
+                    # undesirable row in it) is averaged over the micro-batches that have it
 
             # ---- the optimizer step: normalise by the window's (and ranks') total count (rule 2)
             # summed over ranks in one call: loss, target count, non-finite micro-batches, input
@@ -380,7 +382,7 @@ def train(
                    "tokens_seen": counters["tokens_seen"], "skipped_steps": counters["skipped_steps"],
                    "flops_per_s": flops / dt,
                    **({"mfu": flops / dt / world / peak_flops} if peak_flops else {}),
-                   **{k: v / cfg.grad_accum for k, v in metric_sums.items()}}
+                   **{k: v / metric_counts[k] for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
             stop_early = evaluated = False
             if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):

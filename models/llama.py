@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Collection, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -542,6 +542,18 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(B, Hkv, n_rep, S, hd).reshape(B, Hkv * n_rep, S, hd)
 
 
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) over the allowed keys: q (B, H, T, hd), k (B, H, S, hd), `mask`
+    a bool (B, 1, T, S) (True = may attend) or None (causal) -> (B, H, T, S), fp32 (HF's eager
+    attention, whose softmax is fp32 too). Only for layers whose probabilities are asked for:
+    it holds the (T, S) scores that SDPA never materialises."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])  # (B, H, T, S)
+    if mask is None:  # causal, the T queries being the last T of the S keys
+        T, S = scores.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention with RoPE, unfused q/k/v projections (HF names, LoRA-swappable).
 
@@ -572,8 +584,10 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding)."""
+        return_probs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding).
+        `return_probs`: also the attention probabilities (B, H, T, S) fp32 (see `attention_probs`)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, Hkv, hd)
@@ -586,10 +600,14 @@ class LlamaAttention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         n_rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-        # scale defaults to 1/sqrt(hd), as in HF
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.o_proj(y)
+        probs = None
+        if return_probs:  # written out, so the probabilities exist (attention transfer); else SDPA
+            probs = attention_probs(q, k, mask)  # (B, H, T, S) fp32
+            y = torch.matmul(probs.to(v.dtype), v)  # (B, H, T, hd)
+        else:  # scale defaults to 1/sqrt(hd), as in HF
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, hd)
+        y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return (y, probs) if return_probs else y
 
 
 class LlamaMLP(nn.Module):
@@ -624,7 +642,13 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
+        return_attention: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, D) -> (B, T, D); `return_attention`: and the attention probabilities (B, H, T, S)."""
+        if return_attention:
+            a, probs = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, return_probs=True)
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x)), probs
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -632,6 +656,19 @@ class LlamaDecoderLayer(nn.Module):
 # --------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------
+
+
+class Captured(NamedTuple):
+    """What a forward with `hidden_layers` / `attention_layers` returns (distillation's features).
+
+    hidden: (B, T, D) after the final norm, as the plain forward returns it; hidden_states:
+    {layer i: the output of decoder layer i (B, T, D), the residual stream before any final norm};
+    attentions: {layer i: its attention probabilities (B, H, T, S) fp32, padding and future keys 0}.
+    """
+
+    hidden: torch.Tensor
+    hidden_states: dict[int, torch.Tensor]
+    attentions: dict[int, torch.Tensor]
 
 
 class LlamaModel(nn.Module):
@@ -653,7 +690,9 @@ class LlamaModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
+        hidden_layers: Collection[int] = (),
+        attention_layers: Collection[int] = (),
+    ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D) after the final norm.
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right), for the T new
@@ -661,11 +700,16 @@ class LlamaModel(nn.Module):
         tokens before each one (mask cumsum - 1), so left-padded rows start at position 0.
         Or a bool (B, 1, T, T) mask, True = may attend, with position_ids given: several sequences
         in one row (packing, DPO's shared prompt; see `_forward_block_mask`).
+
+        `hidden_layers` / `attention_layers` (layer indices; distillation): return a `Captured`
+        with those layers' outputs and attention probabilities. Only the named layers write their
+        attention out (`attention_probs`); every other layer keeps SDPA.
         """
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, D)
+        capture = (hidden_layers, attention_layers)
         if attention_mask is not None and attention_mask.dim() == 4:  # the caller's own (B, 1, T, T) mask
-            return self._forward_block_mask(x, attention_mask, position_ids, cache)
+            return self._forward_block_mask(x, attention_mask, position_ids, cache, capture)
         valid = (
             torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
             if attention_mask is None
@@ -685,14 +729,34 @@ class LlamaModel(nn.Module):
         }
 
         cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, hd)
-        for layer, w in zip(self.layers, self.windows):
-            x = layer(x, cos, sin, masks[w], cache)
+        if hidden_layers or attention_layers:
+            out = self._capture(x, cos, sin, [masks[w] for w in self.windows], cache, *capture)
+        else:
+            for layer, w in zip(self.layers, self.windows):
+                x = layer(x, cos, sin, masks[w], cache)
+            out = self.norm(x)
         if cache is not None:
             cache.end(T)
-        return self.norm(x)
+        return out
+
+    def _capture(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: list[torch.Tensor | None],
+                 cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]) -> Captured:
+        """The layer loop of `forward`, keeping the named layers' outputs and attention probabilities."""
+        for i in (*hidden_layers, *attention_layers):
+            if not 0 <= i < len(self.layers):
+                raise ValueError(f"layer {i} does not exist: the model has layers 0..{len(self.layers) - 1}")
+        hidden_states, attentions = {}, {}
+        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
+            if i in attention_layers:
+                x, attentions[i] = layer(x, cos, sin, mask, cache, return_attention=True)
+            else:
+                x = layer(x, cos, sin, mask, cache)
+            if i in hidden_layers:
+                hidden_states[i] = x
+        return Captured(self.norm(x), hidden_states, attentions)
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None,
-                            cache: KVCache | None) -> torch.Tensor:
+                            cache: KVCache | None, capture: tuple = ((), ())) -> torch.Tensor | Captured:
         """Several sequences in one row (packed rows, DPO's [prompt, chosen, rejected]): the caller
         gives the bool mask (B, 1, T, T), True = may attend, and each token's position_ids (B, T);
         a sliding window applies to positions, so it stays inside each sequence."""
@@ -704,6 +768,8 @@ class LlamaModel(nn.Module):
             pos = position_ids.to(x.device)
             mask = mask & ((pos[:, None, :, None] - pos[:, None, None, :]) < window)
         cos, sin = self.rotary(position_ids.to(x.device), dtype=x.dtype)  # (B, T, hd)
+        if any(capture):
+            return self._capture(x, cos, sin, [mask] * len(self.layers), None, *capture)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)
@@ -730,9 +796,12 @@ class LlamaForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """input_ids (B, T) -> hidden (B, T, D); logits are `self.output_projection(hidden)`."""
-        return self.model(input_ids, attention_mask, position_ids, cache)
+        hidden_layers: Collection[int] = (),
+        attention_layers: Collection[int] = (),
+    ) -> torch.Tensor | Captured:
+        """input_ids (B, T) -> hidden (B, T, D); logits are `self.output_projection(hidden)`.
+        With `hidden_layers` / `attention_layers`: a `Captured` (see `LlamaModel.forward`)."""
+        return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers)
 
     def tie_weights(self) -> None:
         """Make lm_head share the input embedding's Parameter when the config ties them."""

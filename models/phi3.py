@@ -290,6 +290,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     block_types = (Phi3DecoderLayer,)
     ignore_checkpoint_keys = ()
+    # fused linear -> the unfused names it holds: LoRA target lists written for LLaMA (q_proj, ...,
+    # up_proj) adapt these modules, and one naming part of a fused linear is refused
+    fused_linears = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config: Phi3Config) -> None:
         nn.Module.__init__(self)

@@ -18,7 +18,8 @@ and, with the value before step 1, in out/eval.jsonl.
 CPO trainers' formulas and metric names, see `minitrain.preference`): ORPO adds the chosen NLL
 (`sft_weight=1` as published) to `beta` x its odds-ratio term; CPO's NLL weight (TRL's `cpo_alpha`)
 is `sft_weight`; SimPO uses `beta` and the margin `simpo_gamma` on per-token mean log-probs
-(`sft_weight=0`: SimPO as published, `> 0`: TRL's CPO-SimPO).
+(`sft_weight=0`: SimPO as published, `> 0`: TRL's CPO-SimPO). Left unset, `sft_weight` is each
+method's own: 1 for orpo and cpo, 0 for simpo and the DPO losses.
 
 The reference model is never loaded a second time (field report 002: two 7B models did not fit
 12 GB):

@@ -322,3 +322,25 @@ def test_torchrun_cli_equals_one_process_and_rank0_alone_writes(tiny_model, tmp_
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and "saved by 2 processes, this run has 1" in err[0], err
     assert (two / "config.json").read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- KTO's reference point
+
+
+def kto_kl_worker(rank: int, out: str) -> None:
+    from minitrain.kto import kl_reference_point
+
+    policy = {0: torch.tensor([-1.0, -2.0]), 1: torch.tensor([-1.0, -3.0, -2.0])}[rank]
+    ref = {0: torch.tensor([-0.5, -1.9]), 1: torch.tensor([-2.0, -3.0, -2.5])}[rank]
+    both = kl_reference_point(policy, ref)  # rank means: -0.3 and +0.5
+    only_rank1 = kl_reference_point(policy, ref, weight=float(rank))  # rank 0 scores a stand-in row
+    Path(f"{out}/kl{rank}.json").write_text(json.dumps([float(both), float(only_rank1)]))
+
+
+def test_kto_reference_point_is_the_mean_of_the_ranks_means_clamped_after(tmp_path):
+    """TRL: `gather_for_metrics(kl).mean().clamp(min=0)`: every rank gets (-0.3 + 0.5) / 2 = 0.1, not its
+    own clamped mean (0 on rank 0, 0.5 on rank 1); a rank at weight 0 does not count."""
+    launch(tmp_path, "kto_kl_worker", str(tmp_path))
+    for r in (0, 1):
+        both, only_rank1 = json.loads((tmp_path / f"kl{r}.json").read_text())
+        assert both == pytest.approx(0.1, abs=1e-6) and only_rank1 == pytest.approx(0.5, abs=1e-6)

@@ -20,7 +20,7 @@ import torch
 import models
 from minitrain.config import validate
 from minitrain.data import read_unpaired
-from minitrain.dpo import BaseReference, sequence_logps
+from minitrain.dpo import AdapterSnapshotReference, BaseReference, sequence_logps
 from minitrain.errors import UserError
 from minitrain.kto import KTOConfig, KTOObjective, add_kl_rows, collate_kto, evaluate_kto, precompute_kto_reference
 from minitrain.lora import load_adapter
@@ -221,6 +221,44 @@ def test_fresh_adapter_reference_is_the_base_as_in_trl_and_precomputed_agrees(hf
     assert cached == pytest.approx(metrics, abs=1e-5)
     assert precompute_kto_reference(ours, BaseReference(), our_examples(), tmp_path / "ref" / "train", PAD, 2,
                                     log=lambda s: None)  # fresh: reused
+
+
+def _move_lora(model, seed: int, scale: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n and ".default." in n:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def test_continued_adapter_reference_is_the_stage_a_copy_as_in_trl(hf_causal, tok_dir, tmp_path):
+    """Given a trained PEFT adapter, TRL keeps a frozen "ref" copy of it; ours keeps a snapshot of the
+    adapter tensors (`AdapterSnapshotReference`). After the policy adapter moves, loss and TRL's
+    metrics agree to 1e-5; the adapter-disabled base, the wrong reference here, gives another loss."""
+    import peft
+
+    folder = hf_causal("kto_policy")
+    stage_a = peft.get_peft_model(load_hf(folder), peft.LoraConfig(**LORA))
+    _move_lora(stage_a, seed=4, scale=0.3)
+    stage_a.save_pretrained(str(tmp_path / "stage_a"))
+    trl_model = peft.PeftModel.from_pretrained(load_hf(folder), str(tmp_path / "stage_a"), is_trainable=True)
+    trainer = make_trainer(tmp_path, trl_model, tok_dir)
+    assert "ref" in trainer.model.peft_config  # TRL made its frozen copy of Stage A
+    _move_lora(trainer.model, seed=5, scale=0.2)  # "training" moved the policy
+    trainer.model.save_pretrained(str(tmp_path / "moved"), selected_adapters=["default"])
+    with torch.no_grad():
+        loss, expected = trl_loss(trainer, trainer.model, trainer.data_collator(trl_features()))
+
+    ours = load_ours(folder)
+    load_adapter(ours, tmp_path / "stage_a", trainable=True)
+    reference = AdapterSnapshotReference(ours)  # Stage A, before any step
+    load_adapter(ours, tmp_path / "moved", trainable=True)  # the moved policy, into the same layout
+    with torch.no_grad():
+        loss_sum, count, metrics = KTOObjective(0.1, reference=reference)(ours, _collate(our_examples()))
+        wrong_sum, _, _ = KTOObjective(0.1, reference=BaseReference())(ours, _collate(our_examples()))
+    assert float(loss_sum) / count == pytest.approx(float(loss), abs=1e-5)
+    assert_metrics(metrics, expected)
+    assert abs(float(wrong_sum) / count - float(loss)) > 1e-3
 
 
 # ----------------------------------------------------------------------------- trajectory vs TRL's trainer

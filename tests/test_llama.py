@@ -438,3 +438,54 @@ def test_generate_restores_training_mode(hf_causal):
     model = load_ours(checkpoint(hf_causal, "mha")).train()
     ml.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)
     assert model.training
+
+
+# ------------------------------------------------------- captured hidden states and attention
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("name", ["gqa", "mistral_window", "qwen3"])
+def test_captured_layers_match_transformers_eager(hf_causal, name, padding):
+    """`hidden_layers` / `attention_layers` against transformers' output_hidden_states /
+    output_attentions (eager attention): layer i's output is HF's hidden_states[i + 1] (the last
+    one HF gives after the final norm), its probabilities HF's attentions[i]; the final hidden
+    equals the plain (SDPA) forward's."""
+    folder = checkpoint(hf_causal, name)
+    ours = load_ours(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ids, mask = make_batch(padding)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=hf_position_ids(mask),
+                 output_hidden_states=True, output_attentions=True)
+        got = ours(ids, mask, hidden_layers=(0,), attention_layers=(0, 1))
+        plain = ours(ids, mask)
+    real = mask.bool()
+    assert set(got.hidden_states) == {0} and set(got.attentions) == {0, 1}
+    assert (got.hidden_states[0][real] - ref.hidden_states[1][real]).abs().max() <= 1e-4
+    assert (got.hidden - plain)[real].abs().max() <= 1e-5
+    for i in (0, 1):
+        a, b = got.attentions[i], ref.attentions[i].float()
+        assert a.shape == b.shape == (2, 4, T, T)
+        q = real[:, None, :, None].expand_as(a)  # real queries (padding queries are garbage anyway)
+        assert (a - b)[q].abs().max() <= 1e-5
+        assert torch.allclose(a.sum(-1)[q[..., 0]], torch.ones(()), atol=1e-5)
+
+
+def test_captured_attention_is_causal_and_skips_padding(hf_causal):
+    """Independently of transformers: each real query's row is a distribution over the real
+    keys at or before it (zero on future and padding keys), also with a 4-D block mask."""
+    ours = load_ours(checkpoint(hf_causal, "mha"))
+    ids, mask = make_batch("left")
+    with torch.no_grad():
+        a = ours(ids, mask, attention_layers=(1,)).attentions[1]  # (B, H, T, T)
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None] & mask.bool()[:, None, :]  # (B, T, T)
+    real = mask.bool()
+    assert (a.masked_fill(allowed[:, None], 0)[real[:, None].expand(-1, 4, -1)] == 0).all()
+    block = allowed[:, None] | torch.eye(T, dtype=torch.bool)  # the same attention as a (B, 1, T, T) mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        b = ours(ids, block, position_ids=pos, attention_layers=(1,)).attentions[1]
+    assert (a - b)[real[:, None].expand(-1, 4, -1)].abs().max() <= 1e-6
+    with pytest.raises(ValueError, match="layer 2 does not exist"):
+        ours(ids, mask, hidden_layers=(2,))

@@ -218,7 +218,7 @@ def test_batch4_accum1_equals_batch2_accum2_in_the_loop(hf_causal, tmp_path, cas
 # ----------------------------------------------------------------------------- trajectory vs TRL's trainer
 
 
-@pytest.mark.parametrize("case", ["orpo", "simpo"])
+@pytest.mark.parametrize("case", ["orpo", "cpo", "simpo"])
 def test_three_sgd_steps_follow_trl_trainer_step_by_step(hf_causal, tok_dir, tmp_path, case):
     """TRL's `Trainer.train()` (its loss, its loop: SGD, constant LR, no clipping) for 3 steps on all
     4 pairs at once, against our `train()` with the same optimizer: the loss of every step and
@@ -263,6 +263,7 @@ def test_three_sgd_steps_follow_trl_trainer_step_by_step(hf_causal, tok_dir, tmp
 def test_config_refusals_are_one_line():
     validate(PreferenceConfig(model="m", data="d", loss_type="simpo", sft_weight=0.0))
     validate(PreferenceConfig(model="m", data="d", loss_type="cpo", label_smoothing=0.1))
+    validate(PreferenceConfig(model="m", data="d", loss_type="orpo"))  # unset: ORPO's own NLL weight, 1
     for bad, key in ((dict(loss_type="orpo", sft_weight=0.0), "sft_weight=0"),
                      (dict(loss_type="simpo", precompute_ref=True), "precompute_ref"),
                      (dict(loss_type="orpo", sft_weight=1.0, label_smoothing=0.1), "label_smoothing"),

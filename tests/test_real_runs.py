@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from minitrain.cli import load_recipe, resolve_config
+from minitrain.config import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demo"
@@ -54,12 +55,34 @@ def test_real_dpo_defaults_are_trls():
     trl = pytest.importorskip("trl")
     recipe = load_recipe(str(ROOT / "recipes" / "dpo_mistral.py"))
     cfg, _ = resolve_config(recipe, ["model=/ckpt"])
+    validate(cfg)  # resolves the method's own NLL weight
     ref = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
            for f in dataclasses.fields(trl.DPOConfig) if f.name in ("beta", "label_smoothing", "loss_type")}
     losses = ref["loss_type"] if isinstance(ref["loss_type"], list) else [ref["loss_type"]]
     assert cfg.sft_weight == 0 and "sft" not in losses  # TRL adds no NLL term by default
     assert cfg.beta == ref["beta"] and cfg.label_smoothing == ref["label_smoothing"]
     assert cfg.loss_type == "sigmoid" and losses == ["sigmoid"]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "orpo", "cpo", "simpo"])
+def test_real_run_nll_weight_is_each_methods_own(loss_type):
+    """Unset, `sft_weight` takes the method's weight (TRL's defaults: ORPO always adds the NLL, CPOConfig's
+    cpo_alpha 1.0, SimPO none), so a real `loss_type=orpo` run starts instead of being refused."""
+    pytest.importorskip("trl")
+    from trl.experimental.cpo import CPOConfig
+
+    recipe = load_recipe(str(ROOT / "recipes" / "dpo_mistral.py"))
+    cfg, _ = resolve_config(recipe, ["model=/ckpt", "data=d.jsonl", f"loss_type={loss_type}"])
+    validate(cfg)
+    expected = {"sigmoid": 0.0, "orpo": 1.0, "cpo": _default(CPOConfig, "cpo_alpha"), "simpo": 0.0}
+    assert cfg.sft_weight == expected[loss_type]
+    cfg, _ = resolve_config(recipe, ["model=/ckpt", "data=d.jsonl", f"loss_type={loss_type}", "sft_weight=0.5"])
+    validate(cfg)
+    assert cfg.sft_weight == 0.5  # a weight the user names is kept
+
+
+def _default(cls, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _user_pairs(tmp_path: Path, n: int) -> tuple[Path, Path]:

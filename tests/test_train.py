@@ -547,3 +547,19 @@ def test_fp16_overflow_redoes_the_same_window_with_a_lower_scale(tmp_path):
     assert summary["skipped_steps"] == 0 and [r["step"] for r in got] == [1, 2]
     assert [r["target_tokens"] for r in got] == [r["target_tokens"] for r in ref]  # same data, no window lost
     assert got[0]["loss"] == pytest.approx(ref[0]["loss"], rel=1e-2)
+
+
+def test_a_metric_some_micro_batches_lack_is_averaged_over_those_that_have_it(tmp_path):
+    """KTO reports `rewards/rejected` only for a micro-batch holding an undesirable row: a step's value
+    is the mean over the micro-batches that report it, not diluted by the others."""
+    calls = []
+
+    def every_other(model, batch):
+        loss, count, metrics = sft(model, batch)
+        calls.append(1)
+        return loss, count, {**metrics, "sometimes": 3.0} if len(calls) % 2 else metrics
+
+    cfg = cfg_for(tmp_path, batch_size=2, grad_accum=4, max_steps=2, skip_audit=True)
+    train(TinyLM(), every_other, make_examples(16), collate, cfg, log=quiet)
+    steps = [m for m in rows(tmp_path / "run") if "sometimes" in m]
+    assert len(steps) == 2 and all(m["sometimes"] == 3.0 for m in steps)

@@ -154,7 +154,8 @@ def input_moments(model: nn.Module, layers: dict[str, nn.Module], calibrate: Cal
 
 @dataclass
 class LRCLayer:
-    """One corrected layer: relative weight errors `||W - Wq - s B A|| / ||W||` before (B A = 0) and after."""
+    """One corrected layer: relative weight errors `||W - Wq - s B A|| / ||W||` before (B A = 0) and after
+    (calibrated: output errors on the calibration inputs, `||(W - Wq - s B A) R|| / ||W R||`)."""
 
     name: str
     error_before: float

@@ -205,8 +205,9 @@ class RunShape:
         """The adapter rank of a linear: `lora_r`, or `lrc_rank` resolved as `minitrain.lrc.resolve_rank`."""
         if not self.lrc_rank:
             return self.lora_r
-        full = min(in_features, out_features)
-        return max(1, int(self.lrc_rank * full)) if self.lrc_rank < 1 else min(int(self.lrc_rank), full)
+        from minitrain.lrc import resolve_rank  # (imports torch: only for LRC runs)
+
+        return resolve_rank(self.lrc_rank, in_features, out_features)
 
     @property
     def rank_text(self) -> str:

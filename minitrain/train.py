@@ -53,7 +53,7 @@ Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
 # Settings that must match between a checkpoint and the run resuming it for the continuation
 # to be the same run (the schedule, data order and loss normalisation depend on them).
 RESUME_KEYS = ("batch_size", "grad_accum", "seed", "lr", "schedule", "min_lr_ratio", "warmup",
-               "epochs", "max_steps", "weight_decay", "max_grad_norm", "precision")
+               "epochs", "max_steps", "weight_decay", "max_grad_norm", "precision", "finetune")
 
 
 class Interrupted(KeyboardInterrupt):

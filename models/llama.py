@@ -801,6 +801,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D); logits are `self.output_projection(hidden)`.
         With `hidden_layers` / `attention_layers`: a `Captured` (see `LlamaModel.forward`)."""
+        if not hidden_layers and not attention_layers:  # Gemma's and Phi-3's models (which inherit this) take 4
+            return self.model(input_ids, attention_mask, position_ids, cache)
         return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers)
 
     def tie_weights(self) -> None:

@@ -8,7 +8,8 @@ ce_weight * CE(student, label)` (see `minitrain.distill`); `top_k=256` distils o
 256 most likely tokens only. metrics.jsonl logs `kd`, `ce`, their weighted values and `ppl`
 (= exp of the mean token CE) every step; `eval/loss` and `eval/ppl` are the student's own CE and
 perplexity on `eval_data`. The teacher runs frozen under no_grad in the compute dtype;
-`teacher_quantize=nf4` loads it 4-bit (a GPU with bitsandbytes). Teacher and student must share
+`teacher_quantize=nf4` loads it 4-bit (a GPU with bitsandbytes). `finetune=full` trains every weight of
+the student (fp32) instead of a LoRA adapter and saves it as an HF folder in out/model. Teacher and student must share
 the tokenizer and vocabulary size: a mismatch is refused before training, naming both folders.
 Data rows are as for SFT (`{"prompt","completion"}`, `{"messages"}`, `{"text"}`).
 """
@@ -49,7 +50,8 @@ def setup(config: DistillConfig) -> Job:
     tok = load_tokenizer(config)
     train_examples, eval_examples = load_examples(config, tok, "sft")  # before the weights: seconds, not minutes
     model, tok = load_model(config, models.from_hf_config, tok)
-    teacher, _ = load_model(dataclasses.replace(config, model=config.teacher, quantize=config.teacher_quantize),
+    teacher, _ = load_model(dataclasses.replace(config, model=config.teacher, quantize=config.teacher_quantize,
+                                                finetune="lora"),  # frozen: the compute dtype, even for a full student
                             models.from_hf_config)
     for folder, m in ((config.model, model), (config.teacher, teacher)):
         if m.is_encoder_decoder:

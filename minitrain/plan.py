@@ -96,7 +96,7 @@ class ModelShape:
     `adapted_summary`, `moments`, `describe`; its LLaMA formulas are the module-level functions below,
     which ask the shape for what differs between the decoder-only families (`linears`,
     `attention_saved`, `NORMS` per block, `FUSED` linears, `plain_head`).
-    Qwen2's q/k/v biases (`attention_bias` on LLaMA: o_proj's too) keep nothing for backward and
+    Qwen2's q/k/v biases (`attention_bias` on LLaMA and Qwen3: o_proj's too) keep nothing for backward and
     count as weights; Qwen3's per-head q/k norms keep their fp32 inputs.
     """
 
@@ -110,8 +110,8 @@ class ModelShape:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     model_type: str = "llama"
-    qkv_bias: bool = False  # Qwen2; LLaMA's attention_bias
-    o_bias: bool = False  # LLaMA's attention_bias
+    qkv_bias: bool = False  # Qwen2 (and `attention_bias`): biases on q / k / v
+    o_bias: bool = False  # `attention_bias` (LLaMA, Qwen3): a bias on o_proj too
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3 (Gemma 3): RMSNorm per head on q and k
     is_encoder_decoder: ClassVar[bool] = False
@@ -143,12 +143,14 @@ class ModelShape:
         """From a `config.json` dict (HF's defaults for the fields it may leave out)."""
         kind = d.get("model_type")
         mistral = dict(num_key_value_heads=8, sliding_window=4096) if kind == "mistral" else {}
-        dims = cls._dims(d, where, mistral)
-        window = d.get("sliding_window", 4096) if kind == "mistral" else None
-        bias = bool(d.get("attention_bias", False))
-        return cls(**dims, sliding_window=window, qkv_bias=bias or kind == "qwen2",
-                   o_bias=bias and kind in ("llama", "mistral"), mlp_bias=bool(d.get("mlp_bias", False)),
-                   qk_norm=kind == "qwen3")
+        dims = cls._dims(d, where, {**mistral, **(dict(head_dim=128) if kind == "qwen3" else {})})  # HF's defaults
+        if kind == "mistral":
+            window = d.get("sliding_window", 4096)
+        else:  # Qwen's window applies only with use_sliding_window (off in the released checkpoints)
+            window = d.get("sliding_window") if kind in ("qwen2", "qwen3") and d.get("use_sliding_window") else None
+        bias = bool(d.get("attention_bias", False)) and kind in ("llama", "qwen3")  # Qwen2: q/k/v always, o never
+        return cls(**dims, sliding_window=window, qkv_bias=bias or kind == "qwen2", o_bias=bias,
+                   mlp_bias=bool(d.get("mlp_bias", False)) and kind == "llama", qk_norm=kind == "qwen3")
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """Each block's linears: name -> (in_features, out_features)."""
@@ -196,8 +198,9 @@ class ModelShape:
         Hk = Hq if self.n_rep > 1 else self.kv_width
         terms = [Term("attention q, k, v, out + lse", N * ((2 * Hq + 2 * Hk) * s + H * 4),
                       f"(2 Hq + 2 Hk{' (repeated)' if self.n_rep > 1 else ''}) x {s} + heads x 4 per token")]
-        if self.qk_norm:
-            terms.append(Term("q/k norm inputs (fp32)", N * (Hq + self.kv_width) * 4, "(Hq + Hk) x 4 per token"))
+        if self.qk_norm:  # + rsqrt's output, one per head
+            terms.append(Term("q/k norm inputs (fp32) + rsqrt", N * (Hq + self.kv_width + H + self.num_key_value_heads) * 4,
+                              "(Hq + Hk + heads + kv heads) x 4 per token"))
         if run.mask:
             terms.append(Term("attention mask (float, per block)", run.rows * run.seq * run.seq * s,
                               "rows x T x T x s"))

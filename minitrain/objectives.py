@@ -42,14 +42,24 @@ def causal_token_logprobs(
     return chunked_token_logprobs(hidden, model.output_projection, shift_labels(labels))
 
 
+def causal_hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Hidden states (B, T, D) of a causal batch: padded rows, or rows of several sequences (packed,
+    DPO's shared prompt) with their `block_mask` and `position_ids`."""
+    if "block_mask" in batch:
+        return model(batch["input_ids"], batch["block_mask"], position_ids=batch["position_ids"])
+    return model(batch["input_ids"], batch.get("attention_mask"))
+
+
+def batch_token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """`causal_token_logprobs` of a batch in any layout (`causal_hidden`): (B, T) fp32."""
+    return chunked_token_logprobs(causal_hidden(model, batch), model.output_projection, shift_labels(labels))
+
+
 def sft(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Causal-LM cross-entropy on the completion tokens (prompt tokens carry label -100).
 
     A packed batch (`minitrain.packing`) brings its block mask and per-example positions."""
-    if "block_mask" in batch:
-        hidden = model(batch["input_ids"], batch["block_mask"], position_ids=batch["position_ids"])  # (B, T, D)
-    else:
-        hidden = model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, D)
+    hidden = causal_hidden(model, batch)  # (B, T, D)
     loss_sum, count = chunked_cross_entropy_sum(hidden, model.output_projection, shift_labels(batch["labels"]))
     return loss_sum, count, {}
 

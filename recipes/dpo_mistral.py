@@ -123,9 +123,9 @@ def setup(config: PreferenceConfig) -> Job:
     objective = make_pair_objective(config, reference)
     if not eval_examples:
         log("note: no eval_data — no held-out evaluation (pass eval_data=pairs.jsonl for eval/rewards/...)")
-    return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id,
-                                                                     shared_prompt=config.shared_prompt),
-               eval_examples, lora, tok)
+    collate = functools.partial(collate_with_reference, pad_id=tok.pad_id, shared_prompt=config.shared_prompt,
+                                pack_len=config.max_len if config.packing else 0)
+    return Job(model, objective, train_examples, collate, eval_examples, lora, tok)
 
 
 def run(config: PreferenceConfig) -> dict:

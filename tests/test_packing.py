@@ -106,3 +106,136 @@ def test_packed_run_resumes_bitwise(tmp_path):
     train(resumed, sft, ex, collate, dataclasses.replace(cfg, resume=True), log=quiet)
     for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+# ----------------------------------------------------------------------------- preference pairs
+
+
+def _pair_objective(loss: str, reference=None):
+    from minitrain.dpo import BaseReference, make_dpo_objective
+    from minitrain.preference import ReferenceFreeObjective
+
+    if loss == "sigmoid":
+        return make_dpo_objective(0.1, "sigmoid", 0.0, 0.5, reference or BaseReference())
+    return ReferenceFreeObjective(loss, 0.1, 0.0 if loss == "simpo" else 1.0, 0.5)
+
+
+def _pair_grads(model, objective, batch):
+    model.zero_grad(set_to_none=True)
+    loss, count, metrics = objective(model, batch)
+    loss.backward()
+    return loss.detach(), count, metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "orpo", "simpo", "cpo"])
+def test_packed_pairs_equal_unpacked(policy, loss):
+    """DPO (reference = adapters off, with an sft term), ORPO, SimPO and CPO on pairs packed into rows
+    of 48 tokens: loss sum, pair count, every metric and every adapter gradient equal the padded
+    `[chosen; rejected]` batch to 1e-5 (fp32), with a sliding window shorter than the rows."""
+    from minitrain.data import collate_preference
+    from minitrain.packing import collate_packed_pairs
+    from test_shared_prompt import pairs
+
+    ex = pairs(9)
+    padded, packed = collate_preference(ex, pad_id=0), collate_packed_pairs(ex, pad_id=0, max_len=48)
+    assert packed["input_ids"].numel() < padded["input_ids"].numel() and packed["input_ids"].shape[0] < 2 * len(ex)
+    objective = _pair_objective(loss)
+    l0, n0, m0, g0 = _pair_grads(policy, objective, padded)
+    l1, n1, m1, g1 = _pair_grads(policy, objective, packed)
+    assert n1 == n0 == len(ex)
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-6)
+    assert m1.keys() == m0.keys()
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], abs=1e-5), k
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4)
+
+
+def test_packed_pairs_keep_every_reference_mode(policy):
+    """The reference forward in the packed layout: adapters disabled, the Stage A snapshot (swapped in),
+    and the precomputed cache (batched through the packed collator, read back by it) give the padded
+    batch's log-probs to 1e-5; the snapshot's swap leaves the training values in place."""
+    from minitrain.dpo import (AdapterSnapshotReference, BaseReference, collate_with_reference,
+                               compute_reference_logps)
+    from test_shared_prompt import pairs
+
+    ex = pairs(7, seed=1)
+    padded, packed = collate_with_reference(ex, 0), collate_with_reference(ex, 0, pack_len=40)
+    snapshot = AdapterSnapshotReference(policy)
+    with torch.no_grad():  # the policy moves: the snapshot is no longer the live adapter
+        for n, p in policy.named_parameters():
+            if "lora_A" in n:
+                p.mul_(1.5)
+    live = {n: p.clone() for n, p in policy.named_parameters() if p.requires_grad}
+    for reference in (BaseReference(), snapshot):
+        for a, b in zip(reference.logps(policy, padded), reference.logps(policy, packed)):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for n, p in policy.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, live[n]), n
+    cached = [compute_reference_logps(policy, snapshot, ex, collate, 3)
+              for collate in (lambda b: collate_with_reference(b, 0), lambda b: collate_with_reference(b, 0, pack_len=40))]
+    for a, b in zip(*cached):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for e, c, r in zip(ex, *cached[1]):
+        e["ref_chosen_logp"], e["ref_rejected_logp"] = float(c), float(r)
+    objective = _pair_objective("sigmoid", snapshot)
+    want = _pair_grads(policy, objective, collate_with_reference(ex, 0))
+    got = _pair_grads(policy, objective, collate_with_reference(ex, 0, pack_len=40))
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-6)
+    for k in want[3]:
+        torch.testing.assert_close(got[3][k], want[3][k], atol=1e-5, rtol=1e-4)
+
+
+def _tiny_lora(seed: int = 3):
+    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=2))
+    cfg = LoRAConfig(r=2, alpha=4, targets=["q_proj", "v_proj"], dropout=0.1)
+    apply_lora(m, cfg)
+    freeze_for_adapters(m, cfg)
+    return m
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "orpo"])
+def test_packed_pairs_run_resumes_bitwise(tmp_path, loss):
+    """A packed DPO / ORPO run killed mid-way (checkpoint at step 2) and resumed ends bitwise equal to
+    the uninterrupted run."""
+    from test_resume import Killed, killing
+    from test_shared_prompt import pairs
+    from test_train import cfg_for, quiet
+
+    from minitrain.dpo import collate_with_reference
+    from minitrain.train import train
+
+    ex = pairs(16, seed=4)
+
+    def collate(b):
+        return collate_with_reference(b, pad_id=0, pack_len=48)
+
+    objective = _pair_objective(loss)
+    kw = dict(batch_size=3, grad_accum=1, max_steps=5, save_every=2, lr=5e-3, skip_audit=True)
+    straight = _tiny_lora()
+    train(straight, objective, ex, collate, cfg_for(tmp_path / "a", **kw), log=quiet)
+    cfg = cfg_for(tmp_path / "b", **kw)
+    with pytest.raises(Killed):
+        train(_tiny_lora(), killing(objective, 3), ex, collate, cfg, log=quiet)
+    resumed = _tiny_lora()
+    train(resumed, objective, ex, collate, dataclasses.replace(cfg, resume=True), log=quiet)
+    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_pair_layouts_that_do_not_combine_are_one_line():
+    from minitrain.config import validate
+    from minitrain.errors import UserError
+    from minitrain.preference import PreferenceConfig
+
+    for loss in ("sigmoid", "orpo"):
+        with pytest.raises(UserError, match=r"^packing=true: does not combine with shared_prompt=true — "):
+            validate(PreferenceConfig(loss_type=loss, packing=True, shared_prompt=True))
+    with pytest.raises(UserError, match=r"^shared_prompt=true: loss_type=simpo is scored on \[chosen; rejected\] "):
+        validate(PreferenceConfig(loss_type="simpo", shared_prompt=True))
+    validate(PreferenceConfig(loss_type="orpo", packing=True))

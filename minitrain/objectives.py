@@ -76,7 +76,8 @@ def seq2seq(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     """Encoder-decoder cross-entropy: the decoder at position t predicts `labels[:, t]`.
 
     `decoder_input_ids` come from the batch when the collator made them, else they are
-    `labels` shifted right behind `config.decoder_start_token_id` (T5: the pad id, 0).
+    `labels` shifted right behind `config.decoder_start_token_id` (T5: the pad id, 0). A packed
+    batch brings its three masks.
     """
     if not getattr(model, "is_encoder_decoder", False):
         raise TypeError("seq2seq objective needs an encoder-decoder model (model.is_encoder_decoder)")
@@ -88,8 +89,12 @@ def seq2seq(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
         pad = 0 if pad is None else pad
         start = getattr(cfg, "decoder_start_token_id", None)
         dec_in = shift_right(labels, pad if start is None else start, pad)
-    hidden = model(
-        batch["input_ids"], batch.get("attention_mask"), dec_in, batch.get("decoder_attention_mask")
-    )  # (B, Td, D)
+    if "block_mask" in batch:  # packed rows (`minitrain.packing.collate_packed_seq2seq`)
+        hidden = model(batch["input_ids"], batch["block_mask"], dec_in, batch["decoder_block_mask"],
+                       cross_attention_mask=batch["cross_block_mask"])  # (B, Td, D)
+    else:
+        hidden = model(
+            batch["input_ids"], batch.get("attention_mask"), dec_in, batch.get("decoder_attention_mask")
+        )  # (B, Td, D)
     loss_sum, count = chunked_cross_entropy_sum(hidden, model.output_projection, labels)
     return loss_sum, count, {}

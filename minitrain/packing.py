@@ -5,7 +5,7 @@ an exact resume are those of the unpacked run); the collator only lays them out 
 first-fit decreasing into rows of at most `max_len` tokens. In each row every sequence keeps its
 own positions (from 0) and attends only to itself: a block-diagonal mask that the model gives to
 its attention (`models.llama`: `attention_mask` 4-D with `position_ids`; `models.t5`: the encoder,
-decoder and cross-attention masks with each stack's positions).
+decoder and cross-attention masks).
 
 - causal SFT (`collate_packed_causal`): the first label of each example is set to -100 (it is
   never a target: a causal model predicts token t + 1 from t), so the objective's usual one-step
@@ -17,7 +17,8 @@ decoder and cross-attention masks with each stack's positions).
 - seq2seq (`collate_packed_seq2seq`): encoder and decoder sequences of the same examples packed into
   the same rows (each within its own length limit); the encoder mask is block-diagonal, the decoder's
   block-diagonal causal, and cross-attention lets each example's decoder see its own encoder segment
-  only. Each stack's positions restart per example (T5's relative position buckets).
+  only. T5 needs no positions: its relative bias depends on `k - q` alone, which inside a sequence
+  is the sequence's own wherever the row puts it (the mask hides every other pair).
 """
 
 from __future__ import annotations
@@ -141,3 +142,27 @@ def per_sequence(batch: dict[str, Any], values: torch.Tensor) -> torch.Tensor:
     n = int(seq.max()) + 1  # every sequence has a token
     index = seq.where(seq >= 0, n).flatten()  # padding into a spare slot, dropped
     return values.new_zeros(n + 1).index_add(0, index, values.flatten())[:n]
+
+
+def collate_packed_seq2seq(examples: Sequence[dict], pad_id: int, max_len: int, max_target_len: int,
+                           decoder_start_id: int | None = None) -> dict[str, Any]:
+    """Encoder-decoder examples packed: each row holds the encoder ids of some examples (at most
+    `max_len` tokens) and their decoder targets (at most `max_target_len`), in the same order.
+
+    Keys as `collate_seq2seq` (`input_ids`, `attention_mask`, `labels`, `decoder_input_ids`: each
+    example's labels shifted right behind `decoder_start_id`, default the pad id, as T5;
+    `decoder_attention_mask` of real tokens) plus the bool masks `block_mask` (B, 1, S, S) (each encoder sequence sees itself, both ways),
+    `decoder_block_mask` (B, 1, T, T) (causal within each example) and `cross_block_mask`
+    (B, 1, T, S) (an example's decoder sees its own encoder tokens only).
+    """
+    start = pad_id if decoder_start_id is None else decoder_start_id
+    src = [ex["input_ids"] for ex in examples]
+    tgt = [ex["labels"] for ex in examples]
+    rows = pack([(len(s), len(t)) for s, t in zip(src, tgt)], (max_len, max_target_len))
+    input_ids, _, seq = lay_out(src, rows, pad_id)
+    labels, _, dec_seq = lay_out(tgt, rows, IGNORE_INDEX)
+    shifted = [[start, *(pad_id if y == IGNORE_INDEX else y for y in t[:-1])] for t in tgt]
+    return {"input_ids": input_ids, "attention_mask": (seq >= 0).long(), "labels": labels,
+            "decoder_input_ids": lay_out(shifted, rows, pad_id)[0], "decoder_attention_mask": (dec_seq >= 0).long(),
+            "block_mask": block_mask(seq, causal=False), "decoder_block_mask": block_mask(dec_seq),
+            "cross_block_mask": block_mask(dec_seq, seq, causal=False)}

@@ -2,7 +2,8 @@
 
 The Batcher still chooses which examples form a micro-batch (so the data order, the loss unit and
 an exact resume are those of the unpacked run); the collator only lays them out differently:
-first-fit decreasing into rows of at most `max_len` tokens. In each row every sequence keeps its
+first-fit decreasing into rows of at most `max_len` tokens, as long as the fewest token positions
+need (`pack`: never more than the padded batch). In each row every sequence keeps its
 own positions (from 0) and attends only to itself: a block-diagonal mask that the model gives to
 its attention (`models.llama`: `attention_mask` 4-D with `position_ids`; `models.t5`: the encoder,
 decoder and cross-attention masks).
@@ -30,13 +31,9 @@ import torch
 from minitrain.losses import IGNORE_INDEX
 
 
-def pack(lengths: Sequence[int] | Sequence[tuple[int, ...]], max_len: int | tuple[int, ...]) -> list[list[int]]:
-    """Rows of example indices, first-fit decreasing: longest first, each into the first row with room.
-
-    With tuples (seq2seq: encoder and decoder lengths), every part must fit its own limit in
-    `max_len` (a tuple too); longest by the first part. An example over a limit gets a row alone."""
-    sizes = [n if isinstance(n, tuple) else (n,) for n in lengths]
-    limits = max_len if isinstance(max_len, tuple) else (max_len,)
+def first_fit_decreasing(sizes: Sequence[tuple[int, ...]], capacity: Sequence[int]) -> list[list[int]]:
+    """Rows of example indices: longest first (by the first part), each into the first row with room
+    in every part; an example over the capacity gets a row alone."""
     rows: list[list[int]] = []
     room: list[list[int]] = []
     for i in sorted(range(len(sizes)), key=lambda k: (tuple(-n for n in sizes[k]), k)):
@@ -44,11 +41,49 @@ def pack(lengths: Sequence[int] | Sequence[tuple[int, ...]], max_len: int | tupl
         j = next((r for r in range(len(rows)) if all(a >= n for a, n in zip(room[r], need))), None)
         if j is None:
             rows.append([i])
-            room.append([max(m, n) - n for m, n in zip(limits, need)])
+            room.append([max(c, n) - n for c, n in zip(capacity, need)])
         else:
             rows[j].append(i)
             room[j] = [a - n for a, n in zip(room[j], need)]
     return rows
+
+
+def pack(lengths: Sequence[int] | Sequence[tuple[int, ...]], max_len: int | tuple[int, ...]) -> list[list[int]]:
+    """Rows of example indices for one micro-batch, as few token positions (rows x row length) as
+    first-fit decreasing reaches: rows of at most `max_len` tokens, and no longer than needed.
+
+    Filling rows up to `max_len` can cost more than padding: four examples of ~100 tokens make a
+    row of ~300 and one of ~100, padded to 2 x 300 positions where the padded batch has 4 x 100.
+    So for each row count k the smallest row capacity that packs into k rows is searched for
+    (from `max(longest, total / k)` up to `max_len`), and the packing with the fewest positions
+    (then the shortest rows) is kept. k = n is the padded batch itself, so packing never lays out
+    more positions than padding. With tuples (seq2seq: encoder and decoder lengths, `max_len` a
+    tuple of limits), every part fits its own limit, the capacities grow together and the
+    positions of the parts add up.
+    """
+    sizes = [n if isinstance(n, tuple) else (n,) for n in lengths]
+    limits = max_len if isinstance(max_len, tuple) else (max_len,)
+    parts = range(len(limits))
+    longest = [max(n[d] for n in sizes) for d in parts]
+    total = [sum(n[d] for n in sizes) for d in parts]
+    hi = [max(m, lo) for m, lo in zip(limits, longest)]
+
+    def rows_at(k: int, t: int, steps: int) -> list[list[int]]:  # capacity t/steps of the way from the floor to hi
+        lo = [min(h, max(longest[d], -(-total[d] // k))) for d, h in zip(parts, hi)]
+        return first_fit_decreasing(sizes, [a + -(-(h - a) * t // steps) for a, h in zip(lo, hi)])
+
+    best = None
+    for k in range(1, len(sizes) + 1):
+        steps = max(1, max(h - min(h, max(longest[d], -(-total[d] // k))) for d, h in zip(parts, hi)))
+        a, b = 0, steps  # the smallest t whose packing takes at most k rows (t = steps: the widest rows)
+        while a < b:
+            mid = (a + b) // 2
+            a, b = (a, mid) if len(rows_at(k, mid, steps)) <= k else (mid + 1, b)
+        rows = rows_at(k, a, steps)
+        width = sum(max(sum(sizes[i][d] for i in row) for row in rows) for d in parts)
+        if best is None or (len(rows) * width, width) < best[0]:
+            best = ((len(rows) * width, width), rows)
+    return best[1]
 
 
 def lay_out(seqs: Sequence[Sequence[int]], rows: list[list[int]], fill: int

@@ -12,7 +12,7 @@ import models
 from minitrain.data import collate_causal
 from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.objectives import sft
-from minitrain.packing import collate_packed_causal, pack
+from minitrain.packing import collate_packed_causal, first_fit_decreasing, pack
 from minitrain.weights import load_pretrained
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -32,8 +32,28 @@ def examples(n: int, seed: int = 0) -> list[dict]:
 
 
 def test_first_fit_decreasing():
-    assert pack([5, 3, 8, 2, 6], 10) == [[2, 3], [4, 1], [0]]
-    assert pack([12, 3], 10) == [[0], [1]]  # a row longer than max_len gets a row of its own
+    assert first_fit_decreasing([(5,), (3,), (8,), (2,), (6,)], (10,)) == [[2, 3], [4, 1], [0]]
+    assert first_fit_decreasing([(12,), (3,)], (10,)) == [[0], [1]]  # longer than max_len: a row of its own
+    assert first_fit_decreasing([(4, 1), (3, 5), (2, 2)], (7, 6)) == [[0, 1], [2]]  # every part must fit
+
+
+def positions(lengths, rows):
+    return len(rows) * max(sum(lengths[i] for i in row) for row in rows)
+
+
+def test_rows_never_take_more_positions_than_padding():
+    """Rows as long as the fewest positions need: similar lengths are not filled up to max_len."""
+    assert pack([5, 3, 8, 2, 6], 10) == [[2], [4, 3], [0, 1]]  # 3 x 8 = 24 positions (rows of 10: 30)
+    similar = [100, 110, 105, 98]
+    assert pack(similar, 384) == [[1, 3], [2, 0]]  # 2 x 208 positions < 4 x 110; not 313 + 98 -> 2 x 313
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 9))]
+        rows = pack(lengths, 64)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        assert max(sum(lengths[i] for i in row) for row in rows) <= 64
+        assert positions(lengths, rows) <= len(lengths) * max(lengths)
+    assert pack([(4, 1), (3, 5), (2, 2)], (7, 6)) == [[0, 2], [1]]  # 2 x (6 + 5) positions, not 2 x (7 + 6)
 
 
 @pytest.fixture(params=["llama", "mistral-window"])

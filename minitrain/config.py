@@ -106,6 +106,9 @@ class TrainConfig:
     overwrite: bool = doc(False, "allow writing into an output folder that holds a different run")
     max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many non-finite steps in a row", ge=1)
     skip_audit: bool = doc(False, "skip the gradient-path audit before step 1 (the skip is logged)")
+    finetune: str = doc("lora", "what trains: lora (adapters on a frozen base) or full (every floating-point "
+                                "parameter, fp32 master weights; the model is saved as an HF folder in out/model)",
+                        choices=("lora", "full"))
     # adapters
     lora_r: int = doc(16, "LoRA rank", ge=1)
     lora_alpha: float = doc(32.0, "LoRA alpha (scaling alpha / r, or alpha / sqrt(r) with rslora)", gt=0)
@@ -115,8 +118,13 @@ class TrainConfig:
     rslora: bool = doc(False, "rank-stabilised LoRA scaling")
     modules_to_save: list[str] = doc([], "modules to train fully (e.g. lm_head): costly, reported loudly")
     init_adapter: str = doc("", "continue training this saved adapter folder (loaded trainable)")
-    quantize: str = doc("none", "quantize base linears as they load (nf4, int8 need bitsandbytes)",
-                        choices=("none", "nf4", "int8"))
+    quantize: str = doc("none", "quantize base linears as they load (nf4, int8 need bitsandbytes; ternary: "
+                                "BitNet b1.58 {-1,0,+1} x absmean scale, 2 bits a weight, plain torch)",
+                        choices=("none", "nf4", "int8", "ternary"))
+    ternary_scale: str = doc("tensor", "quantize=ternary: one absmean scale per tensor or per output channel",
+                             choices=("tensor", "channel"))
+    ternary_act_bits: int = doc(0, "quantize=ternary: fake-quantize each base linear's input per token to this many "
+                                   "bits (absmax, straight-through, as BitLinear: 8); 0: off", ge=0, le=16)
 
     def check(self) -> None:
         """Rules across fields (per-field bounds and choices are checked by `validate`)."""
@@ -147,6 +155,21 @@ class TrainConfig:
         for k in self.chat_template_kwargs:
             if k in ("messages", "add_generation_prompt", "tools", "documents"):
                 raise UserError(f"chat_template_kwargs: {k!r} is set by minitrain itself — remove it")
+        if self.ternary_act_bits == 1:
+            raise UserError("ternary_act_bits=1: one bit cannot hold a signed value — use 8 (BitLinear's) or 0 (off)")
+        if self.quantize != "ternary" and (self.ternary_act_bits or self.ternary_scale != "tensor"):
+            key = "ternary_act_bits" if self.ternary_act_bits else "ternary_scale"
+            raise UserError(f"{key}={format_value(getattr(self, key))}: applies to quantize=ternary only (this run has "
+                            f"quantize={self.quantize}) — add quantize=ternary or drop {key}")
+        if self.finetune == "full":
+            if self.quantize != "none":
+                raise UserError(f"quantize={self.quantize}: finetune=full trains every weight, and quantized weights "
+                                f"cannot train — use quantize=none, or finetune=lora to train adapters on a "
+                                f"quantized base")
+            if self.init_adapter:
+                raise UserError("init_adapter: continues a LoRA adapter, but finetune=full trains the weights "
+                                "themselves — drop init_adapter, or use finetune=lora")
+            return
         if not self.lora_targets and not self.modules_to_save and not self.init_adapter:
             raise UserError("lora_targets: empty, so nothing would train — name modules to adapt, "
                             "e.g. lora_targets=q_proj,v_proj (or all-linear)")

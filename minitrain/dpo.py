@@ -75,6 +75,10 @@ class DPOConfig(TrainConfig):
     def check(self) -> None:
         super().check()
         self.check_layout()
+        if self.finetune == "full":
+            raise UserError(f"finetune=full: loss_type={self.loss_type}'s reference is the base model, which "
+                            f"minitrain gets by disabling the adapters — use finetune=lora (or a reference-free "
+                            f"loss_type: orpo, cpo, simpo)")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
             raise UserError(f"label_smoothing={self.label_smoothing}: has no meaning for loss_type={self.loss_type} "
                             f"— use loss_type=sigmoid or robust, or label_smoothing=0")

@@ -57,6 +57,9 @@ class KTOConfig(TrainConfig):
 
     def check(self) -> None:
         super().check()
+        if self.finetune == "full":
+            raise UserError("finetune=full: KTO's reference is the base model, which minitrain gets by disabling the "
+                            "adapters — use finetune=lora")
         if self.batch_size < 2:
             raise UserError("batch_size=1: KTO estimates its KL reference point from mismatched prompt-completion "
                             "pairs within a batch, which needs at least 2 rows — use batch_size=2 or more")

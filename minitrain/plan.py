@@ -14,8 +14,12 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
 - weights: float tensors in the base dtype; nf4 (bitsandbytes `Linear4bit`): 0.5 byte / param
   packed + one absmax per 64-block (fp32, or uint8 with double quantization plus a second level
   of one fp32 absmax per 256 blocks, a 256-entry fp32 code and an fp32 offset) + the 16-entry nf4
-  code; int8 (`Linear8bitLt`): 1 byte / param + one fp32 scale per output row. Embeddings, norms
-  and the (unquantized) head stay in the compute dtype.
+  code; int8 (`Linear8bitLt`): 1 byte / param + one fp32 scale per output row; ternary
+  (`minitrain.ternary`): 2 bits / param packed four to a byte along each row (ceil(in / 4) bytes a
+  row) + one fp32 scale per tensor or per output row. Embeddings, norms and the (unquantized) head
+  stay in the compute dtype.
+- adapter rank: `lora_r`, or LRC's `lrc_rank` (below 1: that fraction of each linear's min(in, out),
+  as `minitrain.lrc.resolve_rank`).
 - adapters: LoRA A (r x in) and B (out x r) per adapted linear, fp32; their gradients (fp32) and
   AdamW's two fp32 moments each (+ one fp32 `step` per tensor).
 - activations: what autograd keeps for backward in `models/llama.py` + `minitrain/lora.py`, per
@@ -23,7 +27,10 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   only under checkpointing plus one block recomputed, and the loss's chunked logits
   (`minitrain.losses.LOGITS_PER_CHUNK` logits per chunk, never the full `B x T x V`).
 - transients at the peak moment: the logits chunk in forward / backward, one block's backward
-  working set, a dequantized 4-bit weight in bitsandbytes' backward, the DPO reference forward.
+  working set, a dequantized 4-bit weight in bitsandbytes' backward, a dequantized ternary weight
+  in forward and backward (its uint8 codes + the compute-dtype weight, one linear at a time: the
+  ternary matmul saves only the packed weight; `ternary_act_bits`' per-token transients are not
+  modelled), the DPO reference forward.
 
 The peak is the largest of those moments (end of forward, loss backward, first block backward,
 reference forward, optimizer step), on top of what persists (weights, adapters, gradients and
@@ -172,9 +179,11 @@ class RunShape:
     seq: int
     target_seq: int | None = None
     compute: str = "bf16"
-    quantize: str = "none"  # none | nf4 | int8 (base linears; the head stays in float)
+    quantize: str = "none"  # none | nf4 | int8 | ternary (base linears; the head stays in float)
     double_quant: bool = True
+    ternary_scale: str = "tensor"  # tensor | channel: one fp32 scale per ternary weight or per output row
     lora_r: int = 16
+    lrc_rank: float = 0.0  # LRC: below 1 a fraction of each linear's full rank, 1 or more a rank; 0: lora_r
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     adapter_dtype: str = "fp32"
     lora_dropout: float = 0.0
@@ -191,6 +200,21 @@ class RunShape:
     @property
     def s(self) -> int:
         return DTYPE_BYTES[self.compute]
+
+    def rank(self, in_features: int, out_features: int) -> int:
+        """The adapter rank of a linear: `lora_r`, or `lrc_rank` resolved as `minitrain.lrc.resolve_rank`."""
+        if not self.lrc_rank:
+            return self.lora_r
+        from minitrain.lrc import resolve_rank  # (imports torch: only for LRC runs)
+
+        return resolve_rank(self.lrc_rank, in_features, out_features)
+
+    @property
+    def rank_text(self) -> str:
+        """`r=16`, or `lrc_rank=0.15 of each linear's full rank`."""
+        if not self.lrc_rank:
+            return f"r={self.lora_r}"
+        return f"lrc_rank={self.lrc_rank:g}" + (" of each linear's full rank" if self.lrc_rank < 1 else "")
 
     @property
     def tokens(self) -> int:
@@ -270,6 +294,12 @@ def nf4_bytes(numel: int, *, double_quant: bool = True, blocksize: int = NF4_BLO
     return packed + blocks + blocks2 * 4 + NF4_BLOCK2 * 4 + 4 + code  # uint8 absmax, absmax2, code2, offset
 
 
+def ternary_bytes(in_features: int, out_features: int, scale: str = "tensor") -> int:
+    """Bytes of one ternary weight (minitrain.ternary): packed 2-bit codes, ceil(in / 4) bytes a row,
+    + the fp32 scale(s): one per tensor, or one per output row."""
+    return out_features * -(-in_features // 4) + 4 * (out_features if scale == "channel" else 1)
+
+
 def int8_bytes(in_features: int, out_features: int) -> int:
     """Bytes of one bitsandbytes int8 weight: int8 values + one fp32 absmax scale per output row."""
     return in_features * out_features + out_features * 4
@@ -284,6 +314,9 @@ def _linears_bytes(linears: list[tuple[int, int, int]], run: RunShape) -> tuple[
                    + ("(uint8, double-quant) + 2nd level" if run.double_quant else "(fp32)"))
     if run.quantize == "int8":
         return sum(k * int8_bytes(i, o) for i, o, k in linears), f"{numel:,} params x 1 B + fp32 scale per row"
+    if run.quantize == "ternary":
+        return (sum(k * ternary_bytes(i, o, run.ternary_scale) for i, o, k in linears),
+                f"{numel:,} params x 0.25 B (2-bit, rows padded to 4) + fp32 scale per {run.ternary_scale}")
     return numel * run.s, f"{numel:,} params x {run.s} B"
 
 
@@ -305,7 +338,7 @@ def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
     out = []
     for name in adapted_linears(model, run.lora_targets):
         i, o = lin[name]
-        out += [run.lora_r * i, o * run.lora_r] * model.num_hidden_layers
+        out += [run.rank(i, o) * i, o * run.rank(i, o)] * model.num_hidden_layers
     D, V = model.hidden_size, model.vocab_size
     for m in run.modules_to_save:
         if _matches("lm_head", m) or _matches("model.embed_tokens", m):
@@ -319,7 +352,7 @@ def adapter_terms(model: ModelShape, run: RunShape) -> list[Term]:
     """Adapters (fp32), their gradients (fp32) and AdamW state (two fp32 moments + a step each)."""
     tensors = model.trainable_tensors(run)
     n, k, a = sum(tensors), len(tensors), DTYPE_BYTES[run.adapter_dtype]
-    what = f"r={run.lora_r} on {model.adapted_summary(run)}"
+    what = f"{run.rank_text} on {model.adapted_summary(run)}"
     if run.modules_to_save:
         what += f" + {','.join(run.modules_to_save)}"
     terms = [Term("adapters", n * a, f"{n:,} params x {a} B ({what})"),
@@ -377,7 +410,8 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
                           f"{kept:,} x {s} B per token"
                           + (" (one copy per adapter: autocast)" if run.cast_copies else "")))
     if adapted:
-        terms.append(Term("LoRA B inputs", N * len(adapted) * run.lora_r * s, f"{len(adapted)} x r x {s} per token"))
+        r = sum(run.rank(*lin[n]) for n in adapted)
+        terms.append(Term("LoRA B inputs", N * r * s, f"{len(adapted)} x r ({r:,} in all) x {s} per token"))
     return terms
 
 
@@ -411,9 +445,11 @@ def _block_forward(model: ModelShape, run: RunShape) -> list[Term]:
 
 
 def _dequantized(model: ModelShape, run: RunShape) -> list[Term]:
+    big = max(i * o for i, o in model.linears().values())
+    if run.quantize == "ternary":  # its uint8 codes, then the compute-dtype weight (scaled in place)
+        return [Term("ternary weight dequantized for a matmul", big * (1 + run.s), f"largest linear x (1 + {run.s}) B")]
     if run.quantize != "nf4":
         return []
-    big = max(i * o for i, o in model.linears().values())
     return [Term("4-bit weight dequantized for a matmul", big * run.s, "largest linear x s")]
 
 
@@ -646,7 +682,7 @@ class T5Shape:
             lin = self.linears(dec)
             for name in self.adapted(run, dec):
                 i, o = lin[name]
-                out += [run.lora_r * i, o * run.lora_r] * L
+                out += [run.rank(i, o) * i, o * run.rank(i, o)] * L
         full = set()  # a tied head is `shared` itself: one tensor
         for m in run.modules_to_save:
             if any(_matches(e, m) for e in self.EMBEDDINGS):
@@ -904,6 +940,7 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
     rows = cfg.batch_size * (2 if is_dpo and not is_kto else 1)
     return RunShape(rows=rows, seq=seq or cfg.max_len, target_seq=getattr(cfg, "max_target_len", None),
                     compute=compute, quantize=getattr(cfg, "quantize", "none"),
+                    ternary_scale=getattr(cfg, "ternary_scale", "tensor"), lrc_rank=float(getattr(cfg, "lrc_rank", 0)),
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets), lora_dropout=float(cfg.lora_dropout),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,

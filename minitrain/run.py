@@ -6,10 +6,12 @@
     load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval): before the weights, so a
                                    bad row costs seconds, not minutes of loading
     load_model(cfg, build, tok)    weights streamed into `build(config.json)` (+ quantized)
-    attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report
+    attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report;
+                                   finetune=full: every float parameter trains instead
     prepare_out_dir(cfg, job)      the preflight audit, then create `out`, write the resolved `config.json`
     ... train(...) ...             minitrain.train: the loop, called by the recipe itself
-    finish(model, cfg, lora, summary)  the adapter in PEFT format in `out/adapter`, and where things are
+    finish(model, cfg, lora, summary)  the adapter in PEFT format in `out/adapter` (finetune=full: the model
+                                   as an HF folder in `out/model`), and where things are
 
 Every check that can fail on bad input runs before anything is written, so a mistake leaves
 no half-made output folder (DESIGN.md rule 9). The engine never imports `models/`: the recipe
@@ -40,7 +42,7 @@ from minitrain.objectives import sft
 from minitrain.packing import collate_packed_causal
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
-from minitrain.weights import io_error_reason, load_pretrained, read_header
+from minitrain.weights import io_error_reason, load_pretrained, read_header, save_pretrained
 
 
 def log(*args: Any, **kwargs: Any) -> None:
@@ -51,8 +53,9 @@ def log(*args: Any, **kwargs: Any) -> None:
 
 CONFIG_FILE = "config.json"
 ADAPTER_DIR = "adapter"
+MODEL_DIR = "model"  # finetune=full: the trained model, an HF folder (config.json, model.safetensors, tokenizer)
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR)
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR, MODEL_DIR)
 # keys that say where / how to start, not what the run is
 NOT_THE_RUN = ("out", "resume", "overwrite", "extend")
 
@@ -71,7 +74,7 @@ class Job:
     train_examples: list[dict]
     collate: Callable[[list[dict]], dict[str, torch.Tensor]]
     eval_examples: list[dict] | None
-    lora: LoRAConfig
+    lora: LoRAConfig | None  # None: finetune=full
     tok: Tokenizer
 
 
@@ -207,8 +210,9 @@ def _write_config(cfg: Any) -> None:
             shutil.rmtree(out, ignore_errors=True)
         raise UserError(f"{out}: cannot write {CONFIG_FILE}: {io_error_reason(e)} — free space or choose a "
                         f"writable out folder") from None
-    if not cfg.resume and (out / ADAPTER_DIR).is_dir():
-        shutil.rmtree(out / ADAPTER_DIR)
+    for name in (ADAPTER_DIR, MODEL_DIR):
+        if not cfg.resume and (out / name).is_dir():
+            shutil.rmtree(out / name)
 
 
 # ----------------------------------------------------------------------------- model
@@ -263,16 +267,23 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     """The tokenizer and the model of folder `cfg.model`, on `cfg.device` in the dtype for `cfg.precision`.
 
     `tok`: the tokenizer `load_tokenizer(cfg)` already read (recipes read the data with it before
-    the weights); else it is read here. With `cfg.quantize` nf4 / int8, each base linear is
+    the weights); else it is read here. With `cfg.quantize` nf4 / int8 / ternary, each base linear is
     quantized as its weight arrives (no full-precision copy of the model in memory). A tokenizer
     with more ids than the model's embedding has rows is refused here, not as an index error mid-step.
     """
     tok = load_tokenizer(cfg) if tok is None else tok
     folder = Path(cfg.model)
     device = pick_device(cfg.device)
-    dtype = base_dtype(cfg.precision, device)
+    # full fine-tuning reads the weights in fp32: they are the master weights (rule 8), and a bf16
+    # round trip on the way in would round a fp32 checkpoint before step 1
+    dtype = torch.float32 if full_finetune(cfg) else base_dtype(cfg.precision, device)
     hook = None
-    if cfg.quantize != "none":
+    if cfg.quantize == "ternary":  # plain torch: no extra package, CPU and CUDA alike
+        from minitrain.quant import quantize_hook
+
+        hook = quantize_hook("ternary", compute_dtype=dtype, ternary_scale=cfg.ternary_scale,
+                             act_bits=cfg.ternary_act_bits)
+    elif cfg.quantize != "none":
         from minitrain.quant import quantize_hook, require_bitsandbytes  # bitsandbytes: only when asked for
 
         try:
@@ -291,9 +302,17 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
                         f"{emb.num_embeddings} rows — use the tokenizer saved with these weights")
     n = count_parameters(model)  # logical: an nf4 layer's packed bytes hold two weights each
     kind = model.hf_config.get("model_type", "?")
-    log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in "
-        f"{cfg.quantize if cfg.quantize != 'none' else str(dtype).removeprefix('torch.')}")
+    base = cfg.quantize if cfg.quantize != "none" else str(dtype).removeprefix("torch.")
+    if cfg.quantize == "ternary":
+        base += (f" (2 bits a weight, per-{cfg.ternary_scale} absmean scale"
+                 + (f", {cfg.ternary_act_bits}-bit activations" if cfg.ternary_act_bits else "") + ")")
+    log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in {base}")
     return model, tok
+
+
+def full_finetune(cfg: Any) -> bool:
+    """Whether `cfg` trains every floating-point parameter (`finetune=full`) rather than adapters."""
+    return getattr(cfg, "finetune", "lora") == "full"
 
 
 def lora_config(cfg: Any) -> LoRAConfig:
@@ -302,19 +321,29 @@ def lora_config(cfg: Any) -> LoRAConfig:
                       rslora=cfg.rslora, modules_to_save=list(cfg.modules_to_save))
 
 
-def attach_adapters(model: nn.Module, cfg: Any) -> LoRAConfig:
+def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None) -> LoRAConfig | None:
     """Give `model` its adapters, freeze everything else, print what trains; returns the LoRAConfig.
 
+    `lora`: the adapters to apply when the recipe derives them itself (LRC's per-layer ranks);
+    default `lora_config(cfg)`.
     `init_adapter` loads a saved adapter trainable on purpose (rule 4); its own r / alpha /
     targets apply and the `lora_*` keys are ignored (said so). Fully trained modules
     (`modules_to_save`) are kept in fp32 whatever the base dtype (rule 8).
+
+    `finetune=full`: no adapters; every floating-point parameter trains, in fp32, and None is
+    returned (`finish` then saves the model itself). Integer tensors stay frozen (rule 3).
     """
+    if full_finetune(cfg):
+        unfreeze_all(model)
+        _check_resume_tensors(model, cfg)
+        log(full_report(model))
+        return None
     if cfg.init_adapter:
         lcfg = load_adapter(model, cfg.init_adapter, trainable=True)
         log(f"adapter: continuing {cfg.init_adapter} (r={lcfg.r}, alpha={lcfg.alpha}, targets={lcfg.targets}); "
             f"the lora_* keys of this run are not used")
     else:
-        lcfg = lora_config(cfg)
+        lcfg = lora if lora is not None else lora_config(cfg)
         torch.manual_seed(cfg.seed)  # the adapter's init (LoRA A) follows `seed`: same seed, same start
         apply_lora(model, lcfg)
         freeze_for_adapters(model, lcfg)
@@ -324,6 +353,31 @@ def attach_adapters(model: nn.Module, cfg: Any) -> LoRAConfig:
     _check_resume_tensors(model, cfg)
     log(trainable_report(model))
     return lcfg
+
+
+def unfreeze_all(model: nn.Module) -> int:
+    """Full fine-tuning: every floating-point parameter trains, as fp32 master weights; returns how many
+    tensors train. Integer tensors (none in a float model) stay frozen: they cannot train (rule 3)."""
+    n = 0
+    for p in model.parameters():
+        trains = p.dtype.is_floating_point
+        if trains and p.dtype != torch.float32:
+            p.data = p.data.float()
+        p.requires_grad_(trains)
+        n += trains
+    return n
+
+
+def full_report(model: nn.Module) -> str:
+    """What full fine-tuning trains and what it costs beside the weights (gradients + two AdamW moments).
+
+    No warning: training every tensor is what `finetune=full` asks for (the `modules_to_save`
+    warning of `trainable_report` is for LoRA runs that train whole modules by surprise)."""
+    total = count_parameters(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = sum(p.numel() * (p.element_size() + 8) for p in model.parameters() if p.requires_grad)
+    return (f"trainable: {trainable:,} of {total:,} parameters ({100.0 * trainable / max(total, 1):.2f}%): full "
+            f"fine-tuning in fp32 master weights; gradients + AdamW moments ~{state / 2**20:,.1f} MiB beside them")
 
 
 def _check_resume_tensors(model: nn.Module, cfg: Any) -> None:
@@ -430,11 +484,16 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
 # ----------------------------------------------------------------------------- the end
 
 
-def finish(model: nn.Module, cfg: Any, lora: LoRAConfig, summary: dict[str, Any]) -> Path:
-    """Save the adapter in PEFT's format into `out/adapter` and say where everything is."""
+def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[str, Any]) -> Path:
+    """Save the adapter in PEFT's format into `out/adapter` (`lora` None, i.e. finetune=full: the model
+    as an HF folder in `out/model`) and say where everything is."""
     out = Path(cfg.out)
-    folder = out / ADAPTER_DIR
-    distributed.main_only(lambda: _write_adapter(model, folder, lora))  # under torchrun: rank 0 writes
+    folder = out / (ADAPTER_DIR if lora is not None else MODEL_DIR)
+    if lora is not None:
+        distributed.main_only(lambda: _write_adapter(model, folder, lora))  # under torchrun: rank 0 writes
+    else:  # every rank gathers (FSDP shards), rank 0 writes
+        tensors = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in model.named_parameters()}
+        distributed.main_only(lambda: _write_model(model, folder, tensors))
     loss = summary.get("loss")
     parts = [f"done: step {summary.get('step')}/{summary.get('total_steps')}"]
     if loss is not None:
@@ -444,7 +503,8 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig, summary: dict[str, Any]
     if summary.get("skipped_steps"):
         parts.append(f"{summary['skipped_steps']} skipped steps")
     log(" | ".join(parts))
-    log(f"adapter (PEFT format): {folder}")
+    log(f"adapter (PEFT format): {folder}" if lora is not None else
+        f"model (HF format, loads with transformers' from_pretrained): {folder}")
     log(f"metrics: {out / 'metrics.jsonl'} | config: {out / CONFIG_FILE}")
     return folder
 
@@ -459,3 +519,25 @@ def _write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig) -> None:
         raise UserError(f"{folder}: cannot write the adapter: {io_error_reason(e.__cause__)} — the "
                         f"trained checkpoint is in {out / checkpoint.NAME}: free space or make {out} writable, "
                         f"then rerun with resume=true to write the adapter") from None
+
+
+def _write_model(model: nn.Module, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The fully fine-tuned model as an HF folder: config.json, model.safetensors (`tensors`: the
+    whole parameters, a tied one once under its first name; fp32: the master weights as trained)
+    and the tokenizer files of the folder the base came from."""
+    out = folder.parent
+    emb = getattr(model, "input_embeddings", None)
+    config = dict(model.hf_config, **({"vocab_size": emb.num_embeddings} if isinstance(emb, nn.Embedding) else {}))
+    try:
+        save_pretrained(model, folder, config, dtype=torch.float32, state_dict=tensors)
+        source = getattr(model, "source_dir", None)
+        for name in checkpoint.TOKENIZER_FILES if source is not None else ():
+            if (Path(source) / name).is_file():
+                shutil.copyfile(Path(source) / name, folder / name)
+    except (OSError, UserError) as e:
+        cause = e.__cause__ if isinstance(e, UserError) else e
+        if not isinstance(cause, OSError | SafetensorError):
+            raise
+        raise UserError(f"{folder}: cannot write the model: {io_error_reason(cause)} — the trained checkpoint is in "
+                        f"{out / checkpoint.NAME}: free space or make {out} writable, then rerun with resume=true "
+                        f"to write the model") from None

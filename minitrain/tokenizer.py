@@ -221,6 +221,8 @@ class Tokenizer:
             content = _token_str(v)
             if content is not None and str(k).isdigit():
                 by_id[int(k)] = content
+                if isinstance(v, dict) and (v.get("lstrip") or v.get("rstrip")):
+                    b.set_strip(content, bool(v.get("lstrip")), bool(v.get("rstrip")))
         if (folder / "added_tokens.json").is_file():
             for content, i in _read_json(folder / "added_tokens.json").items():
                 if isinstance(i, int):
@@ -307,6 +309,22 @@ class Tokenizer:
     @property
     def bos_id(self) -> int | None:
         return self._bos
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the checkpoint's own tokenizer puts bos before a text (transformers'
+        `add_special_tokens=True`): `add_bos_token` of tokenizer_config.json, else what
+        tokenizer.json's post-processor does, else True for a sentencepiece model with a bos
+        (LlamaTokenizer's default). Qwen (no bos) and Phi-3 (`add_bos_token: false`) say False,
+        Gemma and LLaMA True; `encode(text, bos=tok.add_bos)` gives transformers' ids."""
+        if self._bos is None:
+            return False
+        flag = self._config.get("add_bos_token")
+        if isinstance(flag, bool):
+            return flag
+        if isinstance(self._b, HFTokenizers):
+            return self._b.tok.encode("a", add_special_tokens=True).ids[:1] == [self._bos]
+        return True
 
     @property
     def eos_id(self) -> int | None:

@@ -19,6 +19,8 @@ class SentencePiece:
 
     sentencepiece never matches its control symbols (`<s>`, `[INST]`, ...) in text, and knows
     nothing of tokens added after training, so `encode` splits the text on those strings first.
+    A token marked `rstrip` / `lstrip` in `tokenizer_config.json` (Phi-3's `<|user|>`, `<|end|>`)
+    takes the whitespace on that side with it, as transformers' added tokens do.
     """
 
     def __init__(self, model_proto: bytes, added: Sequence[str] = (), file_name: str = "tokenizer.model"):
@@ -36,6 +38,8 @@ class SentencePiece:
             if self.sp.is_control(i) or self.sp.is_unknown(i)
         }
         self._pattern: re.Pattern | None = None
+        self._keys: list[str] = []
+        self.strip: dict[str, tuple[bool, bool]] = {}  # token -> (lstrip, rstrip)
         # transformers' `legacy=True` (tokenizer_config.json): text after a special token gets
         # sentencepiece's dummy prefix like any other text; otherwise it continues the token
         self.legacy = False
@@ -66,6 +70,11 @@ class SentencePiece:
         self._special_ids.add(idx)
         self._pattern = None
 
+    def set_strip(self, token: str, lstrip: bool, rstrip: bool) -> None:
+        """Whether `token`, matched in text, also takes the whitespace before / after it."""
+        self.strip[token] = (lstrip, rstrip)
+        self._pattern = None
+
     def token_to_id(self, token: str) -> int | None:
         if token in self.specials:
             return self.specials[token]
@@ -92,14 +101,18 @@ class SentencePiece:
         if not self.specials:
             return [text] if text else []
         if self._pattern is None:
-            keys = sorted(self.specials, key=len, reverse=True)
-            self._pattern = re.compile("|".join(re.escape(k) for k in keys if k))
+            self._keys = [k for k in sorted(self.specials, key=len, reverse=True) if k]
+            alts = []
+            for i, k in enumerate(self._keys):
+                lstrip, rstrip = (r"\s*" if flag else "" for flag in self.strip.get(k, (False, False)))
+                alts.append(f"(?P<t{i}>{lstrip}{re.escape(k)}{rstrip})")
+            self._pattern = re.compile("|".join(alts))
         out: list[str | int] = []
         pos = 0
         for m in self._pattern.finditer(text):
             if m.start() > pos:
                 out.append(text[pos : m.start()])
-            out.append(self.specials[m.group()])
+            out.append(self.specials[self._keys[int(m.lastgroup[1:])]])
             pos = m.end()
         if pos < len(text):
             out.append(text[pos:])
@@ -144,7 +157,9 @@ class SentencePiece:
         def flush() -> None:
             if run:
                 text = self.sp.decode(run)
-                if out and self.sp.id_to_piece(run[0]).startswith("▁"):
+                # sentencepiece drops the space of its dummy prefix when decoding; a model without
+                # one (Gemma) keeps it already
+                if out and self.prefix_space and self.sp.id_to_piece(run[0]).startswith("▁"):
                     text = " " + text
                 out.append(text)
                 run.clear()

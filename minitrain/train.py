@@ -53,7 +53,7 @@ Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
 # Settings that must match between a checkpoint and the run resuming it for the continuation
 # to be the same run (the schedule, data order and loss normalisation depend on them).
 RESUME_KEYS = ("batch_size", "grad_accum", "seed", "lr", "schedule", "min_lr_ratio", "warmup",
-               "epochs", "max_steps", "weight_decay", "max_grad_norm", "precision")
+               "epochs", "max_steps", "weight_decay", "max_grad_norm", "precision", "finetune")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -200,7 +200,8 @@ def train(
             raise UserError("optimizer: holds tensors that are not among the trainable ones — build it over "
                             "exactly the parameters that require grad (or pass them as trainable=)")
     if cfg.checkpointing:
-        n = enable_checkpointing(model)
+        enable_checkpointing(model)  # the preflight audit may have wrapped them already: count them all
+        n = sum(getattr(m, "_minitrain_checkpointed", False) for m in model.modules())
         log(f"activation checkpointing (non-reentrant) on {n} blocks")
     if cfg.compile:
         if device.type == "cuda":

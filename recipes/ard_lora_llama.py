@@ -51,6 +51,11 @@ class ARDConfig(TrainConfig):
     uncertainty_batches: int = doc(8, "held-out batches per periodic uncertainty eval (0: all; the final one uses all)",
                                    ge=0)
 
+    def check(self) -> None:
+        if self.finetune == "full":
+            raise UserError("finetune=full: ARD puts its gates on LoRA adapters — use finetune=lora")
+        super().check()
+
 
 config = ARDConfig(
     out="runs/ard_lora_llama",

@@ -169,8 +169,8 @@ def run(config: PreferenceConfig) -> dict:
         record(job.model, 0, m)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples, eval_fn=record if job.eval_examples else None)
-    finish(job.model, config, job.lora, summary)
-    log(f"Stage B adapter: {out / 'adapter'} (PEFT format)")
+    folder = finish(job.model, config, job.lora, summary)
+    log(f"Stage B {'adapter' if job.lora else 'model'}: {folder} ({'PEFT' if job.lora else 'HF'} format)")
     if (config.model, config.data) == (demo["model"], demo["data"]):
         log(f"to train a real checkpoint (12 GB GPU, QLoRA):\n  {REAL_CHECKPOINT}")
     return summary

@@ -81,6 +81,9 @@ class Seq2SeqConfig(TrainConfig):
 
     def check(self) -> None:
         super().check()
+        if self.finetune == "full":
+            raise UserError("finetune=full: this recipe keeps the best LoRA adapter by its eval metric — use "
+                            "finetune=lora")
         if self.precision == "fp16":
             raise UserError("precision=fp16: T5 activations overflow float16 (inf, then NaN loss) — use "
                             "precision=bf16 on a GPU that has it, or fp32 (precision=auto picks for you)")

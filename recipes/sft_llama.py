@@ -1,4 +1,5 @@
-"""SFT: supervised fine-tuning of a LLaMA / Mistral checkpoint with a LoRA adapter.
+"""SFT: supervised fine-tuning of a causal checkpoint with a LoRA adapter: LLaMA, Mistral, Qwen2 / Qwen2.5,
+Qwen3, Gemma 2, Gemma 3, Phi-3 (`recipes/sft.py` runs this file under a family-agnostic name).
 
 Trains on rows of any of these shapes (they may be mixed in one file), in JSON lines, JSON, CSV /
 TSV, Parquet, Arrow or a `datasets` folder (docs/data.md; other column names: `fields=`):

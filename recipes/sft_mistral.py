@@ -78,7 +78,8 @@ def run(config: SFTConfig) -> dict:
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples)
     finish(job.model, config, job.lora, summary)
-    log(f"Stage B (DPO) continuing this adapter:\n  {stage_b_command(config)}")
+    if job.lora is not None:  # finetune=full saved a model, which Stage B's DPO (an adapter's) does not continue
+        log(f"Stage B (DPO) continuing this adapter:\n  {stage_b_command(config)}")
     return summary
 
 

@@ -9,6 +9,8 @@
 - `make_llama3_tokenizer(folder)`: a byte-level BPE with Llama-3's specials (vocab 325).
 - `make_t5_tokenizer(folder, extra_ids=...)`: a T5-style `spiece.model` (pad 0, eos 1, unk 2,
   no bos) plus `<extra_id_N>` sentinels as T5 does.
+- `make_qwen_tokenizer(folder)`, `make_gemma_tokenizer(folder)`, `make_phi3_tokenizer(folder)`: the
+  tokenizer files of those families, in their shapes (see each builder), as the checkpoints ship them.
 - `corpus(n)`: the generated text, deterministic.
 
 Files are cached per process keyed on arguments and copied into `folder`, so calling these in
@@ -170,6 +172,115 @@ def _build_t5(d: Path, vocab_size: int, extra_ids: int) -> None:
         {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
          "extra_ids": extra_ids, "tokenizer_class": "T5Tokenizer"},
     )
+
+
+# the pre-tokenizer split of Qwen2 / Qwen2.5 / Qwen3's tokenizer.json (Llama 3's, with single digits)
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_PLAIN = ["<think>", "</think>"]  # Qwen3's added tokens that are not special
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+              "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+
+
+def _added(content: str, *, special: bool = True, rstrip: bool = False) -> dict:
+    """One `added_tokens_decoder` entry of tokenizer_config.json."""
+    return {"content": content, "lstrip": False, "normalized": False, "rstrip": rstrip, "single_word": False,
+            "special": special}
+
+
+def _build_qwen(d: Path, vocab_size: int) -> None:
+    """Qwen's shape: byte-level BPE, NFC, Qwen's split regex; no bos, no unk; `<|endoftext|>`,
+    `<|im_start|>`, `<|im_end|>` special tokens after the BPE vocabulary, then Qwen3's `<think>`
+    tokens (added, not special); `Qwen2Tokenizer` config with `bos_token: null`."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_PLAIN])
+    tok.save(str(d / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): _added(t, special=t in QWEN_SPECIALS) for t in QWEN_SPECIALS + QWEN_PLAIN}
+    _write_json(d / "tokenizer_config.json", {
+        "add_prefix_space": False, "added_tokens_decoder": added, "additional_special_tokens": QWEN_SPECIALS[1:],
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "clean_up_tokenization_spaces": False, "errors": "replace", "model_max_length": 32768,
+        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer"})
+
+
+def _tokenizer_json_by_transformers(d: Path) -> None:
+    """Add the `tokenizer.json` transformers converts from `d`'s sentencepiece model (how the Gemma
+    and Phi-3 checkpoints' own were made); `d`'s tokenizer_config.json is kept as written."""
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        transformers.AutoTokenizer.from_pretrained(str(d)).save_pretrained(tmp)
+        shutil.copy(Path(tmp) / "tokenizer.json", d / "tokenizer.json")
+
+
+def _build_gemma(d: Path, vocab_size: int) -> None:
+    """Gemma's shape: sentencepiece BPE with byte fallback and no dummy prefix; pad 0, eos 1, bos 2,
+    unk 3, then `<mask>`, `<start_of_turn>`, `<end_of_turn>`; `add_bos_token: true`; both
+    tokenizer.model and the tokenizer.json transformers converts from it."""
+    _train_sp(d, "tokenizer.model", vocab_size, model_type="bpe", normalization_rule_name="identity",
+              remove_extra_whitespaces=False, add_dummy_prefix=False, byte_fallback=True, split_digits=True,
+              pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+              unk_piece="<unk>", user_defined_symbols=["<mask>", "<start_of_turn>", "<end_of_turn>"])
+    names = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    _write_json(d / "tokenizer_config.json", {
+        "add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": {str(i): _added(t) for i, t in
+                                                                                 enumerate(names)},
+        "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"], "bos_token": "<bos>",
+        "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>", "clean_up_tokenization_spaces": False,
+        "sp_model_kwargs": {}, "spaces_between_special_tokens": False, "tokenizer_class": "GemmaTokenizer"})
+    _tokenizer_json_by_transformers(d)
+
+
+def _build_phi3(d: Path, vocab_size: int) -> None:
+    """Phi-3's shape: Llama's sentencepiece (BPE, byte fallback, dummy prefix; unk 0, bos 1, eos 2)
+    plus `<|endoftext|>`, `<|assistant|>`, ..., `<|user|>` after it, all but `<|endoftext|>` with
+    `rstrip` (they take the whitespace after them), `</s>` not special; `add_bos_token: false`,
+    `legacy: false`; both tokenizer.model and the tokenizer.json transformers converts from it."""
+    _train_sp(d, "tokenizer.model", vocab_size, model_type="bpe", normalization_rule_name="identity",
+              remove_extra_whitespaces=False, byte_fallback=True, split_digits=True, unk_id=0, bos_id=1, eos_id=2,
+              pad_id=-1)
+    added = {"0": _added("<unk>"), "1": _added("<s>"), "2": _added("</s>", special=False, rstrip=True)}
+    for i, t in enumerate(PHI3_ADDED):
+        added[str(vocab_size + i)] = _added(t, rstrip=t != "<|endoftext|>")
+    _write_json(d / "tokenizer_config.json", {
+        "add_bos_token": False, "add_eos_token": False, "added_tokens_decoder": added, "bos_token": "<s>",
+        "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "legacy": False,
+        "model_max_length": 4096, "pad_token": "<|endoftext|>", "padding_side": "left", "sp_model_kwargs": {},
+        "tokenizer_class": "LlamaTokenizer", "unk_token": "<unk>", "use_default_system_prompt": False})
+    _tokenizer_json_by_transformers(d)
+
+
+def make_qwen_tokenizer(folder: Path, vocab_size: int = 300) -> Path:
+    """A Qwen-shaped `tokenizer.json` folder (ids: BPE vocab, then the 3 specials, then <think>, </think>)."""
+    return _copy(_cached(("qwen", vocab_size), lambda d: _build_qwen(d, vocab_size)), folder)
+
+
+def make_gemma_tokenizer(folder: Path, vocab_size: int = 420) -> Path:
+    """A Gemma-shaped folder: tokenizer.model + tokenizer.json (pad 0, eos 1, bos 2, unk 3)."""
+    return _copy(_cached(("gemma", vocab_size), lambda d: _build_gemma(d, vocab_size)), folder)
+
+
+def make_phi3_tokenizer(folder: Path, vocab_size: int = 400) -> Path:
+    """A Phi-3-shaped folder: tokenizer.model + tokenizer.json (unk 0, bos 1, eos 2; the 11 added
+    tokens from `vocab_size` on)."""
+    return _copy(_cached(("phi3", vocab_size), lambda d: _build_phi3(d, vocab_size)), folder)
 
 
 def make_bpe_tokenizer(folder: Path, vocab_size: int = 128) -> Path:

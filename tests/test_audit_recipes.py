@@ -20,7 +20,7 @@ from _tok import corpus, make_bpe_tokenizer, make_t5_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.py") if not p.name.startswith("_"))
-NEEDS_BNB = {"lrc_llama.py"}  # a quantized base by default
+NEEDS_BNB = {"lrc_llama.py", "lrc.py"}  # a quantized base by default
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +63,13 @@ def args_for(recipe: str, d: dict[str, Path]) -> list[str]:
     common = {"batch_size": "2", "lora_r": "4", "lora_alpha": "8", "device": "cpu", "out": str(d["root"] / "out")}
     per = {
         "sft_llama.py": {"model": d["llama"], "data": d["sft"]},
+        "sft.py": {"model": d["llama"], "data": d["sft"]},  # sft_llama.py's family-agnostic alias
         "sft_mistral.py": {"model": d["mistral"], "data": d["sft"]},
         "dpo_mistral.py": {"model": d["mistral"], "data": d["prefs"], "eval_data": d["prefs"]},
         "distill_llama.py": {"model": d["llama"], "teacher": d["llama"], "data": d["sft"]},
         "ard_lora_llama.py": {"model": d["llama"], "data": d["sft"], "eval_data": d["sft"]},
         "lrc_llama.py": {"model": d["llama"], "data": d["sft"]},
+        "lrc.py": {"model": d["llama"], "data": d["sft"]},
         "lora_t5.py": {"model": d["t5"], "data": d["sft"]},
         "kto_mistral.py": {"model": d["mistral"], "data": d["kto"], "eval_data": d["kto"]},
     }

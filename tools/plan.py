@@ -107,7 +107,7 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
     lines = [f"plan: {path} {' '.join(overrides)}".rstrip(),
              f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, {model.describe()})",
              f"run: {opts['--device']}, {run.compute} compute, "
-             f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA r={run.lora_r} on "
+             f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA {run.rank_text} on "
              f"{','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
              + (f", {'KTO' if run.reference_rows else 'DPO'} reference: {run.dpo_reference}"
                 if run.dpo_reference not in (None, "none") else "")

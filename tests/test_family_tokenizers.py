@@ -1,0 +1,102 @@
+"""The tokenizers of Qwen2 / Qwen3, Gemma 2 / 3 and Phi-3 through minitrain's `Tokenizer`.
+
+Each folder is built in its family's shape (tests/_tok.py: Qwen's byte-level BPE with its split
+regex and `<|im_start|>`, no bos; Gemma's sentencepiece with byte fallback, no dummy prefix,
+`<start_of_turn>`, bos added; Phi-3's Llama sentencepiece with `<|user|>` ... added tokens that
+strip the whitespace after them, no bos added) and saved as the family ships it
+(tokenizer.json + tokenizer_config.json; Gemma and Phi-3 also tokenizer.model). Ids are compared
+with transformers' `AutoTokenizer` on the same folder, the `tokenizers` library on the same
+tokenizer.json and sentencepiece on the same model, special tokens in the text included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sentencepiece as spm
+import tokenizers
+import transformers
+from _tok import corpus, make_gemma_tokenizer, make_phi3_tokenizer, make_qwen_tokenizer
+
+from minitrain.tokenizer import Tokenizer
+
+PLAIN = corpus(30, seed=5) + ["naïve café 日本語 🙂 ½", "a\n\nb\tc  d", "x ", "tabs\t\tand 12345 digits", ""]
+CHATS = {
+    "qwen": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi  there 42?<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>\n<|endoftext|>",
+    "gemma": "<start_of_turn>user\nHi  there 42?<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n<eos>",
+    "phi3": "<|system|>\nBe brief.<|end|>\n<|user|>\nHi  there 42?<|end|>\n<|assistant|>\nHello<|end|>\n"
+            "<|endoftext|>",
+}
+MAKE = {"qwen": make_qwen_tokenizer, "gemma": make_gemma_tokenizer, "phi3": make_phi3_tokenizer}
+# (default backend, whether the checkpoint's tokenizer adds bos, the bos id)
+EXPECT = {"qwen": ("tokenizers", False, None), "gemma": ("sentencepiece", True, 2), "phi3": ("sentencepiece", False, 1)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family_tok")
+    return {name: make(root / name) for name, make in MAKE.items()}
+
+
+def backends(folder) -> list[Tokenizer]:
+    """Ours over every file the folder has: the default pick, and tokenizer.json when both exist."""
+    toks = [Tokenizer.from_folder(folder)]
+    if (folder / "tokenizer.model").is_file():
+        toks.append(Tokenizer.from_folder(folder, backend="tokenizers"))
+    return toks
+
+
+@pytest.mark.parametrize("name", list(MAKE))
+def test_ids_equal_transformers_and_tokenizers(folders, name):
+    folder = folders[name]
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for tok in backends(folder):
+        assert tok.vocab_size == len(ref)
+        for text in PLAIN + [CHATS[name]]:
+            want = ref(text, add_special_tokens=False).input_ids
+            assert want == raw.encode(text, add_special_tokens=False).ids
+            ids = tok.encode(text)
+            assert ids == want, (tok, text)
+            assert tok.decode(ids, skip_special=False) == ref.decode(want, skip_special_tokens=False), (tok, text)
+            if "</s>" not in text:  # Phi-3 lists </s> as not special; ours never decodes control pieces
+                assert tok.decode(ids) == ref.decode(want, skip_special_tokens=True), (tok, text)
+
+
+@pytest.mark.parametrize("name", list(MAKE))
+def test_bos_and_special_ids_as_transformers(folders, name):
+    """bos where the checkpoint adds one (Gemma), none for Qwen (no bos token) and Phi-3
+    (`add_bos_token: false`); the chat markers are single special ids; eos / pad as configured."""
+    folder = folders[name]
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    backend, add_bos, bos = EXPECT[name]
+    for tok in backends(folder):
+        assert (tok.add_bos, tok.bos_id) == (add_bos, bos)
+        assert (tok.eos_id, tok.pad_id) == (ref.eos_token_id, ref.pad_token_id)
+        for text in PLAIN[:5] + [CHATS[name]]:
+            assert tok.encode(text, bos=tok.add_bos) == ref(text).input_ids
+        markers = [t.content for t in ref.added_tokens_decoder.values() if t.special and t.content in CHATS[name]]
+        assert len(markers) >= 3
+        for t in markers:
+            assert tok.encode(t) == [ref.convert_tokens_to_ids(t)] and tok.special_id(t) is not None
+    assert Tokenizer.from_folder(folder).backend.__class__.__name__ == {
+        "tokenizers": "HFTokenizers", "sentencepiece": "SentencePiece"}[backend]
+
+
+def test_phi3_markers_take_the_whitespace_after_them(folders):
+    """`rstrip` on Phi-3's added tokens: "<|user|>\\nHi" is [<|user|>, Hi], in either backend."""
+    for tok in backends(folders["phi3"]):
+        user, end = tok.token_to_id("<|user|>"), tok.token_to_id("<|end|>")
+        assert tok.encode("<|user|>\n  Hi<|end|>\n") == [user] + tok.encode("Hi", continuation=True) + [end]
+        assert tok.encode("<|endoftext|> Hi")[1:] != tok.encode("Hi", continuation=True)  # not stripped
+
+
+@pytest.mark.parametrize("name", ["gemma", "phi3"])
+def test_sentencepiece_backend_equals_sentencepiece(folders, name):
+    """On plain text (leading spaces included, where transformers' converted tokenizer.json differs
+    from the model it came from) the sentencepiece backend gives sentencepiece's ids."""
+    folder = folders[name]
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    tok = Tokenizer.from_folder(folder)
+    for text in PLAIN + ["  two leading spaces", " one"]:
+        assert tok.encode(text) == sp.encode(text), text

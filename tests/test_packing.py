@@ -71,11 +71,55 @@ def policy(request, hf_causal):
     return model.train()
 
 
-def _loss_and_grads(model, batch):
+def grads(model, objective, batch):
+    """(loss, count, metrics, adapter gradients) of one micro-batch."""
     model.zero_grad(set_to_none=True)
-    loss, count, _ = sft(model, batch)
+    loss, count, metrics = objective(model, batch)
     loss.backward()
-    return loss.detach(), int(count), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return (loss.detach(), int(count), metrics,
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+
+
+def assert_same(got, want):
+    """Loss to 1e-5, the same count, metrics to 1e-5 and every gradient to 1e-5 (fp32)."""
+    assert got[1] == want[1]
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-6)
+    assert got[2].keys() == want[2].keys()
+    for k in want[2]:
+        assert got[2][k] == pytest.approx(want[2][k], abs=1e-5), k
+    for k in want[3]:
+        torch.testing.assert_close(got[3][k], want[3][k], atol=1e-5, rtol=1e-4)
+
+
+def resumes_bitwise(tmp_path, fresh, objective, examples, collate, batch_size=4):
+    """A run killed mid-way (checkpoint at step 2) and resumed ends bitwise equal to the straight run."""
+    from test_resume import Killed, killing
+    from test_train import cfg_for, quiet
+
+    from minitrain.train import train
+
+    kw = dict(batch_size=batch_size, grad_accum=1, max_steps=5, save_every=2, lr=5e-3, skip_audit=True)
+    straight = fresh()
+    train(straight, objective, examples, collate, cfg_for(tmp_path / "a", **kw), log=quiet)
+    cfg = cfg_for(tmp_path / "b", **kw)
+    with pytest.raises(Killed):
+        train(fresh(), killing(objective, 3), examples, collate, cfg, log=quiet)
+    resumed = fresh()
+    train(resumed, objective, examples, collate, dataclasses.replace(cfg, resume=True), log=quiet)
+    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def tiny_lora(seed: int = 3):
+    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=2))
+    cfg = LoRAConfig(r=2, alpha=4, targets=["q_proj", "v_proj"], dropout=0.1)
+    apply_lora(m, cfg)
+    freeze_for_adapters(m, cfg)
+    return m
 
 
 def test_packed_equals_unpacked(policy):
@@ -85,47 +129,14 @@ def test_packed_equals_unpacked(policy):
     padded, packed = collate_causal(ex, pad_id=0), collate_packed_causal(ex, pad_id=0, max_len=48)
     assert packed["input_ids"].numel() < padded["input_ids"].numel()
     assert int(packed["attention_mask"].sum()) == int(padded["attention_mask"].sum())
-    l0, n0, g0 = _loss_and_grads(policy, padded)
-    l1, n1, g1 = _loss_and_grads(policy, packed)
-    assert n1 == n0
-    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-6)
-    for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4)
+    assert_same(grads(policy, sft, packed), grads(policy, sft, padded))
 
 
 def test_packed_run_resumes_bitwise(tmp_path):
-    """A packed run killed mid-way (checkpoint at step 2) and resumed ends bitwise equal to the
-    uninterrupted run: the packing is a pure function of the Batcher's micro-batch."""
-    from test_resume import Killed, killing
-    from test_train import cfg_for, quiet
-
-    from minitrain.train import train
-    from models.llama import LlamaConfig, LlamaForCausalLM
-
-    def fresh():
-        torch.manual_seed(3)
-        m = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=2))
-        cfg = LoRAConfig(r=2, alpha=4, targets=["q_proj", "v_proj"], dropout=0.1)
-        apply_lora(m, cfg)
-        freeze_for_adapters(m, cfg)
-        return m
-
-    ex = examples(24, seed=3)
-
-    def collate(b):
-        return collate_packed_causal(b, pad_id=0, max_len=40)
-
-    kw = dict(batch_size=4, grad_accum=1, max_steps=5, save_every=2, lr=5e-3, skip_audit=True)
-    straight = fresh()
-    train(straight, sft, ex, collate, cfg_for(tmp_path / "a", **kw), log=quiet)
-    cfg = cfg_for(tmp_path / "b", **kw)
-    with pytest.raises(Killed):
-        train(fresh(), killing(sft, 3), ex, collate, cfg, log=quiet)
-    resumed = fresh()
-    train(resumed, sft, ex, collate, dataclasses.replace(cfg, resume=True), log=quiet)
-    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), k
+    """A packed run killed mid-way and resumed ends bitwise equal to the uninterrupted run: the
+    packing is a pure function of the Batcher's micro-batch."""
+    resumes_bitwise(tmp_path, tiny_lora, sft, examples(24, seed=3),
+                    lambda b: collate_packed_causal(b, pad_id=0, max_len=40))
 
 
 # ----------------------------------------------------------------------------- preference pairs
@@ -140,13 +151,6 @@ def _pair_objective(loss: str, reference=None):
     return ReferenceFreeObjective(loss, 0.1, 0.0 if loss == "simpo" else 1.0, 0.5)
 
 
-def _pair_grads(model, objective, batch):
-    model.zero_grad(set_to_none=True)
-    loss, count, metrics = objective(model, batch)
-    loss.backward()
-    return loss.detach(), count, metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 @pytest.mark.parametrize("loss", ["sigmoid", "orpo", "simpo", "cpo"])
 def test_packed_pairs_equal_unpacked(policy, loss):
     """DPO (reference = adapters off, with an sft term), ORPO, SimPO and CPO on pairs packed into rows
@@ -159,16 +163,9 @@ def test_packed_pairs_equal_unpacked(policy, loss):
     ex = pairs(9)
     padded, packed = collate_preference(ex, pad_id=0), collate_packed_pairs(ex, pad_id=0, max_len=48)
     assert packed["input_ids"].numel() < padded["input_ids"].numel() and packed["input_ids"].shape[0] < 2 * len(ex)
-    objective = _pair_objective(loss)
-    l0, n0, m0, g0 = _pair_grads(policy, objective, padded)
-    l1, n1, m1, g1 = _pair_grads(policy, objective, packed)
-    assert n1 == n0 == len(ex)
-    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-6)
-    assert m1.keys() == m0.keys()
-    for k in m0:
-        assert m1[k] == pytest.approx(m0[k], abs=1e-5), k
-    for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4)
+    want = grads(policy, _pair_objective(loss), padded)
+    assert want[1] == len(ex)
+    assert_same(grads(policy, _pair_objective(loss), packed), want)
 
 
 def test_packed_pairs_keep_every_reference_mode(policy):
@@ -200,52 +197,18 @@ def test_packed_pairs_keep_every_reference_mode(policy):
     for e, c, r in zip(ex, *cached[1]):
         e["ref_chosen_logp"], e["ref_rejected_logp"] = float(c), float(r)
     objective = _pair_objective("sigmoid", snapshot)
-    want = _pair_grads(policy, objective, collate_with_reference(ex, 0))
-    got = _pair_grads(policy, objective, collate_with_reference(ex, 0, pack_len=40))
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-6)
-    for k in want[3]:
-        torch.testing.assert_close(got[3][k], want[3][k], atol=1e-5, rtol=1e-4)
-
-
-def _tiny_lora(seed: int = 3):
-    from models.llama import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=2))
-    cfg = LoRAConfig(r=2, alpha=4, targets=["q_proj", "v_proj"], dropout=0.1)
-    apply_lora(m, cfg)
-    freeze_for_adapters(m, cfg)
-    return m
+    assert_same(grads(policy, objective, collate_with_reference(ex, 0, pack_len=40)),
+                grads(policy, objective, collate_with_reference(ex, 0)))
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "orpo"])
 def test_packed_pairs_run_resumes_bitwise(tmp_path, loss):
-    """A packed DPO / ORPO run killed mid-way (checkpoint at step 2) and resumed ends bitwise equal to
-    the uninterrupted run."""
-    from test_resume import Killed, killing
-    from test_shared_prompt import pairs
-    from test_train import cfg_for, quiet
-
+    """A packed DPO / ORPO run killed mid-way and resumed ends bitwise equal to the straight run."""
     from minitrain.dpo import collate_with_reference
-    from minitrain.train import train
+    from test_shared_prompt import pairs
 
-    ex = pairs(16, seed=4)
-
-    def collate(b):
-        return collate_with_reference(b, pad_id=0, pack_len=48)
-
-    objective = _pair_objective(loss)
-    kw = dict(batch_size=3, grad_accum=1, max_steps=5, save_every=2, lr=5e-3, skip_audit=True)
-    straight = _tiny_lora()
-    train(straight, objective, ex, collate, cfg_for(tmp_path / "a", **kw), log=quiet)
-    cfg = cfg_for(tmp_path / "b", **kw)
-    with pytest.raises(Killed):
-        train(_tiny_lora(), killing(objective, 3), ex, collate, cfg, log=quiet)
-    resumed = _tiny_lora()
-    train(resumed, objective, ex, collate, dataclasses.replace(cfg, resume=True), log=quiet)
-    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), k
+    resumes_bitwise(tmp_path, tiny_lora, _pair_objective(loss), pairs(16, seed=4),
+                    lambda b: collate_with_reference(b, pad_id=0, pack_len=48), batch_size=3)
 
 
 def test_pair_layouts_that_do_not_combine_are_one_line():
@@ -315,18 +278,7 @@ def test_packed_seq2seq_equals_unpacked(gated):
     assert packed["input_ids"].shape[0] < len(ex) and packed["input_ids"].shape[1] <= 40
     assert packed["labels"].shape[1] <= 16
     assert int(packed["attention_mask"].sum()) == int(padded["attention_mask"].sum())
-    out = []
-    for batch in (padded, packed):
-        model.zero_grad(set_to_none=True)
-        loss, count, _ = seq2seq(model, batch)
-        loss.backward()
-        out.append((loss.detach(), int(count), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                if p.requires_grad}))
-    (l0, n0, g0), (l1, n1, g1) = out
-    assert n1 == n0
-    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-6)
-    for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4)
+    assert_same(grads(model, seq2seq, packed), grads(model, seq2seq, padded))
 
 
 def test_packed_seq2seq_masks():
@@ -345,25 +297,8 @@ def test_packed_seq2seq_masks():
 
 def test_packed_seq2seq_run_resumes_bitwise(tmp_path):
     """A packed T5 run with dropout, killed mid-way and resumed, ends bitwise equal to the straight run."""
-    from test_resume import Killed, killing
-    from test_train import cfg_for, quiet
-
     from minitrain.objectives import seq2seq
     from minitrain.packing import collate_packed_seq2seq
-    from minitrain.train import train
 
-    ex = s2s_examples(20, seed=2)
-
-    def collate(b):
-        return collate_packed_seq2seq(b, pad_id=0, max_len=40, max_target_len=16)
-
-    kw = dict(batch_size=4, grad_accum=1, max_steps=5, save_every=2, lr=5e-3, skip_audit=True)
-    straight = tiny_t5(3, dropout=0.1)
-    train(straight, seq2seq, ex, collate, cfg_for(tmp_path / "a", **kw), log=quiet)
-    cfg = cfg_for(tmp_path / "b", **kw)
-    with pytest.raises(Killed):
-        train(tiny_t5(3, dropout=0.1), killing(seq2seq, 3), ex, collate, cfg, log=quiet)
-    resumed = tiny_t5(3, dropout=0.1)
-    train(resumed, seq2seq, ex, collate, dataclasses.replace(cfg, resume=True), log=quiet)
-    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), k
+    resumes_bitwise(tmp_path, lambda: tiny_t5(3, dropout=0.1), seq2seq, s2s_examples(20, seed=2),
+                    lambda b: collate_packed_seq2seq(b, pad_id=0, max_len=40, max_target_len=16))

@@ -476,24 +476,21 @@ class DistillObjective:
         """Per-target-token terms {name: (n,) fp32} for a causal batch (`input_ids`, `attention_mask`, `labels`)."""
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         targets = shift_labels(batch["labels"])
-        capture = {}
+        inside = bool(self.feature_map or self.attention_map)  # capture the mapped layers (a `Captured` each)
         s_capture = {"hidden_layers": tuple(self.feature_map), "attention_layers": tuple(self.attention_map)}
         t_capture = {"hidden_layers": tuple(sorted(set(self.feature_map.values()))),
                      "attention_layers": tuple(sorted(set(self.attention_map.values())))}
         with torch.no_grad():
-            t_out = self.teacher(ids, mask, **t_capture) if any(t_capture.values()) else self.teacher(ids, mask)
-        s_out = student(ids, mask, **s_capture) if any(s_capture.values()) else student(ids, mask)
-        if any(s_capture.values()):
-            capture = {"student": s_out, "teacher": t_out}
-            s_out, t_out = s_out.hidden, t_out.hidden  # (B, T, D), (B, T, Dt)
-        ce, kd = chunked_kd_ce(s_out, student.output_projection, t_out, self.teacher.output_projection, targets,
-                               temperature=self.temperature, top_k=self.top_k, chunk=self.chunk)
+            t = self.teacher(ids, mask, **t_capture) if inside else self.teacher(ids, mask)
+        s = student(ids, mask, **s_capture) if inside else student(ids, mask)
+        ce, kd = chunked_kd_ce(s.hidden if inside else s, student.output_projection, t.hidden if inside else t,
+                               self.teacher.output_projection, targets, temperature=self.temperature,
+                               top_k=self.top_k, chunk=self.chunk)
         out = {"kd": kd, "ce": ce}
-        if not capture:
+        if not inside:
             return out
         rows = (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # the target positions, as for kd / ce
         real = (torch.ones_like(targets) if mask is None or mask.dim() != 2 else mask).reshape(-1)[rows].float()
-        s, t = capture["student"], capture["teacher"]
         if self.feature_map:
             proj = getattr(student, PROJECTIONS, None)
             terms = []

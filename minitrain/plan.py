@@ -1,7 +1,7 @@
 """A model of a training run's peak GPU memory, from the model's `config.json` and the run's keys.
 
 Plain functions over two small descriptions: a model shape (the dims of a checkpoint, read from
-`config.json` only, never the weights: `ModelShape` for LLaMA / Mistral, `T5Shape` for T5 v1.0,
+`config.json` only, never the weights: `ModelShape` for LLaMA / Mistral / Qwen2 / Qwen3, `T5Shape` for T5 v1.0,
 v1.1 and FLAN-T5; `shape_from_hf` picks one) and `RunShape` (micro-batch, lengths, dtype,
 quantization, adapter, checkpointing, DPO reference mode). `predict(model, run)` returns a `Plan`:
 every term in bytes with the formula it comes from, and the peak. The family-specific parts
@@ -71,7 +71,7 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
 
 
 def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape | T5Shape":
-    """The shape of the family `config.json`'s model_type names (LLaMA / Mistral, T5)."""
+    """The shape of the family `config.json`'s model_type names (LLaMA / Mistral / Qwen2 / Qwen3, T5)."""
     if d.get("model_type") == "t5":
         return T5Shape.from_hf(d, where)
     return ModelShape.from_hf(d, where)
@@ -79,7 +79,8 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A LLaMA / Mistral checkpoint's dims, under HF's `config.json` names.
+    """A LLaMA / Mistral / Qwen2 / Qwen3 checkpoint's dims, under HF's `config.json` names (Qwen: LLaMA's
+    blocks plus q / k / v biases (Qwen2) or per-head q / k norms (Qwen3)).
 
     What `predict` asks of a family (T5Shape has the same): `weight_terms`, `trainable_tensors`,
     `adapted_summary`, `moments`, `describe`; its LLaMA formulas are the module-level functions below.
@@ -95,6 +96,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     model_type: str = "llama"
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k
+    qkv_bias: bool = False  # Qwen2 (and `attention_bias`): biases on q / k / v
+    o_bias: bool = False  # `attention_bias` (LLaMA, Qwen3): a bias on o_proj too
     is_encoder_decoder: ClassVar[bool] = False
     EMBEDDINGS: ClassVar[tuple[str, ...]] = ("model.embed_tokens",)  # what a tied head is
 
@@ -102,22 +106,27 @@ class ModelShape:
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "ModelShape":
         """From a `config.json` dict (HF's defaults for the fields it may leave out)."""
         kind = d.get("model_type")
-        if kind not in ("llama", "mistral"):
-            raise UserError(f"{where}: model_type {kind!r} — the memory plan models LLaMA / Mistral and T5 "
-                            f"checkpoints only")
+        if kind not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise UserError(f"{where}: model_type {kind!r} — the memory plan models LLaMA / Mistral / Qwen2 / "
+                            f"Qwen3 and T5 checkpoints only")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if not isinstance(d.get(k), int)]
         if missing:
-            raise UserError(f"{where}: missing {', '.join(missing)} — not a LLaMA / Mistral config.json")
+            raise UserError(f"{where}: missing {', '.join(missing)} — not a LLaMA / Mistral / Qwen config.json")
         heads = d["num_attention_heads"]
         kv = d.get("num_key_value_heads", 8 if kind == "mistral" else None) or heads
-        window = d.get("sliding_window", 4096 if kind == "mistral" else None) if kind == "mistral" else None
+        if kind == "mistral":
+            window = d.get("sliding_window", 4096)
+        else:  # Qwen's window applies only with use_sliding_window (off in the released checkpoints)
+            window = d.get("sliding_window") if kind.startswith("qwen") and d.get("use_sliding_window") else None
+        head_dim = d.get("head_dim") or (128 if kind == "qwen3" else d["hidden_size"] // heads)  # HF's defaults
+        bias = bool(d.get("attention_bias", False)) and kind in ("llama", "qwen3")
         return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                    intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-                   num_attention_heads=heads, num_key_value_heads=kv,
-                   head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
                    tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                   sliding_window=window, model_type=kind)
+                   sliding_window=window, model_type=kind, qk_norm=kind == "qwen3",
+                   qkv_bias=bias or kind == "qwen2", o_bias=bias)
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """Each block's linears: name -> (in_features, out_features)."""
@@ -138,9 +147,14 @@ class ModelShape:
     def n_rep(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def block_extras(self) -> int:
+        """Numel of a block's small tensors besides its two norms: Qwen3's q / k norms, the biases."""
+        return ((2 * self.head_dim if self.qk_norm else 0) + (self.q_width + 2 * self.kv_width if self.qkv_bias else 0)
+                + (self.hidden_size if self.o_bias else 0))
+
     def num_params(self) -> int:
         D, V = self.hidden_size, self.vocab_size
-        per_block = sum(i * o for i, o in self.linears().values()) + 2 * D
+        per_block = sum(i * o for i, o in self.linears().values()) + 2 * D + self.block_extras()
         return V * D * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_block + D
 
     def describe(self) -> str:
@@ -326,10 +340,14 @@ def weight_terms(model: ModelShape, run: RunShape) -> list[Term]:
     L, D, V = model.num_hidden_layers, model.hidden_size, model.vocab_size
     b, f = _linears_bytes([(i, o, L) for i, o in model.linears().values()], run)
     heads = 1 if model.tie_word_embeddings else 2
-    return [Term("weights: block linears", b, f),
-            Term("weights: embeddings + head", heads * V * D * s,
-                 f"{heads} x {V:,} x {D:,} x {s} B" + (" (tied)" if heads == 1 else "")),
-            Term("weights: norms", (2 * L + 1) * D * s, f"{2 * L + 1} x {D:,} x {s} B")]
+    terms = [Term("weights: block linears", b, f),
+             Term("weights: embeddings + head", heads * V * D * s,
+                  f"{heads} x {V:,} x {D:,} x {s} B" + (" (tied)" if heads == 1 else "")),
+             Term("weights: norms", (2 * L + 1) * D * s, f"{2 * L + 1} x {D:,} x {s} B")]
+    if model.block_extras():
+        terms.append(Term("weights: q/k norms, biases", L * model.block_extras() * s,
+                          f"{L} x {model.block_extras():,} x {s} B"))
+    return terms
 
 
 def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
@@ -390,6 +408,8 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     lin = model.linears()
     width = {"xn": D, "attn": Hq, "xn2": D, "act": F}
     terms = [Term("norm inputs (fp32)", N * 2 * D * 4, "2 x D x 4 per token"),
+             *([Term("q/k norm inputs (fp32) + rsqrt", N * (model.q_width + model.kv_width + H + model.num_key_value_heads) * 4,
+                     "(Hq + Hk + heads + kv heads) x 4 per token")] if model.qk_norm else []),
              Term("attention q, k, v, out + lse", N * ((2 * Hq + 2 * Hk) * s + H * 4),
                   f"(2 Hq + 2 Hk{' (repeated)' if model.n_rep > 1 else ''}) x {s} + heads x 4 per token")]
     if run.mask:

@@ -142,6 +142,18 @@ def test_quantized_weights_exact(kind, double_quant):
     assert terms["weights: embeddings + head"] + terms["weights: norms"] == tensor_bytes(rest)
 
 
+@pytest.mark.parametrize("extra", [dict(model_type="qwen2"), dict(model_type="qwen3", tie_word_embeddings=True),
+                                   dict(model_type="llama", attention_bias=True)])
+def test_qwen_weights_exact(extra):
+    hf = hf_config(num_key_value_heads=2, head_dim=64, **extra)
+    model = build(hf, torch.bfloat16, ALL, r=8)
+    ms = P.ModelShape.from_hf(hf)
+    run = P.RunShape(rows=1, seq=8, compute="bf16", lora_r=8, lora_targets=ALL)
+    base = [p for p in model.parameters() if not p.requires_grad]
+    assert sum(t.bytes for t in P.weight_terms(ms, run)) == tensor_bytes(base)
+    assert ms.num_params() == sum(p.numel() for p in {id(p): p for p in base}.values())
+
+
 @pytest.mark.parametrize("scale", ["tensor", "channel"])
 def test_ternary_weights_and_lrc_rank_adapters_exact(scale):
     hf = hf_config(num_key_value_heads=2, hidden_size=192, intermediate_size=522)  # rows not multiples of 4
@@ -208,6 +220,9 @@ CASES = {
     "nf4 all-linear": dict(targets=ALL, quantize="nf4"),
     "ternary all-linear lrc 15% ckpt": dict(targets=ALL, kv=2, quantize="ternary", lrc=0.15, ckpt=True),
     "bf16 ternary all-linear": dict(targets=ALL, compute="bf16", quantize="ternary"),
+    "qwen3 all-linear gqa": dict(targets=ALL, kv=2, model_type="qwen3"),
+    "qwen3 ternary all-linear lrc 15% ckpt": dict(targets=ALL, kv=2, quantize="ternary", lrc=0.15, ckpt=True,
+                                                  model_type="qwen3"),
 }
 
 
@@ -215,9 +230,10 @@ CASES = {
 def test_sft_step_peak_within_20_percent(case):
     from minitrain.objectives import sft
 
-    c = dict(targets=ATTN, kv=4, ckpt=False, compute="fp32", vocab=2048, rows=4, seq=256, quantize=None, lrc=0.0)
+    c = dict(targets=ATTN, kv=4, ckpt=False, compute="fp32", vocab=2048, rows=4, seq=256, quantize=None, lrc=0.0,
+             model_type="llama")
     c.update(CASES[case])
-    hf = hf_config(vocab_size=c["vocab"], num_key_value_heads=c["kv"])
+    hf = hf_config(vocab_size=c["vocab"], num_key_value_heads=c["kv"], model_type=c["model_type"], head_dim=64)
     dtype = torch.bfloat16 if c["compute"] == "bf16" else torch.float32
     model = build(hf, dtype, c["targets"], quantize=c["quantize"], lrc_rank=c["lrc"])
     if c["ckpt"]:
@@ -306,7 +322,7 @@ def test_from_hf_defaults_and_refusals():
                               "num_hidden_layers": 2, "num_attention_heads": 4})
     assert m.num_key_value_heads == 8  # HF's MistralConfig default
     assert m.head_dim == 16 and m.sliding_window == 4096
-    with pytest.raises(UserError, match="models LLaMA / Mistral and T5"):
+    with pytest.raises(UserError, match="models LLaMA / Mistral / Qwen2 / Qwen3 and T5"):
         P.shape_from_hf({"model_type": "gpt2"})
     assert isinstance(P.shape_from_hf({"model_type": "t5"}), P.T5Shape)  # transformers' T5Config defaults
     assert P.shape_from_hf({"model_type": "t5"}).num_decoder_layers == 6

@@ -136,17 +136,27 @@ def test_autocast_runs_the_product_in_bf16():
     assert x.grad.dtype == torch.float32
 
 
-def test_compiles_as_one_graph_with_equal_results():
-    layer = TernaryLinear.from_weight(torch.randn(8, 12, generator=torch.Generator().manual_seed(4)), act_bits=8)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiles_as_one_graph_with_equal_results(autocast):
+    """torch.compile traces the ternary layer with a LoRA adapter (and autocast) without a graph break."""
+    model = nn.Sequential()
+    model.add_module("q_proj", TernaryLinear.from_weight(torch.randn(8, 12, generator=torch.Generator().manual_seed(4)),
+                                                         act_bits=8))
+    apply_lora(model, LoRAConfig(r=2, targets=["q_proj"]))
+    with torch.no_grad():
+        model.q_proj.lora_B.weight.normal_()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = torch.randn(3, 12, requires_grad=True)
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # traces without a graph break
-    y = compiled(x)
-    y.square().sum().backward()
-    g = x.grad.clone()
-    x.grad = None
-    y_eager = layer(x)
-    y_eager.square().sum().backward()
-    assert torch.equal(y, y_eager) and torch.equal(g, x.grad)
+
+    def run(m):
+        x.grad = model.q_proj.lora_B.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = m(x)
+        y.float().square().sum().backward()
+        return y, x.grad, model.q_proj.lora_B.weight.grad
+
+    for a, b in zip(run(compiled), run(model)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

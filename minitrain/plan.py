@@ -18,6 +18,7 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   and the (unquantized) head stay in the compute dtype.
 - adapters: LoRA A (r x in) and B (out x r) per adapted linear, fp32; their gradients (fp32) and
   AdamW's two fp32 moments each (+ one fp32 `step` per tensor).
+- `ema_decay`: the moving average, one more copy of the trained tensors (fp32).
 - full fine-tuning (`finetune=full`, LLaMA / Mistral): every weight in fp32 (the loader reads them
   so), an fp32 gradient and two fp32 moments each; every linear keeps its input and every norm its
   normalised input for the weight gradients, the residual stream is fp32 (the fp32 embedding feeds
@@ -200,6 +201,7 @@ class RunShape:
     optimizer_temps: bool = True  # foreach AdamW temporaries (minitrain.optim; False: a fused optimizer)
     logits_chunk: int | None = None  # logits per chunk (None: minitrain.losses' value on `device`)
     full: bool = False  # finetune=full: every weight trains (no adapters; lora_* ignored)
+    ema: bool = False  # ema_decay > 0: one more copy of the trained tensors (minitrain.ema)
     device: str = "cuda"  # cuda | cpu: the default logits chunk and the dropout mask's dtype depend on it
 
     @property
@@ -348,6 +350,8 @@ def adapter_terms(model: ModelShape, run: RunShape) -> list[Term]:
              Term("optimizer (AdamW)", n * 2 * 4 + k * 4, f"{n:,} x 2 moments x 4 B + {k} steps")]
     if run.dpo_reference == "snapshot":
         terms.append(Term("DPO reference: adapter snapshot", n * a, "frozen copy of the adapter tensors"))
+    if run.ema:
+        terms.append(Term("EMA of the trained tensors", n * a, f"{n:,} x {a} B (ema_decay)"))
     return terms
 
 
@@ -983,7 +987,7 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,
                     reference_rows=2 * rows if is_kto else None, device=device,
-                    full=getattr(cfg, "finetune", "lora") == "full")
+                    full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0)
 
 
 def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: int) -> list[tuple[str, int, int]]:

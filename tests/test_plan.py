@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -255,6 +256,8 @@ def test_full_finetune_weights_grads_optimizer_exact(tied):
     assert terms["adapters"] == 0 and terms["gradients"] == tensor_bytes(p.grad for p in params)
     opt.step()
     assert terms["optimizer (AdamW)"] == tensor_bytes(v for st in opt.state.values() for v in st.values())
+    with_ema = {t.name: t.bytes for t in P.adapter_terms(ms, replace(run, ema=True))}
+    assert with_ema["EMA of the trained tensors"] == tensor_bytes(params)  # minitrain.ema: one fp32 copy
 
 
 FULL_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16"),

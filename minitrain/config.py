@@ -121,8 +121,13 @@ class TrainConfig:
     rslora: bool = doc(False, "rank-stabilised LoRA scaling")
     modules_to_save: list[str] = doc([], "modules to train fully (e.g. lm_head): costly, reported loudly")
     init_adapter: str = doc("", "continue training this saved adapter folder (loaded trainable)")
-    quantize: str = doc("none", "quantize base linears as they load (nf4, int8 need bitsandbytes)",
-                        choices=("none", "nf4", "int8"))
+    quantize: str = doc("none", "quantize base linears as they load (nf4, int8 need bitsandbytes; ternary: "
+                                "BitNet b1.58 {-1,0,+1} x absmean scale, 2 bits a weight, plain torch)",
+                        choices=("none", "nf4", "int8", "ternary"))
+    ternary_scale: str = doc("tensor", "quantize=ternary: one absmean scale per tensor or per output channel",
+                             choices=("tensor", "channel"))
+    ternary_act_bits: int = doc(0, "quantize=ternary: fake-quantize each base linear's input per token to this many "
+                                   "bits (absmax, straight-through, as BitLinear: 8); 0: off", ge=0, le=16)
 
     def check(self) -> None:
         """Rules across fields (per-field bounds and choices are checked by `validate`)."""
@@ -153,6 +158,12 @@ class TrainConfig:
         for k in self.chat_template_kwargs:
             if k in ("messages", "add_generation_prompt", "tools", "documents"):
                 raise UserError(f"chat_template_kwargs: {k!r} is set by minitrain itself — remove it")
+        if self.ternary_act_bits == 1:
+            raise UserError("ternary_act_bits=1: one bit cannot hold a signed value — use 8 (BitLinear's) or 0 (off)")
+        if self.quantize != "ternary" and (self.ternary_act_bits or self.ternary_scale != "tensor"):
+            key = "ternary_act_bits" if self.ternary_act_bits else "ternary_scale"
+            raise UserError(f"{key}={format_value(getattr(self, key))}: applies to quantize=ternary only (this run has "
+                            f"quantize={self.quantize}) — add quantize=ternary or drop {key}")
         if self.finetune == "full":
             if self.quantize != "none":
                 raise UserError(f"quantize={self.quantize}: finetune=full trains every weight, and quantized weights "

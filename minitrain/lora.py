@@ -1,7 +1,7 @@
 """LoRA adapters: wrap base linears in place, train only the adapter, save / load in PEFT's format.
 
 `apply_lora(model, cfg)` swaps each target linear (`nn.Linear`, bitsandbytes `Linear4bit` /
-`Linear8bitLt`) for a `LoRALinear` that holds the base `weight` / `bias` itself (torchtune's
+`Linear8bitLt`, minitrain's `TernaryLinear`) for a `LoRALinear` that holds the base `weight` / `bias` itself (torchtune's
 design), so `model.state_dict()` keeps `...q_proj.weight` at its HF key and the adapter adds
 `...q_proj.lora_A.weight` / `...q_proj.lora_B.weight`:
 
@@ -41,6 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minitrain.errors import UserError
+from minitrain.ternary import dequantize_ternary, is_ternary, store_ternary, ternary_linear
 from minitrain.weights import io_error_reason, skip_init, write_folder
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,6 @@ _PEFT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_dora": (False, None),
     "fan_in_fan_out": (False, None),
     "lora_bias": (False, None),
-    "rank_pattern": ({}, None),
     "alpha_pattern": ({}, None),
     "layers_to_transform": (None, []),
     "layer_replication": (None, []),
@@ -79,7 +79,9 @@ class LoRAConfig:
     """What to adapt and how. `targets` are module-name suffixes (`q_proj`; T5 `q`, `wi_0`), a
     regular expression matched against the full module name (a string other than "all-linear",
     as PEFT reads one), or "all-linear": every linear layer except the model's output head.
-    `modules_to_save` are trained fully (embeddings, head): costly, reported loudly."""
+    `modules_to_save` are trained fully (embeddings, head): costly, reported loudly.
+    `rank_pattern` gives some modules another rank than `r` (PEFT's field: a module-name suffix ->
+    its rank, the first key that matches wins), e.g. a rank per layer shape (minitrain.lrc)."""
 
     r: int = 8
     alpha: float = 16.0
@@ -88,10 +90,15 @@ class LoRAConfig:
     rslora: bool = False
     dtype: torch.dtype = torch.float32
     modules_to_save: Sequence[str] = ()
+    rank_pattern: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise UserError(f"LoRAConfig.r={self.r!r}: the rank must be a whole number >= 1 — e.g. r=8")
+        self.rank_pattern = dict(self.rank_pattern or {})
+        for k, v in self.rank_pattern.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"LoRAConfig.rank_pattern[{k!r}]={v!r}: a rank must be a whole number >= 1 — e.g. 8")
         if not self.alpha > 0:
             raise UserError(f"LoRAConfig.alpha={self.alpha!r}: must be > 0 — e.g. alpha=2*r")
         if not 0 <= self.dropout < 1:
@@ -104,6 +111,10 @@ class LoRAConfig:
             if self.targets == (ALL_LINEAR,):
                 self.targets = ALL_LINEAR
         self.modules_to_save = tuple(self.modules_to_save or ())
+
+    def rank_for(self, name: str) -> int:
+        """The rank of module `name`: its `rank_pattern` entry (first match), else `r`."""
+        return next((v for k, v in self.rank_pattern.items() if _name_matches(name, k)), self.r)
 
     @property
     def scaling(self) -> float:
@@ -129,8 +140,11 @@ def adapter_signature(model: nn.Module) -> dict[str, Any] | None:
     if st is None:
         return None
     c = st.config
-    return {"r": c.r, "alpha": float(c.alpha), "rslora": c.rslora, "targets": _minimal_targets(model, st.wrapped),
-            "modules_to_save": list(c.modules_to_save)}
+    sig = {"r": c.r, "alpha": float(c.alpha), "rslora": c.rslora, "targets": _minimal_targets(model, st.wrapped),
+           "modules_to_save": list(c.modules_to_save)}
+    if c.rank_pattern:
+        sig["rank_pattern"] = dict(c.rank_pattern)
+    return sig
 
 
 def applied_config(model: nn.Module) -> LoRAConfig | None:
@@ -148,7 +162,10 @@ def _bnb():
 
 
 def _quant_kind(obj: Any) -> str | None:
-    """'4bit' / '8bit' for bitsandbytes linears or their weight parameters, else None."""
+    """'4bit' / '8bit' for bitsandbytes linears or their weight parameters, 'ternary' for
+    `TernaryLinear` or its packed weight, else None."""
+    if is_ternary(obj):
+        return "ternary"
     bnb = _bnb()
     if bnb is None:
         return None
@@ -165,6 +182,8 @@ def logical_numel(p: torch.Tensor) -> int:
     qs = getattr(p, "quant_state", None)
     if _quant_kind(p) == "4bit" and qs is not None:
         return math.prod(qs.shape)
+    if _quant_kind(p) == "ternary":
+        return math.prod(p.ternary_shape)  # four 2-bit weights a byte
     return p.numel()
 
 
@@ -183,6 +202,8 @@ def check_float_trainable(name: str, p: torch.Tensor) -> None:
         what = f"a 4-bit quantized tensor ({str(p.dtype).removeprefix('torch.')})"
     elif kind == "8bit":
         what = f"an 8-bit quantized tensor ({str(p.dtype).removeprefix('torch.')})"
+    elif kind == "ternary":
+        what = "a ternary quantized tensor (uint8, four 2-bit weights a byte)"
     else:
         what = f"an integer tensor ({str(p.dtype).removeprefix('torch.')})"
     if kind is not None:
@@ -414,11 +435,31 @@ class LoRALinear8bit(LoRALinear):
         self.state.CB, self.state.SCB = cb, scb
 
 
-def _wrap(base: nn.Module, cfg: LoRAConfig) -> LoRALinear:
+class LoRALinearTernary(LoRALinear):
+    """LoRA on a `TernaryLinear` (minitrain.ternary): holds its packed weight and scale, and runs
+    its matmul (with its activation fake-quantization); the adapter reads the unquantized input."""
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
+                 rslora: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__(base, r, alpha, dropout, rslora, dtype)
+        self.register_buffer("weight_scale", base.weight_scale)
+        self.act_bits, self.scale_mode = base.act_bits, base.scale_mode
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ternary_linear(x, self.weight, self.weight_scale, self.in_features, self.bias, self.act_bits)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_ternary(self.weight, self.weight_scale, self.in_features)
+
+    def _store_weight(self, w: torch.Tensor) -> None:
+        store_ternary(self, w)
+
+
+def _wrap(base: nn.Module, cfg: LoRAConfig, r: int | None = None) -> LoRALinear:
     kind = _quant_kind(base)
-    cls = {"4bit": LoRALinear4bit, "8bit": LoRALinear8bit, None: LoRALinear}[kind]
+    cls = {"4bit": LoRALinear4bit, "8bit": LoRALinear8bit, "ternary": LoRALinearTernary, None: LoRALinear}[kind]
     # the new layer follows the model's mode: dropout stays off on a model in eval()
-    return cls(base, cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, cfg.dtype).train(base.training)
+    return cls(base, r or cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, cfg.dtype).train(base.training)
 
 
 # ----------------------------------------------------------------------------- applying
@@ -470,7 +511,8 @@ def _target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool =
                             f"training a saved adapter use load_adapter(model, folder, trainable=True)")
         if not _is_wrappable(m):
             raise UserError(f"{n}: is a {type(m).__name__}, not a linear layer LoRA can wrap (nn.Linear, "
-                            f"bitsandbytes Linear4bit / Linear8bitLt) — target its linear submodules instead")
+                            f"bitsandbytes Linear4bit / Linear8bitLt, TernaryLinear) — target its linear "
+                            f"submodules instead")
     return chosen
 
 
@@ -541,7 +583,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, every_target: bool = True) 
         raise UserError("apply_lora: no targets and no modules_to_save, so nothing would train — "
                         "name modules to adapt, e.g. targets=['q_proj', 'v_proj'] (or 'all-linear')")
     for n in names:
-        _set_module(model, n, _wrap(model.get_submodule(n), cfg))
+        _set_module(model, n, _wrap(model.get_submodule(n), cfg, cfg.rank_for(n)))
     setattr(model, _STATE_ATTR, _Applied(cfg, tuple(names), saved))
     return names
 
@@ -736,6 +778,9 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
             if not m.merged:
                 w = w + m.delta_weight().to(w.device)
             base_dtype = m.weight.dtype if _quant_kind(m.weight) is None else torch.float32
+        elif _quant_kind(m) == "ternary":  # an unwrapped ternary linear: dequantize
+            w = m.dequantized_weight()
+            base_dtype = torch.float32
         else:  # an unwrapped bitsandbytes linear: dequantize
             w = _dequantize_bnb(m)
             base_dtype = torch.float32
@@ -846,7 +891,7 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
     if st is None:
         raise UserError("save_adapter: the model has no adapters — apply_lora(model, cfg) first")
     c = st.config
-    if cfg is not None and (cfg.r, cfg.alpha, cfg.rslora) != (c.r, c.alpha, c.rslora):
+    if cfg is not None and (cfg.r, cfg.alpha, cfg.rslora, cfg.rank_pattern) != (c.r, c.alpha, c.rslora, c.rank_pattern):
         raise UserError(f"save_adapter: cfg (r={cfg.r}, alpha={cfg.alpha}, rslora={cfg.rslora}) differs from the "
                         f"applied adapter (r={c.r}, alpha={c.alpha}, rslora={c.rslora}) — pass the config used "
                         f"by apply_lora, or none")
@@ -869,6 +914,7 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
         "target_modules": _minimal_targets(model, st.wrapped),
         "bias": "none",
         "modules_to_save": list(c.modules_to_save) or None,
+        **({"rank_pattern": dict(c.rank_pattern)} if c.rank_pattern else {}),
         "base_model_name_or_path": base_model_name_or_path,
         "inference_mode": True,
     }
@@ -954,7 +1000,22 @@ def _config_from_peft(config: dict[str, Any], where: Path) -> LoRAConfig:
                       dropout=float(config.get("lora_dropout") or 0.0),
                       targets=targets if isinstance(targets, str) else tuple(targets),
                       rslora=bool(config.get("use_rslora", False)),
-                      modules_to_save=tuple(config.get("modules_to_save") or ()))
+                      modules_to_save=tuple(config.get("modules_to_save") or ()),
+                      rank_pattern=_rank_pattern(config.get("rank_pattern"), where))
+
+
+def _rank_pattern(value: Any, where: Path) -> dict[str, int]:
+    """A saved `rank_pattern` of plain module-name suffixes (PEFT also takes regular expressions: refused)."""
+    if not value:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        raise UserError(f"{where}: rank_pattern={value!r} is not a mapping of module names to ranks — fix or re-save "
+                        f"the adapter")
+    bad = next((k for k in value if not re.fullmatch(r"[\w.]+", k)), None)
+    if bad is not None:
+        raise UserError(f"{where}: rank_pattern key {bad!r} is a regular expression, which is not supported — "
+                        f"use module-name suffixes (e.g. 'k_proj') or re-train the adapter without it")
+    return dict(value)
 
 
 def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool = False) -> LoRAConfig:
@@ -980,7 +1041,8 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool
     st: _Applied | None = getattr(model, _STATE_ATTR, None)
     if st is not None:
         c = st.config
-        if (c.r, c.alpha, c.rslora, c.modules_to_save) != (cfg.r, cfg.alpha, cfg.rslora, cfg.modules_to_save):
+        if ((c.r, c.alpha, c.rslora, c.modules_to_save, c.rank_pattern)
+                != (cfg.r, cfg.alpha, cfg.rslora, cfg.modules_to_save, cfg.rank_pattern)):
             raise UserError(f"load_adapter: the model already has a different adapter (r={c.r}, alpha={c.alpha}) "
                             f"than {folder} (r={cfg.r}, alpha={cfg.alpha}) — adapters are applied once (rule 4); "
                             f"load it onto a fresh base model")
@@ -1040,10 +1102,11 @@ def _check_adapter_tensors(model: nn.Module, cfg: LoRAConfig, wrapped: list[str]
                 raise UserError(f"{wpath}: {key}: {name} {where} — load the adapter onto the base model it was "
                                 f"trained on")
             m = modules[name]
-            want = (cfg.r, m.in_features) if ab == "lora_A" else (m.out_features, cfg.r)
+            r = cfg.rank_for(name)
+            want = (r, m.in_features) if ab == "lora_A" else (m.out_features, r)
             if tuple(t.shape) != want:
                 raise UserError(f"{wpath}: {key} has shape {_shape(t.shape)} but {name} (in {m.in_features}, "
-                                f"out {m.out_features}, r={cfg.r}) needs {_shape(want)} — the adapter was trained "
+                                f"out {m.out_features}, r={r}) needs {_shape(want)} — the adapter was trained "
                                 f"on a base of another size; load it onto that base model")
         elif ".lora_" in key or key.startswith("lora_"):
             raise UserError(f"{wpath}: {key} is a kind of LoRA tensor minitrain does not load (embedding LoRA, "

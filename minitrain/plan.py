@@ -1,7 +1,7 @@
 """A model of a training run's peak GPU memory, from the model's `config.json` and the run's keys.
 
 Plain functions over two small descriptions: a model shape (the dims of a checkpoint, read from
-`config.json` only, never the weights: `ModelShape` for LLaMA / Mistral, `T5Shape` for T5 v1.0,
+`config.json` only, never the weights: `ModelShape` for LLaMA / Mistral / Qwen2 / Qwen3, `T5Shape` for T5 v1.0,
 v1.1 and FLAN-T5; `shape_from_hf` picks one) and `RunShape` (micro-batch, lengths, dtype,
 quantization, adapter, checkpointing, DPO reference mode). `predict(model, run)` returns a `Plan`:
 every term in bytes with the formula it comes from, and the peak. The family-specific parts
@@ -14,8 +14,12 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
 - weights: float tensors in the base dtype; nf4 (bitsandbytes `Linear4bit`): 0.5 byte / param
   packed + one absmax per 64-block (fp32, or uint8 with double quantization plus a second level
   of one fp32 absmax per 256 blocks, a 256-entry fp32 code and an fp32 offset) + the 16-entry nf4
-  code; int8 (`Linear8bitLt`): 1 byte / param + one fp32 scale per output row. Embeddings, norms
-  and the (unquantized) head stay in the compute dtype.
+  code; int8 (`Linear8bitLt`): 1 byte / param + one fp32 scale per output row; ternary
+  (`minitrain.ternary`): 2 bits / param packed four to a byte along each row (ceil(in / 4) bytes a
+  row) + one fp32 scale per tensor or per output row. Embeddings, norms and the (unquantized) head
+  stay in the compute dtype.
+- adapter rank: `lora_r`, or LRC's `lrc_rank` (below 1: that fraction of each linear's min(in, out),
+  as `minitrain.lrc.resolve_rank`).
 - adapters: LoRA A (r x in) and B (out x r) per adapted linear, fp32; their gradients (fp32) and
   AdamW's two fp32 moments each (+ one fp32 `step` per tensor).
 - `ema_decay`: the moving average, one more copy of the trained tensors (fp32).
@@ -29,7 +33,10 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   only under checkpointing plus one block recomputed, and the loss's chunked logits
   (`minitrain.losses.LOGITS_PER_CHUNK` logits per chunk, never the full `B x T x V`).
 - transients at the peak moment: the logits chunk in forward / backward, one block's backward
-  working set, a dequantized 4-bit weight in bitsandbytes' backward, the DPO reference forward.
+  working set, a dequantized 4-bit weight in bitsandbytes' backward, a dequantized ternary weight
+  in forward and backward (its uint8 codes + the compute-dtype weight, one linear at a time: the
+  ternary matmul saves only the packed weight; `ternary_act_bits`' per-token transients are not
+  modelled), the DPO reference forward.
 
 The peak is the largest of those moments (end of forward, loss backward, first block backward,
 reference forward, optimizer step), on top of what persists (weights, adapters, gradients and
@@ -70,7 +77,7 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
 
 
 def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape | T5Shape":
-    """The shape of the family `config.json`'s model_type names (LLaMA / Mistral, T5)."""
+    """The shape of the family `config.json`'s model_type names (LLaMA / Mistral / Qwen2 / Qwen3, T5)."""
     if d.get("model_type") == "t5":
         return T5Shape.from_hf(d, where)
     return ModelShape.from_hf(d, where)
@@ -78,7 +85,8 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A LLaMA / Mistral checkpoint's dims, under HF's `config.json` names.
+    """A LLaMA / Mistral / Qwen2 / Qwen3 checkpoint's dims, under HF's `config.json` names (Qwen: LLaMA's
+    blocks plus q / k / v biases (Qwen2) or per-head q / k norms (Qwen3)).
 
     What `predict` asks of a family (T5Shape has the same): `weight_terms`, `trainable_tensors`,
     `adapted_summary`, `moments`, `describe`; its LLaMA formulas are the module-level functions below.
@@ -94,6 +102,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     model_type: str = "llama"
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k
+    qkv_bias: bool = False  # Qwen2 (and `attention_bias`): biases on q / k / v
+    o_bias: bool = False  # `attention_bias` (LLaMA, Qwen3): a bias on o_proj too
     is_encoder_decoder: ClassVar[bool] = False
     EMBEDDINGS: ClassVar[tuple[str, ...]] = ("model.embed_tokens",)  # what a tied head is
 
@@ -101,22 +112,27 @@ class ModelShape:
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "ModelShape":
         """From a `config.json` dict (HF's defaults for the fields it may leave out)."""
         kind = d.get("model_type")
-        if kind not in ("llama", "mistral"):
-            raise UserError(f"{where}: model_type {kind!r} — the memory plan models LLaMA / Mistral and T5 "
-                            f"checkpoints only")
+        if kind not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise UserError(f"{where}: model_type {kind!r} — the memory plan models LLaMA / Mistral / Qwen2 / "
+                            f"Qwen3 and T5 checkpoints only")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if not isinstance(d.get(k), int)]
         if missing:
-            raise UserError(f"{where}: missing {', '.join(missing)} — not a LLaMA / Mistral config.json")
+            raise UserError(f"{where}: missing {', '.join(missing)} — not a LLaMA / Mistral / Qwen config.json")
         heads = d["num_attention_heads"]
         kv = d.get("num_key_value_heads", 8 if kind == "mistral" else None) or heads
-        window = d.get("sliding_window", 4096 if kind == "mistral" else None) if kind == "mistral" else None
+        if kind == "mistral":
+            window = d.get("sliding_window", 4096)
+        else:  # Qwen's window applies only with use_sliding_window (off in the released checkpoints)
+            window = d.get("sliding_window") if kind.startswith("qwen") and d.get("use_sliding_window") else None
+        head_dim = d.get("head_dim") or (128 if kind == "qwen3" else d["hidden_size"] // heads)  # HF's defaults
+        bias = bool(d.get("attention_bias", False)) and kind in ("llama", "qwen3")
         return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                    intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-                   num_attention_heads=heads, num_key_value_heads=kv,
-                   head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
                    tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                   sliding_window=window, model_type=kind)
+                   sliding_window=window, model_type=kind, qk_norm=kind == "qwen3",
+                   qkv_bias=bias or kind == "qwen2", o_bias=bias)
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """Each block's linears: name -> (in_features, out_features)."""
@@ -137,9 +153,14 @@ class ModelShape:
     def n_rep(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def block_extras(self) -> int:
+        """Numel of a block's small tensors besides its two norms: Qwen3's q / k norms, the biases."""
+        return ((2 * self.head_dim if self.qk_norm else 0) + (self.q_width + 2 * self.kv_width if self.qkv_bias else 0)
+                + (self.hidden_size if self.o_bias else 0))
+
     def num_params(self) -> int:
         D, V = self.hidden_size, self.vocab_size
-        per_block = sum(i * o for i, o in self.linears().values()) + 2 * D
+        per_block = sum(i * o for i, o in self.linears().values()) + 2 * D + self.block_extras()
         return V * D * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_block + D
 
     def describe(self) -> str:
@@ -186,9 +207,11 @@ class RunShape:
     seq: int
     target_seq: int | None = None
     compute: str = "bf16"
-    quantize: str = "none"  # none | nf4 | int8 (base linears; the head stays in float)
+    quantize: str = "none"  # none | nf4 | int8 | ternary (base linears; the head stays in float)
     double_quant: bool = True
+    ternary_scale: str = "tensor"  # tensor | channel: one fp32 scale per ternary weight or per output row
     lora_r: int = 16
+    lrc_rank: float = 0.0  # LRC: below 1 a fraction of each linear's full rank, 1 or more a rank; 0: lora_r
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     adapter_dtype: str = "fp32"
     lora_dropout: float = 0.0
@@ -207,6 +230,21 @@ class RunShape:
     @property
     def s(self) -> int:
         return DTYPE_BYTES[self.compute]
+
+    def rank(self, in_features: int, out_features: int) -> int:
+        """The adapter rank of a linear: `lora_r`, or `lrc_rank` resolved as `minitrain.lrc.resolve_rank`."""
+        if not self.lrc_rank:
+            return self.lora_r
+        from minitrain.lrc import resolve_rank  # (imports torch: only for LRC runs)
+
+        return resolve_rank(self.lrc_rank, in_features, out_features)
+
+    @property
+    def rank_text(self) -> str:
+        """`r=16`, or `lrc_rank=0.15 of each linear's full rank`."""
+        if not self.lrc_rank:
+            return f"r={self.lora_r}"
+        return f"lrc_rank={self.lrc_rank:g}" + (" of each linear's full rank" if self.lrc_rank < 1 else "")
 
     @property
     def tokens(self) -> int:
@@ -286,6 +324,12 @@ def nf4_bytes(numel: int, *, double_quant: bool = True, blocksize: int = NF4_BLO
     return packed + blocks + blocks2 * 4 + NF4_BLOCK2 * 4 + 4 + code  # uint8 absmax, absmax2, code2, offset
 
 
+def ternary_bytes(in_features: int, out_features: int, scale: str = "tensor") -> int:
+    """Bytes of one ternary weight (minitrain.ternary): packed 2-bit codes, ceil(in / 4) bytes a row,
+    + the fp32 scale(s): one per tensor, or one per output row."""
+    return out_features * -(-in_features // 4) + 4 * (out_features if scale == "channel" else 1)
+
+
 def int8_bytes(in_features: int, out_features: int) -> int:
     """Bytes of one bitsandbytes int8 weight: int8 values + one fp32 absmax scale per output row."""
     return in_features * out_features + out_features * 4
@@ -300,6 +344,9 @@ def _linears_bytes(linears: list[tuple[int, int, int]], run: RunShape) -> tuple[
                    + ("(uint8, double-quant) + 2nd level" if run.double_quant else "(fp32)"))
     if run.quantize == "int8":
         return sum(k * int8_bytes(i, o) for i, o, k in linears), f"{numel:,} params x 1 B + fp32 scale per row"
+    if run.quantize == "ternary":
+        return (sum(k * ternary_bytes(i, o, run.ternary_scale) for i, o, k in linears),
+                f"{numel:,} params x 0.25 B (2-bit, rows padded to 4) + fp32 scale per {run.ternary_scale}")
     return numel * run.s, f"{numel:,} params x {run.s} B"
 
 
@@ -311,10 +358,14 @@ def weight_terms(model: ModelShape, run: RunShape) -> list[Term]:
     L, D, V = model.num_hidden_layers, model.hidden_size, model.vocab_size
     b, f = _linears_bytes([(i, o, L) for i, o in model.linears().values()], run)
     heads = 1 if model.tie_word_embeddings else 2
-    return [Term("weights: block linears", b, f),
-            Term("weights: embeddings + head", heads * V * D * s,
-                 f"{heads} x {V:,} x {D:,} x {s} B" + (" (tied)" if heads == 1 else "")),
-            Term("weights: norms", (2 * L + 1) * D * s, f"{2 * L + 1} x {D:,} x {s} B")]
+    terms = [Term("weights: block linears", b, f),
+             Term("weights: embeddings + head", heads * V * D * s,
+                  f"{heads} x {V:,} x {D:,} x {s} B" + (" (tied)" if heads == 1 else "")),
+             Term("weights: norms", (2 * L + 1) * D * s, f"{2 * L + 1} x {D:,} x {s} B")]
+    if model.block_extras():
+        terms.append(Term("weights: q/k norms, biases", L * model.block_extras() * s,
+                          f"{L} x {model.block_extras():,} x {s} B"))
+    return terms
 
 
 def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
@@ -326,7 +377,7 @@ def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
     out = []
     for name in adapted_linears(model, run.lora_targets):
         i, o = lin[name]
-        out += [run.lora_r * i, o * run.lora_r] * model.num_hidden_layers
+        out += [run.rank(i, o) * i, o * run.rank(i, o)] * model.num_hidden_layers
     D, V = model.hidden_size, model.vocab_size
     for m in run.modules_to_save:
         if _matches("lm_head", m) or _matches("model.embed_tokens", m):
@@ -340,7 +391,7 @@ def adapter_terms(model: ModelShape, run: RunShape) -> list[Term]:
     """Adapters (fp32), their gradients (fp32) and AdamW state (two fp32 moments + a step each)."""
     tensors = model.trainable_tensors(run)
     n, k, a = sum(tensors), len(tensors), DTYPE_BYTES[run.adapter_dtype]
-    what = model.adapted_summary(run) if run.full else f"r={run.lora_r} on {model.adapted_summary(run)}"
+    what = model.adapted_summary(run) if run.full else f"{run.rank_text} on {model.adapted_summary(run)}"
     if run.modules_to_save and not run.full:
         what += f" + {','.join(run.modules_to_save)}"
     adapters = (Term("adapters", 0, "none: the weights themselves train (counted above in fp32)") if run.full
@@ -382,6 +433,8 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     lin = model.linears()
     width = {"xn": D, "attn": Hq, "xn2": D, "act": F}
     terms = [Term("norm inputs (fp32)", N * 2 * D * 4, "2 x D x 4 per token"),
+             *([Term("q/k norm inputs (fp32) + rsqrt", N * (model.q_width + model.kv_width + H + model.num_key_value_heads) * 4,
+                     "(Hq + Hk + heads + kv heads) x 4 per token")] if model.qk_norm else []),
              Term("attention q, k, v, out + lse", N * ((2 * Hq + 2 * Hk) * s + H * 4),
                   f"(2 Hq + 2 Hk{' (repeated)' if model.n_rep > 1 else ''}) x {s} + heads x 4 per token")]
     if run.mask:
@@ -404,7 +457,8 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
                           f"{kept:,} x {s} B per token"
                           + (" (one copy per adapter: autocast)" if run.cast_copies else "")))
     if adapted:
-        terms.append(Term("LoRA B inputs", N * len(adapted) * run.lora_r * s, f"{len(adapted)} x r x {s} per token"))
+        r = sum(run.rank(*lin[n]) for n in adapted)
+        terms.append(Term("LoRA B inputs", N * r * s, f"{len(adapted)} x r ({r:,} in all) x {s} per token"))
     return terms
 
 
@@ -476,9 +530,11 @@ def _block_forward(model: ModelShape, run: RunShape) -> list[Term]:
 
 
 def _dequantized(model: ModelShape, run: RunShape) -> list[Term]:
+    big = max(i * o for i, o in model.linears().values())
+    if run.quantize == "ternary":  # its uint8 codes, then the compute-dtype weight (scaled in place)
+        return [Term("ternary weight dequantized for a matmul", big * (1 + run.s), f"largest linear x (1 + {run.s}) B")]
     if run.quantize != "nf4":
         return []
-    big = max(i * o for i, o in model.linears().values())
     return [Term("4-bit weight dequantized for a matmul", big * run.s, "largest linear x s")]
 
 
@@ -725,7 +781,7 @@ class T5Shape:
             lin = self.linears(dec)
             for name in self.adapted(run, dec):
                 i, o = lin[name]
-                out += [run.lora_r * i, o * run.lora_r] * L
+                out += [run.rank(i, o) * i, o * run.rank(i, o)] * L
         full = set()  # a tied head is `shared` itself: one tensor
         for m in run.modules_to_save:
             if any(_matches(e, m) for e in self.EMBEDDINGS):
@@ -983,6 +1039,7 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
     rows = cfg.batch_size * (2 if is_dpo and not is_kto else 1)
     return RunShape(rows=rows, seq=seq or cfg.max_len, target_seq=getattr(cfg, "max_target_len", None),
                     compute=compute, quantize=getattr(cfg, "quantize", "none"),
+                    ternary_scale=getattr(cfg, "ternary_scale", "tensor"), lrc_rank=float(getattr(cfg, "lrc_rank", 0)),
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets), lora_dropout=float(cfg.lora_dropout),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,

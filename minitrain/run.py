@@ -268,7 +268,7 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     """The tokenizer and the model of folder `cfg.model`, on `cfg.device` in the dtype for `cfg.precision`.
 
     `tok`: the tokenizer `load_tokenizer(cfg)` already read (recipes read the data with it before
-    the weights); else it is read here. With `cfg.quantize` nf4 / int8, each base linear is
+    the weights); else it is read here. With `cfg.quantize` nf4 / int8 / ternary, each base linear is
     quantized as its weight arrives (no full-precision copy of the model in memory). A tokenizer
     with more ids than the model's embedding has rows is refused here, not as an index error mid-step.
     """
@@ -279,7 +279,12 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     # round trip on the way in would round a fp32 checkpoint before step 1
     dtype = torch.float32 if full_finetune(cfg) else base_dtype(cfg.precision, device)
     hook = None
-    if cfg.quantize != "none":
+    if cfg.quantize == "ternary":  # plain torch: no extra package, CPU and CUDA alike
+        from minitrain.quant import quantize_hook
+
+        hook = quantize_hook("ternary", compute_dtype=dtype, ternary_scale=cfg.ternary_scale,
+                             act_bits=cfg.ternary_act_bits)
+    elif cfg.quantize != "none":
         from minitrain.quant import quantize_hook, require_bitsandbytes  # bitsandbytes: only when asked for
 
         try:
@@ -298,8 +303,11 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
                         f"{emb.num_embeddings} rows — use the tokenizer saved with these weights")
     n = count_parameters(model)  # logical: an nf4 layer's packed bytes hold two weights each
     kind = model.hf_config.get("model_type", "?")
-    log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in "
-        f"{cfg.quantize if cfg.quantize != 'none' else str(dtype).removeprefix('torch.')}")
+    base = cfg.quantize if cfg.quantize != "none" else str(dtype).removeprefix("torch.")
+    if cfg.quantize == "ternary":
+        base += (f" (2 bits a weight, per-{cfg.ternary_scale} absmean scale"
+                 + (f", {cfg.ternary_act_bits}-bit activations" if cfg.ternary_act_bits else "") + ")")
+    log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in {base}")
     return model, tok
 
 
@@ -314,9 +322,11 @@ def lora_config(cfg: Any) -> LoRAConfig:
                       rslora=cfg.rslora, modules_to_save=list(cfg.modules_to_save))
 
 
-def attach_adapters(model: nn.Module, cfg: Any) -> LoRAConfig | None:
+def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None) -> LoRAConfig | None:
     """Give `model` its adapters, freeze everything else, print what trains; returns the LoRAConfig.
 
+    `lora`: the adapters to apply when the recipe derives them itself (LRC's per-layer ranks);
+    default `lora_config(cfg)`.
     `init_adapter` loads a saved adapter trainable on purpose (rule 4); its own r / alpha /
     targets apply and the `lora_*` keys are ignored (said so). Fully trained modules
     (`modules_to_save`) are kept in fp32 whatever the base dtype (rule 8).
@@ -334,7 +344,7 @@ def attach_adapters(model: nn.Module, cfg: Any) -> LoRAConfig | None:
         log(f"adapter: continuing {cfg.init_adapter} (r={lcfg.r}, alpha={lcfg.alpha}, targets={lcfg.targets}); "
             f"the lora_* keys of this run are not used")
     else:
-        lcfg = lora_config(cfg)
+        lcfg = lora if lora is not None else lora_config(cfg)
         torch.manual_seed(cfg.seed)  # the adapter's init (LoRA A) follows `seed`: same seed, same start
         apply_lora(model, lcfg)
         freeze_for_adapters(model, lcfg)

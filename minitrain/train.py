@@ -207,7 +207,8 @@ def train(
             raise UserError("optimizer: holds tensors that are not among the trainable ones — build it over "
                             "exactly the parameters that require grad (or pass them as trainable=)")
     if cfg.checkpointing:
-        n = enable_checkpointing(model)
+        enable_checkpointing(model)  # the preflight audit may have wrapped them already: count them all
+        n = sum(getattr(m, "_minitrain_checkpointed", False) for m in model.modules())
         log(f"activation checkpointing (non-reentrant) on {n} blocks")
     if cfg.compile:
         if device.type == "cuda":

@@ -21,6 +21,7 @@ Hkv key/value heads, hd head_dim, V vocab_size.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Collection, NamedTuple
@@ -804,6 +805,12 @@ class LlamaForCausalLM(nn.Module):
         if not hidden_layers and not attention_layers:  # Gemma's and Phi-3's models (which inherit this) take 4
             return self.model(input_ids, attention_mask, position_ids, cache)
         return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers)
+
+    @property
+    def captures_layers(self) -> bool:
+        """Whether forward takes `hidden_layers` / `attention_layers`: LLaMA's body does; a family
+        that inherits this class with a body of its own may not (docs/contracts.md)."""
+        return "hidden_layers" in inspect.signature(self.model.forward).parameters
 
     def tie_weights(self) -> None:
         """Make lm_head share the input embedding's Parameter when the config ties them."""

@@ -2,29 +2,37 @@
 
     python -m minitrain recipes/lrc_llama.py model=path/to/llama data=train.jsonl out=runs/lrc max_steps=200
 
-The base is quantized as it loads (`quantize=nf4` by default, or int8); every LoRA adapter on a
-quantized linear is then set to the best rank-r approximation of `W - dequant(Q(W))`, with W read
-from the checkpoint one tensor at a time (see `minitrain.lrc`), so training starts from a model
-nearer the full-precision one than plain QLoRA's. `lrc_iters=5` runs LoftQ's alternation (the
-base is re-quantized too). Works with `checkpointing=true` as is (non-reentrant; no
-input-requires-grad hack). The saved adapter belongs on this same quantized base.
-Data rows are as for SFT (`{"prompt","completion"}`, `{"messages"}`, `{"text"}`).
+The base is quantized as it loads (`quantize=nf4` by default, int8, or ternary: BitNet b1.58's
+{-1, 0, +1} x absmean scale, `ternary_scale=tensor|channel`, `ternary_act_bits=8` for BitLinear's
+8-bit activations); every LoRA adapter on a quantized linear is then set to the best rank-r
+approximation of `W - dequant(Q(W))`, with W read from the checkpoint one tensor at a time (see
+`minitrain.lrc`), so training starts from a model nearer the full-precision one than plain
+QLoRA's. `lrc_rank=0.15` gives each adapter 15% of its layer's full rank min(out, in) (an integer:
+that rank; unset: lora_r); `lrc_calibration=8` weights the error by the inputs of 8 training
+micro-batches (activation-aware); `lrc_iters=5` runs LoftQ's alternation (the base is
+re-quantized too). Works with `checkpointing=true` and `compile=true` as is (non-reentrant; no
+input-requires-grad hack; embeddings stay frozen). The saved adapter belongs on this same
+quantized base. Data rows are as for SFT (`{"prompt","completion"}`, `{"messages"}`, `{"text"}`).
+
+Field report 004's setup on a Qwen3 checkpoint:
+
+    python -m minitrain recipes/lrc_llama.py model=path/to/qwen3 data=train.jsonl quantize=ternary \
+        lrc_rank=0.15 lora_targets=all-linear checkpointing=true compile=true out=runs/lrc_ternary
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-
+from dataclasses import dataclass, replace
 
 import models
-from minitrain.config import TrainConfig, doc
+from minitrain.config import TrainConfig, doc, format_value
 from minitrain.collate import collate_causal
 from minitrain.errors import UserError
-from minitrain.lrc import init_lrc
+from minitrain.lrc import init_lrc, lrc_ranks
 from minitrain.objectives import sft
-from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer, log,
-                           prepare_out_dir)
+from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
+                           lora_config, log, prepare_out_dir)
 from minitrain.train import train
 
 
@@ -32,9 +40,19 @@ from minitrain.train import train
 class LRCConfig(TrainConfig):
     """`TrainConfig` with a quantized base by default and the LoftQ iteration count."""
 
-    quantize: str = doc("nf4", "quantize base linears as they load; the adapters start as the quantization error",
-                        choices=("nf4", "int8"))
+    quantize: str = doc("nf4", "quantize base linears as they load (ternary: BitNet b1.58, plain torch); the "
+                               "adapters start as the quantization error", choices=("nf4", "int8", "ternary"))
     lrc_iters: int = doc(1, "LoftQ alternations (1: one SVD of the error of the base as loaded)", ge=1)
+    lrc_rank: float = doc(0.0, "adapter rank: below 1 a fraction of each layer's full rank min(out, in) (0.15: "
+                               "15%), 1 or more a rank (capped at the full rank); 0: lora_r", ge=0)
+    lrc_calibration: int = doc(0, "activation-aware init: weight the error by each layer's input second moment "
+                                  "over this many training micro-batches (0: plain SVD)", ge=0)
+
+    def check(self) -> None:
+        super().check()
+        if self.lrc_rank >= 1 and self.lrc_rank != int(self.lrc_rank):
+            raise UserError(f"lrc_rank={format_value(self.lrc_rank)}: 1 or more is a rank and must be whole — "
+                            f"e.g. lrc_rank=16, or lrc_rank=0.15 for 15% of each layer's full rank")
 
 
 config = LRCConfig(
@@ -62,10 +80,28 @@ def setup(config: LRCConfig) -> Job:
         raise UserError(f"init_adapter={config.init_adapter}: a saved adapter already holds trained values; the "
                         f"low-rank correction initialises new adapters — continue it with recipes/sft_llama.py "
                         f"(quantize={config.quantize}) instead")
-    lora = attach_adapters(model, config)
-    init_lrc(model, config.model, iters=config.lrc_iters, log=log)
-    return Job(model, sft, train_examples, functools.partial(collate_causal, pad_id=tok.pad_id), eval_examples,
-               lora, tok)
+    lora = lora_config(config)
+    if config.lrc_rank:
+        r, pattern = lrc_ranks(model, lora.targets, config.lrc_rank)
+        lora = replace(lora, r=r, rank_pattern=pattern)
+        log(f"lrc: lrc_rank={format_value(config.lrc_rank)} -> rank {r}"
+            + "".join(f", {k} {v}" for k, v in pattern.items()) + " (lora_r is not used)")
+    lora = attach_adapters(model, config, lora)
+    collate = functools.partial(collate_causal, pad_id=tok.pad_id)
+    calibrate = None
+    if config.lrc_calibration:
+        device = model.input_embeddings.weight.device
+        batches = [train_examples[i:i + config.batch_size]
+                   for i in range(0, len(train_examples), config.batch_size)][:config.lrc_calibration]
+
+        def calibrate(m):
+            for rows in batches:
+                batch = collate(rows)
+                m(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+
+        log(f"lrc: calibrating on {len(batches)} micro-batches ({sum(map(len, batches))} examples)")
+    init_lrc(model, config.model, iters=config.lrc_iters, log=log, calibrate=calibrate)
+    return Job(model, sft, train_examples, collate, eval_examples, lora, tok)
 
 
 def run(config: LRCConfig) -> dict:

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from _tok import corpus, make_bpe_tokenizer, make_sp_tokenizer
 
-from minitrain.distill import (DistillObjective, check_same_tokenizer, check_same_vocab, chunked_kd_ce,
-                               kd_ce_from_logits, make_distill_objective)
+from minitrain.distill import (PROJECTIONS, DistillObjective, attach_projections, attention_kl, balance_note,
+                               check_ids_shared, check_same_tokenizer, chunked_kd_ce, feature_distance,
+                               kd_ce_from_logits, make_distill_objective, map_layers, save_projections,
+                               shared_vocab, take_projections, uniform_layer_map)
 from minitrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,6 +253,284 @@ def test_bad_settings_are_user_errors(pair, bad):
         make_distill_objective(pair[1], **kw)
 
 
+# ----------------------------------------------------------------------------- feature and attention terms
+
+
+@pytest.mark.parametrize("kind", ["mse", "cosine"])
+def test_feature_distance_equals_per_element_loops(kind):
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, 6, generator=g) * 3, torch.randn(4, 6, generator=g)
+    got = feature_distance(a, b, kind)
+    for r in range(4):
+        if kind == "mse":
+            want = sum((a[r, d].item() - b[r, d].item()) ** 2 for d in range(6)) / 6
+        else:
+            dot = sum(a[r, d].item() * b[r, d].item() for d in range(6))
+            na = math.sqrt(sum(a[r, d].item() ** 2 for d in range(6)))
+            nb = math.sqrt(sum(b[r, d].item() ** 2 for d in range(6)))
+            want = 1 - dot / (na * nb)
+        assert got[r].item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    if kind == "mse":
+        torch.testing.assert_close(got, F.mse_loss(a, b, reduction="none").mean(-1))
+
+
+def random_attention(B: int, H: int, T: int, g: torch.Generator, key_valid: torch.Tensor) -> torch.Tensor:
+    """Causal attention probabilities (B, H, T, T) with 0 on future and padding keys."""
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & key_valid[:, None, None, :].bool()
+    allowed = allowed | torch.eye(T, dtype=torch.bool)
+    return (torch.randn(B, H, T, T, generator=g) * 2).masked_fill(~allowed, float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("hs,ht", [(4, 4), (2, 4), (4, 2), (4, 6), (3, 4)])
+def test_attention_kl_equals_per_element_loops(hs, ht):
+    """KL(teacher || student) per query, from loops: heads averaged in gcd(hs, ht) consecutive
+    groups, 0 log 0 = 0 on masked keys, averaged over the groups."""
+    g = torch.Generator().manual_seed(6)
+    B, T = 2, 5
+    key_valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    s, t = random_attention(B, hs, T, g, key_valid), random_attention(B, ht, T, g, key_valid)
+    got = attention_kl(s, t)
+    G = math.gcd(hs, ht)
+    for b in range(B):
+        for q in range(T):
+            total = 0.0
+            for grp in range(G):
+                for k in range(T):
+                    ps = sum(s[b, h, q, k].item() for h in range(grp * hs // G, (grp + 1) * hs // G)) / (hs // G)
+                    pt = sum(t[b, h, q, k].item() for h in range(grp * ht // G, (grp + 1) * ht // G)) / (ht // G)
+                    if pt > 0:
+                        total += pt * (math.log(pt) - math.log(ps))
+            assert got[b, q].item() == pytest.approx(total / G, rel=1e-4, abs=1e-6)
+    if hs == ht:  # and torch's KL, head by head
+        want = F.kl_div(s.clamp_min(1e-38).log(), t, reduction="none").sum(-1).mean(1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_uniform_layer_map_and_overrides(pair):
+    assert uniform_layer_map(2, 4) == {0: 1, 1: 3}
+    assert uniform_layer_map(3, 4) == {0: 1, 1: 2, 2: 3}
+    assert uniform_layer_map(4, 2) == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert uniform_layer_map(3, 3) == {0: 0, 1: 1, 2: 2}
+    student, teacher = pair  # 2 layers, 3 layers
+    assert map_layers(student, teacher, None, [], "feature_layers") == {0: 1, 1: 2}
+    assert map_layers(student, teacher, [-1], ["1:0"], "attention_layers") == {1: 0}
+    with pytest.raises(UserError, match="^feature_layers: layer 2 does not exist"):
+        map_layers(student, teacher, [2], [], "feature_layers")
+    with pytest.raises(UserError, match="^layer_map: 0:3 is out of range"):
+        map_layers(student, teacher, None, ["0:3"], "feature_layers")
+    with pytest.raises(UserError, match="^layer_map: 'a:b' is not"):
+        map_layers(student, teacher, None, ["a:b"], "feature_layers")
+
+
+@pytest.fixture(scope="module")
+def pair6(hf_causal):
+    """Student (2 layers, width 64, 4 heads) and a teacher of 3 layers, width 96, 6 heads over 2 kv heads,
+    plus both as transformers models with eager attention (the reference's hidden states and attention)."""
+    import transformers
+
+    import models
+    from minitrain.weights import load_pretrained
+
+    s_dir = hf_causal("distill_student")
+    t_dir = hf_causal("distill_teacher_h6", seed=2, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2)
+    ours = [load_pretrained(d, models.from_hf_config) for d in (s_dir, t_dir)]
+    hf = [transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+          .eval() for d in (s_dir, t_dir)]
+    return ours, hf
+
+
+def hf_inside(model, batch):
+    """transformers' logits, attentions and each decoder layer's output (caught by forward hooks:
+    HF's own hidden_states give the last layer after the final norm)."""
+    pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    layers = []
+    hooks = [layer.register_forward_hook(lambda m, args, out: layers.append(out[0] if isinstance(out, tuple) else out))
+             for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=pos,
+                        output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    out.layer_outputs = layers
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mse", "cosine"])
+def test_objective_with_all_terms_equals_the_reference(pair6, kind):
+    """Every term from transformers' hidden states / attentions and explicit torch.nn.functional:
+    student layers 0, 1 -> teacher 1, 2 (uniform rule) for features through the projections,
+    student layer 1 -> teacher layer 2 for attention (4 vs 6 heads: 2 groups), on target tokens."""
+    import copy
+
+    (student, teacher), (hs, ht) = pair6
+    student = copy.deepcopy(student).train()
+    fmap, amap = map_layers(student, teacher, None, [], "f"), map_layers(student, teacher, [-1], [], "a")
+    assert fmap == {0: 1, 1: 2} and amap == {1: 2}
+    proj = attach_projections(student, teacher, fmap, seed=0)
+    assert set(proj) == {"0", "1"} and proj["0"].weight.shape == (96, 64) and proj["0"].weight.requires_grad
+    w = dict(kd_weight=0.3, ce_weight=0.2, feature_weight=0.4, attention_weight=0.1)
+    obj = make_distill_objective(teacher, temperature=2.0, top_k=0, chunk=3, feature_loss=kind, feature_map=fmap,
+                                 attention_map=amap, **w)
+    batch = batch_of(ROWS)
+    loss_sum, count, m = obj(student, batch)
+
+    y = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    keep = y != -100  # (B, T): the target positions
+    so, to = hf_inside(hs, batch), hf_inside(ht, batch)
+    ce_r, kd_r = reference(so.logits[keep], y[keep], to.logits[keep], 2.0)
+    feats = []
+    for i, j in ((0, 1), (1, 2)):
+        a = proj[str(i)](so.layer_outputs[i][keep]).detach()
+        b = to.layer_outputs[j][keep]
+        feats.append(F.mse_loss(a, b, reduction="none").mean(-1) if kind == "mse"
+                     else 1 - F.cosine_similarity(a, b, dim=-1))
+    feat_r = torch.stack(feats).mean(0)
+    B, _, T, _ = so.attentions[1].shape
+    sa = so.attentions[1].reshape(B, 2, 2, T, T).mean(2)  # 4 heads -> 2 groups of 2
+    ta = to.attentions[2].reshape(B, 2, 3, T, T).mean(2)  # 6 heads -> 2 groups of 3
+    att_r = F.kl_div(sa.clamp_min(1e-38).log(), ta, reduction="none").sum(-1).mean(1)[keep]
+    want = {"kd": kd_r.sum(), "ce": ce_r.sum(), "feature": feat_r.sum(), "attention": att_r.sum()}
+    n = int(keep.sum())
+    assert int(count) == n
+    torch.testing.assert_close(loss_sum.double(), sum(w[f"{k}_weight"] * v.double() for k, v in want.items()),
+                               rtol=1e-4, atol=1e-5)
+    for k, v in want.items():
+        assert m[k] == pytest.approx(v.item() / n, rel=1e-4, abs=1e-6), k
+        assert m[f"{k}_weighted"] == pytest.approx(w[f"{k}_weight"] * m[k], rel=1e-6), k
+    assert m["feature"] > 0 and m["attention"] > 0
+
+
+def test_gradients_reach_the_student_and_projections_only(pair6):
+    """Feature term alone on student layer 0: the projection and student layer 0 (and the
+    embedding) get gradients; student layer 1, its head and every teacher tensor do not."""
+    import copy
+
+    (student, teacher), _ = pair6
+    s = copy.deepcopy(student).train()
+    s.requires_grad_(True)
+    fmap = {0: 1}
+    attach_projections(s, teacher, fmap)
+    obj = make_distill_objective(teacher, temperature=2.0, kd_weight=0.0, ce_weight=0.0, feature_weight=1.0,
+                                 attention_weight=1.0, feature_map=fmap, attention_map={0: 0})
+    loss_sum, _, _ = obj(s, batch_of(ROWS))
+    loss_sum.backward()
+    assert all(p.grad is None for p in teacher.parameters()) and not any(p.requires_grad for p in teacher.parameters())
+    grads = {n: p.grad for n, p in s.named_parameters()}
+    assert grads[f"{PROJECTIONS}.0.weight"].abs().sum() > 0
+    assert grads["model.layers.0.mlp.down_proj.weight"].abs().sum() > 0
+    assert grads["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0  # attention transfer reaches q, k
+    assert grads["model.embed_tokens.weight"].abs().sum() > 0
+    assert all(g is None for n, g in grads.items() if n.startswith(("model.layers.1.", "lm_head", "model.norm")))
+
+
+def test_padded_vocabularies_distil_over_the_shared_ids(pair, hf_causal):
+    """A teacher whose head scores 160 ids (the same first 128 + padding): KD renormalises both
+    distributions over ids 0..127; CE stays the student's over its own 128. And the reverse."""
+    import models
+    from minitrain.weights import load_pretrained
+
+    student, _ = pair
+    big = load_pretrained(hf_causal("distill_v160_t", seed=3, vocab_size=160), models.from_hf_config)
+    batch = batch_of(ROWS)
+    y = F.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
+    keep = y != -100
+    for s, t in ((student, big), (big, student)):
+        obj = make_distill_objective(t, temperature=2.0, kd_weight=1.0, ce_weight=1.0)
+        loss_sum, _, m = obj(s.train(), batch)
+        with torch.no_grad():
+            z = s.output_projection(s(batch["input_ids"], batch["attention_mask"])).reshape(-1, s.config.vocab_size)
+            u = t.output_projection(t(batch["input_ids"], batch["attention_mask"])).reshape(-1, t.config.vocab_size)
+        z, u = z[keep], u[keep]
+        ce_r = F.cross_entropy(z, y[keep], reduction="none")  # over the student's whole head
+        kd_r = reference(z[:, :128], y[keep], u[:, :128], 2.0)[1]
+        torch.testing.assert_close(loss_sum.double(), (ce_r.double() + kd_r).sum(), rtol=1e-5, atol=1e-5)
+        for top_k in (5,):
+            obj = make_distill_objective(t, temperature=2.0, kd_weight=1.0, ce_weight=0.0, top_k=top_k)
+            got = obj(s, batch)[0]
+            torch.testing.assert_close(got.double(), reference(z[:, :128], y[keep], u[:, :128], 2.0, top_k)[1].sum(),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_balance_note_matches_report_001():
+    """Report 001's figures: kd 21.14, feature 40.79, attention 0.4858 at weights 0.7 / 0.1 / 0.1."""
+    raw, w = {"kd": 21.1447, "feature": 40.786, "attention": 0.4858}, {"kd": 0.7, "feature": 0.1, "attention": 0.1}
+    line = balance_note(raw, w, 4.0, 20)
+    total = 0.7 * 21.1447 + 0.1 * 40.786 + 0.1 * 0.4858  # 18.93
+    assert line.startswith("distill: loss balance over the first 20 steps is off (factor 4)") and "\n" not in line
+    assert f"attention is {0.04858 / total * 100:.3g}% of the loss, its weight intends {0.1 / 0.9 * 100:.3g}% (" in line
+    assert "kd is" not in line and "feature is" not in line  # 78% vs 78%, 21.5% vs 11.1%: within 4x
+    fair = dict(kv.split("=") for kv in line.rsplit(": ", 1)[1].split())
+    got = {k: float(fair[f"{k}_weight"]) * raw[k] for k in raw}  # the suggested weights give the intended shares
+    for k in raw:
+        assert got[k] / sum(got.values()) == pytest.approx(w[k] / 0.9, rel=2e-3)
+    assert balance_note(raw, w, 100.0, 20) is None
+    assert balance_note({"kd": 1.0, "ce": 2.0}, {"kd": 0.5, "ce": 0.5}, 4.0, 20) is None
+
+
+def test_balance_is_reported_once(pair6):
+    (student, teacher), _ = pair6
+    lines = []
+    obj = make_distill_objective(teacher, temperature=2.0, kd_weight=0.5, ce_weight=0.5, feature_weight=0.5,
+                                 attention_weight=0.0, feature_map={0: 1}, balance_steps=2, micro_batches=2,
+                                 balance_factor=1.01, log=lines.append)
+    import copy
+
+    s = copy.deepcopy(student).train()
+    attach_projections(s, teacher, {0: 1})
+    seen = []
+    for k in range(7):
+        seen.append(obj(s, batch_of(ROWS[k % 4:k % 4 + 1]))[2])
+        assert len(lines) == (1 if k >= 3 else 0)  # after 2 steps x 2 micro-batches, and never again
+    assert lines[0].startswith("distill: loss balance over the first 2 steps is off (factor 1.01)")
+    raw = {k: sum(r[k] for r in seen[:4]) / 4 for k in ("kd", "ce", "feature")}
+    assert lines[0] == balance_note(raw, obj.weights, 1.01, 2)
+
+
+def test_projections_are_saved_and_taken_off_the_model(pair6, tmp_path):
+    import copy
+
+    from safetensors import safe_open
+
+    (student, teacher), _ = pair6
+    s = copy.deepcopy(student)
+    proj = attach_projections(s, teacher, {0: 1, 1: 2})
+    want = {k: v.detach().clone() for k, v in proj.state_dict().items()}
+    path = save_projections(take_projections(s), tmp_path / "p.safetensors", {0: 1, 1: 2})
+    assert not hasattr(s, PROJECTIONS) and not any(n.startswith(PROJECTIONS) for n, _ in s.named_parameters())
+    with safe_open(str(path), "pt") as f:
+        assert json.loads(f.metadata()["minitrain.layer_map"]) == {"0": 1, "1": 2}
+        for k, v in want.items():
+            torch.testing.assert_close(f.get_tensor(k), v)
+    assert take_projections(s) == {} and save_projections({}, tmp_path / "q.safetensors", {}) is None
+    assert not (tmp_path / "q.safetensors").exists()
+    assert attach_projections(s, student, {0: 0}) is None  # same width: no projection
+
+
+def test_a_family_without_captured_layers_is_refused(pair, hf_causal):
+    """Phi-3 inherits LLaMA's causal LM with a body of its own that returns no layers: one error line."""
+    import models
+    from minitrain.weights import load_pretrained
+
+    phi3 = load_pretrained(hf_causal("distill_phi3", model_type="phi3", num_key_value_heads=2), models.from_hf_config)
+    assert pair[1].captures_layers and not phi3.captures_layers
+    with pytest.raises(UserError, match="^feature_weight / attention_weight: the teacher's model family does not"):
+        make_distill_objective(phi3, temperature=2.0, kd_weight=0.5, ce_weight=0.5, feature_weight=0.1,
+                               feature_map={0: 0})
+    make_distill_objective(phi3, temperature=2.0, kd_weight=0.5, ce_weight=0.5)  # KD + CE need no layers
+
+
+@pytest.mark.parametrize("bad,match", [(dict(feature_weight=1.0), "^feature_weight=1.0: no layers are mapped"),
+                                        (dict(feature_loss="l1"), "^feature_loss=l1: must be mse or cosine"),
+                                        (dict(kd_weight=0.0, ce_weight=0.0), "weights must be >= 0 and not all 0")])
+def test_bad_term_settings_are_user_errors(pair, bad, match):
+    kw = {**dict(temperature=2.0, kd_weight=0.5, ce_weight=0.5), **bad}
+    with pytest.raises(UserError, match=match):
+        make_distill_objective(pair[1], **kw)
+
+
 # ----------------------------------------------------------------------------- same tokenizer
 
 
@@ -276,14 +556,21 @@ def test_tokenizer_check(tmp_path):
         check_same_tokenizer(a, d)
 
 
-def test_head_size_check(pair, hf_causal, tmp_path):
+def test_shared_vocab_and_ids_beyond_it(pair, hf_causal):
     import models
+    from minitrain.data import Examples
     from minitrain.weights import load_pretrained
 
-    other = load_pretrained(hf_causal("distill_v160", vocab_size=160), models.from_hf_config)
-    with pytest.raises(UserError, match="scores 160 ids but the student's"):
-        check_same_vocab(pair[0], other, "s_dir", "t_dir")
-    check_same_vocab(pair[0], pair[1], "s_dir", "t_dir")
+    padded = load_pretrained(hf_causal("distill_v160", vocab_size=160), models.from_hf_config)
+    assert shared_vocab(pair[0], padded) == shared_vocab(padded, pair[0]) == 128
+    assert shared_vocab(pair[0], pair[1]) == 128
+    ok = Examples([{"input_ids": [1, 5, 127], "labels": [-100, 5, 127]}], path="train.jsonl")
+    assert check_ids_shared([ok, None], 128, "t_dir") == 127
+    bad = Examples([*ok, {"input_ids": [1, 140], "labels": [-100, 140]}], path="train.jsonl")
+    with pytest.raises(UserError) as e:
+        check_ids_shared([ok, bad], 128, "t_dir")
+    msg = str(e.value)
+    assert msg.startswith("train.jsonl: example 1 holds token id 140") and "0..127" in msg and "\n" not in msg
 
 
 # ----------------------------------------------------------------------------- the recipe
@@ -338,3 +625,32 @@ def test_recipe_refuses_another_tokenizer(tiny, tmp_path):
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith("error: teacher=") and "Traceback" not in p.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_recipe_with_feature_and_attention_terms(tiny, finetune):
+    """All four terms through the CLI (checkpointing on): each logged raw and weighted, the loss their
+    weighted sum, the balance line said once, the projections saved beside the adapter or the model
+    (finetune=full: out/model holds the student's own keys only and loads in transformers)."""
+    import transformers
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out = tiny["root"] / f"out_terms_{finetune}"
+    p = run_recipe(tiny, out, "feature_weight=0.3", "attention_weight=0.2", "feature_loss=cosine",
+                   "checkpointing=true", "balance_steps=1", "balance_factor=1.01", f"finetune={finetune}")
+    assert p.returncode == 0, p.stderr
+    assert "feature_weight=0.3 (cosine) on student:teacher layers 0:1, 1:2; 2 projections 64->96" in p.stdout
+    assert "attention_weight=0.2 on student:teacher layers 1:2" in p.stdout
+    assert p.stdout.count("distill: loss balance over the first 1 steps is off") == 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        parts = [r[f"{k}_weighted"] for k in ("kd", "ce", "feature", "attention")]
+        assert r["loss"] == pytest.approx(sum(parts), rel=1e-5)
+        assert r["feature_weighted"] == pytest.approx(0.3 * r["feature"], rel=1e-6) and r["attention"] > 0
+    folder = out / ("adapter" if finetune == "lora" else "model")
+    with safe_open(str(folder / "distill_projections.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["0.weight", "1.weight"] and f.get_tensor("0.weight").shape == (96, 64)
+    if finetune == "full":
+        assert set(load_file(folder / "model.safetensors")) == set(load_file(tiny["student"] / "model.safetensors"))
+        transformers.AutoModelForCausalLM.from_pretrained(folder)

@@ -47,18 +47,24 @@ def hf_config(**kw) -> dict:
     return d
 
 
-def build(hf: dict, dtype=torch.float32, targets=ATTN, r=16, quantize=None):
+def build(hf: dict, dtype=torch.float32, targets=ATTN, r=16, quantize=None, lrc_rank=0.0, **hook_options):
     torch.manual_seed(0)
     model = models.from_hf_config(hf).to(dtype)
     if quantize:
-        pytest.importorskip("bitsandbytes")
+        if quantize != "ternary":
+            pytest.importorskip("bitsandbytes")
         from minitrain.quant import quantize_hook
 
-        hook = quantize_hook(quantize, compute_dtype=dtype)
+        hook = quantize_hook(quantize, compute_dtype=dtype, **hook_options)
         for name, m in list(model.named_modules()):
             if isinstance(m, torch.nn.Linear) and name != "lm_head":
                 assert hook(model, name + ".weight", m.weight.data)
-    cfg = LoRAConfig(r=r, alpha=2 * r, dropout=0.0, targets=list(targets))
+    pattern = {}
+    if lrc_rank:
+        from minitrain.lrc import lrc_ranks
+
+        r, pattern = lrc_ranks(model, list(targets), lrc_rank)
+    cfg = LoRAConfig(r=r, alpha=2 * r, dropout=0.0, targets=list(targets), rank_pattern=pattern)
     apply_lora(model, cfg)
     freeze_for_adapters(model, cfg)
     return model
@@ -137,6 +143,34 @@ def test_quantized_weights_exact(kind, double_quant):
     assert terms["weights: embeddings + head"] + terms["weights: norms"] == tensor_bytes(rest)
 
 
+@pytest.mark.parametrize("extra", [dict(model_type="qwen2"), dict(model_type="qwen3", tie_word_embeddings=True),
+                                   dict(model_type="llama", attention_bias=True)])
+def test_qwen_weights_exact(extra):
+    hf = hf_config(num_key_value_heads=2, head_dim=64, **extra)
+    model = build(hf, torch.bfloat16, ALL, r=8)
+    ms = P.ModelShape.from_hf(hf)
+    run = P.RunShape(rows=1, seq=8, compute="bf16", lora_r=8, lora_targets=ALL)
+    base = [p for p in model.parameters() if not p.requires_grad]
+    assert sum(t.bytes for t in P.weight_terms(ms, run)) == tensor_bytes(base)
+    assert ms.num_params() == sum(p.numel() for p in {id(p): p for p in base}.values())
+
+
+@pytest.mark.parametrize("scale", ["tensor", "channel"])
+def test_ternary_weights_and_lrc_rank_adapters_exact(scale):
+    hf = hf_config(num_key_value_heads=2, hidden_size=192, intermediate_size=522)  # rows not multiples of 4
+    model = build(hf, torch.bfloat16, ALL, quantize="ternary", lrc_rank=0.15, ternary_scale=scale)
+    blocks = [m for n, m in model.named_modules() if n.startswith("model.layers.") and hasattr(m, "weight_scale")]
+    measured = tensor_bytes(m.weight for m in blocks) + tensor_bytes(m.weight_scale for m in blocks)
+    run = P.RunShape(rows=1, seq=8, compute="bf16", quantize="ternary", ternary_scale=scale, lrc_rank=0.15,
+                     lora_targets=ALL)
+    ms = P.ModelShape.from_hf(hf)
+    terms = {t.name: t.bytes for t in P.weight_terms(ms, run)}
+    assert terms["weights: block linears"] == measured
+    # 0.15 x min(in, out): 28 for 192-wide, 9 for the kv projections (2 heads x 48 = 96 wide)
+    assert {m.r for m in blocks} == {28, 14}
+    assert P.predict(ms, run).term("adapters") == tensor_bytes(p for p in model.parameters() if p.requires_grad)
+
+
 # ----------------------------------------------------------------------------- activations, measured
 
 
@@ -185,6 +219,11 @@ CASES = {
     "fp32 vocab32k ckpt all-linear": dict(vocab=32000, seq=192, targets=ALL, ckpt=True),
     "fp32 vocab32k adapted head": dict(vocab=32000, seq=192, targets=ATTN + ("lm_head",)),  # checkpointed loss
     "nf4 all-linear": dict(targets=ALL, quantize="nf4"),
+    "ternary all-linear lrc 15% ckpt": dict(targets=ALL, kv=2, quantize="ternary", lrc=0.15, ckpt=True),
+    "bf16 ternary all-linear": dict(targets=ALL, compute="bf16", quantize="ternary"),
+    "qwen3 all-linear gqa": dict(targets=ALL, kv=2, model_type="qwen3"),
+    "qwen3 ternary all-linear lrc 15% ckpt": dict(targets=ALL, kv=2, quantize="ternary", lrc=0.15, ckpt=True,
+                                                  model_type="qwen3"),
 }
 
 
@@ -192,18 +231,20 @@ CASES = {
 def test_sft_step_peak_within_20_percent(case):
     from minitrain.objectives import sft
 
-    c = dict(targets=ATTN, kv=4, ckpt=False, compute="fp32", vocab=2048, rows=4, seq=256, quantize=None)
+    c = dict(targets=ATTN, kv=4, ckpt=False, compute="fp32", vocab=2048, rows=4, seq=256, quantize=None, lrc=0.0,
+             model_type="llama")
     c.update(CASES[case])
-    hf = hf_config(vocab_size=c["vocab"], num_key_value_heads=c["kv"])
+    hf = hf_config(vocab_size=c["vocab"], num_key_value_heads=c["kv"], model_type=c["model_type"], head_dim=64)
     dtype = torch.bfloat16 if c["compute"] == "bf16" else torch.float32
-    model = build(hf, dtype, c["targets"], quantize=c["quantize"])
+    model = build(hf, dtype, c["targets"], quantize=c["quantize"], lrc_rank=c["lrc"])
     if c["ckpt"]:
         enable_checkpointing(model)
     batch = batch_of(c["rows"], c["seq"], c["vocab"])
     measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
     targets = int((batch["labels"][:, 1:] != -100).sum())
     run = P.RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], lora_targets=c["targets"],
-                     checkpointing=c["ckpt"], targets=targets, quantize=c["quantize"] or "none", device="cpu")
+                     checkpointing=c["ckpt"], targets=targets, quantize=c["quantize"] or "none", device="cpu",
+                     lrc_rank=c["lrc"])
     plan = P.predict(P.ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
     assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
@@ -349,7 +390,7 @@ def test_from_hf_defaults_and_refusals():
                               "num_hidden_layers": 2, "num_attention_heads": 4})
     assert m.num_key_value_heads == 8  # HF's MistralConfig default
     assert m.head_dim == 16 and m.sliding_window == 4096
-    with pytest.raises(UserError, match="models LLaMA / Mistral and T5"):
+    with pytest.raises(UserError, match="models LLaMA / Mistral / Qwen2 / Qwen3 and T5"):
         P.shape_from_hf({"model_type": "gpt2"})
     assert isinstance(P.shape_from_hf({"model_type": "t5"}), P.T5Shape)  # transformers' T5Config defaults
     assert P.shape_from_hf({"model_type": "t5"}).num_decoder_layers == 6

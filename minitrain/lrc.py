@@ -26,7 +26,8 @@ more is a rank, capped at the layer's full rank), carried by the LoRA config's `
 Activation-aware initialisation (`calibrate`): what matters is the layer's output error on the
 inputs it sees, E_x ||(W - Wq - s B A) x||^2 = ||(E - s B A) R||_F^2 with R = Sigma^(1/2) and
 Sigma = E[x x^T] (in, in), the second moment of the layer's inputs over a few calibration batches
-(the quantized model's own activations, every position of the batch). Its best rank-r
+(the quantized model's own activations, every position of the batch; an (in, in) fp32 matrix per
+adapted layer is held during the initialisation). Its best rank-r
 minimiser is the whitened truncated SVD (as in SVD-LLM, Wang et al. 2024):
 
     E R ~ U_r S_r V_r^T,    s B A = U_r S_r V_r^T R^-1
@@ -46,7 +47,8 @@ whose block input does not require grad (tests/test_lrc.py checks the gradients 
 
 An adapter made this way corrects *this* quantized base: load it onto the same base quantized the
 same way (and, with `iters > 1`, re-quantized by `init_lrc` again, which is deterministic), not
-onto the full-precision model, where it would add the quantization error instead of removing it.
+onto the full-precision model, where it would add the quantization error instead of removing it
+(`tools/merge.py --quantize <format>` folds it into the dequantized base, a float model).
 """
 
 from __future__ import annotations

@@ -240,6 +240,23 @@ def test_lora_on_ternary_base_trains_only_adapters_and_guards_the_base(folder):
     assert not any("weight_scale" in k or "lora_" in k for k in sd)
 
 
+def test_merge_tool_folds_an_adapter_into_the_dequantized_ternary_base(folder, tmp_path):
+    import transformers
+
+    model = ternary_model(folder, "channel", r=4, alpha=8, targets="all-linear")
+    init_lrc(model, folder)
+    save_adapter(model, tmp_path / "adapter")
+    args = ["--model", str(folder), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged"),
+            "--quantize", "ternary", "--ternary-scale", "channel"]
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "merge.py"), *args], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(4, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.output_projection(model(ids)), rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- LRC on ternary
 
 

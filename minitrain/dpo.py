@@ -45,7 +45,8 @@ from minitrain.collate import collate_preference
 from minitrain.errors import UserError
 from minitrain.lora import disable_adapters
 from minitrain.losses import IGNORE_INDEX, chunked_token_logprobs, shift_labels
-from minitrain.objectives import causal_token_logprobs
+from minitrain.objectives import batch_token_logprobs, causal_hidden
+from minitrain.packing import collate_packed_pairs, per_sequence
 from minitrain.weights import io_error_reason
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
@@ -68,9 +69,12 @@ class DPOConfig(TrainConfig):
                                             "else such a pair is an error naming its line")
     shared_prompt: bool = doc(False, "one row [prompt, chosen, rejected] per pair: the prompt's forward and "
                                      "backward run once (exact; faster when prompts are long)")
+    packing: bool = doc(False, "pack each micro-batch's chosen and rejected sequences into rows of up to max_len "
+                               "tokens (positions restart, attention stays inside each sequence; same loss)")
 
     def check(self) -> None:
         super().check()
+        self.check_layout()
         if self.finetune == "full":
             raise UserError(f"finetune=full: loss_type={self.loss_type}'s reference is the base model, which "
                             f"minitrain gets by disabling the adapters — use finetune=lora (or a reference-free "
@@ -78,6 +82,12 @@ class DPOConfig(TrainConfig):
         if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
             raise UserError(f"label_smoothing={self.label_smoothing}: has no meaning for loss_type={self.loss_type} "
                             f"— use loss_type=sigmoid or robust, or label_smoothing=0")
+
+    def check_layout(self) -> None:
+        """How pairs are laid out in rows: shared_prompt or packing, not both."""
+        if self.packing and self.shared_prompt:
+            raise UserError("packing=true: does not combine with shared_prompt=true — use shared_prompt for long "
+                            "prompts, packing for short pairs of varied length")
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -161,19 +171,19 @@ def sequence_logps(model: nn.Module, batch: dict[str, Any]) -> SequenceLogps:
     One forward (not two) halves the kernel launches and keeps both halves under the same
     padding, so a pair's two scores differ only by their answers. Log-probs come from
     `chunked_token_logprobs` (no `2P x T x V` logits tensor) in fp32. A `collate_shared_prompt`
-    batch (P rows) is scored from its one row per pair, the shared prefix computed once.
+    batch (P rows) is scored from its one row per pair, the shared prefix computed once; a packed
+    batch (`collate_packed_pairs`) sums each sequence's tokens wherever its row put them.
     """
     if "rejected_targets" in batch:  # collate_shared_prompt: one row [prompt, chosen, rejected] per pair
-        hidden = model(batch["input_ids"], batch["block_mask"], position_ids=batch["position_ids"])  # (P, T, D)
+        hidden = causal_hidden(model, batch)  # (P, T, D)
         head = model.output_projection
         c_t, r_t = batch["chosen_targets"], batch["rejected_targets"]  # (P, T), already shifted
         c = chunked_token_logprobs(hidden, head, c_t).sum(dim=1)  # (P,)
         r = chunked_token_logprobs(hidden, head, r_t).sum(dim=1)
         return SequenceLogps(c, r, (c_t != IGNORE_INDEX).sum(dim=1), (r_t != IGNORE_INDEX).sum(dim=1))
-    labels = batch["labels"]  # (2P, T), aligned with input_ids, -100 off the completion
-    token_logps = causal_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), labels)  # (2P, T)
-    logps = token_logps.sum(dim=1)  # (2P,)
-    tokens = (shift_labels(labels) != IGNORE_INDEX).sum(dim=1)  # (2P,) scored tokens per sequence
+    labels = batch["labels"]  # (rows, T), aligned with input_ids, -100 off the completion
+    logps = per_sequence(batch, batch_token_logprobs(model, batch, labels))  # (2P,)
+    tokens = per_sequence(batch, shift_labels(labels) != IGNORE_INDEX)  # (2P,) scored tokens per sequence
     P = num_pairs(batch)
     return SequenceLogps(logps[:P], logps[P:], tokens[:P], tokens[P:])
 
@@ -418,11 +428,18 @@ def collate_shared_prompt(examples: Sequence[dict], pad_id: int) -> dict[str, An
             "rejected_targets": pad(r_tg, IGNORE_INDEX), "num_pairs": len(examples)}
 
 
-def collate_with_reference(examples: Sequence[dict], pad_id: int, shared_prompt: bool = False) -> dict[str, Any]:
-    """`collate_preference` (or `collate_shared_prompt` with `shared_prompt`), plus
-    `ref_chosen_logps` / `ref_rejected_logps` (P,) when the examples carry precomputed reference
-    log-probs (see `precompute_reference`)."""
-    batch = (collate_shared_prompt if shared_prompt else collate_preference)(examples, pad_id)
+def collate_with_reference(examples: Sequence[dict], pad_id: int, shared_prompt: bool = False,
+                           pack_len: int = 0) -> dict[str, Any]:
+    """`collate_preference` (or `collate_shared_prompt` with `shared_prompt`, or with `pack_len > 0`
+    `collate_packed_pairs` into rows of up to `pack_len` tokens), plus `ref_chosen_logps` /
+    `ref_rejected_logps` (P,) when the examples carry precomputed reference log-probs (see
+    `precompute_reference`)."""
+    if shared_prompt and pack_len:
+        raise ValueError("collate_with_reference: shared_prompt and packing do not combine")
+    if pack_len:
+        batch = collate_packed_pairs(examples, pad_id, pack_len)
+    else:
+        batch = (collate_shared_prompt if shared_prompt else collate_preference)(examples, pad_id)
     have = ["ref_chosen_logp" in ex for ex in examples]
     if any(have):
         if not all(have):

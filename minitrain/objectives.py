@@ -42,14 +42,24 @@ def causal_token_logprobs(
     return chunked_token_logprobs(hidden, model.output_projection, shift_labels(labels))
 
 
+def causal_hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Hidden states (B, T, D) of a causal batch: padded rows, or rows of several sequences (packed,
+    DPO's shared prompt) with their `block_mask` and `position_ids`."""
+    if "block_mask" in batch:
+        return model(batch["input_ids"], batch["block_mask"], position_ids=batch["position_ids"])
+    return model(batch["input_ids"], batch.get("attention_mask"))
+
+
+def batch_token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """`causal_token_logprobs` of a batch in any layout (`causal_hidden`): (B, T) fp32."""
+    return chunked_token_logprobs(causal_hidden(model, batch), model.output_projection, shift_labels(labels))
+
+
 def sft(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Causal-LM cross-entropy on the completion tokens (prompt tokens carry label -100).
 
     A packed batch (`minitrain.packing`) brings its block mask and per-example positions."""
-    if "block_mask" in batch:
-        hidden = model(batch["input_ids"], batch["block_mask"], position_ids=batch["position_ids"])  # (B, T, D)
-    else:
-        hidden = model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, D)
+    hidden = causal_hidden(model, batch)  # (B, T, D)
     loss_sum, count = chunked_cross_entropy_sum(hidden, model.output_projection, shift_labels(batch["labels"]))
     return loss_sum, count, {}
 
@@ -66,7 +76,8 @@ def seq2seq(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     """Encoder-decoder cross-entropy: the decoder at position t predicts `labels[:, t]`.
 
     `decoder_input_ids` come from the batch when the collator made them, else they are
-    `labels` shifted right behind `config.decoder_start_token_id` (T5: the pad id, 0).
+    `labels` shifted right behind `config.decoder_start_token_id` (T5: the pad id, 0). A packed
+    batch brings its three masks.
     """
     if not getattr(model, "is_encoder_decoder", False):
         raise TypeError("seq2seq objective needs an encoder-decoder model (model.is_encoder_decoder)")
@@ -78,8 +89,12 @@ def seq2seq(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
         pad = 0 if pad is None else pad
         start = getattr(cfg, "decoder_start_token_id", None)
         dec_in = shift_right(labels, pad if start is None else start, pad)
-    hidden = model(
-        batch["input_ids"], batch.get("attention_mask"), dec_in, batch.get("decoder_attention_mask")
-    )  # (B, Td, D)
+    if "block_mask" in batch:  # packed rows (`minitrain.packing.collate_packed_seq2seq`)
+        hidden = model(batch["input_ids"], batch["block_mask"], dec_in, batch["decoder_block_mask"],
+                       cross_attention_mask=batch["cross_block_mask"])  # (B, Td, D)
+    else:
+        hidden = model(
+            batch["input_ids"], batch.get("attention_mask"), dec_in, batch.get("decoder_attention_mask")
+        )  # (B, Td, D)
     loss_sum, count = chunked_cross_entropy_sum(hidden, model.output_projection, labels)
     return loss_sum, count, {}

@@ -41,7 +41,8 @@ from minitrain.config import doc
 from minitrain.dpo import LOSS_TYPES, DPOConfig, evaluate_dpo, num_pairs
 from minitrain.errors import UserError
 from minitrain.losses import IGNORE_INDEX, shift_labels
-from minitrain.objectives import causal_token_logprobs
+from minitrain.objectives import batch_token_logprobs
+from minitrain.packing import per_sequence, sequence_ids
 
 REFERENCE_FREE = ("orpo", "cpo", "simpo")
 METHOD_SFT_WEIGHT = {"orpo": 1.0, "cpo": 1.0}  # each method's NLL weight when `sft_weight` is unset (others: 0)
@@ -75,6 +76,10 @@ class PreferenceConfig(DPOConfig):
             if self.label_smoothing and self.loss_type == "orpo":
                 raise UserError(f"label_smoothing={self.label_smoothing}: has no meaning for loss_type=orpo "
                                 f"— use label_smoothing=0")
+            self.check_layout()
+            if self.shared_prompt:
+                raise UserError(f"shared_prompt=true: loss_type={self.loss_type} is scored on [chosen; rejected] rows "
+                                f"only — drop shared_prompt (packing=true also saves padding)")
             self.check_train()
             return
         super().check()
@@ -133,7 +138,8 @@ def cpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, *, beta: 
 class ReferenceFreeObjective:
     """`(model, batch) -> (loss summed over pairs, number of pairs, metrics)`: orpo, cpo or simpo.
 
-    One forward of the `collate_preference` batch `[chosen; rejected]` scores everything: the
+    One forward of the `collate_preference` batch `[chosen; rejected]` (or its packed rows,
+    `collate_packed_pairs`) scores everything: the
     completion log-probs of both answers and the NLL of the chosen one (for orpo over the
     chosen row's whole sequence, so the prompt tokens of the chosen rows are scored too).
     Metrics are TRL's names, means over the batch's pairs: `rewards/chosen`, `rewards/rejected`,
@@ -158,18 +164,21 @@ class ReferenceFreeObjective:
     def pair_stats(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Per-pair tensors (P,): `loss` (with graph) and the metric values (detached)."""
         P = num_pairs(batch)
-        labels = batch["labels"]  # (2P, T): the completion tokens, -100 elsewhere
-        answer = shift_labels(labels) != IGNORE_INDEX  # (2P, T) scored completion positions
+        labels = batch["labels"]  # (rows, T): the completion tokens, -100 elsewhere
+        answer = shift_labels(labels) != IGNORE_INDEX  # (rows, T) scored completion positions
         scored = labels
         if self.loss_type == "orpo":  # the chosen rows' NLL covers prompt and answer (TRL, ORPO's code)
-            whole = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
-            scored = torch.cat([whole[:P], labels[P:]])
-        token_logps = causal_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), scored)
-        sums = (token_logps * answer).sum(1)  # (2P,) completion log-probs
-        means = sums / answer.sum(1).clamp(min=1)
+            seq = sequence_ids(batch)  # (rows, T)
+            starts = torch.ones_like(seq, dtype=torch.bool)  # never a target: keeps the shift in each sequence
+            starts[:, 1:] = seq[:, 1:] != seq[:, :-1]
+            whole = batch["input_ids"].masked_fill((seq < 0) | starts, IGNORE_INDEX)
+            scored = torch.where((seq >= 0) & (seq < P), whole, labels)
+        token_logps = batch_token_logprobs(model, batch, scored)  # (rows, T)
+        sums = per_sequence(batch, token_logps * answer)  # (2P,) completion log-probs
+        means = sums / per_sequence(batch, answer).clamp(min=1)
         if self.loss_type == "orpo":
-            nll_tokens = (shift_labels(scored[:P]) != IGNORE_INDEX).sum(1).clamp(min=1)
-            nll = -token_logps[:P].sum(1) / nll_tokens  # (P,) per-token NLL of each chosen row
+            nll_tokens = per_sequence(batch, shift_labels(scored) != IGNORE_INDEX)[:P].clamp(min=1)
+            nll = -per_sequence(batch, token_logps)[:P] / nll_tokens  # (P,) per-token NLL of each chosen row
             ratio_losses, r_c, r_r, ratio, log_odds = orpo_loss(means[:P], means[P:], self.beta)
             losses = self.sft_weight * nll + ratio_losses
             logps = means

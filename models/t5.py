@@ -481,6 +481,11 @@ class T5Stack(nn.Module):
 
         `attention_mask` (B, T_keys) of 1/0 masks padded keys; with a cache it covers the cached
         and the new positions. `encoder_attention_mask` (B, S) masks padded encoder positions.
+        Several sequences in one row (packing): `attention_mask` a bool (B, 1, T, T) mask, True =
+        may attend (the decoder's causal part included), and `encoder_attention_mask` a bool
+        (B, 1, T, S) cross-attention mask. No positions are needed: the bias depends on `k - q`
+        only, which inside one sequence is the same wherever the sequence sits in the row, so every
+        allowed pair gets the bucket it has in the sequence alone.
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -490,10 +495,14 @@ class T5Stack(nn.Module):
 
         bias = self.position_bias(T, k_len, offset, device)  # (1, H, T, k_len)
         allowed = None  # (B or 1, 1, T, k_len) bool
-        if self.is_decoder:  # causal: key j visible from query i when j <= offset + i
+        if attention_mask is not None and attention_mask.dim() == 4:  # the caller's own mask (packed rows)
+            if cache is not None:
+                raise ValueError("a 4-D attention_mask cannot be used with a cache")
+            allowed = attention_mask.to(device).bool()  # (B, 1, T, T)
+        elif self.is_decoder:  # causal: key j visible from query i when j <= offset + i
             allowed = (torch.arange(k_len, device=device)[None, :]
                        <= torch.arange(T, device=device)[:, None] + offset)[None, None]
-        if attention_mask is not None:
+        if attention_mask is not None and attention_mask.dim() == 2:
             keys = attention_mask[:, None, None, :].bool()  # (B, 1, 1, k_len)
             allowed = keys if allowed is None else allowed & keys
         if allowed is not None:
@@ -504,7 +513,9 @@ class T5Stack(nn.Module):
             S = encoder_hidden.shape[1] if encoder_hidden is not None else cache.cross_kv[0][0].shape[2]
             cross_bias = torch.zeros(1, 1, 1, S, device=device)  # no position bias across stacks
             if encoder_attention_mask is not None:
-                cross_bias = cross_bias.masked_fill(~encoder_attention_mask[:, None, None, :].bool(), neg)
+                cross = encoder_attention_mask.bool()
+                cross = cross if cross.dim() == 4 else cross[:, None, None, :]  # (B, 1, T or 1, S)
+                cross_bias = cross_bias.masked_fill(~cross, neg)
 
         x = F.dropout(self.embed_tokens(input_ids), self.config.dropout_rate, self.training)  # (B, T, D)
         for block in self.block:
@@ -614,7 +625,8 @@ class T5ForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """Decoder hidden (B, Td, D), scaled by d_model**-0.5 when the config says so (v1.0).
 
-        `attention_mask` (B, S) is the encoder's padding mask. With a `cache` (from `new_cache()`),
+        `attention_mask` (B, S) is the encoder's padding mask (packed rows: a bool (B, 1, Td, S)
+        cross-attention mask). With a `cache` (from `new_cache()`),
         `decoder_input_ids` are only the new tokens; the first call projects the cross-attention K/V
         from `encoder_hidden`, later calls may pass `encoder_hidden=None`.
         """
@@ -635,10 +647,17 @@ class T5ForConditionalGeneration(nn.Module):
         attention_mask: torch.Tensor | None,
         decoder_input_ids: torch.Tensor,
         decoder_attention_mask: torch.Tensor | None = None,
+        cross_attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Teacher-forced pass: decoder hidden (B, Td, D); `output_projection(hidden)` are the logits."""
+        """Teacher-forced pass: decoder hidden (B, Td, D); `output_projection(hidden)` are the logits.
+
+        Packed rows (several examples per row, see `T5Stack.forward`): bool masks `attention_mask`
+        (B, 1, S, S), `decoder_attention_mask` (B, 1, Td, Td) (causal within each example) and
+        `cross_attention_mask` (B, 1, Td, S) (each example's decoder sees its own encoder tokens).
+        """
         encoder_hidden = self.encode(input_ids, attention_mask)
-        return self.decode(decoder_input_ids, encoder_hidden, attention_mask, decoder_attention_mask)
+        cross = attention_mask if cross_attention_mask is None else cross_attention_mask
+        return self.decode(decoder_input_ids, encoder_hidden, cross, decoder_attention_mask)
 
 
 def _resized(weight: nn.Parameter, n: int) -> nn.Parameter:

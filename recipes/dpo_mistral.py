@@ -21,6 +21,11 @@ is `sft_weight`; SimPO uses `beta` and the margin `simpo_gamma` on per-token mea
 (`sft_weight=0`: SimPO as published, `> 0`: TRL's CPO-SimPO). Left unset, `sft_weight` is each
 method's own: 1 for orpo and cpo, 0 for simpo and the DPO losses.
 
+`packing=true` packs each micro-batch's chosen and rejected sequences into rows of up to `max_len`
+tokens (positions restart, attention stays inside each sequence, log-probs summed per sequence: the
+same loss and metrics, less padding; any loss_type). `shared_prompt=true` instead runs each pair as
+one row `[prompt, chosen, rejected]`; the two do not combine.
+
 The reference model is never loaded a second time (field report 002: two 7B models did not fit
 12 GB):
 
@@ -123,9 +128,9 @@ def setup(config: PreferenceConfig) -> Job:
     objective = make_pair_objective(config, reference)
     if not eval_examples:
         log("note: no eval_data — no held-out evaluation (pass eval_data=pairs.jsonl for eval/rewards/...)")
-    return Job(model, objective, train_examples, functools.partial(collate_with_reference, pad_id=tok.pad_id,
-                                                                     shared_prompt=config.shared_prompt),
-               eval_examples, lora, tok)
+    collate = functools.partial(collate_with_reference, pad_id=tok.pad_id, shared_prompt=config.shared_prompt,
+                                pack_len=config.max_len if config.packing else 0)
+    return Job(model, objective, train_examples, collate, eval_examples, lora, tok)
 
 
 def run(config: PreferenceConfig) -> dict:

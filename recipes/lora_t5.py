@@ -17,6 +17,8 @@ than `min_delta`.
 LoRA: r=16 on every attention and feed-forward projection (`q k v o`, and `wi_0 wi_1 wo` on
 v1.1 / FLAN-T5 or `wi wo` on T5 v1.0: the default list keeps those the model has; a target you
 list yourself must name a module of the model).
+`packing=true` packs each micro-batch's examples into rows of up to `max_len` encoder and
+`max_target_len` decoder tokens, attention kept inside each example (the same loss; no padding).
 Precision: bf16 autocast where the GPU supports it (`precision=auto`); T5's activations overflow
 float16, so `precision=fp16` is refused. `warmup` below 1 is a ratio of the optimizer steps.
 
@@ -51,6 +53,7 @@ from minitrain.collate import collate_seq2seq
 from minitrain.errors import UserError
 from minitrain.lora import adapter_vocab_size, save_adapter
 from minitrain.objectives import seq2seq
+from minitrain.packing import collate_packed_seq2seq
 from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, base_dtype, check_out_dir, finish, load_examples,
                            load_model, load_tokenizer, log, pick_device, prepare_out_dir)
 from minitrain.seq2seq_eval import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, EarlyStopping, GenerationEval
@@ -73,6 +76,8 @@ class Seq2SeqConfig(TrainConfig):
     patience: int = doc(0, "stop after this many evaluations in a row without improvement (0: never stop early)", ge=0)
     min_delta: float = doc(0.0, "an improvement must exceed this to reset patience (best_adapter follows any gain)",
                            ge=0)
+    packing: bool = doc(False, "pack each micro-batch's examples into rows of up to max_len encoder and max_target_len "
+                               "decoder tokens (attention stays inside each example; same loss, no padding)")
 
     def check(self) -> None:
         super().check()
@@ -177,7 +182,10 @@ def setup(config: Seq2SeqConfig) -> Job:
     add_tokens(model, tok, config.added_tokens)
     check_init_adapter_vocab(config, model)
     lora = attach_adapters(model, t5_targets(config, model))
-    collate = functools.partial(collate_seq2seq, pad_id=tok.pad_id, decoder_start_id=model.config.decoder_start_token_id)
+    start = model.config.decoder_start_token_id
+    collate = (functools.partial(collate_packed_seq2seq, pad_id=tok.pad_id, max_len=config.max_len,
+                                 max_target_len=config.max_target_len, decoder_start_id=start) if config.packing
+               else functools.partial(collate_seq2seq, pad_id=tok.pad_id, decoder_start_id=start))
     return Job(model, seq2seq, train_examples, collate, eval_examples, lora, tok)
 
 

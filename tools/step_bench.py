@@ -20,6 +20,16 @@ on all seven linears, fp32, minitrain's AdamW; steps 2..N are timed in CPU-secon
 - `dpo`: 2 pairs a step, prompts of `--prompt` tokens (+-25%), answers of `--answer` (+-25%);
   variants `two` (`[chosen; rejected]`, two rows per pair) and `shared` (`collate_shared_prompt`,
   one row per pair). Reports pairs per CPU-second and peak RSS.
+- `packing --objective sft|dpo|seq2seq`: sample packing against padded batches on data with a wide
+  length spread. Every variant trains on the same `--steps` micro-batches' worth of examples (one
+  epoch of the Batcher over them, after one untimed warm-up step): `ungrouped` (seeded order,
+  padded), `grouped` (`group_by_length`, the default; padded), `packed` (ungrouped batches,
+  `minitrain.packing`) and `packed-grouped` (what `packing=true` does with the default grouping).
+  sft: 8 rows a step, prompt and answer 8-190 tokens each (the bench's spread), max_len 384;
+  dpo: 4 pairs a step (sigmoid, reference = adapters off), prompts 16-300 tokens, each answer
+  8-150, max_len 512; seq2seq: a T5 v1.1 of the bench's width (d_model 256, 4 + 4 layers, vocab
+  32128), 8 examples a step, inputs 16-400 tokens, targets 4-120, max_len 512 / 128. Reports real
+  tokens (pairs for dpo) per CPU-second and peak RSS.
 """
 
 from __future__ import annotations
@@ -95,6 +105,98 @@ def dpo_rows(n: int, vocab: int, prompt: int, answer: int, seed: int = 0) -> lis
     return out
 
 
+PACKING = {"sft": dict(batch=8, max_len=384), "dpo": dict(batch=4, max_len=512),
+           "seq2seq": dict(batch=8, max_len=(512, 128))}
+
+
+def packing_setup(objective: str, vocab: int, n: int, seed: int = 0):
+    """(model, objective fn, examples, lengths, padded collate, packed collate, units of a batch)."""
+    import functools
+
+    from minitrain import packing
+    from minitrain.data import collate_causal, collate_seq2seq
+
+    rng = random.Random(seed)
+    spec = PACKING[objective]
+    if objective == "sft":
+        from minitrain.objectives import sft
+
+        rows = sft_rows(n, vocab, seed, spec["max_len"])
+        return (_model(vocab), sft, rows, [len(r["input_ids"]) for r in rows], functools.partial(collate_causal, pad_id=0),
+                functools.partial(packing.collate_packed_causal, pad_id=0, max_len=spec["max_len"]),
+                lambda b: int(b["attention_mask"].sum()))
+    if objective == "dpo":
+        from minitrain.dpo import BaseReference, collate_with_reference, make_dpo_objective
+
+        rows = []
+        for _ in range(n):
+            p = [1] + [rng.randrange(4, vocab) for _ in range(rng.randint(16, 300))]
+            ex = {}
+            for name in ("chosen", "rejected"):
+                a = [rng.randrange(4, vocab) for _ in range(rng.randint(8, 150))] + [2]
+                ex[f"{name}_ids"], ex[f"{name}_labels"] = p + a, [-100] * len(p) + a
+            rows.append(ex)
+        return (_model(vocab), make_dpo_objective(0.1, "sigmoid", 0.0, 0.0, BaseReference()), rows,
+                [max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows],
+                functools.partial(collate_with_reference, pad_id=0),
+                functools.partial(collate_with_reference, pad_id=0, pack_len=spec["max_len"]),
+                lambda b: int(b["num_pairs"]))
+    import torch
+
+    from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.objectives import seq2seq
+    from models.t5 import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=32128, d_model=256, d_kv=64, d_ff=688, num_layers=4,
+                                                num_heads=4, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+                                                tie_word_embeddings=False))
+    cfg = LoRAConfig(r=16, alpha=32, targets=["q", "k", "v", "o", "wi_0", "wi_1", "wo"])
+    apply_lora(model, cfg)
+    freeze_for_adapters(model, cfg)
+    rows = [{"input_ids": [rng.randrange(4, 32000) for _ in range(rng.randint(16, 400))] + [1],
+             "labels": [rng.randrange(4, 32000) for _ in range(rng.randint(4, 120))] + [1]} for _ in range(n)]
+    S, T = spec["max_len"]
+    return (model.train(), seq2seq, rows, [len(r["input_ids"]) for r in rows],
+            functools.partial(collate_seq2seq, pad_id=0),
+            functools.partial(packing.collate_packed_seq2seq, pad_id=0, max_len=S, max_target_len=T),
+            lambda b: int(b["attention_mask"].sum() + b["decoder_attention_mask"].sum()))
+
+
+def packing_child(args: argparse.Namespace) -> None:
+    """One variant of `packing`: the same examples for every variant, laid out as it says."""
+    import resource
+
+    import torch
+
+    from minitrain.batcher import Batcher
+    from minitrain.optim import AdamW
+
+    torch.set_num_threads(1)
+    bs = PACKING[args.objective]["batch"]
+    model, objective, rows, lengths, padded, packed, units = packing_setup(args.objective, args.vocab,
+                                                                           bs * (args.steps + 1))
+    warm, rows, lengths = rows[:bs], rows[bs:], lengths[bs:]
+    grouped = args.variant in ("grouped", "packed-grouped")
+    order = Batcher(lengths, bs, seed=0, group_by_length=grouped).epoch_batches(0)
+    collate = packed if args.variant.startswith("packed") else padded
+    opt = AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    done, cpu, positions = 0, 0.0, 0
+    for i, b in enumerate([warm] + [[rows[k] for k in idx] for idx in order]):
+        t0 = time.process_time()
+        batch = collate(b)
+        loss, _, _ = objective(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:  # the first step is warm-up
+            cpu += time.process_time() - t0
+            done += units(batch)
+            positions += batch["input_ids"].numel() + (batch["labels"].numel() if args.objective == "seq2seq" else 0)
+    print(json.dumps({"cpu_s": cpu, "units": done, "positions": positions, "steps": len(order),
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
 def child(args: argparse.Namespace) -> None:
     import resource
 
@@ -157,7 +259,7 @@ def run_child(args: argparse.Namespace, variant: str, code: str | None) -> dict:
                PYTHONPATH=os.pathsep.join(x for x in (code or str(ROOT), os.environ.get("PYTHONPATH", "")) if x))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", args.mode, "--variant", variant,
            "--vocab", str(args.vocab), "--steps", str(args.steps), "--prompt", str(args.prompt),
-           "--answer", str(args.answer)] + (["--profile"] if args.profile else [])
+           "--answer", str(args.answer), "--objective", args.objective] + (["--profile"] if args.profile else [])
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if p.returncode:
         raise SystemExit(f"child failed ({variant}, {code}):\n{p.stderr[-3000:]}")
@@ -180,7 +282,8 @@ def flops_per_unit(args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["gemm", "sft", "dpo"])
+    ap.add_argument("mode", choices=["gemm", "sft", "dpo", "packing"])
+    ap.add_argument("--objective", choices=sorted(PACKING), default="sft")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="")
     ap.add_argument("--variants", default="two,shared")
@@ -193,7 +296,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     if args.child:
-        return child(args)
+        return packing_child(args) if args.mode == "packing" else child(args)
+    if args.mode == "packing" and args.variants == "two,shared":
+        args.variants = "ungrouped,grouped,packed,packed-grouped"
     if args.mode == "gemm":
         import torch
 
@@ -228,6 +333,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: {tok:.0f} tokens per CPU-s, {gf:.1f} GFLOP/s model FLOPs = {100 * gf / peak:.0f}% of "
                   f"the GEMM peak, {cpu / rs[0]['steps']:.3f} CPU-s/step, peak RSS {rss:.0f} MiB "
                   f"(runs: {' '.join(str(round(r['tokens'] / r['cpu_s'])) for r in rs)} tokens per CPU-s)")
+        elif args.mode == "packing":
+            unit = "pairs" if args.objective == "dpo" else "tokens"
+            rate = statistics.median(r["units"] / r["cpu_s"] for r in rs)
+            print(f"{args.objective} {name}: {rate:.1f} {unit} per CPU-s, {rs[0]['positions']} token positions for "
+                  f"{rs[0]['steps']} steps, peak RSS {rss:.0f} MiB "
+                  f"(runs: {' '.join(str(round(r['units'] / r['cpu_s'], 1)) for r in rs)})")
         else:
             pps = statistics.median(r["units"] / r["cpu_s"] for r in rs)
             print(f"{name}: {pps:.2f} pairs per CPU-s, peak RSS {rss:.0f} MiB "

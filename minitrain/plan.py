@@ -22,6 +22,12 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   as `minitrain.lrc.resolve_rank`).
 - adapters: LoRA A (r x in) and B (out x r) per adapted linear, fp32; their gradients (fp32) and
   AdamW's two fp32 moments each (+ one fp32 `step` per tensor).
+- `ema_decay`: the moving average, one more copy of the trained tensors (fp32).
+- full fine-tuning (`finetune=full`, LLaMA / Mistral): every weight in fp32 (the loader reads them
+  so), an fp32 gradient and two fp32 moments each; every linear keeps its input and every norm its
+  normalised input for the weight gradients, the residual stream is fp32 (the fp32 embedding feeds
+  it), and under bf16 autocast each linear keeps a bf16 copy of its weight (autocast's cast cache,
+  held for backward) and a bf16 copy of its fp32 input.
 - activations: what autograd keeps for backward in `models/llama.py` + `minitrain/lora.py`, per
   block and per token (read off the autograd graph; see `block_saved`), the per-block inputs
   only under checkpointing plus one block recomputed, and the loss's chunked logits
@@ -164,10 +170,18 @@ class ModelShape:
     def weight_terms(self, run: "RunShape") -> list["Term"]:
         return weight_terms(self, run)
 
+    def all_tensors(self) -> list[int]:
+        """Numel of every parameter tensor (a tied head once): what full fine-tuning trains."""
+        L, D, V = self.num_hidden_layers, self.hidden_size, self.vocab_size
+        block = [i * o for i, o in self.linears().values()] + [D, D]
+        return [V * D] * (1 if self.tie_word_embeddings else 2) + block * L + [D]
+
     def trainable_tensors(self, run: "RunShape") -> list[int]:
         return trainable_tensors(self, run)
 
     def adapted_summary(self, run: "RunShape") -> str:
+        if run.full:
+            return "every weight (full fine-tuning)"
         return f"{len(adapted_linears(self, run.lora_targets))} linears x {self.num_hidden_layers} blocks"
 
     def moments(self, run: "RunShape") -> tuple[dict[str, list["Term"]], list[str]]:
@@ -209,6 +223,8 @@ class RunShape:
     reference_rows: int | None = None  # rows of the no_grad reference forward (None: rows; KTO: 2 x rows)
     optimizer_temps: bool = True  # foreach AdamW temporaries (minitrain.optim; False: a fused optimizer)
     logits_chunk: int | None = None  # logits per chunk (None: minitrain.losses' value on `device`)
+    full: bool = False  # finetune=full: every weight trains (no adapters; lora_* ignored)
+    ema: bool = False  # ema_decay > 0: one more copy of the trained tensors (minitrain.ema)
     device: str = "cuda"  # cuda | cpu: the default logits chunk and the dropout mask's dtype depend on it
 
     @property
@@ -336,6 +352,8 @@ def _linears_bytes(linears: list[tuple[int, int, int]], run: RunShape) -> tuple[
 
 def weight_terms(model: ModelShape, run: RunShape) -> list[Term]:
     """The base model's bytes: block linears (by format), embeddings + head, norms."""
+    if run.full:  # full fine-tuning loads every weight in fp32: they are the master weights
+        run = replace(run, compute="fp32")
     s = run.s  # the loader casts float tensors to the compute dtype (quantized runs too)
     L, D, V = model.num_hidden_layers, model.hidden_size, model.vocab_size
     b, f = _linears_bytes([(i, o, L) for i, o in model.linears().values()], run)
@@ -351,7 +369,10 @@ def weight_terms(model: ModelShape, run: RunShape) -> list[Term]:
 
 
 def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
-    """Numel of each trainable tensor: LoRA A and B of every adapted linear, modules_to_save."""
+    """Numel of each trainable tensor: LoRA A and B of every adapted linear, modules_to_save (full
+    fine-tuning: every weight)."""
+    if run.full:
+        return model.all_tensors()
     lin = model.linears()
     out = []
     for name in adapted_linears(model, run.lora_targets):
@@ -370,14 +391,18 @@ def adapter_terms(model: ModelShape, run: RunShape) -> list[Term]:
     """Adapters (fp32), their gradients (fp32) and AdamW state (two fp32 moments + a step each)."""
     tensors = model.trainable_tensors(run)
     n, k, a = sum(tensors), len(tensors), DTYPE_BYTES[run.adapter_dtype]
-    what = f"{run.rank_text} on {model.adapted_summary(run)}"
-    if run.modules_to_save:
+    what = model.adapted_summary(run) if run.full else f"{run.rank_text} on {model.adapted_summary(run)}"
+    if run.modules_to_save and not run.full:
         what += f" + {','.join(run.modules_to_save)}"
-    terms = [Term("adapters", n * a, f"{n:,} params x {a} B ({what})"),
+    adapters = (Term("adapters", 0, "none: the weights themselves train (counted above in fp32)") if run.full
+                else Term("adapters", n * a, f"{n:,} params x {a} B ({what})"))
+    terms = [adapters,
              Term("gradients", n * a, f"{n:,} x {a} B"),
              Term("optimizer (AdamW)", n * 2 * 4 + k * 4, f"{n:,} x 2 moments x 4 B + {k} steps")]
     if run.dpo_reference == "snapshot":
         terms.append(Term("DPO reference: adapter snapshot", n * a, "frozen copy of the adapter tensors"))
+    if run.ema:
+        terms.append(Term("EMA of the trained tensors", n * a, f"{n:,} x {a} B (ema_decay)"))
     return terms
 
 
@@ -404,7 +429,7 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
     Hq, H = model.q_width, model.num_attention_heads
     Hk = Hq if model.n_rep > 1 else model.kv_width
-    adapted = adapted_linears(model, run.lora_targets)
+    adapted = [] if run.full else adapted_linears(model, run.lora_targets)
     lin = model.linears()
     width = {"xn": D, "attn": Hq, "xn2": D, "act": F}
     terms = [Term("norm inputs (fp32)", N * 2 * D * 4, "2 x D x 4 per token"),
@@ -415,6 +440,8 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     if run.mask:
         terms.append(Term("attention mask (float, per block)", run.rows * run.seq * run.seq * s, "rows x T x T x s"))
     terms.append(Term("SwiGLU gate, silu, up", N * 3 * F * s, "3 x F x s per token"))
+    if run.full:
+        return terms + _full_block_saved(model, run)
     if run.cast_copies:
         kept = sum(lin[n][0] for n in adapted)  # one copy per adapter
         shared = {_INPUT_OF[n] for n in LINEARS if run.quantize == "int8"} - {"attn"}
@@ -435,6 +462,44 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     return terms
 
 
+def _full_block_saved(model: ModelShape, run: RunShape) -> list[Term]:
+    """What full fine-tuning adds to a block's saved tensors: the inputs of the weight gradients.
+
+    Each RMSNorm keeps its normalised input (fp32: the residual stream is fp32); the linears keep
+    their inputs: in fp32 q/k/v share the normed x, gate/up the other, down its F-wide input (o_proj
+    reads SDPA's output, already counted); under autocast q, k, v, gate and up each keep their own
+    bf16 cast of the fp32 normed x. The bf16 weight copies are `_weight_copies`."""
+    N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
+    casts = 5 * D if s < 4 else 2 * D  # q, k, v, gate, up: own casts; else xn and xn2, shared
+    return [Term("norms' normalised inputs (weight grads)", N * 2 * D * 4, "2 x D x 4 per token"),
+            Term("linear inputs kept for weight grads", N * (casts + F) * s,
+                 f"({'5' if s < 4 else '2'} D + F) x {s} B per token")]
+
+
+def _weight_copies(model: ModelShape, run: RunShape, blocks: int, head: bool) -> list[Term]:
+    """Full fine-tuning under bf16 autocast: the cast cache's bf16 copy of the fp32 weights of
+    `blocks` blocks' linears (+ the head's, while the loss runs), kept by the matmuls for backward."""
+    if not run.full or run.s == 4:
+        return []
+    n = blocks * sum(i * o for i, o in model.linears().values())
+    n += model.vocab_size * model.hidden_size if head else 0
+    return [Term("autocast: bf16 copies of the weights", n * run.s,
+                 f"{n:,} x {run.s} B ({blocks} blocks' linears{' + head' if head else ''})")]
+
+
+def _full_grads(model: ModelShape, run: RunShape) -> dict[str, list[Term]]:
+    """Full fine-tuning: which fp32 gradients exist at each moment. The loop zeroes them with
+    set_to_none, so none live through the forward: the head's (and final norm's) appear in the
+    loss backward, one block's more at the first block's backward, all of them at the AdamW step."""
+    D, V = model.hidden_size, model.vocab_size
+    head = V * D + D
+    block = sum(i * o for i, o in model.linears().values()) + 2 * D
+    return {"loss backward": [Term("gradients: head, final norm", head * 4, f"{head:,} x 4 B")],
+            "last block backward": [Term("gradients: head, final norm, one block", (head + block) * 4,
+                                         f"{head + block:,} x 4 B")],
+            "optimizer step": [Term("gradients", sum(model.all_tensors()) * 4, "every weight's, fp32")]}
+
+
 def _block_backward(model: ModelShape, run: RunShape) -> list[Term]:
     """The working set of one block's backward beyond its saved tensors (measured on the CPU).
 
@@ -445,7 +510,7 @@ def _block_backward(model: ModelShape, run: RunShape) -> list[Term]:
     dtype) to back-propagate through it, one linear at a time.
     """
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
-    cast = run.cast_copies and "mlp.down_proj" in adapted_linears(model, run.lora_targets)
+    cast = run.cast_copies and not run.full and "mlp.down_proj" in adapted_linears(model, run.lora_targets)
     width = max(2 * F * s, F * 4 if cast else 0)
     terms = [Term("block backward: SwiGLU grads", N * (width + D * s),
                   ("F x 4" if width > 2 * F * s else "2 x F x s") + " + D x s per token")]
@@ -457,8 +522,8 @@ def _block_forward(model: ModelShape, run: RunShape) -> list[Term]:
     product when nothing keeps it (F x s), the fp32 cast of it for an adapted down_proj under
     autocast (F x 4), and the output (D x s). Matters when checkpointing recomputes a block."""
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
-    down = "mlp.down_proj" in adapted_linears(model, run.lora_targets)
-    kept = (down and not run.cast_copies) or run.quantize == "int8"
+    down = not run.full and "mlp.down_proj" in adapted_linears(model, run.lora_targets)
+    kept = (down and not run.cast_copies) or run.quantize == "int8" or run.full
     width = (0 if kept else F * s) + (F * 4 if down and run.cast_copies else 0) + D * s
     work = Term("block forward (recompute) working set", N * width, f"{width:,} B per token")
     return [work] + _dequantized(model, run)
@@ -524,6 +589,8 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
 
 def head_is_frozen(model: ModelShape, run: RunShape) -> bool:
     """Whether the output projection is a plain frozen Linear (minitrain.losses' two-matmul path)."""
+    if run.full:
+        return False
     trained = list(run.lora_targets) + list(run.modules_to_save)
     saved = run.modules_to_save
     tied_embed = model.tie_word_embeddings and any(_matches(e, m) for e in model.EMBEDDINGS for m in saved)
@@ -536,11 +603,17 @@ def _scaled(terms: list[Term], k: int, name: str, formula: str) -> Term:
 
 def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
     """The memory plan of one run: persistent terms and the activation terms at each candidate peak."""
+    if run.full and model.is_encoder_decoder:
+        raise UserError("finetune=full: the memory plan models full fine-tuning of LLaMA / Mistral only — "
+                        "memory_check=false skips the plan")
     persistent = model.weight_terms(run) + adapter_terms(model, run)
+    if run.full:  # the gradients are in the moments where they exist (set_to_none between steps)
+        persistent = [t for t in persistent if t.name != "gradients"]
     moments, notes = model.moments(run)
     trainable = sum(model.trainable_tensors(run)) * DTYPE_BYTES[run.adapter_dtype]
-    moments["optimizer step"] = [Term("AdamW temporaries", trainable if run.optimizer_temps else 0,
-                                      "1 x trainable (foreach)" if run.optimizer_temps else "fused: none")]
+    moments["optimizer step"] = moments.get("optimizer step", []) + [
+        Term("AdamW temporaries", trainable if run.optimizer_temps else 0,
+             "1 x trainable (foreach)" if run.optimizer_temps else "fused: none")]
     peak = max(moments, key=lambda k: sum(t.bytes for t in moments[k]))
     return Plan(persistent, moments, peak, notes)
 
@@ -553,19 +626,25 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     bwd = _block_backward(model, run)
     msaved = _model_saved(model, run)
     lfwd, lbwd, n = _logits(model, run)
+    res = 4 if run.full else s  # full fine-tuning: the fp32 embedding makes the residual stream fp32
     if run.checkpointing:
-        kept = [Term(f"block inputs x {L} (checkpointing)", L * N * D * s, f"{L} x N x D x {s}")]
+        kept = [Term(f"block inputs x {L} (checkpointing)", L * N * D * res, f"{L} x N x D x {res}")]
         fwd = _block_forward(model, run)
         worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in bwd) else bwd
         grads_moment = kept + [Term("one block recomputed", per_block, "block_saved")] + worst
     else:
         kept = [Term(f"saved activations x {L} blocks", L * per_block, f"{L} x {per_block / N:,.0f} B per token")]
         grads_moment = kept + bwd
+    copies = _weight_copies(model, run, L, head=True)  # the forward's: with checkpointing too (autocast's cache)
+    blocks_copies = _weight_copies(model, run, 1 if run.checkpointing else L, head=False)  # a recompute: its own
     moments = {
-        "end of forward (loss forward)": msaved + kept + lfwd,
-        "loss backward": msaved + kept + lbwd,
-        "last block backward": [t for t in msaved if "final norm" not in t.name] + grads_moment,
+        "end of forward (loss forward)": msaved + kept + lfwd + copies,
+        "loss backward": msaved + kept + lbwd + copies,
+        "last block backward": [t for t in msaved if "final norm" not in t.name] + grads_moment + blocks_copies,
     }
+    if run.full:
+        for name, grads in _full_grads(model, run).items():
+            moments[name] = moments.get(name, []) + grads
     trainable = sum(trainable_tensors(model, run)) * DTYPE_BYTES[run.adapter_dtype]
     notes = []
     if run.dpo_reference in ("base", "snapshot"):
@@ -964,7 +1043,8 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets), lora_dropout=float(cfg.lora_dropout),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,
-                    reference_rows=2 * rows if is_kto else None, device=device)
+                    reference_rows=2 * rows if is_kto else None, device=device,
+                    full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0)
 
 
 def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: int) -> list[tuple[str, int, int]]:
@@ -977,7 +1057,9 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
         if peak < base:
             out.append((keys, base - peak, peak))
 
-    if run.quantize == "none":
+    if run.full:
+        add("finetune=lora", replace(run, full=False))
+    elif run.quantize == "none":
         add("quantize=nf4", replace(run, quantize="nf4"))
     elif run.quantize == "int8":
         add("quantize=nf4", replace(run, quantize="nf4"))

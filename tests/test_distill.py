@@ -654,3 +654,30 @@ def test_recipe_with_feature_and_attention_terms(tiny, finetune):
     if finetune == "full":
         assert set(load_file(folder / "model.safetensors")) == set(load_file(tiny["student"] / "model.safetensors"))
         transformers.AutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.slow  # three runs of the recipe (~12 s)
+def test_continued_distillation_with_projections_is_bitwise_the_straight_run(tiny, tmp_path, capsys):
+    """finetune=full with feature and attention terms, constant LR: 2 steps then resume to 4 equals 4
+    straight, the projections (in the checkpoint, then beside the model) included."""
+    from safetensors.torch import load_file
+
+    from minitrain.cli import run_cli
+
+    def argv(out, steps, *extra):
+        keys = {"model": tiny["student"], "teacher": tiny["teacher"], "data": tiny["root"] / "train.jsonl",
+                "out": out, "max_steps": steps, "batch_size": 2, "grad_accum": 1, "finetune": "full",
+                "schedule": "constant", "warmup": 0, "feature_weight": 0.3, "attention_weight": 0.2,
+                "save_every": 2, "device": "cpu", "precision": "fp32", "skip_audit": "true"}
+        return [str(REPO / "recipes" / "distill_llama.py"), *[f"{k}={v}" for k, v in keys.items()], *extra]
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_cli(argv(straight, 4)) == 0, capsys.readouterr().err
+    assert run_cli(argv(split, 2)) == 0, capsys.readouterr().err
+    assert run_cli(argv(split, 4, "resume=true", "extend=true")) == 0, capsys.readouterr().err
+    names = ("model/model.safetensors", "model/distill_projections.safetensors", "checkpoint/weights.safetensors",
+             "checkpoint/optimizer.safetensors")
+    for name in names:
+        a, b = load_file(straight / name), load_file(split / name)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), name
+    assert any(k.startswith("distill_projections.") for k in load_file(split / "checkpoint/weights.safetensors"))

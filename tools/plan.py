@@ -107,8 +107,10 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
     lines = [f"plan: {path} {' '.join(overrides)}".rstrip(),
              f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, {model.describe()})",
              f"run: {opts['--device']}, {run.compute} compute, "
-             f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA {run.rank_text} on "
-             f"{','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
+             + ("full fine-tuning: every weight trains, fp32 master weights, " if run.full else
+                f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA {run.rank_text} on "
+                f"{','.join(run.lora_targets)}, ")
+             + f"checkpointing {'on' if run.checkpointing else 'off'}"
              + (f", {'KTO' if run.reference_rows else 'DPO'} reference: {run.dpo_reference}"
                 if run.dpo_reference not in (None, "none") else "")
              + (", no reference (orpo / cpo / simpo: one forward per pair)" if run.dpo_reference == "none" else ""),

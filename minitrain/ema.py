@@ -10,7 +10,8 @@ starting from `ema = w` before step 1: no warm-up or bias correction, so with d 
 still leans on the starting weights for the first few thousand steps (its weight on them after t
 steps is d**t). The EMA lives beside the weights (one more copy of the trained tensors), goes into
 the checkpoint (`ema.safetensors`), so a resumed run continues it bitwise, and is swapped into the
-model for each evaluation (`applied`), whose metrics are then the EMA's.
+model for each evaluation (`applied`), whose metrics are then the EMA's; the trained values wait in
+a temporary copy meanwhile (a third copy of the trained tensors, during evaluation only).
 """
 
 from __future__ import annotations

@@ -335,6 +335,8 @@ def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None) 
     returned (`finish` then saves the model itself). Integer tensors stay frozen (rule 3).
     """
     if full_finetune(cfg):
+        if cfg.modules_to_save:
+            log(f"note: modules_to_save={','.join(cfg.modules_to_save)} is not used: finetune=full trains every module")
         unfreeze_all(model)
         _check_resume_tensors(model, cfg)
         log(full_report(model))

@@ -24,13 +24,7 @@ from minitrain import plan as P
 from minitrain.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-QWEN3_0_6B = dict(  # Qwen/Qwen3-0.6B's config.json
-    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
-    eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
-    intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
-    num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
-    rope_theta=1000000, sliding_window=None, tie_word_embeddings=True, torch_dtype="bfloat16",
-    transformers_version="4.51.0", use_cache=True, use_sliding_window=False, vocab_size=151936)
+QWEN3_0_6B = json.loads((ROOT / "tests" / "fixtures" / "configs" / "Qwen3-0.6B" / "config.json").read_text())
 # the sibling: tied, q/k norms, head_dim 32 != 64 / 4, GQA 2:1, intermediate 3 x hidden; vocab above
 # the tokenizer's 305 ids, as Qwen's 151936 is above its tokenizer's 151669
 TINY = dict(model_type="qwen3", vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=2,

@@ -167,7 +167,7 @@ def _write_error(out: Path, e: BaseException) -> str:
 
 # ----------------------------------------------------------------------------- what a run was made from
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json",
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json",
                     "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 _SAMPLE = 1 << 20  # bytes of tensor data hashed at each end of a weights file
 
@@ -194,7 +194,7 @@ def model_fingerprint(folder: str | os.PathLike) -> str:
 def tokenizer_fingerprint(folder: str | os.PathLike) -> str:
     """A hash of the tokenizer files in `folder` (vocabulary, config, special tokens, chat template)."""
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    for name in _TOKENIZER_FILES:
         path = Path(folder) / name
         if path.is_file():
             h.update(name.encode() + b"\0" + path.read_bytes())

@@ -42,7 +42,7 @@ from minitrain.objectives import sft
 from minitrain.packing import collate_packed_causal
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
-from minitrain.weights import io_error_reason, load_pretrained, read_header, save_pretrained
+from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, read_header, save_pretrained
 
 
 def log(*args: Any, **kwargs: Any) -> None:
@@ -537,14 +537,14 @@ def _write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig) -> None:
 def _write_model(model: nn.Module, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     """The fully fine-tuned model as an HF folder: config.json, model.safetensors (`tensors`: the
     whole parameters, a tied one once under its first name; fp32: the master weights as trained)
-    and the tokenizer files of the folder the base came from."""
+    and the tokenizer (`SIDE_FILES`) of the folder the base came from."""
     out = folder.parent
     emb = getattr(model, "input_embeddings", None)
     config = dict(model.hf_config, **({"vocab_size": emb.num_embeddings} if isinstance(emb, nn.Embedding) else {}))
     try:
         save_pretrained(model, folder, config, dtype=torch.float32, state_dict=tensors)
         source = getattr(model, "source_dir", None)
-        for name in checkpoint.TOKENIZER_FILES if source is not None else ():
+        for name in SIDE_FILES if source is not None else ():
             if (Path(source) / name).is_file():
                 shutil.copyfile(Path(source) / name, folder / name)
     except (OSError, UserError) as e:

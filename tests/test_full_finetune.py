@@ -147,6 +147,15 @@ def test_a_tied_head_is_saved_once_and_transformers_loads_it(hf_causal, tmp_path
     torch.testing.assert_close(our_logits[keep], hf_logits[keep], rtol=0, atol=1e-4)
 
 
+def test_bf16_autocast_trains_fp32_master_weights(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(argv(model_dir, out, precision="bf16", max_steps=2)) == 0, capsys.readouterr().err
+    assert "precision: torch.bfloat16" in capsys.readouterr().out  # autocast (CPU here, CUDA alike)
+    for name in ("checkpoint/weights.safetensors", "model/model.safetensors"):
+        saved = load_file(out / name)
+        assert len(saved) == 21 and all(t.dtype == torch.float32 for t in saved.values()), name
+
+
 def test_quantize_with_full_finetune_is_one_line(model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli(argv(model_dir, out, quantize="nf4")) == 2

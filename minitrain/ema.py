@@ -86,12 +86,14 @@ def whole(model: nn.Module) -> dict[str, torch.Tensor] | None:
 @contextlib.contextmanager
 def swapped_in(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
     """`tensors` (whole, by parameter name) copied into `model`'s parameters for the duration; the
-    previous values come back afterwards. For saving the EMA with the model's own save functions."""
+    previous values come back afterwards. For saving the EMA with the model's own save functions.
+    A name the model no longer has (a module taken off it before saving, e.g. distillation's
+    feature projections) is left to whoever took it."""
     params = dict(model.named_parameters())
     with torch.no_grad():
-        kept = {n: params[n].detach().clone() for n in tensors}
-        for n, t in tensors.items():
-            params[n].copy_(t)
+        kept = {n: params[n].detach().clone() for n in tensors if n in params}
+        for n in kept:
+            params[n].copy_(tensors[n])
     try:
         yield
     finally:

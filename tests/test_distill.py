@@ -629,16 +629,17 @@ def test_recipe_refuses_another_tokenizer(tiny, tmp_path):
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_recipe_with_feature_and_attention_terms(tiny, finetune):
-    """All four terms through the CLI (checkpointing on): each logged raw and weighted, the loss their
-    weighted sum, the balance line said once, the projections saved beside the adapter or the model
-    (finetune=full: out/model holds the student's own keys only and loads in transformers)."""
+    """All four terms through the CLI (checkpointing on, an EMA kept): each logged raw and weighted, the
+    loss their weighted sum, the balance line said once, the projections saved beside the adapter or
+    the model and their average beside the EMA's (finetune=full: out/model and out/model_ema hold the
+    student's own keys only and load in transformers)."""
     import transformers
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     out = tiny["root"] / f"out_terms_{finetune}"
     p = run_recipe(tiny, out, "feature_weight=0.3", "attention_weight=0.2", "feature_loss=cosine",
-                   "checkpointing=true", "balance_steps=1", "balance_factor=1.01", f"finetune={finetune}")
+                   "checkpointing=true", "balance_steps=1", "balance_factor=1.01", f"finetune={finetune}", "ema_decay=0.5")
     assert p.returncode == 0, p.stderr
     assert "feature_weight=0.3 (cosine) on student:teacher layers 0:1, 1:2; 2 projections 64->96" in p.stdout
     assert "attention_weight=0.2 on student:teacher layers 1:2" in p.stdout
@@ -648,12 +649,16 @@ def test_recipe_with_feature_and_attention_terms(tiny, finetune):
         parts = [r[f"{k}_weighted"] for k in ("kd", "ce", "feature", "attention")]
         assert r["loss"] == pytest.approx(sum(parts), rel=1e-5)
         assert r["feature_weighted"] == pytest.approx(0.3 * r["feature"], rel=1e-6) and r["attention"] > 0
-    folder = out / ("adapter" if finetune == "lora" else "model")
-    with safe_open(str(folder / "distill_projections.safetensors"), "pt") as f:
-        assert sorted(f.keys()) == ["0.weight", "1.weight"] and f.get_tensor("0.weight").shape == (96, 64)
-    if finetune == "full":
-        assert set(load_file(folder / "model.safetensors")) == set(load_file(tiny["student"] / "model.safetensors"))
-        transformers.AutoModelForCausalLM.from_pretrained(folder)
+    name = "adapter" if finetune == "lora" else "model"
+    projections = []
+    for folder in (out / name, out / f"{name}_ema"):
+        projections.append(load_file(folder / "distill_projections.safetensors"))
+        assert sorted(projections[-1]) == ["0.weight", "1.weight"] and projections[-1]["0.weight"].shape == (96, 64)
+        if finetune == "full":
+            keys = set(load_file(folder / "model.safetensors"))
+            assert keys == set(load_file(tiny["student"] / "model.safetensors"))
+            transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert not torch.equal(projections[0]["0.weight"], projections[1]["0.weight"])  # the average, not a copy
 
 
 @pytest.mark.slow  # three runs of the recipe (~12 s)

@@ -5,6 +5,7 @@
 - `weights.safetensors`: the trainable tensors, by parameter name (frozen ones come from the base);
 - `optimizer.safetensors`: per-parameter optimizer tensors as `"<param name>/<key>"`
   (AdamW: `exp_avg`, `exp_avg_sq`); scalar entries (AdamW's `step`) go to `state.json`;
+- `ema.safetensors` (with `ema_decay`): the moving average of the trainable tensors, by name;
 - `rng.safetensors`: rank 0's torch CPU generator state (uint8) and each CUDA device's state;
   under torchrun, `rng.rank<N>.safetensors` holds rank N's (every rank draws its own dropout);
 - `state.json`: step, schedule, data-order state (the Batcher's), running counters, python
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from minitrain.optim import AdamW
 
 NAME = "checkpoint"
+EMA_FILE = "ema.safetensors"
 FORMAT = 2  # 2: per-rank RNG states and world_size (1: rank 0's RNG only; still loads)
 
 
@@ -113,8 +115,10 @@ def save(
     named_params: list[tuple[str, torch.Tensor]],
     optimizer: torch.optim.Optimizer | AdamW,
     state: dict[str, Any],
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `out_dir/checkpoint/` atomically; `state` is the loop's JSON-able state (step, ...).
+    """Write `out_dir/checkpoint/` atomically; `state` is the loop's JSON-able state (step, ...);
+    `ema`: the moving average of the trainable tensors by name (`minitrain.ema`), when kept.
 
     A failed write is a `UserError` (`<folder>: cannot write the checkpoint: <reason> — ...`), with
     no `checkpoint.tmp-*` left and the previous checkpoint in place. Under torch.distributed every
@@ -125,6 +129,7 @@ def save(
     names = {p: n for n, p in named_params}
     weights = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in named_params}
     opt_tensors, opt_scalars = _optimizer_state(names, optimizer)
+    ema = {n: distributed.full_tensor(t.detach()).contiguous().cpu() for n, t in ema.items()} if ema else None
     rngs = distributed.gather_objects(_rng_state())  # one (tensors, json) per rank
     full = {**state, "optimizer_scalars": opt_scalars, "rng": [js for _, js in rngs],
             "world_size": len(rngs), "format": FORMAT}
@@ -132,6 +137,8 @@ def save(
     def fill(tmp: Path) -> None:
         save_file(weights, tmp / "weights.safetensors")
         save_file(opt_tensors, tmp / "optimizer.safetensors")
+        if ema is not None:
+            save_file(ema, tmp / EMA_FILE)
         for r, (tensors, _) in enumerate(rngs):
             save_file(tensors, tmp / _rng_file(r))
         with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder
@@ -160,7 +167,7 @@ def _write_error(out: Path, e: BaseException) -> str:
 
 # ----------------------------------------------------------------------------- what a run was made from
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json",
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json",
                     "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 _SAMPLE = 1 << 20  # bytes of tensor data hashed at each end of a weights file
 
@@ -187,7 +194,7 @@ def model_fingerprint(folder: str | os.PathLike) -> str:
 def tokenizer_fingerprint(folder: str | os.PathLike) -> str:
     """A hash of the tokenizer files in `folder` (vocabulary, config, special tokens, chat template)."""
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    for name in _TOKENIZER_FILES:
         path = Path(folder) / name
         if path.is_file():
             h.update(name.encode() + b"\0" + path.read_bytes())
@@ -332,6 +339,21 @@ def check_run(saved: dict[str, Any], mine: dict[str, Any], extend: bool = False)
         hint = " or extend=true to continue the run to a new length," if k in EXTEND_KEYS else ""
         raise UserError(f"resume: checkpoint was made with {k}={v}, this run has {k}={mine[k]} — resume with the "
                         f"same settings,{hint} or start a new out folder")
+
+
+def load_ema(out_dir: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
+    """The moving average saved with the checkpoint in `out_dir` (whole tensors by name); a
+    checkpoint without one, or with other tensors, is a `UserError`."""
+    folder = find(out_dir)
+    path = folder / EMA_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: missing — the checkpoint was saved without ema_decay; resume with the run's "
+                        f"own settings (ema_decay=0), or start a new out folder")
+    tensors = load_file(path)
+    if set(tensors) != set(names):
+        raise UserError(f"{path}: holds the average of other tensors — resume with the same model, adapters and "
+                        f"settings")
+    return tensors
 
 
 def check_world_size(state: dict[str, Any], folder: str | os.PathLike, world: int | None = None) -> None:

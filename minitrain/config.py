@@ -106,6 +106,9 @@ class TrainConfig:
     overwrite: bool = doc(False, "allow writing into an output folder that holds a different run")
     max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many non-finite steps in a row", ge=1)
     skip_audit: bool = doc(False, "skip the gradient-path audit before step 1 (the skip is logged)")
+    ema_decay: float = doc(0.0, "keep an exponential moving average of the trained tensors, ema = d*ema + (1-d)*w "
+                                "after each optimizer step; evaluation uses it, and it is saved as out/adapter_ema "
+                                "(or out/model_ema); 0: none (e.g. 0.999)", ge=0, lt=1)
     finetune: str = doc("lora", "what trains: lora (adapters on a frozen base) or full (every floating-point "
                                 "parameter, fp32 master weights; the model is saved as an HF folder in out/model)",
                         choices=("lora", "full"))

@@ -495,7 +495,7 @@ def _target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool =
         chosen = [n for n, _ in model.named_modules() if n and re.fullmatch(targets, n)]
     else:
         if strict:
-            targets = _fused_targets(model, targets)
+            targets = fused_targets(getattr(model, "fused_linears", None) or {}, targets)
         chosen = [n for n, _ in model.named_modules() if n and any(_name_matches(n, t) for t in targets)]
         missed = [t for t in targets if not any(_name_matches(n, t) for n in chosen)]
         if strict and missed and chosen:  # none at all: apply_lora's own message lists the linears
@@ -516,7 +516,7 @@ def _target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool =
     return chosen
 
 
-def _fused_targets(model: nn.Module, targets: Sequence[str]) -> list[str]:
+def fused_targets(fused: dict[str, tuple[str, ...]], targets: Sequence[str]) -> list[str]:
     """`targets` with the unfused names of a fused linear replaced by its own name.
 
     A model whose linears are fused (Phi-3: `qkv_proj` holds q, k and v; `gate_up_proj` gate and up)
@@ -525,7 +525,7 @@ def _fused_targets(model: nn.Module, targets: Sequence[str]) -> list[str]:
     on a fused linear adapts all of its parts: a list naming only some of them cannot be honoured.
     """
     out = list(targets)
-    for name, parts in (getattr(model, "fused_linears", None) or {}).items():
+    for name, parts in fused.items():
         named = [t for t in out if t in parts]
         if not named:
             continue

@@ -1,8 +1,9 @@
 """A model of a training run's peak GPU memory, from the model's `config.json` and the run's keys.
 
 Plain functions over two small descriptions: a model shape (the dims of a checkpoint, read from
-`config.json` only, never the weights: `ModelShape` for LLaMA / Mistral / Qwen2 / Qwen3, `T5Shape` for T5 v1.0,
-v1.1 and FLAN-T5; `shape_from_hf` picks one) and `RunShape` (micro-batch, lengths, dtype,
+`config.json` only, never the weights: `ModelShape` for LLaMA / Mistral / Qwen2 / Qwen3 (biases
+and per-head q/k norms are fields), `GemmaShape` for Gemma 2 / Gemma 3 text, `Phi3Shape` for
+Phi-3's fused projections, `T5Shape` for T5 v1.0, v1.1 and FLAN-T5; `shape_from_hf` picks one) and `RunShape` (micro-batch, lengths, dtype,
 quantization, adapter, checkpointing, DPO reference mode). `predict(model, run)` returns a `Plan`:
 every term in bytes with the formula it comes from, and the peak. The family-specific parts
 (weights, trainable tensors, the activation moments) are methods of the shape, so `predict` reads
@@ -22,6 +23,12 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   as `minitrain.lrc.resolve_rank`).
 - adapters: LoRA A (r x in) and B (out x r) per adapted linear, fp32; their gradients (fp32) and
   AdamW's two fp32 moments each (+ one fp32 `step` per tensor).
+- `ema_decay`: the moving average, one more copy of the trained tensors (fp32).
+- full fine-tuning (`finetune=full`, LLaMA / Mistral): every weight in fp32 (the loader reads them
+  so), an fp32 gradient and two fp32 moments each; every linear keeps its input and every norm its
+  normalised input for the weight gradients, the residual stream is fp32 (the fp32 embedding feeds
+  it), and under bf16 autocast each linear keeps a bf16 copy of its weight (autocast's cast cache,
+  held for backward) and a bf16 copy of its fp32 input.
 - activations: what autograd keeps for backward in `models/llama.py` + `minitrain/lora.py`, per
   block and per token (read off the autograd graph; see `block_saved`), the per-block inputs
   only under checkpointing plus one block recomputed, and the loss's chunked logits
@@ -64,26 +71,39 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # which activation each linear reads: its input is what an adapter (or an int8 base) keeps
 _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_proj": "xn",
-             "self_attn.o_proj": "attn", "mlp.gate_proj": "xn2", "mlp.up_proj": "xn2", "mlp.down_proj": "act"}
+             "self_attn.o_proj": "attn", "mlp.gate_proj": "xn2", "mlp.up_proj": "xn2", "mlp.down_proj": "act",
+             "self_attn.qkv_proj": "xn", "mlp.gate_up_proj": "xn2"}
 
 
 # ----------------------------------------------------------------------------- shapes
 
 
 def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape | T5Shape":
-    """The shape of the family `config.json`'s model_type names (LLaMA / Mistral / Qwen2 / Qwen3, T5)."""
-    if d.get("model_type") == "t5":
+    """The shape of the family `config.json`'s model_type names (LLaMA / Mistral / Qwen, Gemma,
+    Phi-3, T5)."""
+    kind = d.get("model_type")
+    if kind == "t5":
         return T5Shape.from_hf(d, where)
+    if kind in GemmaShape.FAMILIES:
+        return GemmaShape.from_hf(d, where)
+    if kind in Phi3Shape.FAMILIES:
+        return Phi3Shape.from_hf(d, where)
     return ModelShape.from_hf(d, where)
+
+
+PLANNED = "LLaMA, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3 and T5"
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A LLaMA / Mistral / Qwen2 / Qwen3 checkpoint's dims, under HF's `config.json` names (Qwen: LLaMA's
-    blocks plus q / k / v biases (Qwen2) or per-head q / k norms (Qwen3)).
+    """A LLaMA / Mistral / Qwen2 / Qwen3 checkpoint's dims, under HF's `config.json` names.
 
     What `predict` asks of a family (T5Shape has the same): `weight_terms`, `trainable_tensors`,
-    `adapted_summary`, `moments`, `describe`; its LLaMA formulas are the module-level functions below.
+    `adapted_summary`, `moments`, `describe`; its LLaMA formulas are the module-level functions below,
+    which ask the shape for what differs between the decoder-only families (`linears`,
+    `attention_saved`, `NORMS` per block, `FUSED` linears, `plain_head`).
+    Qwen2's q/k/v biases (`attention_bias` on LLaMA and Qwen3: o_proj's too) keep nothing for backward and
+    count as weights; Qwen3's per-head q/k norms keep their fp32 inputs.
     """
 
     vocab_size: int
@@ -96,37 +116,47 @@ class ModelShape:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     model_type: str = "llama"
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k
     qkv_bias: bool = False  # Qwen2 (and `attention_bias`): biases on q / k / v
     o_bias: bool = False  # `attention_bias` (LLaMA, Qwen3): a bias on o_proj too
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3 (Gemma 3): RMSNorm per head on q and k
     is_encoder_decoder: ClassVar[bool] = False
     EMBEDDINGS: ClassVar[tuple[str, ...]] = ("model.embed_tokens",)  # what a tied head is
+    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+    NORMS: ClassVar[int] = 2  # RMSNorms per block
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {}  # fused linear -> the unfused names (Phi-3)
+
+    @classmethod
+    def _dims(cls, d: dict[str, Any], where: str, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The dims every decoder-only family shares, from `config.json` with HF's class defaults."""
+        kind = d.get("model_type")
+        if kind not in cls.FAMILIES:
+            raise UserError(f"{where}: model_type {kind!r} — the memory plan models {PLANNED} checkpoints only")
+        d = {**defaults, **{k: v for k, v in d.items() if v is not None}}
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if not isinstance(d.get(k), int)]
+        if missing:
+            raise UserError(f"{where}: missing {', '.join(missing)} — not a {kind} config.json")
+        heads = d["num_attention_heads"]
+        return dict(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                    intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+                    num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+                    head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                    tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), model_type=kind)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "ModelShape":
         """From a `config.json` dict (HF's defaults for the fields it may leave out)."""
         kind = d.get("model_type")
-        if kind not in ("llama", "mistral", "qwen2", "qwen3"):
-            raise UserError(f"{where}: model_type {kind!r} — the memory plan models LLaMA / Mistral / Qwen2 / "
-                            f"Qwen3 and T5 checkpoints only")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if not isinstance(d.get(k), int)]
-        if missing:
-            raise UserError(f"{where}: missing {', '.join(missing)} — not a LLaMA / Mistral / Qwen config.json")
-        heads = d["num_attention_heads"]
-        kv = d.get("num_key_value_heads", 8 if kind == "mistral" else None) or heads
+        mistral = dict(num_key_value_heads=8, sliding_window=4096) if kind == "mistral" else {}
+        dims = cls._dims(d, where, {**mistral, **(dict(head_dim=128) if kind == "qwen3" else {})})  # HF's defaults
         if kind == "mistral":
             window = d.get("sliding_window", 4096)
         else:  # Qwen's window applies only with use_sliding_window (off in the released checkpoints)
-            window = d.get("sliding_window") if kind.startswith("qwen") and d.get("use_sliding_window") else None
-        head_dim = d.get("head_dim") or (128 if kind == "qwen3" else d["hidden_size"] // heads)  # HF's defaults
-        bias = bool(d.get("attention_bias", False)) and kind in ("llama", "qwen3")
-        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                   intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                   sliding_window=window, model_type=kind, qk_norm=kind == "qwen3",
-                   qkv_bias=bias or kind == "qwen2", o_bias=bias)
+            window = d.get("sliding_window") if kind in ("qwen2", "qwen3") and d.get("use_sliding_window") else None
+        bias = bool(d.get("attention_bias", False)) and kind in ("llama", "qwen3")  # Qwen2: q/k/v always, o never
+        return cls(**dims, sliding_window=window, qkv_bias=bias or kind == "qwen2", o_bias=bias,
+                   mlp_bias=bool(d.get("mlp_bias", False)) and kind == "llama", qk_norm=kind == "qwen3")
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """Each block's linears: name -> (in_features, out_features)."""
@@ -147,15 +177,40 @@ class ModelShape:
     def n_rep(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    def block_extras(self) -> int:
-        """Numel of a block's small tensors besides its two norms: Qwen3's q / k norms, the biases."""
-        return ((2 * self.head_dim if self.qk_norm else 0) + (self.q_width + 2 * self.kv_width if self.qkv_bias else 0)
-                + (self.hidden_size if self.o_bias else 0))
+    def small_params(self) -> tuple[int, str]:
+        """(numel, formula) of the norms and biases: per block NORMS x D (+ 2 x head_dim of q/k
+        norms) and the biases, + the final norm."""
+        L, D, F = self.num_hidden_layers, self.hidden_size, self.intermediate_size
+        per = self.NORMS * D + (2 * self.head_dim if self.qk_norm else 0)
+        per += (self.q_width + 2 * self.kv_width if self.qkv_bias else 0) + (D if self.o_bias else 0)
+        per += 2 * F + D if self.mlp_bias else 0
+        return L * per + D, f"{L} x {per:,} + {D:,}"
 
     def num_params(self) -> int:
         D, V = self.hidden_size, self.vocab_size
-        per_block = sum(i * o for i, o in self.linears().values()) + 2 * D + self.block_extras()
-        return V * D * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_block + D
+        linears = sum(i * o for i, o in self.linears().values())
+        return V * D * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * linears + self.small_params()[0]
+
+    @property
+    def plain_head(self) -> bool:
+        """Whether the head is a plain Linear (a frozen one takes the loss's two-matmul path)."""
+        return True
+
+    def attention_saved(self, run: "RunShape") -> list["Term"]:
+        """What one block's attention keeps beyond the linears' inputs: SDPA's query, key, value and
+        output (Hk' = Hq under GQA: `repeat_kv`'s copies are what SDPA keeps) + its fp32 logsumexp;
+        Qwen3's q/k norms their fp32 inputs."""
+        N, s, Hq, H = run.tokens, run.s, self.q_width, self.num_attention_heads
+        Hk = Hq if self.n_rep > 1 else self.kv_width
+        terms = [Term("attention q, k, v, out + lse", N * ((2 * Hq + 2 * Hk) * s + H * 4),
+                      f"(2 Hq + 2 Hk{' (repeated)' if self.n_rep > 1 else ''}) x {s} + heads x 4 per token")]
+        if self.qk_norm:  # + rsqrt's output, one per head
+            terms.append(Term("q/k norm inputs (fp32) + rsqrt", N * (Hq + self.kv_width + H + self.num_key_value_heads) * 4,
+                              "(Hq + Hk + heads + kv heads) x 4 per token"))
+        if run.mask:
+            terms.append(Term("attention mask (float, per block)", run.rows * run.seq * run.seq * s,
+                              "rows x T x T x s"))
+        return terms
 
     def describe(self) -> str:
         return f"{self.num_hidden_layers} layers, hidden {self.hidden_size}, vocab {self.vocab_size:,}"
@@ -164,10 +219,18 @@ class ModelShape:
     def weight_terms(self, run: "RunShape") -> list["Term"]:
         return weight_terms(self, run)
 
+    def all_tensors(self) -> list[int]:
+        """Numel of every parameter tensor (a tied head once): what full fine-tuning trains."""
+        L, D, V = self.num_hidden_layers, self.hidden_size, self.vocab_size
+        block = [i * o for i, o in self.linears().values()] + [D, D]
+        return [V * D] * (1 if self.tie_word_embeddings else 2) + block * L + [D]
+
     def trainable_tensors(self, run: "RunShape") -> list[int]:
         return trainable_tensors(self, run)
 
     def adapted_summary(self, run: "RunShape") -> str:
+        if run.full:
+            return "every weight (full fine-tuning)"
         return f"{len(adapted_linears(self, run.lora_targets))} linears x {self.num_hidden_layers} blocks"
 
     def moments(self, run: "RunShape") -> tuple[dict[str, list["Term"]], list[str]]:
@@ -209,6 +272,8 @@ class RunShape:
     reference_rows: int | None = None  # rows of the no_grad reference forward (None: rows; KTO: 2 x rows)
     optimizer_temps: bool = True  # foreach AdamW temporaries (minitrain.optim; False: a fused optimizer)
     logits_chunk: int | None = None  # logits per chunk (None: minitrain.losses' value on `device`)
+    full: bool = False  # finetune=full: every weight trains (no adapters; lora_* ignored)
+    ema: bool = False  # ema_decay > 0: one more copy of the trained tensors (minitrain.ema)
     device: str = "cuda"  # cuda | cpu: the default logits chunk and the dropout mask's dtype depend on it
 
     @property
@@ -291,10 +356,16 @@ def _matches(name: str, target: str) -> bool:
 
 
 def adapted_linears(model: ModelShape, targets: tuple[str, ...] | list[str]) -> list[str]:
-    """Block linears (`self_attn.q_proj`, ...) that LoRA wraps for these target suffixes."""
+    """Block linears (`self_attn.q_proj`, ...) that LoRA wraps for these target suffixes (on a
+    model with fused linears, LLaMA's names select the fused ones, as `minitrain.lora` reads them)."""
+    names = list(model.linears())
     if "all-linear" in targets:
-        return list(LINEARS)
-    return [n for n in LINEARS if any(_matches(n, t) for t in targets)]
+        return names
+    if model.FUSED:
+        from minitrain.lora import fused_targets
+
+        targets = fused_targets(model.FUSED, targets)
+    return [n for n in names if any(_matches(n, t) for t in targets)]
 
 
 def nf4_bytes(numel: int, *, double_quant: bool = True, blocksize: int = NF4_BLOCK) -> int:
@@ -336,22 +407,25 @@ def _linears_bytes(linears: list[tuple[int, int, int]], run: RunShape) -> tuple[
 
 def weight_terms(model: ModelShape, run: RunShape) -> list[Term]:
     """The base model's bytes: block linears (by format), embeddings + head, norms."""
+    if run.full:  # full fine-tuning loads every weight in fp32: they are the master weights
+        run = replace(run, compute="fp32")
     s = run.s  # the loader casts float tensors to the compute dtype (quantized runs too)
     L, D, V = model.num_hidden_layers, model.hidden_size, model.vocab_size
     b, f = _linears_bytes([(i, o, L) for i, o in model.linears().values()], run)
     heads = 1 if model.tie_word_embeddings else 2
-    terms = [Term("weights: block linears", b, f),
-             Term("weights: embeddings + head", heads * V * D * s,
-                  f"{heads} x {V:,} x {D:,} x {s} B" + (" (tied)" if heads == 1 else "")),
-             Term("weights: norms", (2 * L + 1) * D * s, f"{2 * L + 1} x {D:,} x {s} B")]
-    if model.block_extras():
-        terms.append(Term("weights: q/k norms, biases", L * model.block_extras() * s,
-                          f"{L} x {model.block_extras():,} x {s} B"))
-    return terms
+    small, formula = model.small_params()
+    return [Term("weights: block linears", b, f),
+            Term("weights: embeddings + head", heads * V * D * s,
+                 f"{heads} x {V:,} x {D:,} x {s} B" + (" (tied)" if heads == 1 else "")),
+            Term("weights: norms" + (" + biases" if model.qkv_bias or model.o_bias or model.mlp_bias else ""),
+                 small * s, f"({formula}) x {s} B")]
 
 
 def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
-    """Numel of each trainable tensor: LoRA A and B of every adapted linear, modules_to_save."""
+    """Numel of each trainable tensor: LoRA A and B of every adapted linear, modules_to_save (full
+    fine-tuning: every weight)."""
+    if run.full:
+        return model.all_tensors()
     lin = model.linears()
     out = []
     for name in adapted_linears(model, run.lora_targets):
@@ -370,14 +444,18 @@ def adapter_terms(model: ModelShape, run: RunShape) -> list[Term]:
     """Adapters (fp32), their gradients (fp32) and AdamW state (two fp32 moments + a step each)."""
     tensors = model.trainable_tensors(run)
     n, k, a = sum(tensors), len(tensors), DTYPE_BYTES[run.adapter_dtype]
-    what = f"{run.rank_text} on {model.adapted_summary(run)}"
-    if run.modules_to_save:
+    what = model.adapted_summary(run) if run.full else f"{run.rank_text} on {model.adapted_summary(run)}"
+    if run.modules_to_save and not run.full:
         what += f" + {','.join(run.modules_to_save)}"
-    terms = [Term("adapters", n * a, f"{n:,} params x {a} B ({what})"),
+    adapters = (Term("adapters", 0, "none: the weights themselves train (counted above in fp32)") if run.full
+                else Term("adapters", n * a, f"{n:,} params x {a} B ({what})"))
+    terms = [adapters,
              Term("gradients", n * a, f"{n:,} x {a} B"),
              Term("optimizer (AdamW)", n * 2 * 4 + k * 4, f"{n:,} x 2 moments x 4 B + {k} steps")]
     if run.dpo_reference == "snapshot":
         terms.append(Term("DPO reference: adapter snapshot", n * a, "frozen copy of the adapter tensors"))
+    if run.ema:
+        terms.append(Term("EMA of the trained tensors", n * a, f"{n:,} x {a} B (ema_decay)"))
     return terms
 
 
@@ -402,28 +480,27 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     - r x s per adapted linear: B's input.
     """
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
-    Hq, H = model.q_width, model.num_attention_heads
-    Hk = Hq if model.n_rep > 1 else model.kv_width
-    adapted = adapted_linears(model, run.lora_targets)
+    Hq = model.q_width
+    adapted = [] if run.full else adapted_linears(model, run.lora_targets)
     lin = model.linears()
     width = {"xn": D, "attn": Hq, "xn2": D, "act": F}
-    terms = [Term("norm inputs (fp32)", N * 2 * D * 4, "2 x D x 4 per token"),
-             *([Term("q/k norm inputs (fp32) + rsqrt", N * (model.q_width + model.kv_width + H + model.num_key_value_heads) * 4,
-                     "(Hq + Hk + heads + kv heads) x 4 per token")] if model.qk_norm else []),
-             Term("attention q, k, v, out + lse", N * ((2 * Hq + 2 * Hk) * s + H * 4),
-                  f"(2 Hq + 2 Hk{' (repeated)' if model.n_rep > 1 else ''}) x {s} + heads x 4 per token")]
-    if run.mask:
-        terms.append(Term("attention mask (float, per block)", run.rows * run.seq * run.seq * s, "rows x T x T x s"))
-    terms.append(Term("SwiGLU gate, silu, up", N * 3 * F * s, "3 x F x s per token"))
+    norms = model.NORMS
+    terms = [Term("norm inputs (fp32)", N * norms * D * 4, f"{norms} x D x 4 per token")]
+    terms += model.attention_saved(run)
+    terms.append(Term("gated MLP: gate, act, up", N * 3 * F * s, "3 x F x s per token"))
+    if run.full:
+        return terms + _full_block_saved(model, run)
+    kept_attn = not any(t.name.startswith("attention q, k, v, out") for t in terms)  # SDPA keeps its output
     if run.cast_copies:
         kept = sum(lin[n][0] for n in adapted)  # one copy per adapter
-        shared = {_INPUT_OF[n] for n in LINEARS if run.quantize == "int8"} - {"attn"}
+        shared = {_INPUT_OF[n] for n in lin if run.quantize == "int8"} - {"attn"}
     else:
         kept = 0
         shared = {_INPUT_OF[n] for n in adapted}
         if run.quantize == "int8":
-            shared |= {_INPUT_OF[n] for n in LINEARS}
-        shared -= {"attn"}  # the attention output is already counted (SDPA keeps it)
+            shared |= {_INPUT_OF[n] for n in lin}
+        if not kept_attn:
+            shared -= {"attn"}  # the attention output is already counted (SDPA keeps it)
     kept += sum(width[k] for k in shared)
     if kept:
         terms.append(Term("linear inputs kept for adapter / int8 grads", N * kept * s,
@@ -433,6 +510,44 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
         r = sum(run.rank(*lin[n]) for n in adapted)
         terms.append(Term("LoRA B inputs", N * r * s, f"{len(adapted)} x r ({r:,} in all) x {s} per token"))
     return terms
+
+
+def _full_block_saved(model: ModelShape, run: RunShape) -> list[Term]:
+    """What full fine-tuning adds to a block's saved tensors: the inputs of the weight gradients.
+
+    Each RMSNorm keeps its normalised input (fp32: the residual stream is fp32); the linears keep
+    their inputs: in fp32 q/k/v share the normed x, gate/up the other, down its F-wide input (o_proj
+    reads SDPA's output, already counted); under autocast q, k, v, gate and up each keep their own
+    bf16 cast of the fp32 normed x. The bf16 weight copies are `_weight_copies`."""
+    N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
+    casts = 5 * D if s < 4 else 2 * D  # q, k, v, gate, up: own casts; else xn and xn2, shared
+    return [Term("norms' normalised inputs (weight grads)", N * 2 * D * 4, "2 x D x 4 per token"),
+            Term("linear inputs kept for weight grads", N * (casts + F) * s,
+                 f"({'5' if s < 4 else '2'} D + F) x {s} B per token")]
+
+
+def _weight_copies(model: ModelShape, run: RunShape, blocks: int, head: bool) -> list[Term]:
+    """Full fine-tuning under bf16 autocast: the cast cache's bf16 copy of the fp32 weights of
+    `blocks` blocks' linears (+ the head's, while the loss runs), kept by the matmuls for backward."""
+    if not run.full or run.s == 4:
+        return []
+    n = blocks * sum(i * o for i, o in model.linears().values())
+    n += model.vocab_size * model.hidden_size if head else 0
+    return [Term("autocast: bf16 copies of the weights", n * run.s,
+                 f"{n:,} x {run.s} B ({blocks} blocks' linears{' + head' if head else ''})")]
+
+
+def _full_grads(model: ModelShape, run: RunShape) -> dict[str, list[Term]]:
+    """Full fine-tuning: which fp32 gradients exist at each moment. The loop zeroes them with
+    set_to_none, so none live through the forward: the head's (and final norm's) appear in the
+    loss backward, one block's more at the first block's backward, all of them at the AdamW step."""
+    D, V = model.hidden_size, model.vocab_size
+    head = V * D + D
+    block = sum(i * o for i, o in model.linears().values()) + 2 * D
+    return {"loss backward": [Term("gradients: head, final norm", head * 4, f"{head:,} x 4 B")],
+            "last block backward": [Term("gradients: head, final norm, one block", (head + block) * 4,
+                                         f"{head + block:,} x 4 B")],
+            "optimizer step": [Term("gradients", sum(model.all_tensors()) * 4, "every weight's, fp32")]}
 
 
 def _block_backward(model: ModelShape, run: RunShape) -> list[Term]:
@@ -445,7 +560,7 @@ def _block_backward(model: ModelShape, run: RunShape) -> list[Term]:
     dtype) to back-propagate through it, one linear at a time.
     """
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
-    cast = run.cast_copies and "mlp.down_proj" in adapted_linears(model, run.lora_targets)
+    cast = run.cast_copies and not run.full and "mlp.down_proj" in adapted_linears(model, run.lora_targets)
     width = max(2 * F * s, F * 4 if cast else 0)
     terms = [Term("block backward: SwiGLU grads", N * (width + D * s),
                   ("F x 4" if width > 2 * F * s else "2 x F x s") + " + D x s per token")]
@@ -457,8 +572,8 @@ def _block_forward(model: ModelShape, run: RunShape) -> list[Term]:
     product when nothing keeps it (F x s), the fp32 cast of it for an adapted down_proj under
     autocast (F x 4), and the output (D x s). Matters when checkpointing recomputes a block."""
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
-    down = "mlp.down_proj" in adapted_linears(model, run.lora_targets)
-    kept = (down and not run.cast_copies) or run.quantize == "int8"
+    down = not run.full and "mlp.down_proj" in adapted_linears(model, run.lora_targets)
+    kept = (down and not run.cast_copies) or run.quantize == "int8" or run.full
     width = (0 if kept else F * s) + (F * 4 if down and run.cast_copies else 0) + D * s
     work = Term("block forward (recompute) working set", N * width, f"{width:,} B per token")
     return [work] + _dequantized(model, run)
@@ -506,7 +621,7 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     c = min(n, max(64, per_chunk // V))
     gathered = Term("loss: gathered target rows", n * D * s, "n x D x s")
     rows_grad = Term("loss: grad of gathered rows", n * D * s, "n x D x s")
-    fwd_per = s + (4 if s < 4 else 0) + 4
+    fwd_per = s + (4 if s < 4 else 0) + 4 + (0 if getattr(model, "plain_head", True) else s)  # + tanh's output
     if head_is_frozen(model, run):  # one reused fp32 buffer (+ one in the compute dtype when s < 4)
         fwd_per = 4 + (s if s < 4 else 0)
     elif any(_matches("lm_head", t) for t in run.lora_targets):
@@ -516,7 +631,7 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     if head_is_frozen(model, run):
         kept = Term("loss: rows' gradient made in forward", n * D * s, "n x D x s")
         return fwd + [kept], [kept, rows_grad], n
-    bwd_per = max(fwd_per, s + 4 + (s if s < 4 else 0))  # the recompute, then the gradient
+    bwd_per = max(fwd_per, s + 4 + (s if s < 4 else 0) + (0 if getattr(model, "plain_head", True) else s))
     bwd = [gathered, Term("loss: logits chunk (backward)", c * V * bwd_per, f"c={c:,} x V x {bwd_per} B"),
            rows_grad]
     return fwd, bwd, n
@@ -524,6 +639,8 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
 
 def head_is_frozen(model: ModelShape, run: RunShape) -> bool:
     """Whether the output projection is a plain frozen Linear (minitrain.losses' two-matmul path)."""
+    if run.full or not getattr(model, "plain_head", True):
+        return False
     trained = list(run.lora_targets) + list(run.modules_to_save)
     saved = run.modules_to_save
     tied_embed = model.tie_word_embeddings and any(_matches(e, m) for e in model.EMBEDDINGS for m in saved)
@@ -536,11 +653,17 @@ def _scaled(terms: list[Term], k: int, name: str, formula: str) -> Term:
 
 def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
     """The memory plan of one run: persistent terms and the activation terms at each candidate peak."""
+    if run.full and model.is_encoder_decoder:
+        raise UserError("finetune=full: the memory plan models full fine-tuning of LLaMA / Mistral only — "
+                        "memory_check=false skips the plan")
     persistent = model.weight_terms(run) + adapter_terms(model, run)
+    if run.full:  # the gradients are in the moments where they exist (set_to_none between steps)
+        persistent = [t for t in persistent if t.name != "gradients"]
     moments, notes = model.moments(run)
     trainable = sum(model.trainable_tensors(run)) * DTYPE_BYTES[run.adapter_dtype]
-    moments["optimizer step"] = [Term("AdamW temporaries", trainable if run.optimizer_temps else 0,
-                                      "1 x trainable (foreach)" if run.optimizer_temps else "fused: none")]
+    moments["optimizer step"] = moments.get("optimizer step", []) + [
+        Term("AdamW temporaries", trainable if run.optimizer_temps else 0,
+             "1 x trainable (foreach)" if run.optimizer_temps else "fused: none")]
     peak = max(moments, key=lambda k: sum(t.bytes for t in moments[k]))
     return Plan(persistent, moments, peak, notes)
 
@@ -553,19 +676,25 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     bwd = _block_backward(model, run)
     msaved = _model_saved(model, run)
     lfwd, lbwd, n = _logits(model, run)
+    res = 4 if run.full else s  # full fine-tuning: the fp32 embedding makes the residual stream fp32
     if run.checkpointing:
-        kept = [Term(f"block inputs x {L} (checkpointing)", L * N * D * s, f"{L} x N x D x {s}")]
+        kept = [Term(f"block inputs x {L} (checkpointing)", L * N * D * res, f"{L} x N x D x {res}")]
         fwd = _block_forward(model, run)
         worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in bwd) else bwd
         grads_moment = kept + [Term("one block recomputed", per_block, "block_saved")] + worst
     else:
         kept = [Term(f"saved activations x {L} blocks", L * per_block, f"{L} x {per_block / N:,.0f} B per token")]
         grads_moment = kept + bwd
+    copies = _weight_copies(model, run, L, head=True)  # the forward's: with checkpointing too (autocast's cache)
+    blocks_copies = _weight_copies(model, run, 1 if run.checkpointing else L, head=False)  # a recompute: its own
     moments = {
-        "end of forward (loss forward)": msaved + kept + lfwd,
-        "loss backward": msaved + kept + lbwd,
-        "last block backward": [t for t in msaved if "final norm" not in t.name] + grads_moment,
+        "end of forward (loss forward)": msaved + kept + lfwd + copies,
+        "loss backward": msaved + kept + lbwd + copies,
+        "last block backward": [t for t in msaved if "final norm" not in t.name] + grads_moment + blocks_copies,
     }
+    if run.full:
+        for name, grads in _full_grads(model, run).items():
+            moments[name] = moments.get(name, []) + grads
     trainable = sum(trainable_tensors(model, run)) * DTYPE_BYTES[run.adapter_dtype]
     notes = []
     if run.dpo_reference in ("base", "snapshot"):
@@ -583,6 +712,83 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     if run.lora_dropout > 0:
         notes.append(f"lora_dropout={run.lora_dropout}: its per-adapter copies and masks are not modelled for LLaMA")
     return moments, notes
+
+
+# ----------------------------------------------------------------------------- Gemma, Phi-3
+
+
+@dataclass(frozen=True)
+class GemmaShape(ModelShape):
+    """Gemma 2 / Gemma 3 text (`models/gemma.py`): LLaMA's method with four (1 + w) norms per block
+    (each keeps its fp32 input), GeGLU (the same three F-wide tensors as SwiGLU) and Gemma 3's q/k
+    norms. Gemma 2 soft-caps its attention scores, which SDPA cannot do, so its attention is written
+    out and every block keeps its scores: per query and key, tanh's output (s) and softmax's fp32
+    probabilities (+ their compute-dtype copy when s < 4), besides the queries, the (repeated) keys
+    and the values. A final-logit cap makes the head a `SoftcappedLinear`, so the loss takes its
+    generic (checkpointed) path, whose chunk also holds tanh's output.
+    """
+
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    FAMILIES: ClassVar[tuple[str, ...]] = ("gemma2", "gemma3_text")
+    NORMS: ClassVar[int] = 4
+    # transformers' class defaults for fields a config.json may leave out
+    DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "gemma2": dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0),
+        "gemma3_text": dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True),
+    }
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "GemmaShape":
+        kind = d.get("model_type")
+        defaults = cls.DEFAULTS.get(kind, {})
+        cap = lambda k: d[k] if k in d else defaults.get(k)  # noqa: E731  (an explicit null: no cap)
+        return cls(**cls._dims(d, where, defaults), qk_norm=kind == "gemma3_text",
+                   attn_softcap=cap("attn_logit_softcapping") if kind == "gemma2" else None,
+                   final_softcap=cap("final_logit_softcapping"))
+
+    @property
+    def plain_head(self) -> bool:
+        return self.final_softcap is None
+
+    def attention_saved(self, run: RunShape) -> list[Term]:
+        if self.attn_softcap is None:
+            return super().attention_saved(run)
+        N, s, Hq, H, S = run.tokens, run.s, self.q_width, self.num_attention_heads, run.seq
+        Hk = Hq if self.n_rep > 1 else self.kv_width
+        per_key = s + 4 + (s if s < 4 else 0)
+        return [Term("capped attention: q, k, v", N * (Hq + 2 * Hk) * s,
+                     f"(Hq + 2 Hk{' (repeated)' if self.n_rep > 1 else ''}) x {s} per token"),
+                Term("capped attention: tanh out + fp32 probs", N * H * S * per_key,
+                     f"heads x {S} keys x {per_key} B per token")]
+
+
+@dataclass(frozen=True)
+class Phi3Shape(ModelShape):
+    """Phi-3 (`models/phi3.py`): LLaMA's method over the fused `qkv_proj` (D -> Hq + 2 Hk) and
+    `gate_up_proj` (D -> 2F), which LLaMA-named targets select (as `minitrain.lora` reads them).
+    Without GQA, SDPA's value is a view of the fused qkv output, which it keeps whole."""
+
+    FAMILIES: ClassVar[tuple[str, ...]] = ("phi3",)
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                                    "gate_up_proj": ("gate_proj", "up_proj")}
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Phi3Shape":
+        return cls(**cls._dims(d, where, {}), sliding_window=d.get("sliding_window"))
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        D, F, q, kv = self.hidden_size, self.intermediate_size, self.q_width, self.kv_width
+        return {"self_attn.qkv_proj": (D, q + 2 * kv), "self_attn.o_proj": (q, D), "mlp.gate_up_proj": (D, 2 * F),
+                "mlp.down_proj": (F, D)}
+
+    def attention_saved(self, run: RunShape) -> list[Term]:
+        terms = super().attention_saved(run)
+        if self.n_rep == 1:
+            terms.append(Term("fused qkv output (held by v's view)", run.tokens * (self.q_width + self.kv_width) * run.s,
+                              f"(Hq + Hk) x {run.s} per token"))
+        return terms
 
 
 # ----------------------------------------------------------------------------- T5
@@ -964,7 +1170,8 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets), lora_dropout=float(cfg.lora_dropout),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,
-                    reference_rows=2 * rows if is_kto else None, device=device)
+                    reference_rows=2 * rows if is_kto else None, device=device,
+                    full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0)
 
 
 def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: int) -> list[tuple[str, int, int]]:
@@ -977,7 +1184,9 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
         if peak < base:
             out.append((keys, base - peak, peak))
 
-    if run.quantize == "none":
+    if run.full:
+        add("finetune=lora", replace(run, full=False))
+    elif run.quantize == "none":
         add("quantize=nf4", replace(run, quantize="nf4"))
     elif run.quantize == "int8":
         add("quantize=nf4", replace(run, quantize="nf4"))

@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from minitrain import checkpoint, data, distributed
+from minitrain import checkpoint, data, distributed, ema
 from minitrain.audit import preflight
 from minitrain.collate import collate_causal
 from minitrain.config import to_dict, to_json
@@ -42,7 +42,7 @@ from minitrain.objectives import sft
 from minitrain.packing import collate_packed_causal
 from minitrain.schedule import resolve_steps
 from minitrain.tokenizer import Tokenizer
-from minitrain.weights import io_error_reason, load_pretrained, read_header, save_pretrained
+from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, read_header, save_pretrained
 
 
 def log(*args: Any, **kwargs: Any) -> None:
@@ -54,8 +54,9 @@ def log(*args: Any, **kwargs: Any) -> None:
 CONFIG_FILE = "config.json"
 ADAPTER_DIR = "adapter"
 MODEL_DIR = "model"  # finetune=full: the trained model, an HF folder (config.json, model.safetensors, tokenizer)
+EMA_SUFFIX = "_ema"  # ema_decay: the moving average beside them, adapter_ema/ or model_ema/, in the same format
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR, MODEL_DIR)
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR, MODEL_DIR, *(d + EMA_SUFFIX for d in (ADAPTER_DIR, MODEL_DIR)))
 # keys that say where / how to start, not what the run is
 NOT_THE_RUN = ("out", "resume", "overwrite", "extend")
 
@@ -210,7 +211,7 @@ def _write_config(cfg: Any) -> None:
             shutil.rmtree(out, ignore_errors=True)
         raise UserError(f"{out}: cannot write {CONFIG_FILE}: {io_error_reason(e)} — free space or choose a "
                         f"writable out folder") from None
-    for name in (ADAPTER_DIR, MODEL_DIR):
+    for name in RUN_OUTPUTS[2:]:  # the saved adapter / model folders
         if not cfg.resume and (out / name).is_dir():
             shutil.rmtree(out / name)
 
@@ -334,6 +335,8 @@ def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None) 
     returned (`finish` then saves the model itself). Integer tensors stay frozen (rule 3).
     """
     if full_finetune(cfg):
+        if cfg.modules_to_save:
+            log(f"note: modules_to_save={','.join(cfg.modules_to_save)} is not used: finetune=full trains every module")
         unfreeze_all(model)
         _check_resume_tensors(model, cfg)
         log(full_report(model))
@@ -489,22 +492,32 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[st
     as an HF folder in `out/model`) and say where everything is."""
     out = Path(cfg.out)
     folder = out / (ADAPTER_DIR if lora is not None else MODEL_DIR)
-    if lora is not None:
-        distributed.main_only(lambda: _write_adapter(model, folder, lora))  # under torchrun: rank 0 writes
-    else:  # every rank gathers (FSDP shards), rank 0 writes
-        tensors = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in model.named_parameters()}
-        distributed.main_only(lambda: _write_model(model, folder, tensors))
+    averaged = ema.whole(model)  # every rank gathers (FSDP shards), rank 0 writes
+
+    def write(to: Path) -> None:
+        if lora is not None:
+            distributed.main_only(lambda: _write_adapter(model, to, lora))  # under torchrun: rank 0 writes
+        else:  # every rank gathers (FSDP shards), rank 0 writes
+            tensors = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in model.named_parameters()}
+            distributed.main_only(lambda: _write_model(model, to, tensors))
+
+    write(folder)
+    if averaged is not None:
+        with ema.swapped_in(model, averaged):
+            write(folder.with_name(folder.name + EMA_SUFFIX))
     loss = summary.get("loss")
     parts = [f"done: step {summary.get('step')}/{summary.get('total_steps')}"]
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
     if summary.get("eval/loss") is not None:
-        parts.append(f"eval/loss {summary['eval/loss']:.4f}")
+        parts.append(f"eval/loss{' (EMA)' if getattr(cfg, 'ema_decay', 0) else ''} {summary['eval/loss']:.4f}")
     if summary.get("skipped_steps"):
         parts.append(f"{summary['skipped_steps']} skipped steps")
     log(" | ".join(parts))
     log(f"adapter (PEFT format): {folder}" if lora is not None else
         f"model (HF format, loads with transformers' from_pretrained): {folder}")
+    if averaged is not None:
+        log(f"EMA of the trained weights (ema_decay={cfg.ema_decay:g}), same format: {folder}{EMA_SUFFIX}")
     log(f"metrics: {out / 'metrics.jsonl'} | config: {out / CONFIG_FILE}")
     return folder
 
@@ -524,14 +537,14 @@ def _write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig) -> None:
 def _write_model(model: nn.Module, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     """The fully fine-tuned model as an HF folder: config.json, model.safetensors (`tensors`: the
     whole parameters, a tied one once under its first name; fp32: the master weights as trained)
-    and the tokenizer files of the folder the base came from."""
+    and the tokenizer (`SIDE_FILES`) of the folder the base came from."""
     out = folder.parent
     emb = getattr(model, "input_embeddings", None)
     config = dict(model.hf_config, **({"vocab_size": emb.num_embeddings} if isinstance(emb, nn.Embedding) else {}))
     try:
         save_pretrained(model, folder, config, dtype=torch.float32, state_dict=tensors)
         source = getattr(model, "source_dir", None)
-        for name in checkpoint.TOKENIZER_FILES if source is not None else ():
+        for name in SIDE_FILES if source is not None else ():
             if (Path(source) / name).is_file():
                 shutil.copyfile(Path(source) / name, folder / name)
     except (OSError, UserError) as e:

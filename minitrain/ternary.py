@@ -11,7 +11,7 @@ Storage: the codes Wq + 1 in {0, 1, 2} are packed four to a byte along the input
 (out, ceil(in / 4)) plus its fp32 scale: 0.25 byte per weight + 4 bytes per tensor (or per row).
 
 The forward dequantizes in plain torch (shifts, masks, a cast, a multiply: torch.compile fuses
-them into the matmul's prologue) inside `TernaryMatmul`, an autograd Function that keeps only the
+them into one elementwise kernel; eager holds the uint8 codes and the compute-dtype weight) inside `TernaryMatmul`, an autograd Function that keeps only the
 packed weight for backward and dequantizes again there: autograd would otherwise keep every
 layer's dequantized weight until the backward reaches it, a full-precision copy of the model.
 

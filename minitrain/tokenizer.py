@@ -261,7 +261,8 @@ class Tokenizer:
         if isinstance(b, SentencePiece):
             (folder / b.file_name).write_bytes(b.proto)
             for tok, i in sorted(b.specials.items(), key=lambda kv: kv[1]):
-                added[str(i)] = {"content": tok, "special": True, "lstrip": False, "rstrip": False,
+                lstrip, rstrip = b.strip.get(tok, (False, False))
+                added[str(i)] = {"content": tok, "special": True, "lstrip": lstrip, "rstrip": rstrip,
                                  "normalized": False, "single_word": False}
         else:
             b.tok.save(str(folder / _HF_FILE))
@@ -276,7 +277,7 @@ class Tokenizer:
             "pad_token": self.id_to_token(self._pad) if self._pad is not None else None,
             "unk_token": self.id_to_token(self._unk) if self._unk is not None else None,
             "added_tokens_decoder": added,
-            "add_bos_token": False,
+            "add_bos_token": self.add_bos,  # what the checkpoint's tokenizer did (Gemma: true, Phi-3: false)
             "add_eos_token": False,
             "minitrain_chat_format": self.chat_format,
         })

@@ -19,6 +19,7 @@ checkpoint and raise `Interrupted` (exit 130 / 143 from the CLI).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -40,6 +41,7 @@ from minitrain import checkpoint as ckpt
 from minitrain import distributed
 from minitrain.audit import preflight
 from minitrain.batcher import Batcher
+from minitrain.ema import EMA, attach
 from minitrain.errors import UserError
 from minitrain.fit import planned_peak_mb
 from minitrain.flops import FlopCounter, device_peak_flops
@@ -53,7 +55,7 @@ Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
 # Settings that must match between a checkpoint and the run resuming it for the continuation
 # to be the same run (the schedule, data order and loss normalisation depend on them).
 RESUME_KEYS = ("batch_size", "grad_accum", "seed", "lr", "schedule", "min_lr_ratio", "warmup",
-               "epochs", "max_steps", "weight_decay", "max_grad_norm", "precision", "finetune")
+               "epochs", "max_steps", "weight_decay", "max_grad_norm", "precision", "finetune", "ema_decay")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -133,6 +135,11 @@ def train(
     epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
     on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
     and eval_fn's.
+
+    `cfg.ema_decay` = d > 0 (`minitrain.ema`): after each optimizer step, ema = d * ema + (1 - d) * w
+    for every trained tensor (from the weights before step 1); each evaluation (and eval_fn) runs
+    with the EMA swapped in (its log line says so), the checkpoint keeps it (`ema.safetensors`),
+    and it is left on the model (`minitrain.ema.whole(model)`) for the recipe's `finish` to save.
 
     Returns `{"step", "total_steps", "warmup_steps", "loss", "skipped_steps", "out_dir"}` and the
     last evaluation's `eval/...` metrics (when evaluated). Raises `UserError` for bad settings and when
@@ -228,6 +235,11 @@ def train(
         params = [p for _, p in named]
     optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr)
 
+    ema_decay = getattr(cfg, "ema_decay", 0.0)
+    ema = EMA(named, ema_decay) if ema_decay else None  # the weights before step 1 (a resume loads its own)
+    if ema is not None:
+        log(f"ema: ema = {ema_decay:g} * ema + {1 - ema_decay:.6g} * w after each optimizer step, from the weights "
+            f"before step 1; evaluations use the EMA weights")
     run_info = {k: getattr(cfg, k) for k in RESUME_KEYS if hasattr(cfg, k)}
     run_info.update(num_examples=len(train_examples), total_steps=total_steps, warmup_steps=warmup_steps)
     counters = {"skipped_steps": 0, "bad_in_row": 0, "micro_batches": 0, "tokens_seen": 0}
@@ -247,6 +259,8 @@ def train(
             raise UserError(f"extend=true: the checkpoint is at step {saved['step']} and this run has {total_steps} "
                             f"optimizer steps — raise max_steps (or epochs) past {saved['step']}")
         state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
+        if ema is not None:
+            ema.load_state_dict(ckpt.load_ema(out, ema.names))
         step, counters = state["step"], state["counters"]
         batcher.load_state_dict(state["batcher"])
         distributed.main_only(lambda: ckpt.truncate_log(out / "metrics.jsonl", step))
@@ -265,7 +279,8 @@ def train(
         ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "made_from": made_from,
                                            "counters": counters, "batcher": batcher.state_dict(),
                                            "schedule": {"next_step": step + 1, "total_steps": total_steps,
-                                                        "warmup_steps": warmup_steps}})
+                                                        "warmup_steps": warmup_steps}},
+                  ema=ema.state_dict() if ema is not None else None)
         saved_at = step
 
     metrics_f = open(out / "metrics.jsonl", "a", buffering=1) if rank == 0 else None  # line-buffered
@@ -368,6 +383,8 @@ def train(
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:  # after the step, so a step the scaler skipped changes nothing either
+                ema.update()
             step += 1
             window = None
             counters["bad_in_row"] = 0
@@ -387,16 +404,18 @@ def train(
             stop_early = evaluated = False
             if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
                 evaluated = True  # one held-out pass: the objective's own when it has one (DPO), else the generic
-                if hasattr(objective, "evaluate"):
-                    held_out = objective.evaluate(model, eval_examples, collate, cfg.batch_size, amp_dtype)
-                else:
-                    held_out = evaluate(model, objective, eval_examples, collate, cfg.batch_size, amp_dtype)
-                row.update(held_out)
-                log(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in held_out.items()))
-                if eval_fn is not None:
-                    extra = dict(eval_fn(model, step, dict(row)))
-                    stop_early = distributed.any_rank(bool(extra.pop("stop", False)), device)
-                    row.update(extra)
+                with ema.applied() if ema is not None else contextlib.nullcontext():  # the EMA is what is evaluated
+                    if hasattr(objective, "evaluate"):
+                        held_out = objective.evaluate(model, eval_examples, collate, cfg.batch_size, amp_dtype)
+                    else:
+                        held_out = evaluate(model, objective, eval_examples, collate, cfg.batch_size, amp_dtype)
+                    row.update(held_out)
+                    log(f"step {step}{' (EMA weights)' if ema is not None else ''}: "
+                        + " | ".join(f"{k} {v:.4f}" for k, v in held_out.items()))
+                    if eval_fn is not None:
+                        extra = dict(eval_fn(model, step, dict(row)))
+                        stop_early = distributed.any_rank(bool(extra.pop("stop", False)), device)
+                        row.update(extra)
                 summary.update({k: v for k, v in row.items() if k.startswith("eval/")})
             if metrics_f and (step % cfg.log_every == 0 or step == total_steps or evaluated):
                 metrics_f.write(json.dumps(row) + "\n")
@@ -424,6 +443,7 @@ def train(
         if sink:
             sink.close()
 
+    attach(model, ema)  # for the recipe's finish(), which saves it beside the adapter / model
     if parallel == "fsdp":
         distributed.unshard(model)  # whole tensors again on every rank: for saving and what follows
     if save_adapter is not None:

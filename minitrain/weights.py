@@ -39,6 +39,10 @@ TensorHook = Callable[[nn.Module, str, torch.Tensor], bool]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# what an HF folder holds beside config.json and the weights, carried over when a trained model is
+# saved from a base folder (tokenizer, its special tokens and chat template, generation defaults)
+SIDE_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 # safetensors dtype names -> torch dtypes (the format is little-endian, like every host we run on)
 _DTYPES: dict[str, torch.dtype] = {

@@ -31,12 +31,12 @@ import functools
 
 import models
 from minitrain.collate import collate_causal
-from minitrain import distributed
-from minitrain.distill import (PROJECTIONS_FILE, DistillConfig, attach_projections, captures_layers, check_ids_shared,
-                               check_same_tokenizer, make_distill_objective, map_layers, save_projections,
-                               shared_vocab, take_projections)
+from minitrain import distributed, ema
+from minitrain.distill import (PROJECTIONS, PROJECTIONS_FILE, DistillConfig, attach_projections, captures_layers,
+                               check_ids_shared, check_same_tokenizer, make_distill_objective, map_layers,
+                               save_projections, shared_vocab, take_projections)
 from minitrain.errors import UserError
-from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
+from minitrain.run import (EMA_SUFFIX, Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
                            load_tokenizer, log, prepare_out_dir)
 from minitrain.train import train
 
@@ -116,8 +116,12 @@ def run(config: DistillConfig) -> dict:
                     eval_examples=job.eval_examples)
     projections = take_projections(job.model)  # off the student: out/model holds the model alone
     folder = finish(job.model, config, job.lora, summary)
-    saved = distributed.main_only(lambda: save_projections(projections, folder / PROJECTIONS_FILE,
-                                                           job.objective.feature_map))
-    if saved:
-        log(f"feature projections: {saved}")
+    averaged = ema.whole(job.model) or {}  # ema_decay: the projections' average goes beside the EMA's folder
+    prefix = PROJECTIONS + "."
+    averaged = {k[len(prefix):]: v for k, v in averaged.items() if k.startswith(prefix)}
+    for tensors, to in ((projections, folder), (averaged, folder.with_name(folder.name + EMA_SUFFIX))):
+        saved = distributed.main_only(lambda: save_projections(tensors, to / PROJECTIONS_FILE,
+                                                               job.objective.feature_map))
+        if saved:
+            log(f"feature projections: {saved}")
     return summary

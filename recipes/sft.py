@@ -2,7 +2,7 @@
 Qwen3, Gemma 2, Gemma 3, Phi-3): the family-agnostic name of recipes/sft_llama.py, whose code it
 runs (same keys, defaults and outputs; `--help` lists them).
 
-    python -m minitrain recipes/sft.py model=/path/to/Qwen3-0.6B data=train.jsonl out=runs/sft
+    python -m minitrain recipes/sft.py model=/path/to/Qwen3-0.6B data=train.jsonl out=runs/sft   # 12 GB GPU
 
 recipes/sft_llama.py is the canonical file (named when LLaMA was the only family; its docstring
 documents the rows and outputs); this alias exists so a command's name does not mislead.

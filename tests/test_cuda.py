@@ -2,6 +2,7 @@
 
 - bf16 autocast on CUDA: the LoRA SFT loss and adapter gradients close to fp32's;
 - per-block `torch.compile` with non-reentrant checkpointing gives eager's gradients;
+- a ternary base (minitrain.ternary) with LRC adapters: CUDA equals CPU, compiled equals eager;
 - nf4 / int8 QLoRA on CUDA: logits and adapter gradients equal peft + bitsandbytes (transformers'
   `BitsAndBytesConfig` loading of the same checkpoint) with the same adapter values.
 """
@@ -78,6 +79,50 @@ def test_compiled_checkpointed_blocks_give_eager_gradients(hf_causal):
     torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4)
+
+
+def test_ternary_lrc_on_cuda_equals_cpu_and_compiles(hf_causal):
+    """Field report 004's setup on CUDA: a Qwen3 with a ternary base and BitLinear's 8-bit activations,
+    LRC adapters, checkpointed and compiled blocks. fp32: the CUDA loss and gradients equal the CPU's;
+    compiled + checkpointed give eager's; bf16 autocast stays close to fp32."""
+    from minitrain.lrc import init_lrc
+    from minitrain.quant import quantize_hook
+
+    folder = hf_causal("cuda_qwen3", model_type="qwen3", num_key_value_heads=2, head_dim=16)
+
+    def build(device):
+        model = load_pretrained(folder, models.from_hf_config, device=device,
+                                tensor_hook=quantize_hook("ternary", torch.float32, act_bits=8))
+        cfg = LoRAConfig(r=4, alpha=8, targets=TARGETS)
+        apply_lora(model, cfg)
+        freeze_for_adapters(model, cfg)
+        init_lrc(model, folder)
+        return model.train()
+
+    batch = _batch("cuda")
+    cpu = build("cpu")
+    cpu.zero_grad(set_to_none=True)
+    loss, n, _ = sft(cpu, {k: v.cpu() for k, v in batch.items()})
+    (loss / n).backward()
+    l_cpu, g_cpu = (loss / n).detach(), {k: p.grad.clone() for k, p in cpu.named_parameters() if p.requires_grad}
+    eager = build("cuda")
+    l0, g0 = _grads(eager, batch)
+    torch.testing.assert_close(l0.cpu(), l_cpu, atol=1e-4, rtol=1e-4)
+    for k in g0:
+        torch.testing.assert_close(g0[k].cpu(), g_cpu[k], atol=1e-4, rtol=1e-3)
+    model = build("cuda")
+    enable_checkpointing(model)
+    compile_blocks(model)
+    for _ in range(2):  # the second call runs the compiled graphs already built
+        l1, g1 = _grads(model, batch)
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=1e-5, rtol=1e-4)
+    lb, gb = _grads(model, batch, torch.bfloat16)
+    assert abs(lb - l0) / l0 < 0.02
+    cos = torch.nn.functional.cosine_similarity(torch.cat([g.flatten() for g in gb.values()]),
+                                                torch.cat([g.flatten() for g in g0.values()]), dim=0)
+    assert cos > 0.98, cos
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])

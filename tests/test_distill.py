@@ -629,16 +629,17 @@ def test_recipe_refuses_another_tokenizer(tiny, tmp_path):
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_recipe_with_feature_and_attention_terms(tiny, finetune):
-    """All four terms through the CLI (checkpointing on): each logged raw and weighted, the loss their
-    weighted sum, the balance line said once, the projections saved beside the adapter or the model
-    (finetune=full: out/model holds the student's own keys only and loads in transformers)."""
+    """All four terms through the CLI (checkpointing on, an EMA kept): each logged raw and weighted, the
+    loss their weighted sum, the balance line said once, the projections saved beside the adapter or
+    the model and their average beside the EMA's (finetune=full: out/model and out/model_ema hold the
+    student's own keys only and load in transformers)."""
     import transformers
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     out = tiny["root"] / f"out_terms_{finetune}"
     p = run_recipe(tiny, out, "feature_weight=0.3", "attention_weight=0.2", "feature_loss=cosine",
-                   "checkpointing=true", "balance_steps=1", "balance_factor=1.01", f"finetune={finetune}")
+                   "checkpointing=true", "balance_steps=1", "balance_factor=1.01", f"finetune={finetune}", "ema_decay=0.5")
     assert p.returncode == 0, p.stderr
     assert "feature_weight=0.3 (cosine) on student:teacher layers 0:1, 1:2; 2 projections 64->96" in p.stdout
     assert "attention_weight=0.2 on student:teacher layers 1:2" in p.stdout
@@ -648,9 +649,40 @@ def test_recipe_with_feature_and_attention_terms(tiny, finetune):
         parts = [r[f"{k}_weighted"] for k in ("kd", "ce", "feature", "attention")]
         assert r["loss"] == pytest.approx(sum(parts), rel=1e-5)
         assert r["feature_weighted"] == pytest.approx(0.3 * r["feature"], rel=1e-6) and r["attention"] > 0
-    folder = out / ("adapter" if finetune == "lora" else "model")
-    with safe_open(str(folder / "distill_projections.safetensors"), "pt") as f:
-        assert sorted(f.keys()) == ["0.weight", "1.weight"] and f.get_tensor("0.weight").shape == (96, 64)
-    if finetune == "full":
-        assert set(load_file(folder / "model.safetensors")) == set(load_file(tiny["student"] / "model.safetensors"))
-        transformers.AutoModelForCausalLM.from_pretrained(folder)
+    name = "adapter" if finetune == "lora" else "model"
+    projections = []
+    for folder in (out / name, out / f"{name}_ema"):
+        projections.append(load_file(folder / "distill_projections.safetensors"))
+        assert sorted(projections[-1]) == ["0.weight", "1.weight"] and projections[-1]["0.weight"].shape == (96, 64)
+        if finetune == "full":
+            keys = set(load_file(folder / "model.safetensors"))
+            assert keys == set(load_file(tiny["student"] / "model.safetensors"))
+            transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert not torch.equal(projections[0]["0.weight"], projections[1]["0.weight"])  # the average, not a copy
+
+
+@pytest.mark.slow  # three runs of the recipe (~12 s)
+def test_continued_distillation_with_projections_is_bitwise_the_straight_run(tiny, tmp_path, capsys):
+    """finetune=full with feature and attention terms, constant LR: 2 steps then resume to 4 equals 4
+    straight, the projections (in the checkpoint, then beside the model) included."""
+    from safetensors.torch import load_file
+
+    from minitrain.cli import run_cli
+
+    def argv(out, steps, *extra):
+        keys = {"model": tiny["student"], "teacher": tiny["teacher"], "data": tiny["root"] / "train.jsonl",
+                "out": out, "max_steps": steps, "batch_size": 2, "grad_accum": 1, "finetune": "full",
+                "schedule": "constant", "warmup": 0, "feature_weight": 0.3, "attention_weight": 0.2,
+                "save_every": 2, "device": "cpu", "precision": "fp32", "skip_audit": "true"}
+        return [str(REPO / "recipes" / "distill_llama.py"), *[f"{k}={v}" for k, v in keys.items()], *extra]
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_cli(argv(straight, 4)) == 0, capsys.readouterr().err
+    assert run_cli(argv(split, 2)) == 0, capsys.readouterr().err
+    assert run_cli(argv(split, 4, "resume=true", "extend=true")) == 0, capsys.readouterr().err
+    names = ("model/model.safetensors", "model/distill_projections.safetensors", "checkpoint/weights.safetensors",
+             "checkpoint/optimizer.safetensors")
+    for name in names:
+        a, b = load_file(straight / name), load_file(split / name)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), name
+    assert any(k.startswith("distill_projections.") for k in load_file(split / "checkpoint/weights.safetensors"))

@@ -100,3 +100,17 @@ def test_sentencepiece_backend_equals_sentencepiece(folders, name):
     tok = Tokenizer.from_folder(folder)
     for text in PLAIN + ["  two leading spaces", " one"]:
         assert tok.encode(text) == sp.encode(text), text
+
+
+@pytest.mark.parametrize("name", list(MAKE))
+def test_saved_folder_tokenizes_the_same(folders, tmp_path, name):
+    """`Tokenizer.save` keeps the family's bos behaviour and special tokens: ours and transformers'
+    read the saved folder as they read the original."""
+    tok = Tokenizer.from_folder(folders[name])
+    tok.save(tmp_path / "saved")
+    again = Tokenizer.from_folder(tmp_path / "saved")
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
+    assert again.add_bos == tok.add_bos
+    for text in PLAIN[:5] + [CHATS[name]]:
+        want = tok.encode(text, bos=tok.add_bos)
+        assert again.encode(text, bos=again.add_bos) == want == ref(text).input_ids, text

@@ -7,8 +7,8 @@
   warning; `quantize` with full fine-tuning is one line, exit 2.
 - A run stopped at step 2 and continued (`resume=true extend=true`, constant LR) ends bitwise equal
   to the straight run.
-- Under `torch.distributed.run` with 2 processes (gloo; DDP and FSDP2), the saved model equals the
-  one-process run's.
+- Under `torch.distributed.run` with 2 processes (gloo; DDP and FSDP2), the saved model and its
+  moving average (`ema_decay`) equal the one-process run's.
 """
 
 from __future__ import annotations
@@ -147,6 +147,15 @@ def test_a_tied_head_is_saved_once_and_transformers_loads_it(hf_causal, tmp_path
     torch.testing.assert_close(our_logits[keep], hf_logits[keep], rtol=0, atol=1e-4)
 
 
+def test_bf16_autocast_trains_fp32_master_weights(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(argv(model_dir, out, precision="bf16", max_steps=2)) == 0, capsys.readouterr().err
+    assert "precision: torch.bfloat16" in capsys.readouterr().out  # autocast (CPU here, CUDA alike)
+    for name in ("checkpoint/weights.safetensors", "model/model.safetensors"):
+        saved = load_file(out / name)
+        assert len(saved) == 21 and all(t.dtype == torch.float32 for t in saved.values()), name
+
+
 def test_quantize_with_full_finetune_is_one_line(model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli(argv(model_dir, out, quantize="nf4")) == 2
@@ -170,17 +179,19 @@ def test_continued_full_finetune_is_bitwise_the_straight_run(model_dir, tmp_path
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_save_the_one_process_model(model_dir, tmp_path, capsys, parallel):
     one, two = tmp_path / "one", tmp_path / "two"
-    assert run_cli(argv(model_dir, one)) == 0, capsys.readouterr().err
+    assert run_cli(argv(model_dir, one, ema_decay=0.5)) == 0, capsys.readouterr().err
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "minitrain",
-                        *argv(model_dir, two, parallel=parallel)], cwd=REPO, env=env, capture_output=True, text=True)
+                        *argv(model_dir, two, parallel=parallel, ema_decay=0.5)], cwd=REPO, env=env,
+                       capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-4000:]
     assert p.stdout.count("done: step 3/3") == 1  # rank 0 alone prints
-    want, got = load_file(one / "model" / "model.safetensors"), load_file(two / "model" / "model.safetensors")
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+    for folder in ("model", "model_ema"):  # and the moving average (ema_decay), kept per shard under FSDP
+        want, got = load_file(one / folder / "model.safetensors"), load_file(two / folder / "model.safetensors")
+        assert set(got) == set(want)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
 
 
 def test_distill_trains_the_whole_student_and_saves_it(model_dir, hf_causal, tmp_path, capsys):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -269,6 +270,73 @@ def test_dpo_step_peak_within_20_percent(ckpt):
     assert 0.8 <= predicted / measured <= 1.2, (plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
 
 
+# ----------------------------------------------------------------------------- full fine-tuning
+
+
+def full_model(hf: dict) -> torch.nn.Module:
+    """Every weight trains in fp32, as `finetune=full` loads and unfreezes it."""
+    torch.manual_seed(0)
+    model = models.from_hf_config(hf)
+    model.tie_weights()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_full_finetune_weights_grads_optimizer_exact(tied):
+    hf = hf_config(num_key_value_heads=2, tie_word_embeddings=tied)
+    model = full_model(hf)
+    ms, run = P.ModelShape.from_hf(hf), P.RunShape(rows=2, seq=16, compute="bf16", full=True)
+    params = list(model.parameters())  # a tied head once
+    assert sum(t.bytes for t in P.weight_terms(ms, run)) == tensor_bytes(params)  # fp32 whatever the compute
+    assert sum(ms.all_tensors()) == sum(p.numel() for p in params) == ms.num_params()
+    opt = build_optimizer(list(model.named_parameters()), 0.0, 1e-3)
+    model.output_projection(model(torch.randint(0, 2048, (2, 16)))).float().pow(2).mean().backward()
+    terms = {t.name: t.bytes for t in P.adapter_terms(ms, run)}
+    assert terms["adapters"] == 0 and terms["gradients"] == tensor_bytes(p.grad for p in params)
+    opt.step()
+    assert terms["optimizer (AdamW)"] == tensor_bytes(v for st in opt.state.values() for v in st.values())
+    with_ema = {t.name: t.bytes for t in P.adapter_terms(ms, replace(run, ema=True))}
+    assert with_ema["EMA of the trained tensors"] == tensor_bytes(params)  # minitrain.ema: one fp32 copy
+
+
+FULL_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16"),
+              "bf16 ckpt gqa": dict(compute="bf16", ckpt=True, kv=2)}
+
+
+@pytest.mark.parametrize("case", list(FULL_CASES))
+def test_full_finetune_step_peak_within_20_percent(case):
+    """fp32 weights under bf16 autocast too; the gradients (set_to_none between steps) are in the
+    moments where they exist, so the activation peak alone is compared with the measured step."""
+    from minitrain.objectives import sft
+
+    c = {"kv": 4, "ckpt": False, "compute": "fp32", "rows": 4, "seq": 256, **FULL_CASES[case]}
+    hf = hf_config(num_key_value_heads=c["kv"])
+    model = full_model(hf)
+    if c["ckpt"]:
+        enable_checkpointing(model)
+    batch = batch_of(c["rows"], c["seq"], 2048)
+    measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
+    run = P.RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], checkpointing=c["ckpt"], device="cpu",
+                     targets=int((batch["labels"][:, 1:] != -100).sum()), full=True)
+    plan = P.predict(P.ModelShape.from_hf(hf), run)
+    assert plan.term("gradients") == 0  # not persistent: in the moments
+    assert 0.8 <= plan.activation_peak / measured <= 1.2, (case, plan.peak_moment, plan.activation_peak, measured)
+
+
+def test_full_finetune_plan_of_a_recipe_and_its_suggestion(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_7B))
+    p = plan_cli(str(ROOT / "recipes" / "sft_llama.py"), f"model={tmp_path}", "batch_size=1", "max_len=1024",
+                 "finetune=full", "checkpointing=true", "--gpu-mem", "80GiB")
+    assert p.returncode == 1, p.stderr  # 7B x (4 weight + 4 grad + 8 AdamW) B = 112 GiB: no single GPU
+    assert "full fine-tuning: every weight trains" in p.stdout and "DOES NOT FIT" in p.stdout
+    assert "finetune=lora" in p.stdout and "quantize=nf4" not in p.stdout
+    n = P.ModelShape.from_hf(MISTRAL_7B).num_params()
+    weights = sum(t.bytes for t in P.weight_terms(P.ModelShape.from_hf(MISTRAL_7B), P.RunShape(1, 8, full=True)))
+    assert weights == 4 * n
+
+
 # ----------------------------------------------------------------------------- the model's logic
 
 
@@ -322,7 +390,7 @@ def test_from_hf_defaults_and_refusals():
                               "num_hidden_layers": 2, "num_attention_heads": 4})
     assert m.num_key_value_heads == 8  # HF's MistralConfig default
     assert m.head_dim == 16 and m.sliding_window == 4096
-    with pytest.raises(UserError, match="models LLaMA / Mistral / Qwen2 / Qwen3 and T5"):
+    with pytest.raises(UserError, match="the memory plan models LLaMA, Mistral"):
         P.shape_from_hf({"model_type": "gpt2"})
     assert isinstance(P.shape_from_hf({"model_type": "t5"}), P.T5Shape)  # transformers' T5Config defaults
     assert P.shape_from_hf({"model_type": "t5"}).num_decoder_layers == 6
@@ -376,6 +444,68 @@ def test_plan_tool_follows_the_recipes_device(tmp_path):
     assert "run: cpu," in cpu.stdout
     assert "run: cuda," in plan_cli(*common, "device=cpu", "--device", "cuda").stdout
     assert "run: cuda," in plan_cli(*common).stdout
+
+
+# ----------------------------------------------------------------------------- the other decoder families
+
+# each family's particulars at plan-test sizes: Qwen2's biases, Qwen3's q/k norms and wide heads,
+# Gemma 2's soft-capped (written-out) attention and capped head, Gemma 3's norms and sliding layers,
+# Phi-3's fused linears with and without GQA
+FAMILIES = {
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2),
+    "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=96, tie_word_embeddings=True),
+    "gemma2": dict(model_type="gemma2", num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+                   sliding_window=128, tie_word_embeddings=True),
+    "gemma3": dict(model_type="gemma3_text", num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+                   sliding_window=128, sliding_window_pattern=2, tie_word_embeddings=True),
+    "phi3": dict(model_type="phi3", num_key_value_heads=4),
+    "phi3_gqa": dict(model_type="phi3", num_key_value_heads=2),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_params_and_adapters_exact(name):
+    """Parameters (norms, biases, tied heads) and LoRA tensors on every linear (LLaMA's target names
+    select Phi-3's fused linears) counted as the model built from the same config.json has them."""
+    hf = hf_config(**FAMILIES[name])
+    shape = P.shape_from_hf(hf)
+    with torch.device("meta"):
+        model = models.from_hf_config(hf)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    cfg = LoRAConfig(r=8, targets=list(ALL))
+    apply_lora(model, cfg)
+    lora = [p.numel() for n, p in model.named_parameters() if "lora_" in n]
+    assert sorted(shape.trainable_tensors(P.RunShape(rows=1, seq=8, lora_r=8, lora_targets=ALL))) == sorted(lora)
+
+
+FAMILY_CASES = {
+    "qwen2 fp32": dict(),
+    "qwen3 bf16 ckpt": dict(compute="bf16", ckpt=True),
+    "gemma2 fp32": dict(),
+    "gemma2 bf16 ckpt vocab32k": dict(compute="bf16", ckpt=True, vocab=32000, seq=192),  # the capped head's chunks
+    "gemma3 fp32 ckpt": dict(ckpt=True),
+    "phi3 fp32": dict(),
+    "phi3_gqa bf16": dict(compute="bf16"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_family_step_peak_within_20_percent(case):
+    from minitrain.objectives import sft
+
+    c = dict(ckpt=False, compute="fp32", vocab=2048, seq=256)
+    c.update(FAMILY_CASES[case])
+    hf = hf_config(vocab_size=c["vocab"], **FAMILIES[case.split()[0]])
+    model = build(hf, torch.bfloat16 if c["compute"] == "bf16" else torch.float32, ALL)
+    if c["ckpt"]:
+        enable_checkpointing(model)
+    batch = batch_of(4, c["seq"], c["vocab"])
+    measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
+    run = P.RunShape(rows=4, seq=c["seq"], compute=c["compute"], lora_targets=ALL, checkpointing=c["ckpt"],
+                     targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu")
+    plan = P.predict(P.shape_from_hf(hf), run)
+    predicted = plan.activation_peak + plan.term("gradients")
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
 
 
 # ----------------------------------------------------------------------------- T5

@@ -281,6 +281,16 @@ def test_lrc_adapters_are_the_best_rank_r_fit_of_the_ternary_error(folder):
         assert 0 < x.error_after < x.error_before
 
 
+def test_loftq_iterations_requantize_the_ternary_base(folder):
+    one = ternary_model(folder, r=5, alpha=10, targets="all-linear")
+    three = ternary_model(folder, r=5, alpha=10, targets="all-linear")
+    before = three.model.layers[0].mlp.up_proj.weight.clone()
+    rep1, rep3 = init_lrc(one, folder), init_lrc(three, folder, iters=3)
+    assert sum(x.error_after for x in rep3) < sum(x.error_after for x in rep1)
+    assert not torch.equal(three.model.layers[0].mlp.up_proj.weight, before)  # re-quantized from W - sBA
+    assert three.model.layers[0].mlp.up_proj.weight.dtype == torch.uint8
+
+
 def test_calibrated_factors_minimise_the_activation_weighted_error():
     g = torch.Generator().manual_seed(6)
     E = torch.randn(12, 10, generator=g, dtype=torch.float64)

@@ -31,10 +31,8 @@ import torch  # noqa: E402
 import models  # noqa: E402
 from minitrain.errors import UserError  # noqa: E402
 from minitrain.lora import load_adapter, merged_state_dict  # noqa: E402
-from minitrain.weights import load_pretrained, save_pretrained  # noqa: E402
+from minitrain.weights import SIDE_FILES, load_pretrained, save_pretrained  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "generation_config.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,7 +52,7 @@ def merge(model_dir: str, adapter_dir: str, out: str, dtype: str = "float32", qu
     config = dict(model.hf_config, vocab_size=emb.num_embeddings)  # an adapter trained on added tokens
     folder = save_pretrained(model, out, config, dtype=DTYPES[dtype], state_dict=merged_state_dict(model))
     for src in (Path(adapter_dir), Path(model_dir)):
-        found = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+        found = [f for f in SIDE_FILES if (src / f).is_file()]
         if any(f in found for f in ("tokenizer.json", "tokenizer.model", "spiece.model")):
             for f in found:
                 shutil.copy2(src / f, folder / f)

@@ -6,7 +6,7 @@ The recipe's config is loaded exactly as `python -m minitrain RECIPE.py key=valu
 (`minitrain.cli.load_recipe` + `resolve_config` + `validate`: a recipe's demo settings apply
 only when no model, data or eval_data is named); of the model only `config.json`
 is read, never the weights. The memory model is `minitrain.plan` (its docstring says what is
-counted and how); it models LLaMA / Mistral / Qwen2 / Qwen3 and T5 (source rows `max_len` or `--seq` long,
+counted and how); it models LLaMA, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3 and T5 (source rows `max_len` or `--seq` long,
 target rows `max_target_len`). The device is the recipe's (`device=cpu` plans a CPU run:
 its smaller loss chunk, no CUDA context) unless `--device` says otherwise. The worst case is planned: every row `max_len` long (or `--seq`),
 every position a target (or `--targets` per micro-batch). `--all` also prints the other candidate
@@ -107,8 +107,10 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
     lines = [f"plan: {path} {' '.join(overrides)}".rstrip(),
              f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, {model.describe()})",
              f"run: {opts['--device']}, {run.compute} compute, "
-             f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA {run.rank_text} on "
-             f"{','.join(run.lora_targets)}, checkpointing {'on' if run.checkpointing else 'off'}"
+             + ("full fine-tuning: every weight trains, fp32 master weights, " if run.full else
+                f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA {run.rank_text} on "
+                f"{','.join(run.lora_targets)}, ")
+             + f"checkpointing {'on' if run.checkpointing else 'off'}"
              + (f", {'KTO' if run.reference_rows else 'DPO'} reference: {run.dpo_reference}"
                 if run.dpo_reference not in (None, "none") else "")
              + (", no reference (orpo / cpo / simpo: one forward per pair)" if run.dpo_reference == "none" else ""),

@@ -134,7 +134,7 @@ def collate_packed_causal(examples: Sequence[dict], pad_id: int, max_len: int) -
 
     Keys: `input_ids`, `labels`, `attention_mask` (B, T: 1 on real tokens), `position_ids` (B, T),
     `block_mask` (B, 1, T, T) bool, `sequence_ids` (B, T: the example's index, -1 on padding),
-    `segment_lengths` (B, K) (0-padded).
+    `num_sequences`, `segment_lengths` (B, K) (0-padded).
     """
     ids = [ex["input_ids"] for ex in examples]
     rows = pack([len(x) for x in ids], max_len)
@@ -142,7 +142,8 @@ def collate_packed_causal(examples: Sequence[dict], pad_id: int, max_len: int) -
     labels = lay_out([ex["labels"] for ex in examples], rows, IGNORE_INDEX)[0]
     labels[pos == 0] = IGNORE_INDEX  # never a target; keeps the shift inside the example
     return {"input_ids": input_ids, "labels": labels, "attention_mask": (seq >= 0).long(), "position_ids": pos,
-            "block_mask": block_mask(seq), "sequence_ids": seq, "segment_lengths": segment_lengths(ids, rows)}
+            "block_mask": block_mask(seq), "sequence_ids": seq, "num_sequences": len(ids),
+            "segment_lengths": segment_lengths(ids, rows)}
 
 
 def collate_packed_pairs(examples: Sequence[dict], pad_id: int, max_len: int) -> dict[str, Any]:
@@ -174,7 +175,7 @@ def per_sequence(batch: dict[str, Any], values: torch.Tensor) -> torch.Tensor:
     seq = batch.get("sequence_ids")
     if seq is None:
         return values.sum(dim=1)
-    n = int(seq.max()) + 1  # every sequence has a token
+    n = batch["num_sequences"]
     index = seq.where(seq >= 0, n).flatten()  # padding into a spare slot, dropped
     return values.new_zeros(n + 1).index_add(0, index, values.flatten())[:n]
 
@@ -186,9 +187,9 @@ def collate_packed_seq2seq(examples: Sequence[dict], pad_id: int, max_len: int, 
 
     Keys as `collate_seq2seq` (`input_ids`, `attention_mask`, `labels`, `decoder_input_ids`: each
     example's labels shifted right behind `decoder_start_id`, default the pad id, as T5;
-    `decoder_attention_mask` of real tokens) plus the bool masks `block_mask` (B, 1, S, S) (each encoder sequence sees itself, both ways),
-    `decoder_block_mask` (B, 1, T, T) (causal within each example) and `cross_block_mask`
-    (B, 1, T, S) (an example's decoder sees its own encoder tokens only).
+    `decoder_attention_mask` of real tokens) plus the bool masks `block_mask` (B, 1, S, S) (each
+    encoder sequence sees itself, both ways), `decoder_block_mask` (B, 1, T, T) (causal within each
+    example) and `cross_block_mask` (B, 1, T, S) (an example's decoder sees its own encoder tokens).
     """
     start = pad_id if decoder_start_id is None else decoder_start_id
     src = [ex["input_ids"] for ex in examples]

@@ -302,3 +302,43 @@ def test_packed_seq2seq_run_resumes_bitwise(tmp_path):
 
     resumes_bitwise(tmp_path, lambda: tiny_t5(3, dropout=0.1), seq2seq, s2s_examples(20, seed=2),
                     lambda b: collate_packed_seq2seq(b, pad_id=0, max_len=40, max_target_len=16))
+
+
+# ----------------------------------------------------------------------------- the recipes
+
+
+def test_recipes_pack_when_asked(tmp_path, capsys):
+    """`packing=true` reaches the collators of recipes/dpo_mistral.py (the demo's pairs) and
+    recipes/lora_t5.py (a tiny T5); with shared_prompt=true the DPO recipe stops in one line, exit 2."""
+    from pathlib import Path
+
+    from minitrain.cli import load_recipe, resolve_config, run_cli
+    from minitrain.config import validate
+    from test_lora_t5 import save_tiny_t5, write_rows
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    dpo = load_recipe(str(recipes / "dpo_mistral.py"))
+    cfg = resolve_config(dpo, ["packing=true", "max_len=96", f"out={tmp_path / 'dpo'}"])[0]
+    validate(cfg)
+    job = dpo.module.setup(cfg)
+    batch = job.collate(job.train_examples[:8])
+    assert batch["num_pairs"] == 8 and batch["input_ids"].shape[0] < 16 and batch["input_ids"].shape[1] <= 96
+    assert batch["sequence_ids"].max() == 15
+
+    capsys.readouterr()
+    assert run_cli([str(recipes / "dpo_mistral.py"), "packing=true", "shared_prompt=true",
+                    f"out={tmp_path / 'no'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: packing=true: does not combine with shared_prompt=true — use shared_prompt for long "
+                   "prompts, packing for short pairs of varied length"]
+
+    model = save_tiny_t5(tmp_path / "t5")
+    rows = write_rows(tmp_path / "rows.jsonl", [f"line {i} " + "word " * (i % 7) for i in range(8)])
+    t5 = load_recipe(str(recipes / "lora_t5.py"))
+    cfg = resolve_config(t5, [f"model={model}", f"data={rows}", "packing=true", "max_len=64", "max_target_len=32",
+                              'fields={"prompt": "question", "completion": "answer"}', f"out={tmp_path / 't5o'}"])[0]
+    validate(cfg)
+    job = t5.module.setup(cfg)
+    batch = job.collate(job.train_examples)
+    (B, S), T = batch["input_ids"].shape, batch["labels"].shape[1]
+    assert B < 8 and S <= 64 and T <= 32 and batch["cross_block_mask"].shape == (B, 1, T, S)

@@ -336,9 +336,10 @@ def main(argv: list[str] | None = None) -> None:
         elif args.mode == "packing":
             unit = "pairs" if args.objective == "dpo" else "tokens"
             rate = statistics.median(r["units"] / r["cpu_s"] for r in rs)
-            print(f"{args.objective} {name}: {rate:.1f} {unit} per CPU-s, {rs[0]['positions']} token positions for "
-                  f"{rs[0]['steps']} steps, peak RSS {rss:.0f} MiB "
-                  f"(runs: {' '.join(str(round(r['units'] / r['cpu_s'], 1)) for r in rs)})")
+            digits = 3 if unit == "pairs" else 0
+            runs = " ".join(f"{r['units'] / r['cpu_s']:.{digits}f}" for r in rs)
+            print(f"{args.objective} {name}: {rate:.{digits}f} {unit} per CPU-s, {rs[0]['positions']} token positions "
+                  f"for {rs[0]['steps']} steps, peak RSS {rss:.0f} MiB (runs: {runs})")
         else:
             pps = statistics.median(r["units"] / r["cpu_s"] for r in rs)
             print(f"{name}: {pps:.2f} pairs per CPU-s, peak RSS {rss:.0f} MiB "

@@ -118,6 +118,12 @@ def lrc_factors(error: torch.Tensor, r: int, scaling: float,
         R, Rinv = (t.to(E.dtype) for t in _whitening(sigma))
         E = E @ R
     U, S, Vh = torch.linalg.svd(E, full_matrices=False)  # (out, k), (k,), (k, in)
+    # each singular pair is defined up to its sign, which LAPACK and cuSOLVER choose differently:
+    # fix it (the largest |entry| of each U column positive) so that a run starts from the same
+    # adapter on every device
+    sign = U.gather(0, U.abs().argmax(0, keepdim=True)).sign().squeeze(0)  # (k,)
+    sign[sign == 0] = 1
+    U, Vh = U * sign, Vh * sign[:, None]
     root = (S[:r] / scaling).sqrt()  # (r,)
     B = U[:, :r] * root  # (out, r)
     A = root[:, None] * Vh[:r]  # (r, in)

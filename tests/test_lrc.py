@@ -51,6 +51,10 @@ def test_factors_are_the_truncated_svd_split_evenly(shape, r, scaling):
     # singular values split evenly: A A^T = B^T B = diag(S_r / scaling)
     torch.testing.assert_close((A @ A.T).double(), torch.diag(s[:r] / scaling), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close((B.T @ B).double(), torch.diag(s[:r] / scaling), rtol=1e-4, atol=1e-4)
+    # each pair's sign is fixed (the largest |entry| of each B column positive), not left to the
+    # SVD routine, so CPU and CUDA start from the same adapter (tests/test_cuda.py compares them)
+    top = B.gather(0, B.abs().argmax(0, keepdim=True))
+    assert (top > 0).all(), top
 
 
 # ----------------------------------------------------------------------------- on a tiny LLaMA

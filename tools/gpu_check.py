@@ -1,6 +1,7 @@
 """Everything only a GPU can show, in one command (about 10 minutes on one H100):
 
     python tools/gpu_check.py [--write BENCHMARKS.md] [--sft-steps 8] [--sft-rows 4] [--sft-seq 1024] [--skip-hf]
+                              [--logs DIR]
 
 1. the CUDA tests (`tests/test_cuda.py`): bf16 autocast close to fp32, per-block `torch.compile`
    with non-reentrant checkpointing giving eager's gradients, nf4 / int8 QLoRA equal to peft +
@@ -17,7 +18,8 @@
 
 Each part runs in its own process (peak memory is its own). The results go to a dated section
 between `<!-- gpu:begin -->` and `<!-- gpu:end -->` of `--write` (BENCHMARKS.md by default; the
-markers are appended when absent). Without CUDA it prints `skipped: ...`, writes nothing and exits
+markers are appended when absent); `--logs DIR` keeps each part's whole output there (tests.log,
+dpo.log, mt_sft.log, hf_sft.log). Without CUDA it prints `skipped: ...`, writes nothing and exits
 0 (tested in CI: `tests/test_gpu_check.py`).
 """
 
@@ -162,7 +164,17 @@ def _counter_model():
     return model
 
 
-def _sub(args: list[str], timeout: int) -> tuple[int, str, float]:
+LOGS: Path | None = None  # --logs: each part's whole output is kept there
+
+
+def _sub(args: list[str], timeout: int, name: str) -> tuple[int, str, float]:
+    rc, out, secs = _run(args, timeout)
+    if LOGS is not None:
+        (LOGS / f"{name}.log").write_text(out)
+    return rc, out, secs
+
+
+def _run(args: list[str], timeout: int) -> tuple[int, str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     t0 = time.perf_counter()
     try:
@@ -174,7 +186,7 @@ def _sub(args: list[str], timeout: int) -> tuple[int, str, float]:
 
 def _child(name: str, a: argparse.Namespace, timeout: int) -> dict:
     rc, out, secs = _sub([str(Path(__file__).resolve()), "--child", name, "--sft-steps", str(a.sft_steps),
-                          "--sft-rows", str(a.sft_rows), "--sft-seq", str(a.sft_seq)], timeout)
+                          "--sft-rows", str(a.sft_rows), "--sft-seq", str(a.sft_seq)], timeout, name)
     last = [x for x in out.splitlines() if x.startswith("{")]
     if rc or not last:
         return {"error": f"exit {rc}: {out[-600:]}", "seconds": secs}
@@ -227,6 +239,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sft-rows", type=int, default=4)
     p.add_argument("--sft-seq", type=int, default=1024)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--logs", help="a folder where each part's whole output is kept")
     p.add_argument("--child", choices=("mt_sft", "hf_sft"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -243,16 +256,20 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(ROOT))
         print(json.dumps({"mt_sft": child_mt_sft, "hf_sft": child_hf_sft}[a.child](a)))
         return 0
+    global LOGS
+    if a.logs:
+        LOGS = Path(a.logs)
+        LOGS.mkdir(parents=True, exist_ok=True)
     results: dict = {"torch": torch.__version__}
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     results["git"] = git.stdout.strip() or "?"
-    rc, out, secs = _sub(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], 240)
+    rc, out, secs = _sub(["-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "tests/test_cuda.py"], 240, "tests")
     summary = next((x for x in reversed(out.splitlines()) if re.search(r"passed|failed|error", x)), out[-300:])
     results["tests"] = {"rc": rc, "summary": f"{summary.strip()} ({secs:.0f} s)"}
     print("tests:", results["tests"]["summary"], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rc, out, secs = _sub([str(ROOT / "tools" / "bench.py"), "--gpu-dpo-7b", "--seq", "1024", "--dpo-steps", "3",
-                              "--out", f"{tmp}/dpo.json"], 240)
+                              "--out", f"{tmp}/dpo.json"], 240, "dpo")
         results["dpo"] = (json.loads(Path(f"{tmp}/dpo.json").read_text()) if rc == 0 and Path(f"{tmp}/dpo.json").exists()
                           else {"error": f"exit {rc}: {out[-400:]}"})
     print("dpo:", json.dumps(results["dpo"])[:400], flush=True)

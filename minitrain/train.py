@@ -575,11 +575,28 @@ def enable_checkpointing(model: nn.Module) -> int:
     return n
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """`torch.compile` each block in place (one graph per block type, reused across layers)."""
+RECOMPILE_LIMIT = 64  # compile_blocks: dynamo's per-function limit, raised to at least this
+
+
+def compile_blocks(model: nn.Module, **options) -> int:
+    """`torch.compile` each block in place (one graph per block type, reused across layers).
+
+    Every block runs the same Python function, and dynamo's recompile limit (8 by default) counts
+    the graphs of a function across all of them: grad on or off (the policy, the reference, eval),
+    whether the block's input requires grad (the first block's does not), the adapters enabled or
+    disabled, the first shapes static and the next dynamic. A DPO run reaches 8 in its first
+    steps (seen on an H200, BENCHMARKS.md), after which dynamo quietly runs every new variant
+    eagerly; the limit is raised to `RECOMPILE_LIMIT` (never lowered). `options` go to
+    `torch.compile` (the tests use `backend="eager"`).
+    """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, key, max(getattr(config, key), RECOMPILE_LIMIT))
     blocks = [m for m in model.modules() if isinstance(m, tuple(model.block_types))]
     for m in blocks:
-        m.compile()
+        m.compile(**options)
     return len(blocks)
 
 

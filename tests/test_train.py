@@ -563,3 +563,56 @@ def test_a_metric_some_micro_batches_lack_is_averaged_over_those_that_have_it(tm
     train(TinyLM(), every_other, make_examples(16), collate, cfg, log=quiet)
     steps = [m for m in rows(tmp_path / "run") if "sometimes" in m]
     assert len(steps) == 2 and all(m["sometimes"] == 3.0 for m in steps)
+
+
+def _dpo_like_block_calls(model) -> None:
+    """The block calls of a DPO run with the reference = adapters disabled: the audit's one-row
+    forward + backward, then per step the reference forward (no grad, adapters off), the policy
+    forward + backward and an eval pass, at three lengths."""
+    from minitrain.lora import disable_adapters
+
+    loss, count, _ = sft(model, collate_causal(make_examples(1, seed=9), pad_id=0))
+    (loss / count).backward()
+    for seed in (1, 2, 3):
+        batch = collate_causal(make_examples(2, seed=seed, lo=4 * seed, hi=4 * seed), pad_id=0)
+        with torch.no_grad(), disable_adapters(model):
+            sft(model, batch)
+        loss, count, _ = sft(model, batch)
+        (loss / count).backward()
+        model.eval()
+        with torch.no_grad():
+            sft(model, batch)
+        model.train()
+
+
+def test_compiled_blocks_stay_compiled_through_a_dpo_runs_variants(hf_causal, monkeypatch):
+    """Seen on an H200 (BENCHMARKS.md): the DPO demo with compile=true hit dynamo's recompile limit
+    (8) in its first steps, grad mode x the block input's requires_grad x static / dynamic shapes,
+    and the rest ran eagerly without a word. compile_blocks raises the limit so that every variant
+    of such a run is compiled; with the default limit the same calls hit it (dynamo made to fail
+    there instead of falling back: the guards are the same on every backend)."""
+    import torch._dynamo
+
+    from minitrain import train as T
+    import models
+    from minitrain.weights import load_pretrained
+
+    folder = hf_causal("llama_ckpt")
+
+    def run() -> None:
+        torch._dynamo.reset()
+        model = load_pretrained(folder, models.from_hf_config)
+        lcfg = LoRAConfig(r=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+        apply_lora(model, lcfg)
+        freeze_for_adapters(model, lcfg)
+        enable_checkpointing(model)
+        assert T.compile_blocks(model, backend="eager") == 2
+        _dpo_like_block_calls(model)
+
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        run()
+    monkeypatch.setattr(T, "RECOMPILE_LIMIT", 8)
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        with pytest.raises(Exception, match="(?i)recompile|cache.?size|limit"):
+            run()
+    torch._dynamo.reset()

@@ -93,6 +93,9 @@ def test_a_signal_in_the_last_step_still_stops_with_the_final_checkpoint(tmp_pat
 
 
 def test_a_second_signal_a_second_later_stops_at_once_with_the_previous_handler():
+    # Python's own handler before, as in a terminal: a suite started with `&` from a script
+    # inherits SIGINT ignored, and the restored handler would then (rightly) ignore the repeat
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
     stop = _SignalStop()
     stop.install()
     try:
@@ -106,6 +109,7 @@ def test_a_second_signal_a_second_later_stops_at_once_with_the_previous_handler(
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         stop.restore()
+        signal.signal(signal.SIGINT, original)
 
 
 RECIPE = """

@@ -57,8 +57,10 @@ class Recipe(NamedTuple):
 def run_cli(argv: list[str]) -> int:
     """Run `RECIPE.py key=value ...`; return the exit code (0 ok, 2 user error, 130 interrupted)."""
     _line_buffered()
+    code = None
     try:
-        return _main(list(argv))
+        code = _main(list(argv))
+        return code
     except UserError as e:
         if _rank() == 0:  # under torchrun every rank raises the same error: say it once
             print(f"error: {e}", file=sys.stderr)
@@ -73,7 +75,7 @@ def run_cli(argv: list[str]) -> int:
         return 0
     finally:
         if "minitrain.distributed" in sys.modules:  # (imported, with torch, only once a recipe runs)
-            sys.modules["minitrain.distributed"].shutdown()
+            sys.modules["minitrain.distributed"].shutdown(finished=code == 0)
 
 
 def main_quietly(main: Callable[..., int | None], *args: Any) -> int:

@@ -185,7 +185,7 @@ def test_two_processes_save_the_one_process_model(model_dir, tmp_path, capsys, p
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "minitrain",
                         *argv(model_dir, two, parallel=parallel, ema_decay=0.5)], cwd=REPO, env=env,
                        capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-4000:]
     assert p.stdout.count("done: step 3/3") == 1  # rank 0 alone prints
     for folder in ("model", "model_ema"):  # and the moving average (ema_decay), kept per shard under FSDP
         want, got = load_file(one / folder / "model.safetensors"), load_file(two / folder / "model.safetensors")

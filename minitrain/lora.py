@@ -317,9 +317,16 @@ class LoRALinear(nn.Module):
         z = self.lora_A(h) * self.scaling  # (..., r): the scaling costs r, not out, per row
         if z.dtype != out.dtype:  # e.g. a bf16 base with fp32 adapters outside autocast
             return out + self.lora_B(z).to(out.dtype)
-        # out + z @ B.T in one GEMM that accumulates into a copy of `out` (no (..., out) delta, no add pass)
+        # out += z @ B.T in one GEMM that accumulates into the base's output (no (..., out) delta, no add
+        # pass, no copy: nothing saves the base output for its backward, and autograd's version
+        # counters would refuse the in-place write if something did). In-place ops escape autocast,
+        # so B in another dtype (fp32 adapters under bf16 autocast) takes autocast's addmm.
         b = self.lora_B.weight  # (out, r)
-        return torch.addmm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]), b.t()).view(out.shape)
+        z2 = z.reshape(-1, z.shape[-1])
+        if out.is_contiguous() and b.dtype == z2.dtype:
+            out.view(-1, out.shape[-1]).addmm_(z2, b.t())
+            return out
+        return torch.addmm(out.reshape(-1, out.shape[-1]), z2, b.t()).view(out.shape)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in fp32, (out, in)."""

@@ -8,7 +8,7 @@ projected at all. Two paths, the same values and gradients:
 - frozen plain `nn.Linear` head (every LoRA run that does not train `lm_head`): the gradient
   with respect to the chunk's hidden rows, `(onehot - softmax) @ W`, is computed in the forward,
   chunk by chunk, and kept (`c x D`, the size of the rows themselves); the backward only scales
-  it. Two head matmuls per chunk instead of three; the softmax is made in place in one `c x V`
+  it. Two head matmuls per chunk instead of three; the exps are made in place in one `c x V`
   buffer reused by every chunk (`frozen_head_logprobs`; no-grad passes take it too).
 - any other head (trainable, LoRA-wrapped, quantized): each chunk runs under non-reentrant
   `torch.utils.checkpoint`: the forward keeps only the chunk's hidden rows and its per-token
@@ -109,15 +109,24 @@ class _FrozenHeadLogProb(torch.autograd.Function):
         return grad * grad_out[:, None].to(grad.dtype), None, None, None, None
 
 
+# `frozen_head_logprobs` exponentiates logits unshifted when every row's sum of exps lands in
+# [EXP_SUM_MIN, inf): no exp overflowed, and the largest logit is above about -46, so every exp
+# that matters to the sum is a normal float. Otherwise the chunk is redone shifted by its row max.
+EXP_SUM_MIN = 1e-20
+
+
 def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                          chunk: int, grad: torch.Tensor | None = None) -> torch.Tensor:
     """log p(label) under a frozen head for rows h (n, D), labels (n,) -> (n,) fp32 (at least).
 
     With `grad` (n, D) given, also writes `(onehot - softmax) @ W` into it (the rows' gradient).
     One fp32 `(c, V)` buffer serves every chunk (plus one in the compute dtype under bf16/fp16
-    autocast): the head's GEMM writes into it, and the max, the shift, `exp`, the row sums and the
-    softmax are made in place over it, so no chunk allocates a `(c, V)` temporary (torch's
-    `logsumexp` makes one per call, and a fresh block per chunk is page faults on a CPU).
+    autocast): the head's GEMM writes into it, `exp` runs in place over it, and no chunk allocates
+    a `(c, V)` temporary (torch's `logsumexp` makes one per call, and a fresh block per chunk is
+    page faults on a CPU). The max shift is skipped while it is not needed (`EXP_SUM_MIN`; log p
+    = logit - log sum exp, the same value to float rounding), and in fp32 the softmax is never
+    normalised in the buffer: the gradient is `W[label] - (exp(logits) @ W) / sum`, the division
+    on the `(c, D)` product. So two passes over the logits besides the GEMMs: `exp` and the sums.
     """
     n, device = h.shape[0], h.device
     acc = torch.promote_types(h.dtype, torch.float32)
@@ -128,33 +137,47 @@ def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     low = None if cdt == acc else torch.empty(c, weight.shape[0], dtype=cdt, device=device)  # (c, V) compute dtype
     w = weight.to(cdt)  # cast once (under autocast a frozen weight is not cached)
     b = None if bias is None else bias.to(cdt)
+
+    def logits(hc: torch.Tensor, x: torch.Tensor, lo: torch.Tensor | None) -> None:  # the head's GEMM into x (fp32)
+        dst = x if lo is None else lo
+        if b is None:
+            torch.mm(hc, w.t(), out=dst)
+        else:
+            torch.addmm(b, hc, w.t(), out=dst)
+        if lo is not None:
+            x.copy_(lo)
+
     with torch.autocast(device.type, enabled=False):
         for start in range(0, n, c):
             y = labels[start : start + c]
             m = y.shape[0]
             x, lo = buf[:m], (None if low is None else low[:m])
-            dst = x if lo is None else lo
             hc = h[start : start + c].to(cdt)
-            if b is None:
-                torch.mm(hc, w.t(), out=dst)
-            else:
-                torch.addmm(b, hc, w.t(), out=dst)
-            if lo is not None:
-                x.copy_(lo)
-            x.sub_(x.amax(dim=1, keepdim=True))  # shifted logits, in place
+            logits(hc, x, lo)
             picked = x.gather(1, y[:, None]).squeeze(1)  # (m,)
-            total = x.exp_().sum(dim=1)  # exp in place; (m,) row sums
+            total = x.exp_().sum(dim=1)  # (m,) sums of exps, in place
+            if not bool(((total >= EXP_SUM_MIN) & (total < float("inf"))).all()):  # redo it shifted
+                logits(hc, x, lo)
+                shift = x.amax(dim=1, keepdim=True)
+                picked = picked - shift.squeeze(1)
+                total = x.sub_(shift).exp_().sum(dim=1)
             out[start : start + m] = picked - total.log()
-            if grad is not None:  # onehot - softmax, in place: x * (-1 / total), then + 1 at the label
-                x.mul_(total.reciprocal_().neg_()[:, None])
-                x.scatter_add_(1, y[:, None], torch.ones_like(x[:, :1]))
-                if lo is not None:
-                    x = lo.copy_(x)
-                g = grad[start : start + m]  # (m, D)
-                if g.dtype == cdt:
-                    torch.mm(x, w, out=g)
-                else:  # fp32 rows under bf16 autocast: the product in bf16, as autocast's matmul
-                    g.copy_(x @ w)
+            if grad is None:
+                continue
+            g = grad[start : start + m]  # (m, D)
+            if lo is None:  # W[label] - (exp @ W) / sum: the division on (m, D), not (m, V)
+                torch.mm(x, w, out=g)
+                g.div_(total[:, None]).neg_().add_(w[y])
+                continue
+            # a bf16 / fp16 GEMM: onehot - softmax made in fp32 first, so that the label's 1 - p is not
+            # left to a cancellation after the product's rounding
+            x.mul_(total.reciprocal_().neg_()[:, None])
+            x.scatter_add_(1, y[:, None], torch.ones_like(x[:, :1]))
+            lo.copy_(x)
+            if g.dtype == cdt:
+                torch.mm(lo, w, out=g)
+            else:  # fp32 rows under bf16 autocast: the product in bf16, as autocast's matmul
+                g.copy_(lo @ w)
     return out
 
 

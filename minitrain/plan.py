@@ -125,6 +125,7 @@ class ModelShape:
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
     NORMS: ClassVar[int] = 2  # RMSNorms per block
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {}  # fused linear -> the unfused names (Phi-3)
+    UNPADS_ON_CPU: ClassVar[bool] = True  # models.llama runs a padded batch without its padding on a CPU
 
     @classmethod
     def _dims(cls, d: dict[str, Any], where: str, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +250,10 @@ class RunShape:
     get a loss (None: all of them, the worst case). compute: activation dtype (bf16 under autocast
     on a GPU). lora_dropout: above 0 every adapter keeps its own dropped input and mask.
     mask: whether an explicit attention mask is built (padding in the batch, or T > window);
-    the plain-causal path builds none.
+    the plain-causal path builds none. real_tokens: the batch's non-padding tokens (None: rows x
+    seq, the worst case). On a CPU the LLaMA family runs a padded batch without its padding
+    (`models.llama.Ragged`): its per-token terms then count the real tokens and, without a
+    window shorter than seq, no mask is built (`predict` applies this; other families ignore it).
     """
 
     rows: int
@@ -275,6 +279,7 @@ class RunShape:
     full: bool = False  # finetune=full: every weight trains (no adapters; lora_* ignored)
     ema: bool = False  # ema_decay > 0: one more copy of the trained tensors (minitrain.ema)
     device: str = "cuda"  # cuda | cpu: the default logits chunk and the dropout mask's dtype depend on it
+    real_tokens: int | None = None
 
     @property
     def s(self) -> int:
@@ -297,7 +302,7 @@ class RunShape:
 
     @property
     def tokens(self) -> int:
-        return self.rows * self.seq
+        return self.rows * self.seq if self.real_tokens is None else self.real_tokens
 
     @property
     def cast_copies(self) -> bool:
@@ -656,6 +661,12 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
     if run.full and model.is_encoder_decoder:
         raise UserError("finetune=full: the memory plan models full fine-tuning of LLaMA / Mistral only — "
                         "memory_check=false skips the plan")
+    if run.real_tokens is not None:  # padding that only the LLaMA family on a CPU leaves out
+        if run.device == "cpu" and getattr(model, "UNPADS_ON_CPU", False):
+            windowed = model.sliding_window is not None and model.sliding_window < run.seq
+            run = replace(run, mask=run.mask and windowed)
+        else:
+            run = replace(run, real_tokens=None)
     persistent = model.weight_terms(run) + adapter_terms(model, run)
     if run.full:  # the gradients are in the moments where they exist (set_to_none between steps)
         persistent = [t for t in persistent if t.name != "gradients"]
@@ -730,6 +741,7 @@ class GemmaShape(ModelShape):
 
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    UNPADS_ON_CPU: ClassVar[bool] = False  # models/gemma.py keeps the padded batch
     FAMILIES: ClassVar[tuple[str, ...]] = ("gemma2", "gemma3_text")
     NORMS: ClassVar[int] = 4
     # transformers' class defaults for fields a config.json may leave out
@@ -771,6 +783,7 @@ class Phi3Shape(ModelShape):
     Without GQA, SDPA's value is a view of the fused qkv output, which it keeps whole."""
 
     FAMILIES: ClassVar[tuple[str, ...]] = ("phi3",)
+    UNPADS_ON_CPU: ClassVar[bool] = False  # models/phi3.py keeps the padded batch
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                                                     "gate_up_proj": ("gate_proj", "up_proj")}
 

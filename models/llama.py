@@ -457,10 +457,50 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, to: torch.dtype | None = None) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in three passes over x, the same bits as that written-out
+    form (a + (-b) is a - b in IEEE arithmetic). With `to` (the input's dtype), the rotation back
+    instead, which is the gradient: g * cos + (u2, -u1) for u = g * sin, each product cast to `to`
+    before the sum, as autograd does for a bf16 input under fp32 tables."""
+    h = x.shape[-1] // 2
+    (x1, x2), (s1, s2) = x.split(h, dim=-1), sin.split(h, dim=-1)
+    if to is None:
+        y = x * cos
+        y1, y2 = y.split(h, dim=-1)
+        y1.sub_(x2 * s1)
+        y2.add_(x1 * s2)
+        return y
+    y = (x * cos).to(to)
+    y1, y2 = y.split(h, dim=-1)
+    y1.add_((x2 * s2).to(to))
+    y2.sub_((x1 * s1).to(to))
+    return y
+
+
+class _Rotary(torch.autograd.Function):
+    """RoPE with a backward of its own, `_rotate` both ways, saving only cos / sin. Autograd's
+    graph of the written-out form makes the rotated halves, their concatenation and a sum of two
+    full-size products in each direction; this makes the products and sums in place."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos, sin, to=ctx.dtype), None, None
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, hd), cos/sin (B, T, hd) -> rotated x."""
+    """x (B, heads, T, hd), cos/sin (B, T, hd) -> rotated x, `x * cos + rotate_half(x) * sin`
+    (as HF, to the bit). Also x (N, heads, hd) with cos/sin (N, hd): an unpadded batch."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
-    return x * cos + rotate_half(x) * sin
+    if cos.requires_grad or sin.requires_grad:  # tables never do here; written out for anyone who asks
+        return x * cos + rotate_half(x) * sin
+    return _Rotary.apply(x, cos, sin)
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,6 +570,44 @@ def attention_mask_4d(key_valid: torch.Tensor, q_start: int, sliding_window: int
     return allowed[:, None]  # (B, 1, T, S)
 
 
+@dataclass(frozen=True)
+class Ragged:
+    """An unpadded batch's layout, given to the layers in place of a mask: the batch's sequences
+    laid end to end as the rows of one (N, ...) tensor, sequence i at rows [sum(lengths[:i]),
+    sum(lengths[:i + 1])). Each attends causally to itself only, inside `window` when set.
+
+    `LlamaModel.forward` uses it on a CPU for a padded batch: the linears, norms, RoPE and MLP
+    then see the N real tokens instead of B x T positions (a quarter of the bench's SFT positions
+    are padding), and attention runs per sequence with SDPA's causal kernel, which skips the
+    blocks above the diagonal that an explicit mask makes it compute. Real tokens get the padded
+    batch's values (to float rounding); padding positions come out as zeros.
+    """
+
+    lengths: tuple[int, ...]
+    window: int | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (N, H, hd), k / v (N, Hkv, hd) -> (N, H, hd): SDPA over each sequence alone."""
+        n_rep, out, start = q.shape[1] // k.shape[1], [], 0
+        for n in self.lengths:
+            qs, ks, vs = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, n, hd)
+            ks, vs = repeat_kv(ks, n_rep), repeat_kv(vs, n_rep)
+            windowed = self.window is not None and n > self.window
+            mask = attention_mask_4d(torch.ones(1, n, dtype=torch.bool, device=q.device), 0, self.window) if windowed else None
+            out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=not windowed)[0].transpose(0, 1))
+            start += n
+        return torch.cat(out)
+
+
+def ragged_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
+    """valid (B, T) bool -> each row's count of real tokens (empty rows left out), or None when
+    some row's real tokens are not one contiguous run (left or right padding, or both, are)."""
+    changes = (valid[:, 1:] != valid[:, :-1]).sum(1)
+    if bool(((changes > 2) | ((changes == 2) & valid[:, 0])).any()):
+        return None
+    return tuple(n for n in valid.sum(1).tolist() if n)
+
+
 # --------------------------------------------------------------------------------------------
 # Attention, MLP, block
 # --------------------------------------------------------------------------------------------
@@ -588,14 +666,19 @@ class LlamaAttention(nn.Module):
         return_probs: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding).
-        `return_probs`: also the attention probabilities (B, H, T, S) fp32 (see `attention_probs`)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, Hkv, hd)
+        `return_probs`: also the attention probabilities (B, H, T, S) fp32 (see `attention_probs`).
+        A `Ragged` mask: x (N, D) holds the batch's real tokens end to end, cos / sin (N, hd)."""
+        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, hd)
+        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))  # (B, T, Hkv, hd)
         if hasattr(self, "q_norm"):  # Qwen3: per-head norms
             q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(mask, Ragged):  # (N, H, hd): RoPE per token, then attention per sequence
+            v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            return self.o_proj(mask.attend(q, k, v).flatten(1))
+        B, T, _ = x.shape
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
@@ -724,6 +807,11 @@ class LlamaModel(nn.Module):
         # one mask per distinct window (Qwen mixes full and sliding layers); None lets SDPA use its
         # causal kernels (flash on CUDA); otherwise an explicit bool mask (B, 1, T, S)
         padded = attention_mask is not None and not bool(valid.all())
+        lengths = None
+        if padded and cache is None and not (hidden_layers or attention_layers) and x.device.type == "cpu":
+            lengths = ragged_lengths(valid)
+        if lengths:
+            return self._forward_ragged(x, valid, position_ids, lengths)
         masks = {
             w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
             for w in set(self.windows)
@@ -755,6 +843,18 @@ class LlamaModel(nn.Module):
             if i in hidden_layers:
                 hidden_states[i] = x
         return Captured(self.norm(x), hidden_states, attentions)
+
+    def _forward_ragged(self, x: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor,
+                        lengths: tuple[int, ...]) -> torch.Tensor:
+        """A padded batch without its padding (see `Ragged`): the layers run on its N real tokens,
+        and the hidden states come back as (B, T, D) with zeros at the padding."""
+        B, T, D = x.shape
+        real = valid.flatten().nonzero().squeeze(1)  # (N,) row-major: each row's tokens in order
+        cos, sin = (t.flatten(0, 1)[real] for t in self.rotary(position_ids, dtype=x.dtype))  # (N, hd)
+        h = x.flatten(0, 1)[real]  # (N, D)
+        for layer, w in zip(self.layers, self.windows):
+            h = layer(h, cos, sin, Ragged(lengths, w))
+        return h.new_zeros(B * T, D).index_copy(0, real, self.norm(h)).view(B, T, D)
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None,
                             cache: KVCache | None, capture: tuple = ((), ())) -> torch.Tensor | Captured:

@@ -338,6 +338,69 @@ def test_backward_with_left_padding_has_finite_grads(hf_causal):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+# ----------------------------------------------------------------- unpadded batches, RoPE
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "both"])
+@pytest.mark.parametrize("name", ["gqa", "mistral_window", "qwen2_window", "qwen3"])
+def test_padded_batch_equals_each_row_alone(hf_causal, name, padding):
+    """On a CPU a padded batch runs without its padding (`Ragged`): the real tokens' hidden
+    states and every parameter's gradient equal those of each row run alone, with no padding at
+    all (the definition of what padding must not change); padding positions come out as 0."""
+    model = load_ours(checkpoint(hf_causal, name)).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (3, T), generator=g)
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[0, :7] = 0 if padding in ("left", "both") else 1
+    mask[1, -9:] = 0 if padding in ("right", "both") else 1
+    if padding == "both":
+        mask[2, :2], mask[2, -3:] = 0, 0  # a run in the middle of its row
+    weights = torch.randn(3, T, 64, generator=g)  # a loss over every real hidden feature
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}  # not lm_head
+
+    assert ml.ragged_lengths(mask.bool()) == tuple(mask.sum(1).tolist())
+    h = model(ids, mask)
+    batched = grads((h * weights * mask[..., None]).sum())
+    assert (h[mask == 0] == 0).all()
+    alone, parts = {}, []
+    for r in range(3):
+        keep = mask[r].bool()
+        hr = model(ids[r, keep][None])  # no mask: nothing to unpad
+        parts.append(grads((hr * weights[r, keep][None]).sum()))
+        assert (h[r, keep] - hr[0]).abs().max() <= 1e-5
+    assert len(batched) == len(parts[0]) > 0
+    for k in batched:
+        ref = sum(p[k] for p in parts)
+        assert (batched[k] - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item()), k
+
+
+def test_ragged_lengths_refuses_a_hole():
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 0], [0, 0, 0, 0]]).bool()
+    assert ml.ragged_lengths(mask) is None  # row 0 has a hole: the padded path serves it
+    assert ml.ragged_lengths(mask[1:]) == (2,)  # an empty row drops out
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16)])
+def test_rotary_is_the_written_out_form_to_the_bit(dtypes):
+    """`apply_rotary`'s own backward against autograd through HF's form, bit for bit, including a
+    bf16 input under fp32 tables (autocast: each product's gradient cast before the sum)."""
+    x_dtype, table_dtype = dtypes
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, T, 64, generator=g).to(x_dtype).requires_grad_()
+    angles = torch.randn(2, T, 32, generator=g) * 10
+    cos, sin = torch.cat([angles, angles], -1).cos().to(table_dtype), torch.cat([angles, angles], -1).sin().to(table_dtype)
+    ours = ml.apply_rotary(x, cos, sin)
+    hf = x * cos[:, None] + ml.rotate_half(x) * sin[:, None]
+    up = torch.randn(hf.shape, generator=g).to(hf.dtype)
+    assert torch.equal(ours, hf)
+    assert torch.equal(torch.autograd.grad(ours, x, up)[0], torch.autograd.grad(hf, x, up)[0])
+
+
 # ---------------------------------------------------------------------------- resize
 
 

@@ -74,6 +74,32 @@ def test_frozen_head_path_gives_the_same_values_and_hidden_grads(chunk, bias, mo
     assert head.weight.grad is None
 
 
+@pytest.mark.parametrize("offset", [0.0, 95.0, -120.0])
+def test_frozen_head_takes_the_shifted_path_where_plain_exps_would_overflow_or_vanish(offset, monkeypatch):
+    """The frozen path exponentiates unshifted logits when that is safe; with logits past exp's
+    range (a bias of +95: exp overflows in fp32; -120: every exp underflows to 0) it must redo
+    the chunk shifted by the row max. Values and hidden gradients against fp64 log_softmax, and a
+    count of the shifted redos (none at offset 0, every chunk otherwise)."""
+    calls = []
+    real_amax = torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **k: calls.append(1) or real_amax(self, *a, **k))
+    hidden, head, labels = _data(bias=True, seed=6, V=300)
+    head.requires_grad_(False)
+    with torch.no_grad():
+        head.bias.add_(offset)
+    lp = chunked_token_logprobs(hidden, head, labels, chunk=5)
+    lp.sum().backward()
+    chunks = -(-int((labels != -100).sum()) // 5)
+    assert len(calls) == (0 if offset == 0 else chunks)
+    h64 = hidden.detach().double().requires_grad_()
+    full = F.log_softmax(F.linear(h64, head.weight.double(), head.bias.double()), dim=-1)
+    ref = full.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(labels == -100, 0.0)
+    ref.sum().backward()
+    assert torch.isfinite(lp).all()
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_frozen_and_checkpointed_paths_agree_under_bf16_autocast():
     hidden, head, labels = _data(seed=5, V=300)
     grads, values = [], []

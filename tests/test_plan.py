@@ -244,7 +244,7 @@ def test_sft_step_peak_within_20_percent(case):
     targets = int((batch["labels"][:, 1:] != -100).sum())
     run = P.RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], lora_targets=c["targets"],
                      checkpointing=c["ckpt"], targets=targets, quantize=c["quantize"] or "none", device="cpu",
-                     lrc_rank=c["lrc"])
+                     lrc_rank=c["lrc"], real_tokens=int(batch["attention_mask"].sum()))
     plan = P.predict(P.ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
     assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
@@ -264,7 +264,8 @@ def test_dpo_step_peak_within_20_percent(ckpt):
     objective = dpo.make_dpo_objective(beta=0.1, reference=dpo.BaseReference())
     measured = measured_step(model, objective, b, autocast=False)
     run = P.RunShape(rows=2 * pairs, seq=seq, compute="fp32", lora_targets=ALL, checkpointing=ckpt,
-                     targets=int((b["labels"][:, 1:] != -100).sum()), dpo_reference="base", device="cpu")
+                     targets=int((b["labels"][:, 1:] != -100).sum()), dpo_reference="base", device="cpu",
+                     real_tokens=int(b["attention_mask"].sum()))
     plan = P.predict(P.ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
     assert 0.8 <= predicted / measured <= 1.2, (plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))

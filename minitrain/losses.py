@@ -40,10 +40,15 @@ def logits_per_chunk(device: torch.device | str) -> int:
     return CPU_LOGITS_PER_CHUNK if torch.device(device).type == "cpu" else LOGITS_PER_CHUNK
 
 
+def chunk_rows(logits: int, vocab: int, device: torch.device | str) -> int:
+    """Target positions per chunk of `logits` logits: `logits // vocab`, at least 64 (128 on a CPU,
+    where a 64-row head GEMM at V=128k runs at 0.92x the rate of a 128-row one, BENCHMARKS.md)."""
+    return max(128 if torch.device(device).type == "cpu" else 64, logits // vocab)
+
+
 def default_chunk(head: nn.Module, device: torch.device | str) -> int:
-    """Target positions per chunk for `head` on `device`: `logits_per_chunk // vocab`, at least 64."""
-    vocab = _vocab_size(head) or 32768
-    return max(64, logits_per_chunk(device) // vocab)
+    """Target positions per chunk for `head` on `device`: `chunk_rows` of `logits_per_chunk`."""
+    return chunk_rows(logits_per_chunk(device), _vocab_size(head) or 32768, device)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

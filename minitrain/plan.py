@@ -125,7 +125,7 @@ class ModelShape:
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
     NORMS: ClassVar[int] = 2  # RMSNorms per block
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {}  # fused linear -> the unfused names (Phi-3)
-    UNPADS_ON_CPU: ClassVar[bool] = True  # models.llama runs a padded batch without its padding on a CPU
+    UNPADS_ON_CPU: ClassVar[bool] = True  # LLaMA, Gemma, Phi-3 run a padded batch unpadded on a CPU (T5 does not)
 
     @classmethod
     def _dims(cls, d: dict[str, Any], where: str, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -251,9 +251,9 @@ class RunShape:
     on a GPU). lora_dropout: above 0 every adapter keeps its own dropped input and mask.
     mask: whether an explicit attention mask is built (padding in the batch, or T > window);
     the plain-causal path builds none. real_tokens: the batch's non-padding tokens (None: rows x
-    seq, the worst case). On a CPU the LLaMA family runs a padded batch without its padding
-    (`models.llama.Ragged`): its per-token terms then count the real tokens and, without a
-    window shorter than seq, no mask is built (`predict` applies this; other families ignore it).
+    seq, the worst case). On a CPU the decoder-only families run a padded batch without its padding
+    (`models.llama.Ragged`): their per-token terms then count the real tokens and, without a
+    window shorter than seq, no mask is built (`predict` applies this; T5 ignores it).
     """
 
     rows: int
@@ -620,10 +620,10 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     """
     n = run.tokens if run.targets is None else min(run.targets, run.tokens)
     V, D, s = model.vocab_size, model.hidden_size, run.s
-    from minitrain.losses import logits_per_chunk  # the loss's own value, so the plan follows the code
+    from minitrain.losses import chunk_rows, logits_per_chunk  # the loss's own values: the plan follows the code
 
     per_chunk = run.logits_chunk or logits_per_chunk(run.device)
-    c = min(n, max(64, per_chunk // V))
+    c = min(n, chunk_rows(per_chunk, V, run.device))
     gathered = Term("loss: gathered target rows", n * D * s, "n x D x s")
     rows_grad = Term("loss: grad of gathered rows", n * D * s, "n x D x s")
     fwd_per = s + (4 if s < 4 else 0) + 4 + (0 if getattr(model, "plain_head", True) else s)  # + tanh's output
@@ -741,7 +741,6 @@ class GemmaShape(ModelShape):
 
     attn_softcap: float | None = None
     final_softcap: float | None = None
-    UNPADS_ON_CPU: ClassVar[bool] = False  # models/gemma.py keeps the padded batch
     FAMILIES: ClassVar[tuple[str, ...]] = ("gemma2", "gemma3_text")
     NORMS: ClassVar[int] = 4
     # transformers' class defaults for fields a config.json may leave out
@@ -783,7 +782,6 @@ class Phi3Shape(ModelShape):
     Without GQA, SDPA's value is a view of the fused qkv output, which it keeps whole."""
 
     FAMILIES: ClassVar[tuple[str, ...]] = ("phi3",)
-    UNPADS_ON_CPU: ClassVar[bool] = False  # models/phi3.py keeps the padded batch
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                                                     "gate_up_proj": ("gate_proj", "up_proj")}
 

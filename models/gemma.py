@@ -40,12 +40,16 @@ from models.llama import (
     IGNORED_FIELDS as LLAMA_IGNORED,
     KVCache,
     LlamaForCausalLM,
+    Ragged,
     RotaryEmbedding,
     _normalize_rope_scaling,
     apply_rotary,
     attention_mask_4d,
+    forward_unpadded,
     generate,
     repeat_kv,
+    sdpa,
+    unpadded_lengths,
 )
 
 __all__ = ["GemmaConfig", "GemmaForCausalLM", "KVCache", "generate", "config_from_hf"]
@@ -300,24 +304,31 @@ class GemmaAttention(nn.Module):
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """x (B, T, D) -> (B, T, D). `mask` (B, 1, T, S) bool, or None for plain causal."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # (B, T, Hkv, hd)
+        """x (B, T, D) -> (B, T, D). `mask` (B, 1, T, S) bool, or None for plain causal.
+        A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, hd)."""
+        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, hd)
+        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))  # (B, T, Hkv, hd)
         if hasattr(self, "q_norm"):  # Gemma 3
             q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(mask, Ragged):  # (N, H, hd): RoPE per token, attention per sequence
+            v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            return self.o_proj(mask.attend(q, k, v, self._attention).flatten(1))
+        B, T, _ = x.shape
         q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         n_rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-        if self.cap is None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling)
-        else:
-            y = capped_attention(q, k, v, mask, self.scaling, self.cap)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        y = self._attention(q, k, v, mask).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(y)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """(B, H, T, hd) -> (B, H, T, hd): soft-capped (Gemma 2) or SDPA, at `query_pre_attn_scalar`'s scale."""
+        if self.cap is None:
+            return sdpa(q, k, v, mask, scale=self.scaling)
+        return capped_attention(q, k, v, mask, self.scaling, self.cap)
 
 
 def capped_attention(
@@ -421,11 +432,15 @@ class GemmaModel(nn.Module):
         if position_ids is None:
             position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
         padded = attention_mask is not None and not bool(valid.all())
+        rope = {kind: r(position_ids, dtype=x.dtype) for kind, r in self.rotary.items()}  # cos, sin (B, T, hd)
+        lengths = unpadded_lengths(valid, padded, cache)
+        if lengths:
+            steps = zip(self.layers, (rope[kind] for kind in self.config.layer_types), self.windows)
+            return forward_unpadded(x, valid, lengths, steps, self.norm)
         masks = {
             w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
             for w in set(self.windows)
         }
-        rope = {kind: r(position_ids, dtype=x.dtype) for kind, r in self.rotary.items()}  # cos, sin (B, T, hd)
         for layer, kind, w in zip(self.layers, self.config.layer_types, self.windows):
             x = layer(x, *rope[kind], masks[w], cache)
         if cache is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Collection, NamedTuple
+from typing import Any, Callable, Collection, Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -576,27 +576,63 @@ class Ragged:
     laid end to end as the rows of one (N, ...) tensor, sequence i at rows [sum(lengths[:i]),
     sum(lengths[:i + 1])). Each attends causally to itself only, inside `window` when set.
 
-    `LlamaModel.forward` uses it on a CPU for a padded batch: the linears, norms, RoPE and MLP
-    then see the N real tokens instead of B x T positions (a quarter of the bench's SFT positions
-    are padding), and attention runs per sequence with SDPA's causal kernel, which skips the
-    blocks above the diagonal that an explicit mask makes it compute. Real tokens get the padded
-    batch's values (to float rounding); padding positions come out as zeros.
+    The LLaMA, Gemma and Phi-3 models use it on a CPU for a padded batch (`unpadded_lengths`,
+    `forward_unpadded`): the linears, norms, RoPE and MLP then see the N real tokens instead of
+    B x T positions (a quarter of the bench's SFT positions are padding), and attention runs per
+    sequence with SDPA's causal kernel, which skips the blocks above the diagonal that an explicit
+    mask makes it compute. Real tokens get the padded batch's values (to float rounding); padding
+    positions come out as zeros. Not on CUDA: there a Python loop over sequences would defeat the
+    per-block compile (a graph per set of lengths), and padding is what length grouping removes.
     """
 
     lengths: tuple[int, ...]
     window: int | None = None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (N, H, hd), k / v (N, Hkv, hd) -> (N, H, hd): SDPA over each sequence alone."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """q (N, H, hd), k / v (N, Hkv, hd) -> (N, H, hd): attention over each sequence alone.
+        `attention(q, k, v, mask)` on (1, H, n, hd) tensors, mask None (causal) or bool (1, 1, n, n)
+        (a window shorter than the sequence); default SDPA."""
+        attention = attention or sdpa
         n_rep, out, start = q.shape[1] // k.shape[1], [], 0
         for n in self.lengths:
             qs, ks, vs = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, n, hd)
             ks, vs = repeat_kv(ks, n_rep), repeat_kv(vs, n_rep)
             windowed = self.window is not None and n > self.window
             mask = attention_mask_4d(torch.ones(1, n, dtype=torch.bool, device=q.device), 0, self.window) if windowed else None
-            out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=not windowed)[0].transpose(0, 1))
+            out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
             start += n
         return torch.cat(out)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+    """SDPA with a bool mask (True = may attend), or causal when the mask is None."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+
+
+def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, lengths: tuple[int, ...],
+                     layers: Iterable[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], int | None]],
+                     norm: nn.Module) -> torch.Tensor:
+    """A padded batch's layer loop without its padding (see `Ragged`): x (B, T, D) the embedded
+    batch, `layers` (layer, (cos, sin) (B, T, hd), window) in order -> hidden (B, T, D) after
+    `norm`, zeros at the padding. Each layer gets x (N, D), its tables (N, hd) and a `Ragged`."""
+    B, T, D = x.shape
+    real = valid.flatten().nonzero().squeeze(1)  # (N,) row-major: each row's tokens in order
+    h = x.flatten(0, 1)[real]  # (N, D)
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each distinct table gathered once
+    for layer, (cos, sin), window in layers:
+        if id(cos) not in tables:
+            tables[id(cos)] = cos.flatten(0, 1)[real], sin.flatten(0, 1)[real]
+        h = layer(h, *tables[id(cos)], Ragged(lengths, window))
+    return h.new_zeros(B * T, D).index_copy(0, real, norm(h)).view(B, T, D)
+
+
+def unpadded_lengths(valid: torch.Tensor, padded: bool, cache: "KVCache | None") -> tuple[int, ...] | None:
+    """The `Ragged` lengths when a forward runs without its padding: a padded batch on a CPU, no
+    KV cache, each row's real tokens one run (`ragged_lengths`); else None (the padded path)."""
+    if not padded or cache is not None or valid.device.type != "cpu":
+        return None
+    return ragged_lengths(valid)
 
 
 def ragged_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
@@ -807,11 +843,11 @@ class LlamaModel(nn.Module):
         # one mask per distinct window (Qwen mixes full and sliding layers); None lets SDPA use its
         # causal kernels (flash on CUDA); otherwise an explicit bool mask (B, 1, T, S)
         padded = attention_mask is not None and not bool(valid.all())
-        lengths = None
-        if padded and cache is None and not (hidden_layers or attention_layers) and x.device.type == "cpu":
-            lengths = ragged_lengths(valid)
+        lengths = None if hidden_layers or attention_layers else unpadded_lengths(valid, padded, cache)
         if lengths:
-            return self._forward_ragged(x, valid, position_ids, lengths)
+            tables = self.rotary(position_ids, dtype=x.dtype)
+            return forward_unpadded(x, valid, lengths, ((layer, tables, w) for layer, w in zip(self.layers, self.windows)),
+                                    self.norm)
         masks = {
             w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
             for w in set(self.windows)
@@ -843,18 +879,6 @@ class LlamaModel(nn.Module):
             if i in hidden_layers:
                 hidden_states[i] = x
         return Captured(self.norm(x), hidden_states, attentions)
-
-    def _forward_ragged(self, x: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor,
-                        lengths: tuple[int, ...]) -> torch.Tensor:
-        """A padded batch without its padding (see `Ragged`): the layers run on its N real tokens,
-        and the hidden states come back as (B, T, D) with zeros at the padding."""
-        B, T, D = x.shape
-        real = valid.flatten().nonzero().squeeze(1)  # (N,) row-major: each row's tokens in order
-        cos, sin = (t.flatten(0, 1)[real] for t in self.rotary(position_ids, dtype=x.dtype))  # (N, hd)
-        h = x.flatten(0, 1)[real]  # (N, D)
-        for layer, w in zip(self.layers, self.windows):
-            h = layer(h, cos, sin, Ragged(lengths, w))
-        return h.new_zeros(B * T, D).index_copy(0, real, self.norm(h)).view(B, T, D)
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None,
                             cache: KVCache | None, capture: tuple = ((), ())) -> torch.Tensor | Captured:

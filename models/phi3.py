@@ -29,11 +29,14 @@ from models.llama import (
     LlamaForCausalLM,
     RMSNorm,
     RotaryEmbedding,
+    Ragged,
     _normalize_rope_scaling,
+    apply_rotary,
     attention_mask_4d,
+    forward_unpadded,
     generate,
     repeat_kv,
-    rotate_half,
+    unpadded_lengths,
 )
 
 __all__ = ["Phi3Config", "Phi3ForCausalLM", "KVCache", "generate", "config_from_hf"]
@@ -161,11 +164,10 @@ class RopeSpec:
 
 
 def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, hd), cos/sin (B, T, rd) with rd <= hd: rotate the first rd dims, keep the rest."""
+    """x (B, heads, T, hd), cos/sin (B, T, rd) with rd <= hd: rotate the first rd dims, keep the rest.
+    Also x (N, heads, hd) with cos/sin (N, rd): an unpadded batch."""
     rd = cos.shape[-1]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, rd)
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
+    return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
 
 class Phi3Attention(nn.Module):
@@ -189,10 +191,15 @@ class Phi3Attention(nn.Module):
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding)."""
-        B, T, _ = x.shape
+        """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding).
+        A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, rd)."""
         hd = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        if isinstance(mask, Ragged):  # (N, heads, hd): RoPE per token, attention per sequence
+            q, k, v = q.unflatten(-1, (self.n_heads, hd)), k.unflatten(-1, (self.n_kv, hd)), v.unflatten(-1, (self.n_kv, hd))
+            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+            return self.o_proj(mask.attend(q, k, v).flatten(1))
+        B, T, _ = x.shape
         q = q.view(B, T, self.n_heads, hd).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
@@ -274,9 +281,12 @@ class Phi3Model(nn.Module):
             position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
         w = self.config.sliding_window
         padded = attention_mask is not None and not bool(valid.all())
+        cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, rd)
+        lengths = unpadded_lengths(valid, padded, cache)
+        if lengths:
+            return forward_unpadded(x, valid, lengths, ((layer, (cos, sin), w) for layer in self.layers), self.norm)
         plain = cache is None and not padded and (w is None or T <= w)
         mask = None if plain else attention_mask_4d(key_valid, start, w)  # (B, 1, T, S)
-        cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, rd)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
         if cache is not None:

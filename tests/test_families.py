@@ -20,7 +20,8 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from test_llama import hf_logits, hf_position_ids, make_batch, our_logits, prompts
+from test_llama import (check_padded_batch_equals_each_row_alone, hf_logits, hf_position_ids, make_batch, our_logits,
+                        prompts)
 
 import models
 
@@ -89,6 +90,14 @@ def test_logits_match_transformers_fp32(hf_causal, name, padding):
     real = mask.bool()
     assert (a[real] - b[real]).abs().max() <= 1e-4
     assert torch.isfinite(a).all()
+
+
+@pytest.mark.parametrize("padding", ["left", "both"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gemma3_capped", "phi3_partial_window"])
+def test_padded_batch_equals_each_row_alone(hf_causal, name, padding):
+    """Gemma (soft-capped scores, local and global layers) and Phi-3 (partial RoPE, a window)
+    unpadded on a CPU, as LLaMA's test (`test_llama.check_padded_batch_equals_each_row_alone`)."""
+    check_padded_batch_equals_each_row_alone(load_ours(family_checkpoint(hf_causal, name)), padding)
 
 
 def test_short_sequences_use_longrope_short_factors(hf_causal):

@@ -503,7 +503,8 @@ def test_family_step_peak_within_20_percent(case):
     batch = batch_of(4, c["seq"], c["vocab"])
     measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
     run = P.RunShape(rows=4, seq=c["seq"], compute=c["compute"], lora_targets=ALL, checkpointing=c["ckpt"],
-                     targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu")
+                     targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
+                     real_tokens=int(batch["attention_mask"].sum()))
     plan = P.predict(P.shape_from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
     assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))

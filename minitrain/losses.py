@@ -102,7 +102,7 @@ class _FrozenHeadLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                chunk: int) -> torch.Tensor:
+                chunk: int | None) -> torch.Tensor:
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         out = frozen_head_logprobs(h, weight, bias, labels, chunk, grad)
         ctx.save_for_backward(grad)
@@ -116,69 +116,111 @@ class _FrozenHeadLogProb(torch.autograd.Function):
 
 # `frozen_head_logprobs` exponentiates logits unshifted when every row's sum of exps lands in
 # [EXP_SUM_MIN, inf): no exp overflowed, and the largest logit is above about -46, so every exp
-# that matters to the sum is a normal float. Otherwise the chunk is redone shifted by its row max.
+# that matters to the sum is a normal float. Otherwise the rows are redone shifted by their max.
 EXP_SUM_MIN = 1e-20
+CPU_TILE_MIN = 2048  # fp32 on a CPU: vocabulary columns per block, at least
+
+
+def frozen_head_block(n: int, vocab: int, device: torch.device | str, low: bool,
+                      chunk: int | None = None) -> tuple[int, int]:
+    """(rows, vocabulary columns) of the logits block `frozen_head_logprobs` makes at a time, for n
+    target rows. In fp32 on a CPU: up to `logits_per_chunk // CPU_TILE_MIN` rows (every target of
+    a usual micro-batch) and as many columns as `logits_per_chunk` allows (at least CPU_TILE_MIN):
+    the block stays in cache from its GEMM to its `exp` and the gradient's GEMM, and every GEMM has
+    many rows (at V=128k, 1.2x the rate of 128-row chunks over the whole vocabulary, BENCHMARKS.md).
+    Elsewhere (accelerators; bf16 / fp16 compute, whose gradient needs the whole normalised softmax
+    before its GEMM): `chunk_rows` rows over the whole vocabulary. `chunk` fixes the rows."""
+    budget = logits_per_chunk(device)
+    if torch.device(device).type == "cpu" and not low:
+        rows = min(n, chunk or budget // CPU_TILE_MIN)
+        return rows, min(vocab, max(CPU_TILE_MIN, budget // max(rows, 1)))
+    return min(n, chunk or chunk_rows(budget, vocab, device)), vocab
 
 
 def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                         chunk: int, grad: torch.Tensor | None = None) -> torch.Tensor:
+                         chunk: int | None = None, grad: torch.Tensor | None = None,
+                         tile: int | None = None) -> torch.Tensor:
     """log p(label) under a frozen head for rows h (n, D), labels (n,) -> (n,) fp32 (at least).
 
     With `grad` (n, D) given, also writes `(onehot - softmax) @ W` into it (the rows' gradient).
-    One fp32 `(c, V)` buffer serves every chunk (plus one in the compute dtype under bf16/fp16
-    autocast): the head's GEMM writes into it, `exp` runs in place over it, and no chunk allocates
-    a `(c, V)` temporary (torch's `logsumexp` makes one per call, and a fresh block per chunk is
-    page faults on a CPU). The max shift is skipped while it is not needed (`EXP_SUM_MIN`; log p
-    = logit - log sum exp, the same value to float rounding), and in fp32 the softmax is never
-    normalised in the buffer: the gradient is `W[label] - (exp(logits) @ W) / sum`, the division
-    on the `(c, D)` product. So two passes over the logits besides the GEMMs: `exp` and the sums.
+    The logits are made one block of (rows, columns) at a time (`frozen_head_block`; `chunk` fixes
+    the rows, `tile` the columns) into one reused fp32 buffer (plus one in the compute dtype under
+    bf16 / fp16 autocast), and `exp` runs in place over it: no block allocates a temporary of its
+    size (torch's `logsumexp` makes one per call, and a fresh block is page faults on a CPU).
+    The max shift is skipped while it is not needed (`EXP_SUM_MIN`; log p = logit - log sum exp,
+    the same value to float rounding), and in fp32 the softmax is never normalised in the buffer:
+    the gradient is `W[label] - (sum over blocks of exp(logits) @ W) / sum of exps`, the division
+    on the (rows, D) product. So two passes over the logits besides the GEMMs: `exp` and the sums.
     """
     n, device = h.shape[0], h.device
     acc = torch.promote_types(h.dtype, torch.float32)
     cdt = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h.dtype
+    low = cdt != acc
+    V = weight.shape[0]
+    rows, cols = frozen_head_block(n, V, device, low, chunk)
+    cols = min(V, tile or cols)
+    if low and cols < V:
+        raise ValueError("frozen_head_logprobs: a bf16 / fp16 head needs whole-vocabulary blocks (tile = None)")
     out = torch.empty(n, dtype=acc, device=device)
-    c = min(n, chunk)
-    buf = torch.empty(c, weight.shape[0], dtype=acc, device=device)  # (c, V) fp32, reused
-    low = None if cdt == acc else torch.empty(c, weight.shape[0], dtype=cdt, device=device)  # (c, V) compute dtype
+    buf = torch.empty(rows * cols, dtype=acc, device=device)  # flat, so each block's view is contiguous
+    low_buf = torch.empty(rows * cols, dtype=cdt, device=device) if low else None
     w = weight.to(cdt)  # cast once (under autocast a frozen weight is not cached)
     b = None if bias is None else bias.to(cdt)
 
-    def logits(hc: torch.Tensor, x: torch.Tensor, lo: torch.Tensor | None) -> None:  # the head's GEMM into x (fp32)
-        dst = x if lo is None else lo
-        if b is None:
-            torch.mm(hc, w.t(), out=dst)
-        else:
-            torch.addmm(b, hc, w.t(), out=dst)
-        if lo is not None:
-            x.copy_(lo)
+    def blocks(hc: torch.Tensor):  # (first column, logits (m, t) in fp32) for each block of the rows hc
+        m = hc.shape[0]
+        for v0 in range(0, V, cols):
+            t = min(cols, V - v0)
+            x = buf[: m * t].view(m, t)
+            dst = x if low_buf is None else low_buf[: m * t].view(m, t)
+            if b is None:
+                torch.mm(hc, w[v0 : v0 + t].t(), out=dst)
+            else:
+                torch.addmm(b[v0 : v0 + t], hc, w[v0 : v0 + t].t(), out=dst)
+            if low_buf is not None:
+                x.copy_(dst)
+            yield v0, x
+
+    def exp_pass(hc: torch.Tensor, y: torch.Tensor, g: torch.Tensor | None, shift: torch.Tensor | None):
+        """(label logits, sums of exps) of the rows, with `shift` subtracted first when given; in
+        fp32 also the sum over blocks of exp(logits) @ W into g. The last block stays in `buf`."""
+        m = hc.shape[0]
+        picked = torch.empty(m, dtype=acc, device=device)
+        total = torch.zeros(m, dtype=acc, device=device)
+        x = None
+        for v0, x in blocks(hc):
+            here = ((y >= v0) & (y < v0 + x.shape[1])).nonzero().squeeze(1)
+            picked[here] = x[here, y[here] - v0]
+            if shift is not None:
+                x.sub_(shift[:, None])
+            total += x.exp_().sum(dim=1)
+            if g is not None and not low:
+                if v0 == 0:
+                    torch.mm(x, w[: x.shape[1]], out=g)
+                else:
+                    g.addmm_(x, w[v0 : v0 + x.shape[1]])
+        return (picked if shift is None else picked - shift), total, x
 
     with torch.autocast(device.type, enabled=False):
-        for start in range(0, n, c):
-            y = labels[start : start + c]
-            m = y.shape[0]
-            x, lo = buf[:m], (None if low is None else low[:m])
-            hc = h[start : start + c].to(cdt)
-            logits(hc, x, lo)
-            picked = x.gather(1, y[:, None]).squeeze(1)  # (m,)
-            total = x.exp_().sum(dim=1)  # (m,) sums of exps, in place
+        for start in range(0, n, rows):
+            y = labels[start : start + rows]
+            hc = h[start : start + rows].to(cdt)
+            g = None if grad is None else grad[start : start + y.shape[0]]  # (m, D)
+            picked, total, x = exp_pass(hc, y, g, None)
             if not bool(((total >= EXP_SUM_MIN) & (total < float("inf"))).all()):  # redo it shifted
-                logits(hc, x, lo)
-                shift = x.amax(dim=1, keepdim=True)
-                picked = picked - shift.squeeze(1)
-                total = x.sub_(shift).exp_().sum(dim=1)
-            out[start : start + m] = picked - total.log()
-            if grad is None:
+                shift = torch.stack([x.amax(dim=1) for _, x in blocks(hc)]).amax(dim=0)
+                picked, total, x = exp_pass(hc, y, g, shift)
+            out[start : start + y.shape[0]] = picked - total.log()
+            if g is None:
                 continue
-            g = grad[start : start + m]  # (m, D)
-            if lo is None:  # W[label] - (exp @ W) / sum: the division on (m, D), not (m, V)
-                torch.mm(x, w, out=g)
+            if not low:  # W[label] - (exp @ W) / sum: the division on (m, D), not (m, V)
                 g.div_(total[:, None]).neg_().add_(w[y])
                 continue
-            # a bf16 / fp16 GEMM: onehot - softmax made in fp32 first, so that the label's 1 - p is not
-            # left to a cancellation after the product's rounding
+            # a bf16 / fp16 GEMM over the one whole-vocabulary block: onehot - softmax made in fp32
+            # first, so that the label's 1 - p is not left to a cancellation after the product's rounding
             x.mul_(total.reciprocal_().neg_()[:, None])
             x.scatter_add_(1, y[:, None], torch.ones_like(x[:, :1]))
-            lo.copy_(x)
+            lo = low_buf[: x.numel()].view_as(x).copy_(x)
             if g.dtype == cdt:
                 torch.mm(lo, w, out=g)
             else:  # fp32 rows under bf16 autocast: the product in bf16, as autocast's matmul
@@ -212,7 +254,6 @@ def chunked_token_logprobs(
     out = torch.zeros(flat_y.shape, dtype=torch.float32, device=hidden.device)
     if keep.numel() == 0:
         return out.reshape(labels.shape)
-    chunk = chunk or default_chunk(head, hidden.device)
     h = flat_h.index_select(0, keep)  # (n, D)
     y = flat_y.index_select(0, keep)  # (n,)
     track = torch.is_grad_enabled() and (
@@ -224,6 +265,7 @@ def chunked_token_logprobs(
         else:  # reference / evaluation forwards: the same in-place buffer, no row gradients
             picked = frozen_head_logprobs(h, head.weight, head.bias, y, chunk)
         return out.to(picked.dtype).index_put((keep,), picked).reshape(labels.shape)
+    chunk = chunk or default_chunk(head, hidden.device)
     pieces = []
     for start in range(0, h.shape[0], chunk):
         h_c, y_c = h[start : start + chunk], y[start : start + chunk]  # (c, D), (c,)

@@ -611,7 +611,9 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     c = min(n, chunk) rows at a time: forward holds the chunk's logits (c x V x s), their fp32
     copy when s < 4 and logsumexp's fp32 temporary (measured: 8 B per logit in fp32, 10 in bf16);
     a frozen head writes its GEMM into one reused fp32 buffer and makes the softmax in place
-    (4 B per logit in fp32; 6 in bf16, with the compute-dtype buffer).
+    (4 B per logit in fp32; 6 in bf16, with the compute-dtype buffer), one block of
+    `minitrain.losses.frozen_head_block` at a time (on a CPU in fp32: all n rows by a few thousand
+    vocabulary columns).
     A LoRA-wrapped head holds its base logits, the delta and their sum at once (3 x s per logit).
     A frozen head (not trained, not adapted) computes the rows' gradient in that forward and keeps
     it (n x D x s); the backward only scales it. Any other head keeps the gathered rows for each
@@ -620,10 +622,13 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     """
     n = run.tokens if run.targets is None else min(run.targets, run.tokens)
     V, D, s = model.vocab_size, model.hidden_size, run.s
-    from minitrain.losses import chunk_rows, logits_per_chunk  # the loss's own values: the plan follows the code
+    from minitrain.losses import chunk_rows, frozen_head_block, logits_per_chunk  # the loss's own rules
 
     per_chunk = run.logits_chunk or logits_per_chunk(run.device)
     c = min(n, chunk_rows(per_chunk, V, run.device))
+    cols = V
+    if head_is_frozen(model, run):  # its blocks (rows x columns)
+        c, cols = frozen_head_block(n, V, run.device, low=s < 4, chunk=c if run.logits_chunk else None)
     gathered = Term("loss: gathered target rows", n * D * s, "n x D x s")
     rows_grad = Term("loss: grad of gathered rows", n * D * s, "n x D x s")
     fwd_per = s + (4 if s < 4 else 0) + 4 + (0 if getattr(model, "plain_head", True) else s)  # + tanh's output
@@ -632,7 +637,8 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     elif any(_matches("lm_head", t) for t in run.lora_targets):
         fwd_per = max(fwd_per, 3 * s)  # a LoRA head: base logits, the LoRA delta and their sum at once
     fwd = [gathered, Term("loss: final hidden states", run.tokens * D * s, "N x D x s"),
-           Term("loss: logits chunk (forward)", c * V * fwd_per, f"c={c:,} x V x {fwd_per} B")]
+           Term("loss: logits chunk (forward)", c * cols * fwd_per,
+                f"c={c:,} x {'V' if cols == V else f'{cols:,} columns'} x {fwd_per} B")]
     if head_is_frozen(model, run):
         kept = Term("loss: rows' gradient made in forward", n * D * s, "n x D x s")
         return fwd + [kept], [kept, rows_grad], n

@@ -74,30 +74,43 @@ def test_frozen_head_path_gives_the_same_values_and_hidden_grads(chunk, bias, mo
     assert head.weight.grad is None
 
 
+@pytest.mark.parametrize("tile", [None, 7])
 @pytest.mark.parametrize("offset", [0.0, 95.0, -120.0])
-def test_frozen_head_takes_the_shifted_path_where_plain_exps_would_overflow_or_vanish(offset, monkeypatch):
-    """The frozen path exponentiates unshifted logits when that is safe; with logits past exp's
-    range (a bias of +95: exp overflows in fp32; -120: every exp underflows to 0) it must redo
-    the chunk shifted by the row max. Values and hidden gradients against fp64 log_softmax, and a
-    count of the shifted redos (none at offset 0, every chunk otherwise)."""
-    calls = []
+def test_frozen_head_blocks_and_the_shifted_path_against_fp64(offset, tile, monkeypatch):
+    """The frozen path in blocks of rows x vocabulary columns (`tile` 7 over V=50: seven full
+    blocks and one of a single column), exps unshifted where that is safe. With logits past exp's
+    range (a bias of +95: exp overflows in fp32; -120: every exp underflows to 0) it must redo the
+    rows shifted by their max (the only place it takes a max). Log-probs and the rows' gradient
+    against fp64 log_softmax and its autograd gradient."""
+    from minitrain.losses import frozen_head_logprobs
+
+    maxes = []
     real_amax = torch.Tensor.amax
-    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **k: calls.append(1) or real_amax(self, *a, **k))
-    hidden, head, labels = _data(bias=True, seed=6, V=300)
-    head.requires_grad_(False)
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *a, **k: maxes.append(1) or real_amax(self, *a, **k))
+    hidden, head, labels = _data(bias=True, seed=6, V=50)
+    keep = labels != -100
+    h, y = hidden.detach()[keep], labels[keep]
     with torch.no_grad():
         head.bias.add_(offset)
-    lp = chunked_token_logprobs(hidden, head, labels, chunk=5)
-    lp.sum().backward()
-    chunks = -(-int((labels != -100).sum()) // 5)
-    assert len(calls) == (0 if offset == 0 else chunks)
-    h64 = hidden.detach().double().requires_grad_()
-    full = F.log_softmax(F.linear(h64, head.weight.double(), head.bias.double()), dim=-1)
-    ref = full.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(labels == -100, 0.0)
+    grad = torch.empty_like(h)
+    lp = frozen_head_logprobs(h, head.weight.detach(), head.bias.detach(), y, 5, grad, tile=tile)
+    assert (len(maxes) > 0) == (offset != 0)
+    h64 = h.double().requires_grad_()
+    ref = F.log_softmax(F.linear(h64, head.weight.double(), head.bias.double()), dim=-1).gather(1, y[:, None])[:, 0]
     ref.sum().backward()
     assert torch.isfinite(lp).all()
-    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), h64.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_head_block_on_a_cpu_covers_a_micro_batch_in_cache_sized_tiles():
+    from minitrain.losses import CPU_TILE_MIN, frozen_head_block, logits_per_chunk
+
+    budget = logits_per_chunk("cpu")
+    rows, cols = frozen_head_block(700, 128256, "cpu", low=False)
+    assert rows == 700 and CPU_TILE_MIN <= cols < 128256 and rows * cols <= budget
+    assert frozen_head_block(700, 128256, "cpu", low=True) == (128, 128256)  # bf16: whole-vocabulary chunks
+    assert frozen_head_block(700, 50, "cpu", low=False, chunk=5) == (5, 50)
 
 
 def test_frozen_and_checkpointed_paths_agree_under_bf16_autocast():

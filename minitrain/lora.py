@@ -262,12 +262,8 @@ class LoRALinear(nn.Module):
     The base weight is the same Parameter object as before wrapping (ties survive, the key is
     unchanged). Adapter tensors are created in `dtype` (fp32 by default) whatever the base dtype:
     the input is cast to the adapter dtype and the update back to the base output dtype.
-    Subclasses replace only `base_forward`, `dequantized_weight` and `_store_weight`, and say
-    whether the update may be added into `base_forward`'s output in place (`owns_base_output`:
-    bitsandbytes returns views made inside its autograd Functions, which autograd forbids writing).
+    Subclasses replace only `base_forward`, `dequantized_weight` and `_store_weight`.
     """
-
-    owns_base_output: bool = True
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
                  rslora: bool = False, dtype: torch.dtype = torch.float32):
@@ -321,16 +317,9 @@ class LoRALinear(nn.Module):
         z = self.lora_A(h) * self.scaling  # (..., r): the scaling costs r, not out, per row
         if z.dtype != out.dtype:  # e.g. a bf16 base with fp32 adapters outside autocast
             return out + self.lora_B(z).to(out.dtype)
-        # out += z @ B.T in one GEMM that accumulates into the base's output (no (..., out) delta, no add
-        # pass, no copy: nothing saves the base output for its backward, and autograd's version
-        # counters would refuse the in-place write if something did). In-place ops escape autocast,
-        # so B in another dtype (fp32 adapters under bf16 autocast) takes autocast's addmm.
+        # out + z @ B.T in one GEMM that accumulates into a copy of `out` (no (..., out) delta, no add pass)
         b = self.lora_B.weight  # (out, r)
-        z2 = z.reshape(-1, z.shape[-1])
-        if self.owns_base_output and out.is_contiguous() and b.dtype == z2.dtype:
-            out.view(-1, out.shape[-1]).addmm_(z2, b.t())
-            return out
-        return torch.addmm(out.reshape(-1, out.shape[-1]), z2, b.t()).view(out.shape)
+        return torch.addmm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]), b.t()).view(out.shape)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in fp32, (out, in)."""
@@ -381,8 +370,6 @@ class LoRALinear4bit(LoRALinear):
     """LoRA on a bitsandbytes `Linear4bit` (nf4 / fp4): holds its `Params4bit` weight and calls
     `bnb.matmul_4bit` itself, so the weight key stays `...q_proj.weight`."""
 
-    owns_base_output = False
-
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
                  rslora: bool = False, dtype: torch.dtype = torch.float32):
         bnb = _bnb()
@@ -420,8 +407,6 @@ class LoRALinear4bit(LoRALinear):
 class LoRALinear8bit(LoRALinear):
     """LoRA on a bitsandbytes `Linear8bitLt` (LLM.int8, int8 weights): holds its `Int8Params`
     weight and the layer's `MatmulLtState`, and calls `bnb.matmul` itself."""
-
-    owns_base_output = False
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
                  rslora: bool = False, dtype: torch.dtype = torch.float32):

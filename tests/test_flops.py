@@ -27,15 +27,10 @@ def _model(**lora) -> LlamaForCausalLM:
     return m
 
 
-def test_matmul_flops_equal_torch_flop_counter(monkeypatch):
+def test_matmul_flops_equal_torch_flop_counter():
     """Linears (frozen base 4 in out, adapters 6 r (in + out), head on targets only) equal the matmul
     FLOPs torch counts in one forward + backward (trained embeddings, so every input gradient is
-    computed, no padding); attention is the formula's 12 W n (n + 1) / 2 (torch does not count CPU SDPA).
-    torch's counter has no entry for the in-place `addmm_` with which an adapter adds its update
-    into the base output, so the adapters take their out-of-place `addmm` here (the same GEMMs)."""
-    from minitrain.lora import LoRALinear
-
-    monkeypatch.setattr(LoRALinear, "owns_base_output", False)
+    computed, no padding); attention is the formula's 12 W n (n + 1) / 2 (torch does not count CPU SDPA)."""
     m = _model(modules_to_save=("embed_tokens",))
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
     labels = ids.clone()

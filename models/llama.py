@@ -594,14 +594,15 @@ class Ragged:
         `attention(q, k, v, mask)` on (1, H, n, hd) tensors, mask None (causal) or bool (1, 1, n, n)
         (a window shorter than the sequence); default SDPA."""
         attention = attention or sdpa
-        n_rep, out, start = q.shape[1] // k.shape[1], [], 0
-        for n in self.lengths:
-            qs, ks, vs = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, n, hd)
+        n_rep, out = q.shape[1] // k.shape[1], []
+        # `split`, not slices: its backward is one concatenation, where each slice's would fill a
+        # zero tensor the size of the whole batch and add into it
+        for n, qs, ks, vs in zip(self.lengths, *(t.split(self.lengths) for t in (q, k, v))):
+            qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # (1, heads, n, hd)
             ks, vs = repeat_kv(ks, n_rep), repeat_kv(vs, n_rep)
             windowed = self.window is not None and n > self.window
             mask = attention_mask_4d(torch.ones(1, n, dtype=torch.bool, device=q.device), 0, self.window) if windowed else None
             out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
-            start += n
         return torch.cat(out)
 
 

@@ -104,11 +104,10 @@ def test_frozen_head_blocks_and_the_shifted_path_against_fp64(offset, tile, monk
 
 
 def test_frozen_head_block_on_a_cpu_covers_a_micro_batch_in_cache_sized_tiles():
-    from minitrain.losses import CPU_TILE_MIN, frozen_head_block, logits_per_chunk
+    from minitrain.losses import CPU_TILE, frozen_head_block, logits_per_chunk
 
-    budget = logits_per_chunk("cpu")
     rows, cols = frozen_head_block(700, 128256, "cpu", low=False)
-    assert rows == 700 and CPU_TILE_MIN <= cols < 128256 and rows * cols <= budget
+    assert rows == 700 and cols == CPU_TILE < 128256 and rows * cols <= logits_per_chunk("cpu")
     assert frozen_head_block(700, 128256, "cpu", low=True) == (128, 128256)  # bf16: whole-vocabulary chunks
     assert frozen_head_block(700, 50, "cpu", low=False, chunk=5) == (5, 50)
 

@@ -8,8 +8,9 @@ projected at all. Two paths, the same values and gradients:
 - frozen plain `nn.Linear` head (every LoRA run that does not train `lm_head`): the gradient
   with respect to the chunk's hidden rows, `(onehot - softmax) @ W`, is computed in the forward,
   chunk by chunk, and kept (`c x D`, the size of the rows themselves); the backward only scales
-  it. Two head matmuls per chunk instead of three; the exps are made in place in one `c x V`
-  buffer reused by every chunk (`frozen_head_logprobs`; no-grad passes take it too).
+  it. Two head matmuls per chunk instead of three; the exps are made in place in one buffer
+  reused by every block of logits (`frozen_head_logprobs`, `frozen_head_block`: on a CPU in fp32
+  all target rows by 2048 vocabulary columns, elsewhere `c x V`; no-grad passes take it too).
 - any other head (trainable, LoRA-wrapped, quantized): each chunk runs under non-reentrant
   `torch.utils.checkpoint`: the forward keeps only the chunk's hidden rows and its per-token
   log-probs; the backward recomputes that chunk's logits, back-propagates them and frees them.

@@ -667,7 +667,7 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
     if run.full and model.is_encoder_decoder:
         raise UserError("finetune=full: the memory plan models full fine-tuning of LLaMA / Mistral only — "
                         "memory_check=false skips the plan")
-    if run.real_tokens is not None:  # padding that only the LLaMA family on a CPU leaves out
+    if run.real_tokens is not None:  # padding that only the decoder-only families on a CPU leave out
         if run.device == "cpu" and getattr(model, "UNPADS_ON_CPU", False):
             windowed = model.sliding_window is not None and model.sliding_window < run.seq
             run = replace(run, mask=run.mask and windowed)

@@ -600,13 +600,15 @@ class Ragged:
         for n, qs, ks, vs in zip(self.lengths, *(t.split(self.lengths) for t in (q, k, v))):
             qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # (1, heads, n, hd)
             ks, vs = repeat_kv(ks, n_rep), repeat_kv(vs, n_rep)
-            windowed = self.window is not None and n > self.window
-            mask = attention_mask_4d(torch.ones(1, n, dtype=torch.bool, device=q.device), 0, self.window) if windowed else None
+            mask = None  # causal, unless a window is shorter than the sequence
+            if self.window is not None and n > self.window:
+                mask = attention_mask_4d(torch.ones(1, n, dtype=torch.bool, device=q.device), 0, self.window)
             out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
         return torch.cat(out)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float | None = None) -> torch.Tensor:
     """SDPA with a bool mask (True = may attend), or causal when the mask is None."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
 
@@ -847,8 +849,8 @@ class LlamaModel(nn.Module):
         lengths = None if hidden_layers or attention_layers else unpadded_lengths(valid, padded, cache)
         if lengths:
             tables = self.rotary(position_ids, dtype=x.dtype)
-            return forward_unpadded(x, valid, lengths, ((layer, tables, w) for layer, w in zip(self.layers, self.windows)),
-                                    self.norm)
+            steps = ((layer, tables, w) for layer, w in zip(self.layers, self.windows))
+            return forward_unpadded(x, valid, lengths, steps, self.norm)
         masks = {
             w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
             for w in set(self.windows)

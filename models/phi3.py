@@ -196,7 +196,7 @@ class Phi3Attention(nn.Module):
         hd = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         if isinstance(mask, Ragged):  # (N, heads, hd): RoPE per token, attention per sequence
-            q, k, v = q.unflatten(-1, (self.n_heads, hd)), k.unflatten(-1, (self.n_kv, hd)), v.unflatten(-1, (self.n_kv, hd))
+            q, k, v = (t.unflatten(-1, (-1, hd)) for t in (q, k, v))  # (N, heads, hd)
             q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
             return self.o_proj(mask.attend(q, k, v).flatten(1))
         B, T, _ = x.shape

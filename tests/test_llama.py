@@ -397,7 +397,8 @@ def test_rotary_is_the_written_out_form_to_the_bit(dtypes):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, T, 64, generator=g).to(x_dtype).requires_grad_()
     angles = torch.randn(2, T, 32, generator=g) * 10
-    cos, sin = torch.cat([angles, angles], -1).cos().to(table_dtype), torch.cat([angles, angles], -1).sin().to(table_dtype)
+    table = torch.cat([angles, angles], -1)
+    cos, sin = table.cos().to(table_dtype), table.sin().to(table_dtype)
     ours = ml.apply_rotary(x, cos, sin)
     hf = x * cos[:, None] + ml.rotate_half(x) * sin[:, None]
     up = torch.randn(hf.shape, generator=g).to(hf.dtype)

@@ -498,7 +498,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x (B, heads, T, hd), cos/sin (B, T, hd) -> rotated x, `x * cos + rotate_half(x) * sin`
     (as HF, to the bit). Also x (N, heads, hd) with cos/sin (N, hd): an unpadded batch."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
-    if cos.requires_grad or sin.requires_grad:  # tables never do here; written out for anyone who asks
+    # Written out under torch.compile, which fuses it anyway: with `_Rotary` in the per-block graph,
+    # torch 2.11 (CUDA) held 1.30 GB more at the peak of LoRA SFT on a Llama-3-8B shape (H100,
+    # BENCHMARKS.md). And for tables that require grad, which ours never do.
+    if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:
         return x * cos + rotate_half(x) * sin
     return _Rotary.apply(x, cos, sin)
 

@@ -161,8 +161,10 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
       the completion is encoded as continuing the prompt (its leading space kept as written);
     - `{"text"}`: `[bos] text [eos]`, loss on every token.
 
-    `fields` maps these names to the file's keys (`{"prompt": "question"}`). A prompt or text
-    that already begins with the bos token gets no second one (counted in `bos_in_text`).
+    `fields` maps these names to the file's keys (`{"prompt": "question"}`). `[bos]` is there
+    when the checkpoint's tokenizer adds it to a text (`Tokenizer.add_bos`, as transformers'
+    tokenizer call: not for Qwen or Phi-3); a prompt or text that already begins with the bos
+    token gets no second one (counted in `bos_in_text`).
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, SFT_FIELDS)
@@ -190,7 +192,7 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
             if len(ids) > max_len:
                 out.truncated += 1
                 ids = ids[:max_len]
-            labels = ([IGNORE] + ids[1:]) if tok.bos_id is not None else list(ids)
+            labels = ([IGNORE] + ids[1:]) if ids[:1] == [tok.bos_id] else list(ids)
         else:
             keys = ", ".join(json.dumps(k) for k, v in list(raw.items())[:5] if v is not None) or "none"
             raise UserError(f'{where}: no "prompt"/"completion", "messages" or "text" key (keys: {keys}) — '
@@ -204,13 +206,15 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
 
 
 def _with_bos(tok: Tokenizer, ids: list[int], out: Examples) -> list[int]:
-    """`[bos] + ids`, unless `ids` begin with bos already (counted: a second one is never added)."""
+    """`[bos] + ids` where the checkpoint's tokenizer puts bos before a text (`tok.add_bos`:
+    LLaMA, Mistral, Gemma; not Qwen or Phi-3), unless `ids` begin with bos already (counted: a
+    second one is never added)."""
     if tok.bos_id is None:
         return ids
     if ids[:1] == [tok.bos_id]:
         out.bos_in_text += 1
         return ids
-    return [tok.bos_id] + ids
+    return [tok.bos_id] + ids if tok.add_bos else ids
 
 
 def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",

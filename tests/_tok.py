@@ -96,7 +96,7 @@ def _build_bpe(d: Path, vocab_size: int) -> None:
     _write_json(
         d / "tokenizer_config.json",
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
-         "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+         "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True,
          "add_eos_token": False, "model_max_length": 256},
     )
     _write_json(
@@ -114,7 +114,7 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"
 
 
 def _build_llama3(d: Path, vocab_size: int) -> None:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -127,6 +127,9 @@ def _build_llama3(d: Path, vocab_size: int) -> None:
     tok.train_from_iterator(corpus(), trainer=trainer)
     # as in Llama-3, the special tokens follow the BPE vocabulary
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    bos = "<|begin_of_text|>"  # as in Llama-3's tokenizer.json: the post-processor puts bos before a text
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
     tok.save(str(d / "tokenizer.json"))
     _write_json(
         d / "tokenizer_config.json",
@@ -159,7 +162,7 @@ def _build_sp(d: Path, vocab_size: int) -> None:
     _write_json(
         d / "tokenizer_config.json",
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
-         "tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False},
+         "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False},
     )
 
 

@@ -114,3 +114,26 @@ def test_saved_folder_tokenizes_the_same(folders, tmp_path, name):
     for text in PLAIN[:5] + [CHATS[name]]:
         want = tok.encode(text, bos=tok.add_bos)
         assert again.encode(text, bos=again.add_bos) == want == ref(text).input_ids, text
+
+
+@pytest.mark.parametrize("name", list(MAKE))
+def test_data_rows_begin_as_transformers_tokenizes(folders, name, tmp_path):
+    """A text row and a prompt row get bos only where the checkpoint's tokenizer puts one
+    (Gemma; not Qwen, not Phi-3 with `add_bos_token: false`): `read_sft`'s ids begin as
+    transformers' `tokenizer(text)` does, the row's own bos never doubled."""
+    import json
+
+    from minitrain.data import read_sft
+
+    ref = transformers.AutoTokenizer.from_pretrained(str(folders[name]))
+    text, prompt = PLAIN[0], PLAIN[1]
+    rows = [{"text": text}, {"prompt": prompt, "completion": " yes"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for tok in backends(folders[name]):
+        ex = read_sft(path, tok, max_len=512)
+        want = ref(text).input_ids
+        assert ex[0]["input_ids"][: len(want)] == want
+        assert ex[0]["input_ids"][len(want):] == [tok.eos_id]
+        assert ex[1]["input_ids"][: len(ref(prompt).input_ids)] == ref(prompt).input_ids
+        assert (ex[0]["input_ids"][0] == tok.bos_id) == EXPECT[name][1]

@@ -99,3 +99,28 @@ def test_a_closed_pipe_ends_every_tool_and_the_cli_quietly(cmd):
     p = _closed_pipe_run([sys.executable, *cmd])
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
     assert p.returncode == 0, p.stderr
+
+
+def test_generate_raw_prompt_on_a_tokenizer_without_bos(tmp_path):
+    """Qwen's tokenizer has no bos: a raw prompt is encoded as the training rows begin (bos only
+    where the tokenizer adds one), not refused for a missing bos."""
+    import argparse
+    import importlib.util
+
+    from _tok import make_qwen_tokenizer
+
+    from minitrain.tokenizer import Tokenizer
+    from models.llama import generate
+
+    spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tok = Tokenizer.from_folder(make_qwen_tokenizer(tmp_path / "qwen"))
+    assert tok.bos_id is None and tok.vocab_size <= 320
+    model = load_pretrained(DEMO, models.from_hf_config).eval()
+    args = argparse.Namespace(raw=True, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0, num_beams=1)
+    got = tool.complete(model, tok, "hello there", args)
+    ids = torch.tensor([tok.encode("hello there")])
+    want = generate(model, ids, torch.ones_like(ids), max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_id,
+                    pad_token_id=tok.pad_id)
+    assert got == tok.decode(want[0, ids.shape[1]:].tolist())

@@ -54,7 +54,7 @@ def complete(model: torch.nn.Module, tok: Tokenizer, prompt: str, args: argparse
     if (tok.chat_format or tok.chat_template) and not args.raw:
         ids, _ = tok.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
-        ids = tok.encode(prompt, bos=True)
+        ids = tok.encode(prompt, bos=tok.add_bos)  # as the training rows begin (docs/data.md)
     x = torch.tensor([ids])
     out = llama_generate(model, x, torch.ones_like(x), max_new_tokens=args.max_new_tokens,
                          do_sample=args.temperature > 0, temperature=max(args.temperature, 1e-6),

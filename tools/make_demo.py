@@ -160,7 +160,7 @@ def train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> Tokenize
     tok.save(str(folder / "tokenizer.json"))
     specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(
-        {**specials, "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+        {**specials, "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True, "add_eos_token": False,
          "model_max_length": MODEL["max_position_embeddings"], "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     (folder / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
     return Tokenizer.from_folder(folder)

@@ -49,6 +49,10 @@ class LRCConfig(TrainConfig):
                                   "over this many training micro-batches (0: plain SVD)", ge=0)
 
     def check(self) -> None:
+        if self.finetune == "full":  # before TrainConfig's advice (quantize=none), which this recipe refuses
+            raise UserError("finetune=full: this recipe trains adapters that correct a quantized base, and full "
+                            "fine-tuning trains unquantized weights — use recipes/sft_llama.py finetune=full, or "
+                            "drop finetune=full here")
         super().check()
         if self.lrc_rank >= 1 and self.lrc_rank != int(self.lrc_rank):
             raise UserError(f"lrc_rank={format_value(self.lrc_rank)}: 1 or more is a rank and must be whole — "

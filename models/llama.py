@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Collection, Iterable, NamedTuple
+from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -675,6 +675,17 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None)
     return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(attention output (B, H, T, hd), None) through SDPA (scale 1/sqrt(hd), as in HF; `mask`
+    None: causal); with `return_probs`, written out so that the probabilities exist (attention
+    transfer): (output, `attention_probs` (B, H, T, S) fp32). q (B, H, T, hd), k / v (B, H, S, hd)."""
+    if not return_probs:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None), None
+    probs = attention_probs(q, k, mask)
+    return torch.matmul(probs.to(v.dtype), v), probs
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention with RoPE, unfused q/k/v projections (HF names, LoRA-swappable).
 
@@ -726,12 +737,7 @@ class LlamaAttention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         n_rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-        probs = None
-        if return_probs:  # written out, so the probabilities exist (attention transfer); else SDPA
-            probs = attention_probs(q, k, mask)  # (B, H, T, S) fp32
-            y = torch.matmul(probs.to(v.dtype), v)  # (B, H, T, hd)
-        else:  # scale defaults to 1/sqrt(hd), as in HF
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, hd)
+        y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return (y, probs) if return_probs else y
 
@@ -795,6 +801,26 @@ class Captured(NamedTuple):
     hidden: torch.Tensor
     hidden_states: dict[int, torch.Tensor]
     attentions: dict[int, torch.Tensor]
+
+
+def capture_layers(layers: Sequence[nn.Module], norm: nn.Module, x: torch.Tensor,
+                   tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence[torch.Tensor | None],
+                   cache: "KVCache | None", hidden_layers: Collection[int], attention_layers: Collection[int]) -> Captured:
+    """A layer loop that keeps the named layers' outputs and attention probabilities (a `Captured`):
+    layer i gets x, `tables[i]` (its cos, sin), `masks[i]` and the cache; the layers named in
+    `attention_layers` are called with `return_attention=True` and return (x, probabilities)."""
+    for i in (*hidden_layers, *attention_layers):
+        if not 0 <= i < len(layers):
+            raise ValueError(f"layer {i} does not exist: the model has layers 0..{len(layers) - 1}")
+    hidden_states, attentions = {}, {}
+    for i, (layer, (cos, sin), mask) in enumerate(zip(layers, tables, masks)):
+        if i in attention_layers:
+            x, attentions[i] = layer(x, cos, sin, mask, cache, return_attention=True)
+        else:
+            x = layer(x, cos, sin, mask, cache)
+        if i in hidden_layers:
+            hidden_states[i] = x
+    return Captured(norm(x), hidden_states, attentions)
 
 
 class LlamaModel(nn.Module):
@@ -873,18 +899,8 @@ class LlamaModel(nn.Module):
     def _capture(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: list[torch.Tensor | None],
                  cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]) -> Captured:
         """The layer loop of `forward`, keeping the named layers' outputs and attention probabilities."""
-        for i in (*hidden_layers, *attention_layers):
-            if not 0 <= i < len(self.layers):
-                raise ValueError(f"layer {i} does not exist: the model has layers 0..{len(self.layers) - 1}")
-        hidden_states, attentions = {}, {}
-        for i, (layer, mask) in enumerate(zip(self.layers, masks)):
-            if i in attention_layers:
-                x, attentions[i] = layer(x, cos, sin, mask, cache, return_attention=True)
-            else:
-                x = layer(x, cos, sin, mask, cache)
-            if i in hidden_layers:
-                hidden_states[i] = x
-        return Captured(self.norm(x), hidden_states, attentions)
+        return capture_layers(self.layers, self.norm, x, [(cos, sin)] * len(self.layers), masks, cache,
+                              hidden_layers, attention_layers)
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None,
                             cache: KVCache | None, capture: tuple = ((), ())) -> torch.Tensor | Captured:

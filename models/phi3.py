@@ -11,13 +11,14 @@ RoPE: plain, or `longrope` (the `su` of the first Phi-3 128k configs): one divis
 `long_factor` beyond, and cos/sin scaled by sqrt(1 + ln(factor) / ln(original length)).
 `partial_rotary_factor` < 1 rotates only the first part of each head. `sliding_window` (Phi-3
 mini 4k: 2047) applies to every layer, as in transformers. Rotary tables, masks, the KV cache,
-RMSNorm and `generate` are LLaMA's (imported from models/llama.py, which needs nothing but torch).
+RMSNorm, `generate` and the captured layers of distillation are LLaMA's (imported from
+models/llama.py, which needs nothing but torch).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.nn as nn
@@ -25,14 +26,18 @@ import torch.nn.functional as F
 
 from models.llama import (
     IGNORED_FIELDS,
+    Captured,
     KVCache,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     RMSNorm,
     RotaryEmbedding,
     Ragged,
     _normalize_rope_scaling,
     apply_rotary,
+    attend,
     attention_mask_4d,
+    capture_layers,
     forward_unpadded,
     generate,
     repeat_kv,
@@ -190,8 +195,10 @@ class Phi3Attention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
+        return_probs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding).
+        `return_probs`: also the attention probabilities (B, H, T, S) fp32 (`models.llama.attend`).
         A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, rd)."""
         hd = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
@@ -208,8 +215,9 @@ class Phi3Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         n_rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * hd))
+        y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
+        y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * hd))
+        return (y, probs) if return_probs else y
 
 
 class Phi3MLP(nn.Module):
@@ -226,26 +234,16 @@ class Phi3MLP(nn.Module):
         return self.down_proj(up * F.silu(gate))
 
 
-class Phi3DecoderLayer(nn.Module):
-    """Pre-norm block (LLaMA's): x + attn(norm(x)), then + mlp(norm(x))."""
+class Phi3DecoderLayer(LlamaDecoderLayer):
+    """Pre-norm block, LLaMA's forward: x + attn(norm(x)), then + mlp(norm(x)), over Phi-3's fused
+    attention and MLP."""
 
     def __init__(self, config: Phi3Config, layer_idx: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = Phi3Attention(config, layer_idx)
         self.mlp = Phi3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Phi3Model(nn.Module):
@@ -266,8 +264,11 @@ class Phi3Model(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """input_ids (B, T) -> hidden (B, T, D) after the final norm (same contract as LLaMA)."""
+        hidden_layers: Collection[int] = (),
+        attention_layers: Collection[int] = (),
+    ) -> torch.Tensor | Captured:
+        """input_ids (B, T) -> hidden (B, T, D) after the final norm (same contract as LLaMA, the
+        captured layers of `hidden_layers` / `attention_layers` included)."""
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, D)
         valid = (
@@ -282,16 +283,22 @@ class Phi3Model(nn.Module):
         w = self.config.sliding_window
         padded = attention_mask is not None and not bool(valid.all())
         cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, rd)
-        lengths = unpadded_lengths(valid, padded, cache)
+        lengths = None if hidden_layers or attention_layers else unpadded_lengths(valid, padded, cache)
         if lengths:
             return forward_unpadded(x, valid, lengths, ((layer, (cos, sin), w) for layer in self.layers), self.norm)
         plain = cache is None and not padded and (w is None or T <= w)
         mask = None if plain else attention_mask_4d(key_valid, start, w)  # (B, 1, T, S)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache)
+        L = len(self.layers)
+        if hidden_layers or attention_layers:
+            out = capture_layers(self.layers, self.norm, x, [(cos, sin)] * L, [mask] * L, cache, hidden_layers,
+                                 attention_layers)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, mask, cache)
+            out = self.norm(x)
         if cache is not None:
             cache.end(T)
-        return self.norm(x)
+        return out
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

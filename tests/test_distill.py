@@ -426,6 +426,32 @@ def test_gradients_reach_the_student_and_projections_only(pair6):
     assert all(g is None for n, g in grads.items() if n.startswith(("model.layers.1.", "lm_head", "model.norm")))
 
 
+def test_phi3_teacher_and_student_take_feature_and_attention_terms(hf_causal):
+    """Phi-3 captures its layers (tests/test_families.py checks them against transformers): a Phi-3
+    student learns from a wider Phi-3 teacher through every term, and the feature and attention
+    terms reach the student's mapped layer (its fused qkv_proj included) and the projection."""
+    import models
+    from minitrain.weights import load_pretrained
+
+    s = load_pretrained(hf_causal("distill_phi3_s", model_type="phi3", num_key_value_heads=2),
+                        models.from_hf_config).train()
+    teacher = load_pretrained(hf_causal("distill_phi3_t", seed=3, model_type="phi3", num_key_value_heads=2,
+                                        hidden_size=96, intermediate_size=160, num_hidden_layers=3),
+                              models.from_hf_config)
+    s.requires_grad_(True)
+    fmap = {0: 1}
+    attach_projections(s, teacher, fmap)
+    obj = make_distill_objective(teacher, temperature=2.0, kd_weight=0.5, ce_weight=0.5, feature_weight=1.0,
+                                 attention_weight=1.0, feature_map=fmap, attention_map={0: 0})
+    assert obj.terms == ("kd", "ce", "feature", "attention")
+    loss_sum, count, metrics = obj(s, batch_of(ROWS))
+    loss_sum.backward()
+    assert torch.isfinite(loss_sum) and count > 0 and metrics["feature"] > 0 and metrics["attention"] > 0
+    grads = {n: p.grad for n, p in s.named_parameters()}
+    assert grads[f"{PROJECTIONS}.0.weight"].abs().sum() > 0
+    assert grads["model.layers.0.self_attn.qkv_proj.weight"].abs().sum() > 0
+
+
 def test_padded_vocabularies_distil_over_the_shared_ids(pair, hf_causal):
     """A teacher whose head scores 160 ids (the same first 128 + padding): KD renormalises both
     distributions over ids 0..127; CE stays the student's over its own 128. And the reverse."""
@@ -510,16 +536,17 @@ def test_projections_are_saved_and_taken_off_the_model(pair6, tmp_path):
 
 
 def test_a_family_without_captured_layers_is_refused(pair, hf_causal):
-    """Phi-3 inherits LLaMA's causal LM with a body of its own that returns no layers: one error line."""
+    """Gemma inherits LLaMA's causal LM with a body of its own that returns no layers: one error line."""
     import models
     from minitrain.weights import load_pretrained
 
-    phi3 = load_pretrained(hf_causal("distill_phi3", model_type="phi3", num_key_value_heads=2), models.from_hf_config)
-    assert pair[1].captures_layers and not phi3.captures_layers
+    gemma = load_pretrained(hf_causal("distill_gemma2", model_type="gemma2", head_dim=16, num_key_value_heads=2),
+                            models.from_hf_config)
+    assert pair[1].captures_layers and not gemma.captures_layers
     with pytest.raises(UserError, match="^feature_weight / attention_weight: the teacher's model family does not"):
-        make_distill_objective(phi3, temperature=2.0, kd_weight=0.5, ce_weight=0.5, feature_weight=0.1,
+        make_distill_objective(gemma, temperature=2.0, kd_weight=0.5, ce_weight=0.5, feature_weight=0.1,
                                feature_map={0: 0})
-    make_distill_objective(phi3, temperature=2.0, kd_weight=0.5, ce_weight=0.5)  # KD + CE need no layers
+    make_distill_objective(gemma, temperature=2.0, kd_weight=0.5, ce_weight=0.5)  # KD + CE need no layers
 
 
 @pytest.mark.parametrize("bad,match", [(dict(feature_weight=1.0), "^feature_weight=1.0: no layers are mapped"),

@@ -20,8 +20,8 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from test_llama import (check_padded_batch_equals_each_row_alone, hf_logits, hf_position_ids, make_batch, our_logits,
-                        prompts)
+from test_llama import (check_captured_layers_match_transformers, check_padded_batch_equals_each_row_alone, hf_logits,
+                        hf_position_ids, make_batch, our_logits, prompts)
 
 import models
 
@@ -90,6 +90,16 @@ def test_logits_match_transformers_fp32(hf_causal, name, padding):
     real = mask.bool()
     assert (a[real] - b[real]).abs().max() <= 1e-4
     assert torch.isfinite(a).all()
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("name", ["phi3", "phi3_partial_window"])
+def test_phi3_captured_layers_match_transformers_eager(hf_causal, name, padding):
+    """Phi-3's `hidden_layers` / `attention_layers` (distillation's features and attention
+    transfer) as LLaMA's (`test_llama.check_captured_layers_match_transformers`): partial RoPE and a
+    window of 6 < T included."""
+    folder = family_checkpoint(hf_causal, name)
+    check_captured_layers_match_transformers(load_ours(folder), folder, padding)
 
 
 @pytest.mark.parametrize("padding", ["left", "both"])

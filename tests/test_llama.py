@@ -539,7 +539,12 @@ def test_captured_layers_match_transformers_eager(hf_causal, name, padding):
     one HF gives after the final norm), its probabilities HF's attentions[i]; the final hidden
     equals the plain (SDPA) forward's."""
     folder = checkpoint(hf_causal, name)
-    ours = load_ours(folder)
+    check_captured_layers_match_transformers(load_ours(folder), folder, padding)
+
+
+def check_captured_layers_match_transformers(ours, folder, padding: str) -> None:
+    """The body of `test_captured_layers_match_transformers_eager`, for any family's model `ours`
+    loaded from `folder` (tests/test_families.py calls it for Phi-3)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                            attn_implementation="eager").eval()
     ids, mask = make_batch(padding)

@@ -30,13 +30,14 @@ text model only.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.llama import (
+    Captured,
     IGNORED_FIELDS as LLAMA_IGNORED,
     KVCache,
     LlamaForCausalLM,
@@ -45,6 +46,7 @@ from models.llama import (
     _normalize_rope_scaling,
     apply_rotary,
     attention_mask_4d,
+    capture_layers,
     forward_unpadded,
     generate,
     repeat_kv,
@@ -303,8 +305,10 @@ class GemmaAttention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
+        return_probs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, D) -> (B, T, D). `mask` (B, 1, T, S) bool, or None for plain causal.
+        `return_probs`: also the attention probabilities (B, H, T, S) fp32 (`gemma_attention_probs`).
         A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, hd)."""
         q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, hd)
         k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))  # (B, T, Hkv, hd)
@@ -321,8 +325,14 @@ class GemmaAttention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         n_rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-        y = self._attention(q, k, v, mask).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.o_proj(y)
+        probs = None
+        if return_probs:  # written out, so the probabilities exist (attention transfer)
+            probs = gemma_attention_probs(q, k, mask, self.scaling, self.cap)
+            y = torch.matmul(probs.to(v.dtype), v)
+        else:
+            y = self._attention(q, k, v, mask)
+        y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return (y, probs) if return_probs else y
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """(B, H, T, hd) -> (B, H, T, hd): soft-capped (Gemma 2) or SDPA, at `query_pre_attn_scalar`'s scale."""
@@ -339,12 +349,21 @@ def capped_attention(
     q (B, H, T, hd), k / v (B, H, S, hd), mask (B, 1, T, S) bool or None (causal, the T queries
     being the last T of the S keys) -> (B, H, T, hd). Holds the (B, H, T, S) scores.
     """
+    return torch.matmul(gemma_attention_probs(q, k, mask, scale, cap).to(q.dtype), v)
+
+
+def gemma_attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                          cap: float | None) -> torch.Tensor:
+    """The attention probabilities (B, H, T, S) fp32: softmax of the scores q k^T * scale, soft-capped
+    when `cap` is set, over the allowed keys (`mask` as `capped_attention`'s), zero elsewhere."""
     T, S = q.shape[2], k.shape[2]
-    scores = softcap(torch.matmul(q, k.transpose(2, 3)) * scale, cap)  # (B, H, T, S)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # (B, H, T, S)
+    if cap is not None:
+        scores = softcap(scores, cap)
     if mask is None:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     scores = scores.masked_fill(~mask, float("-inf"))  # every row keeps at least its own key
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    return scores.softmax(-1, dtype=torch.float32)
 
 
 class GemmaMLP(nn.Module):
@@ -382,9 +401,14 @@ class GemmaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return_attention: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, D) -> (B, T, D); `return_attention`: and the attention probabilities (B, H, T, S)."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, return_probs=return_attention)
+        a, probs = a if return_attention else (a, None)
+        x = x + self.post_attention_layernorm(a)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return (x, probs) if return_attention else x
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,8 +441,11 @@ class GemmaModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """input_ids (B, T) -> hidden (B, T, D) after the final norm (same contract as LLaMA)."""
+        hidden_layers: Collection[int] = (),
+        attention_layers: Collection[int] = (),
+    ) -> torch.Tensor | Captured:
+        """input_ids (B, T) -> hidden (B, T, D) after the final norm (same contract as LLaMA, the
+        captured layers of `hidden_layers` / `attention_layers` included)."""
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, D)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # the factor rounded as HF
@@ -433,19 +460,24 @@ class GemmaModel(nn.Module):
             position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
         padded = attention_mask is not None and not bool(valid.all())
         rope = {kind: r(position_ids, dtype=x.dtype) for kind, r in self.rotary.items()}  # cos, sin (B, T, hd)
-        lengths = unpadded_lengths(valid, padded, cache)
+        tables = [rope[kind] for kind in self.config.layer_types]
+        lengths = None if hidden_layers or attention_layers else unpadded_lengths(valid, padded, cache)
         if lengths:
-            steps = zip(self.layers, (rope[kind] for kind in self.config.layer_types), self.windows)
-            return forward_unpadded(x, valid, lengths, steps, self.norm)
+            return forward_unpadded(x, valid, lengths, zip(self.layers, tables, self.windows), self.norm)
         masks = {
             w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
             for w in set(self.windows)
         }
-        for layer, kind, w in zip(self.layers, self.config.layer_types, self.windows):
-            x = layer(x, *rope[kind], masks[w], cache)
+        if hidden_layers or attention_layers:
+            out = capture_layers(self.layers, self.norm, x, tables, [masks[w] for w in self.windows], cache,
+                                 hidden_layers, attention_layers)
+        else:
+            for layer, (cos, sin), w in zip(self.layers, tables, self.windows):
+                x = layer(x, cos, sin, masks[w], cache)
+            out = self.norm(x)
         if cache is not None:
             cache.end(T)
-        return self.norm(x)
+        return out
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -805,7 +805,8 @@ class Captured(NamedTuple):
 
 def capture_layers(layers: Sequence[nn.Module], norm: nn.Module, x: torch.Tensor,
                    tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence[torch.Tensor | None],
-                   cache: "KVCache | None", hidden_layers: Collection[int], attention_layers: Collection[int]) -> Captured:
+                   cache: "KVCache | None", hidden_layers: Collection[int],
+                   attention_layers: Collection[int]) -> Captured:
     """A layer loop that keeps the named layers' outputs and attention probabilities (a `Captured`):
     layer i gets x, `tables[i]` (its cos, sin), `masks[i]` and the cache; the layers named in
     `attention_layers` are called with `return_attention=True` and return (x, probabilities)."""
@@ -948,7 +949,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D); logits are `self.output_projection(hidden)`.
         With `hidden_layers` / `attention_layers`: a `Captured` (see `LlamaModel.forward`)."""
-        if not hidden_layers and not attention_layers:  # Gemma's and Phi-3's models (which inherit this) take 4
+        if not hidden_layers and not attention_layers:  # a family's body that captures nothing may take 4
             return self.model(input_ids, attention_mask, position_ids, cache)
         return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers)
 

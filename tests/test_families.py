@@ -93,11 +93,12 @@ def test_logits_match_transformers_fp32(hf_causal, name, padding):
 
 
 @pytest.mark.parametrize("padding", ["none", "left"])
-@pytest.mark.parametrize("name", ["phi3", "phi3_partial_window"])
-def test_phi3_captured_layers_match_transformers_eager(hf_causal, name, padding):
-    """Phi-3's `hidden_layers` / `attention_layers` (distillation's features and attention
-    transfer) as LLaMA's (`test_llama.check_captured_layers_match_transformers`): partial RoPE and a
-    window of 6 < T included."""
+@pytest.mark.parametrize("name", ["phi3", "phi3_partial_window", "gemma2", "gemma3", "gemma3_capped"])
+def test_captured_layers_match_transformers_eager(hf_causal, name, padding):
+    """Phi-3's and Gemma's `hidden_layers` / `attention_layers` (distillation's features and
+    attention transfer) as LLaMA's (`test_llama.check_captured_layers_match_transformers`): partial
+    RoPE, windows shorter than T, Gemma 2's soft-capped scores and Gemma 3's local / global
+    layers included."""
     folder = family_checkpoint(hf_causal, name)
     check_captured_layers_match_transformers(load_ours(folder), folder, padding)
 

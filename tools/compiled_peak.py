@@ -7,8 +7,8 @@ A 4-layer LLaMA (hidden 512, intermediate 1536, 8 heads / 2 kv, vocab 1024) with
 weights, LoRA r=16 on all seven linears (fp32 adapters), bf16 autocast, non-reentrant
 checkpointing and per-block `torch.compile` (inductor; `--eager` leaves it out), 3 optimizer
 steps of 4 x 512 tokens through `minitrain.train.train`, as `tools/gpu_check.py` runs its SFT part
-on CUDA. The peak is that of the CPU allocations torch.profiler records over the whole run
-(allocator-level, so the same to the byte from run to run). Each `--code DIR` (repeatable, e.g. a
+on CUDA. The peak is `minitrain.plan.measure_peak_allocated`'s over the whole run (the CPU
+allocations torch.profiler records: the same to the byte from run to run). Each `--code DIR` (repeatable, e.g. a
 tree of an older commit made with `git archive`) runs in its own process with that tree first on
 `sys.path`. With torch 2.11 it showed the cost of an autograd Function inside a compiled block
 (BENCHMARKS.md, GPU notes of the H100 lease), which the same run on CUDA had shown as +1.30 GB.
@@ -32,7 +32,6 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def child(compile_blocks: bool) -> float:
     """The run in this process; its peak of recorded CPU allocations in MiB."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import models
     from minitrain import train as T
@@ -40,6 +39,7 @@ def child(compile_blocks: bool) -> float:
     from minitrain.data import collate_causal
     from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.objectives import sft
+    from minitrain.plan import measure_peak_allocated
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -68,14 +68,8 @@ def child(compile_blocks: bool) -> float:
     tc = TrainConfig(out=str(out), max_steps=3, batch_size=4, lr=1e-4, warmup=0.0, schedule="constant",
                      precision="bf16", checkpointing=True, compile=False, device="cpu", save_every=0,
                      log_every=1, group_by_length=False)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        T.train(model, sft, rows, lambda ex: collate_causal(ex, 0), tc, out_dir=out, log=lambda s: None)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
+    peak, _ = measure_peak_allocated(lambda: T.train(model, sft, rows, lambda ex: collate_causal(ex, 0), tc,
+                                                     out_dir=out, log=lambda s: None))
     return peak / 2**20
 
 

@@ -38,6 +38,11 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   in forward and backward (its uint8 codes + the compute-dtype weight, one linear at a time: the
   ternary matmul saves only the packed weight; `ternary_act_bits`' per-token transients are not
   modelled), the DPO reference forward.
+- distillation (`RunShape.teacher`): the teacher's weights (frozen, compute dtype or
+  `teacher_quantize`), its no_grad forward (one block at a time) and final hidden states, the
+  KD chunks in place of the SFT loss's (both heads' logits and `_KDAndCE`'s fp32 temporaries,
+  measured per logit), the matched layers' hidden states and both sides' attention probabilities
+  with attention_kl's tensors, and the learned projections (trained like adapters).
 
 The peak is the largest of those moments (end of forward, loss backward, first block backward,
 reference forward, optimizer step), on top of what persists (weights, adapters, gradients and
@@ -53,7 +58,10 @@ train with the checkpoint's `dropout_rate` (0.1 for the published ones) and the 
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from minitrain.errors import UserError
@@ -253,7 +261,9 @@ class RunShape:
     the plain-causal path builds none. real_tokens: the batch's non-padding tokens (None: rows x
     seq, the worst case). On a CPU the decoder-only families run a padded batch without its padding
     (`models.llama.Ragged`): their per-token terms then count the real tokens and, without a
-    window shorter than seq, no mask is built (`predict` applies this; T5 ignores it).
+    window shorter than seq, no mask is built (`predict` applies this; T5 ignores it). teacher:
+    distillation's teacher (`distill_terms`), run frozen in the compute dtype (or
+    `teacher_quantize`).
     """
 
     rows: int
@@ -280,6 +290,11 @@ class RunShape:
     ema: bool = False  # ema_decay > 0: one more copy of the trained tensors (minitrain.ema)
     device: str = "cuda"  # cuda | cpu: the default logits chunk and the dropout mask's dtype depend on it
     real_tokens: int | None = None
+    teacher: Any = None  # distillation: the teacher's ModelShape (its weights, forward and kept states)
+    teacher_quantize: str = "none"  # distillation: the teacher's linears (teacher_quantize)
+    kd_top_k: int = 0  # distillation: subset KD over the teacher's top-k tokens (0: the full vocabulary)
+    kd_features: int = 0  # distillation: student layers whose hidden states are matched (-1: every layer)
+    kd_attention: int = 0  # distillation: student layers whose attention is transferred (-1: every layer)
 
     @property
     def s(self) -> int:
@@ -430,7 +445,7 @@ def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
     """Numel of each trainable tensor: LoRA A and B of every adapted linear, modules_to_save (full
     fine-tuning: every weight)."""
     if run.full:
-        return model.all_tensors()
+        return model.all_tensors() + kd_projections(model, run)
     lin = model.linears()
     out = []
     for name in adapted_linears(model, run.lora_targets):
@@ -442,7 +457,16 @@ def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
             out.append(V * D)
         elif _matches("model.norm", m):
             out.append(D)
-    return out
+    return out + kd_projections(model, run)
+
+
+def kd_projections(model: ModelShape, run: RunShape) -> list[int]:
+    """Numel of distillation's learned projections (`minitrain.distill.attach_projections`): one
+    D x D_teacher per matched layer when the widths differ; they train beside the adapters."""
+    if run.teacher is None or not run.kd_features or run.teacher.hidden_size == model.hidden_size:
+        return []
+    L = model.num_hidden_layers
+    return [model.hidden_size * run.teacher.hidden_size] * (L if run.kd_features < 0 else min(run.kd_features, L))
 
 
 def adapter_terms(model: ModelShape, run: RunShape) -> list[Term]:
@@ -452,7 +476,11 @@ def adapter_terms(model: ModelShape, run: RunShape) -> list[Term]:
     what = model.adapted_summary(run) if run.full else f"{run.rank_text} on {model.adapted_summary(run)}"
     if run.modules_to_save and not run.full:
         what += f" + {','.join(run.modules_to_save)}"
-    adapters = (Term("adapters", 0, "none: the weights themselves train (counted above in fp32)") if run.full
+    if kd_projections(model, run):
+        what += f" + {len(kd_projections(model, run))} distillation projections"
+    proj = sum(kd_projections(model, run))
+    adapters = (Term("adapters", proj * a, "none: the weights themselves train (counted above in fp32)"
+                     + (f"; {proj:,} params x {a} B of distillation projections" if proj else "")) if run.full
                 else Term("adapters", n * a, f"{n:,} params x {a} B ({what})"))
     terms = [adapters,
              Term("gradients", n * a, f"{n:,} x {a} B"),
@@ -648,6 +676,75 @@ def _logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], i
     return fwd, bwd, n
 
 
+# distillation's chunk (`minitrain.distill.chunked_kd_ce`), measured at its peak with torch 2.13:
+# the student's and the teacher's (c x V) logits and `_KDAndCE`'s fp32 temporaries, 33 B per logit
+# (fp32 or bf16); with top_k, 8 (the teacher's logits are reduced to k before the chunk, and the
+# CE over V is what is left)
+KD_BYTES_PER_LOGIT = 33
+KD_TOP_K_BYTES_PER_LOGIT = 8
+KD_KL_TENSORS = 4  # attention_kl: (rows, G, T, T) fp32 tensors alive at its peak (measured)
+
+
+def _kd_logits(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], int]:
+    """(forward terms, backward terms, n) of distillation's chunked KD + CE loss: the n target rows
+    of the student's and the teacher's final hidden states gathered, then c rows at a time (each
+    chunk under checkpoint, whatever the student's head) both heads' logits and the KD / CE
+    temporaries; the backward recomputes a chunk and adds the gradient of the gathered rows."""
+    n = run.tokens if run.targets is None else min(run.targets, run.tokens)
+    V, D, Dt, s = model.vocab_size, model.hidden_size, run.teacher.hidden_size, run.s
+    from minitrain.losses import chunk_rows, logits_per_chunk
+
+    c = min(n, chunk_rows(run.logits_chunk or logits_per_chunk(run.device), V, run.device))
+    per = KD_TOP_K_BYTES_PER_LOGIT if run.kd_top_k else KD_BYTES_PER_LOGIT
+    rows = [Term("loss: gathered target rows", n * D * s, "n x D x s"),
+            Term("loss: the teacher's gathered rows", n * Dt * s, "n x D_teacher x s")]
+    chunk = Term("loss: KD chunk (both heads' logits + temporaries)", c * V * per, f"c={c:,} x V x {per} B")
+    inside, _ = _kd_captured(model, run)
+    fwd = rows + inside + [Term("loss: final hidden states", run.tokens * D * s, "N x D x s"),
+                           Term("teacher: final hidden states", run.tokens * Dt * s, "N x D_teacher x s"), chunk]
+    return fwd, rows + inside + [chunk, Term("loss: grad of gathered rows", n * D * s, "n x D x s")], n
+
+
+def _kd_captured(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term]]:
+    """(kept, KL) terms of feature matching and attention transfer. Kept from the forwards to the
+    loss's backward: per matched layer the teacher's hidden states, per transferred layer both
+    sides' attention probabilities (fp32). KL: attention_kl's head-grouped fp32 tensors (G = gcd of
+    the head counts), made after the KD chunks are freed (`llama_moments`' "attention KL" moment)."""
+    L, teacher, N, s = model.num_hidden_layers, run.teacher, run.tokens, run.s
+    feats = L if run.kd_features < 0 else min(run.kd_features, L)
+    attns = L if run.kd_attention < 0 else min(run.kd_attention, L)
+    kept, kl = [], []
+    if feats:
+        kept.append(Term("teacher: matched hidden states", feats * N * teacher.hidden_size * s,
+                         f"{feats} x N x D_teacher x s"))
+    if attns:
+        H, Ht = model.num_attention_heads, teacher.num_attention_heads
+        G, qk = math.gcd(H, Ht), run.rows * run.seq * run.seq * 4
+        kept.append(Term("captured attention probabilities (both sides)", attns * (H + Ht) * qk,
+                         f"{attns} x (heads + teacher heads) x rows x T x T x 4"))
+        kl.append(Term("attention KL: head-grouped tensors", KD_KL_TENSORS * G * qk,
+                       f"{KD_KL_TENSORS} x G={G} x rows x T x T x 4"))
+    return kept, kl
+
+
+def teacher_weight_terms(run: RunShape) -> list[Term]:
+    """The teacher's weights, frozen in the compute dtype (its linears as `teacher_quantize` says)."""
+    teacher = run.teacher
+    plain = replace(run, quantize=run.teacher_quantize, full=False, lora_targets=(), modules_to_save=(), teacher=None)
+    return [Term(f"teacher {t.name}", t.bytes, t.formula) for t in teacher.weight_terms(plain)]
+
+
+def teacher_forward(run: RunShape) -> list[Term]:
+    """The teacher's no_grad forward before the student's: at most one block's tensors alive at a
+    time, over the teacher's batch tensors and tables, and its final hidden states."""
+    teacher, plain = run.teacher, replace(run, lora_targets=(), teacher=None)
+    N = run.tokens
+    return _model_saved(teacher, plain) + [
+        Term("teacher forward: one block (no grad)", sum(t.bytes for t in block_saved(teacher, plain)),
+             "block_saved, freed as it goes"),
+        Term("teacher: final hidden states", N * teacher.hidden_size * run.s, "N x D_teacher x s")]
+
+
 def head_is_frozen(model: ModelShape, run: RunShape) -> bool:
     """Whether the output projection is a plain frozen Linear (minitrain.losses' two-matmul path)."""
     if run.full or not getattr(model, "plain_head", True):
@@ -674,6 +771,8 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
         else:
             run = replace(run, real_tokens=None)
     persistent = model.weight_terms(run) + adapter_terms(model, run)
+    if run.teacher is not None:
+        persistent += teacher_weight_terms(run)
     if run.full:  # the gradients are in the moments where they exist (set_to_none between steps)
         persistent = [t for t in persistent if t.name != "gradients"]
     moments, notes = model.moments(run)
@@ -692,7 +791,7 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     per_block = sum(t.bytes for t in blk)
     bwd = _block_backward(model, run)
     msaved = _model_saved(model, run)
-    lfwd, lbwd, n = _logits(model, run)
+    lfwd, lbwd, n = (_logits if run.teacher is None else _kd_logits)(model, run)
     res = 4 if run.full else s  # full fine-tuning: the fp32 embedding makes the residual stream fp32
     if run.checkpointing:
         kept = [Term(f"block inputs x {L} (checkpointing)", L * N * D * res, f"{L} x N x D x {res}")]
@@ -724,6 +823,12 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
         if run.dpo_reference == "snapshot":
             ref.append(Term("reference: live adapter values kept aside", trainable, "clone of the adapter tensors"))
         moments["DPO reference forward"] = ref
+    if run.teacher is not None:
+        moments["teacher forward (no grad)"] = teacher_forward(run)
+        _, kl = _kd_captured(model, run)
+        if kl:  # one layer's KL at a time, after the KD chunks
+            chunk = [t for t in lfwd if t.name.startswith("loss: KD chunk")]
+            moments["attention KL (loss forward)"] = msaved + kept + [t for t in lfwd if t not in chunk] + kl + copies
     if model.n_rep > 1:
         notes.append("GQA: repeat_kv copies of k and v are counted (SDPA keeps the repeated tensors)")
     if run.lora_dropout > 0:
@@ -1181,6 +1286,8 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
         if getattr(cfg, "loss_type", "") in ("orpo", "cpo", "simpo"):
             ref = "none"
     rows = cfg.batch_size * (2 if is_dpo and not is_kto else 1)
+    feats = (len(cfg.feature_layers) or -1) if getattr(cfg, "feature_weight", 0.0) > 0 else 0  # empty: every layer
+    attns = (len(cfg.attention_layers) or -1) if getattr(cfg, "attention_weight", 0.0) > 0 else 0
     return RunShape(rows=rows, seq=seq or cfg.max_len, target_seq=getattr(cfg, "max_target_len", None),
                     compute=compute, quantize=getattr(cfg, "quantize", "none"),
                     ternary_scale=getattr(cfg, "ternary_scale", "tensor"), lrc_rank=float(getattr(cfg, "lrc_rank", 0)),
@@ -1188,7 +1295,23 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
                     checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,
                     reference_rows=2 * rows if is_kto else None, device=device,
-                    full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0)
+                    full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0,
+                    teacher=teacher_shape(cfg), teacher_quantize=getattr(cfg, "teacher_quantize", "none"),
+                    kd_top_k=getattr(cfg, "top_k", 0) if getattr(cfg, "teacher", "") else 0, kd_features=feats,
+                    kd_attention=attns)
+
+
+def teacher_shape(cfg: Any) -> "ModelShape | None":
+    """A distillation config's teacher (`teacher=` folder's config.json), or None: not
+    distillation, or a folder the plan cannot read (loading it reports that in its own words)."""
+    folder = getattr(cfg, "teacher", "")
+    if not folder:
+        return None
+    try:
+        shape = shape_from_hf(json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, UserError, TypeError, KeyError):
+        return None
+    return None if shape.is_encoder_decoder else shape
 
 
 def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: int) -> list[tuple[str, int, int]]:
@@ -1219,6 +1342,10 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
             replace(run, rows=b * per_row, reference_rows=run.reference_rows and run.reference_rows * b // batch_size))
     if run.dpo_reference in ("base", "snapshot"):
         add("precompute_ref=true", replace(run, dpo_reference="precomputed"))
+    if run.teacher is not None and run.teacher_quantize == "none":
+        add("teacher_quantize=nf4", replace(run, teacher_quantize="nf4"))
+    if run.teacher is not None and not run.kd_top_k:
+        add("top_k=256", replace(run, kd_top_k=256))
     return out
 
 

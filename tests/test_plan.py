@@ -271,6 +271,75 @@ def test_dpo_step_peak_within_20_percent(ckpt):
     assert 0.8 <= predicted / measured <= 1.2, (plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
 
 
+# ----------------------------------------------------------------------------- distillation
+
+TEACHER = dict(hidden_size=384, intermediate_size=768, num_hidden_layers=6, num_attention_heads=6)
+DISTILL_CASES = {
+    "kd + ce": dict(),
+    "kd + ce ckpt vocab32k": dict(ckpt=True, vocab=32000),
+    "top-k ckpt vocab32k": dict(ckpt=True, vocab=32000, top_k=64),
+    "feature + attention": dict(captured=True),
+    "feature + attention ckpt": dict(ckpt=True, captured=True),
+}
+
+
+@pytest.mark.parametrize("case", list(DISTILL_CASES))
+def test_distill_step_peak_within_20_percent(case):
+    """The student's step with the teacher's forward and the KD chunks (`plan._kd_logits`), and the
+    captured layers of feature matching and attention transfer (`_kd_captured`)."""
+    from minitrain.distill import attach_projections, make_distill_objective
+
+    c = dict(ckpt=False, vocab=2048, top_k=0, captured=False)
+    c.update(DISTILL_CASES[case])
+    hf = hf_config(num_key_value_heads=2, vocab_size=c["vocab"])
+    thf = hf_config(num_key_value_heads=2, vocab_size=c["vocab"], **TEACHER)
+    student = build(hf, torch.float32, ALL)
+    teacher = models.from_hf_config(thf)
+    if c["ckpt"]:
+        enable_checkpointing(student)
+    last = {3: 5} if c["captured"] else {}
+    if last:
+        attach_projections(student, teacher, last)
+    objective = make_distill_objective(teacher, temperature=2.0, kd_weight=0.5, ce_weight=0.5, top_k=c["top_k"],
+                                       feature_weight=0.1 if last else 0.0, attention_weight=0.1 if last else 0.0,
+                                       feature_map=last, attention_map=last)
+    batch = batch_of(4, 256, c["vocab"])
+    measured = measured_step(student, objective, batch, autocast=False)
+    run = P.RunShape(rows=4, seq=256, compute="fp32", lora_targets=ALL, checkpointing=c["ckpt"], device="cpu",
+                     targets=int((batch["labels"][:, 1:] != -100).sum()), real_tokens=int(batch["attention_mask"].sum()),
+                     teacher=P.ModelShape.from_hf(thf), kd_top_k=c["top_k"], kd_features=len(last),
+                     kd_attention=len(last))
+    plan = P.predict(P.ModelShape.from_hf(hf), run)
+    predicted = plan.activation_peak + plan.term("gradients")
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
+
+
+@pytest.mark.parametrize("dtype,compute", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_distill_teacher_weights_exact_and_read_from_the_recipe(tmp_path, dtype, compute):
+    """The teacher's weights join the persistent terms to the byte (it runs frozen in the compute
+    dtype), and `run_shape` reads the teacher from a distillation config's `teacher=` folder."""
+    import importlib.util
+
+    thf = hf_config(num_key_value_heads=2, tie_word_embeddings=True, **TEACHER)
+    teacher = models.from_hf_config(thf).to(dtype)
+    hf = hf_config(num_key_value_heads=2)
+    run = P.RunShape(rows=2, seq=16, compute=compute, lora_targets=ALL, teacher=P.ModelShape.from_hf(thf))
+    with_teacher, alone = P.predict(P.ModelShape.from_hf(hf), run), P.predict(P.ModelShape.from_hf(hf),
+                                                                             replace(run, teacher=None))
+    teacher_bytes = sum(t.bytes for t in with_teacher.persistent if t.name.startswith("teacher "))
+    assert teacher_bytes == tensor_bytes({id(p): p for p in teacher.parameters()}.values())
+    assert with_teacher.persistent_bytes == alone.persistent_bytes + teacher_bytes
+    (tmp_path / "config.json").write_text(json.dumps(thf))
+    spec = importlib.util.spec_from_file_location("distill_recipe", ROOT / "recipes" / "distill_llama.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg = replace(recipe.config, teacher=str(tmp_path), top_k=256, feature_weight=0.1, attention_weight=0.1)
+    got = P.run_shape(cfg, device="cuda")
+    assert got.teacher == P.ModelShape.from_hf(thf) and got.kd_top_k == 256
+    assert (got.kd_features, got.kd_attention) == (-1, 1)  # every student layer (the default), the last one
+    assert P.run_shape(replace(cfg, teacher=str(tmp_path / "nowhere"))).teacher is None
+
+
 # ----------------------------------------------------------------------------- full fine-tuning
 
 

@@ -476,9 +476,10 @@ def adapter_terms(model: ModelShape, run: RunShape) -> list[Term]:
     what = model.adapted_summary(run) if run.full else f"{run.rank_text} on {model.adapted_summary(run)}"
     if run.modules_to_save and not run.full:
         what += f" + {','.join(run.modules_to_save)}"
-    if kd_projections(model, run):
-        what += f" + {len(kd_projections(model, run))} distillation projections"
-    proj = sum(kd_projections(model, run))
+    projections = kd_projections(model, run)
+    if projections:
+        what += f" + {len(projections)} distillation projections"
+    proj = sum(projections)
     adapters = (Term("adapters", proj * a, "none: the weights themselves train (counted above in fp32)"
                      + (f"; {proj:,} params x {a} B of distillation projections" if proj else "")) if run.full
                 else Term("adapters", n * a, f"{n:,} params x {a} B ({what})"))

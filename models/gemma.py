@@ -404,8 +404,9 @@ class GemmaDecoderLayer(nn.Module):
         return_attention: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, D) -> (B, T, D); `return_attention`: and the attention probabilities (B, H, T, S)."""
-        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, return_probs=return_attention)
-        a, probs = a if return_attention else (a, None)
+        h = self.input_layernorm(x)
+        a, probs = (self.self_attn(h, cos, sin, mask, cache, return_probs=True) if return_attention
+                    else (self.self_attn(h, cos, sin, mask, cache), None))
         x = x + self.post_attention_layernorm(a)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return (x, probs) if return_attention else x

@@ -309,17 +309,20 @@ class LoRALinear(nn.Module):
             self.weight.copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_forward(x)  # (..., out) in the base output dtype
         if self.merged or self.disabled:
-            return out
+            return self.base_forward(x)
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # (rows, in): the base output below is then no view
+        out = self.base_forward(x)  # (rows, out) in the base output dtype
         a = self.lora_A.weight
-        h = self.lora_dropout(x.to(a.dtype))  # (..., in) in the adapter dtype
-        z = self.lora_A(h) * self.scaling  # (..., r): the scaling costs r, not out, per row
+        h = self.lora_dropout(x.to(a.dtype))  # (rows, in) in the adapter dtype
+        z = self.lora_A(h) * self.scaling  # (rows, r): the scaling costs r, not out, per row
         if z.dtype != out.dtype:  # e.g. a bf16 base with fp32 adapters outside autocast
-            return out + self.lora_B(z).to(out.dtype)
-        # out + z @ B.T in one GEMM that accumulates into a copy of `out` (no (..., out) delta, no add pass)
-        b = self.lora_B.weight  # (out, r)
-        return torch.addmm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]), b.t()).view(out.shape)
+            return (out + self.lora_B(z).to(out.dtype)).view(*lead, -1)
+        # z @ B.T accumulated into `out` itself by one GEMM: no (rows, out) delta, no copy, no add pass.
+        # In place on a tensor that is not a view and that no backward reads, so autograd adds nothing.
+        b = self.lora_B.weight  # (out, r); in place, autocast casts nothing, so cast it as its addmm would
+        return out.addmm_(z, b.t() if b.dtype == out.dtype else b.t().to(out.dtype)).view(*lead, -1)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in fp32, (out, in)."""

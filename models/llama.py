@@ -323,11 +323,43 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        # a frozen weight in eager mode: `_RMSNorm`, the same forward with a backward of its own
+        # (torch.compile fuses the written-out form anyway)
+        if self.weight.requires_grad or not x.requires_grad or torch.compiler.is_compiling():
+            return _rms_norm(x, self.weight, self.eps)
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rms: list | None = None) -> torch.Tensor:
+    """HF's RMSNorm, op for op; `rms` (a list) receives the fp32 `1 / rms(x)` (N.., 1)."""
+    dtype = x.dtype
+    x32 = x.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if rms is not None:
+        rms.append(r)
+    # HF multiplies after the cast back, so an fp32 weight on a bf16 input gives fp32 (as HF)
+    return weight * (x32 * r).to(dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm under a frozen weight, saving x and 1 / rms(x) only. With u = g * w and r = 1 / rms(x)
+    the gradient is `r u - x r^3 mean(u x)`: four passes over x where autograd's graph of the
+    written-out form makes nine (the pow, mean and product nodes' own products, copies and sums)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rms: list[torch.Tensor] = []
+        y = _rms_norm(x, weight, eps, rms)
+        ctx.save_for_backward(x, weight, rms[0])
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight, r = ctx.saved_tensors
+        u = (g * weight).to(x.dtype).float()  # rounded to x's dtype first, as autograd's cast back does
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # HF multiplies after the cast back, so an fp32 weight on a bf16 input gives fp32 (as HF)
-        return self.weight * x32.to(dtype)
+        c = torch.linalg.vecdot(u, x32).unsqueeze(-1).mul_(r.pow(3)).div_(-x.shape[-1])  # -r^3 mean(u x)
+        return u.mul_(r).addcmul_(x32, c).to(x.dtype), None, None
 
 
 # --------------------------------------------------------------------------------------------

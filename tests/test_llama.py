@@ -582,3 +582,37 @@ def test_captured_attention_is_causal_and_skips_padding(hf_causal):
     assert (a - b)[real[:, None].expand(-1, 4, -1)].abs().max() <= 1e-6
     with pytest.raises(ValueError, match="layer 2 does not exist"):
         ours(ids, mask, hidden_layers=(2,))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16)])
+def test_rms_norm_own_backward_against_transformers(dtypes):
+    """A frozen RMSNorm weight takes `_RMSNorm` (its own backward, four passes over x): the output is
+    transformers' `LlamaRMSNorm`'s to the bit, the input's gradient equal to autograd's through it
+    to float rounding in fp32 and to the bit for bf16 inputs; a trained weight keeps the written-out
+    form and gets transformers' gradient."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x_dtype, w_dtype = dtypes
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 5, 96, generator=g) * 3).to(x_dtype).requires_grad_()
+    w = (torch.rand(96, generator=g) + 0.5).to(w_dtype)
+    ours, hf = ml.RMSNorm(96, 1e-6).to(w_dtype), LlamaRMSNorm(96, eps=1e-6).to(w_dtype)
+    for norm in (ours, hf):
+        norm.weight.data.copy_(w)
+        norm.weight.requires_grad_(False)
+    y, ref = ours(x), hf(x)
+    assert y.grad_fn.name() == "_RMSNormBackward"
+    assert torch.equal(y, ref)
+    up = torch.randn(y.shape, generator=g).to(y.dtype)
+    gx, gref = torch.autograd.grad(y, x, up)[0], torch.autograd.grad(ref, x, up)[0]
+    if x_dtype == torch.float32:
+        torch.testing.assert_close(gx, gref, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(gx, torch.zeros_like(gx))
+    else:
+        assert torch.equal(gx, gref)
+    ours.weight.requires_grad_(True)
+    hf.weight.requires_grad_(True)
+    y, ref = ours(x), hf(x)
+    assert y.grad_fn.name() != "_RMSNormBackward"
+    assert torch.equal(torch.autograd.grad(y, ours.weight, up)[0], torch.autograd.grad(ref, hf.weight, up)[0])

@@ -796,3 +796,30 @@ def test_wrapped_layers_follow_the_model_mode():
     model = TinyLM().eval()
     apply_lora(model, LoRAConfig(r=2, alpha=4, dropout=0.5, targets=("q_proj",)))
     assert not any(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_update_is_accumulated_into_the_base_output_in_place(autocast):
+    """The update `(x A^T s) B^T` is added by one GEMM into the base output itself: the same bits and
+    gradients as the out-of-place `addmm` over a copy (fp32, and bf16 autocast, where B is cast as
+    autocast's addmm casts it), and no CopySlices node (the in-place op is on no view)."""
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(32, 48), r=4, alpha=8)
+    nn.init.normal_(layer.lora_B.weight)
+    x0 = torch.randn(3, 5, 32, requires_grad=True)
+    x = x0 * 1  # a hidden state, not a leaf (autocast caches a leaf's cast, shared by both products)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.profiler.profile() as prof:
+            y = layer(x)
+        z = (layer.lora_A(x) * layer.scaling).reshape(-1, 4)
+        ref = torch.addmm(F.linear(x, layer.weight, layer.bias).reshape(-1, 48), z, layer.lora_B.weight.t())
+    assert y.shape == (3, 5, 48) and y.dtype == ref.dtype
+    assert torch.equal(y, ref.view(3, 5, 48))
+    ops = [e.name for e in prof.events()]  # the base's addmm (its bias), the update's addmm_, no add
+    assert ops.count("aten::addmm") == 1 and ops.count("aten::addmm_") == 1 and "aten::add" not in ops
+    assert [f.name() for f, _ in y.grad_fn.next_functions] == ["AddmmBackward0"]  # view <- addmm_, no CopySlices
+    params = [x0, layer.lora_A.weight, layer.lora_B.weight]
+    up = torch.randn(y.shape).to(y.dtype)
+    ours = torch.autograd.grad(y, params, up, retain_graph=True)  # x0 * 1 is shared
+    for a, b in zip(ours, torch.autograd.grad(ref, params, up.view(-1, 48))):
+        assert torch.equal(a, b)

@@ -90,7 +90,7 @@ class TrainConfig:
                                 "(global batch kept through grad_accum) instead of stopping")
     gpu_mem: str = doc("", "plan against this much device memory (e.g. 12GiB) instead of the GPU's free "
                            "memory; also checks on a machine without a GPU")
-    compile: bool = doc(False, "torch.compile each block (CUDA only)")
+    compile: bool = doc(False, "torch.compile each block (CUDA; CPU with a C++ compiler)")
     parallel: str = doc("ddp", "under torchrun: ddp (each rank holds the model, gradients summed) or fsdp "
                                "(FSDP2 shards blocks, gradients and optimizer state); fsdp needs torchrun",
                         choices=("ddp", "fsdp"))

@@ -211,11 +211,15 @@ def train(
         n = sum(getattr(m, "_minitrain_checkpointed", False) for m in model.modules())
         log(f"activation checkpointing (non-reentrant) on {n} blocks")
     if cfg.compile:
-        if device.type == "cuda":
+        if device.type == "cuda" or (device.type == "cpu" and cpu_compiler()):
             n = compile_blocks(model)
-            log(f"torch.compile on {n} blocks")
+            built = " (inductor's C++ kernels, built in the first steps)" if device.type == "cpu" else ""
+            log(f"torch.compile on {n} blocks{built}")
+        elif device.type == "cpu":
+            log("notice: compile=true ignored on cpu: torch.compile's CPU backend needs a C++ compiler and none "
+                "was found (install g++ or set CXX)")
         else:
-            log(f"notice: compile=true ignored on {device.type} (torch.compile is used on CUDA only)")
+            log(f"notice: compile=true ignored on {device.type} (torch.compile is used on CUDA and CPU)")
 
     # ---- rule 5: every trainable tensor must be reachable from the loss, checked before step 1
     # (on the model as given: before FSDP shards it and before a checkpoint is restored into it;
@@ -576,6 +580,17 @@ def enable_checkpointing(model: nn.Module) -> int:
 
 
 RECOMPILE_LIMIT = 64  # compile_blocks: dynamo's per-function limit, raised to at least this
+
+
+def cpu_compiler() -> str | None:
+    """The C++ compiler that torch.compile's CPU backend (inductor) builds its kernels with, None
+    when there is none (`CXX`, else g++ on PATH)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return get_cpp_compiler()
+    except Exception:  # no compiler (or a torch whose inductor has moved it): run eagerly
+        return None
 
 
 def compile_blocks(model: nn.Module, **options) -> int:

@@ -2,7 +2,7 @@
 GEMM peak, a torch.profiler op table, and A/B comparisons of code versions or options.
 
     python tools/step_bench.py gemm                                  # one-thread fp32 GEMM peak (GFLOP/s)
-    python tools/step_bench.py sft [--vocab 32000] [--code DIR ...] [--repeats 3] [--profile]
+    python tools/step_bench.py sft [--vocab 32000] [--code DIR ...] [--variants eager,compiled] [--profile]
     python tools/step_bench.py dpo [--prompt 400] [--answer 80] [--variants two,shared] [--repeats 3]
 
 Every measured run is its own `python` process (so peak RSS is the run's), one thread
@@ -16,7 +16,9 @@ on all seven linears, fp32, minitrain's AdamW; steps 2..N are timed in CPU-secon
   cut to 384 tokens). Reports tokens per CPU-second and model FLOP/s (`minitrain.flops`, the same
   count for every variant) as a share of the GEMM peak measured in the same run. `--code DIR`
   (repeatable) runs the same steps with `PYTHONPATH=DIR`, e.g. a worktree of an older commit: the
-  A/B of a code change. `--profile` prints the torch.profiler table of one step (self CPU time by op).
+  A/B of a code change. `--variants eager,compiled` runs each code version both ways: `compiled` is
+  `compile=true` (`minitrain.train.compile_blocks`, its graphs built on two untimed steps first), the
+  same batches timed. `--profile` prints the torch.profiler table of one step (self CPU time by op).
 - `dpo`: 2 pairs a step, prompts of `--prompt` tokens (+-25%), answers of `--answer` (+-25%);
   variants `two` (`[chosen; rejected]`, two rows per pair) and `shared` (`collate_shared_prompt`,
   one row per pair). Reports pairs per CPU-second and peak RSS.
@@ -225,6 +227,13 @@ def child(args: argparse.Namespace) -> None:
             collate = collate_preference
         batches = [collate(rows[i : i + 2], 0) for i in range(0, len(rows), 2)]
         objective = make_dpo_objective(0.1, "sigmoid", 0.0, 0.0, BaseReference())
+    if args.variant == "compiled":  # compile=true: per-block torch.compile, its graphs built before timing
+        from minitrain.train import compile_blocks
+
+        compile_blocks(model)
+        for batch in batches[:2]:  # the first shape's graphs, then the dynamic ones
+            objective(model, batch)[0].backward()
+        opt.zero_grad(set_to_none=True)
     tokens, cpu, timed = 0, 0.0, 0
     for i, batch in enumerate(batches):
         t0 = time.process_time()
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--objective", choices=sorted(PACKING), default="sft")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="")
-    ap.add_argument("--variants", default="two,shared")
+    ap.add_argument("--variants", default=None)
     ap.add_argument("--code", action="append", default=[])
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=6)
@@ -297,8 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.child:
         return packing_child(args) if args.mode == "packing" else child(args)
-    if args.mode == "packing" and args.variants == "two,shared":
+    if args.mode == "packing" and args.variants is None:
         args.variants = "ungrouped,grouped,packed,packed-grouped"
+    if args.mode == "dpo" and args.variants is None:
+        args.variants = "two,shared"
     if args.mode == "gemm":
         import torch
 
@@ -306,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"one-thread fp32 GEMM peak (1024^3, best of 5): {gemm_peak():.1f} GFLOP/s")
         return
     if args.mode == "sft":
-        variants = [("code", c) for c in (args.code or [str(ROOT)])]
+        modes = (args.variants or "eager").split(",")
+        variants = [(m, c) for c in (args.code or [str(ROOT)]) for m in modes]
     else:
         variants = [(v, None) for v in args.variants.split(",")]
     results: dict[tuple, list[dict]] = {v: [] for v in variants}
@@ -326,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     for v, rs in results.items():
         cpu = statistics.median(r["cpu_s"] for r in rs)
         rss = statistics.median(r["peak_rss_mib"] for r in rs)
-        name = v[1] if args.mode == "sft" else v[0]
+        name = (v[1] + ("" if v[0] == "eager" else f" [{v[0]}]")) if args.mode == "sft" else v[0]
         if args.mode == "sft":
             tok = statistics.median(r["tokens"] / r["cpu_s"] for r in rs)
             gf = flops / cpu / 1e9

@@ -87,10 +87,15 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # ----------------------------------------------------------------------------- setup (once, cached)
 
 
+# Bumped whenever `prepare` writes other files, so that an older cache is made again rather than
+# reused (2: the tokenizer's add_bos_token true, which minitrain reads since 2888a34).
+CACHE_VERSION = 2
+
+
 def shape_key(a: argparse.Namespace) -> str:
     keys = ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "steps", "batch", "accum", "dpo_steps",
             "dpo_batch", "dpo_accum", "max_len", "seed")
-    blob = json.dumps({k: getattr(a, k) for k in keys}, sort_keys=True)
+    blob = json.dumps({"cache_version": CACHE_VERSION, **{k: getattr(a, k) for k in keys}}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

@@ -97,6 +97,7 @@ class Tokenizer:
         self.chat_template_kwargs: dict = {}
         self._template = None
         self._pad_warned = False
+        self._add_bos: bool | None = None  # `add_bos`, decided on first use
         ids = {}
         for name, tok in (("bos", bos), ("eos", eos), ("pad", pad), ("unk", unk)):
             if tok is None:
@@ -318,14 +319,28 @@ class Tokenizer:
         tokenizer.json's post-processor does, else True for a sentencepiece model with a bos
         (LlamaTokenizer's default). Qwen (no bos) and Phi-3 (`add_bos_token: false`) say False,
         Gemma and LLaMA True; `encode(text, bos=tok.add_bos)` gives transformers' ids."""
+        if self._add_bos is None:
+            self._add_bos = self._decide_add_bos()
+        return self._add_bos
+
+    def _decide_add_bos(self) -> bool:
+        """`add_bos` from the files; a `note:` line when tokenizer_config.json's flag and tokenizer.json's
+        post-processor disagree (transformers 5.24 then follows the post-processor, 4.x the flag)."""
         if self._bos is None:
             return False
         flag = self._config.get("add_bos_token")
-        if isinstance(flag, bool):
-            return flag
+        post = None  # what tokenizer.json's post-processor does
         if isinstance(self._b, HFTokenizers):
-            return self._b.tok.encode("a", add_special_tokens=True).ids[:1] == [self._bos]
-        return True
+            post = self._b.tok.encode("a", add_special_tokens=True).ids[:1] == [self._bos]
+        if isinstance(flag, bool):
+            if post is not None and post != flag and os.environ.get("RANK", "0") == "0":
+                # the two files disagree: say which one is followed (once: the answer is kept)
+                print(f"note: {self.source}: tokenizer_config.json says add_bos_token={str(flag).lower()} but "
+                      f"tokenizer.json's post-processor {'adds' if post else 'does not add'} bos; minitrain "
+                      f"follows add_bos_token, as transformers 4 did (transformers 5 follows the post-processor): "
+                      f"if the model was trained the other way, correct the file that is wrong", flush=True)
+            return flag
+        return True if post is None else post
 
     @property
     def eos_id(self) -> int | None:

@@ -80,7 +80,7 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _build_bpe(d: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -91,6 +91,9 @@ def _build_bpe(d: Path, vocab_size: int) -> None:
         vocab_size=vocab_size, special_tokens=specials, show_progress=False
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    # bos before each text, as add_bos_token says (transformers 5 follows this post-processor, not the flag)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     assert tok.get_vocab_size() <= vocab_size
     tok.save(str(d / "tokenizer.json"))
     _write_json(

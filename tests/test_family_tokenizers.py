@@ -137,3 +137,33 @@ def test_data_rows_begin_as_transformers_tokenizes(folders, name, tmp_path):
         assert ex[0]["input_ids"][len(want):] == [tok.eos_id]
         assert ex[1]["input_ids"][: len(ref(prompt).input_ids)] == ref(prompt).input_ids
         assert (ex[0]["input_ids"][0] == tok.bos_id) == EXPECT[name][1]
+
+
+def test_add_bos_token_and_a_post_processor_that_disagree_are_said(folders, tmp_path, capsys):
+    """Phi-3's `add_bos_token: false` beside a tokenizer.json whose post-processor adds `<s>`: minitrain
+    follows the flag (as transformers 4 did) and says so in one `note:` line, naming both files; the
+    family folders as built, where the two agree, print nothing. transformers 5.24 follows the
+    post-processor here (its ids begin with bos), which is why the line is needed."""
+    import json
+    import shutil
+
+    for name in MAKE:
+        for tok in backends(folders[name]):
+            tok.add_bos
+    assert "add_bos_token" not in capsys.readouterr().out
+    folder = tmp_path / "phi3"
+    shutil.copytree(folders["phi3"], folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}},
+                                       bos, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    tok = Tokenizer.from_folder(folder, backend="tokenizers")
+    assert tok.add_bos is False and tok.add_bos is False  # decided once
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("note: ") and str(folder) in out[0]
+    assert ("tokenizer_config.json says add_bos_token=false but tokenizer.json's post-processor adds bos; "
+            "minitrain follows add_bos_token") in out[0]
+    assert transformers.AutoTokenizer.from_pretrained(str(folder))("hello").input_ids[0] == 1

@@ -88,8 +88,9 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 # Bumped whenever `prepare` writes other files, so that an older cache is made again rather than
-# reused (2: the tokenizer's add_bos_token true, which minitrain reads since 2888a34).
-CACHE_VERSION = 2
+# reused (2: the tokenizer's add_bos_token true, which minitrain reads since 2888a34; 3: its post-processor
+# adds bos too, as the flag says).
+CACHE_VERSION = 3
 
 
 def shape_key(a: argparse.Namespace) -> str:
@@ -114,7 +115,7 @@ def words(vocab: int) -> list[str]:
 
 def make_tokenizer(folder: Path, vocab: int) -> list[str]:
     """A word-level `tokenizer.json` with `vocab` ids (<pad> 0, <s> 1, </s> 2, <unk> 3) + HF configs."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors
 
     w = words(vocab)
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + w)}, unk_token="<unk>"))
@@ -123,6 +124,9 @@ def make_tokenizer(folder: Path, vocab: int) -> list[str]:
     from tokenizers import AddedToken
 
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    # bos before each text, as add_bos_token says (transformers 5 follows this post-processor, not the flag)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     tok.save(str(folder / "tokenizer.json"))
     cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
            "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True, "add_eos_token": False,

@@ -120,13 +120,16 @@ class Language:
 
 def write_tokenizer(words: list[str], folder: Path) -> int:
     """A word-level `tokenizer.json` (split on spaces; ids: the specials, then the words); returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {t: i for i, t in enumerate(SPECIALS + words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.add_special_tokens(SPECIALS)
+    # bos before each text, as add_bos_token says (transformers 5 follows this post-processor, not the flag)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     specials = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}

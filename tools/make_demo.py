@@ -142,7 +142,7 @@ def train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> Tokenize
     """A small BPE like Mistral's (Metaspace "▁", digits split one by one), trained on `texts`;
     the alphabet holds every ASCII letter so that any name still encodes (in pieces)."""
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = HFTokenizer(models.BPE(unk_token="<unk>"))
     tok.normalizer = normalizers.NFKC()
@@ -156,6 +156,9 @@ def train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> Tokenize
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=alphabet,
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    # bos before each text, as add_bos_token says (transformers 5 follows this post-processor, not the flag)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}

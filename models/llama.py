@@ -326,19 +326,16 @@ class RMSNorm(nn.Module):
         # a frozen weight in eager mode: `_RMSNorm`, the same forward with a backward of its own
         # (torch.compile fuses the written-out form anyway)
         if self.weight.requires_grad or not x.requires_grad or torch.compiler.is_compiling():
-            return _rms_norm(x, self.weight, self.eps)
+            return _rms_norm(x, self.weight, self.eps)[0]
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rms: list | None = None) -> torch.Tensor:
-    """HF's RMSNorm, op for op; `rms` (a list) receives the fp32 `1 / rms(x)` (N.., 1)."""
-    dtype = x.dtype
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's RMSNorm, op for op -> (the output, the fp32 `1 / rms(x)` (..., 1))."""
     x32 = x.float()
     r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if rms is not None:
-        rms.append(r)
     # HF multiplies after the cast back, so an fp32 weight on a bf16 input gives fp32 (as HF)
-    return weight * (x32 * r).to(dtype)
+    return weight * (x32 * r).to(x.dtype), r
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -348,9 +345,8 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rms: list[torch.Tensor] = []
-        y = _rms_norm(x, weight, eps, rms)
-        ctx.save_for_backward(x, weight, rms[0])
+        y, r = _rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, r)
         return y
 
     @staticmethod

@@ -37,8 +37,8 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
+from minitrain.adapters.lora import LoRALinear, logical_numel
 from minitrain.errors import UserError
-from minitrain.lora import LoRALinear, logical_numel
 
 Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
 
@@ -494,7 +494,8 @@ def _bypassed_adapters(model: nn.Module) -> list[str]:
     the forward, so their trainable tensors get no gradient: say which layers and what to do."""
     found = _bypassed_modules(model)
     todo = {"merged": "merged into its base weights", "disabled": "disabled"}
-    fix = {"merged": "call minitrain.lora.unmerge(model) before training (merge only to export a trained adapter)",
+    fix = {"merged": "call minitrain.adapters.merge.unmerge(model) before training (merge only to export a trained "
+                     "adapter)",
            "disabled": "train outside the disable_adapters() block"}
     out = []
     for state in ("merged", "disabled"):

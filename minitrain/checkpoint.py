@@ -205,7 +205,7 @@ def made_from(model: torch.nn.Module) -> dict[str, Any]:
     """What a checkpoint of `model` is tied to: its base folder's fingerprints and its adapter's shape.
 
     A model not loaded from a folder (`load_pretrained` sets `source_dir`) records None for those."""
-    from minitrain.lora import adapter_signature  # lora imports nothing of ours but errors / weights
+    from minitrain.adapters.lora import adapter_signature  # lora imports nothing of ours but errors / weights
 
     folder = getattr(model, "source_dir", None)
     out: dict[str, Any] = {"model_path": None, "model": None, "tokenizer": None, "adapter": adapter_signature(model)}

@@ -123,7 +123,7 @@ def _main(argv: list[str]) -> int:
     from minitrain import distributed
 
     distributed.init(config)  # under torchrun: join the process group (else only checks parallel=)
-    from minitrain import fit
+    from minitrain.plan import fit
 
     config = fit.check(config, log=_log)  # on CUDA: plan the peak before any weight is read
     if _on_cpu(config):

@@ -85,7 +85,7 @@ class TrainConfig:
                          choices=("auto", "bf16", "fp32", "fp16"))
     checkpointing: bool = doc(False, "non-reentrant activation checkpointing per block")
     memory_check: bool = doc(True, "on CUDA, plan the peak memory from config.json before loading and stop "
-                                   "with suggestions if it exceeds the free memory (minitrain.fit)")
+                                   "with suggestions if it exceeds the free memory (minitrain.plan.fit)")
     auto_fit: bool = doc(False, "when the plan does not fit: choose checkpointing and the micro-batch "
                                 "(global batch kept through grad_accum) instead of stopping")
     gpu_mem: str = doc("", "plan against this much device memory (e.g. 12GiB) instead of the GPU's free "
@@ -138,8 +138,6 @@ class TrainConfig:
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"device={shown(self.device)}: not a device — use auto, cpu, cuda or cuda:N")
         if self.gpu_mem:
-            from minitrain.plan import parse_bytes
-
             try:
                 parse_bytes(self.gpu_mem)
             except UserError:
@@ -187,6 +185,17 @@ class SFTConfig(TrainConfig):
 
     packing: bool = doc(False, "pack each micro-batch's examples into rows of up to max_len tokens (positions "
                                "restart, attention stays inside each example; same loss, no padding)")
+
+
+def parse_bytes(text: str) -> int:
+    """`12GiB`, `12 GB`, `8000MiB`, `1.5GiB` -> bytes (GB = 1e9, GiB = 2**30; a bare number is GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise UserError(f"--gpu-mem {text}: not a size — e.g. --gpu-mem 12GiB or --gpu-mem 24GB")
+    value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
+    scale = {"B": 1, "K": 1e3, "KB": 1e3, "KI": 2**10, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MI": 2**20, "MIB": 2**20,
+             "G": 1e9, "GB": 1e9, "GI": 2**30, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TI": 2**40, "TIB": 2**40}[unit]
+    return int(value * scale)
 
 
 def field_types(cls: type) -> dict[str, Any]:

@@ -16,7 +16,7 @@ the whole batch, up to float summation order):
   gradients, loss and target counts over ranks (`all_reduce_sum`, one call per ~64 MB bucket)
   and divides by the global count. That is DDP's data parallelism without its wrapper: one
   gradient all-reduce per optimizer step rather than per micro-batch, and no 1/world averaging
-  to undo, since the loss is a sum normalised by the global target count (DESIGN rule 2).
+  to undo, since the loss is a sum normalised by the global target count (docs/design.md rule 2).
 - `fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `model.block_types`,
   then on the root. Parameters, gradients and optimizer state are sharded; gradients are
   reduce-scattered as sums (divide factor 1) and divided by the same global count. For full

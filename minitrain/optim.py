@@ -17,7 +17,7 @@ bit for bit (tests/test_optim.py), and it keeps torch's state layout, so the two
 - `torch.amp.GradScaler` works with it: `unscale_` reads `param_groups` and keys its bookkeeping by
   `id(optimizer)`; `scaler.step` calls `step()` when no gradient overflowed;
 - `register_step_post_hook(hook)`: `hook(optimizer, args, kwargs)` after each `step()`
-  (`minitrain.ard.PriorSchedule.attach` uses it).
+  (`minitrain.objectives.ard.PriorSchedule.attach` uses it).
 
 One code path: foreach on every device, also on CUDA, where the loop used `fused=True` before
 (a fused kernel saves the one temporary of the size of the trainable tensors, `sqrt(exp_avg_sq)`,

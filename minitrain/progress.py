@@ -6,6 +6,8 @@ line at every tenth of the run and at least every `every_s` seconds:
 
     progress: step 20/100 (20%) | loss 0.6512 | lr 1.80e-03 | 1,234 tok/s | 3s elapsed, ~12s left
 
+`log(...)`: a line every run prints (print, flushed; under torchrun rank 0 alone).
+
 `TensorBoard`: `report_to=tensorboard` writes every metrics.jsonl row as scalars into
 `out/tensorboard/` (the `tensorboard` extra: `pip install -e ".[tensorboard]"`), readable by
 `tensorboard --logdir out/tensorboard`. metrics.jsonl stays the record; this is a second sink.
@@ -22,7 +24,14 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from minitrain import distributed
 from minitrain.errors import UserError
+
+
+def log(*args: Any, **kwargs: Any) -> None:
+    """print, flushed; under torchrun only rank 0 prints."""
+    if distributed.rank() == 0:
+        print(*args, **kwargs, flush=True)
 
 
 def interactive() -> bool:

@@ -14,7 +14,7 @@
                                    as an HF folder in `out/model`), and where things are
 
 Every check that can fail on bad input runs before anything is written, so a mistake leaves
-no half-made output folder (DESIGN.md rule 9). The engine never imports `models/`: the recipe
+no half-made output folder (docs/design.md rule 9). The engine never imports `models/`: the recipe
 passes the builder (`models.from_hf_config`) in.
 """
 
@@ -31,24 +31,22 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from minitrain import checkpoint, data, distributed, ema
+from minitrain import checkpoint, distributed, ema
+from minitrain.adapters.lora import (LoRAConfig, adapter_signature, apply_lora, count_parameters, freeze_for_adapters,
+                                     trainable_report)
+from minitrain.adapters.peft_format import load_adapter, save_adapter
 from minitrain.audit import preflight
-from minitrain.collate import collate_causal
 from minitrain.config import to_dict, to_json
+from minitrain.data.collate import collate_causal
+from minitrain.data.packing import collate_packed_causal
+from minitrain.data.readers import hold_out, read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.device import base_dtype, pick_device
 from minitrain.errors import UserError
-from minitrain.lora import (LoRAConfig, adapter_signature, apply_lora, count_parameters, freeze_for_adapters,
-                            load_adapter, save_adapter, trainable_report)
-from minitrain.objectives import sft
-from minitrain.packing import collate_packed_causal
+from minitrain.objectives.sft import sft
+from minitrain.progress import log
 from minitrain.schedule import resolve_steps
-from minitrain.tokenizer import Tokenizer
+from minitrain.text.tokenizer import Tokenizer
 from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, read_header, save_pretrained
-
-
-def log(*args: Any, **kwargs: Any) -> None:
-    """print, flushed; under torchrun only rank 0 prints."""
-    if distributed.rank() == 0:
-        print(*args, **kwargs, flush=True)
 
 
 CONFIG_FILE = "config.json"
@@ -219,39 +217,6 @@ def _write_config(cfg: Any) -> None:
 # ----------------------------------------------------------------------------- model
 
 
-def pick_device(name: str) -> torch.device:
-    """`auto`: the GPU when there is one, else the CPU; an unavailable device is a UserError.
-
-    Under torchrun, `auto` / `cuda` is this process's GPU, `cuda:LOCAL_RANK`."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if distributed.launched() and name.startswith("cuda") and torch.cuda.is_available():
-        mine = f"cuda:{distributed.local_rank()}"
-        if name not in ("cuda", mine):
-            raise UserError(f"device={name}: under torchrun each process uses its own GPU ({mine} here) — "
-                            f"use device=auto or device=cuda")
-        name = mine
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device={name}: no CUDA device is available here — use device=cpu (or auto)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UserError(f"device={name}: there are {torch.cuda.device_count()} CUDA devices — "
-                        f"use device=cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-    return device
-
-
-def base_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype the frozen base weights are stored in for `precision` on `device`.
-
-    bf16 (or fp16) where that is the compute dtype, halving memory; fp32 otherwise. Trainable
-    tensors stay fp32 regardless (adapters are created in fp32; see `attach_adapters`).
-    """
-    if precision == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-
-
 def load_tokenizer(cfg: Any) -> Tokenizer:
     """The tokenizer of folder `cfg.model` (light: read before the weights, so a bad data row costs seconds)."""
     if not cfg.model:
@@ -280,12 +245,12 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     dtype = torch.float32 if full_finetune(cfg) else base_dtype(cfg.precision, device)
     hook = None
     if cfg.quantize == "ternary":  # plain torch: no extra package, CPU and CUDA alike
-        from minitrain.quant import quantize_hook
+        from minitrain.adapters.quant import quantize_hook
 
         hook = quantize_hook("ternary", compute_dtype=dtype, ternary_scale=cfg.ternary_scale,
                              act_bits=cfg.ternary_act_bits)
     elif cfg.quantize != "none":
-        from minitrain.quant import quantize_hook, require_bitsandbytes  # bitsandbytes: only when asked for
+        from minitrain.adapters.quant import quantize_hook, require_bitsandbytes  # bitsandbytes: only when asked for
 
         try:
             require_bitsandbytes()
@@ -422,13 +387,12 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     held out (None without either).
 
     kind: "sft" (prompt / completion, chats, text -> input_ids and labels), "seq2seq",
-    "preference" or "unpaired" (KTO); rows are read by `minitrain.data` with `cfg.fields`, the tokenizer's chat
-    template gets `cfg.chat_template_kwargs`; `options` go to the reader (e.g. max_target_len).
+    "preference" or "unpaired" (KTO); rows are read by `minitrain.data.readers` with `cfg.fields`, the tokenizer's
+    chat template gets `cfg.chat_template_kwargs`; `options` go to the reader (e.g. max_target_len).
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
-    readers = {"sft": data.read_sft, "seq2seq": data.read_seq2seq, "preference": data.read_preference,
-               "unpaired": data.read_unpaired}
+    readers = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired}
     if kind not in readers:
         raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
     read = readers[kind]
@@ -449,7 +413,7 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
                         f"eval_data={Path(cfg.eval_data) / 'validation'}")
     evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
     if evals is None and getattr(cfg, "eval_split", 0):
-        train, evals = data.hold_out(train, cfg.eval_split, cfg.seed)
+        train, evals = hold_out(train, cfg.eval_split, cfg.seed)
     # the run's size in optimizer steps (warmup longer than the run, ...) is refused now, before
     # prepare_out_dir writes anything, rather than by the loop
     total, warmup, _ = resolve_steps(len(train), cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps,
@@ -471,7 +435,7 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     """The causal-LM SFT job that `recipes/sft_llama.py` and `recipes/sft_mistral.py` share:
     model (+ adapters) from `cfg.model`, `{"prompt","completion"}` / `{"messages"}` / `{"text"}`
     examples, the `sft` objective and the padding collator (`cfg.packing`: the packing one,
-    `minitrain.packing`). Writes nothing."""
+    `minitrain.data.packing`). Writes nothing."""
     tok = load_tokenizer(cfg)
     train_examples, eval_examples = load_examples(cfg, tok, "sft")  # a bad row costs seconds, not a model load
     model, tok = load_model(cfg, build, tok)

@@ -8,7 +8,7 @@
 
 The loop knows nothing about objectives beyond `(model, batch) -> (loss_sum, count, metrics)`
 and nothing about model families beyond the contract (`block_types` for checkpointing and
-compile). See DESIGN.md rules 1, 2, 6, 7, 8 for why each piece is here.
+compile). See docs/design.md rules 1, 2, 6, 7, 8 for why each piece is here.
 
 Under torchrun (`minitrain.distributed`) the same function runs on every rank: each global
 micro-batch of `batch_size` examples is split across ranks, loss sums, target counts and
@@ -37,16 +37,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minitrain import checkpoint as ckpt
-from minitrain import distributed
+from minitrain import checkpoint as ckpt, distributed
 from minitrain.audit import preflight
-from minitrain.batcher import Batcher
+from minitrain.data.batcher import Batcher
+from minitrain.data.collate import IGNORE_INDEX
+from minitrain.device import resolve_precision
 from minitrain.ema import EMA, attach
 from minitrain.errors import UserError
-from minitrain.fit import planned_peak_mb
-from minitrain.flops import FlopCounter, device_peak_flops
-from minitrain.losses import IGNORE_INDEX
 from minitrain.optim import AdamW
+from minitrain.plan.fit import planned_peak_mb
+from minitrain.plan.flops import FlopCounter, device_peak_flops
 from minitrain.progress import Progress, open_sink
 from minitrain.schedule import lr_at, resolve_steps
 
@@ -97,8 +97,8 @@ def train(
 
     model: on its device, adapters applied and everything else frozen; follows the model
         contract (`forward -> hidden`, `output_projection`, `block_types`).
-    objective: `(model, batch) -> (loss_sum, count, metrics)` (see `minitrain.objectives`).
-    train_examples / eval_examples: lists of example dicts (`minitrain.data` readers); micro-
+    objective: `(model, batch) -> (loss_sum, count, metrics)` (see `minitrain.objectives.sft`).
+    train_examples / eval_examples: lists of example dicts (`minitrain.data.readers` readers); micro-
         batches are `collate([examples...])` moved to the model's device.
     cfg: a `TrainConfig` (or subclass); uses batch_size, grad_accum, epochs, max_steps, lr,
         weight_decay, max_grad_norm, warmup, schedule, min_lr_ratio, seed, precision,
@@ -129,9 +129,9 @@ def train(
 
     Each metrics.jsonl row: step, loss (window loss sum / window count), lr, grad_norm (before
     clipping), tokens (input tokens in the window), target_tokens, tokens_per_s, flops_per_s (model
-    FLOPs per second, all ranks: `minitrain.flops`), mfu (per device, on CUDA devices of known
+    FLOPs per second, all ranks: `minitrain.plan.flops`), mfu (per device, on CUDA devices of known
     peak), peak_mem_mb (and planned_peak_mb, the plan's figure, on CUDA or with `gpu_mem`:
-    `minitrain.fit`),
+    `minitrain.plan.fit`),
     epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
     on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
     and eval_fn's.
@@ -293,7 +293,7 @@ def train(
     stream = _micro_batches(batcher)
     summary: dict[str, Any] = {"loss": None}
     model.train()
-    flop_counter = FlopCounter.of(model)  # model FLOPs per token (minitrain.flops: the formula)
+    flop_counter = FlopCounter.of(model)  # model FLOPs per token (minitrain.plan.flops: the formula)
     peak_flops = device_peak_flops(device)  # dense bf16 peak of a known CUDA device, for MFU
     stop = _SignalStop()  # SIGINT / SIGTERM: finish this step, save, raise Interrupted
     stop.install()
@@ -626,7 +626,7 @@ def evaluate(
 ) -> dict[str, float]:
     """The generic held-out pass: `eval/loss` = total loss / total count over `examples`.
 
-    That is the mean loss per unit of the objective (`minitrain.objectives`): the mean token CE
+    That is the mean loss per unit of the objective (`minitrain.objectives.sft`): the mean token CE
     for SFT, seq2seq, and distillation and ARD in eval mode. `eval/ppl` = exp(`eval/loss`) is
     added only for an objective whose unit is the target token, i.e. unless it says
     `token_level = False` (DPO: the pair, where exp of the loss is no perplexity). Runs in eval
@@ -681,29 +681,6 @@ def _trainable(model: nn.Module, names: Iterable[str] | None) -> list[tuple[str,
         if not p.requires_grad:
             raise UserError(f"trainable: {n} does not require grad — unfreeze it (requires_grad_) first")
     return named
-
-
-def resolve_precision(precision: str, device: torch.device) -> tuple[torch.dtype | None, Any]:
-    """(autocast dtype or None for plain fp32, GradScaler or None) for `cfg.precision` on `device`.
-
-    auto: bf16 autocast on a CUDA device with bf16, else fp32 (CPU bf16 autocast works but is
-    slow, so only on request); fp16 always comes with a GradScaler (loss scaling)."""
-    if precision == "auto":
-        bf16_ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return (torch.bfloat16 if bf16_ok else None), None
-    if precision == "fp32":
-        return None, None
-    if precision == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise UserError("precision: this GPU has no bf16 support — use precision=fp16 or fp32")
-        return torch.bfloat16, None
-    if precision == "fp16":
-        # loss SUMs give per-token gradients ~count times a mean's, so start lower than torch's 2**16
-        return torch.float16, torch.amp.GradScaler(device.type, init_scale=2.0**10)
-    raise UserError(f"precision: unknown value {precision!r} — use auto, bf16, fp32 or fp16")
-
-
-_precision = resolve_precision  # the name recipes/dpo_mistral.py imports
 
 
 def _prepare_out(out: Path, cfg: Any) -> None:

@@ -4,7 +4,7 @@
         out=runs/ard max_steps=500 beta=1.0 ard_every=50 ece_bins=15
 
 Each rank component k of each adapter is scaled by a gate z_k ~ N(mu_k, sigma_k^2) with the prior
-N(0, 1/alpha_k) (see `minitrain.ard`). The loss per target token is the NLL plus `beta * KL / N`
+N(0, 1/alpha_k) (see `minitrain.adapters.ard`). The loss per target token is the NLL plus `beta * KL / N`
 (N: target tokens of the training set), the ELBO for beta = 1. Every `ard_every` optimizer steps
 the prior is re-estimated (alpha_k = 1 / (mu_k^2 + sigma_k^2)) and the held-out data is scored for
 token accuracy, NLL and expected calibration error (`ece_bins` bins; `uncertainty_samples` > 0
@@ -22,15 +22,16 @@ from dataclasses import dataclass
 
 import models
 from minitrain import checkpoint
-from minitrain.ard import (ARDObjective, PriorSchedule, dataset_target_tokens, fold_gates, make_ard, save_gates,
-                           uncertainty_eval)
+from minitrain.adapters.ard import fold_gates, make_ard, save_gates
+from minitrain.adapters.lora import trainable_report
+from minitrain.adapters.quant import INSTALL
 from minitrain.config import TrainConfig, doc
-from minitrain.collate import collate_causal
+from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
-from minitrain.lora import trainable_report
-from minitrain.quant import INSTALL
+from minitrain.objectives.ard import ARDObjective, PriorSchedule, dataset_target_tokens, uncertainty_eval
+from minitrain.progress import log
 from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
-                           load_tokenizer, log, prepare_out_dir)
+                           load_tokenizer, prepare_out_dir)
 from minitrain.train import build_optimizer, train
 
 ARD_LOG = "ard.jsonl"

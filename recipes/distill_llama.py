@@ -6,7 +6,7 @@
 
 The loss per target token is `kd_weight * T^2 * KL(teacher || student at temperature T) +
 ce_weight * CE(student, label) + feature_weight * feature + attention_weight * attention` (see
-`minitrain.distill`); `top_k=256` distils over the teacher's 256 most likely tokens only.
+`minitrain.objectives.distill`); `top_k=256` distils over the teacher's 256 most likely tokens only.
 Feature matching compares the hidden states of mapped layers (`feature_layers`, default every
 student layer; student layer i meets teacher layer ceil((i+1)*Lt/Ls)-1 unless `layer_map=i:j,...`
 says otherwise) by `feature_loss=mse|cosine`, through a learned projection when the widths differ
@@ -30,14 +30,16 @@ import dataclasses
 import functools
 
 import models
-from minitrain.collate import collate_causal
 from minitrain import distributed, ema
-from minitrain.distill import (PROJECTIONS, PROJECTIONS_FILE, DistillConfig, attach_projections, captures_layers,
-                               check_ids_shared, check_same_tokenizer, make_distill_objective, map_layers,
-                               save_projections, shared_vocab, take_projections)
+from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
+from minitrain.objectives.distill import (PROJECTIONS, PROJECTIONS_FILE, DistillConfig, attach_projections,
+                                          captures_layers, check_ids_shared, check_same_tokenizer,
+                                          make_distill_objective, map_layers, save_projections, shared_vocab,
+                                          take_projections)
+from minitrain.progress import log
 from minitrain.run import (EMA_SUFFIX, Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
-                           load_tokenizer, log, prepare_out_dir)
+                           load_tokenizer, prepare_out_dir)
 from minitrain.train import train
 
 config = DistillConfig(

@@ -15,7 +15,7 @@ same on the held-out pairs (`eval/...`) every `eval_every` steps and at the end,
 and, with the value before step 1, in out/eval.jsonl.
 
 `loss_type=orpo | cpo | simpo` trains without any reference (one forward per pair, TRL's ORPO and
-CPO trainers' formulas and metric names, see `minitrain.preference`): ORPO adds the chosen NLL
+CPO trainers' formulas and metric names, see `minitrain.objectives.preference`): ORPO adds the chosen NLL
 (`sft_weight=1` as published) to `beta` x its odds-ratio term; CPO's NLL weight (TRL's `cpo_alpha`)
 is `sft_weight`; SimPO uses `beta` and the margin `simpo_gamma` on per-token mean log-probs
 (`sft_weight=0`: SimPO as published, `> 0`: TRL's CPO-SimPO). Left unset, `sft_weight` is each
@@ -53,14 +53,16 @@ import json
 from pathlib import Path
 
 import models
-from minitrain import checkpoint as ckpt
-from minitrain import distributed
-from minitrain.dpo import collate_with_reference, make_reference, precompute_reference
+from minitrain import checkpoint as ckpt, distributed
+from minitrain.device import resolve_precision
 from minitrain.errors import UserError
-from minitrain.preference import REFERENCE_FREE, PreferenceConfig, make_pair_objective
-from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer, log,
+from minitrain.objectives.dpo import collate_with_reference
+from minitrain.objectives.preference import REFERENCE_FREE, PreferenceConfig, make_pair_objective
+from minitrain.objectives.reference import make_reference, precompute_reference
+from minitrain.progress import log
+from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
                            prepare_out_dir)
-from minitrain.train import resolve_precision, train
+from minitrain.train import train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 

@@ -8,7 +8,7 @@
 Rows are `{"prompt", "completion", "label": true|false}`: the prompt a string or a list of chat
 messages, the completion the answer that got the thumbs-up (true) or -down (false). No pairs are
 needed (the data many teams actually collect). The loss is TRL's KTO (`beta`, `desirable_weight`,
-`undesirable_weight`, see `minitrain.kto`); the KL reference point comes from mismatched
+`undesirable_weight`, see `minitrain.objectives.kto`); the KL reference point comes from mismatched
 prompt-completion pairs (each row's prompt with the previous row's completion in its block of
 `batch_size` rows), so `batch_size` must be at least 2. TRL's advice on imbalanced data: keep
 `desirable_weight * #desirable / (undesirable_weight * #undesirable)` within [1, 4/3]; the
@@ -30,14 +30,15 @@ import json
 from pathlib import Path
 
 import models
-from minitrain import checkpoint as ckpt
-from minitrain import distributed
-from minitrain.dpo import make_reference
+from minitrain import checkpoint as ckpt, distributed
+from minitrain.device import resolve_precision
 from minitrain.errors import UserError
-from minitrain.kto import KTOConfig, KTOObjective, add_kl_rows, collate_kto, precompute_kto_reference
-from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer, log,
+from minitrain.objectives.kto import KTOConfig, KTOObjective, add_kl_rows, collate_kto, precompute_kto_reference
+from minitrain.objectives.reference import make_reference
+from minitrain.progress import log
+from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
                            prepare_out_dir)
-from minitrain.train import resolve_precision, train
+from minitrain.train import train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 

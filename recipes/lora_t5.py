@@ -48,16 +48,18 @@ import torch
 
 import models
 from models.t5 import generate
+from minitrain.adapters.peft_format import adapter_vocab_size, save_adapter
 from minitrain.config import TrainConfig, doc
-from minitrain.collate import collate_seq2seq
+from minitrain.data.collate import collate_seq2seq
+from minitrain.data.packing import collate_packed_seq2seq
+from minitrain.device import base_dtype, pick_device
 from minitrain.errors import UserError
-from minitrain.lora import adapter_vocab_size, save_adapter
-from minitrain.objectives import seq2seq
-from minitrain.packing import collate_packed_seq2seq
-from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, base_dtype, check_out_dir, finish, load_examples,
-                           load_model, load_tokenizer, log, pick_device, prepare_out_dir)
-from minitrain.seq2seq_eval import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, EarlyStopping, GenerationEval
-from minitrain.tokenizer import Tokenizer
+from minitrain.evaluate.generation import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, EarlyStopping, GenerationEval
+from minitrain.objectives.sft import seq2seq
+from minitrain.progress import log
+from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
+                           load_tokenizer, prepare_out_dir)
+from minitrain.text.tokenizer import Tokenizer
 from minitrain.train import train
 
 T5_TARGETS = ["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"]

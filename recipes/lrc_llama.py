@@ -6,7 +6,7 @@ The base is quantized as it loads (`quantize=nf4` by default, int8, or ternary: 
 {-1, 0, +1} x absmean scale, `ternary_scale=tensor|channel`, `ternary_act_bits=8` for BitLinear's
 8-bit activations); every LoRA adapter on a quantized linear is then set to the best rank-r
 approximation of `W - dequant(Q(W))`, with W read from the checkpoint one tensor at a time (see
-`minitrain.lrc`), so training starts from a model nearer the full-precision one than plain
+`minitrain.adapters.lrc`), so training starts from a model nearer the full-precision one than plain
 QLoRA's. `lrc_rank=0.15` gives each adapter 15% of its layer's full rank min(out, in) (an integer:
 that rank; unset: lora_r); `lrc_calibration=8` weights the error by the inputs of 8 training
 micro-batches (activation-aware); `lrc_iters=5` runs LoftQ's alternation (the base is
@@ -26,13 +26,14 @@ import functools
 from dataclasses import dataclass, replace
 
 import models
+from minitrain.adapters.lrc import init_lrc, lrc_ranks
 from minitrain.config import TrainConfig, doc, format_value
-from minitrain.collate import collate_causal
+from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
-from minitrain.lrc import init_lrc, lrc_ranks
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
+from minitrain.progress import log
 from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
-                           lora_config, log, prepare_out_dir)
+                           lora_config, prepare_out_dir)
 from minitrain.train import train
 
 

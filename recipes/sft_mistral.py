@@ -24,7 +24,8 @@ from pathlib import Path
 
 import models
 from minitrain.config import SFTConfig
-from minitrain.run import Job, check_out_dir, finish, log, prepare_out_dir, sft_job
+from minitrain.progress import log
+from minitrain.run import Job, check_out_dir, finish, prepare_out_dir, sft_job
 from minitrain.train import train
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"

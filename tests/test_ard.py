@@ -1,4 +1,4 @@
-"""minitrain.ard against closed forms and hand-written references, and recipes/ard_lora_llama.py.
+"""minitrain.adapters.ard against closed forms and hand-written references, and recipes/ard_lora_llama.py.
 
 References: the Gaussian KL from its textbook formula and from torch.distributions; the layer
 output from `base(x) + s * B diag(z) A x` written out; ECE from a Python loop over tokens with the
@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from _tok import corpus, make_bpe_tokenizer
 from torch.distributions import Normal, kl_divergence
 
-from minitrain.ard import (ARDLoRALinear, ARDObjective, PriorSchedule, RankGate, ard_kl, calibration_bins,
-                           dataset_target_tokens, ece_from_bins, fold_gates, gate_kl, gates, make_ard, update_prior,
-                           uncertainty_eval)
+from minitrain.adapters.ard import ARDLoRALinear, RankGate, ard_kl, fold_gates, gate_kl, gates, make_ard, update_prior
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.adapters.peft_format import load_adapter, save_adapter
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, save_adapter
+from minitrain.objectives.ard import (ARDObjective, PriorSchedule, calibration_bins, dataset_target_tokens,
+                                      ece_from_bins, uncertainty_eval)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,7 +143,7 @@ def test_fold_keeps_the_model_and_makes_the_plain_lora_the_posterior_mean(tmp_pa
 
 
 def test_merge_uses_the_posterior_mean():
-    from minitrain.lora import merge
+    from minitrain.adapters.merge import merge
 
     model, _ = ard_linear()
     model.eval()
@@ -220,7 +221,7 @@ def rows(n: int, seed: int) -> list[dict]:
 
 
 def collate(examples):
-    from minitrain.data import collate_causal
+    from minitrain.data.collate import collate_causal
 
     return collate_causal(examples, pad_id=0)
 
@@ -331,8 +332,8 @@ def test_checkpointing_replays_the_same_gate_draw(llama):
 def test_nf4_base(hf_causal):
     pytest.importorskip("bitsandbytes")
     import models
-    from minitrain.ard import ARDLoRALinear4bit
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.ard import ARDLoRALinear4bit
+    from minitrain.adapters.quant import quantize_hook
     from minitrain.weights import load_pretrained
 
     model = load_pretrained(hf_causal("ard_llama"), models.from_hf_config,

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import models
+from minitrain.adapters.lora import LoRAConfig, LoRALinear, apply_lora, freeze_for_adapters
+from minitrain.adapters.peft_format import load_adapter, save_adapter
 from minitrain.audit import UNREACHABLE, ZERO_AT_INIT, audit, preflight
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, LoRALinear, apply_lora, freeze_for_adapters, load_adapter, save_adapter
-from minitrain.losses import chunked_cross_entropy_sum, shift_labels
-from minitrain.objectives import seq2seq, sft
+from minitrain.objectives.losses import chunked_cross_entropy_sum, shift_labels
+from minitrain.objectives.sft import seq2seq, sft
 from minitrain.train import enable_checkpointing
 from minitrain.weights import load_pretrained
 
@@ -186,7 +187,7 @@ def test_preflight_stops_with_one_line_error(lora_model):
 
 def test_qlora_over_quantized_base_is_healthy(hf_causal):
     pytest.importorskip("bitsandbytes")
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.quant import quantize_hook
 
     model = load_pretrained(hf_causal("audit_llama"), models.from_hf_config,
                             tensor_hook=quantize_hook("nf4", compute_dtype=torch.float32))
@@ -219,7 +220,7 @@ def test_train_runs_the_preflight_and_stops_a_broken_run(lora_model, tmp_path):
     """train() audits before step 1: a broken path stops the run (exit-2 error) before any step,
     and skip_audit=true lets it through with a logged notice."""
     from minitrain.config import TrainConfig
-    from minitrain.data import collate_causal
+    from minitrain.data.collate import collate_causal
     from minitrain.train import train
 
     b = _batch()
@@ -370,7 +371,7 @@ def test_h_fresh_adapter_reached_only_through_times_zero(lora_model):
 
 def test_i_adapter_merged_before_training(lora_model, hf_causal, tmp_path):
     """init_adapter then merge(): the forward skips the adapter; say so, name the layers, say what to do."""
-    from minitrain.lora import merge
+    from minitrain.adapters.merge import merge
 
     _nonzero_b(lora_model)
     save_adapter(lora_model, tmp_path / "adapter", CFG)
@@ -396,7 +397,7 @@ def test_i_adapter_merged_in_some_layers_only(lora_model):
 
 
 def test_i_adapter_disabled_during_training(lora_model):
-    from minitrain.lora import disable_adapters
+    from minitrain.adapters.lora import disable_adapters
 
     with disable_adapters(lora_model):
         report = audit(lora_model, sft, _batch())
@@ -408,7 +409,7 @@ def test_h_zero_on_this_batch_only_is_a_warning_not_healthy_and_not_fatal():
     single key has a q / k gradient of exactly zero whatever the weights (the softmax of one score is
     1). The batch, not the run, is at fault: the verdict is a WARNING (never "healthy") and the
     preflight lets the run go. (The exact zero needs an exact softmax backward: test_train's TinyLM.)"""
-    from minitrain.data import collate_causal
+    from minitrain.data.collate import collate_causal
     from test_train import TinyLM, freeze_embeddings
 
     model = freeze_embeddings(TinyLM(seed=3))
@@ -435,7 +436,7 @@ def test_audit_runs_on_a_short_slice_of_the_shortest_example(lora_model):
     the causal alignment (labels are -100 or the id at the same position) and a target, cuts DPO's
     two rows alike and seq2seq's encoder and decoder both; the audit on it is healthy and still
     finds a planted break (a forward section under no_grad)."""
-    from minitrain.data import collate_causal, collate_preference, collate_seq2seq
+    from minitrain.data.collate import collate_causal, collate_preference, collate_seq2seq
     from minitrain.train import AUDIT_SLICE, audit_batch
 
     g = torch.Generator().manual_seed(1)

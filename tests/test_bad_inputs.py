@@ -2,7 +2,7 @@
 
 Each case in `tests/bad_inputs/cases.json` names its inputs (data files and recipes live in
 `tests/bad_inputs/`; broken model folders are made here from the `hf_causal` fixture) and the
-regex its one `error:` line must match. The contract is the user's (DESIGN.md rule 9): exit code
+regex its one `error:` line must match. The contract is the user's (docs/design.md rule 9): exit code
 2, exactly one line on stderr starting `error: `, no traceback, and the output folder absent or
 unchanged byte for byte. Cases marked `"subprocess": true` run as a real `python -m minitrain`
 process; the rest call `minitrain.cli.run_cli` in-process (the same code path minus interpreter
@@ -10,7 +10,7 @@ start-up, which costs seconds per case). Set MINITRAIN_BAD_INPUTS_SUBPROCESS=1 t
 as a subprocess.
 
 Two inputs are accepted rather than refused, and their policy is tested here (see
-`minitrain.data`): a prompt longer than `max_len` is cut to `max_len // 2` tokens on
+`minitrain.data.readers`): a prompt longer than `max_len` is cut to `max_len // 2` tokens on
 `truncation_side` and the completion fills the rest; a row left with no target token after
 truncation is skipped and counted, and training goes on with finite losses.
 """
@@ -111,7 +111,8 @@ def models_dir(hf_causal, tmp_path_factory) -> Path:
 def adapter_other_base(tmp_path_factory) -> Path:
     """A LoRA adapter saved for a LLaMA of hidden size 32 (ours is 64), same vocabulary."""
     import models
-    from minitrain.lora import LoRAConfig, apply_lora, save_adapter
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
 
     cfg = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -245,8 +246,9 @@ def test_long_prompt_truncated_and_targetless_row_skipped(models_dir, tmp_path, 
     """A prompt longer than max_len loses tokens on truncation_side (right: its end) down to what
     leaves room for the completion, but not below max_len // 2; it is counted. A chat row left
     with no assistant token is skipped and counted; training runs on the rest with finite losses."""
-    from minitrain.data import IGNORE, read_sft
-    from minitrain.tokenizer import Tokenizer
+    from minitrain.data.collate import IGNORE_INDEX
+    from minitrain.data.readers import read_sft
+    from minitrain.text.tokenizer import Tokenizer
 
     data = CASES_DIR / "data" / "truncation.jsonl"
     rows = [json.loads(line) for line in data.read_text().splitlines()]
@@ -260,7 +262,7 @@ def test_long_prompt_truncated_and_targetless_row_skipped(models_dir, tmp_path, 
     assert len(prompt) > max_len  # the case really is a prompt longer than max_len
     keep = max(max_len - len(completion), max_len // 2)
     assert long["input_ids"] == prompt[:keep] + completion[: max_len - keep]  # the prompt's beginning
-    assert long["labels"] == [IGNORE] * keep + completion[: max_len - keep]
+    assert long["labels"] == [IGNORE_INDEX] * keep + completion[: max_len - keep]
     # and with a completion that leaves less than half: the prompt keeps max_len // 2
     short = read_sft(data, tok, max_len=8, truncation_side="left")
     p8 = [tok.bos_id] + tok.encode(rows[2]["prompt"])
@@ -281,14 +283,15 @@ def test_long_prompt_truncated_and_targetless_row_skipped(models_dir, tmp_path, 
 def test_an_all_padding_batch_is_never_trained_on(models_dir):
     """The skip is what keeps a batch from being all -100 (a 0/0 NaN loss): every example kept
     by the reader has a target after the causal shift."""
-    from minitrain.data import IGNORE, read_sft
-    from minitrain.tokenizer import Tokenizer
+    from minitrain.data.collate import IGNORE_INDEX
+    from minitrain.data.readers import read_sft
+    from minitrain.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(models_dir / "good", chat_format="mistral")
     for max_len in (2, 3, 8, 16):
         for side in ("left", "right"):
             ex = read_sft(CASES_DIR / "data" / "truncation.jsonl", tok, max_len=max_len, truncation_side=side)
-            assert all(any(x != IGNORE for x in e["labels"][1:]) for e in ex), (max_len, side)
+            assert all(any(x != IGNORE_INDEX for x in e["labels"][1:]) for e in ex), (max_len, side)
             assert len(ex) + ex.skipped == 4
 
 
@@ -298,8 +301,8 @@ def test_identical_dpo_pairs_dropped_on_request_and_counted(models_dir, tmp_path
     policy, so its gradient is exactly zero (checked with autograd)."""
     import torch.nn.functional as F
 
-    from minitrain.data import read_preference
-    from minitrain.tokenizer import Tokenizer
+    from minitrain.data.readers import read_preference
+    from minitrain.text.tokenizer import Tokenizer
 
     data = CASES_DIR / "data" / "identical_pair.jsonl"
     tok = Tokenizer.from_folder(models_dir / "good", chat_format="mistral")

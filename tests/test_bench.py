@@ -41,7 +41,7 @@ def test_prepare_is_cached_and_tokenizers_agree(tiny):
     assert len(open(info["dpo"]).readlines()) == a.dpo_steps * a.dpo_batch * a.dpo_accum
     from transformers import AutoTokenizer
 
-    from minitrain.tokenizer import Tokenizer
+    from minitrain.text.tokenizer import Tokenizer
 
     ours, theirs = Tokenizer.from_folder(info["model"]), AutoTokenizer.from_pretrained(info["model"])
     assert ours.vocab_size == len(theirs) == a.vocab

@@ -24,7 +24,7 @@ import pytest
 
 from _tok import corpus, make_bpe_tokenizer, make_llama3_tokenizer
 from minitrain.errors import UserError
-from minitrain.tokenizer import Tokenizer
+from minitrain.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 from transformers.utils import logging as hf_logging  # noqa: E402

@@ -439,9 +439,9 @@ def test_hugging_face_names_get_a_did_you_mean():
     trl = pytest.importorskip("trl")
     from minitrain.cli import HF_NAMES, apply_overrides
     from minitrain.config import TrainConfig
-    from minitrain.distill import DistillConfig
-    from minitrain.dpo import DPOConfig
     from minitrain.errors import UserError
+    from minitrain.objectives.distill import DistillConfig
+    from minitrain.objectives.dpo import DPOConfig
 
     real = set()
     for cls in (transformers.TrainingArguments, transformers.BitsAndBytesConfig, peft.LoraConfig, trl.SFTConfig,

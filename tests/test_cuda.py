@@ -2,7 +2,7 @@
 
 - bf16 autocast on CUDA: the LoRA SFT loss and adapter gradients close to fp32's;
 - per-block `torch.compile` with non-reentrant checkpointing gives eager's gradients;
-- a ternary base (minitrain.ternary) with LRC adapters: CUDA equals CPU, compiled equals eager;
+- a ternary base (minitrain.adapters.ternary) with LRC adapters: CUDA equals CPU, compiled equals eager;
 - nf4 / int8 QLoRA on CUDA: logits and adapter gradients equal peft + bitsandbytes (transformers'
   `BitsAndBytesConfig` loading of the same checkpoint) with the same adapter values.
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import models
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-from minitrain.objectives import sft
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.objectives.sft import sft
 from minitrain.train import compile_blocks, enable_checkpointing
 from minitrain.weights import load_pretrained
 
@@ -85,8 +85,8 @@ def test_ternary_lrc_on_cuda_equals_cpu_and_compiles(hf_causal):
     """Field report 004's setup on CUDA: a Qwen3 with a ternary base and BitLinear's 8-bit activations,
     LRC adapters, checkpointed and compiled blocks. fp32: the CUDA loss and gradients equal the CPU's;
     compiled + checkpointed give eager's; bf16 autocast stays close to fp32."""
-    from minitrain.lrc import init_lrc
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.lrc import init_lrc
+    from minitrain.adapters.quant import quantize_hook
 
     folder = hf_causal("cuda_qwen3", model_type="qwen3", num_key_value_heads=2, head_dim=16)
 
@@ -130,8 +130,8 @@ def test_qlora_matches_peft_and_bitsandbytes(hf_causal, kind):
     bnb = pytest.importorskip("bitsandbytes")  # noqa: F841
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from minitrain.losses import shift_labels
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.quant import quantize_hook
+    from minitrain.objectives.losses import shift_labels
 
     folder = hf_causal("cuda_llama")
     cd = torch.float32

@@ -16,18 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _tok import corpus, make_bpe_tokenizer, make_llama3_tokenizer, make_sp_tokenizer, make_t5_tokenizer
-from minitrain.data import (
-    Batcher,
-    collate_causal,
-    collate_preference,
-    collate_seq2seq,
-    read_jsonl,
-    read_preference,
-    read_seq2seq,
-    read_sft,
-)
+from minitrain.data.batcher import Batcher
+from minitrain.data.collate import collate_causal, collate_preference, collate_seq2seq
+from minitrain.data.files import read_jsonl
+from minitrain.data.readers import read_preference, read_seq2seq, read_sft
 from minitrain.errors import UserError
-from minitrain.tokenizer import Tokenizer
+from minitrain.text.tokenizer import Tokenizer
 
 IGNORE = -100
 _TOK: dict[str, Tokenizer] = {}
@@ -190,7 +184,7 @@ def test_seq2seq_equals_t5tokenizer(tmp_path):
 
 
 def test_collate_seq2seq_shifts_labels_right():
-    from minitrain.objectives import shift_right
+    from minitrain.objectives.sft import shift_right
 
     exs = [{"input_ids": [5, 6, 7, 1], "labels": [8, 9, 1]}, {"input_ids": [5, 1], "labels": [4, 1]}]
     b = collate_seq2seq(exs, pad_id=0)

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from _tok import make_llama3_tokenizer
-from minitrain.data import hold_out, read_preference, read_sft
+from minitrain.data.readers import hold_out, read_preference, read_sft
 from minitrain.errors import UserError
-from minitrain.tokenizer import Tokenizer
+from minitrain.text.tokenizer import Tokenizer
 
 pa = pytest.importorskip("pyarrow")
 import pyarrow.ipc  # noqa: E402
@@ -283,7 +283,7 @@ def test_text_that_begins_with_bos_gets_no_second_bos(tmp_path, tok):
 def test_eos_stays_a_target_when_pad_is_eos(tmp_path, tok):
     """pad == eos (this tokenizer has no pad): padding is masked by length, never by id, so the
     final eos keeps its label (TRL issue: EOS never learned when pad == eos)."""
-    from minitrain.collate import collate_causal
+    from minitrain.data.collate import collate_causal
 
     ex = read_sft(write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["prompt_completion"][:2] + SFT_ROWS["messages"][:1]),
                   tok, max_len=128)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import models
-from minitrain.data import read_preference, read_sft
-from minitrain.tokenizer import Tokenizer
+from minitrain.data.readers import read_preference, read_sft
+from minitrain.text.tokenizer import Tokenizer
 from minitrain.weights import load_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,9 +26,8 @@ import torch
 from _tok import make_bpe_tokenizer
 from safetensors import SafetensorError
 
-from minitrain import checkpoint as ckpt
-from minitrain import lora as lora_mod
-from minitrain import weights as weights_mod
+from minitrain import checkpoint as ckpt, weights as weights_mod
+from minitrain.adapters import peft_format
 from minitrain.cli import run_cli
 from minitrain.errors import UserError
 from minitrain.weights import io_error_reason
@@ -303,7 +302,7 @@ def steps_logged(out: Path) -> list[int]:
 
 def test_adapter_write_fails_at_the_end_then_resume_writes_it(model_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    monkeypatch.setattr(lora_mod, "save_file", _full_disk_save_file)
+    monkeypatch.setattr(peft_format, "save_file", _full_disk_save_file)
     assert run_cli(cli_args(model_dir, out)) == 2
     line = one_error_line(capsys.readouterr().err)
     assert line == (f"error: {out / 'adapter'}: cannot write the adapter: no space left on device — the trained "

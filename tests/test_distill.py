@@ -1,4 +1,4 @@
-"""minitrain.distill against hand-written references, and recipes/distill_llama.py end to end.
+"""minitrain.objectives.distill against hand-written references, and recipes/distill_llama.py end to end.
 
 References are written from the definitions (Hinton et al. 2015): p = exp(u/T) / sum exp(u/T)
 computed directly in float64, KD = T^2 * sum p (log p - log q), CE = -log softmax(z)[y]; subset
@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from _tok import corpus, make_bpe_tokenizer, make_sp_tokenizer
 
-from minitrain.distill import (PROJECTIONS, DistillObjective, attach_projections, attention_kl, balance_note,
-                               captures_layers, check_ids_shared, check_same_tokenizer, chunked_kd_ce, feature_distance,
-                               kd_ce_from_logits, make_distill_objective, map_layers, save_projections,
-                               shared_vocab, take_projections, uniform_layer_map)
 from minitrain.errors import UserError
+from minitrain.objectives.distill import (PROJECTIONS, DistillObjective, attach_projections, attention_kl, balance_note,
+                                          captures_layers, check_ids_shared, check_same_tokenizer, chunked_kd_ce,
+                                          feature_distance, kd_ce_from_logits, make_distill_objective, map_layers,
+                                          save_projections, shared_vocab, take_projections, uniform_layer_map)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -227,7 +227,7 @@ def test_nf4_teacher(pair, hf_causal):
     """A 4-bit teacher: the KD is against the quantized teacher's own logits, still no gradient into it."""
     pytest.importorskip("bitsandbytes")
     import models
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.quant import quantize_hook
     from minitrain.weights import load_pretrained
 
     student, _ = pair
@@ -583,7 +583,7 @@ def test_tokenizer_check(tmp_path):
 
 def test_shared_vocab_and_ids_beyond_it(pair, hf_causal):
     import models
-    from minitrain.data import Examples
+    from minitrain.data.readers import Examples
     from minitrain.weights import load_pretrained
 
     padded = load_pretrained(hf_causal("distill_v160", vocab_size=160), models.from_hf_config)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from minitrain.tokenizer import Tokenizer
+from minitrain.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -31,10 +31,10 @@ from safetensors.torch import load_file, save_file
 from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, rows, trainable_state
 
 from minitrain import distributed
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.config import TrainConfig
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
 from minitrain.train import Interrupted, train
 
 HERE = Path(__file__).resolve().parent
@@ -199,7 +199,7 @@ def demo_dpo_job():
 
 
 def dpo_eval_worker(rank: int, out: str, parallel: str) -> None:
-    from minitrain.dpo import evaluate_dpo
+    from minitrain.objectives.dpo import evaluate_dpo
 
     job = demo_dpo_job()
     if parallel == "fsdp":
@@ -211,7 +211,7 @@ def dpo_eval_worker(rank: int, out: str, parallel: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_dpo_held_out_metrics_are_split_across_ranks_and_equal_one_process(tmp_path, parallel):
-    from minitrain.dpo import evaluate_dpo
+    from minitrain.objectives.dpo import evaluate_dpo
 
     job = demo_dpo_job()
     want = evaluate_dpo(job.model, job.objective, job.eval_examples[:5], job.collate, batch_size=4)
@@ -328,7 +328,7 @@ def test_torchrun_cli_equals_one_process_and_rank0_alone_writes(tiny_model, tmp_
 
 
 def kto_kl_worker(rank: int, out: str) -> None:
-    from minitrain.kto import kl_reference_point
+    from minitrain.objectives.kto import kl_reference_point
 
     policy = {0: torch.tensor([-1.0, -2.0]), 1: torch.tensor([-1.0, -3.0, -2.0])}[rank]
     ref = {0: torch.tensor([-0.5, -1.9]), 1: torch.tensor([-2.0, -3.0, -2.5])}[rank]

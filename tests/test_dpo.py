@@ -21,22 +21,13 @@ import torch
 from safetensors.torch import load_file
 
 import models
+from minitrain.adapters.lora import LoRAConfig, LoRALinear, apply_lora, disable_adapters, freeze_for_adapters
+from minitrain.adapters.peft_format import load_adapter, save_adapter
 from minitrain.config import validate
-from minitrain.data import collate_preference
-from minitrain.dpo import (
-    AdapterSnapshotReference,
-    BaseReference,
-    DPOConfig,
-    collate_with_reference,
-    dpo_loss,
-    evaluate_dpo,
-    make_dpo_objective,
-    precompute_reference,
-    sequence_logps,
-)
+from minitrain.data.collate import collate_preference
 from minitrain.errors import UserError
-from minitrain.lora import (LoRAConfig, LoRALinear, apply_lora, disable_adapters, freeze_for_adapters, load_adapter,
-                            save_adapter)
+from minitrain.objectives.dpo import DPOConfig, collate_with_reference, dpo_loss, evaluate_dpo, make_dpo_objective
+from minitrain.objectives.reference import AdapterSnapshotReference, BaseReference, precompute_reference, sequence_logps
 from minitrain.train import evaluate, train
 from minitrain.weights import load_pretrained
 
@@ -54,7 +45,7 @@ TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
 
 
 def our_examples(pairs=PAIRS) -> list[dict]:
-    """The pairs as `minitrain.data.read_preference` makes them (labels -100 on the prompt)."""
+    """The pairs as `minitrain.data.readers.read_preference` makes them (labels -100 on the prompt)."""
     out = []
     for p, c, r in pairs:
         out.append({"chosen_ids": p + c, "chosen_labels": [-100] * len(p) + c,
@@ -487,7 +478,7 @@ def test_cache_holds_the_reference_not_the_policy(hf_causal, stage_a_adapter, tm
 
 
 def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_no_temporary(hf_causal, tmp_path, monkeypatch):
-    import minitrain.dpo as dpo_mod
+    import minitrain.objectives.reference as reference_mod
 
     model, _ = our_lora_model(hf_causal("dpo_policy"))
     cache = tmp_path / "ref_logps" / "train"
@@ -496,7 +487,7 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_no_temporary(hf_c
         open(path, "wb").write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(dpo_mod, "save_file", full)
+    monkeypatch.setattr(reference_mod, "save_file", full)
     with pytest.raises(UserError) as e:
         precompute_reference(model, BaseReference(), our_examples(), cache, _collate, 3, log=lambda s: None)
     assert "\n" not in str(e.value)
@@ -645,7 +636,7 @@ def test_qlora_step0_is_log2_and_gradients_reach_the_adapter(hf_causal, stage_a_
     repacks for inference on an eval no-grad forward and then passes no gradient): every adapter
     tensor gets a gradient through the quantized layers after it, also with checkpointing."""
     pytest.importorskip("bitsandbytes")
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.quant import quantize_hook
     from minitrain.train import enable_checkpointing
 
     folder = hf_causal("dpo_policy")

@@ -24,7 +24,7 @@ from test_resume import Killed, killing, model_state
 from test_train import TinyLM, cfg_for, collate, make_examples, quiet, rows
 
 from minitrain.cli import run_cli
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
 from minitrain.train import build_optimizer, evaluate, train
 
 REPO = Path(__file__).resolve().parents[1]

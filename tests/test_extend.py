@@ -17,7 +17,7 @@ import torch
 
 from minitrain.config import TrainConfig, validate
 from minitrain.errors import UserError
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
 from minitrain.train import train
 from test_resume import Killed, fresh_model, killing, model_state
 from test_train import cfg_for, collate, make_examples, quiet, rows

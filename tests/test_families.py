@@ -154,7 +154,7 @@ def test_family_maths_is_not_a_no_op(hf_causal, tmp_path, name, changes):
 def test_chunked_loss_sees_the_final_softcap(hf_causal, name):
     """The final cap is inside `output_projection`, so the chunked loss (frozen head or not) equals
     transformers' cross-entropy over its capped logits."""
-    from minitrain.losses import chunked_cross_entropy_sum, shift_labels
+    from minitrain.objectives.losses import chunked_cross_entropy_sum, shift_labels
 
     folder = family_checkpoint(hf_causal, name)
     model = load_ours(folder)
@@ -306,7 +306,8 @@ def _logits(model, x):
 def test_adapters_round_trip_through_peft(hf_causal, tmp_path, name):
     """Ours -> PEFT on transformers' model, and PEFT's -> ours: equal logits, adapter on and off."""
     peft = pytest.importorskip("peft")
-    from minitrain.lora import LoRAConfig, apply_lora, disable_adapters, load_adapter, save_adapter
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, disable_adapters
+    from minitrain.adapters.peft_format import load_adapter, save_adapter
     from minitrain.weights import load_pretrained
 
     folder = family_checkpoint(hf_causal, name)

@@ -63,7 +63,7 @@ def test_sft_and_dpo_cli_runs(hf_causal, tmp_path, capsys, data, name):
     import transformers
 
     import models
-    from minitrain.lora import load_adapter
+    from minitrain.adapters.peft_format import load_adapter
     from minitrain.weights import load_pretrained
 
     model = model_folder(hf_causal, tmp_path, name)

@@ -21,8 +21,9 @@ from test_families import family_checkpoint, load_hf
 from test_families_cli import data, model_folder  # noqa: F401  (data: a fixture)
 
 import models
+from minitrain.adapters.lora import LoRAConfig, apply_lora
+from minitrain.adapters.peft_format import save_adapter
 from minitrain.cli import run_cli
-from minitrain.lora import LoRAConfig, apply_lora, save_adapter
 from minitrain.weights import load_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,8 +81,8 @@ def test_qlora_equals_peft_and_bitsandbytes(hf_causal, tmp_path, name):
     bnb = pytest.importorskip("bitsandbytes")
     import transformers
 
-    from minitrain.losses import shift_labels
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.quant import quantize_hook
+    from minitrain.objectives.losses import shift_labels
 
     folder = family_checkpoint(hf_causal, name)
     ours = load_pretrained(folder, models.from_hf_config, tensor_hook=quantize_hook(

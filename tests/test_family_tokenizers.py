@@ -17,7 +17,7 @@ import tokenizers
 import transformers
 from _tok import corpus, make_gemma_tokenizer, make_phi3_tokenizer, make_qwen_tokenizer
 
-from minitrain.tokenizer import Tokenizer
+from minitrain.text.tokenizer import Tokenizer
 
 PLAIN = corpus(30, seed=5) + ["naïve café 日本語 🙂 ½", "a\n\nb\tc  d", "x ", "tabs\t\tand 12345 digits", ""]
 CHATS = {
@@ -123,7 +123,7 @@ def test_data_rows_begin_as_transformers_tokenizes(folders, name, tmp_path):
     transformers' `tokenizer(text)` does, the row's own bos never doubled."""
     import json
 
-    from minitrain.data import read_sft
+    from minitrain.data.readers import read_sft
 
     ref = transformers.AutoTokenizer.from_pretrained(str(folders[name]))
     text, prompt = PLAIN[0], PLAIN[1]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from minitrain import fit
 from minitrain.cli import load_recipe, resolve_config
 from minitrain.errors import UserError
+from minitrain.plan import fit
 
 ROOT = Path(__file__).resolve().parents[1]
 MISTRAL = ROOT / "tests" / "fixtures" / "configs" / "Mistral-7B-Instruct-v0.2"
@@ -104,8 +104,8 @@ def test_the_planned_peak_is_logged_beside_the_measured_one(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     cfg = resolve_config(load_recipe(str(ROOT / "recipes" / "sft_llama.py")),
                          [f"model={DEMO / 'model'}", "data=x", "max_len=64", "batch_size=2"])[0]
-    from minitrain import plan as P
+    from minitrain.plan.predict import predict, run_shape, shape_from_hf
 
-    want = P.predict(P.shape_from_hf(json.loads((DEMO / "model" / "config.json").read_text())),
-                     P.run_shape(cfg, device="cuda")).peak / 2**20
+    want = predict(shape_from_hf(json.loads((DEMO / "model" / "config.json").read_text())),
+                     run_shape(cfg, device="cuda")).peak / 2**20
     assert all(r["planned_peak_mb"] == pytest.approx(want) and "peak_mem_mb" in r for r in rows)

@@ -1,4 +1,4 @@
-"""Model FLOPs (minitrain.flops) against torch's own FlopCounterMode, and their place in metrics.jsonl."""
+"""Model FLOPs (minitrain.plan.flops) against torch's own FlopCounterMode, and their place in metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 import torch
 from torch.utils.flop_counter import FlopCounterMode, mm_flop
 
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.config import TrainConfig
-from minitrain.data import collate_causal
-from minitrain.flops import FlopCounter, device_peak_flops
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-from minitrain.objectives import sft
+from minitrain.data.collate import collate_causal
+from minitrain.objectives.sft import sft
+from minitrain.plan.flops import FlopCounter, device_peak_flops
 from models.llama import LlamaConfig, LlamaForCausalLM
 
 # (self, a, b) -> the FLOPs of a @ b: torch counts `addmm`, not the in-place `addmm_` LoRA uses

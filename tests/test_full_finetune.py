@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 
 import models
 from minitrain.cli import run_cli
-from minitrain.collate import collate_causal
 from minitrain.config import SFTConfig
+from minitrain.data.collate import collate_causal
 from minitrain.run import load_examples, load_tokenizer
 from minitrain.weights import load_pretrained
 

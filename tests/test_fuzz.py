@@ -1,7 +1,7 @@
 """Fuzzing what users type and feed: the JSONL readers and the command-line override parser.
 
 Property: whatever the input, the result is a valid value or a one-line `UserError` — never
-another exception type (a traceback is a bug, DESIGN.md rule 9). Complements the row-shaped
+another exception type (a traceback is a bug, docs/design.md rule 9). Complements the row-shaped
 fuzzing in test_data.py and the single-argument fuzzing in test_cli.py with inputs those do not
 draw: arbitrary bytes (broken UTF-8, BOMs, NULs, CRs), lines that are not JSON, JSON that Python
 accepts but users do not mean (NaN, 1e999, lone surrogates, duplicate keys, deep nesting), bad
@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 
 from minitrain.cli import _Bad, apply_overrides, parse_value
 from minitrain.config import TrainConfig, conforms, doc, field_types, unwrap_optional, validate
-from minitrain.data import IGNORE, Examples, read_preference, read_seq2seq, read_sft
+from minitrain.data.collate import IGNORE_INDEX
+from minitrain.data.readers import Examples, read_preference, read_seq2seq, read_sft
 from minitrain.errors import UserError
-from minitrain.tokenizer import Tokenizer
+from minitrain.text.tokenizer import Tokenizer
 
 _BASE = settings(deadline=None, database=None, derandomize=True,
                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -154,11 +155,11 @@ def check_examples(kind: str, ex: Examples, max_len: int) -> None:
             ids, labels = e[ids_k], e[lab_k]
             assert ids and len(ids) <= max_len
             assert all(type(i) is int and 0 <= i < vocab for i in ids)
-            assert all(type(x) is int and (x == IGNORE or 0 <= x < vocab) for x in labels)
+            assert all(type(x) is int and (x == IGNORE_INDEX or 0 <= x < vocab) for x in labels)
             if kind == "seq2seq":
                 assert labels and len(labels) <= max_len
             else:
-                assert len(labels) == len(ids) and any(x != IGNORE for x in labels[1:])  # never all -100
+                assert len(labels) == len(ids) and any(x != IGNORE_INDEX for x in labels[1:])  # never all -100
 
 
 @pytest.mark.parametrize("kind", sorted(READERS))

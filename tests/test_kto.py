@@ -18,12 +18,13 @@ import pytest
 import torch
 
 import models
+from minitrain.adapters.peft_format import load_adapter
 from minitrain.config import validate
-from minitrain.data import read_unpaired
-from minitrain.dpo import AdapterSnapshotReference, BaseReference, sequence_logps
+from minitrain.data.readers import read_unpaired
 from minitrain.errors import UserError
-from minitrain.kto import KTOConfig, KTOObjective, add_kl_rows, collate_kto, evaluate_kto, precompute_kto_reference
-from minitrain.lora import load_adapter
+from minitrain.objectives.kto import (KTOConfig, KTOObjective, add_kl_rows, collate_kto, evaluate_kto,
+                                      precompute_kto_reference)
+from minitrain.objectives.reference import AdapterSnapshotReference, BaseReference, sequence_logps
 from minitrain.train import train
 from minitrain.weights import load_pretrained
 
@@ -148,7 +149,7 @@ def test_kto_on_the_same_logps_equals_trl(hf_causal, tok_dir, tmp_path, beta, dw
         loss, expected = trl_loss(trainer, stub, inputs)
 
     # ours on the same numbers: policy and reference log-probs through our loss function and metrics
-    from minitrain.kto import _sums, kl_reference_point, kto_loss, metrics_from_sums
+    from minitrain.objectives.kto import _sums, kl_reference_point, kto_loss, metrics_from_sums
 
     labels = inputs["label"].bool()
     kl = kl_reference_point(tok_kl.sum(1), ref_kl)
@@ -346,7 +347,7 @@ def test_kl_rows_are_trls_rotation_within_blocks():
 
 
 def test_read_unpaired_rows_and_refusals(tmp_path, tok_dir):
-    from minitrain.tokenizer import Tokenizer
+    from minitrain.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(tok_dir)
     good = tmp_path / "good.jsonl"
@@ -376,16 +377,17 @@ def test_plan_counts_ktos_grad_rows_and_its_double_reference_forward():
     rows and their KL rows (2 x batch_size), so its one-block term is twice the 1-row-per-example one."""
     from dataclasses import replace
 
-    from minitrain import plan as P
+    from minitrain.plan.decoder import ModelShape
+    from minitrain.plan.predict import predict, run_shape, suggestions
 
-    model = P.ModelShape.from_hf({"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
+    model = ModelShape.from_hf({"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
                                   "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                                   "num_key_value_heads": 8})
-    run = P.run_shape(KTOConfig(batch_size=4, max_len=512))
+    run = run_shape(KTOConfig(batch_size=4, max_len=512))
     assert run.rows == 4 and run.reference_rows == 8 and run.dpo_reference == "base"
-    ref = {t.name: t.bytes for t in P.predict(model, run).moments["DPO reference forward"]}
-    same = {t.name: t.bytes for t in P.predict(model, replace(run, reference_rows=None)).moments["DPO reference forward"]}
+    ref = {t.name: t.bytes for t in predict(model, run).moments["DPO reference forward"]}
+    same = {t.name: t.bytes for t in predict(model, replace(run, reference_rows=None)).moments["DPO reference forward"]}
     one = "reference forward: one block (no grad)"
     assert ref[one] == 2 * same[one]
-    halved = [r for keys, _, r in P.suggestions(model, run, 4, 1) if keys.startswith("batch_size=2")]
-    assert halved and halved[0] == P.predict(model, replace(run, rows=2, reference_rows=4)).peak
+    halved = [r for keys, _, r in suggestions(model, run, 4, 1) if keys.startswith("batch_size=2")]
+    assert halved and halved[0] == predict(model, replace(run, rows=2, reference_rows=4)).peak

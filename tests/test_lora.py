@@ -20,21 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from minitrain.adapters.lora import (LoRAConfig, LoRALinear, apply_lora, disable_adapters, freeze_for_adapters,
+                                     set_trainable, trainable_report)
+from minitrain.adapters.merge import merge, merged_state_dict, unmerge
+from minitrain.adapters.peft_format import load_adapter, save_adapter
 from minitrain.errors import UserError
-from minitrain.lora import (
-    LoRAConfig,
-    LoRALinear,
-    apply_lora,
-    disable_adapters,
-    freeze_for_adapters,
-    load_adapter,
-    merge,
-    merged_state_dict,
-    save_adapter,
-    set_trainable,
-    trainable_report,
-    unmerge,
-)
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -440,7 +430,7 @@ def test_merge_into_bf16_reports_what_rounding_lost(caplog):
     randomize_lora(model, scale=1e-3)  # an update far below bf16's resolution at these weights
     v = model.v_proj
     target = w0 + (v.lora_B.weight @ v.lora_A.weight).detach() * v.scaling
-    with caplog.at_level("WARNING", logger="minitrain.lora"):
+    with caplog.at_level("WARNING", logger="minitrain.adapters.merge"):
         report = merge(model)
     err = v.weight.detach().float() - target
     assert report.max_abs == pytest.approx(err.abs().max().item(), rel=1e-6)
@@ -768,7 +758,7 @@ def test_qlora_llama_trains_adapters_and_merges_to_hf(hf_causal, kind):
     bnb_or_skip()
     pytest.importorskip("models.llama")
     import models
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.quant import quantize_hook
     from minitrain.weights import load_pretrained
 
     folder = hf_causal("llama_lora")

@@ -1,4 +1,4 @@
-"""recipes/lora_t5.py and minitrain/seq2seq_eval.py on a tiny T5 saved by transformers.
+"""recipes/lora_t5.py and minitrain/evaluate/generation.py on a tiny T5 saved by transformers.
 
 One real `python -m minitrain recipes/lora_t5.py ...` run (module fixture; rows with other key
 names mapped by `fields`, an added `[Question]` token, eval every 2 steps) is checked for what it
@@ -26,11 +26,12 @@ from _tok import corpus, make_t5_tokenizer
 from rouge_score import rouge_scorer
 
 import models
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters, trainable_report
+from minitrain.adapters.peft_format import load_adapter
 from minitrain.cli import run_cli
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters, load_adapter, trainable_report
-from minitrain.seq2seq_eval import EarlyStopping, GenerationEval, generate_texts, until_eos
-from minitrain.tokenizer import Tokenizer
+from minitrain.evaluate.generation import EarlyStopping, GenerationEval, generate_texts, until_eos
+from minitrain.text.tokenizer import Tokenizer
 from minitrain.train import train
 from minitrain.weights import load_pretrained
 from models.t5 import generate

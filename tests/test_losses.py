@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minitrain.losses import chunked_cross_entropy_sum, chunked_token_logprobs, shift_labels
+from minitrain.objectives.losses import chunked_cross_entropy_sum, chunked_token_logprobs, shift_labels
 
 
 def _data(B=3, T=11, D=16, V=50, seed=0, bias=False):
@@ -56,7 +56,7 @@ def test_sum_and_grads_equal_full_cross_entropy(chunk, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_frozen_head_path_gives_the_same_values_and_hidden_grads(chunk, bias, monkeypatch):
     # a frozen plain Linear takes the path that computes the row gradients in the forward: no checkpoint
-    import minitrain.losses as losses
+    import minitrain.objectives.losses as losses
 
     monkeypatch.setattr(losses, "checkpoint", lambda *a, **k: pytest.fail("frozen head went through checkpoint"))
     hidden, head, labels = _data(bias=bias, seed=3)
@@ -82,7 +82,7 @@ def test_frozen_head_blocks_and_the_shifted_path_against_fp64(offset, tile, monk
     range (a bias of +95: exp overflows in fp32; -120: every exp underflows to 0) it must redo the
     rows shifted by their max (the only place it takes a max). Log-probs and the rows' gradient
     against fp64 log_softmax and its autograd gradient."""
-    from minitrain.losses import frozen_head_logprobs
+    from minitrain.objectives.losses import frozen_head_logprobs
 
     maxes = []
     real_amax = torch.Tensor.amax
@@ -104,7 +104,7 @@ def test_frozen_head_blocks_and_the_shifted_path_against_fp64(offset, tile, monk
 
 
 def test_frozen_head_block_on_a_cpu_covers_a_micro_batch_in_cache_sized_tiles():
-    from minitrain.losses import CPU_TILE, frozen_head_block, logits_per_chunk
+    from minitrain.objectives.losses import CPU_TILE, frozen_head_block, logits_per_chunk
 
     rows, cols = frozen_head_block(700, 128256, "cpu", low=False)
     assert rows == 700 and cols == CPU_TILE < 128256 and rows * cols <= logits_per_chunk("cpu")
@@ -203,7 +203,7 @@ def test_sft_objective_equals_transformers_llama_loss(hf_causal):
     import transformers
 
     import models
-    from minitrain.objectives import sft
+    from minitrain.objectives.sft import sft
     from minitrain.weights import load_pretrained
 
     folder = hf_causal("llama_obj")
@@ -236,8 +236,8 @@ def test_seq2seq_objective_equals_transformers_t5_loss(t5_folder, with_decoder_i
     import transformers
 
     import models
-    from minitrain.data import collate_seq2seq
-    from minitrain.objectives import seq2seq
+    from minitrain.data.collate import collate_seq2seq
+    from minitrain.objectives.sft import seq2seq
     from minitrain.weights import load_pretrained
 
     ours = load_pretrained(t5_folder, models.from_hf_config).eval()  # dropout_rate 0.1 in the config
@@ -262,7 +262,7 @@ _MEASURE = r"""
 import json, re, sys, torch, torch.nn.functional as F
 from torch import nn
 sys.path.insert(0, {root!r})
-from minitrain.losses import chunked_cross_entropy_sum
+from minitrain.objectives.losses import chunked_cross_entropy_sum
 torch.set_num_threads(1)
 B, T, D, V, mode, chunk, train_head = {B}, {T}, {D}, {V}, {mode!r}, {chunk!r}, {train_head!r}
 torch.manual_seed(0)

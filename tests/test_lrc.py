@@ -1,4 +1,4 @@
-"""minitrain.lrc: LoftQ-style low-rank correction of a quantized base, and recipes/lrc_llama.py.
+"""minitrain.adapters.lrc: LoftQ-style low-rank correction of a quantized base, and recipes/lrc_llama.py.
 
 References: the best rank-r approximation of E is E V_r V_r^T with V_r the top eigenvectors of
 E^T E (Eckart & Young 1936), computed here with `torch.linalg.eigh`, not an SVD; its residual is
@@ -22,9 +22,9 @@ import pytest
 import torch
 from _tok import corpus, make_bpe_tokenizer
 
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.adapters.lrc import init_lrc, lrc_factors
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-from minitrain.lrc import init_lrc, lrc_factors
 
 REPO = Path(__file__).resolve().parents[1]
 bnb = pytest.importorskip("bitsandbytes")
@@ -68,7 +68,7 @@ def folder(hf_causal) -> Path:
 
 def quantized(folder: Path, kind: str = "nf4", r: int = 16, targets="all-linear"):
     import models
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.quant import quantize_hook
     from minitrain.weights import load_pretrained
 
     model = load_pretrained(folder, models.from_hf_config, tensor_hook=quantize_hook(kind, compute_dtype=torch.float32))
@@ -104,7 +104,7 @@ def test_each_adapter_is_the_best_rank_r_fit_of_its_quantization_error(folder, k
 def test_reads_only_the_needed_tensors_from_a_sharded_checkpoint(hf_causal, tmp_path, monkeypatch):
     import transformers
 
-    import minitrain.lrc as lrc
+    import minitrain.adapters.lrc as lrc
 
     src = hf_causal("lrc_llama", initializer_range=0.1)
     sharded = tmp_path / "sharded"

@@ -1,4 +1,4 @@
-"""Sample packing (minitrain.packing): packed == unpacked for SFT, and a packed run resumes exactly."""
+"""Sample packing (minitrain.data.packing): packed == unpacked for SFT, and a packed run resumes exactly."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import models
-from minitrain.data import collate_causal
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-from minitrain.objectives import sft
-from minitrain.packing import collate_packed_causal, first_fit_decreasing, pack
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.data.collate import collate_causal
+from minitrain.data.packing import collate_packed_causal, first_fit_decreasing, pack
+from minitrain.objectives.sft import sft
 from minitrain.weights import load_pretrained
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -143,8 +143,9 @@ def test_packed_run_resumes_bitwise(tmp_path):
 
 
 def _pair_objective(loss: str, reference=None):
-    from minitrain.dpo import BaseReference, make_dpo_objective
-    from minitrain.preference import ReferenceFreeObjective
+    from minitrain.objectives.dpo import make_dpo_objective
+    from minitrain.objectives.preference import ReferenceFreeObjective
+    from minitrain.objectives.reference import BaseReference
 
     if loss == "sigmoid":
         return make_dpo_objective(0.1, "sigmoid", 0.0, 0.5, reference or BaseReference())
@@ -156,8 +157,8 @@ def test_packed_pairs_equal_unpacked(policy, loss):
     """DPO (reference = adapters off, with an sft term), ORPO, SimPO and CPO on pairs packed into rows
     of 48 tokens: loss sum, pair count, every metric and every adapter gradient equal the padded
     `[chosen; rejected]` batch to 1e-5 (fp32), with a sliding window shorter than the rows."""
-    from minitrain.data import collate_preference
-    from minitrain.packing import collate_packed_pairs
+    from minitrain.data.collate import collate_preference
+    from minitrain.data.packing import collate_packed_pairs
     from test_shared_prompt import pairs
 
     ex = pairs(9)
@@ -172,8 +173,8 @@ def test_packed_pairs_keep_every_reference_mode(policy):
     """The reference forward in the packed layout: adapters disabled, the Stage A snapshot (swapped in),
     and the precomputed cache (batched through the packed collator, read back by it) give the padded
     batch's log-probs to 1e-5; the snapshot's swap leaves the training values in place."""
-    from minitrain.dpo import (AdapterSnapshotReference, BaseReference, collate_with_reference,
-                               compute_reference_logps)
+    from minitrain.objectives.dpo import collate_with_reference
+    from minitrain.objectives.reference import AdapterSnapshotReference, BaseReference, compute_reference_logps
     from test_shared_prompt import pairs
 
     ex = pairs(7, seed=1)
@@ -204,7 +205,7 @@ def test_packed_pairs_keep_every_reference_mode(policy):
 @pytest.mark.parametrize("loss", ["sigmoid", "orpo"])
 def test_packed_pairs_run_resumes_bitwise(tmp_path, loss):
     """A packed DPO / ORPO run killed mid-way and resumed ends bitwise equal to the straight run."""
-    from minitrain.dpo import collate_with_reference
+    from minitrain.objectives.dpo import collate_with_reference
     from test_shared_prompt import pairs
 
     resumes_bitwise(tmp_path, tiny_lora, _pair_objective(loss), pairs(16, seed=4),
@@ -214,7 +215,7 @@ def test_packed_pairs_run_resumes_bitwise(tmp_path, loss):
 def test_pair_layouts_that_do_not_combine_are_one_line():
     from minitrain.config import validate
     from minitrain.errors import UserError
-    from minitrain.preference import PreferenceConfig
+    from minitrain.objectives.preference import PreferenceConfig
 
     for loss in ("sigmoid", "orpo"):
         with pytest.raises(UserError, match=r"^packing=true: does not combine with shared_prompt=true — "):
@@ -267,9 +268,9 @@ def test_packed_seq2seq_equals_unpacked(gated):
     rows up to 16: loss sum, count and every adapter gradient equal the padded batch to 1e-5 (fp32),
     with segments longer than the position table's exact range (its log buckets) and a table whose
     every bucket differs."""
-    from minitrain.data import collate_seq2seq
-    from minitrain.objectives import seq2seq
-    from minitrain.packing import collate_packed_seq2seq
+    from minitrain.data.collate import collate_seq2seq
+    from minitrain.data.packing import collate_packed_seq2seq
+    from minitrain.objectives.sft import seq2seq
 
     model = tiny_t5(gated=gated)
     ex = s2s_examples(10)
@@ -284,7 +285,7 @@ def test_packed_seq2seq_equals_unpacked(gated):
 def test_packed_seq2seq_masks():
     """Two examples in one row: the encoder sees its own segment both ways, the decoder its own
     causally, cross-attention its own encoder segment; targets shift per example."""
-    from minitrain.packing import collate_packed_seq2seq
+    from minitrain.data.packing import collate_packed_seq2seq
 
     ex = [{"input_ids": [5, 6, 1], "labels": [7, 8, 1]}, {"input_ids": [9, 1], "labels": [10, 1]}]
     b = collate_packed_seq2seq(ex, pad_id=0, max_len=8, max_target_len=8)
@@ -297,8 +298,8 @@ def test_packed_seq2seq_masks():
 
 def test_packed_seq2seq_run_resumes_bitwise(tmp_path):
     """A packed T5 run with dropout, killed mid-way and resumed, ends bitwise equal to the straight run."""
-    from minitrain.objectives import seq2seq
-    from minitrain.packing import collate_packed_seq2seq
+    from minitrain.data.packing import collate_packed_seq2seq
+    from minitrain.objectives.sft import seq2seq
 
     resumes_bitwise(tmp_path, lambda: tiny_t5(3, dropout=0.1), seq2seq, s2s_examples(20, seed=2),
                     lambda b: collate_packed_seq2seq(b, pad_id=0, max_len=40, max_target_len=16))

@@ -5,7 +5,7 @@
   to the byte;
 - activations: the peak bytes allocated during a steady-state training step (forward, loss,
   backward, clip, AdamW step; the optimizer state already exists) are measured on the CPU with
-  `torch.profiler`'s memory events (`minitrain.plan.measure_peak_allocated`: every allocation and
+  `torch.profiler`'s memory events (`minitrain.plan.measure.measure_peak_allocated`: every allocation and
   free of the CPU allocator in order, the running sum's maximum) and compared with the plan's
   activation peak + gradients: within 20% for fp32 and bf16 autocast, with and without
   checkpointing, GQA, attention-only and all-linear adapters, a 32k vocabulary (logits-bound),
@@ -30,9 +30,14 @@ import pytest
 import torch
 
 import models
-from minitrain import plan as P
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.config import parse_bytes
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.plan.decoder import ModelShape, adapter_terms, block_saved, head_is_frozen, weight_terms
+from minitrain.plan.measure import measure_peak_allocated
+from minitrain.plan.predict import predict, run_shape, shape_from_hf, suggestions
+from minitrain.plan.run_shape import RESERVE_CONTEXT, RESERVE_SLACK, GiB, RunShape, fmt_bytes
+from minitrain.plan.t5 import T5Shape
 from minitrain.train import build_optimizer, enable_checkpointing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +58,7 @@ def build(hf: dict, dtype=torch.float32, targets=ATTN, r=16, quantize=None, lrc_
     if quantize:
         if quantize != "ternary":
             pytest.importorskip("bitsandbytes")
-        from minitrain.quant import quantize_hook
+        from minitrain.adapters.quant import quantize_hook
 
         hook = quantize_hook(quantize, compute_dtype=dtype, **hook_options)
         for name, m in list(model.named_modules()):
@@ -61,7 +66,7 @@ def build(hf: dict, dtype=torch.float32, targets=ATTN, r=16, quantize=None, lrc_
                 assert hook(model, name + ".weight", m.weight.data)
     pattern = {}
     if lrc_rank:
-        from minitrain.lrc import lrc_ranks
+        from minitrain.adapters.lrc import lrc_ranks
 
         r, pattern = lrc_ranks(model, list(targets), lrc_rank)
     cfg = LoRAConfig(r=r, alpha=2 * r, dropout=0.0, targets=list(targets), rank_pattern=pattern)
@@ -102,12 +107,12 @@ def quant_state_tensors(p) -> list:
 def test_weights_adapters_optimizer_grads_exact(dtype, compute, tied):
     hf = hf_config(num_key_value_heads=2, tie_word_embeddings=tied)
     model = build(hf, dtype, ALL, r=8)
-    ms, run = P.ModelShape.from_hf(hf), P.RunShape(rows=2, seq=16, compute=compute, lora_r=8, lora_targets=ALL)
+    ms, run = ModelShape.from_hf(hf), RunShape(rows=2, seq=16, compute=compute, lora_r=8, lora_targets=ALL)
     base = [p for p in model.parameters() if not p.requires_grad]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    weights = sum(t.bytes for t in P.weight_terms(ms, run))
+    weights = sum(t.bytes for t in weight_terms(ms, run))
     assert weights == tensor_bytes(base)
-    assert P.predict(ms, run).term("adapters") == tensor_bytes(trainable)
+    assert predict(ms, run).term("adapters") == tensor_bytes(trainable)
     assert ms.num_params() == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) - sum(
         p.numel() for p in trainable)
     # gradients and AdamW state after one step
@@ -115,16 +120,16 @@ def test_weights_adapters_optimizer_grads_exact(dtype, compute, tied):
                           torch.device("cpu"))
     ids = torch.randint(0, 2048, (2, 16))
     model(ids).float().pow(2).mean().backward()
-    assert P.predict(ms, run).term("gradients") == tensor_bytes(p.grad for p in trainable)
+    assert predict(ms, run).term("gradients") == tensor_bytes(p.grad for p in trainable)
     opt.step()
     state = [v for s in opt.state.values() for v in s.values()]
-    assert P.predict(ms, run).term("optimizer (AdamW)") == tensor_bytes(state)
+    assert predict(ms, run).term("optimizer (AdamW)") == tensor_bytes(state)
 
 
 @pytest.mark.parametrize("kind,double_quant", [("nf4", True), ("nf4", False), ("int8", False)])
 def test_quantized_weights_exact(kind, double_quant):
     pytest.importorskip("bitsandbytes")
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.quant import quantize_hook
 
     hf = hf_config(num_key_value_heads=2, hidden_size=192, intermediate_size=520)  # sizes not multiples of 64*256
     torch.manual_seed(0)
@@ -136,8 +141,8 @@ def test_quantized_weights_exact(kind, double_quant):
     linears = [m.weight for n, m in model.named_modules() if n.startswith("model.layers.") and hasattr(m, "weight")
                and not n.endswith("norm")]
     measured = tensor_bytes(linears) + sum(tensor_bytes(quant_state_tensors(w)) for w in linears)
-    run = P.RunShape(rows=1, seq=8, compute="bf16", quantize=kind, double_quant=double_quant)
-    terms = {t.name: t.bytes for t in P.weight_terms(P.ModelShape.from_hf(hf), run)}
+    run = RunShape(rows=1, seq=8, compute="bf16", quantize=kind, double_quant=double_quant)
+    terms = {t.name: t.bytes for t in weight_terms(ModelShape.from_hf(hf), run)}
     assert terms["weights: block linears"] == measured
     rest = [p for n, p in model.named_parameters() if not n.startswith("model.layers.") or "norm" in n]
     assert terms["weights: embeddings + head"] + terms["weights: norms"] == tensor_bytes(rest)
@@ -148,10 +153,10 @@ def test_quantized_weights_exact(kind, double_quant):
 def test_qwen_weights_exact(extra):
     hf = hf_config(num_key_value_heads=2, head_dim=64, **extra)
     model = build(hf, torch.bfloat16, ALL, r=8)
-    ms = P.ModelShape.from_hf(hf)
-    run = P.RunShape(rows=1, seq=8, compute="bf16", lora_r=8, lora_targets=ALL)
+    ms = ModelShape.from_hf(hf)
+    run = RunShape(rows=1, seq=8, compute="bf16", lora_r=8, lora_targets=ALL)
     base = [p for p in model.parameters() if not p.requires_grad]
-    assert sum(t.bytes for t in P.weight_terms(ms, run)) == tensor_bytes(base)
+    assert sum(t.bytes for t in weight_terms(ms, run)) == tensor_bytes(base)
     assert ms.num_params() == sum(p.numel() for p in {id(p): p for p in base}.values())
 
 
@@ -161,14 +166,14 @@ def test_ternary_weights_and_lrc_rank_adapters_exact(scale):
     model = build(hf, torch.bfloat16, ALL, quantize="ternary", lrc_rank=0.15, ternary_scale=scale)
     blocks = [m for n, m in model.named_modules() if n.startswith("model.layers.") and hasattr(m, "weight_scale")]
     measured = tensor_bytes(m.weight for m in blocks) + tensor_bytes(m.weight_scale for m in blocks)
-    run = P.RunShape(rows=1, seq=8, compute="bf16", quantize="ternary", ternary_scale=scale, lrc_rank=0.15,
+    run = RunShape(rows=1, seq=8, compute="bf16", quantize="ternary", ternary_scale=scale, lrc_rank=0.15,
                      lora_targets=ALL)
-    ms = P.ModelShape.from_hf(hf)
-    terms = {t.name: t.bytes for t in P.weight_terms(ms, run)}
+    ms = ModelShape.from_hf(hf)
+    terms = {t.name: t.bytes for t in weight_terms(ms, run)}
     assert terms["weights: block linears"] == measured
     # 0.15 x min(in, out): 28 for 192-wide, 9 for the kv projections (2 heads x 48 = 96 wide)
     assert {m.r for m in blocks} == {28, 14}
-    assert P.predict(ms, run).term("adapters") == tensor_bytes(p for p in model.parameters() if p.requires_grad)
+    assert predict(ms, run).term("adapters") == tensor_bytes(p for p in model.parameters() if p.requires_grad)
 
 
 # ----------------------------------------------------------------------------- activations, measured
@@ -204,7 +209,7 @@ def measured_step(model, objective, batch: dict, autocast: bool) -> int:
         opt.zero_grad(set_to_none=True)
 
     step()  # creates the AdamW state: the next step is the steady state
-    peak, _ = P.measure_peak_allocated(step)
+    peak, _ = measure_peak_allocated(step)
     return peak
 
 
@@ -229,7 +234,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sft_step_peak_within_20_percent(case):
-    from minitrain.objectives import sft
+    from minitrain.objectives.sft import sft
 
     c = dict(targets=ATTN, kv=4, ckpt=False, compute="fp32", vocab=2048, rows=4, seq=256, quantize=None, lrc=0.0,
              model_type="llama")
@@ -242,17 +247,17 @@ def test_sft_step_peak_within_20_percent(case):
     batch = batch_of(c["rows"], c["seq"], c["vocab"])
     measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
     targets = int((batch["labels"][:, 1:] != -100).sum())
-    run = P.RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], lora_targets=c["targets"],
+    run = RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], lora_targets=c["targets"],
                      checkpointing=c["ckpt"], targets=targets, quantize=c["quantize"] or "none", device="cpu",
                      lrc_rank=c["lrc"], real_tokens=int(batch["attention_mask"].sum()))
-    plan = P.predict(P.ModelShape.from_hf(hf), run)
+    plan = predict(ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
-    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_dpo_step_peak_within_20_percent(ckpt):
-    dpo = pytest.importorskip("minitrain.dpo")
+    dpo = pytest.importorskip("minitrain.objectives.dpo")
     hf = hf_config(num_key_value_heads=2)
     model = build(hf, torch.float32, ALL)
     if ckpt:
@@ -263,12 +268,12 @@ def test_dpo_step_peak_within_20_percent(ckpt):
     b["num_pairs"] = pairs
     objective = dpo.make_dpo_objective(beta=0.1, reference=dpo.BaseReference())
     measured = measured_step(model, objective, b, autocast=False)
-    run = P.RunShape(rows=2 * pairs, seq=seq, compute="fp32", lora_targets=ALL, checkpointing=ckpt,
+    run = RunShape(rows=2 * pairs, seq=seq, compute="fp32", lora_targets=ALL, checkpointing=ckpt,
                      targets=int((b["labels"][:, 1:] != -100).sum()), dpo_reference="base", device="cpu",
                      real_tokens=int(b["attention_mask"].sum()))
-    plan = P.predict(P.ModelShape.from_hf(hf), run)
+    plan = predict(ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
-    assert 0.8 <= predicted / measured <= 1.2, (plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
+    assert 0.8 <= predicted / measured <= 1.2, (plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
 
 
 # ----------------------------------------------------------------------------- distillation
@@ -287,7 +292,7 @@ DISTILL_CASES = {
 def test_distill_step_peak_within_20_percent(case):
     """The student's step with the teacher's forward and the KD chunks (`plan._kd_logits`), and the
     captured layers of feature matching and attention transfer (`_kd_captured`)."""
-    from minitrain.distill import attach_projections, make_distill_objective
+    from minitrain.objectives.distill import attach_projections, make_distill_objective
 
     c = dict(ckpt=False, vocab=2048, top_k=0, captured=False)
     c.update(DISTILL_CASES[case])
@@ -305,13 +310,13 @@ def test_distill_step_peak_within_20_percent(case):
                                        feature_map=last, attention_map=last)
     batch = batch_of(4, 256, c["vocab"])
     measured = measured_step(student, objective, batch, autocast=False)
-    run = P.RunShape(rows=4, seq=256, compute="fp32", lora_targets=ALL, checkpointing=c["ckpt"], device="cpu",
+    run = RunShape(rows=4, seq=256, compute="fp32", lora_targets=ALL, checkpointing=c["ckpt"], device="cpu",
                      targets=int((batch["labels"][:, 1:] != -100).sum()), real_tokens=int(batch["attention_mask"].sum()),
-                     teacher=P.ModelShape.from_hf(thf), kd_top_k=c["top_k"], kd_features=len(last),
+                     teacher=ModelShape.from_hf(thf), kd_top_k=c["top_k"], kd_features=len(last),
                      kd_attention=len(last))
-    plan = P.predict(P.ModelShape.from_hf(hf), run)
+    plan = predict(ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
-    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
 
 
 @pytest.mark.parametrize("dtype,compute", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
@@ -323,8 +328,8 @@ def test_distill_teacher_weights_exact_and_read_from_the_recipe(tmp_path, dtype,
     thf = hf_config(num_key_value_heads=2, tie_word_embeddings=True, **TEACHER)
     teacher = models.from_hf_config(thf).to(dtype)
     hf = hf_config(num_key_value_heads=2)
-    run = P.RunShape(rows=2, seq=16, compute=compute, lora_targets=ALL, teacher=P.ModelShape.from_hf(thf))
-    with_teacher, alone = P.predict(P.ModelShape.from_hf(hf), run), P.predict(P.ModelShape.from_hf(hf),
+    run = RunShape(rows=2, seq=16, compute=compute, lora_targets=ALL, teacher=ModelShape.from_hf(thf))
+    with_teacher, alone = predict(ModelShape.from_hf(hf), run), predict(ModelShape.from_hf(hf),
                                                                              replace(run, teacher=None))
     teacher_bytes = sum(t.bytes for t in with_teacher.persistent if t.name.startswith("teacher "))
     assert teacher_bytes == tensor_bytes({id(p): p for p in teacher.parameters()}.values())
@@ -334,10 +339,10 @@ def test_distill_teacher_weights_exact_and_read_from_the_recipe(tmp_path, dtype,
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     cfg = replace(recipe.config, teacher=str(tmp_path), top_k=256, feature_weight=0.1, attention_weight=0.1)
-    got = P.run_shape(cfg, device="cuda")
-    assert got.teacher == P.ModelShape.from_hf(thf) and got.kd_top_k == 256
+    got = run_shape(cfg, device="cuda")
+    assert got.teacher == ModelShape.from_hf(thf) and got.kd_top_k == 256
     assert (got.kd_features, got.kd_attention) == (-1, 1)  # every student layer (the default), the last one
-    assert P.run_shape(replace(cfg, teacher=str(tmp_path / "nowhere"))).teacher is None
+    assert run_shape(replace(cfg, teacher=str(tmp_path / "nowhere"))).teacher is None
 
 
 # ----------------------------------------------------------------------------- full fine-tuning
@@ -357,17 +362,17 @@ def full_model(hf: dict) -> torch.nn.Module:
 def test_full_finetune_weights_grads_optimizer_exact(tied):
     hf = hf_config(num_key_value_heads=2, tie_word_embeddings=tied)
     model = full_model(hf)
-    ms, run = P.ModelShape.from_hf(hf), P.RunShape(rows=2, seq=16, compute="bf16", full=True)
+    ms, run = ModelShape.from_hf(hf), RunShape(rows=2, seq=16, compute="bf16", full=True)
     params = list(model.parameters())  # a tied head once
-    assert sum(t.bytes for t in P.weight_terms(ms, run)) == tensor_bytes(params)  # fp32 whatever the compute
+    assert sum(t.bytes for t in weight_terms(ms, run)) == tensor_bytes(params)  # fp32 whatever the compute
     assert sum(ms.all_tensors()) == sum(p.numel() for p in params) == ms.num_params()
     opt = build_optimizer(list(model.named_parameters()), 0.0, 1e-3)
     model.output_projection(model(torch.randint(0, 2048, (2, 16)))).float().pow(2).mean().backward()
-    terms = {t.name: t.bytes for t in P.adapter_terms(ms, run)}
+    terms = {t.name: t.bytes for t in adapter_terms(ms, run)}
     assert terms["adapters"] == 0 and terms["gradients"] == tensor_bytes(p.grad for p in params)
     opt.step()
     assert terms["optimizer (AdamW)"] == tensor_bytes(v for st in opt.state.values() for v in st.values())
-    with_ema = {t.name: t.bytes for t in P.adapter_terms(ms, replace(run, ema=True))}
+    with_ema = {t.name: t.bytes for t in adapter_terms(ms, replace(run, ema=True))}
     assert with_ema["EMA of the trained tensors"] == tensor_bytes(params)  # minitrain.ema: one fp32 copy
 
 
@@ -379,7 +384,7 @@ FULL_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(compute
 def test_full_finetune_step_peak_within_20_percent(case):
     """fp32 weights under bf16 autocast too; the gradients (set_to_none between steps) are in the
     moments where they exist, so the activation peak alone is compared with the measured step."""
-    from minitrain.objectives import sft
+    from minitrain.objectives.sft import sft
 
     c = {"kv": 4, "ckpt": False, "compute": "fp32", "rows": 4, "seq": 256, **FULL_CASES[case]}
     hf = hf_config(num_key_value_heads=c["kv"])
@@ -388,9 +393,9 @@ def test_full_finetune_step_peak_within_20_percent(case):
         enable_checkpointing(model)
     batch = batch_of(c["rows"], c["seq"], 2048)
     measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
-    run = P.RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], checkpointing=c["ckpt"], device="cpu",
+    run = RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], checkpointing=c["ckpt"], device="cpu",
                      targets=int((batch["labels"][:, 1:] != -100).sum()), full=True)
-    plan = P.predict(P.ModelShape.from_hf(hf), run)
+    plan = predict(ModelShape.from_hf(hf), run)
     assert plan.term("gradients") == 0  # not persistent: in the moments
     assert 0.8 <= plan.activation_peak / measured <= 1.2, (case, plan.peak_moment, plan.activation_peak, measured)
 
@@ -402,8 +407,8 @@ def test_full_finetune_plan_of_a_recipe_and_its_suggestion(tmp_path):
     assert p.returncode == 1, p.stderr  # 7B x (4 weight + 4 grad + 8 AdamW) B = 112 GiB: no single GPU
     assert "full fine-tuning: every weight trains" in p.stdout and "DOES NOT FIT" in p.stdout
     assert "finetune=lora" in p.stdout and "quantize=nf4" not in p.stdout
-    n = P.ModelShape.from_hf(MISTRAL_7B).num_params()
-    weights = sum(t.bytes for t in P.weight_terms(P.ModelShape.from_hf(MISTRAL_7B), P.RunShape(1, 8, full=True)))
+    n = ModelShape.from_hf(MISTRAL_7B).num_params()
+    weights = sum(t.bytes for t in weight_terms(ModelShape.from_hf(MISTRAL_7B), RunShape(1, 8, full=True)))
     assert weights == 4 * n
 
 
@@ -415,69 +420,69 @@ MISTRAL_7B = dict(model_type="mistral", vocab_size=32000, hidden_size=4096, inte
                   sliding_window=None, tie_word_embeddings=False)
 
 
-def qlora_dpo_7b(**kw) -> P.RunShape:
+def qlora_dpo_7b(**kw) -> RunShape:
     base = dict(rows=2, seq=1024, compute="bf16", quantize="nf4", lora_r=16, lora_targets=ALL, checkpointing=True,
                 dpo_reference="base")
     base.update(kw)
-    return P.RunShape(**base)
+    return RunShape(**base)
 
 
 def test_qlora_dpo_7b_prediction_under_8gb():
     """The target of field report 002: QLoRA DPO on Mistral-7B, seq 1024, one pair, checkpointing."""
-    plan = P.predict(P.ModelShape.from_hf(MISTRAL_7B), qlora_dpo_7b())
-    assert 7.2e9 < P.ModelShape.from_hf(MISTRAL_7B).num_params() < 7.3e9  # Mistral-7B: 7.24B
-    needed = plan.peak * (1 + P.RESERVE_SLACK) + P.RESERVE_CONTEXT
-    assert needed <= 8e9, P.fmt_bytes(needed)
-    assert plan.peak > 4 * P.GiB  # the nf4 base alone is ~3.9 GiB: a plan below that is broken
+    plan = predict(ModelShape.from_hf(MISTRAL_7B), qlora_dpo_7b())
+    assert 7.2e9 < ModelShape.from_hf(MISTRAL_7B).num_params() < 7.3e9  # Mistral-7B: 7.24B
+    needed = plan.peak * (1 + RESERVE_SLACK) + RESERVE_CONTEXT
+    assert needed <= 8e9, fmt_bytes(needed)
+    assert plan.peak > 4 * GiB  # the nf4 base alone is ~3.9 GiB: a plan below that is broken
 
 
 def test_each_suggestion_lowers_the_peak():
-    ms = P.ModelShape.from_hf(MISTRAL_7B)
-    run = P.RunShape(rows=4, seq=2048, compute="bf16", lora_targets=ALL, dpo_reference="snapshot")
-    base = P.predict(ms, run).peak
-    tips = dict((k.split()[0], (saving, peak)) for k, saving, peak in P.suggestions(ms, run, 2, 4))
+    ms = ModelShape.from_hf(MISTRAL_7B)
+    run = RunShape(rows=4, seq=2048, compute="bf16", lora_targets=ALL, dpo_reference="snapshot")
+    base = predict(ms, run).peak
+    tips = dict((k.split()[0], (saving, peak)) for k, saving, peak in suggestions(ms, run, 2, 4))
     assert {"quantize=nf4", "checkpointing=true", "batch_size=1", "precompute_ref=true"} <= set(tips)
     for saving, peak in tips.values():
         assert saving > 0 and peak == base - saving
-    assert tips["quantize=nf4"][0] > 8 * P.GiB  # bf16 7B linears -> nf4
-    assert P.predict(ms, qlora_dpo_7b(checkpointing=False)).peak > P.predict(ms, qlora_dpo_7b()).peak
+    assert tips["quantize=nf4"][0] > 8 * GiB  # bf16 7B linears -> nf4
+    assert predict(ms, qlora_dpo_7b(checkpointing=False)).peak > predict(ms, qlora_dpo_7b()).peak
 
 
 def test_activations_scale_with_tokens_and_checkpointing_keeps_block_inputs():
-    ms = P.ModelShape.from_hf(hf_config())
-    a = P.predict(ms, P.RunShape(rows=2, seq=128, compute="fp32", mask=False))
-    b = P.predict(ms, P.RunShape(rows=4, seq=128, compute="fp32", mask=False))
-    block_a = sum(t.bytes for t in P.block_saved(ms, P.RunShape(rows=2, seq=128, compute="fp32", mask=False)))
-    block_b = sum(t.bytes for t in P.block_saved(ms, P.RunShape(rows=4, seq=128, compute="fp32", mask=False)))
+    ms = ModelShape.from_hf(hf_config())
+    a = predict(ms, RunShape(rows=2, seq=128, compute="fp32", mask=False))
+    b = predict(ms, RunShape(rows=4, seq=128, compute="fp32", mask=False))
+    block_a = sum(t.bytes for t in block_saved(ms, RunShape(rows=2, seq=128, compute="fp32", mask=False)))
+    block_b = sum(t.bytes for t in block_saved(ms, RunShape(rows=4, seq=128, compute="fp32", mask=False)))
     assert block_b == 2 * block_a
     assert b.activation_peak > a.activation_peak
-    ck = P.predict(ms, P.RunShape(rows=4, seq=128, compute="fp32", mask=False, checkpointing=True))
+    ck = predict(ms, RunShape(rows=4, seq=128, compute="fp32", mask=False, checkpointing=True))
     assert ck.activation_peak < b.activation_peak
 
 
 def test_from_hf_defaults_and_refusals():
-    m = P.ModelShape.from_hf({"model_type": "mistral", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
+    m = ModelShape.from_hf({"model_type": "mistral", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 128,
                               "num_hidden_layers": 2, "num_attention_heads": 4})
     assert m.num_key_value_heads == 8  # HF's MistralConfig default
     assert m.head_dim == 16 and m.sliding_window == 4096
     with pytest.raises(UserError, match="the memory plan models LLaMA, Mistral"):
-        P.shape_from_hf({"model_type": "gpt2"})
-    assert isinstance(P.shape_from_hf({"model_type": "t5"}), P.T5Shape)  # transformers' T5Config defaults
-    assert P.shape_from_hf({"model_type": "t5"}).num_decoder_layers == 6
+        shape_from_hf({"model_type": "gpt2"})
+    assert isinstance(shape_from_hf({"model_type": "t5"}), T5Shape)  # transformers' T5Config defaults
+    assert shape_from_hf({"model_type": "t5"}).num_decoder_layers == 6
     with pytest.raises(UserError, match="d_model"):
-        P.shape_from_hf({"model_type": "t5", "d_model": "512"})
+        shape_from_hf({"model_type": "t5", "d_model": "512"})
     with pytest.raises(UserError, match="missing"):
-        P.ModelShape.from_hf({"model_type": "llama", "vocab_size": 10})
+        ModelShape.from_hf({"model_type": "llama", "vocab_size": 10})
 
 
 def test_parse_and_format_bytes():
-    assert P.parse_bytes("12GiB") == 12 * 2**30
-    assert P.parse_bytes("24GB") == 24 * 10**9
-    assert P.parse_bytes("1.5 gib") == int(1.5 * 2**30)
-    assert P.parse_bytes("8") == 8 * 2**30
+    assert parse_bytes("12GiB") == 12 * 2**30
+    assert parse_bytes("24GB") == 24 * 10**9
+    assert parse_bytes("1.5 gib") == int(1.5 * 2**30)
+    assert parse_bytes("8") == 8 * 2**30
     with pytest.raises(UserError, match="not a size"):
-        P.parse_bytes("lots")
-    assert P.fmt_bytes(3 * 2**30) == "3.00 GiB" and P.fmt_bytes(512) == "512 B"
+        parse_bytes("lots")
+    assert fmt_bytes(3 * 2**30) == "3.00 GiB" and fmt_bytes(512) == "512 B"
 
 
 # ----------------------------------------------------------------------------- tools/plan.py
@@ -538,14 +543,14 @@ def test_family_params_and_adapters_exact(name):
     """Parameters (norms, biases, tied heads) and LoRA tensors on every linear (LLaMA's target names
     select Phi-3's fused linears) counted as the model built from the same config.json has them."""
     hf = hf_config(**FAMILIES[name])
-    shape = P.shape_from_hf(hf)
+    shape = shape_from_hf(hf)
     with torch.device("meta"):
         model = models.from_hf_config(hf)
     assert shape.num_params() == sum(p.numel() for p in model.parameters())
     cfg = LoRAConfig(r=8, targets=list(ALL))
     apply_lora(model, cfg)
     lora = [p.numel() for n, p in model.named_parameters() if "lora_" in n]
-    assert sorted(shape.trainable_tensors(P.RunShape(rows=1, seq=8, lora_r=8, lora_targets=ALL))) == sorted(lora)
+    assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=8, lora_targets=ALL))) == sorted(lora)
 
 
 FAMILY_CASES = {
@@ -561,7 +566,7 @@ FAMILY_CASES = {
 
 @pytest.mark.parametrize("case", list(FAMILY_CASES))
 def test_family_step_peak_within_20_percent(case):
-    from minitrain.objectives import sft
+    from minitrain.objectives.sft import sft
 
     c = dict(ckpt=False, compute="fp32", vocab=2048, seq=256)
     c.update(FAMILY_CASES[case])
@@ -571,12 +576,12 @@ def test_family_step_peak_within_20_percent(case):
         enable_checkpointing(model)
     batch = batch_of(4, c["seq"], c["vocab"])
     measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
-    run = P.RunShape(rows=4, seq=c["seq"], compute=c["compute"], lora_targets=ALL, checkpointing=c["ckpt"],
+    run = RunShape(rows=4, seq=c["seq"], compute=c["compute"], lora_targets=ALL, checkpointing=c["ckpt"],
                      targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
                      real_tokens=int(batch["attention_mask"].sum()))
-    plan = P.predict(P.shape_from_hf(hf), run)
+    plan = predict(shape_from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
-    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
 
 
 # ----------------------------------------------------------------------------- T5
@@ -630,17 +635,17 @@ def seq2seq_batch(rows: int, src: int, tgt: int, vocab: int, seed: int = 0) -> d
 def test_t5_weights_adapters_optimizer_grads_exact(dtype, compute, v10):
     hf = t5_config(v10, d_kv=48, num_decoder_layers=3)  # heads x d_kv != d_model, more decoder than encoder blocks
     model = build_t5(hf, dtype, T5_ALL, r=8)
-    ms = P.shape_from_hf(hf)
-    run = P.RunShape(rows=2, seq=16, target_seq=8, compute=compute, lora_r=8, lora_targets=T5_ALL)
+    ms = shape_from_hf(hf)
+    run = RunShape(rows=2, seq=16, target_seq=8, compute=compute, lora_r=8, lora_targets=T5_ALL)
     base = [p for p in model.parameters() if not p.requires_grad]
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert sum(t.bytes for t in ms.weight_terms(run)) == tensor_bytes(base)
     assert ms.num_params() == sum(p.numel() for p in base)
-    plan = P.predict(ms, run)
+    plan = predict(ms, run)
     assert plan.term("adapters") == tensor_bytes(trainable)
     opt = build_optimizer([(n, p) for n, p in model.named_parameters() if p.requires_grad], 0.0, 1e-3,
                           torch.device("cpu"))
-    from minitrain.objectives import seq2seq
+    from minitrain.objectives.sft import seq2seq
 
     loss, _, _ = seq2seq(model, seq2seq_batch(2, 16, 8, hf["vocab_size"]))
     loss.backward()
@@ -653,18 +658,18 @@ def test_t5_weights_adapters_optimizer_grads_exact(dtype, compute, v10):
 def test_t5_flan_small_and_trained_head_counts():
     from test_lora_t5 import FLAN_T5_SMALL
 
-    ms = P.shape_from_hf(FLAN_T5_SMALL)
+    ms = shape_from_hf(FLAN_T5_SMALL)
     assert ms.num_params() == 76_961_152  # google/flan-t5-small
-    v10 = P.shape_from_hf(t5_config(True))
-    run = P.RunShape(rows=1, seq=8, lora_targets=("q",), modules_to_save=("shared", "lm_head"))
+    v10 = shape_from_hf(t5_config(True))
+    run = RunShape(rows=1, seq=8, lora_targets=("q",), modules_to_save=("shared", "lm_head"))
     assert v10.trainable_tensors(run)[-1:] == [2048 * 256]  # tied: lm_head is `shared`, one tensor
-    assert not P.head_is_frozen(v10, run) and P.head_is_frozen(v10, P.RunShape(rows=1, seq=8, lora_targets=("q",)))
+    assert not head_is_frozen(v10, run) and head_is_frozen(v10, RunShape(rows=1, seq=8, lora_targets=("q",)))
 
 
 def saved_bytes_per_block(model, batch: dict, autocast: bool) -> dict[str, int]:
     """Bytes each block keeps for backward, from saved-tensor hooks: every saved tensor's storage
     (parameters excluded) counted once, for the innermost module running when it was first saved."""
-    from minitrain.objectives import seq2seq
+    from minitrain.objectives.sft import seq2seq
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     stack, seen, hooks = ["model"], {}, []
@@ -711,8 +716,8 @@ def test_t5_block_saved_equals_the_autograd_graph(case):
     model = build_t5(hf, torch.bfloat16 if c["compute"] == "bf16" else torch.float32, c["targets"], r=8,
                      lora_dropout=c["lora_dropout"])
     got = saved_bytes_per_block(model, seq2seq_batch(2, 64, 32, 512), autocast=c["compute"] == "bf16")
-    ms = P.shape_from_hf(hf)
-    run = P.RunShape(rows=2, seq=64, target_seq=32, compute=c["compute"], lora_r=8, lora_targets=c["targets"],
+    ms = shape_from_hf(hf)
+    run = RunShape(rows=2, seq=64, target_seq=32, compute=c["compute"], lora_r=8, lora_targets=c["targets"],
                      lora_dropout=c["lora_dropout"], device="cpu")
     assert got["encoder.block.1"] == sum(t.bytes for t in ms.block_saved(run, decoder=False))
     assert got["decoder.block.1"] == sum(t.bytes for t in ms.block_saved(run, decoder=True))
@@ -739,7 +744,7 @@ T5_CASES = {
 
 @pytest.mark.parametrize("case", list(T5_CASES))
 def test_t5_step_peak_within_20_percent(case):
-    from minitrain.objectives import seq2seq
+    from minitrain.objectives.sft import seq2seq
 
     c = dict(v10=False, compute="fp32", ckpt=False, targets=T5_ALL, vocab=2048, rows=4, src=256, tgt=128,
              dropout=0.0, lora_dropout=0.0)
@@ -751,12 +756,12 @@ def test_t5_step_peak_within_20_percent(case):
         assert enable_checkpointing(model) == 4  # T5's block_types: T5Block, in both stacks
     batch = seq2seq_batch(c["rows"], c["src"], c["tgt"], c["vocab"])
     measured = measured_step(model, seq2seq, batch, autocast=c["compute"] == "bf16")
-    run = P.RunShape(rows=c["rows"], seq=c["src"], target_seq=c["tgt"], compute=c["compute"], lora_targets=c["targets"],
+    run = RunShape(rows=c["rows"], seq=c["src"], target_seq=c["tgt"], compute=c["compute"], lora_targets=c["targets"],
                      lora_dropout=c["lora_dropout"], checkpointing=c["ckpt"],
                      targets=int((batch["labels"] != -100).sum()), device="cpu")
-    plan = P.predict(P.shape_from_hf(hf), run)
+    plan = predict(shape_from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
-    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, P.fmt_bytes(predicted), P.fmt_bytes(measured))
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
 
 
 def test_plan_tool_on_the_t5_recipe(tmp_path):

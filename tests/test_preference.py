@@ -18,10 +18,10 @@ import torch
 
 import models
 from minitrain.config import validate
-from minitrain.data import collate_preference
+from minitrain.data.collate import collate_preference
 from minitrain.errors import UserError
-from minitrain.preference import (ORPO_METRICS, PAIR_METRICS, PreferenceConfig, ReferenceFreeObjective, cpo_loss,
-                                  make_pair_objective, orpo_loss)
+from minitrain.objectives.preference import (ORPO_METRICS, PAIR_METRICS, PreferenceConfig, ReferenceFreeObjective,
+                                             cpo_loss, make_pair_objective, orpo_loss)
 from minitrain.train import train
 from minitrain.weights import load_pretrained
 
@@ -276,14 +276,15 @@ def test_config_refusals_are_one_line():
 def test_plan_knows_the_reference_free_methods_forwards():
     """tools/plan.py's model: orpo / cpo / simpo forward 2 x pairs rows with a graph and no reference
     forward at all (DPO's `sigmoid` with the same keys has one: its peak can only be higher)."""
-    from minitrain import plan as P
+    from minitrain.plan.decoder import ModelShape
+    from minitrain.plan.predict import predict, run_shape
 
-    model = P.ModelShape.from_hf({"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
+    model = ModelShape.from_hf({"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
                                   "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                                   "num_key_value_heads": 8})
     for loss_type in ("orpo", "cpo", "simpo"):
-        run = P.run_shape(PreferenceConfig(loss_type=loss_type, batch_size=2, max_len=1024))
+        run = run_shape(PreferenceConfig(loss_type=loss_type, batch_size=2, max_len=1024))
         assert run.rows == 4 and run.dpo_reference == "none"
-        assert not any("reference" in m for m in P.predict(model, run).moments)
-    dpo = P.run_shape(PreferenceConfig(loss_type="sigmoid", batch_size=2, max_len=1024))
-    assert dpo.rows == 4 and "DPO reference forward" in P.predict(model, dpo).moments
+        assert not any("reference" in m for m in predict(model, run).moments)
+    dpo = run_shape(PreferenceConfig(loss_type="sigmoid", batch_size=2, max_len=1024))
+    assert dpo.rows == 4 and "DPO reference forward" in predict(model, dpo).moments

@@ -1,4 +1,4 @@
-"""minitrain.quant: base Linears quantized by bitsandbytes as their weights stream in.
+"""minitrain.adapters.quant: base Linears quantized by bitsandbytes as their weights stream in.
 
 References: the fp32 model loaded without the hook, and bitsandbytes' own dequantization
 (`dequantize_4bit`, and `CB * SCB / 127` for int8) of the very weights the hook produced.
@@ -19,7 +19,7 @@ bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("models.llama")
 from models import from_hf_config  # noqa: E402
 
-from minitrain.quant import quantize_hook, require_bitsandbytes  # noqa: E402
+from minitrain.adapters.quant import quantize_hook, require_bitsandbytes  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYER = {"nf4": bnb.nn.Linear4bit, "int8": bnb.nn.Linear8bitLt}
@@ -218,10 +218,10 @@ def test_parameter_counts_are_logical_with_a_quantized_base(hf_causal, kind, tmp
     import transformers
     from _tok import make_bpe_tokenizer
 
+    from minitrain.adapters.lora import count_parameters, trainable_report
     from minitrain.audit import audit
     from minitrain.config import TrainConfig
-    from minitrain.lora import count_parameters, trainable_report
-    from minitrain.objectives import sft
+    from minitrain.objectives.sft import sft
     from minitrain.run import attach_adapters, load_model
 
     folder = tmp_path / "model"

@@ -118,7 +118,7 @@ def test_saved_adapter_loads_in_peft_with_our_logits(smoke, tiny):
     import transformers
 
     import models
-    from minitrain.lora import load_adapter
+    from minitrain.adapters.peft_format import load_adapter
     from minitrain.weights import load_pretrained
 
     _, out = smoke

@@ -18,7 +18,7 @@ import torch
 
 from minitrain import checkpoint as ckpt
 from minitrain.errors import UserError
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
 from minitrain.train import train
 from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, rows
 

@@ -1,4 +1,4 @@
-"""minitrain/rouge.py against hand-computed examples (Lin 2004's definitions) and the `rouge-score` package."""
+"""minitrain/evaluate/rouge.py against hand-computed examples (Lin 2004's definitions) and the `rouge-score` package."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rouge_score import rouge_scorer
 from rouge_score import tokenize as rs_tokenize
 
-from minitrain.rouge import Score, corpus_scores, lcs_length, rouge_l, rouge_n, score, tokenize
+from minitrain.evaluate.rouge import Score, corpus_scores, lcs_length, rouge_l, rouge_n, score, tokenize
 
 TYPES = ["rouge1", "rouge2", "rouge3", "rougeL"]
 REFERENCE = rouge_scorer.RougeScorer(TYPES, use_stemmer=False)

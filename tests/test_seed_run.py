@@ -20,8 +20,8 @@ import pytest
 import torch
 from _tok import corpus, make_qwen_tokenizer
 
-from minitrain import plan as P
 from minitrain.cli import run_cli
+from minitrain.plan.predict import shape_from_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_0_6B = json.loads((ROOT / "tests" / "fixtures" / "configs" / "Qwen3-0.6B" / "config.json").read_text())
@@ -38,7 +38,7 @@ def test_qwen3_0_6b_plans(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_0_6B))
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**QWEN3_0_6B))
-    assert P.shape_from_hf(QWEN3_0_6B).num_params() == sum(p.numel() for p in hf.parameters())  # 596,049,920
+    assert shape_from_hf(QWEN3_0_6B).num_params() == sum(p.numel() for p in hf.parameters())  # 596,049,920
     for recipe in ("lrc.py", "sft.py"):
         out = subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), str(ROOT / "recipes" / recipe),
                               f"model={tmp_path}", "batch_size=1", "max_len=1024", "checkpointing=true",

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import models
-from minitrain.data import collate_preference
-from minitrain.dpo import BaseReference, collate_shared_prompt, make_dpo_objective, sequence_logps
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.data.collate import collate_preference
+from minitrain.objectives.dpo import collate_shared_prompt, make_dpo_objective
+from minitrain.objectives.reference import BaseReference, sequence_logps
 from minitrain.weights import load_pretrained
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -20,9 +20,9 @@ import torch
 from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, rows, trainable_state
 
 from minitrain import checkpoint as ckpt
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.cli import run_cli
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
 from minitrain.schedule import resolve_steps
 from minitrain.train import Interrupted, _SignalStop, train
 
@@ -116,7 +116,7 @@ RECIPE = """
 import sys
 sys.path[:0] = [{tests!r}]
 from minitrain.config import TrainConfig
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
 from minitrain.schedule import resolve_steps
 from minitrain.train import train
 from test_signals import EXAMPLES, collate, lora_model, signalling

@@ -1,4 +1,4 @@
-"""minitrain.ternary: BitNet b1.58 ternary bases, LoRA and low-rank correction on them, recipes/lrc_llama.py.
+"""minitrain.adapters.ternary: BitNet b1.58 ternary bases, LoRA and low-rank correction on them, recipes/lrc_llama.py.
 
 References: hand-made matrices whose absmean and rounding are worked out below; BitNet b1.58's
 published training-tips code for `weight_quant` / `activation_quant` (restated in `bitnet_*`);
@@ -22,15 +22,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _tok import corpus, make_bpe_tokenizer
 
+from minitrain.adapters.lora import (LoRAConfig, LoRALinearTernary, apply_lora, count_parameters, freeze_for_adapters,
+                                     set_trainable)
+from minitrain.adapters.lrc import init_lrc, lrc_factors, lrc_ranks, resolve_rank
+from minitrain.adapters.merge import merged_state_dict
+from minitrain.adapters.peft_format import load_adapter, save_adapter
+from minitrain.adapters.quant import quantize_hook
+from minitrain.adapters.ternary import (TernaryLinear, dequantize_ternary, fake_quantize_activations, pack_ternary,
+                                        ternary_quantize, unpack_ternary)
 from minitrain.errors import UserError
-from minitrain.lora import (LoRAConfig, LoRALinearTernary, apply_lora, count_parameters, freeze_for_adapters,
-                            load_adapter, merged_state_dict, save_adapter, set_trainable)
-from minitrain.lrc import init_lrc, lrc_factors, lrc_ranks, resolve_rank
-from minitrain.quant import quantize_hook
-from minitrain.plan import ternary_bytes
+from minitrain.plan.run_shape import ternary_bytes
 from minitrain.train import cpu_compiler
-from minitrain.ternary import (TernaryLinear, dequantize_ternary, fake_quantize_activations, pack_ternary,
-                               ternary_quantize, unpack_ternary)
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

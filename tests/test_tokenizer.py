@@ -20,7 +20,7 @@ import torch
 
 from _tok import make_bpe_tokenizer, make_llama3_tokenizer, make_sp_tokenizer, make_t5_tokenizer
 from minitrain.errors import UserError
-from minitrain.tokenizer import Tokenizer
+from minitrain.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 from transformers.utils import logging as hf_logging  # noqa: E402

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import models
-from minitrain.lora import LoRAConfig, apply_lora, save_adapter
+from minitrain.adapters.lora import LoRAConfig, apply_lora
+from minitrain.adapters.peft_format import save_adapter
 from minitrain.weights import load_pretrained
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 def test_merge_gives_an_hf_folder_with_the_adapted_logits(adapter, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from minitrain.lora import load_adapter
+    from minitrain.adapters.peft_format import load_adapter
 
     out = tmp_path / "merged"
     p = _run("tools/merge.py", "--model", str(DEMO), "--adapter", str(adapter), "--out", str(out))
@@ -109,7 +110,7 @@ def test_generate_raw_prompt_on_a_tokenizer_without_bos(tmp_path):
 
     from _tok import make_qwen_tokenizer
 
-    from minitrain.tokenizer import Tokenizer
+    from minitrain.text.tokenizer import Tokenizer
     from models.llama import generate
 
     spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")

@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.config import TrainConfig
-from minitrain.data import Batcher, collate_causal
+from minitrain.data.batcher import Batcher
+from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
 from minitrain.train import cpu_compiler, enable_checkpointing, train
 
 VOCAB = 48
@@ -154,7 +155,7 @@ def naive_mean(model, batch):
 
 
 def _run(tmp_path, name, objective, examples, **kw):
-    """3 steps of LoRA (minitrain.lora) on TinyLM; returns the adapter weights.
+    """3 steps of LoRA (minitrain.adapters.lora) on TinyLM; returns the adapter weights.
 
     SGD, not AdamW: Adam's first steps divide each gradient entry by its own magnitude, so an
     entry of ~3e-7 (a cancellation whose fp32 rounding differs between batchings by ~1e-3 of
@@ -508,7 +509,7 @@ rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method={init!r}, rank=rank, world_size=2)
 from safetensors.torch import save_file
 from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, trainable_state
-from minitrain.objectives import sft
+from minitrain.objectives.sft import sft
 from minitrain.train import train
 from pathlib import Path
 model = freeze_embeddings(TinyLM())
@@ -587,7 +588,7 @@ def _dpo_like_block_calls(model) -> None:
     """The block calls of a DPO run with the reference = adapters disabled: the audit's one-row
     forward + backward, then per step the reference forward (no grad, adapters off), the policy
     forward + backward and an eval pass, at three lengths."""
-    from minitrain.lora import disable_adapters
+    from minitrain.adapters.lora import disable_adapters
 
     loss, count, _ = sft(model, collate_causal(make_examples(1, seed=9), pad_id=0))
     (loss / count).backward()

@@ -476,7 +476,7 @@ def versions() -> dict:
 def import_times(env: dict) -> dict:
     """Seconds to import what each side's command imports before any work (fresh interpreter, best of 3)."""
     probes = {"minitrain (cli + sft recipe imports)": "import minitrain.cli, models, minitrain.run, minitrain.train, "
-                                                      "minitrain.objectives, minitrain.data",
+                                                      "minitrain.objectives.sft, minitrain.data.readers",
               "torch alone": "import torch",
               "HF (transformers Trainer + peft + trl + datasets)": "import transformers, peft, trl, datasets; "
                                                                    "from transformers import Trainer; "
@@ -583,8 +583,9 @@ def write_benchmarks(path: Path, block: str, tag: str = "") -> None:
 def padding_note(a: argparse.Namespace, info: dict) -> str:
     """How much of minitrain's SFT micro-batches is padding, with and without length grouping (its Batcher)."""
     sys.path.insert(0, str(ROOT))
-    from minitrain.data import Batcher, read_sft
-    from minitrain.tokenizer import Tokenizer
+    from minitrain.data.batcher import Batcher
+    from minitrain.data.readers import read_sft
+    from minitrain.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(info["model"])
     ex = read_sft(info["sft"], tok, max_len=a.max_len)
@@ -655,10 +656,13 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     import models
-    from minitrain import plan as P
-    from minitrain.dpo import DPOConfig, make_dpo_objective, make_reference
-    from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-    from minitrain.quant import quantize_hook
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.adapters.quant import quantize_hook
+    from minitrain.objectives.dpo import DPOConfig, make_dpo_objective
+    from minitrain.objectives.reference import make_reference
+    from minitrain.plan.decoder import ModelShape
+    from minitrain.plan.predict import predict
+    from minitrain.plan.run_shape import RunShape
     from minitrain.train import train
 
     hf = TINY_MISTRAL if a.tiny else MISTRAL_7B
@@ -688,7 +692,7 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
     ex = {"chosen_ids": prompt + chosen, "chosen_labels": [-100] * len(prompt) + chosen,
           "rejected_ids": prompt + rejected, "rejected_labels": [-100] * len(prompt) + rejected}
     examples = [dict(ex) for _ in range(a.dpo_steps)]
-    from minitrain.dpo import collate_with_reference
+    from minitrain.objectives.dpo import collate_with_reference
 
     out = Path(tempfile.mkdtemp(prefix="minitrain_gpu_dpo_"))
     cfg = DPOConfig(out=str(out), max_steps=a.dpo_steps, batch_size=1, grad_accum=1, lr=5e-6, warmup=0,
@@ -708,10 +712,10 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
     if device.type == "cuda":
         result.update(weights_and_adapters_bytes=before, max_allocated_bytes=torch.cuda.max_memory_allocated(),
                       max_reserved_bytes=torch.cuda.max_memory_reserved())
-    run = P.RunShape(rows=2, seq=seq, compute="bf16", quantize="nf4", lora_r=16, lora_targets=tuple(targets),
+    run = RunShape(rows=2, seq=seq, compute="bf16", quantize="nf4", lora_r=16, lora_targets=tuple(targets),
                      checkpointing=True, dpo_reference="base", device=device.type,
                      targets=len(chosen) + len(rejected))  # positions whose next token is an answer token
-    plan = P.predict(P.ModelShape.from_hf(hf), run)
+    plan = predict(ModelShape.from_hf(hf), run)
     result.update(predicted_peak_bytes=plan.peak, predicted_moment=plan.peak_moment,
                   predicted_persistent_bytes=plan.persistent_bytes)
     if "max_allocated_bytes" in result:

@@ -7,7 +7,7 @@ A 4-layer LLaMA (hidden 512, intermediate 1536, 8 heads / 2 kv, vocab 1024) with
 weights, LoRA r=16 on all seven linears (fp32 adapters), bf16 autocast, non-reentrant
 checkpointing and per-block `torch.compile` (inductor; `--eager` leaves it out), 3 optimizer
 steps of 4 x 512 tokens through `minitrain.train.train`, as `tools/gpu_check.py` runs its SFT part
-on CUDA. The peak is `minitrain.plan.measure_peak_allocated`'s over the whole run (the CPU
+on CUDA. The peak is `minitrain.plan.measure.measure_peak_allocated`'s over the whole run (the CPU
 allocations torch.profiler records: the same to the byte from run to run). Each `--code DIR` (repeatable, e.g. a
 tree of an older commit made with `git archive`) runs in its own process with that tree first on
 `sys.path`. With torch 2.11 it showed the cost of an autograd Function inside a compiled block
@@ -35,11 +35,11 @@ def child(compile_blocks: bool) -> float:
 
     import models
     from minitrain import train as T
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.config import TrainConfig
-    from minitrain.data import collate_causal
-    from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-    from minitrain.objectives import sft
-    from minitrain.plan import measure_peak_allocated
+    from minitrain.data.collate import collate_causal
+    from minitrain.objectives.sft import sft
+    from minitrain.plan.measure import measure_peak_allocated
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ step through the command line a user would type (`python -m minitrain recipes/..
    process's own, topic posterior included) is computed exactly and printed as the floor.
 2. A word-level tokenizer (one id per word, plus <unk> <s> </s> <pad>), shared by both models.
    The teacher's head is padded to a multiple of 64 ids and the student's is not, so KD runs over
-   the shared ids (`minitrain.distill.shared_vocab`).
+   the shared ids (`minitrain.objectives.distill.shared_vocab`).
 3. The teacher (4 layers, width 128) is trained from a random init on many documents with
    `recipes/sft_llama.py finetune=full`.
 4. The student (2 layers, width 64, random init) sees only a small set of documents, many times,

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 import models  # noqa: E402
+from minitrain.adapters.peft_format import load_adapter  # noqa: E402
 from minitrain.errors import UserError  # noqa: E402
-from minitrain.lora import load_adapter  # noqa: E402
-from minitrain.tokenizer import Tokenizer  # noqa: E402
+from minitrain.text.tokenizer import Tokenizer  # noqa: E402
 from minitrain.weights import load_pretrained  # noqa: E402
 
 

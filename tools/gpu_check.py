@@ -11,7 +11,7 @@
    through `tools/bench.py --gpu-dpo-7b`;
 3. LoRA SFT on a Llama-3-8B shape (random bf16 weights, LoRA r=16 on all seven linears,
    checkpointing and per-block compile, `--sft-rows` x `--sft-seq` tokens a step) through
-   `minitrain.train.train`: tokens/s, MFU (`minitrain.flops`: model FLOPs / s / the device's dense
+   `minitrain.train.train`: tokens/s, MFU (`minitrain.plan.flops`: model FLOPs / s / the device's dense
    bf16 peak) and peak memory; beside it, in the same run, the HF stack on the same shape and
    batch (transformers `LlamaForCausalLM` + peft, gradient checkpointing, torch's fused AdamW),
    with the same FLOPs count for its MFU.
@@ -77,10 +77,10 @@ def _random_bf16_llama(device):
 def child_mt_sft(a: argparse.Namespace) -> dict:
     import torch
 
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.config import TrainConfig
-    from minitrain.data import collate_causal
-    from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-    from minitrain.objectives import sft
+    from minitrain.data.collate import collate_causal
+    from minitrain.objectives.sft import sft
     from minitrain.train import train
 
     device = torch.device("cuda")
@@ -112,7 +112,7 @@ def child_hf_sft(a: argparse.Namespace) -> dict:
     import torch
     import transformers
 
-    from minitrain.flops import FlopCounter, device_peak_flops
+    from minitrain.plan.flops import FlopCounter, device_peak_flops
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k != "model_type"})
@@ -150,11 +150,11 @@ def child_hf_sft(a: argparse.Namespace) -> dict:
 
 
 def _counter_model():
-    """The 8B shape on meta with the same LoRA: only its module shapes are read (minitrain.flops)."""
+    """The 8B shape on meta with the same LoRA: only its module shapes are read (minitrain.plan.flops)."""
     import torch
 
     import models
-    from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 
     with torch.device("meta"):
         model = models.from_hf_config(LLAMA3_8B)

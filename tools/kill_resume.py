@@ -111,7 +111,8 @@ def make_start_adapter(model: Path, folder: Path, seed: int = 0) -> Path:
     import torch
 
     import models
-    from minitrain.lora import LoRAConfig, apply_lora, save_adapter
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
     from minitrain.weights import load_pretrained
 
     torch.manual_seed(seed)

@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
-from minitrain.collate import collate_causal  # noqa: E402
-from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters  # noqa: E402
-from minitrain.lrc import init_lrc, lrc_ranks  # noqa: E402
-from minitrain.objectives import sft  # noqa: E402
-from minitrain.quant import quantize_hook  # noqa: E402
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters  # noqa: E402
+from minitrain.adapters.lrc import init_lrc, lrc_ranks  # noqa: E402
+from minitrain.adapters.quant import quantize_hook  # noqa: E402
+from minitrain.data.collate import collate_causal  # noqa: E402
+from minitrain.objectives.sft import sft  # noqa: E402
 from minitrain.weights import load_pretrained, save_pretrained  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
@@ -82,8 +82,8 @@ def kl_loss(folder: Path, calibration: int) -> tuple[Callable[[torch.nn.Module],
 
 def data_loss(folder: Path, data: Path, calibration: int) -> tuple[Callable, Callable]:
     """(loss, calibrate) for a trained model: the SFT loss on the last 64 rows of `data`, calibration on the first."""
-    from minitrain.data import read_sft
-    from minitrain.tokenizer import Tokenizer
+    from minitrain.data.readers import read_sft
+    from minitrain.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(folder)
     with contextlib.redirect_stdout(io.StringIO()):

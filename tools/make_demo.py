@@ -52,7 +52,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere in a checkout
 
-from minitrain.tokenizer import Tokenizer  # noqa: E402  (the same chat rendering the recipes use)
+from minitrain.text.tokenizer import Tokenizer  # noqa: E402  (the same chat rendering the recipes use)
 from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 TRAIN_NAMES = ("Anna Ben Carl Dora Emma Finn Gina Hugo Iris Jack Kira Leo Mia Nora Omar Pia Quinn Rosa Sam "

@@ -8,7 +8,7 @@ per reader reports
 
     peak RSS during the read - RSS just before it (after imports), and its ratio to the file size,
 
-for (1) `minitrain.data_files.read_rows` iterating every row, (2) `pyarrow.parquet.read_table`
+for (1) `minitrain.data.files.read_rows` iterating every row, (2) `pyarrow.parquet.read_table`
 + `to_pylist` (the whole file as Python rows, what a naive reader does), and (3) `read_sft` on
 the first `--tokenize-mib` MiB of rows (token-id examples kept in memory: bytes per token).
 Peak RSS is VmHWM, reset after the imports. Needs pyarrow (the data extra). Not a test: it
@@ -31,9 +31,9 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
 import pyarrow.parquet as pq
-from minitrain.data_files import read_rows
-from minitrain.data import read_sft
-from minitrain.tokenizer import Tokenizer
+from minitrain.data.files import read_rows
+from minitrain.data.readers import read_sft
+from minitrain.text.tokenizer import Tokenizer
 
 def rss(key):
     for line in Path("/proc/self/status").read_text().splitlines():

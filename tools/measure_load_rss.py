@@ -91,7 +91,7 @@ def child(loader: str, folder: Path, dtype: str) -> None:
 
         hook = None
         if loader == "minitrain+nf4":
-            from minitrain.quant import quantize_hook
+            from minitrain.adapters.quant import quantize_hook
 
             hook = quantize_hook("nf4", compute_dtype=torch_dtype)
 

@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 import models  # noqa: E402
+from minitrain.adapters.merge import merged_state_dict
+from minitrain.adapters.peft_format import load_adapter  # noqa: E402
 from minitrain.errors import UserError  # noqa: E402
-from minitrain.lora import load_adapter, merged_state_dict  # noqa: E402
 from minitrain.weights import SIDE_FILES, load_pretrained, save_pretrained  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +44,7 @@ def merge(model_dir: str, adapter_dir: str, out: str, dtype: str = "float32", qu
         raise UserError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
     hook = None
     if quantize != "none":
-        from minitrain.quant import quantize_hook
+        from minitrain.adapters.quant import quantize_hook
 
         hook = quantize_hook(quantize, torch.float32, ternary_scale=ternary_scale)
     model = load_pretrained(model_dir, models.from_hf_config, dtype=torch.float32, tensor_hook=hook)

@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from minitrain import plan as P  # noqa: E402
+from minitrain.config import parse_bytes
 from minitrain.errors import UserError  # noqa: E402
+from minitrain.plan.predict import predict, run_shape, shape_from_hf, suggestions
+from minitrain.plan.run_shape import RESERVE_CONTEXT, RESERVE_SLACK, fmt_bytes
 
 USAGE = ("usage: python tools/plan.py RECIPE.py [key=value ...] [--gpu-mem 12GiB] [--seq N] [--targets N] "
          "[--device cuda|cpu] [--all]")
@@ -94,16 +96,16 @@ def plan_device(cfg, given: str | None) -> str:
 
 
 def row(name: str, nbytes: int, formula: str = "", indent: int = 2) -> str:
-    return f"{' ' * indent}{name:<44}{P.fmt_bytes(nbytes):>12}   {formula}"
+    return f"{' ' * indent}{name:<44}{fmt_bytes(nbytes):>12}   {formula}"
 
 
 def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]:
     """The report text and whether it fits (True when no --gpu-mem is given)."""
     hf, config_path = read_model_config(cfg)
     opts = {**opts, "--device": plan_device(cfg, opts["--device"])}
-    model = P.shape_from_hf(hf, where=str(config_path))
-    run = P.run_shape(cfg, device=opts["--device"], seq=opts.get("--seq"), targets=opts.get("--targets"))
-    plan = P.predict(model, run)
+    model = shape_from_hf(hf, where=str(config_path))
+    run = run_shape(cfg, device=opts["--device"], seq=opts.get("--seq"), targets=opts.get("--targets"))
+    plan = predict(model, run)
     lines = [f"plan: {path} {' '.join(overrides)}".rstrip(),
              f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, {model.describe()})",
              f"run: {opts['--device']}, {run.compute} compute, "
@@ -138,26 +140,26 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
         lines.append(f"  note: {n}")
     lines.append("")
     lines.append(row("predicted peak (torch.cuda.max_memory_allocated)", plan.peak, "", 0))
-    needed = plan.peak * (1 + P.RESERVE_SLACK) + P.RESERVE_CONTEXT
-    lines.append(row(f"+ CUDA context ~{P.fmt_bytes(P.RESERVE_CONTEXT)} + {P.RESERVE_SLACK:.0%} allocator slack",
+    needed = plan.peak * (1 + RESERVE_SLACK) + RESERVE_CONTEXT
+    lines.append(row(f"+ CUDA context ~{fmt_bytes(RESERVE_CONTEXT)} + {RESERVE_SLACK:.0%} allocator slack",
                      int(needed), "", 0))
     fits = True
     gpu = opts.get("--gpu-mem")
     if gpu:
-        budget = P.parse_bytes(gpu)
+        budget = parse_bytes(gpu)
         fits = needed <= budget
         spare = budget - needed
-        lines.append(f"verdict: {'FITS' if fits else 'DOES NOT FIT'} in {P.fmt_bytes(budget)} "
-                     f"({P.fmt_bytes(needed)} needed, {P.fmt_bytes(abs(spare))} {'spare' if fits else 'short'})")
+        lines.append(f"verdict: {'FITS' if fits else 'DOES NOT FIT'} in {fmt_bytes(budget)} "
+                     f"({fmt_bytes(needed)} needed, {fmt_bytes(abs(spare))} {'spare' if fits else 'short'})")
     else:
         lines.append("verdict: pass --gpu-mem 12GiB (your GPU's memory) for a verdict")
-    tips = P.suggestions(model, run, cfg.batch_size, cfg.grad_accum)
+    tips = suggestions(model, run, cfg.batch_size, cfg.grad_accum)
     if tips:
         lines.append("to use less memory (one change at a time, predicted saving -> new peak + reserve):")
         for keys, saving, peak in sorted(tips, key=lambda t: -t[1]):
-            new_needed = peak * (1 + P.RESERVE_SLACK) + P.RESERVE_CONTEXT
-            ok = "" if not gpu else ("  fits" if new_needed <= P.parse_bytes(gpu) else "  still too big")
-            lines.append(f"  {keys:<58} saves {P.fmt_bytes(saving):>10} -> {P.fmt_bytes(new_needed)}{ok}")
+            new_needed = peak * (1 + RESERVE_SLACK) + RESERVE_CONTEXT
+            ok = "" if not gpu else ("  fits" if new_needed <= parse_bytes(gpu) else "  still too big")
+            lines.append(f"  {keys:<58} saves {fmt_bytes(saving):>10} -> {fmt_bytes(new_needed)}{ok}")
     return "\n".join(lines), fits
 
 

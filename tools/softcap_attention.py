@@ -9,7 +9,7 @@ path) and keeps SDPA for the layers without a cap (every Gemma 3 layer). Shapes 
 attention: one row, 8 query heads over 4 key/value heads (repeated, as the model does), head_dim
 256, scale 256 ** -0.5, cap 50, causal, fp32. For each length: forward + backward time (median of
 `--repeat`, after a warm-up) and the peak bytes allocated during it (torch.profiler's memory
-events, `minitrain.plan.measure_peak_allocated`), for both paths. Times are the process's CPU time
+events, `minitrain.plan.measure.measure_peak_allocated`), for both paths. Times are the process's CPU time
 (one thread), so other load on the machine does not count. The outputs agree to 1e-4
 when the cap is huge (tanh is then the identity), which the tool checks first.
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from minitrain.plan import measure_peak_allocated  # noqa: E402
+from minitrain.plan.measure import measure_peak_allocated  # noqa: E402
 from models.gemma import capped_attention  # noqa: E402
 from models.llama import repeat_kv  # noqa: E402
 

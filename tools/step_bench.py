@@ -13,7 +13,7 @@ on all seven linears, fp32, minitrain's AdamW; steps 2..N are timed in CPU-secon
 (`time.process_time`), which the load of a shared machine disturbs far less than wall time.
 
 - `sft`: 4 rows a step, prompt and answer lengths drawn like the bench's data (8-190 words each,
-  cut to 384 tokens). Reports tokens per CPU-second and model FLOP/s (`minitrain.flops`, the same
+  cut to 384 tokens). Reports tokens per CPU-second and model FLOP/s (`minitrain.plan.flops`, the same
   count for every variant) as a share of the GEMM peak measured in the same run. `--code DIR`
   (repeatable) runs the same steps with `PYTHONPATH=DIR`, e.g. a worktree of an older commit: the
   A/B of a code change. `--variants eager,compiled` runs each code version both ways: `compiled` is
@@ -26,7 +26,7 @@ on all seven linears, fp32, minitrain's AdamW; steps 2..N are timed in CPU-secon
   length spread. Every variant trains on the same `--steps` micro-batches' worth of examples (one
   epoch of the Batcher over them, after one untimed warm-up step): `ungrouped` (seeded order,
   padded), `grouped` (`group_by_length`, the default; padded), `packed` (ungrouped batches,
-  `minitrain.packing`) and `packed-grouped` (what `packing=true` does with the default grouping).
+  `minitrain.data.packing`) and `packed-grouped` (what `packing=true` does with the default grouping).
   sft: 8 rows a step, prompt and answer 8-190 tokens each (the bench's spread), max_len 384;
   dpo: 4 pairs a step (sigmoid, reference = adapters off), prompts 16-300 tokens, each answer
   8-150, max_len 512; seq2seq: a T5 v1.1 of the bench's width (d_model 256, 4 + 4 layers, vocab
@@ -72,7 +72,7 @@ def gemm_peak(n: int = 1024, reps: int = 5) -> float:
 def _model(vocab: int):
     import torch
 
-    from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from models.llama import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -115,20 +115,21 @@ def packing_setup(objective: str, vocab: int, n: int, seed: int = 0):
     """(model, objective fn, examples, lengths, padded collate, packed collate, units of a batch)."""
     import functools
 
-    from minitrain import packing
-    from minitrain.data import collate_causal, collate_seq2seq
+    from minitrain.data import packing
+    from minitrain.data.collate import collate_causal, collate_seq2seq
 
     rng = random.Random(seed)
     spec = PACKING[objective]
     if objective == "sft":
-        from minitrain.objectives import sft
+        from minitrain.objectives.sft import sft
 
         rows = sft_rows(n, vocab, seed, spec["max_len"])
         return (_model(vocab), sft, rows, [len(r["input_ids"]) for r in rows], functools.partial(collate_causal, pad_id=0),
                 functools.partial(packing.collate_packed_causal, pad_id=0, max_len=spec["max_len"]),
                 lambda b: int(b["attention_mask"].sum()))
     if objective == "dpo":
-        from minitrain.dpo import BaseReference, collate_with_reference, make_dpo_objective
+        from minitrain.objectives.dpo import collate_with_reference, make_dpo_objective
+        from minitrain.objectives.reference import BaseReference
 
         rows = []
         for _ in range(n):
@@ -145,8 +146,8 @@ def packing_setup(objective: str, vocab: int, n: int, seed: int = 0):
                 lambda b: int(b["num_pairs"]))
     import torch
 
-    from minitrain.lora import LoRAConfig, apply_lora, freeze_for_adapters
-    from minitrain.objectives import seq2seq
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.objectives.sft import seq2seq
     from models.t5 import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -171,7 +172,7 @@ def packing_child(args: argparse.Namespace) -> None:
 
     import torch
 
-    from minitrain.batcher import Batcher
+    from minitrain.data.batcher import Batcher
     from minitrain.optim import AdamW
 
     torch.set_num_threads(1)
@@ -204,8 +205,8 @@ def child(args: argparse.Namespace) -> None:
 
     import torch
 
-    from minitrain.data import collate_causal
-    from minitrain.objectives import sft
+    from minitrain.data.collate import collate_causal
+    from minitrain.objectives.sft import sft
     from minitrain.optim import AdamW
 
     torch.set_num_threads(1)
@@ -218,11 +219,13 @@ def child(args: argparse.Namespace) -> None:
         batches = [collate_causal(rows[i : i + 4], 0) for i in range(0, len(rows), 4)]
         objective = sft
     else:
-        from minitrain.dpo import BaseReference, collate_preference, make_dpo_objective
+        from minitrain.data.collate import collate_preference
+        from minitrain.objectives.dpo import make_dpo_objective
+        from minitrain.objectives.reference import BaseReference
 
         rows = dpo_rows(2 * steps, args.vocab, args.prompt, args.answer)
         if args.variant == "shared":
-            from minitrain.dpo import collate_shared_prompt as collate
+            from minitrain.objectives.dpo import collate_shared_prompt as collate
         else:
             collate = collate_preference
         batches = [collate(rows[i : i + 2], 0) for i in range(0, len(rows), 2)]
@@ -280,8 +283,8 @@ def run_child(args: argparse.Namespace, variant: str, code: str | None) -> dict:
 def flops_per_unit(args: argparse.Namespace) -> float:
     """Model FLOPs per SFT step of the first timed batches, averaged (the same for every code version)."""
     sys.path.insert(0, str(ROOT))
-    from minitrain.data import collate_causal
-    from minitrain.flops import FlopCounter
+    from minitrain.data.collate import collate_causal
+    from minitrain.plan.flops import FlopCounter
 
     counter = FlopCounter.of(_model(args.vocab))
     rows = sft_rows(4 * args.steps, args.vocab)

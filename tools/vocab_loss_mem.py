@@ -11,7 +11,7 @@ fresh interpreter: after building the head and the hidden states it resets the k
 high-water mark (VmHWM), runs the loss forward + backward, and reports
 
 - peak RSS during the loss - RSS just before it;
-- peak bytes allocated (minitrain.plan.measure_peak_allocated: torch.profiler's memory events),
+- peak bytes allocated (minitrain.plan.measure.measure_peak_allocated: torch.profiler's memory events),
   which does not depend on the allocator's habits or the machine's load.
 
 transformers' side is what its causal-LM models do: `logits = lm_head(hidden)` (Gemma 2:
@@ -45,8 +45,8 @@ def child(side: str, case: str, tokens: int) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from minitrain.losses import chunked_cross_entropy_sum, shift_labels
-    from minitrain.plan import measure_peak_allocated
+    from minitrain.objectives.losses import chunked_cross_entropy_sum, shift_labels
+    from minitrain.plan.measure import measure_peak_allocated
     from models.gemma import SoftcappedLinear
 
     torch.manual_seed(0)

@@ -1,0 +1,14 @@
+"""Adapters: what trains on a frozen base, and the forms the base is stored in.
+
+Modules, in reading order:
+    lora         LoRA layers on any base linear (float, nf4, int8, ternary): applied once, only
+                 float tensors trainable, switched off for a reference (`disable_adapters`)
+    peft_format  adapters saved and loaded in PEFT's format
+    merge        adapters folded into their base weights, the rounding error reported
+    quant        quantized bases: each base linear quantized as its weight streams in (bitsandbytes
+                 nf4 / int8, minitrain's ternary)
+    ternary      the ternary (BitNet b1.58) linear: 2 bits a weight, plain torch
+    lrc          low-rank correction: LoRA on a quantized base that starts at its quantization error
+    ard          ARD-LoRA: gated rank components under an ARD prior (its objective is
+                 `minitrain.objectives.ard`)
+"""

@@ -1,0 +1,15 @@
+"""Data: how a data file becomes batches of token ids.
+
+    files -> rows -> examples -> batches
+
+Modules, in reading order:
+    files    which file formats are read (JSONL, JSON, CSV / TSV, Parquet, Arrow, a folder) and where
+             each row came from (`file:line`, `file:row N`)
+    rows     one row: its keys under the user's names (`fields`), typed access, the row shapes people's
+             data comes in turned into the few minitrain trains on
+    readers  rows -> token-id examples (SFT, seq2seq, preference pairs, unpaired rows), truncation,
+             `hold_out`
+    batcher  which examples form each micro-batch: seeded, length-grouped, resumable exactly
+    collate  examples -> padded batch tensors; `IGNORE_INDEX`, the label that takes no loss
+    packing  a micro-batch's sequences packed into as few rows as fit
+"""

@@ -1,0 +1,382 @@
+"""Rows -> token-id examples: what the readers make of each row shape, and truncation.
+
+Readers (`read_sft`, `read_seq2seq`, `read_preference`, `read_unpaired`) turn the rows of a data file
+(`minitrain.data.files`, typed access through `minitrain.data.rows`) into examples of token
+ids; a user's mistake in the file is one `UserError` naming `file:line`. They return an
+`Examples` list that also says how many rows were truncated or skipped. The batch order is
+`minitrain.data.batcher`, the padding collators `minitrain.data.collate` (both re-exported here).
+
+Labels are aligned with `input_ids` (as in transformers): `labels[i]` is the token at position
+`i`, or -100 where no loss is taken (prompt, bos, padding); causal objectives shift them.
+
+Truncation (`max_len` tokens per sequence), explicit and counted:
+
+- prompt + completion too long: the prompt loses tokens first, on `truncation_side` ("left",
+  the default, drops its beginning and keeps the end next to the completion; a leading bos is
+  kept), but not below `max_prompt_len` (default `max_len // 2`); then the completion loses
+  its end (and its eos). A prompt longer than `max_len` is thus cut to `max_prompt_len`.
+- chats (`{"messages"}`) lose tokens on `truncation_side`; `{"text"}` rows lose their end.
+- a row left with no target token is skipped and counted (`Examples.skipped`), so no batch
+  is ever all -100 (a 0/0 NaN loss).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from minitrain.data.collate import IGNORE_INDEX
+from minitrain.data.files import read_rows
+from minitrain.data.rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields
+from minitrain.errors import UserError
+from minitrain.text.chat_formats import common_prefix_len
+from minitrain.text.tokenizer import Tokenizer
+
+SIDES = ("left", "right")
+
+
+class Examples(list):
+    """A list of examples, with what reading cost: `truncated` and `skipped` row counts, and
+    `bos_in_text`: rows whose text began with the bos token already (text copied from a
+    rendered chat), which get no second bos; `identical`: preference pairs whose two answers were
+    the same tokens, dropped on request."""
+
+    def __init__(self, items: Sequence[dict] = (), *, path: str = "", truncated: int = 0, skipped: int = 0,
+                 bos_in_text: int = 0, identical: int = 0):
+        super().__init__(items)
+        self.path = path
+        self.truncated = truncated
+        self.skipped = skipped
+        self.bos_in_text = bos_in_text  # rows whose text already began with bos: not given a second one
+        self.identical = identical
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens per example (all its id lists), for `Batcher` length grouping."""
+        return [sum(len(v) for k, v in ex.items() if k.endswith("ids")) for ex in self]
+
+
+def _check_options(max_len: int, truncation_side: str, max_prompt_len: int | None) -> int:
+    if not isinstance(max_len, int) or max_len < 2:
+        raise UserError(f"max_len={max_len!r}: must be an integer >= 2")
+    if truncation_side not in SIDES:
+        raise UserError(f"truncation_side={truncation_side!r}: use 'left' or 'right'")
+    if max_prompt_len is None:
+        return max_len // 2
+    if not isinstance(max_prompt_len, int) or not 0 <= max_prompt_len < max_len:
+        raise UserError(f"max_prompt_len={max_prompt_len!r}: must be an integer in [0, max_len)")
+    return max_prompt_len
+
+
+def _chat(tok: Tokenizer, where: str, messages: list, **kw) -> tuple[list[int], list[bool]]:
+    try:
+        return tok.encode_chat(messages, **kw)
+    except UserError as e:  # name the line as well as the message
+        raise UserError(f"{where}: {e.message}") from None
+
+
+# --------------------------------------------------------------------------- truncation
+
+
+def _cut(ids: list[int], keep: int, side: str, bos: int | None) -> list[int]:
+    """`ids` shortened to `keep` tokens on `side`; a leading bos survives left truncation."""
+    if len(ids) <= keep:
+        return ids
+    if keep <= 0:
+        return []
+    if side == "right":
+        return ids[:keep]
+    if bos is not None and ids[0] == bos:
+        return ids[:1] + ids[len(ids) - keep + 1 :]
+    return ids[len(ids) - keep :]
+
+
+def _fit(prompt: list[int], completions: list[list[int]], max_len: int, max_prompt_len: int,
+         side: str, bos: int | None) -> tuple[list[int], list[list[int]], bool]:
+    """Apply the module's truncation policy to a prompt shared by one or more completions."""
+    longest = max(len(c) for c in completions)
+    if len(prompt) + longest <= max_len:
+        return prompt, completions, False
+    keep = min(len(prompt), max(max_len - longest, max_prompt_len))
+    prompt = _cut(prompt, keep, side, bos)
+    room = max_len - len(prompt)
+    return prompt, [c[:room] for c in completions], True
+
+
+def _targets(labels: list[int]) -> int:
+    """Tokens the causal loss trains on (position 0 is never predicted)."""
+    return sum(1 for x in labels[1:] if x != IGNORE_INDEX)
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def _answer(row: Row, name: str) -> str | list:
+    """A preference answer: text, a list of messages, or a ShareGPT turn `{"from", "value"}`."""
+    v = row.get(name)
+    if isinstance(v, list):
+        return row.messages(name)
+    if isinstance(v, dict) and "value" in v:
+        v = v["value"]
+        if not isinstance(v, str) or not v.strip():
+            raise UserError(f'{row.where}: "{row.key(name)}" value must be non-empty text — fix the row')
+        return v
+    return row.text(name)
+
+
+def _preference_parts(row: Row) -> tuple[str | list, tuple[str | list, str | list]]:
+    """(prompt, (chosen, rejected)) of a preference row in any of `read_preference`'s shapes."""
+    if row.has("conversations") and not row.has("prompt"):
+        return row.sharegpt("conversations"), (_answer(row, "chosen"), _answer(row, "rejected"))
+    if not row.has("prompt") and row.has("chosen") and isinstance(row.get("chosen"), list):
+        chosen, rejected = row.messages("chosen"), row.messages("rejected") if row.has("rejected") else None
+        if not isinstance(rejected, list):
+            raise UserError(f'{row.where}: "{row.key("chosen")}" is a conversation, so "{row.key("rejected")}" must be '
+                            f'one too (TRL\'s format with an implicit prompt) — fix the row')
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        if n == 0:
+            raise UserError(f'{row.where}: "{row.key("chosen")}" and "{row.key("rejected")}" share no first message, so '
+                            f'there is no prompt — give a "prompt" key, or conversations that begin alike')
+        return chosen[:n], (chosen[n:], rejected[n:])
+    prompt = row.get("prompt")
+    prompt = row.messages("prompt") if isinstance(prompt, list) else row.text("prompt")
+    return prompt, (_answer(row, "chosen"), _answer(row, "rejected"))
+
+
+def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
+             max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+             split: str | None = None) -> Examples:
+    """Causal-LM examples `{"input_ids", "labels"}` from the rows of a data file (any format of
+    `minitrain.data.files`; `split` picks a split of a datasets folder), in these shapes:
+
+    - chats: `{"messages"}`, ShareGPT `{"conversations"}` or Alpaca `{"instruction", "input",
+      "output"}` (`minitrain.data.rows`): `tok.encode_chat`, loss on the assistant turns;
+    - `{"prompt", "completion"}`: `[bos] prompt completion [eos]`, loss on completion + eos;
+      the completion is encoded as continuing the prompt (its leading space kept as written);
+    - `{"text"}`: `[bos] text [eos]`, loss on every token.
+
+    `fields` maps these names to the file's keys (`{"prompt": "question"}`). `[bos]` is there
+    when the checkpoint's tokenizer adds it to a text (`Tokenizer.add_bos`, as transformers'
+    tokenizer call: not for Qwen or Phi-3); a prompt or text that already begins with the bos
+    token gets no second one (counted in `bos_in_text`).
+    """
+    max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
+    fields = check_fields(fields, SFT_FIELDS)
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    out = Examples(path=str(path))
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt" and "completion", "messages" or "text"')
+        chat = row.chat()
+        if chat is not None:
+            ids, mask = _chat(tok, where, chat)
+            labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
+            if len(ids) > max_len:
+                out.truncated += 1
+                keep = _cut(list(range(len(ids))), max_len, truncation_side, 0)  # positions kept
+                ids, labels = [ids[k] for k in keep], [labels[k] for k in keep]
+        elif row.has("prompt") or row.has("completion"):
+            row.expect = '"prompt" and "completion"'
+            p = _with_bos(tok, tok.encode(row.text("prompt")), out)
+            c = tok.encode(row.text("completion"), continuation=True) + eos
+            p, (c,), cut = _fit(p, [c], max_len, max_prompt_len, truncation_side, tok.bos_id)
+            out.truncated += cut
+            ids, labels = p + c, [IGNORE_INDEX] * len(p) + c
+        elif row.has("text"):
+            ids = _with_bos(tok, tok.encode(row.text("text")), out) + eos
+            if len(ids) > max_len:
+                out.truncated += 1
+                ids = ids[:max_len]
+            labels = ([IGNORE_INDEX] + ids[1:]) if ids[:1] == [tok.bos_id] else list(ids)
+        else:
+            keys = ", ".join(json.dumps(k) for k, v in list(raw.items())[:5] if v is not None) or "none"
+            raise UserError(f'{where}: no "prompt"/"completion", "messages" or "text" key (keys: {keys}) — '
+                            f'use one of these row shapes (or ShareGPT "conversations", Alpaca "instruction"/'
+                            f'"output"), or map your keys with fields={{"prompt": "your_key", ...}}')
+        if _targets(labels) == 0:
+            out.skipped += 1
+            continue
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _with_bos(tok: Tokenizer, ids: list[int], out: Examples) -> list[int]:
+    """`[bos] + ids` where the checkpoint's tokenizer puts bos before a text (`tok.add_bos`:
+    LLaMA, Mistral, Gemma; not Qwen or Phi-3), unless `ids` begin with bos already (counted: a
+    second one is never added)."""
+    if tok.bos_id is None:
+        return ids
+    if ids[:1] == [tok.bos_id]:
+        out.bos_in_text += 1
+        return ids
+    return [tok.bos_id] + ids if tok.add_bos else ids
+
+
+def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
+                 max_target_len: int | None = None, fields: dict[str, str] | None = None,
+                 max_prompt_len: int | None = None, split: str | None = None) -> Examples:
+    """Encoder-decoder examples from `{"prompt", "completion"}` rows (any file format, as `read_sft`).
+
+    `input_ids` = prompt + eos (cut to `max_len` on `truncation_side`, the eos kept),
+    `labels` = completion + eos (cut on the right to `max_target_len`, default `max_len`), as
+    transformers' T5Tokenizer does for inputs and `text_target`. Decoder inputs are made by
+    the collator (labels shifted right behind the decoder start token).
+    """
+    _check_options(max_len, truncation_side, max_prompt_len)
+    max_target_len = max_len if max_target_len is None else max_target_len
+    if not isinstance(max_target_len, int) or max_target_len < 1:
+        raise UserError(f"max_target_len={max_target_len!r}: must be an integer >= 1")
+    fields = check_fields(fields, SEQ2SEQ_FIELDS)
+    out = Examples(path=str(path))
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt" and "completion"')
+        src = tok.encode(row.text("prompt"), eos=True)
+        tgt = tok.encode(row.text("completion"), eos=True)
+        if len(src) > max_len or len(tgt) > max_target_len:
+            out.truncated += 1
+        if len(src) > max_len:
+            body = _cut(src[:-1], max_len - 1, truncation_side, None)
+            src = body + src[-1:]
+        out.append({"input_ids": src, "labels": tgt[:max_target_len]})
+    return out
+
+
+def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
+                    max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+                    split: str | None = None, drop_identical: bool = False) -> Examples:
+    """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`.
+
+    Rows (any file format, as `read_sft`):
+
+    - `{"prompt", "chosen", "rejected"}`. The prompt is a string (`[bos] prompt`, the answers
+      continuing it, + eos) or a list of chat messages (then each answer is the next assistant
+      turn, via `tok.encode_chat`); the answers may also be lists of assistant messages.
+    - `{"chosen", "rejected"}` as two whole conversations (TRL's conversational format with an
+      implicit prompt): the messages both begin with are the prompt.
+    - ShareGPT `{"conversations", "chosen", "rejected"}` (LLaMA-Factory): the conversation is the
+      prompt, the answers `{"from": "gpt", "value"}` objects or strings.
+
+    Prompt tokens are labelled -100 in both sequences; truncation cuts the shared prompt once.
+    """
+    max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
+    fields = check_fields(fields, PREFERENCE_FIELDS)
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    out = Examples(path=str(path))
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt", "chosen" and "rejected"')
+        prompt, answers_in = _preference_parts(row)
+        # each answer as (id, label) pairs after the shared prompt
+        answers: list[list[tuple[int, int]]] = []
+        if isinstance(prompt, list):
+            p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
+            fulls = []
+            for name, a in zip(("chosen", "rejected"), answers_in):
+                if isinstance(a, list) and not (a and isinstance(a[-1], dict) and a[-1].get("role") == "assistant"):
+                    raise UserError(f'{where}: "{row.key(name)}" is a list of messages that does not end with an '
+                                    f'assistant message — give the answer as a string or as assistant message(s)')
+                turn = a if isinstance(a, list) else [{"role": "assistant", "content": a}]
+                fulls.append(_chat(tok, where, prompt + turn))
+            n = min(common_prefix_len(p, ids) for ids, _ in fulls)  # where the answers start
+            p = p[:n]
+            for ids, mask in fulls:
+                answers.append([(t, t if m else IGNORE_INDEX) for t, m in zip(ids[n:], mask[n:])])
+        else:
+            p = _with_bos(tok, tok.encode(prompt), out)
+            for name, a in zip(("chosen", "rejected"), answers_in):
+                if isinstance(a, list):
+                    raise UserError(f'{where}: "{row.key(name)}" is a list of messages but "{row.key("prompt")}" '
+                                    f'is a string — give both as messages or both as strings')
+                ids = tok.encode(a, continuation=True) + eos
+                answers.append([(t, t) for t in ids])
+        same_rows = answers[0] == answers[1]
+        p, answers, cut = _fit(p, answers, max_len, max_prompt_len, truncation_side, tok.bos_id)
+        out.truncated += cut
+        ex: dict[str, list[int]] = {}
+        for name, a in zip(("chosen", "rejected"), answers):
+            ex[f"{name}_ids"] = p + [t for t, _ in a]
+            ex[f"{name}_labels"] = [IGNORE_INDEX] * len(p) + [lab for _, lab in a]
+        if ex["chosen_ids"] == ex["rejected_ids"] and ex["chosen_labels"] == ex["rejected_labels"]:
+            # a pair that teaches nothing: its DPO loss sits at ln 2 with a zero gradient
+            if drop_identical:
+                out.identical += 1
+                continue
+            why = ("are the same tokens" if same_rows else
+                   f"are the same tokens once cut to max_len={max_len} (they differ only past it)")
+            todo = "fix the row" if same_rows else "raise max_len or fix the row"
+            raise UserError(f'{where}: "{row.key("chosen")}" and "{row.key("rejected")}" {why}: the pair teaches '
+                            f'nothing (DPO loss ln 2, zero gradient) — {todo}, or pass drop_identical_pairs=true to '
+                            f'drop such pairs (counted)')
+        if _targets(ex["chosen_labels"]) == 0 or _targets(ex["rejected_labels"]) == 0:
+            out.skipped += 1
+            continue
+        out.append(ex)
+    return out
+
+
+def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
+                  max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+                  split: str | None = None) -> Examples:
+    """Unpaired feedback (KTO) `{"input_ids", "labels", "label", "prompt_len"}`.
+
+    Rows: `{"prompt", "completion", "label": true|false}` (a thumbs-up or thumbs-down on one
+    answer). The prompt is a string (`[bos] prompt`, the completion continuing it, + eos) or a
+    list of chat messages (the completion is then the next assistant turn, or assistant
+    message(s)), encoded as `read_preference` encodes an answer; prompt tokens are labelled -100.
+    """
+    max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
+    fields = check_fields(fields, ("prompt", "completion", "label", "role", "content"))
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    out = Examples(path=str(path))
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt", "completion" and "label"')
+        label = row.get("label")
+        if not isinstance(label, bool):
+            raise UserError(f'{where}: "{row.key("label")}" must be true or false (desirable or not), got '
+                            f'{type(label).__name__} — fix the row')
+        prompt, answer = row.get("prompt"), _answer(row, "completion")
+        if isinstance(prompt, list):
+            prompt = row.messages("prompt")
+            p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
+            if isinstance(answer, list) and not (answer and isinstance(answer[-1], dict)
+                                                 and answer[-1].get("role") == "assistant"):
+                raise UserError(f'{where}: "{row.key("completion")}" is a list of messages that does not end with '
+                                f'an assistant message — give the answer as a string or as assistant message(s)')
+            turn = answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}]
+            ids, mask = _chat(tok, where, prompt + turn)
+            n = common_prefix_len(p, ids)
+            p, a = p[:n], [(t, t if m else IGNORE_INDEX) for t, m in zip(ids[n:], mask[n:])]
+        else:
+            if isinstance(answer, list):
+                raise UserError(f'{where}: "{row.key("completion")}" is a list of messages but '
+                                f'"{row.key("prompt")}" is a string — give both as messages or both as strings')
+            p = _with_bos(tok, tok.encode(row.text("prompt")), out)
+            a = [(t, t) for t in tok.encode(answer, continuation=True) + eos]
+        p, (a,), cut = _fit(p, [a], max_len, max_prompt_len, truncation_side, tok.bos_id)
+        out.truncated += cut
+        ex = {"input_ids": p + [t for t, _ in a], "labels": [IGNORE_INDEX] * len(p) + [lab for _, lab in a],
+              "label": label, "prompt_len": len(p)}
+        if _targets(ex["labels"]) == 0:
+            out.skipped += 1
+            continue
+        out.append(ex)
+    return out
+
+
+def hold_out(examples: Examples, share: float, seed: int) -> tuple[Examples, Examples]:
+    """(train, eval): a seeded `share` of `examples` held out for evaluation (at least one example,
+    never all). The choice is a pure function of the example count and `seed`, so a resumed run
+    holds out the same examples; train keeps the file's order, eval is disjoint from it."""
+    n = len(examples)
+    k = max(1, round(n * share))
+    if k >= n:
+        raise UserError(f"eval_split={share}: {n} examples leave none to train on — lower eval_split or add data")
+    held = set(np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k].tolist())
+    train = Examples([ex for i, ex in enumerate(examples) if i not in held], path=examples.path,
+                     truncated=examples.truncated, skipped=examples.skipped, bos_in_text=examples.bos_in_text)
+    evals = Examples([ex for i, ex in enumerate(examples) if i in held],
+                     path=f"{examples.path} (eval_split={share}: {k} held out, seed {seed})")
+    return train, evals

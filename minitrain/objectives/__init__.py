@@ -1,0 +1,16 @@
+"""Objectives: `(model, batch) -> (loss sum, count, metrics)`.
+
+An objective sums its loss over its units (target tokens, pairs, rows) and says how many there
+were; the loop divides by the whole window's count (rule 2) and knows nothing else about it.
+
+Modules, in reading order:
+    losses      token losses from hidden states in chunks: `B x T x V` logits never exist
+    sft         SFT and seq2seq cross-entropy, and the causal log-prob helpers the others share
+    reference   a preference pair's two answers scored in one forward, and the reference they are
+                scored against without a second model (adapters off, a snapshot, a cache)
+    dpo         DPO: sigmoid, IPO, hinge, robust; its held-out pass
+    preference  reference-free pair losses: ORPO, CPO, SimPO
+    kto         KTO on unpaired, labelled rows
+    distill     knowledge distillation: KD + CE, feature matching, attention transfer
+    ard         ARD-LoRA's ELBO, its held-out uncertainty evaluation, its prior's schedule
+"""

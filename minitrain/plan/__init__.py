@@ -1,0 +1,14 @@
+"""Plan: how much memory will this run need, and does it fit? Answered from `config.json` and the
+run's keys before any weight is read; and how many FLOPs a step does.
+
+Modules, in reading order:
+    predict    `predict(model shape, run shape) -> Plan`: what is counted and how; the shapes from
+               `config.json` and from a recipe's config; what to change to use less
+    run_shape  what a micro-batch looks like to memory (`RunShape`), the `Term`s and `Plan` a
+               prediction returns, bytes per dtype and per quantized weight
+    decoder    the decoder-only families' terms: LLaMA / Mistral / Qwen2 / Qwen3, Gemma, Phi-3
+    t5         T5's encoder-decoder terms
+    fit        the check a run makes before loading (`memory_check`, `auto_fit`, `gpu_mem`)
+    flops      model FLOPs of a step: FLOP/s and MFU in metrics.jsonl
+    measure    measured CPU peaks, to check the plan against
+"""

@@ -42,6 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from minitrain import distributed
+from minitrain.adapters.lora import adapter_signature
 from minitrain.errors import UserError
 from minitrain.weights import io_error_reason, write_folder
 
@@ -205,8 +206,6 @@ def made_from(model: torch.nn.Module) -> dict[str, Any]:
     """What a checkpoint of `model` is tied to: its base folder's fingerprints and its adapter's shape.
 
     A model not loaded from a folder (`load_pretrained` sets `source_dir`) records None for those."""
-    from minitrain.adapters.lora import adapter_signature  # lora imports nothing of ours but errors / weights
-
     folder = getattr(model, "source_dir", None)
     out: dict[str, Any] = {"model_path": None, "model": None, "tokenizer": None, "adapter": adapter_signature(model)}
     if folder is not None:

@@ -359,7 +359,7 @@ def save_pretrained(
 ) -> Path:
     """Write `config.json` and the model's weights in HF's safetensors layout; returns the folder.
 
-    `state_dict` replaces the model's own tensors when given (e.g. `lora.merged_state_dict(model)`:
+    `state_dict` replaces the model's own tensors when given (e.g. `minitrain.adapters.merge.merged_state_dict(model)`:
     adapters folded in, HF keys only).
 
     Floating tensors are cast to `dtype` (None keeps theirs). Above `max_shard_bytes` the weights

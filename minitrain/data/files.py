@@ -22,7 +22,6 @@ are kept.
 from __future__ import annotations
 
 import csv
-import io
 import json
 from pathlib import Path
 from typing import Any, Iterator

@@ -203,7 +203,7 @@ class GenerationEval:
     """`eval_fn(model, step, metrics) -> dict` for `minitrain.train`: ROUGE of generated outputs,
     the best adapter kept in `out/best_adapter`, and early stopping.
 
-    examples: eval examples (`input_ids`, `labels`) from `data.read_seq2seq`.
+    examples: eval examples (`input_ids`, `labels`) from `minitrain.data.readers.read_seq2seq`.
     generate: see the module doc. save_best(model, folder): writes the adapter (and tokenizer) to
         `folder`; called on a new best, into a fresh folder that then replaces `out/best_adapter`.
     stopper: the metric to keep the best of and stop on; `metrics` from the loop (e.g. `eval/loss`)

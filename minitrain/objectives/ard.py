@@ -24,6 +24,7 @@ from minitrain.adapters.ard import ard_kl, gates, load_prior_state, prior_state,
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.errors import UserError
 from minitrain.objectives.losses import default_chunk, shift_labels
+from minitrain.objectives.sft import sft
 
 
 # ----------------------------------------------------------------------------- the objective
@@ -43,8 +44,6 @@ class ARDObjective:
             raise UserError(f"ARDObjective: dataset_tokens={dataset_tokens} — the training set has no target tokens")
         if beta < 0:
             raise UserError(f"beta={beta}: the KL weight must be >= 0 — e.g. beta=1.0 (the ELBO)")
-        from minitrain.objectives.sft import sft
-
         self.dataset_tokens, self.beta, self.base = int(dataset_tokens), float(beta), base or sft
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any, dict[str, float]]:

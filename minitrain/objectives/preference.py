@@ -41,7 +41,7 @@ from minitrain.config import doc
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.packing import per_sequence, sequence_ids
 from minitrain.errors import UserError
-from minitrain.objectives.dpo import LOSS_TYPES, DPOConfig, evaluate_dpo
+from minitrain.objectives.dpo import LOSS_TYPES, DPOConfig, evaluate_dpo, make_dpo_objective
 from minitrain.objectives.losses import shift_labels
 from minitrain.objectives.reference import num_pairs
 from minitrain.objectives.sft import batch_token_logprobs
@@ -215,6 +215,4 @@ def make_pair_objective(config: PreferenceConfig, reference=None):
     if config.loss_type in REFERENCE_FREE:
         return ReferenceFreeObjective(config.loss_type, config.beta, config.sft_weight, config.simpo_gamma,
                                       config.label_smoothing)
-    from minitrain.objectives.dpo import make_dpo_objective
-
     return make_dpo_objective(config.beta, config.loss_type, config.label_smoothing, config.sft_weight, reference)

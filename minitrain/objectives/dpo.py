@@ -34,8 +34,8 @@ from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.data.packing import collate_packed_pairs
 from minitrain.errors import UserError
-from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, dropout_off, num_pairs,
-                                            sequence_logps)
+from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
+                                            num_pairs, sequence_logps)
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -295,10 +295,5 @@ def collate_with_reference(examples: Sequence[dict], pad_id: int, shared_prompt:
         batch = collate_packed_pairs(examples, pad_id, pack_len)
     else:
         batch = (collate_shared_prompt if shared_prompt else collate_preference)(examples, pad_id)
-    have = ["ref_chosen_logp" in ex for ex in examples]
-    if any(have):
-        if not all(have):
-            raise ValueError("collate_with_reference: some examples have precomputed reference log-probs, some not")
-        batch["ref_chosen_logps"] = torch.tensor([ex["ref_chosen_logp"] for ex in examples], dtype=torch.float32)
-        batch["ref_rejected_logps"] = torch.tensor([ex["ref_rejected_logp"] for ex in examples], dtype=torch.float32)
-    return batch
+    return attach_precomputed(batch, examples, {"ref_chosen_logp": "ref_chosen_logps",
+                                                "ref_rejected_logp": "ref_rejected_logps"}, "collate_with_reference")

@@ -38,8 +38,8 @@ from minitrain import distributed
 from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.errors import UserError
-from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, dropout_off, num_pairs,
-                                            precompute_reference)
+from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
+                                            num_pairs, precompute_reference)
 from minitrain.objectives.sft import causal_token_logprobs
 
 METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
@@ -130,13 +130,7 @@ def collate_kto(examples: Sequence[dict], pad_id: int) -> dict[str, Any]:
     and `ref_logps` / `ref_kl_logps` (B,) when the examples carry precomputed reference log-probs."""
     batch = collate_preference([_as_pair(ex) for ex in examples], pad_id)
     batch["label"] = torch.tensor([bool(ex["label"]) for ex in examples])
-    have = ["ref_logp" in ex for ex in examples]
-    if any(have):
-        if not all(have):
-            raise ValueError("collate_kto: some examples have precomputed reference log-probs, some not")
-        batch["ref_logps"] = torch.tensor([ex["ref_logp"] for ex in examples], dtype=torch.float32)
-        batch["ref_kl_logps"] = torch.tensor([ex["ref_kl_logp"] for ex in examples], dtype=torch.float32)
-    return batch
+    return attach_precomputed(batch, examples, {"ref_logp": "ref_logps", "ref_kl_logp": "ref_kl_logps"}, "collate_kto")
 
 
 def precompute_kto_reference(model: nn.Module, reference: BaseReference | AdapterSnapshotReference,

@@ -174,6 +174,21 @@ def make_reference(model: nn.Module, init_adapter: str = "") -> BaseReference | 
     return AdapterSnapshotReference(model) if init_adapter else BaseReference()
 
 
+def attach_precomputed(batch: dict[str, Any], examples: Sequence[dict], keys: dict[str, str],
+                       who: str) -> dict[str, Any]:
+    """`batch` with the examples' precomputed reference log-probs as (N,) fp32 tensors: `keys` maps an
+    example key (`ref_chosen_logp`) to its batch key (`ref_chosen_logps`). Nothing is added when no
+    example carries them (the reference then runs in the step); some but not all is a bug of ours."""
+    first = next(iter(keys))
+    have = [first in ex for ex in examples]
+    if any(have):
+        if not all(have):
+            raise ValueError(f"{who}: some examples have precomputed reference log-probs, some not")
+        for example_key, batch_key in keys.items():
+            batch[batch_key] = torch.tensor([ex[example_key] for ex in examples], dtype=torch.float32)
+    return batch
+
+
 def reference_cache_key(model: nn.Module, reference: BaseReference | AdapterSnapshotReference,
                         examples: Sequence[dict], amp_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """What the reference log-probs depend on, as a JSON-able dict with its `key` (sha256).

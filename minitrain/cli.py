@@ -19,6 +19,7 @@ before the recipe runs (`minitrain.distributed.init`); rank 0 alone prints these
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import difflib
@@ -32,6 +33,7 @@ import re
 import shlex
 import sys
 import textwrap
+import traceback
 import typing
 from pathlib import Path
 from types import ModuleType
@@ -195,8 +197,13 @@ def load_recipe(path: str) -> Recipe:
         sys.modules.pop(name, None)
         where = f"{path}:{e.lineno}" if e.lineno else path
         raise UserError(f"{where}: does not parse: {e.msg} — fix the recipe") from None
-    except ModuleNotFoundError as e:
+    except ImportError as e:
         sys.modules.pop(name, None)
+        moved = _moved_import(p, e)
+        if moved:
+            raise UserError(moved) from None
+        if not isinstance(e, ModuleNotFoundError):
+            raise
         raise UserError(f"{path}: cannot import {e.name!r} — install minitrain with `pip install -e .` "
                         f"(or run from the repository root)") from None
     config = getattr(module, "config", None)
@@ -209,6 +216,51 @@ def load_recipe(path: str) -> Recipe:
     if not callable(run):
         raise UserError(f"{path}: defines no `run(config)` function — add `def run(config): ...`")
     return Recipe(path, module, config, run)
+
+
+def _moved_import(path: Path, e: ImportError) -> str | None:
+    """For a recipe that imports from minitrain's layout before its subpackages (`from minitrain.lora
+    import apply_lora`): the one-line error naming the recipe's line and where each name lives now.
+    None when the failed import is not of minitrain's own names."""
+    if not (e.name or "").startswith("minitrain"):
+        return None
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+    line = frames[-1].lineno if frames else None
+    statements = [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                  if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno == line]
+    if not statements:
+        return None
+    node = statements[0]
+    if isinstance(node, ast.Import):
+        wanted = [a.name.rpartition(".")[2] for a in node.names if a.name.startswith("minitrain.")]
+    elif node.module and node.module.split(".")[0] == "minitrain":
+        wanted = [a.name for a in node.names]
+    else:
+        return None
+    homes = _minitrain_names()
+    found = {w: homes.get(w, []) for w in wanted}
+    hints = [f"{w} is in {' and '.join(found[w])}" if found[w] else f"minitrain has no {w}" for w in wanted]
+    return (f"{path}:{line}: cannot import from {e.name} — minitrain's modules live in subpackages now: "
+            f"{'; '.join(hints)} (docs/contracts.md lists the imports a recipe may rely on)")
+
+
+def _minitrain_names() -> dict[str, list[str]]:
+    """Every module of minitrain and every name one defines at its top level -> where (read as text:
+    nothing is imported)."""
+    root = Path(__file__).resolve().parent
+    homes: dict[str, list[str]] = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = ["minitrain", *f.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        module = ".".join(parts)
+        homes.setdefault(parts[-1], []).append(module)
+        for n in ast.parse(f.read_text(encoding="utf-8")).body:
+            names = [n.name] if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else \
+                [t.id for t in getattr(n, "targets", [getattr(n, "target", None)]) if isinstance(t, ast.Name)]
+            for name in names:
+                homes.setdefault(name, []).append(module)
+    return homes
 
 
 # a command that names one of these is a real run: the recipe's `demo` settings do not apply

@@ -113,7 +113,7 @@ def applied(model: nn.Module) -> Applied | None:
 def adapter_signature(model: nn.Module) -> dict[str, Any] | None:
     """What a checkpoint records of the model's adapter (r, alpha, rslora, targets, modules_to_save),
     JSON-able; None without one. Two runs with equal signatures train the same tensors the same way."""
-    st = getattr(model, _STATE_ATTR, None)
+    st = applied(model)
     if st is None:
         return None
     c = st.config
@@ -122,12 +122,6 @@ def adapter_signature(model: nn.Module) -> dict[str, Any] | None:
     if c.rank_pattern:
         sig["rank_pattern"] = dict(c.rank_pattern)
     return sig
-
-
-def applied_config(model: nn.Module) -> LoRAConfig | None:
-    """The `LoRAConfig` that `apply_lora` / `load_adapter` used on this model, or None."""
-    st = getattr(model, _STATE_ATTR, None)
-    return st.config if st is not None else None
 
 
 def minimal_targets(model: nn.Module, wrapped: Sequence[str]) -> list[str]:
@@ -555,7 +549,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, every_target: bool = True) 
     listed target that selects no module (`every_target`; `load_adapter` reads a saved list as
     PEFT does, skipping names this model lacks).
     """
-    if getattr(model, _STATE_ATTR, None) is not None or any(isinstance(m, LoRALinear) for m in model.modules()):
+    if applied(model) is not None or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise UserError("apply_lora: the model already has LoRA adapters — adapters are applied once (rule 4); "
                         "to continue a saved adapter use load_adapter(model, folder, trainable=True), "
                         "to start a new one build the base model again")

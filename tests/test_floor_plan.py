@@ -1,9 +1,15 @@
-"""The engine's floor plan (docs/design.md): imports inside `minitrain/` never go round in a circle,
-the wings (subpackages) import one another in one direction only, the engine never imports
-`models/`, and each wing's docstring lists exactly the modules it holds.
+"""The engine's floor plan (docs/design.md) holds, and the docs that draw it stay true.
+
+- no import circle between modules of `minitrain/`, nor between its wings (subpackages);
+- every import runs down the floors docs/design.md draws, and its tree shows every module;
+- the engine never imports `models/`;
+- each wing's docstring lists exactly its modules, and holds no code (nothing re-exported);
+- the recipes import only what docs/contracts.md lists as public, and each listed name is
+  defined in the module it is listed under.
 
 Imports are read from the source (ast), every one of them: at the top of a file, inside a function
-(a lazy import is still a dependency) and under `if TYPE_CHECKING:`.
+(a lazy import is still a dependency) and under `if TYPE_CHECKING:`. A last test builds a small
+tree with circles and checks that they are found.
 """
 
 from __future__ import annotations
@@ -232,3 +238,20 @@ def test_recipes_import_only_what_the_contract_lists_and_the_contract_lists_what
                  for obj in [getattr(importlib.import_module(m), n)]
                  if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ != m]
     assert not elsewhere, f"docs/contracts.md lists names where they are only imported: {elsewhere}"
+
+
+def test_the_design_doc_tree_shows_every_module():
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    block = text.split("## The floor plan", 1)[1].split("```", 2)[1]
+    shown, wing = set(), None
+    for line in block.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if line.startswith("  ") and not line.startswith("   ") and name.endswith("/"):
+            wing = name.rstrip("/")
+        elif line.startswith("    ") and not line.startswith("     ") and name.endswith(".py"):
+            shown.add(f"{wing}/{name}")
+        elif line.startswith("  ") and not line.startswith("   ") and name.endswith(".py"):
+            shown.add(name)
+    real = {str(p.relative_to(ROOT / "minitrain")) for p in (ROOT / "minitrain").rglob("*.py") if p.name != "__init__.py"}
+    assert shown == real, f"docs/design.md's tree differs from minitrain/: missing {sorted(real - shown)}, " \
+                          f"gone {sorted(shown - real)}"

@@ -8,7 +8,7 @@
   defined in the module it is listed under.
 
 Imports are read from the source (ast), every one of them: at the top of a file, inside a function
-(a lazy import is still a dependency) and under `if TYPE_CHECKING:`. A last test builds a small
+(a lazy import is still a dependency) and under `if TYPE_CHECKING:`. One test builds a small
 tree with circles and checks that they are found.
 """
 

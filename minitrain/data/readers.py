@@ -4,7 +4,7 @@ Readers (`read_sft`, `read_seq2seq`, `read_preference`, `read_unpaired`) turn th
 (`minitrain.data.files`, typed access through `minitrain.data.rows`) into examples of token
 ids; a user's mistake in the file is one `UserError` naming `file:line`. They return an
 `Examples` list that also says how many rows were truncated or skipped. The batch order is
-`minitrain.data.batcher`, the padding collators `minitrain.data.collate` (both re-exported here).
+`minitrain.data.batcher`, the padding collators `minitrain.data.collate`.
 
 Labels are aligned with `input_ids` (as in transformers): `labels[i]` is the token at position
 `i`, or -100 where no loss is taken (prompt, bos, padding); causal objectives shift them.

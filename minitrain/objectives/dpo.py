@@ -35,7 +35,7 @@ from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.data.packing import collate_packed_pairs
 from minitrain.errors import UserError
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
-                                            num_pairs, sequence_logps)
+                                            num_pairs, reference_logps, sequence_logps)
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -170,12 +170,8 @@ class DPOObjective:
 
     def pair_stats(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Per-pair tensors (P,): `loss` (with graph) and the metric values (detached)."""
-        if "ref_chosen_logps" in batch:
-            ref_c, ref_r = batch["ref_chosen_logps"].float(), batch["ref_rejected_logps"].float()
-        elif self.reference is not None:
-            ref_c, ref_r = self.reference.logps(model, batch)  # before the policy graph exists
-        else:
-            raise ValueError("DPOObjective: no reference and the batch carries no ref_*_logps")
+        ref_c, ref_r = reference_logps(model, batch, self.reference, ("ref_chosen_logps", "ref_rejected_logps"),
+                                       "DPOObjective")  # before the policy graph exists
         pol = sequence_logps(model, batch)
         losses, r_c, r_r = dpo_loss(pol.chosen, pol.rejected, ref_c, ref_r, beta=self.beta,
                                     loss_type=self.loss_type, label_smoothing=self.label_smoothing,

@@ -39,7 +39,7 @@ from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.errors import UserError
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
-                                            num_pairs, precompute_reference)
+                                            num_pairs, precompute_reference, reference_logps)
 from minitrain.objectives.sft import causal_token_logprobs
 
 METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
@@ -175,12 +175,8 @@ class KTOObjective:
         `weight` is this rank's weight in z0's mean over ranks (0 for a stand-in batch)."""
         B = num_pairs(batch)
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]  # (2B, T)
-        if "ref_logps" in batch:
-            ref, ref_kl = batch["ref_logps"].float(), batch["ref_kl_logps"].float()
-        elif self.reference is not None:
-            ref, ref_kl = self.reference.logps(model, batch)  # before the policy graph exists
-        else:
-            raise ValueError("KTOObjective: no reference and the batch carries no ref_logps")
+        ref, ref_kl = reference_logps(model, batch, self.reference, ("ref_logps", "ref_kl_logps"),
+                                      "KTOObjective")  # before the policy graph exists
         with torch.no_grad():
             kl = kl_reference_point(_completion_logps(model, ids[B:], mask[B:], labels[B:]), ref_kl, weight)
         logps = _completion_logps(model, ids[:B], mask[:B], labels[:B])  # (B,) with graph

@@ -174,6 +174,18 @@ def make_reference(model: nn.Module, init_adapter: str = "") -> BaseReference | 
     return AdapterSnapshotReference(model) if init_adapter else BaseReference()
 
 
+def reference_logps(model: nn.Module, batch: dict[str, Any], reference: BaseReference | AdapterSnapshotReference | None,
+                    keys: tuple[str, str], who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's two log-prob vectors for `batch`: the precomputed ones it carries under `keys`,
+    else `reference.logps(model, batch)` run now. Call it before the policy forward of the step (see
+    `AdapterSnapshotReference`)."""
+    if keys[0] in batch:
+        return batch[keys[0]].float(), batch[keys[1]].float()
+    if reference is None:
+        raise ValueError(f"{who}: no reference and the batch carries no {keys[0]}")
+    return reference.logps(model, batch)
+
+
 def attach_precomputed(batch: dict[str, Any], examples: Sequence[dict], keys: dict[str, str],
                        who: str) -> dict[str, Any]:
     """`batch` with the examples' precomputed reference log-probs as (N,) fp32 tensors: `keys` maps an

@@ -256,9 +256,14 @@ def _minitrain_names() -> dict[str, list[str]]:
         module = ".".join(parts)
         homes.setdefault(parts[-1], []).append(module)
         for n in ast.parse(f.read_text(encoding="utf-8")).body:
-            names = [n.name] if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else \
-                [t.id for t in getattr(n, "targets", [getattr(n, "target", None)]) if isinstance(t, ast.Name)]
-            for name in names:
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+                targets = [n.name]
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                targets = [t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                           if isinstance(t, ast.Name)]
+            else:
+                continue
+            for name in targets:
                 homes.setdefault(name, []).append(module)
     return homes
 

@@ -1,9 +1,12 @@
-"""The command line: `python -m minitrain RECIPE.py key=value ... [--help]`.
+"""The command line: `python -m minitrain RECIPE key=value ... [--help]`, `minitrain ls`, `minitrain cp`.
 
-1. load the recipe file as a module from its path and take its `config` (a dataclass instance)
-   and `run(config)`;
+1. load the recipe file as a module from its path (or, for a name such as `sft_llama`, the recipe
+   minitrain ships: `minitrain.bundled`) and take its `config` (a dataclass instance) and
+   `run(config)`;
 2. apply `key=value` overrides, each parsed by the type of the dataclass field it names;
 3. `validate` the result (bounds, choices, cross-field rules) and call `run(config)`.
+
+`minitrain ls` lists the recipes minitrain ships, `minitrain cp NAME [DEST]` copies one to edit.
 
 A recipe may also define `demo`, a dict of settings for its built-in demo: they apply only when
 the command names none of `model`, `data`, `eval_data` (`resolve_config`), so a real run gets
@@ -39,10 +42,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, NamedTuple
 
+from minitrain import bundled
 from minitrain.config import conforms, field_types, format_value, shown, type_name, unwrap_optional, validate
 from minitrain.errors import UserError
 
-USAGE = "usage: python -m minitrain RECIPE.py [key=value ...] [--help]"
+USAGE = ("usage: python -m minitrain RECIPE [key=value ...] [--help] — RECIPE is a recipe file (my_sft.py) "
+         "or the name of one minitrain ships (`minitrain ls` lists them); `minitrain cp NAME my_recipe.py` copies one")
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
 
@@ -100,10 +105,12 @@ def main_quietly(main: Callable[..., int | None], *args: Any) -> int:
 def _main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
-        print("\nRun `python -m minitrain RECIPE.py --help` to list a recipe's keys.")
+        print("\nRun `python -m minitrain RECIPE --help` to list a recipe's keys.")
         return 0
     if not argv:
         raise UserError(f"no recipe given — {USAGE}")
+    if argv[0] in ("ls", "cp") and not Path(argv[0]).exists():
+        return _ls_cp(argv)
     path, args = argv[0], argv[1:]
     if not path.endswith(".py") and ("=" in path or path.startswith("-")):
         raise UserError(f"{path}: the first argument must be the recipe file — "
@@ -113,7 +120,7 @@ def _main(argv: list[str]) -> int:
 
         print(f"minitrain {__version__}")
         return 0
-    recipe = load_recipe(path)
+    recipe = load_recipe(_recipe_path(path))
     if any(a in ("-h", "--help") for a in args):
         print(recipe_help(recipe))
         return 0
@@ -134,6 +141,36 @@ def _main(argv: list[str]) -> int:
         set_threads(getattr(config, "threads", 0), _log)  # busy cores: fewer threads (minitrain.cpu)
     recipe.run(config)
     return 0
+
+
+def _ls_cp(argv: list[str]) -> int:
+    """`minitrain ls` and `minitrain cp NAME [DEST]`."""
+    command, args = argv[0], argv[1:]
+    if command == "ls":
+        if args:
+            raise UserError(f"ls {' '.join(args)}: `minitrain ls` takes no arguments")
+        print(bundled.listing())
+        return 0
+    if not 1 <= len(args) <= 2 or any(a.startswith("-") for a in args):
+        raise UserError("usage: minitrain cp NAME [DEST] — e.g. minitrain cp sft_llama my_sft.py (`minitrain ls` lists the names)")
+    target = bundled.copy(args[0], args[1] if len(args) == 2 else None)
+    print(f"copied {bundled.find(args[0]).stem} to {target} — edit it, then run: minitrain {target}")
+    return 0
+
+
+def _recipe_path(given: str) -> str:
+    """The recipe file a command names: a path that exists, else the recipe minitrain ships under
+    that name (`sft_llama`, `sft_llama.py`, or `recipes/sft_llama.py` typed outside our clone)."""
+    p = Path(given)
+    if p.exists() or p.suffix not in ("", ".py"):
+        return given  # load_recipe says what is wrong with it, if anything
+    if len(p.parts) == 1 and not p.suffix:  # a name
+        return str(bundled.find(given))
+    shipped = bundled.recipes().get(p.stem)
+    if shipped and (len(p.parts) == 1 or p.parent.name == "recipes"):
+        _log(f"note: no {given} here: running minitrain's own {p.stem} ({shipped})")
+        return str(shipped)
+    return given
 
 
 def _on_cpu(config: Any) -> bool:
@@ -250,6 +287,8 @@ def _minitrain_names() -> dict[str, list[str]]:
     root = Path(__file__).resolve().parent
     homes: dict[str, list[str]] = {}
     for f in sorted(root.rglob("*.py")):
+        if f.relative_to(root).parts[0] in ("recipes", "demo"):  # what a wheel carries besides the engine
+            continue
         parts = ["minitrain", *f.relative_to(root).with_suffix("").parts]
         if parts[-1] == "__init__":
             parts.pop()
@@ -284,11 +323,13 @@ def resolve_config(recipe: Recipe, args: list[str]) -> tuple[Any, dict[str, Any]
 
 
 def _recipes_in(folder: Path) -> str:
-    found = sorted(str(f) for f in folder.glob("*.py")) if folder.is_dir() else []
-    found = [f for f in found if not Path(f).name.startswith("_")]
+    """The recipe files in `folder` (Python files defining `config` and `run`, nothing else), or how
+    to name one."""
+    found = sorted(f for f in folder.glob("*.py") if not f.name.startswith("_")) if folder.is_dir() else []
+    found = [str(f) for f in found if bundled.is_recipe(f)]
     if found:
         return "recipes there: " + ", ".join(found)
-    return "give the path of a recipe .py file, e.g. recipes/sft_llama.py"
+    return "give the path of a recipe .py file, or the name of one minitrain ships (`minitrain ls` lists them)"
 
 
 def recipe_help(recipe: Recipe) -> str:

@@ -50,10 +50,10 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import models
 from minitrain import checkpoint as ckpt, distributed
+from minitrain.bundled import demo_dir
 from minitrain.device import resolve_precision
 from minitrain.errors import UserError
 from minitrain.objectives.dpo import collate_with_reference
@@ -64,7 +64,7 @@ from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_exa
                            prepare_out_dir)
 from minitrain.train import train
 
-DEMO = Path(__file__).resolve().parent.parent / "demo"
+DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
 
 config = PreferenceConfig(  # a real run: model= and data= are asked for; no eval_data, no held-out evaluation
     out="runs/dpo_mistral",

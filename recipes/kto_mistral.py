@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import models
 from minitrain import checkpoint as ckpt, distributed
+from minitrain.bundled import demo_dir
 from minitrain.device import resolve_precision
 from minitrain.errors import UserError
 from minitrain.objectives.kto import KTOConfig, KTOObjective, add_kl_rows, collate_kto, precompute_kto_reference
@@ -40,7 +40,7 @@ from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_exa
                            prepare_out_dir)
 from minitrain.train import train
 
-DEMO = Path(__file__).resolve().parent.parent / "demo"
+DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
 
 config = KTOConfig(
     model=str(DEMO / "model"),

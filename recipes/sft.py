@@ -8,9 +8,8 @@ recipes/sft_llama.py is the canonical file (named when LLaMA was the only family
 documents the rows and outputs); this alias exists so a command's name does not mislead.
 """
 
-from pathlib import Path
-
+from minitrain.bundled import recipes_dir
 from minitrain.cli import load_recipe
 
-globals().update({k: v for k, v in vars(load_recipe(str(Path(__file__).with_name("sft_llama.py"))).module).items()
+globals().update({k: v for k, v in vars(load_recipe(str(recipes_dir() / ("sft_llama.py"))).module).items()
                   if not k.startswith("__")})

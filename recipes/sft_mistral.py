@@ -23,12 +23,13 @@ import shlex
 from pathlib import Path
 
 import models
+from minitrain.bundled import demo_dir
 from minitrain.config import SFTConfig
 from minitrain.progress import log
 from minitrain.run import Job, check_out_dir, finish, prepare_out_dir, sft_job
 from minitrain.train import train
 
-DEMO = Path(__file__).resolve().parent.parent / "demo"
+DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
 
 config = SFTConfig(  # a real run: model= and data= are asked for; no eval_data, no held-out evaluation
     out="runs/sft_mistral",

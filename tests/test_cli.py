@@ -212,6 +212,44 @@ def test_missing_recipe_file_lists_recipes_there(capsys, tmp_path, recipe):
     assert_one_error(code, err, "nope.py: no such recipe file", "typed.py")
 
 
+def test_a_folder_lists_only_its_recipes(capsys, tmp_path, recipe):
+    """A missing file's folder lists the Python files there that are recipes (`config` and `run`),
+    not the user's other scripts."""
+    (tmp_path / "plot_loss.py").write_text("import sys\nprint(sys.argv)\n")
+    code, _, err = cli(capsys, tmp_path / "nope.py")
+    assert_one_error(code, err, "nope.py: no such recipe file", "typed.py")
+    assert "plot_loss.py" not in err
+
+
+def test_ls_lists_the_shipped_recipes(capsys):
+    code, out, _ = cli(capsys, "ls")
+    assert code == 0
+    names = [line.split()[0] for line in out.splitlines()[:len(list((REPO / "recipes").glob("*.py")))]]
+    assert names == sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
+    assert "dpo_mistral" in out and "DPO (Stage B) on a Mistral checkpoint" in out
+
+
+def test_cp_copies_and_never_overwrites(capsys, tmp_path):
+    code, out, _ = cli(capsys, "cp", "kto_mistral", tmp_path / "mine.py")
+    assert code == 0 and "minitrain " + str(tmp_path / "mine.py") in out
+    assert (tmp_path / "mine.py").read_bytes() == (REPO / "recipes" / "kto_mistral.py").read_bytes()
+    code, _, err = cli(capsys, "cp", "kto_mistral", tmp_path / "mine.py")
+    assert_one_error(code, err, "mine.py: already exists")
+    code, _, err = cli(capsys, "cp", "kto_mistral", tmp_path / "mine.txt")
+    assert_one_error(code, err, "mine.txt: a recipe copy must end in .py")
+    code, _, err = cli(capsys, "cp")
+    assert_one_error(code, err, "usage: minitrain cp NAME [DEST]")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.py"]
+
+
+def test_a_recipe_by_name(capsys):
+    code, out, _ = cli(capsys, "sft_llama", "--help")
+    assert code == 0 and f"usage: python -m minitrain {REPO / 'recipes' / 'sft_llama.py'}" in out
+    code, _, err = cli(capsys, "sft_lama")
+    assert_one_error(code, err, "sft_lama: no such recipe file, and minitrain has no recipe of that name",
+                     "did you mean sft_llama?", "minitrain ls")
+
+
 def test_recipe_is_a_folder(capsys, tmp_path):
     code, _, err = cli(capsys, tmp_path)
     assert_one_error(code, err, "is a folder, not a recipe file")
@@ -294,7 +332,7 @@ def test_help_lists_docstring_and_fields(capsys, recipe, flag):
 
 def test_help_without_recipe(capsys):
     code, out, _ = cli(capsys, "--help")
-    assert code == 0 and "usage: python -m minitrain RECIPE.py" in out
+    assert code == 0 and "usage: python -m minitrain RECIPE [key=value ...]" in out and "minitrain ls" in out
 
 
 def _python_m(*argv, cwd=REPO) -> subprocess.CompletedProcess:

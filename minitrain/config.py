@@ -75,6 +75,11 @@ class TrainConfig:
     chat_format: str = doc("auto", "how chats are rendered: auto = the checkpoint's chat template (else detected "
                                    "from the vocabulary); a name overrides the template",
                            choices=("auto", "mistral", "llama2", "llama3"))
+    chat_template: str = doc("", "a chat template for a checkpoint without one (or to replace its own): a .jinja "
+                                 "file, or the name of one minitrain carries: chatml")
+    prompt_completion: str = doc("raw", "{prompt, completion} string rows: raw = trained as plain text, as TRL does; "
+                                        "chat = one user turn and one assistant turn through the chat template",
+                                 choices=("raw", "chat"))
     chat_template_kwargs: dict = doc({}, 'variables for the chat template, e.g. {"enable_thinking": false}')
     truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
     group_by_length: bool = doc(True, "batch examples of similar length together (less padding; order still seeded)")
@@ -341,6 +346,7 @@ def from_json(text: str, cls: type[T], where: str = "config.json") -> T:
         raise UserError(f"{where}: not valid JSON ({e}) — fix or delete the file") from None
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a JSON object of config keys — fix or delete the file")
+    data.pop("trained_format", None)  # what the run wrote beside its keys (minitrain.run.trained_format)
     types_ = field_types(cls)
     unknown = sorted(set(data) - set(types_))
     if unknown:

@@ -45,6 +45,7 @@ from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
 from minitrain.progress import log
 from minitrain.schedule import resolve_steps
+from minitrain.text.chat_template import resolve_template
 from minitrain.text.tokenizer import Tokenizer
 from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, read_header, save_pretrained
 
@@ -56,7 +57,9 @@ EMA_SUFFIX = "_ema"  # ema_decay: the moving average beside them, adapter_ema/ o
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR, MODEL_DIR, *(d + EMA_SUFFIX for d in (ADAPTER_DIR, MODEL_DIR)))
 # keys that say where / how to start, not what the run is
-NOT_THE_RUN = ("out", "resume", "overwrite", "extend")
+NOT_THE_RUN = ("out", "resume", "overwrite", "extend", "trained_format")
+# config.json's one entry that is not a key: how the run rendered its rows (`trained_format`), which
+# tools/generate.py follows so that a model is queried in the format it was trained in
 
 
 
@@ -190,18 +193,33 @@ def prepare_out_dir(cfg: Any, job: Job | None = None) -> Path:
         preflight(job.model, job.objective, batch, optimizer=optimizer, amp_dtype=amp_dtype, log=log)
         mark_audited(job.model, job.objective)
     out = Path(cfg.out)
-    distributed.main_only(lambda: _write_config(cfg))  # under torchrun: rank 0 writes
+    extra = trained_format(getattr(job.train_examples, "shapes", None), job.tok) if job is not None else None
+    distributed.main_only(lambda: _write_config(cfg, extra))  # under torchrun: rank 0 writes
     log(f"out: {out} ({'resuming' if cfg.resume else 'new run'}; config in {out / CONFIG_FILE})")
     return out
 
 
-def _write_config(cfg: Any) -> None:
+def trained_format(shapes: dict[str, int] | None, tok: Tokenizer) -> dict[str, Any] | None:
+    """config.json's `trained_format`: the SFT rows per shape and how a plain prompt string was
+    rendered in training: "chat" (through the chat template: `prompt_completion=chat`, or only chats
+    were trained) or "raw". None for other readers."""
+    if shapes is None:
+        return None
+    chat = shapes.get("pair_chat", 0) or shapes.get("chat", 0) and not (shapes.get("pair", 0) or shapes.get("text", 0))
+    return {"rows": dict(shapes), "prompts": "chat" if chat else "raw",
+            "rendered_by": tok.chat_renderer() if chat else "plain text"}
+
+
+def _write_config(cfg: Any, trained: dict[str, Any] | None = None) -> None:
     out = check_out_dir(cfg)
     tmp = out / f".{CONFIG_FILE}.tmp"
     created = not out.exists()
+    text = to_json(cfg)
+    if trained is not None:
+        text = json.dumps({**json.loads(text), "trained_format": trained}, indent=2, ensure_ascii=False) + "\n"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(to_json(cfg), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         tmp.replace(out / CONFIG_FILE)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -225,7 +243,12 @@ def load_tokenizer(cfg: Any) -> Tokenizer:
     if not folder.is_dir():
         raise UserError(f"{folder}: no such model folder — pass model=path/to/hf_model_folder "
                         f"(config.json, *.safetensors, tokenizer)")
-    return Tokenizer.from_folder(folder, chat_format=None if cfg.chat_format == "auto" else cfg.chat_format)
+    tok = Tokenizer.from_folder(folder, chat_format=None if cfg.chat_format == "auto" else cfg.chat_format)
+    if getattr(cfg, "chat_template", ""):  # the user's template replaces the checkpoint's (and a detected format)
+        tok.chat_template = resolve_template(cfg.chat_template, str(folder), tok.special_id)
+        if cfg.chat_format == "auto":
+            tok.chat_format = None
+    return tok
 
 
 def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
@@ -401,7 +424,10 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
                    **options)
     if kind == "preference":
         options["drop_identical"] = getattr(cfg, "drop_identical_pairs", False)
+    if kind == "sft":
+        options["prompt_completion"] = getattr(cfg, "prompt_completion", "raw")
     train = read(cfg.data, tok, **options)
+    shapes = getattr(train, "shapes", None)  # rows per shape, before any eval_split
     if not train and getattr(train, "identical", 0):
         raise UserError(f"{cfg.data}: no usable examples ({train.identical} pairs dropped: chosen == rejected"
                         + (f", {train.skipped} left no target token" if train.skipped else "") + ") — fix the rows")
@@ -427,8 +453,29 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
                 + (f", {ex.bos_in_text} began with bos already (not doubled)" if ex.bos_in_text else "")
                 + (f", {ex.identical} dropped (chosen == rejected)" if getattr(ex, "identical", 0) else ""))
     if kind != "seq2seq":
-        log(f"chats: rendered by {tok.chat_renderer()}")
+        log_rendering(shapes, tok)
     return train, evals
+
+
+def log_rendering(shapes: dict[str, int] | None, tok: Tokenizer) -> None:
+    """Say how the training file's rows became tokens (`shapes`: rows per shape, from `read_sft`):
+    chats through the chat template (or format), and whether prompt / completion strings went through
+    it too (`prompt_completion=chat`) or not (plain text)."""
+    if shapes is None:  # pairs / unpaired rows: their message lists are rendered, their strings are not
+        log(f"chats: message lists rendered by {tok.chat_renderer()}; prompt strings as plain text")
+        return
+    if shapes.get("chat"):
+        log(f"chats: {shapes['chat']} rows rendered by {tok.chat_renderer()}")
+    if shapes.get("pair_chat"):
+        log(f"prompt / completion: {shapes['pair_chat']} rows rendered as one user and one assistant turn "
+            f"by {tok.chat_renderer()} (prompt_completion=chat)")
+    if shapes.get("pair"):
+        advice = (" — prompt_completion=chat renders them through it as one user / assistant turn"
+                  if tok.chat_format or tok.chat_template else "")
+        log(f"prompt / completion: {shapes['pair']} rows trained as plain text, not through the chat "
+            f"template{advice}")
+    if shapes.get("text"):
+        log(f"text: {shapes['text']} rows trained as plain text")
 
 
 def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:

@@ -371,3 +371,94 @@ def test_sandbox_blocks_python_internals(tmp_path):
     tok = Tokenizer.from_folder(d)
     with pytest.raises(UserError, match="chat template failed"):
         tok.encode_chat(CHATS[0])
+
+
+# --------------------------------------------------------------------------- no template of its own
+
+
+def _untemplated(tmp_path: Path, family: str) -> Path:
+    """A tokenizer folder of `family`'s vocabulary with no chat template."""
+    return _family_folder(tmp_path / family, family)
+
+
+def test_advice_for_a_chatml_vocabulary_without_template(tmp_path):
+    """A Qwen-shaped vocabulary (no bos) without a template: the error names chatml and a .jinja file,
+    and no hand-written format (each needs tokens this vocabulary lacks)."""
+    tok = Tokenizer.from_folder(_untemplated(tmp_path, "qwen"))
+    with pytest.raises(UserError) as e:
+        tok.encode_chat(CHATS[0])
+    message = e.value.message
+    assert "no chat template" in message and "chat_template=chatml" in message and ".jinja" in message
+    assert "chat_format" not in message
+    for name in ("mistral", "llama2", "llama3"):  # indeed none of them renders with this vocabulary
+        tok.chat_format = name
+        with pytest.raises(UserError):
+            tok.encode_chat(CHATS[0])
+
+
+def test_advice_for_a_sentencepiece_vocabulary_names_only_formats_that_render(tmp_path):
+    tok = Tokenizer.from_folder(_untemplated(tmp_path, "zephyr"))  # <s>, </s>; no [INST], no Llama-3 headers
+    with pytest.raises(UserError) as e:
+        tok.encode_chat(CHATS[0])
+    message = e.value.message
+    assert "chat_format=mistral" in message and "chat_format=llama2" in message
+    assert "llama3" not in message and "chatml" not in message
+
+
+@pytest.mark.parametrize("family", ["qwen", "smollm2"])
+def test_carried_chatml_equals_the_checkpoints_chatml(tmp_path, family):
+    """`chat_template=chatml` on a ChatML vocabulary gives transformers' ids under the family's own ChatML
+    template (on conversations with a system message, where those templates add nothing of their own),
+    and the ChatML mask."""
+    from minitrain.text.chat_template import resolve_template
+
+    ours = _untemplated(tmp_path / "ours", family)
+    tok = Tokenizer.from_folder(ours)
+    tok.chat_template = resolve_template("chatml", str(ours), tok.special_id)
+    theirs = _family_folder(tmp_path / "theirs", family)
+    template = {"qwen": "qwen2_5", "smollm2": "smollm2"}[family]
+    shutil.copy(TEMPLATES / f"{template}.jinja", theirs / "chat_template.jinja")
+    ref = hf(theirs)
+    chats = [CHATS[1], [{"role": "system", "content": "Be brief."}, *CHATS[2]]]
+    for messages in chats:
+        ids, mask = tok.encode_chat(messages)
+        assert ids == ref.apply_chat_template(messages, tokenize=True, return_dict=False)
+        text = ref.apply_chat_template(messages, tokenize=False)
+        assert mask == reference_mask(ref, text, *SHAPES["chatml"])
+
+
+def test_chat_template_key_refusals(tmp_path):
+    from minitrain.text.chat_template import resolve_template
+
+    d = _untemplated(tmp_path, "zephyr")
+    tok = Tokenizer.from_folder(d)
+    with pytest.raises(UserError, match=r"chat_template=chatml: .* has no <\|im_start\|> / <\|im_end\|> special "
+                                        r"token — this is not a chatml vocabulary"):
+        resolve_template("chatml", str(d), tok.special_id)
+    with pytest.raises(UserError, match="chat_template=nope.jinja: no such file, and minitrain carries no "
+                                        "template of that name — give a .jinja file, or one of chatml"):
+        resolve_template("nope.jinja", str(d), tok.special_id)
+    (tmp_path / "mine.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert resolve_template(str(tmp_path / "mine.jinja"), str(d), tok.special_id).startswith("{% for m")
+
+
+def test_prompt_completion_as_chat_equals_transformers(folder, tmp_path):
+    """`prompt_completion="chat"`: a {prompt, completion} row is the chat [user: prompt, assistant:
+    completion], with transformers' ids and the ChatML mask; "raw" (the default) keeps plain text."""
+    from minitrain.data.readers import read_sft
+
+    d = folder("qwen", "qwen2_5")
+    tok, ref = Tokenizer.from_folder(d), hf(d)
+    rows = tmp_path / "rows.jsonl"
+    pairs = [("What is 2+2?", "It is 4."), ("Name a colour.\nJust one.", "Blue 🙂")]
+    rows.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs))
+    chat = read_sft(rows, tok, max_len=512, prompt_completion="chat")
+    assert chat.shapes == {"chat": 0, "pair": 0, "pair_chat": 2, "text": 0}
+    for ex, (p, c) in zip(chat, pairs):
+        messages = [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+        assert ex["input_ids"] == ref.apply_chat_template(messages, tokenize=True, return_dict=False)
+        text = ref.apply_chat_template(messages, tokenize=False)
+        assert [label != -100 for label in ex["labels"]] == reference_mask(ref, text, *SHAPES["chatml"])
+    raw = read_sft(rows, tok, max_len=512)
+    assert raw.shapes["pair"] == 2 and raw[0]["input_ids"] == tok.encode(pairs[0][0]) + tok.encode(
+        pairs[0][1], continuation=True) + [tok.eos_id]

@@ -3,6 +3,7 @@ tools/generate.py (base + adapter, one prompt or stdin)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -119,9 +120,40 @@ def test_generate_raw_prompt_on_a_tokenizer_without_bos(tmp_path):
     tok = Tokenizer.from_folder(make_qwen_tokenizer(tmp_path / "qwen"))
     assert tok.bos_id is None and tok.vocab_size <= 320
     model = load_pretrained(DEMO, models.from_hf_config).eval()
-    args = argparse.Namespace(raw=True, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0, num_beams=1)
+    args = argparse.Namespace(format="raw", max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0, num_beams=1)
     got = tool.complete(model, tok, "hello there", args)
     ids = torch.tensor([tok.encode("hello there")])
     want = generate(model, ids, torch.ones_like(ids), max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_id,
                     pad_token_id=tok.pad_id)
     assert got == tok.decode(want[0, ids.shape[1]:].tolist())
+
+
+@pytest.mark.parametrize("mode", ["raw", "chat"])
+def test_generate_queries_in_the_format_the_run_trained(tmp_path, mode):
+    """Prompt / completion strings on a model with a chat template: trained as plain text by default,
+    through the template with prompt_completion=chat; the log says which, out/config.json records it,
+    and tools/generate.py follows it unless told otherwise."""
+    rows = tmp_path / "pc.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Note: Ana, {30 + i}, has asthma. Summarise.",
+                                        "completion": f" Ana, {30 + i}, asthma."}) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    p = _run("-m", "minitrain", "recipes/sft_mistral.py", f"model={DEMO}", f"data={rows}", f"out={out}", "max_steps=1",
+             "batch_size=2", f"prompt_completion={mode}")
+    assert p.returncode == 0, p.stderr
+    said = {"raw": "prompt / completion: 8 rows trained as plain text, not through the chat template — "
+                   "prompt_completion=chat renders them through it as one user / assistant turn",
+            "chat": "prompt / completion: 8 rows rendered as one user and one assistant turn by the checkpoint's "
+                    "chat template (prompt_completion=chat)"}[mode]
+    assert said in p.stdout and "chats:" not in p.stdout
+    trained = json.loads((out / "config.json").read_text())["trained_format"]
+    assert trained["prompts"] == mode and trained["rows"]["pair" if mode == "raw" else "pair_chat"] == 8
+    prompt = "Note: Ben, 41, has gout. Summarise."
+    auto = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
+                "--max-new-tokens", "6")
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stderr.startswith("note: prompts sent as " + ("plain text" if mode == "raw" else "the chat template"))
+    chosen = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
+                  "--max-new-tokens", "6", "--format", mode)
+    other = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
+                 "--max-new-tokens", "6", "--format", {"raw": "chat", "chat": "raw"}[mode])
+    assert auto.stdout == chosen.stdout != other.stdout

@@ -4,14 +4,18 @@
     python tools/generate.py --model demo/model --adapter runs/dpo_mistral/adapter      # interactive
     python tools/generate.py --model path/to/flan-t5 --adapter runs/t5/adapter --prompt "..." --num-beams 4
 
-Causal models get the prompt as one user turn in the tokenizer's chat format when it has one
-(`--raw` sends the text as is). Decoding runs with a KV cache; `--temperature` > 0 samples
+Causal models get the prompt in the format the run trained with (`--format auto`): the run's
+`out/config.json` beside the adapter says whether its prompt strings went through the chat template
+(`trained_format`), and which `chat_template=` it was given; without a run config, as one user turn
+in the tokenizer's chat format when it has one. `--format chat` / `--format raw` (or `--raw`) choose.
+Decoding runs with a KV cache; `--temperature` > 0 samples
 (with `--top-p` and `--seed`), else greedy (T5: greedy or beam search).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -22,8 +26,28 @@ import torch  # noqa: E402
 import models  # noqa: E402
 from minitrain.adapters.peft_format import load_adapter  # noqa: E402
 from minitrain.errors import UserError  # noqa: E402
+from minitrain.text.chat_template import resolve_template  # noqa: E402
 from minitrain.text.tokenizer import Tokenizer  # noqa: E402
 from minitrain.weights import load_pretrained  # noqa: E402
+
+
+def run_format(adapter_dir: str | None, tok: Tokenizer) -> tuple[str | None, str]:
+    """("chat" | "raw" | None, why) from the run that trained `adapter_dir` (its out/config.json);
+    a `chat_template=` the run was given is set on `tok`."""
+    config_file = Path(adapter_dir).parent / "config.json" if adapter_dir else None
+    if config_file is None or not config_file.is_file():
+        return None, ""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None, ""
+    if config.get("chat_template"):
+        tok.chat_template = resolve_template(config["chat_template"], str(config_file), tok.special_id)
+        tok.chat_format = None
+    trained = config.get("trained_format") or {}
+    if trained.get("prompts") not in ("chat", "raw"):
+        return None, ""
+    return trained["prompts"], f"{config_file}: trained with prompts as {trained.get('rendered_by', trained['prompts'])}"
 
 
 def load(model_dir: str, adapter_dir: str | None) -> tuple[torch.nn.Module, Tokenizer]:
@@ -51,7 +75,9 @@ def complete(model: torch.nn.Module, tok: Tokenizer, prompt: str, args: argparse
         return tok.decode(out[0].tolist())
     from models.llama import generate as llama_generate
 
-    if (tok.chat_format or tok.chat_template) and not args.raw:
+    if args.format == "chat" and not (tok.chat_format or tok.chat_template):
+        raise UserError(f"--format chat: {tok.source} has no chat template — use --format raw")
+    if args.format == "chat":
         ids, _ = tok.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = tok.encode(prompt, bos=tok.add_bos)  # as the training rows begin (docs/data.md)
@@ -72,10 +98,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-beams", type=int, default=1, help="T5 only: beam search width")
-    p.add_argument("--raw", action="store_true", help="no chat format: the prompt text as is")
+    p.add_argument("--format", choices=("auto", "chat", "raw"), default="auto",
+                   help="auto: as the run trained (its config.json), else chat when the tokenizer has a template")
+    p.add_argument("--raw", action="store_true", help="the same as --format raw")
     args = p.parse_args(argv)
+    if args.raw:
+        args.format = "raw"
     try:
         model, tok = load(args.model, args.adapter)
+        trained, why = run_format(args.adapter, tok)
+        if args.format == "auto":
+            args.format = trained or ("chat" if tok.chat_format or tok.chat_template else "raw")
+            if trained:
+                print(f"note: prompts sent as {'the chat template renders them' if trained == 'chat' else 'plain text'}"
+                      f" ({why}); --format chat / raw to choose", file=sys.stderr)
         if args.prompt is not None:
             print(complete(model, tok, args.prompt, args))
             return 0

@@ -45,8 +45,9 @@ class Examples(list):
     the same tokens, dropped on request."""
 
     def __init__(self, items: Sequence[dict] = (), *, path: str = "", truncated: int = 0, skipped: int = 0,
-                 bos_in_text: int = 0, identical: int = 0):
+                 bos_in_text: int = 0, identical: int = 0, shapes: dict[str, int] | None = None):
         super().__init__(items)
+        self.shapes = shapes  # SFT: rows read per shape (chat, pair, pair_chat, text), for the run's log
         self.path = path
         self.truncated = truncated
         self.skipped = skipped
@@ -150,7 +151,7 @@ def _preference_parts(row: Row) -> tuple[str | list, tuple[str | list, str | lis
 
 def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
              max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
-             split: str | None = None) -> Examples:
+             split: str | None = None, prompt_completion: str = "raw") -> Examples:
     """Causal-LM examples `{"input_ids", "labels"}` from the rows of a data file (any format of
     `minitrain.data.files`; `split` picks a split of a datasets folder), in these shapes:
 
@@ -158,6 +159,8 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
       "output"}` (`minitrain.data.rows`): `tok.encode_chat`, loss on the assistant turns;
     - `{"prompt", "completion"}`: `[bos] prompt completion [eos]`, loss on completion + eos;
       the completion is encoded as continuing the prompt (its leading space kept as written);
+      with `prompt_completion="chat"`, a chat of one user turn (the prompt) and one assistant
+      turn (the completion) instead;
     - `{"text"}`: `[bos] text [eos]`, loss on every token.
 
     `fields` maps these names to the file's keys (`{"prompt": "question"}`). `[bos]` is there
@@ -168,10 +171,18 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, SFT_FIELDS)
     eos = [tok.eos_id] if tok.eos_id is not None else []
-    out = Examples(path=str(path))
+    if prompt_completion not in ("raw", "chat"):
+        raise UserError(f"prompt_completion={prompt_completion!r}: use 'raw' or 'chat'")
+    out = Examples(path=str(path), shapes=dict.fromkeys(("chat", "pair", "pair_chat", "text"), 0))
     for where, raw in read_rows(path, split):
         row = Row(where, raw, fields, '"prompt" and "completion", "messages" or "text"')
         chat = row.chat()
+        shape = "chat"
+        if chat is None and prompt_completion == "chat" and (row.has("prompt") or row.has("completion")):
+            row.expect = '"prompt" and "completion"'
+            chat = [{"role": "user", "content": row.text("prompt")},
+                    {"role": "assistant", "content": row.text("completion")}]
+            shape = "pair_chat"
         if chat is not None:
             ids, mask = _chat(tok, where, chat)
             labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
@@ -186,7 +197,9 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
             p, (c,), cut = _fit(p, [c], max_len, max_prompt_len, truncation_side, tok.bos_id)
             out.truncated += cut
             ids, labels = p + c, [IGNORE_INDEX] * len(p) + c
+            shape = "pair"
         elif row.has("text"):
+            shape = "text"
             ids = _with_bos(tok, tok.encode(row.text("text")), out) + eos
             if len(ids) > max_len:
                 out.truncated += 1
@@ -200,6 +213,7 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
         if _targets(labels) == 0:
             out.skipped += 1
             continue
+        out.shapes[shape] += 1
         out.append({"input_ids": ids, "labels": labels})
     return out
 
@@ -376,7 +390,8 @@ def hold_out(examples: Examples, share: float, seed: int) -> tuple[Examples, Exa
         raise UserError(f"eval_split={share}: {n} examples leave none to train on — lower eval_split or add data")
     held = set(np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k].tolist())
     train = Examples([ex for i, ex in enumerate(examples) if i not in held], path=examples.path,
-                     truncated=examples.truncated, skipped=examples.skipped, bos_in_text=examples.bos_in_text)
+                     truncated=examples.truncated, skipped=examples.skipped, bos_in_text=examples.bos_in_text,
+                     shapes=examples.shapes)
     evals = Examples([ex for i, ex in enumerate(examples) if i in held],
                      path=f"{examples.path} (eval_split={share}: {k} held out, seed {seed})")
     return train, evals

@@ -114,6 +114,40 @@ def read_templates(folder: Path, config: dict) -> dict[str, str]:
     return templates
 
 
+# Templates minitrain carries, for a checkpoint that has none (`chat_template=chatml`): name ->
+# (template, the special tokens it writes, which the vocabulary must hold).
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
+CARRIED = {"chatml": (CHATML, ("<|im_start|>", "<|im_end|>"))}
+
+
+def carried_fits(name: str, special_id) -> bool:
+    """Does the vocabulary (its `special_id(token)`) hold every special token template `name` writes?"""
+    return all(special_id(t) is not None for t in CARRIED[name][1])
+
+
+def resolve_template(value: str, source: str, special_id) -> str:
+    """The text of `chat_template=value`: the name of a template minitrain carries (checked against the
+    vocabulary of `source`, through its `special_id`), or a template file (.jinja)."""
+    if value in CARRIED:
+        text, tokens = CARRIED[value]
+        missing = [t for t in tokens if special_id(t) is None]
+        if missing:
+            raise UserError(f"chat_template={value}: {source} has no {' / '.join(missing)} special token — "
+                            f"this is not a {value} vocabulary; give the template the model was trained with "
+                            f"(chat_template=path/to/template.jinja)")
+        return text
+    path = Path(value)
+    if not path.is_file():
+        raise UserError(f"chat_template={value}: no such file, and minitrain carries no template of that name — "
+                        f"give a .jinja file, or one of {', '.join(CARRIED)}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"chat_template={value}: cannot read it ({e}) — give a UTF-8 .jinja file") from None
+
+
 def has_generation_markers(template: str) -> bool:
     """Whether the template marks its targets with `{% generation %}` blocks."""
     return bool(_GENERATION_TAG.search(template))

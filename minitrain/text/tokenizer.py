@@ -37,8 +37,9 @@ from typing import Sequence
 from minitrain.errors import UserError
 from minitrain.text import chat_formats
 from minitrain.text.backends import HFTokenizers, SentencePiece
-from minitrain.text.chat_formats import CHAT_FORMATS
-from minitrain.text.chat_template import RESERVED, ChatTemplate, has_generation_markers, read_templates
+from minitrain.text.chat_formats import CHAT_FORMATS, FORMATS
+from minitrain.text.chat_template import (CARRIED, RESERVED, ChatTemplate, carried_fits, has_generation_markers,
+                                          read_templates)
 
 _SP_FILES = ("tokenizer.model", "spiece.model")
 _HF_FILE = "tokenizer.json"
@@ -429,7 +430,8 @@ class Tokenizer:
     @chat_format.setter
     def chat_format(self, value: str | None) -> None:
         if value is not None and value not in CHAT_FORMATS:
-            raise UserError(f"chat_format={value!r}: unknown — use one of {', '.join(CHAT_FORMATS)}")
+            carried = f" (minitrain carries {value} as a template: chat_template={value})" if value in CARRIED else ""
+            raise UserError(f"chat_format={value!r}: unknown — use one of {', '.join(CHAT_FORMATS)}{carried}")
         self._chat_format = value
 
     def _detect_chat_format(self) -> str | None:
@@ -453,8 +455,7 @@ class Tokenizer:
     def template(self) -> ChatTemplate:
         """The chat template, compiled, with `chat_template_kwargs` (rebuilt when either changes)."""
         if self.chat_template is None:
-            raise UserError(f"{self.source}: the tokenizer has no chat template — set chat_format to one of "
-                            f"{', '.join(CHAT_FORMATS)}")
+            raise UserError(f"{self.source}: the tokenizer has no chat template — {self._template_advice()}")
         t = self._template
         if t is None or t.source != self.chat_template or t.kwargs != self.chat_template_kwargs:
             for k in self.chat_template_kwargs:
@@ -462,6 +463,26 @@ class Tokenizer:
                     raise UserError(f"chat_template_kwargs: {k!r} is set by minitrain itself — remove it")
             t = self._template = ChatTemplate(self, self.chat_template, kwargs=self.chat_template_kwargs)
         return t
+
+    def _template_advice(self) -> str:
+        """What to do about a missing chat template, suggesting only what this vocabulary can render:
+        a template minitrain carries whose special tokens it holds, else the hand-written formats
+        that render a probe conversation with it."""
+        carried = [n for n in CARRIED if carried_fits(n, self.special_id)]
+        if carried:
+            ways = [f"chat_template={n} (its {' / '.join(CARRIED[n][1])} tokens are in this vocabulary)" for n in carried]
+        else:
+            probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+            fits = []
+            for name, fmt in FORMATS.items():
+                try:
+                    fmt(self, probe, False)
+                    fits.append(name)
+                except UserError:
+                    pass
+            ways = [f"chat_format={n}" for n in fits]
+        return ("give the template the model was trained with: chat_template=path/to/template.jinja"
+                + "".join(f", or {w}" for w in ways) + "; or train on prompt / completion or text rows")
 
     def special_id(self, token: str) -> int | None:
         """Id of `token` when it is one special token of the vocabulary (not plain text)."""
@@ -485,10 +506,7 @@ class Tokenizer:
             msgs = chat_formats.check_messages(messages, alternate=False, template=True)
             return self.template().encode(msgs, add_generation_prompt)
         if self.chat_format is None:
-            raise UserError(
-                f"{self.source}: the tokenizer has no chat template and no chat format — set chat_format to one of "
-                f"{', '.join(CHAT_FORMATS)}"
-            )
+            raise UserError(f"{self.source}: the tokenizer has no chat template — {self._template_advice()}")
         msgs = chat_formats.check_messages(messages, alternate=self.chat_format != "llama3")
         items = chat_formats.FORMATS[self.chat_format](self, msgs, add_generation_prompt)
         return chat_formats.render(self, items)

@@ -45,7 +45,7 @@ from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
 from minitrain.progress import log
 from minitrain.schedule import resolve_steps
-from minitrain.text.chat_template import resolve_template
+from minitrain.text.chat_template import CARRIED, TEMPLATE_FILE, resolve_template
 from minitrain.text.tokenizer import Tokenizer
 from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, read_header, save_pretrained
 
@@ -246,6 +246,7 @@ def load_tokenizer(cfg: Any) -> Tokenizer:
     tok = Tokenizer.from_folder(folder, chat_format=None if cfg.chat_format == "auto" else cfg.chat_format)
     if getattr(cfg, "chat_template", ""):  # the user's template replaces the checkpoint's (and a detected format)
         tok.chat_template = resolve_template(cfg.chat_template, str(folder), tok.special_id)
+        tok.template_origin = f"the chat template chat_template={cfg.chat_template}"
         if cfg.chat_format == "auto":
             tok.chat_format = None
     return tok
@@ -516,6 +517,12 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[st
     if averaged is not None:
         with ema.swapped_in(model, averaged):
             write(folder.with_name(folder.name + EMA_SUFFIX))
+    template = getattr(cfg, "chat_template", "")
+    if template and lora is None:  # the template the run was given travels with the model (transformers reads it)
+        for to in [folder] + ([folder.with_name(folder.name + EMA_SUFFIX)] if averaged is not None else []):
+            distributed.main_only(lambda to=to: (to / TEMPLATE_FILE).write_text(
+                CARRIED[template][0] if template in CARRIED else Path(template).read_text(encoding="utf-8"),
+                encoding="utf-8"))
     loss = summary.get("loss")
     parts = [f"done: step {summary.get('step')}/{summary.get('total_steps')}"]
     if loss is not None:

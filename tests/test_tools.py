@@ -157,3 +157,37 @@ def test_generate_queries_in_the_format_the_run_trained(tmp_path, mode):
     other = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
                  "--max-new-tokens", "6", "--format", {"raw": "chat", "chat": "raw"}[mode])
     assert auto.stdout == chosen.stdout != other.stdout
+
+
+def test_chat_template_key_trains_chats_on_a_model_without_one_and_travels_with_it(tmp_path):
+    """A ChatML vocabulary without a template: chats are refused with advice naming chatml; with
+    chat_template=chatml they train, and the full fine-tune's folder carries the template (transformers
+    then renders the same ids)."""
+    transformers = pytest.importorskip("transformers")
+    from _tok import make_qwen_tokenizer
+    from conftest import save_hf_causal
+
+    from minitrain.text.chat_template import CHATML
+
+    model = save_hf_causal(tmp_path / "qwen", model_type="qwen2", vocab_size=320)
+    make_qwen_tokenizer(model)
+    rows = tmp_path / "chats.jsonl"
+    chat = [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there"}]
+    rows.write_text((json.dumps({"messages": chat}) + "\n") * 4)
+    common = ["-m", "minitrain", "recipes/sft_llama.py", f"model={model}", f"data={rows}", "max_steps=1", "batch_size=2"]
+    refused = _run(*common, f"out={tmp_path / 'refused'}")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "no chat template — give the template the model was trained with" in refused.stderr
+    assert "chat_template=chatml" in refused.stderr and "chat_format" not in refused.stderr
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "full"
+    p = _run(*common, f"out={out}", "chat_template=chatml", "finetune=full")
+    assert p.returncode == 0, p.stderr
+    assert "chats: 4 rows rendered by the chat template chat_template=chatml" in p.stdout
+    saved = out / "model" / "chat_template.jinja"
+    assert saved.read_text() == CHATML
+    ref = transformers.AutoTokenizer.from_pretrained(out / "model")
+    from minitrain.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(out / "model")
+    assert tok.encode_chat(chat)[0] == ref.apply_chat_template(chat, tokenize=True, return_dict=False)

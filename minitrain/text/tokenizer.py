@@ -96,6 +96,7 @@ class Tokenizer:
         if chat_template is not None:
             self.chat_templates["default"] = chat_template
         self.chat_template_kwargs: dict = {}
+        self.template_origin = "the checkpoint's chat template"  # or the run's chat_template= (for its log)
         self._template = None
         self._pad_warned = False
         self._add_bos: bool | None = None  # `add_bos`, decided on first use
@@ -448,7 +449,7 @@ class Tokenizer:
         if self.chat_format is not None:
             return f"chat_format {self.chat_format}"
         if self.chat_template is not None:
-            return "the checkpoint's chat template" + (" (with generation markers)" if has_generation_markers(
+            return self.template_origin + (" (with generation markers)" if has_generation_markers(
                 self.chat_template) else "")
         return "no chat template"
 

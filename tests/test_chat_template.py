@@ -185,7 +185,7 @@ CASES = [  # (family folder, template fixture, mask shape, chats, template kwarg
     ("llama2_legacy", "llama2", "llama2", [0, 1, 2], {}),
     ("mistral_v0.1", "mistral_v0.1", "mistral", NO_SYSTEM, {}),
     ("mistral_v0.2", "mistral_v0.2", "mistral", [0, 1, 2], {}),
-    ("mistral_v0.3", "mistral_v0.3", "mistral", NO_SYSTEM, {}),
+    ("mistral_v0.3", "mistral_v0.3", "mistral", [0, 1, 2], {}),  # 1: the system message moves to the last turn
     ("mistral_v7", "mistral_v7", "mistral", [0, 1, 2], {}),
     ("llama3", "llama3", "llama3", [0, 1, 2], {}),
     ("llama3", "llama3_1", "llama3", [0, 1, 2], {"date_string": "26 Jul 2024"}),
@@ -289,17 +289,31 @@ def test_template_refusal_is_one_line_with_the_templates_message(folder):
         tok.encode_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
-def test_unlocatable_spans_are_refused(folder):
-    """Mistral v0.3's template joins the system message to the user message only when that is
-    the last message: once the assistant answers, the system message vanishes from the text, so
-    the prompt is not a prefix of the conversation; refused (chat_format=mistral still works)."""
+def test_moved_system_message_is_located_in_the_full_text(folder):
+    """Mistral v0.3's template joins the system message to the last user message: the conversation
+    before an answer renders differently once the conversation goes on, so each answer is found in
+    the one full rendering (ids and mask against transformers: test_template_ids_and_mask_equal_transformers,
+    chat 1); the explicit chat_format override still renders mistral-common's way."""
     d = folder("mistral_v0.3", "mistral_v0.3")
-    tok = Tokenizer.from_folder(d)
-    with pytest.raises(UserError, match=r"cannot locate assistant message 2 .*set chat_format"):
-        tok.encode_chat(CHATS[1][:3])
+    ids, mask = Tokenizer.from_folder(d).encode_chat(CHATS[1][:3])
+    assert sum(mask) > 0
     tok = Tokenizer.from_folder(d, chat_format="mistral")  # the explicit override ignores the template
     ids, mask = tok.encode_chat(CHATS[1][:3])
     assert tok.decode(ids, skip_special=False).count("You are terse.") == 1 and any(mask)
+
+
+def test_unlocatable_spans_are_refused(tmp_path):
+    """A template that reorders the conversation (prefixes fail) and rewrites the answer's text (it
+    cannot be found): refused, naming the message and what to do."""
+    d = make_bpe_tokenizer(tmp_path / "odd")
+    (d / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages|reverse %}{{ m['role'] }}: "
+                                           "{{ m['content']|upper }}{{ eos_token }}{% endfor %}")
+    tok = Tokenizer.from_folder(d)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "and"}, {"role": "assistant", "content": "bye"}]
+    with pytest.raises(UserError, match=r"cannot locate assistant message 1 .* its text is nowhere followed by "
+                                        r"'</s>' — use a template with \{% generation %\} markers, or set chat_format"):
+        tok.encode_chat(chat)
 
 
 def test_double_bos_is_refused(tmp_path):

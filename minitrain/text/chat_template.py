@@ -330,10 +330,12 @@ class ChatTemplate:
             else:
                 base = prompt = ""
             if not text.startswith(base) or len(base) < done:
-                raise UserError(f"cannot locate assistant message {i} in the chat template's text: the template "
-                                f"renders the conversation before it differently once the conversation goes on "
-                                f"(e.g. it moves the system message) — use a template with {{% generation %}} "
-                                f"markers, or set chat_format")
+                # the template renders the conversation before it differently once it goes on (Mistral v0.3
+                # moves the system message into the last user turn): find the message in the full text
+                start, end = self._find(m, i, text, done, end_token)
+                spans.append((start, end))
+                done = end
+                continue
             start = len(base) + common_prefix_len(prompt[len(base):], text[len(base):])
             if end_token is None:
                 nxt = len(text)
@@ -357,3 +359,29 @@ class ChatTemplate:
             spans.append((start, end))
             done = end
         return spans
+
+    def _find(self, message: dict, i: int, text: str, done: int, end_token: str | None) -> tuple[int, int]:
+        """The span of assistant message `i` in the full rendering, searched from character `done` (where
+        the previous assistant message ended): the first place its content (as written, or stripped)
+        is followed, after at most some whitespace, by the end-of-turn token. The span opens after the
+        whitespace before the content (as the prefix rule opens it after the header) and closes after
+        the end token."""
+        content = message.get("content")
+        where = ("cannot locate assistant message {i} in the chat template's text: the template renders the "
+                 "conversation before it differently once the conversation goes on (e.g. it moves the system "
+                 "message), and {why} — use a template with {{% generation %}} markers, or set chat_format")
+        if end_token is None or not isinstance(content, str) or not content.strip():
+            why = "it writes no end-of-turn token" if end_token is None else "the message has no text to find"
+            raise UserError(where.format(i=i, why=why))
+        for piece in dict.fromkeys((content, content.strip())):
+            at = text.find(piece, done)
+            while at >= 0:
+                after = at + len(piece)
+                tail = len(text[after:]) - len(text[after:].lstrip())
+                if text.startswith(end_token, after + tail):
+                    start = at
+                    while start > done and text[start - 1] in " \t":
+                        start -= 1
+                    return start, after + tail + len(end_token)
+                at = text.find(piece, at + 1)
+        raise UserError(where.format(i=i, why=f"its text is nowhere followed by {end_token!r}"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,7 @@ def test_merge_gives_an_hf_folder_with_the_adapted_logits(adapter, tmp_path):
     from minitrain.adapters.peft_format import load_adapter
 
     out = tmp_path / "merged"
-    p = _run("tools/merge.py", "--model", str(DEMO), "--adapter", str(adapter), "--out", str(out))
+    p = _run("tools/merge.py", "--model", str(DEMO), "--adapter", str(adapter), "--out", str(out), "--dtype", "float32")
     assert p.returncode == 0, p.stderr
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     ours = load_pretrained(DEMO, models.from_hf_config)
@@ -191,3 +192,33 @@ def test_chat_template_key_trains_chats_on_a_model_without_one_and_travels_with_
 
     tok = Tokenizer.from_folder(out / "model")
     assert tok.encode_chat(chat)[0] == ref.apply_chat_template(chat, tokenize=True, return_dict=False)
+
+
+def test_merge_keeps_the_base_dtype_and_notes_a_quantized_run(adapter, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from minitrain.weights import read_header
+
+    base = tmp_path / "bf16_base"
+    shutil.copytree(DEMO, base)
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(base / "model.safetensors").items()},
+              base / "model.safetensors")
+    run = tmp_path / "run"
+    shutil.copytree(adapter, run / "adapter")
+    for dtype, want in (("auto", "BF16"), ("float32", "F32")):
+        out = tmp_path / f"merged_{dtype}"
+        p = _run("tools/merge.py", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(out),
+                 "--dtype", dtype)
+        assert p.returncode == 0, p.stderr
+        assert {i["dtype"] for i in read_header(out / "model.safetensors")[0].values()} == {want}
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == {"BF16": "bfloat16", "F32": "float32"}[want]
+    assert (tmp_path / "merged_float32" / "model.safetensors").stat().st_size > 1.9 * (
+        tmp_path / "merged_auto" / "model.safetensors").stat().st_size
+
+    (run / "config.json").write_text(json.dumps({"quantize": "nf4"}))  # what a QLoRA run writes beside its adapter
+    p = _run("tools/merge.py", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(tmp_path / "q"))
+    assert p.returncode == 0 and p.stderr.startswith("note: the adapter was trained on a nf4 base")
+    (run / "config.json").write_text(json.dumps({"quantize": "nf4", "lrc_rank": 0.15}))  # an LRC run
+    p = _run("tools/merge.py", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(tmp_path / "l"))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "pass --quantize nf4" in p.stderr
+    assert not (tmp_path / "l").exists()

@@ -1,10 +1,12 @@
 """Merge a LoRA adapter into its base and save an HF-format folder (transformers loads it).
 
     python tools/merge.py --model demo/model --adapter runs/dpo_mistral/adapter --out merged/
-    python tools/merge.py --model path/to/Mistral-7B --adapter runs/x/adapter --out merged/ --dtype bfloat16
+    python tools/merge.py --model path/to/Mistral-7B --adapter runs/x/adapter --out merged/ --dtype float32
 
 The base is loaded in float (never quantized: merging into 4-bit weights would round the update
-away), the adapter is folded in (W + scaling * B @ A), and the folder gets config.json, the
+away), the adapter is folded in (W + scaling * B @ A) in fp32, and saved in the base's own dtype
+(the floating dtype of its safetensors: a bf16 base gives a bf16 model, not one twice its size;
+`--dtype` chooses another). The folder gets config.json, the
 weights (sharded above 5 GB) and the tokenizer files of the adapter folder if it has them, else
 of the base. Written to a temporary folder and renamed: nothing half-written.
 
@@ -13,6 +15,10 @@ float weights it would add the quantization error instead of removing it. Pass t
 (`--quantize ternary --ternary-scale tensor`, or nf4 / int8): the base is then loaded quantized as
 the run did, and the saved weights are its dequantized values plus the update, a float model that
 computes what the trained one did (BitLinear's activation quantizer, `ternary_act_bits`, aside).
+Without `--quantize`, an LRC adapter is refused (the run's out/config.json beside the adapter says
+what it was), and a QLoRA adapter (trained on an nf4 / int8 base) gets a note: merged into the
+full-precision base it computes a little differently from the trained model, which saw rounded
+weights; `--quantize nf4` merges into the dequantized base the run trained on instead.
 
     python tools/merge.py --model path/to/qwen3 --adapter runs/lrc/adapter --out merged/ --quantize ternary
 """
@@ -20,6 +26,7 @@ computes what the trained one did (BitLinear's activation quantizer, `ternary_ac
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -29,19 +36,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 import models  # noqa: E402
-from minitrain.adapters.merge import merged_state_dict
+from minitrain.adapters.merge import merged_state_dict  # noqa: E402
 from minitrain.adapters.peft_format import load_adapter  # noqa: E402
 from minitrain.errors import UserError  # noqa: E402
-from minitrain.weights import SIDE_FILES, load_pretrained, save_pretrained  # noqa: E402
+from minitrain.weights import (SIDE_FILES, checkpoint_files, load_pretrained, read_header,  # noqa: E402
+                               save_pretrained)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def merge(model_dir: str, adapter_dir: str, out: str, dtype: str = "float32", quantize: str = "none",
+def base_dtype_name(model_dir: str) -> str:
+    """The floating dtype the base's weights are stored in (the most common one across its tensors)."""
+    counts: dict[str, int] = {}
+    for path in checkpoint_files(model_dir):
+        for info in read_header(path)[0].values():
+            name = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if name:
+                counts[name] = counts.get(name, 0) + 1
+    return max(counts, key=counts.get) if counts else "float32"
+
+
+def check_run(adapter_dir: str, quantize: str) -> str | None:
+    """A note (or a UserError) from the run that trained the adapter (out/config.json beside it) about
+    merging into a base of another format than it trained on."""
+    config_file = Path(adapter_dir).parent / "config.json"
+    try:
+        run = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    trained = run.get("quantize", "none") if isinstance(run, dict) else "none"
+    if trained == "none" or quantize != "none":
+        return None
+    if "lrc_rank" in run:
+        raise UserError(f"{adapter_dir}: a low-rank-correction adapter trained on a {trained} base ({config_file}) "
+                        f"corrects that base's rounding; merged into the full-precision base it would add the error "
+                        f"— pass --quantize {trained}" + (f" --ternary-scale {run.get('ternary_scale', 'tensor')}"
+                                                        if trained == "ternary" else ""))
+    return (f"note: the adapter was trained on a {trained} base ({config_file}); merged into the full-precision "
+            f"base it computes slightly differently from the trained model (which saw rounded weights) — usually "
+            f"what you want for deployment; --quantize {trained} merges into the dequantized {trained} base instead")
+
+
+def merge(model_dir: str, adapter_dir: str, out: str, dtype: str = "auto", quantize: str = "none",
           ternary_scale: str = "tensor") -> Path:
-    """Load base (quantized as `quantize` says) + adapter, fold the adapter in, save an HF folder at `out`."""
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
+    """Load base (quantized as `quantize` says) + adapter, fold the adapter in, save an HF folder at `out`
+    in `dtype` ("auto": the base's own)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: not one of auto, {', '.join(DTYPES)}")
+    if not Path(adapter_dir).is_dir():
+        raise UserError(f"--adapter {adapter_dir}: no such folder — pass the run's adapter folder (out/adapter)")
+    if dtype == "auto":
+        dtype = base_dtype_name(model_dir) if Path(model_dir).is_dir() else "float32"
     hook = None
     if quantize != "none":
         from minitrain.adapters.quant import quantize_hook
@@ -66,18 +112,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", required=True, help="the base: an HF-format folder")
     p.add_argument("--adapter", required=True, help="a PEFT-format adapter folder (minitrain's out/adapter)")
     p.add_argument("--out", required=True, help="folder to write the merged model into")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 for the saved weights")
+    p.add_argument("--dtype", default="auto", help="auto (the base's own) | float32 | bfloat16 | float16 for the "
+                                                   "saved weights")
     p.add_argument("--quantize", default="none", choices=("none", "nf4", "int8", "ternary"),
                    help="the base format the adapter was trained on (an LRC adapter: the run's quantize)")
     p.add_argument("--ternary-scale", default="tensor", choices=("tensor", "channel"),
                    help="with --quantize ternary: the run's ternary_scale")
     args = p.parse_args(argv)
     try:
+        note = check_run(args.adapter, args.quantize)
+        if note:
+            print(note, file=sys.stderr)
         folder = merge(args.model, args.adapter, args.out, args.dtype, args.quantize, args.ternary_scale)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"merged model (HF format): {folder}")
+    print(f"merged model (HF format, {json.loads((folder / 'config.json').read_text())['torch_dtype']}): {folder}")
     return 0
 
 

@@ -12,6 +12,8 @@ A recipe may also define `demo`, a dict of settings for its built-in demo: they 
 the command names none of `model`, `data`, `eval_data` (`resolve_config`), so a real run gets
 the recipe's own defaults and is asked for what it lacks, never the demo's files or settings.
 
+A warning raised while a recipe runs (ours or a library's) prints as one `note:` line, once.
+
 Every user mistake is a `UserError`, printed as one `error: ...` line on stderr with exit code 2;
 Ctrl-C exits 130. Training stopped by SIGINT / SIGTERM (`minitrain.train.Interrupted`) prints the
 command that resumes it and exits 130 / 143. Anything else is our bug and keeps its traceback.
@@ -38,6 +40,7 @@ import sys
 import textwrap
 import traceback
 import typing
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, NamedTuple
@@ -65,6 +68,8 @@ def run_cli(argv: list[str]) -> int:
     """Run `RECIPE.py key=value ...`; return the exit code (0 ok, 2 user error, 130 interrupted)."""
     _line_buffered()
     code = None
+    shown_before = warnings.showwarning
+    warnings.showwarning = _note
     try:
         code = _main(list(argv))
         return code
@@ -81,8 +86,28 @@ def run_cli(argv: list[str]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     finally:
+        warnings.showwarning = shown_before
         if "minitrain.distributed" in sys.modules:  # (imported, with torch, only once a recipe runs)
             sys.modules["minitrain.distributed"].shutdown(finished=code == 0)
+
+
+_NOTED: set[str] = set()
+
+
+def _note(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+          line: str | None = None) -> None:
+    """A warning during a run (ours or a library's) as one `note:` line on stderr, rank 0, each message
+    once: no source path, no code line. One raised inside a library (the frame it names is in
+    site-packages) says whose it is."""
+    text = " ".join(str(message).split())
+    if _rank() != 0 or text in _NOTED:
+        return
+    _NOTED.add(text)
+    parts = Path(filename).parts
+    owner = parts[parts.index("site-packages") + 1] if "site-packages" in parts[:-1] else None
+    if owner and owner.split(".")[0] not in ("minitrain", "models"):
+        text = f"{owner.removesuffix('.py')}: {text}"
+    print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 def main_quietly(main: Callable[..., int | None], *args: Any) -> int:

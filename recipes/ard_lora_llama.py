@@ -24,7 +24,7 @@ import models
 from minitrain import checkpoint
 from minitrain.adapters.ard import fold_gates, make_ard, save_gates
 from minitrain.adapters.lora import trainable_report
-from minitrain.adapters.quant import INSTALL
+from minitrain.adapters.quant import INSTALL, require_bitsandbytes
 from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
@@ -77,8 +77,8 @@ def resolve_quantize(config: ARDConfig) -> str:
     if config.quantize != "auto":
         return config.quantize
     try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
+        require_bitsandbytes()
+    except UserError:
         log(f"notice: quantize=auto: bitsandbytes is not installed, so the base stays in float ({INSTALL} "
             f"for a 4-bit base)")
         return "none"

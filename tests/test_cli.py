@@ -501,3 +501,26 @@ def test_hugging_face_names_get_a_did_you_mean():
         with pytest.raises(UserError) as e:
             apply_overrides(config, [f"{hf}=true" if value else f"{hf}=7"])
         assert f"did you mean {key}={value or 7}? ({hf} is the Hugging Face name)" in str(e.value), str(e.value)
+
+
+def test_warnings_are_one_note_line_each(tmp_path):
+    """A warning during a run prints as one `note:` line, once, without Python's source path and code
+    line."""
+    noisy = tmp_path / "noisy.py"
+    noisy.write_text(TYPED_RECIPE.replace('''def run(config):
+    print("RUN " + json.dumps(asdict(config)))''', '''def run(config):
+    import warnings
+
+    import torch
+
+    for _ in range(3):
+        warnings.warn("the data has odd rows,\\n  twice over")
+    torch.tensor([1.0, 2.0]).resize_(1).numpy()  # fine
+    torch.nn.functional.softmax(torch.ones(2))  # a library's warning ("Implicit dimension choice ...")
+    print("RUN " + json.dumps(asdict(config)))'''))
+    p = _python_m(noisy)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines[0] == "note: the data has odd rows, twice over"
+    assert len(lines) == 2 and lines[1].startswith("note: Implicit dimension choice for softmax"), lines
+    assert "Warning" not in p.stderr and "noisy.py" not in p.stderr

@@ -18,6 +18,7 @@ adapters (minitrain.adapters.lora) wrap these layers and train float tensors bes
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
@@ -31,11 +32,20 @@ INSTALL = "pip install 'minitrain[quant]'"
 
 
 def require_bitsandbytes():
-    """Import and return `bitsandbytes`, or a UserError saying how to install it."""
+    """Import and return `bitsandbytes`, or a UserError saying how to install it.
+
+    On a CPU with AVX512-BF16, bitsandbytes' import logs that it failed to fetch an optional kernel from
+    the Hugging Face hub (the `kernels` package): it then uses its own CPU kernels, and there is nothing
+    for the user to do, so its log is held below errors while it imports."""
+    quiet = logging.getLogger("bitsandbytes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         import bitsandbytes
     except ImportError as e:
         raise UserError(f"quantized loading: bitsandbytes is not installed ({e}) — {INSTALL}") from None
+    finally:
+        quiet.setLevel(level)
     return bitsandbytes
 
 

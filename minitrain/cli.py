@@ -46,7 +46,7 @@ from types import ModuleType
 from typing import Any, Callable, NamedTuple
 
 from minitrain import bundled
-from minitrain.config import conforms, field_types, format_value, shown, type_name, unwrap_optional, validate
+from minitrain.config import conforms, example, field_types, format_value, shown, type_name, unwrap_optional, validate
 from minitrain.errors import UserError
 
 USAGE = ("usage: python -m minitrain RECIPE [key=value ...] [--help] — RECIPE is a recipe file (my_sft.py) "
@@ -505,7 +505,8 @@ def _quoted(key: str) -> str:
 
 
 def _example(config: Any, key: str) -> str:
-    value = getattr(config, key)
+    (f,) = [f for f in dataclasses.fields(config) if f.name == key]
+    value = example(f, getattr(config, key))
     if isinstance(value, list) and not value:
         return "a,b"
     if value == "":

@@ -30,13 +30,17 @@ _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
            "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
 
 
-def doc(default, help: str, *, choices: tuple | None = None, ge=None, gt=None, le=None, lt=None):
+def doc(default, help: str, *, choices: tuple | None = None, ge=None, gt=None, le=None, lt=None,
+        example: Any = None):
     """A dataclass field with its help text (shown by `python -m minitrain RECIPE.py --help`).
 
     `choices` lists the allowed values; `ge` / `gt` / `le` / `lt` bound a number (>=, >, <=, <).
-    `validate` enforces them; `--help` shows them.
+    `validate` enforces them; `--help` shows them. `example`: the value an error message suggests
+    where the default would suggest nothing useful (`fields={}`, `eval_split=0.0`).
     """
     meta: dict[str, Any] = {"help": help}
+    if example is not None:
+        meta["example"] = example
     if choices is not None:
         meta["choices"] = tuple(choices)
     for name, bound in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)):
@@ -56,9 +60,10 @@ class TrainConfig:
     eval_data: str = doc("", "held-out data, same formats; a datasets folder's validation split: "
                              "path/to/folder/validation (empty: no eval, or eval_split)")
     eval_split: float = doc(0.0, "hold out this share of data (seeded, the same on every resume) when there is "
-                                 "no eval_data", ge=0, lt=1)
+                                 "no eval_data", ge=0, lt=1, example=0.05)
     fields: dict[str, str] = doc({}, 'your column names for the row shapes\' keys, e.g. {"prompt": "question", '
-                                     '"completion": "answer"}')
+                                     '"completion": "answer"}',
+                                 example={"prompt": "question", "completion": "answer"})
     out: str = doc("runs/run", "output folder: metrics.jsonl, config.json, adapter/, checkpoint/")
     max_steps: int = doc(-1, "optimizer steps to run (-1: derived from epochs)", ge=-1)
     epochs: float = doc(1.0, "passes over the data when max_steps is -1", gt=0)
@@ -80,7 +85,8 @@ class TrainConfig:
     prompt_completion: str = doc("raw", "{prompt, completion} string rows: raw = trained as plain text, as TRL does; "
                                         "chat = one user turn and one assistant turn through the chat template",
                                  choices=("raw", "chat"))
-    chat_template_kwargs: dict = doc({}, 'variables for the chat template, e.g. {"enable_thinking": false}')
+    chat_template_kwargs: dict = doc({}, 'variables for the chat template, e.g. {"enable_thinking": false}',
+                                     example={"enable_thinking": False})
     truncation_side: str = doc("left", "which end of an over-long prompt to cut", choices=("left", "right"))
     group_by_length: bool = doc(True, "batch examples of similar length together (less padding; order still seeded)")
     device: str = doc("auto", "where to train: auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
@@ -94,7 +100,7 @@ class TrainConfig:
     auto_fit: bool = doc(False, "when the plan does not fit: choose checkpointing and the micro-batch "
                                 "(global batch kept through grad_accum) instead of stopping")
     gpu_mem: str = doc("", "plan against this much device memory (e.g. 12GiB) instead of the GPU's free "
-                           "memory; also checks on a machine without a GPU")
+                           "memory; also checks on a machine without a GPU", example="12GiB")
     compile: bool = doc(False, "torch.compile each block (CUDA; CPU with a C++ compiler)")
     parallel: str = doc("ddp", "under torchrun: ddp (each rank holds the model, gradients summed) or fsdp "
                                "(FSDP2 shards blocks, gradients and optimizer state); fsdp needs torchrun",
@@ -113,7 +119,7 @@ class TrainConfig:
     skip_audit: bool = doc(False, "skip the gradient-path audit before step 1 (the skip is logged)")
     ema_decay: float = doc(0.0, "keep an exponential moving average of the trained tensors, ema = d*ema + (1-d)*w "
                                 "after each optimizer step; evaluation uses it, and it is saved as out/adapter_ema "
-                                "(or out/model_ema); 0: none (e.g. 0.999)", ge=0, lt=1)
+                                "(or out/model_ema); 0: none (e.g. 0.999)", ge=0, lt=1, example=0.999)
     finetune: str = doc("lora", "what trains: lora (adapters on a frozen base) or full (every floating-point "
                                 "parameter, fp32 master weights; the model is saved as an HF folder in out/model)",
                         choices=("lora", "full"))
@@ -124,7 +130,8 @@ class TrainConfig:
     lora_targets: list[str] = doc(["q_proj", "k_proj", "v_proj", "o_proj"],
                                   "module-name suffixes to adapt, or all-linear")
     rslora: bool = doc(False, "rank-stabilised LoRA scaling")
-    modules_to_save: list[str] = doc([], "modules to train fully (e.g. lm_head): costly, reported loudly")
+    modules_to_save: list[str] = doc([], "modules to train fully (e.g. lm_head): costly, reported loudly",
+                                     example=["lm_head"])
     init_adapter: str = doc("", "continue training this saved adapter folder (loaded trainable)")
     quantize: str = doc("none", "quantize base linears as they load (nf4, int8 need bitsandbytes; ternary: "
                                 "BitNet b1.58 {-1,0,+1} x absmean scale, 2 bits a weight, plain torch)",
@@ -290,7 +297,7 @@ def validate(cfg: Any) -> None:
         tp = types_[f.name]
         if not conforms(value, tp):
             raise UserError(f"{f.name}={shown(format_value(value))}: expected {type_name(tp)} — "
-                            f"e.g. {f.name}={format_value(_default(f))}")
+                            f"e.g. {f.name}={format_value(example(f))}")
         if value is None:
             continue
         choices = f.metadata.get("choices")
@@ -304,13 +311,20 @@ def validate(cfg: Any) -> None:
             if bound is None:
                 continue
             if (isinstance(value, float) and not math.isfinite(value)) or not ok(value, bound):
-                example = _default(f)
-                hint = (f"e.g. {f.name}={format_value(example)}" if example is not None and ok(example, bound)
+                good = example(f)
+                hint = (f"e.g. {f.name}={format_value(good)}" if good is not None and ok(good, bound)
                         else f"pass a value {sign} {bound}")
                 raise UserError(f"{f.name}={format_value(value)}: must be {sign} {bound} — {hint}")
     check = getattr(cfg, "check", None)
     if callable(check):
         check()
+
+
+def example(f: dataclasses.Field, current: Any = dataclasses.MISSING) -> Any:
+    """The value an error suggests for field `f`: its `example`, else `current` (or the default)."""
+    if "example" in f.metadata:
+        return f.metadata["example"]
+    return _default(f) if current is dataclasses.MISSING else current
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -524,3 +524,13 @@ def test_warnings_are_one_note_line_each(tmp_path):
     assert lines[0] == "note: the data has odd rows, twice over"
     assert len(lines) == 2 and lines[1].startswith("note: Implicit dimension choice for softmax"), lines
     assert "Warning" not in p.stderr and "noisy.py" not in p.stderr
+
+
+def test_error_examples_suggest_a_useful_value(capsys, recipe):
+    """A key whose default suggests nothing (`{}`, `0.0`, `[]`) gets its `example` in the error instead."""
+    for arg, example in (("fields=abc", 'fields={"prompt": "question", "completion": "answer"}'),
+                         ("eval_split=abc", "eval_split=0.05"), ("eval_split=2", "eval_split=0.05"),
+                         ("ema_decay=1", "ema_decay=0.999"),
+                         ("chat_template_kwargs=x", 'chat_template_kwargs={"enable_thinking": false}')):
+        code, _, err = cli(capsys, recipe, arg)
+        assert_one_error(code, err, f"— e.g. {example}")

@@ -108,6 +108,15 @@ def test_field_mapping(tmp_path):
         read_sft(path, t, max_len=64, fields={"question": "prompt"})
     assert_user_error(lambda: read_sft(path, t, max_len=64, fields={"prompt": "question"}), f"{path}:1",
                       'missing key "completion"')
+    # a mapped key that is missing, and a row of no known shape: the message shows the mapping in force
+    mapping = {"prompt": "question", "completion": "reply"}
+    assert_user_error(lambda: read_sft(path, t, max_len=64, fields=mapping), f"{path}:1",
+                      'missing key "reply"', '(fields maps "completion" to "reply"; fields in force: '
+                      '{"prompt": "question", "completion": "reply"})')
+    assert_user_error(lambda: read_sft(path, t, max_len=64, fields={"text": "body"}), f"{path}:1",
+                      'fields in force: {"text": "body"}')
+    with pytest.raises(UserError, match=r"""fields: unknown name 'question' \(fields in force: \{"question": "prompt"\}\)"""):
+        read_sft(path, t, max_len=64, fields={"question": "prompt"})
 
 
 # --------------------------------------------------------------------------- truncation

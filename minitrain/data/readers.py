@@ -30,7 +30,7 @@ import numpy as np
 
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.files import read_rows
-from minitrain.data.rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields
+from minitrain.data.rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields, in_force
 from minitrain.errors import UserError
 from minitrain.text.chat_formats import common_prefix_len
 from minitrain.text.tokenizer import Tokenizer
@@ -207,9 +207,9 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
             labels = ([IGNORE_INDEX] + ids[1:]) if ids[:1] == [tok.bos_id] else list(ids)
         else:
             keys = ", ".join(json.dumps(k) for k, v in list(raw.items())[:5] if v is not None) or "none"
-            raise UserError(f'{where}: no "prompt"/"completion", "messages" or "text" key (keys: {keys}) — '
-                            f'use one of these row shapes (or ShareGPT "conversations", Alpaca "instruction"/'
-                            f'"output"), or map your keys with fields={{"prompt": "your_key", ...}}')
+            raise UserError(f'{where}: no "prompt"/"completion", "messages" or "text" key (keys: {keys}'
+                            f'{"; " + in_force(fields) if fields else ""}) — use one of these row shapes (or ShareGPT "conversations", '
+                            f'Alpaca "instruction"/"output"), or map your keys with fields={{"prompt": "your_key", ...}}')
         if _targets(labels) == 0:
             out.skipped += 1
             continue

@@ -20,6 +20,7 @@ The keys inside messages can be mapped too: `fields={"role": "speaker", "content
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from minitrain.errors import UserError
@@ -46,7 +47,8 @@ class Row:
     def get(self, name: str) -> Any:
         k = self.key(name)
         if k not in self.row:
-            hint = f' (or map fields, e.g. fields={{"{name}": "your_key"}})' if k == name else ""
+            hint = (f' (or map fields, e.g. fields={{"{name}": "your_key"}})' if k == name
+                    else f' (fields maps "{name}" to "{k}"; {in_force(self.fields)})')
             raise UserError(f'{self.where}: missing key "{k}" — every row needs {self.expect}{hint}')
         return self.row[k]
 
@@ -144,11 +146,17 @@ def _utf8(text: str) -> bool:
         return False
 
 
+def in_force(fields: dict[str, str]) -> str:
+    """The `fields` mapping a run reads with, for messages about keys."""
+    return f"fields in force: {json.dumps(fields, ensure_ascii=False)}" if fields else "no fields mapping in force"
+
+
 def check_fields(fields: dict[str, str] | None, valid: tuple[str, ...]) -> dict[str, str]:
     fields = dict(fields or {})
     for k, v in fields.items():
         if k not in valid:
-            raise UserError(f"fields: unknown name {k!r} — map these names to your keys: {', '.join(valid)}")
+            raise UserError(f"fields: unknown name {k!r} ({in_force(fields)}) — map these names to your keys: "
+                            f"{', '.join(valid)}")
         if not isinstance(v, str) or not v:
             raise UserError(f"fields[{k!r}]: {v!r} — give the key name used in your file")
     return fields

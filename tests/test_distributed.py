@@ -344,3 +344,39 @@ def test_kto_reference_point_is_the_mean_of_the_ranks_means_clamped_after(tmp_pa
     for r in (0, 1):
         both, only_rank1 = json.loads((tmp_path / f"kl{r}.json").read_text())
         assert both == pytest.approx(0.1, abs=1e-6) and only_rank1 == pytest.approx(0.5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_equal_one_process(tiny_model, tmp_path, capsys):
+    """`torchrun --nnodes 2 --rdzv-backend c10d`: two launchers (two "machines", one process each) that
+    meet at a rendezvous endpoint train what one process trains with the whole batch."""
+    import socket
+    import uuid
+
+    from minitrain.cli import run_cli
+
+    one = tmp_path / "one"
+    assert run_cli(cli_args(tiny_model, one)) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex,
+            "-m", "minitrain", *cli_args(tiny_model, two)]
+    nodes = [subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [n.communicate(timeout=600) for n in nodes]
+    for n, (out, err) in zip(nodes, outs):
+        assert n.returncode == 0, err[-4000:]
+        assert "Traceback" not in err
+    assert sum(out.count("done: step 3/3") for out, _ in outs) == 1  # global rank 0 alone prints
+    want = load_file(one / "adapter" / "adapter_model.safetensors")
+    got = load_file(two / "adapter" / "adapter_model.safetensors")
+    assert max_abs_diff(got, want) <= 1e-5
+    for g, w in zip(rows(two), rows(one), strict=True):
+        assert (g["step"], g["tokens"], g["target_tokens"]) == (w["step"], w["tokens"], w["target_tokens"])
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)

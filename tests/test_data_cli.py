@@ -64,7 +64,8 @@ def test_sft_from_parquet_with_eval_split(tiny):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "data (train): 9 examples from" in p.stdout and "sft.parquet" in p.stdout
     assert "data (eval): 3 examples from" in p.stdout and "eval_split=0.25" in p.stdout
-    assert "chats: rendered by the checkpoint's chat template" in p.stdout
+    assert "chats: 6 rows rendered by the checkpoint's chat template" in p.stdout
+    assert "prompt / completion: 6 rows trained as plain text, not through the chat template" in p.stdout
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/loss" in r for r in rows)
     assert json.loads((out / "config.json").read_text())["eval_split"] == 0.25

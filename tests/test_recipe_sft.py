@@ -197,7 +197,7 @@ def bad_rows(tmp_path: Path) -> Path:
     (lambda t, tmp: "data=", "data: not set"),
     (lambda t, tmp: f"data={tmp / 'none.jsonl'}", "none.jsonl: no such file"),
     (lambda t, tmp: f"data={bad_rows(tmp)}", 'bad.jsonl:2: missing key "completion"'),
-    (lambda t, tmp: "chat_format=auto", "no chat format"),  # {"messages"} rows, tokenizer without one
+    (lambda t, tmp: "chat_format=auto", "no chat template — give the template the model was trained with"),  # {"messages"} rows, tokenizer without one
     (lambda t, tmp: "lora_targets=qq_proj", "match no module of the model"),
     (lambda t, tmp: "device=cuda:7" if not torch.cuda.is_available() else "device=cuda:99", "device=cuda:"),
 ])

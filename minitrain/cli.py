@@ -68,14 +68,19 @@ def run_cli(argv: list[str]) -> int:
     """Run `RECIPE.py key=value ...`; return the exit code (0 ok, 2 user error, 130 interrupted)."""
     _line_buffered()
     code = None
+    together = False  # every rank ends the same way: they meet at a barrier before leaving the group
     shown_before = warnings.showwarning
     warnings.showwarning = _note
     try:
         code = _main(list(argv))
+        together = code == 0
         return code
     except UserError as e:
         if _rank() == 0:  # under torchrun every rank raises the same error: say it once
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        # an error every rank raised (`distributed.main_only`, `check_agree`): the others wait until rank 0
+        # has said it, so that none exits first and has torchrun stop rank 0 before it prints
+        together = getattr(e, "shared", False)
         return UserError.exit_code
     except KeyboardInterrupt as e:
         if _rank() == 0:
@@ -88,7 +93,7 @@ def run_cli(argv: list[str]) -> int:
     finally:
         warnings.showwarning = shown_before
         if "minitrain.distributed" in sys.modules:  # (imported, with torch, only once a recipe runs)
-            sys.modules["minitrain.distributed"].shutdown(finished=code == 0)
+            sys.modules["minitrain.distributed"].shutdown(finished=together)
 
 
 _NOTED: set[str] = set()

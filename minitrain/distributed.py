@@ -166,6 +166,19 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def check_agree(what: str, value: str, hint: str) -> None:
+    """Refuse, on every rank and before step 1, ranks whose `value` for `what` differs (each machine
+    reading another model or data file): one line naming the ranks that differ from rank 0."""
+    values = gather_objects(value)
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    if differ:
+        err = UserError(f"{what}: rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "
+                        f"{'read' if len(differ) > 1 else 'reads'} other {what} than rank 0 ({values[differ[0]]} "
+                        f"vs {values[0]}) — {hint}")
+        err.shared = True  # every rank raises it: the CLI prints it once (rank 0)
+        raise err
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is true on any rank."""
     if world_size() == 1:

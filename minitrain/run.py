@@ -21,12 +21,15 @@ passes the builder (`models.from_hf_config`) in.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from torch import nn
@@ -263,6 +266,10 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     """
     tok = load_tokenizer(cfg) if tok is None else tok
     folder = Path(cfg.model)
+    if distributed.world_size() > 1 and (folder / "config.json").is_file():  # (else the loader says what is missing)
+        distributed.check_agree("model", checkpoint.model_fingerprint(folder),
+                                f"model={cfg.model} must be the same checkpoint on every machine (copy the same "
+                                f"files to each, or use a shared filesystem)")
     device = pick_device(cfg.device)
     # full fine-tuning reads the weights in fp32: they are the master weights (rule 8), and a bf16
     # round trip on the way in would round a fp32 checkpoint before step 1
@@ -441,6 +448,10 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
     if evals is None and getattr(cfg, "eval_split", 0):
         train, evals = hold_out(train, cfg.eval_split, cfg.seed)
+    if distributed.world_size() > 1:
+        distributed.check_agree("data", examples_digest(train) + (examples_digest(evals) if evals else ""),
+                                "every machine must read the same data files with the same settings (copy the "
+                                "same files to each, or use a shared filesystem)")
     # the run's size in optimizer steps (warmup longer than the run, ...) is refused now, before
     # prepare_out_dir writes anything, rather than by the loop
     total, warmup, _ = resolve_steps(len(train), cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps,
@@ -456,6 +467,18 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     if kind != "seq2seq":
         log_rendering(shapes, tok)
     return train, evals
+
+
+def examples_digest(examples: Sequence[dict]) -> str:
+    """A short hash of tokenized examples: their count, every length, the first and the last example
+    (what tells two ranks' data apart without hashing every token)."""
+    h = hashlib.sha256(str(len(examples)).encode())
+    h.update(np.asarray([sum(len(v) for k, v in ex.items() if k.endswith("ids")) for ex in examples],
+                        dtype=np.int64).tobytes())
+    for ex in (examples[0], examples[-1]) if len(examples) else ():
+        h.update(json.dumps({k: [int(i) for i in v] if hasattr(v, "__len__") and not isinstance(v, str) else v
+                             for k, v in sorted(ex.items())}, default=str).encode())
+    return h.hexdigest()[:12]
 
 
 def log_rendering(shapes: dict[str, int] | None, tok: Tokenizer) -> None:

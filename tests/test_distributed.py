@@ -380,3 +380,44 @@ def test_two_nodes_on_localhost_equal_one_process(tiny_model, tmp_path, capsys):
     for g, w in zip(rows(two), rows(one), strict=True):
         assert (g["step"], g["tokens"], g["target_tokens"]) == (w["step"], w["tokens"], w["target_tokens"])
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["data", "model"])
+def test_machines_that_read_other_files_are_refused_before_step_1(tiny_model, tmp_path, what):
+    """Two machines given other data (or another checkpoint) under the same names: each rank would
+    train on its own files and the run would mean nothing; every rank stops before step 1, one line."""
+    import socket
+    import uuid
+
+    other = tmp_path / "other"
+    if what == "data":
+        rows = (REPO / "tests" / "bad_inputs" / "data" / "good.jsonl").read_text().splitlines()
+        other.write_text("\n".join(reversed(rows)) + "\n")  # the same rows in another order
+        swap = f"data={other}"
+    else:
+        shutil.copytree(tiny_model, other)
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(other / "model.safetensors")
+        save_file({k: v + 0.01 for k, v in weights.items()}, other / "model.safetensors")  # a fine-tune of it
+        swap = f"model={other}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex,
+                "-m", "minitrain"]
+    key = swap.partition("=")[0] + "="
+    commands = [cli_args(tiny_model, out), [swap if a.startswith(key) else a for a in cli_args(tiny_model, out)]]
+    nodes = [subprocess.Popen(launcher + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for args in commands]
+    outs = [n.communicate(timeout=600) for n in nodes]
+    errors = [ln for _, err in outs for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, [err[-2000:] for _, err in outs]
+    assert errors[0].startswith(f"error: {what}: rank 1 reads other {what} than rank 0"), errors
+    assert all(n.returncode != 0 for n in nodes) and not out.exists()
+    assert all("minitrain/" not in err.partition("Traceback")[2] for _, err in outs)  # torchrun's own report only

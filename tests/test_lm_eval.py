@@ -10,9 +10,9 @@ equal to 1e-4 and greedy generations identical.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -107,12 +107,11 @@ def test_loglikelihoods_and_generations_equal_lm_evals_hf_backend(setup, tool):
 
 @pytest.fixture(scope="module")
 def tool():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import evaluate
-    finally:
-        sys.path.remove(str(REPO / "tools"))
-    return evaluate
+    """tools/evaluate.py under a name of its own (`evaluate` is also Hugging Face's package, which lm-eval imports)."""
+    spec = importlib.util.spec_from_file_location("minitrain_evaluate_tool", REPO / "tools" / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def one_line(capsys, tool, needle: str, *args) -> None:

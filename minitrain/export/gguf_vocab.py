@@ -58,7 +58,8 @@ def add_vocab(writer: Any, folder: str | Path, vocab_size: int) -> str:
         writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        _specials(gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)), folder).add_to_gguf(writer, quiet=True)
+        special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens))
+        _specials(special, folder).add_to_gguf(writer, quiet=True)
         return "bpe"
     raise UserError(f"{folder}: no tokenizer.model or tokenizer.json — the GGUF file needs the tokenizer saved "
                     f"with the model")

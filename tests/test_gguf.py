@@ -209,6 +209,24 @@ def test_adapter_of_another_base_is_refused(family, tmp_path, capsys):
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_lrc_adapter_needs_its_quantized_base(family, tmp_path, capsys):
+    """A low-rank-correction adapter corrects the ternary base: without --quantize it is refused (one line)."""
+    from _tok import corpus
+
+    from minitrain.cli import run_cli
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4, seed=2)))
+    run = tmp_path / "lrc"
+    assert run_cli([str(REPO / "recipes" / "lrc.py"), f"model={family('qwen2')}", f"data={data}", f"out={run}",
+                    "max_steps=1", "batch_size=2", "lora_r=2", "device=cpu", "quantize=ternary"]) == 0
+    code, err = export(capsys, "--model", family("qwen2"), "--adapter", run / "adapter", "--out", tmp_path / "x.gguf")
+    assert code == 2 and "--quantize ternary" in err and len(err.strip().splitlines()) == 1, err
+    code, err = export(capsys, "--model", family("qwen2"), "--adapter", run / "adapter", "--out", tmp_path / "x.gguf",
+                       "--quantize", "ternary")
+    assert code == 0, err
+
+
 # ----------------------------------------------------------------------------- against llama.cpp
 
 

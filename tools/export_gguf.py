@@ -9,7 +9,7 @@ weights are renamed, re-laid-out and stored as llama.cpp expects them (`minitrai
 in `--type` f16 (default), bf16, q8_0 or f32, with the tokenizer (the adapter folder's if it was saved
 with it, else the base's) and its chat template (`minitrain.export.gguf_vocab`). An adapter trained on
 a quantized base by low-rank correction (recipes/lrc.py) is folded into that base: pass the run's
-`--quantize`. Written to a temporary name and renamed. Needs the `export` extra (pip install
+`--quantize` (without it such an adapter is refused, as tools/merge.py refuses it). Written to a temporary name and renamed. Needs the `export` extra (pip install
 'minitrain[export]'). Then: `llama-cli -m sft.gguf`, or llama-cpp-python's `Llama(model_path=...)`.
 """
 
@@ -27,6 +27,16 @@ import models  # noqa: E402
 from minitrain.errors import UserError  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def _merge_tool():
+    """tools/merge.py, whose check of the run beside an adapter (LRC, QLoRA) applies here too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("minitrain_merge_tool", Path(__file__).with_name("merge.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def export(model_dir: str, out: str, adapter_dir: str | None = None, kind: str = "f16", quantize: str = "none",
@@ -56,6 +66,9 @@ def export(model_dir: str, out: str, adapter_dir: str | None = None, kind: str =
             raise UserError(f"--adapter {adapter_dir}: no adapter_config.json — pass a PEFT-format adapter folder "
                             f"(a run's out/adapter)")
         check_adapter_base(adapter_dir, model_dir)
+        note = _merge_tool().check_run(adapter_dir, quantize)  # an LRC adapter needs its base's format
+        if note:
+            print(note)
     if not Path(out).parent.is_dir():
         raise UserError(f"--out {out}: folder {Path(out).parent} does not exist — create it or choose another path")
     hook = None

@@ -54,7 +54,18 @@ FAMILIES = {
     "gemma3": (dict(model_type="gemma3_text", head_dim=16, num_key_value_heads=2, sliding_window=5,
                     query_pre_attn_scalar=16, num_hidden_layers=3), make_gemma_tokenizer, 420),
     "phi3": (dict(model_type="phi3", num_key_value_heads=2), make_phi3_tokenizer, 411),
+    # RoPE scalings llama.cpp takes as tensors; original context 16, so a longer prompt uses them
+    "llama3_rope": (dict(model_type="llama", num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+                    make_llama3_tokenizer, 325),
+    "phi3_longrope": (dict(model_type="phi3", num_key_value_heads=2, max_position_embeddings=64,
+                           original_max_position_embeddings=16,
+                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                         "long_factor": [1.0 + 0.5 * i for i in range(8)]}),
+                      make_phi3_tokenizer, 411),
 }
+PARITY = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 STRINGS = ["Hello world", " leading space", "  two spaces", "tabs\tand\nnewlines\n\n", "ünïcödé façade naïve",
            "日本語のテキスト", "emoji 🦙🚀 ok", "numbers 12345 3.14", "the word of the day", "punctuation!?... (yes)",
            "MiXeD CaSe", "a", " ", "trailing space ", "line\r\nbreak", "end.", "x" * 30, "über straße"]
@@ -247,7 +258,7 @@ def one_space_more_after_specials(ours: list[int], theirs: list[int], specials: 
     return fixed == theirs
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", PARITY)
 def test_llama_cpp_parity(family, tmp_path, capsys, name):
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
@@ -348,3 +359,32 @@ def test_llama_cpp_runs_the_adapter_folded_in(family, tmp_path, capsys, name):
     moved = float(np.abs(ours - before).max())
     print(f"{name} + adapter: max|logit diff| {diff:.3g}; the adapter moves the logits by up to {moved:.3g}")
     assert diff <= F16_TOL * float(np.abs(ours).max()) and moved > 100 * diff
+
+
+@pytest.mark.parametrize("name", ["llama3_rope", "phi3_longrope"])
+def test_llama_cpp_rope_scaling(family, tmp_path, capsys, name):
+    """LLaMA 3.1's `llama3` scaling (the rope_freqs tensor) and Phi-3's long factors, on a prompt past the
+    original context of 16 (an f32 file, an f32 KV cache). llama.cpp picks Phi-3's long or short factors
+    by its context size, transformers by the sequence's length: a sequence shorter than the original
+    context in a larger llama.cpp context gets the long factors there and the short ones here."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    import models
+    from minitrain.text.tokenizer import Tokenizer
+    from minitrain.weights import load_pretrained
+
+    folder = family(name)
+    code, err = export(capsys, "--model", folder, "--out", tmp_path / "m.gguf", "--type", "f32")
+    assert code == 0, err
+    tok = Tokenizer.from_folder(folder)
+    prompt = tok.encode("the word of the day is a long sentence that goes past sixteen", bos=tok.add_bos)
+    assert len(prompt) > 16
+    f32 = getattr(llama_cpp, "GGML_TYPE_F32", 0)
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, logits_all=True, verbose=False,
+                          n_threads=2, type_k=f32, type_v=f32)
+    llm.eval(prompt)
+    ours = our_logits(load_pretrained(folder, models.from_hf_config, dtype=torch.float32).eval(), prompt).numpy()
+    diff = float(np.abs(np.array(llm.scores[: len(prompt)]) - ours).max())
+    print(f"{name}: {len(prompt)} tokens, max|logit diff| {diff:.3g}")
+    assert diff <= F32_TOL * float(np.abs(ours).max())

@@ -98,6 +98,13 @@ def test_loglikelihoods_and_generations_equal_lm_evals_hf_backend(setup, tool):
                     assert x == pytest.approx(y, abs=1e-4)
     gens_a, gens_b = per_example(ours, "mt_gen"), per_example(ref, "mt_gen")
     assert gens_a == gens_b and any(g[0][0] for g in gens_a)  # identical, and not all empty
+    # by its registered name, as lm-eval's own entry points take a model
+    tool.register()
+    named = simple_evaluate(model="minitrain", model_args=f"pretrained={setup['model']},adapter={setup['adapter']}",
+                            tasks=["mt_choice"], task_manager=TaskManager(include_path=str(setup["tasks"]),
+                                                                          include_defaults=False),
+                            log_samples=True, batch_size=4, device="cpu")
+    assert per_example(named, "mt_choice") == per_example(ours, "mt_choice")
     # the adapter matters: without it the scores move
     base = tool.evaluate(f"pretrained={setup['model']}", ["mt_choice"], include_path=str(setup["tasks"]),
                          log_samples=True, batch_size=4)

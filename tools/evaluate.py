@@ -7,9 +7,9 @@
 The flags are lm-eval's own (`lm_eval --model hf ...` becomes `python tools/evaluate.py --model
 minitrain ...`): lm-eval 0.4 finds model classes only in its own package, so this script registers
 ours under the name `minitrain` (`MinitrainLM`, lm-eval's `TemplateLM` over
-`minitrain.evaluate.harness.HarnessLM`) and calls lm-eval's `simple_evaluate`. From Python, after
-`import tools.evaluate` (or running this file), `lm_eval.simple_evaluate(model="minitrain",
-model_args="pretrained=...,adapter=...")` works too.
+`minitrain.evaluate.harness.HarnessLM`) and calls lm-eval's `simple_evaluate`. From Python, after this
+file's `register()`, `lm_eval.simple_evaluate(model="minitrain", model_args="pretrained=...,adapter=...")`
+works too.
 
 model_args: `pretrained` (an HF-format folder), `adapter` (a PEFT-format adapter folder, e.g. a run's
 `out/adapter`; refused if the run trained it on another base), `quantize` (none, nf4, int8, ternary:
@@ -76,8 +76,8 @@ def load(pretrained: str, adapter: str | None = None, *, quantize: str = "none",
     return model.eval(), tok
 
 
-def _make_model_class():
-    """`MinitrainLM`, registered with lm-eval as `minitrain` (lm_eval imported only when asked for)."""
+def register():
+    """Register `MinitrainLM` with lm-eval as `minitrain` and return it (lm_eval imported only when asked for)."""
     import lm_eval.models  # noqa: F401  lm-eval's own names first (it registers them on this import)
     from lm_eval.api.registry import model_registry, register_model
 
@@ -162,7 +162,7 @@ def evaluate(model_args: str, tasks: list[str], *, include_path: str | None = No
     args = simple_parse_args_string(model_args)
     if "pretrained" not in args:
         raise UserError("--model_args: no pretrained= — e.g. --model_args pretrained=path/to/model,adapter=run/adapter")
-    cls = _make_model_class()
+    cls = register()
     lm = cls(**{"batch_size": batch_size, "device": device, **args})
     return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
                            log_samples=log_samples, batch_size=batch_size)

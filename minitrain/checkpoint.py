@@ -216,6 +216,26 @@ def made_from(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+def check_adapter_base(adapter: str | os.PathLike, model: str | os.PathLike) -> None:
+    """Refuse an adapter that a run trained on another base than folder `model` (writes nothing).
+
+    An adapter saved by a run sits in the run's folder (`out/adapter`, `out/best_adapter`) beside its
+    checkpoint, whose `made_from` holds the base's fingerprint: the check resume makes, for evaluating
+    or exporting. An adapter without its run beside it (copied alone, or PEFT's) is checked by its
+    tensors' shapes only (`load_adapter`)."""
+    folder = find(Path(adapter).parent)
+    if folder is None:
+        return
+    try:
+        saved = json.loads((folder / "state.json").read_text(encoding="utf-8")).get("made_from")
+        mine = model_fingerprint(model)
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: the loaders report the model; the adapter's own files are checked by shape
+    if isinstance(saved, dict) and saved.get("model") and saved["model"] != mine:
+        raise UserError(f"{adapter}: was trained on another base model ({saved.get('model_path')}); {model} differs "
+                        f"in config.json or weights — pass the base it was trained on")
+
+
 def check_made_from(saved: dict[str, Any] | None, mine: dict[str, Any], folder: str | os.PathLike) -> None:
     """Refuse a resume whose base model, tokenizer or adapter is not the one the checkpoint was made
     from (keys absent on either side, as in checkpoints written before this was recorded, pass)."""

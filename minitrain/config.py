@@ -133,6 +133,8 @@ class TrainConfig:
     modules_to_save: list[str] = doc([], "modules to train fully (e.g. lm_head): costly, reported loudly",
                                      example=["lm_head"])
     init_adapter: str = doc("", "continue training this saved adapter folder (loaded trainable)")
+    eval_only: bool = doc(False, "train nothing: run the recipe's held-out evaluation once on the base (or "
+                                 "init_adapter) and write out/eval.jsonl; needs eval_data or eval_split")
     quantize: str = doc("none", "quantize base linears as they load (nf4, int8 need bitsandbytes; ternary: "
                                 "BitNet b1.58 {-1,0,+1} x absmean scale, 2 bits a weight, plain torch)",
                         choices=("none", "nf4", "int8", "ternary"))
@@ -159,7 +161,13 @@ class TrainConfig:
                             "or epochs)")
         if self.max_steps == 0:
             raise UserError("max_steps=0: would train nothing — give a number of optimizer steps, "
-                            "or max_steps=-1 to derive it from epochs")
+                            "max_steps=-1 to derive it from epochs, or eval_only=true to evaluate without training")
+        if self.eval_only and not (self.eval_data or self.eval_split):
+            raise UserError("eval_only=true: no held-out data to evaluate — pass eval_data=path/to/eval.jsonl "
+                            "(or eval_split=0.1 of data)")
+        if self.eval_only and self.resume:
+            raise UserError("eval_only=true: evaluates without training, so there is nothing to resume — drop "
+                            "resume=true (evaluate a saved adapter with init_adapter=run/adapter)")
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             raise UserError(f"warmup={format_value(self.warmup)}: a warmup of 1 or more counts optimizer "
                             f"steps and must be whole — e.g. warmup=100, or warmup=0.03 for a ratio")

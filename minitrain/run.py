@@ -9,7 +9,11 @@
     attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report;
                                    finetune=full: every float parameter trains instead
     prepare_out_dir(cfg, job)      the preflight audit, then create `out`, write the resolved `config.json`
+    evaluate_at_start(job, cfg)    the held-out evaluation before step 1 (step 0), into out/eval.jsonl
     ... train(...) ...             minitrain.train: the loop, called by the recipe itself
+                                   (eval_log(out): the loop's eval_fn that appends to out/eval.jsonl)
+    evaluate_only(cfg, job)        eval_only=true, instead of the three above: one held-out evaluation,
+                                   out/eval.jsonl, nothing trained or saved
     finish(model, cfg, lora, summary)  the adapter in PEFT format in `out/adapter` (finetune=full: the model
                                    as an HF folder in `out/model`), and where things are
 
@@ -54,6 +58,7 @@ from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, read
 
 
 CONFIG_FILE = "config.json"
+EVAL_LOG = "eval.jsonl"  # one row per held-out evaluation: {"step", "eval/...": value}
 ADAPTER_DIR = "adapter"
 MODEL_DIR = "model"  # finetune=full: the trained model, an HF folder (config.json, model.safetensors, tokenizer)
 EMA_SUFFIX = "_ema"  # ema_decay: the moving average beside them, adapter_ema/ or model_ema/, in the same format
@@ -119,6 +124,12 @@ def check_out_dir(cfg: Any) -> Path:
         if note:
             log(note)
         return out
+    if getattr(cfg, "eval_only", False) and out.is_dir():
+        trained = [name for name in RUN_OUTPUTS if (out / name).exists()]
+        if trained:
+            raise UserError(f"{out}: holds a training run ({', '.join(trained)}); eval_only=true writes only "
+                            f"{CONFIG_FILE} and {EVAL_LOG} — choose another out (init_adapter={out / ADAPTER_DIR} "
+                            f"evaluates its adapter)")
     if not out.is_dir() or not any(out.iterdir()) or cfg.overwrite:
         return out
     outputs = [name for name in RUN_OUTPUTS if (out / name).exists()]
@@ -517,6 +528,77 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
     return Job(model, sft, train_examples, collate, eval_examples, lora, tok)
+
+
+# ----------------------------------------------------------------------------- held-out evaluation
+
+
+def eval_log(out: Path, then: Callable[[nn.Module, int, dict], dict] | None = None) -> Callable:
+    """The loop's `eval_fn` that appends each evaluation's `eval/...` values to `out/eval.jsonl`
+    (`then`: another eval_fn run first, e.g. ROUGE; its values are logged too and returned to the loop).
+    Under torchrun rank 0 alone writes (every rank holds the same figures)."""
+    def record(model: nn.Module, step: int, row: dict) -> dict:
+        extra = dict(then(model, step, row)) if then is not None else {}
+        values = {k: v for k, v in {**row, **extra}.items() if k.startswith("eval/")}
+
+        def write() -> None:
+            with open(out / EVAL_LOG, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
+        distributed.main_only(write)
+        return extra
+    return record
+
+
+def evaluate_at_start(job: Job, cfg: Any, eval_fn: Callable | None = None) -> dict | None:
+    """The held-out evaluation before step 1, so a run's first eval row is the model it started from
+    (the base, or `init_adapter`): `train.evaluate_once` then `eval_fn` (give it `eval_log(out)` to
+    record it). A resumed run runs none and drops the eval.jsonl rows after its checkpoint (they are
+    written again). Returns the row (None: no eval data, or resumed)."""
+    from minitrain.train import evaluate_once  # train imports nothing of run
+
+    out = Path(cfg.out)
+    if cfg.resume:
+        step = checkpoint.read_state(out)["step"]
+        distributed.main_only(lambda: checkpoint.truncate_log(out / EVAL_LOG, step))
+        return None
+    distributed.main_only(lambda: (out / EVAL_LOG).unlink(missing_ok=True))
+    if not job.eval_examples:
+        return None
+    return evaluate_once(job.model, job.objective, job.eval_examples, job.collate, cfg, eval_fn=eval_fn, log=log)
+
+
+def evaluate_only(cfg: Any, job: Job, eval_fn: Callable | None = None) -> dict[str, Any]:
+    """`eval_only=true`: the recipe's held-out evaluation once, on the model as `setup` left it (the
+    base with fresh adapters, which change nothing, or `init_adapter`), written to `out/eval.jsonl` as
+    `{"step": 0, "eval/...": ...}` beside `out/config.json`. Nothing trains, no adapter or checkpoint is
+    written. `eval_fn`: the recipe's extra evaluation (ROUGE, ...), called as the loop would at step 0.
+    Returns `{"step": 0, "total_steps": 0, "eval/...", "out_dir"}`."""
+    from minitrain.train import evaluate_once  # train imports nothing of run
+
+    out = Path(cfg.out)
+    if not job.eval_examples:
+        raise UserError("eval_only=true: no held-out examples were read — pass eval_data=path/to/eval.jsonl "
+                        "(or a larger eval_split)")
+    what = f"adapter {cfg.init_adapter}" if getattr(cfg, "init_adapter", "") else "the base model"
+    log(f"eval_only: evaluating {what} on {len(job.eval_examples)} held-out examples; nothing is trained")
+
+    def write(name: str, text: str) -> None:
+        tmp = out / f".{name}.tmp"
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(out / name)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"{out}: cannot write {name}: {io_error_reason(e)} — free space or choose a "
+                            f"writable out folder") from None
+
+    distributed.main_only(lambda: write(CONFIG_FILE, to_json(cfg)))  # check_out_dir(cfg) has passed (the recipe)
+    row = evaluate_once(job.model, job.objective, job.eval_examples, job.collate, cfg, eval_fn=eval_fn, log=log)
+    values = {k: v for k, v in row.items() if k.startswith("eval/")}
+    distributed.main_only(lambda: write(EVAL_LOG, json.dumps({"step": 0, **values}) + "\n"))
+    log(f"eval: {out / EVAL_LOG} | config: {out / CONFIG_FILE}")
+    return {"step": 0, "total_steps": 0, **values, "out_dir": str(out)}
 
 
 # ----------------------------------------------------------------------------- the end

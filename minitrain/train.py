@@ -654,6 +654,34 @@ def evaluate(
     return {"eval/loss": mean, "eval/ppl": math.exp(mean) if mean < 700 else float("inf")}
 
 
+def evaluate_once(
+    model: nn.Module,
+    objective: Objective,
+    examples: list[dict],
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]],
+    cfg: Any,
+    eval_fn: Callable[[nn.Module, int, dict[str, Any]], dict[str, Any]] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, float]:
+    """The loop's held-out evaluation run once outside it, as step 0: before step 1, or as the whole
+    run with `eval_only=true`. The objective's own `evaluate` when it has one (DPO, KTO), else the
+    generic `evaluate`; then `eval_fn(model, 0, row)` (ROUGE, ...), its values merged (a "stop" it
+    returns is dropped: nothing runs after). Logged as the loop logs an evaluation; returns the row."""
+    log = log or functools.partial(print, flush=True)
+    device = next(model.parameters()).device
+    amp_dtype, _ = resolve_precision(cfg.precision, device)
+    if hasattr(objective, "evaluate"):
+        row = dict(objective.evaluate(model, examples, collate, cfg.batch_size, amp_dtype))
+    else:
+        row = evaluate(model, objective, examples, collate, cfg.batch_size, amp_dtype)
+    if eval_fn is not None:
+        extra = dict(eval_fn(model, 0, dict(row)))
+        extra.pop("stop", None)
+        row.update(extra)
+    log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in row.items() if isinstance(v, int | float)))
+    return row
+
+
 # ----------------------------------------------------------------------------- small helpers
 
 

@@ -30,8 +30,8 @@ from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
 from minitrain.objectives.ard import ARDObjective, PriorSchedule, dataset_target_tokens, uncertainty_eval
 from minitrain.progress import log
-from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
-                           load_tokenizer, prepare_out_dir)
+from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, evaluate_only, finish, load_examples,
+                           load_model, load_tokenizer, prepare_out_dir)
 from minitrain.train import build_optimizer, train
 
 ARD_LOG = "ard.jsonl"
@@ -106,6 +106,12 @@ def run(config: ARDConfig) -> dict:
     """Train the ARD-LoRA adapter, re-estimating the prior on schedule; save the posterior-mean adapter."""
     out = check_out_dir(config)
     job = setup(config)
+    if config.eval_only:  # held-out loss / perplexity, then accuracy, NLL and ECE (as after training)
+        def uncertainty(model, step, row):
+            final = uncertainty_eval(model, job.eval_examples, job.collate, config.batch_size, bins=config.ece_bins,
+                                     samples=config.uncertainty_samples)
+            return {f"eval/{k}": v for k, v in final.items()}
+        return evaluate_only(config, job, eval_fn=uncertainty)
     prepare_out_dir(config, job)
     model = job.model
     schedule = PriorSchedule(config.ard_every, out / ARD_LOG, eval_examples=job.eval_examples, collate=job.collate,

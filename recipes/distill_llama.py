@@ -38,8 +38,8 @@ from minitrain.objectives.distill import (PROJECTIONS, PROJECTIONS_FILE, Distill
                                           make_distill_objective, map_layers, save_projections, shared_vocab,
                                           take_projections)
 from minitrain.progress import log
-from minitrain.run import (EMA_SUFFIX, Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
-                           load_tokenizer, prepare_out_dir)
+from minitrain.run import (EMA_SUFFIX, Job, attach_adapters, check_out_dir, evaluate_only, finish, load_examples,
+                           load_model, load_tokenizer, prepare_out_dir)
 from minitrain.train import train
 
 config = DistillConfig(
@@ -112,6 +112,8 @@ def run(config: DistillConfig) -> dict:
     feature projections beside it; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
+    if config.eval_only:  # the student's held-out loss / perplexity (the objective in eval mode), nothing trained
+        return evaluate_only(config, job)
     prepare_out_dir(config, job)  # the gradient audit runs the objective: its calls are no steps
     job.objective.restart_balance(config.balance_steps)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,

@@ -49,10 +49,8 @@ held-out pairs are about people seen in no training pair.
 from __future__ import annotations
 
 import functools
-import json
 
 import models
-from minitrain import checkpoint as ckpt, distributed
 from minitrain.bundled import demo_dir
 from minitrain.device import resolve_precision
 from minitrain.errors import UserError
@@ -60,8 +58,8 @@ from minitrain.objectives.dpo import collate_with_reference
 from minitrain.objectives.preference import REFERENCE_FREE, PreferenceConfig, make_pair_objective
 from minitrain.objectives.reference import make_reference, precompute_reference
 from minitrain.progress import log
-from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
-                           prepare_out_dir)
+from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,
+                           load_examples, load_model, load_tokenizer, prepare_out_dir)
 from minitrain.train import train
 
 DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
@@ -139,6 +137,8 @@ def run(config: PreferenceConfig) -> dict:
     """Train the adapter with DPO and save it; returns the loop's summary plus the held-out metrics."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
+    if config.eval_only:  # loss and reward metrics of init_adapter (or the base) on the held-out pairs
+        return evaluate_only(config, job)
     out = prepare_out_dir(config, job)
     device = next(job.model.parameters()).device
     amp_dtype, _ = resolve_precision(config.precision, device)
@@ -149,26 +149,11 @@ def run(config: PreferenceConfig) -> dict:
                 precompute_reference(job.model, job.objective.reference, examples, out / "ref_logps" / name,
                                      job.collate, batch, amp_dtype, log)
 
-    def record(model, step: int, row: dict) -> dict:
-        """The loop's eval_fn: copy this evaluation's `eval/...` metrics to out/eval.jsonl.
-
-        The loop has already scored the held-out pairs with the objective's own pass
-        (`DPOObjective.evaluate`: loss and TRL's metrics, logged), so nothing is run again here.
-        Under torchrun, rank 0 alone writes (every rank holds the same figures)."""
-        def write() -> None:
-            with open(out / "eval.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **{k: v for k, v in row.items() if k.startswith("eval/")}}) + "\n")
-        distributed.main_only(write)
-        return {}
-
-    if config.resume:  # rows after the checkpoint's step will be written again
-        step = ckpt.read_state(out)["step"]
-        distributed.main_only(lambda: ckpt.truncate_log(out / "eval.jsonl", step))
-    elif job.eval_examples:  # the value before step 1: the reference is the policy
-        distributed.main_only(lambda: (out / "eval.jsonl").unlink(missing_ok=True))  # here, so rewards are 0
-        m = job.objective.evaluate(job.model, job.eval_examples, job.collate, config.batch_size, amp_dtype)
-        log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in m.items()))
-        record(job.model, 0, m)
+    # out/eval.jsonl: the loop has already scored the held-out pairs with the objective's own pass
+    # (`DPOObjective.evaluate`: loss and TRL's metrics); step 0 is the value before step 1, where the
+    # reference is the policy, so rewards are 0
+    record = eval_log(out)
+    evaluate_at_start(job, config, record)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples, eval_fn=record if job.eval_examples else None)
     folder = finish(job.model, config, job.lora, summary)

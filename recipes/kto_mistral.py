@@ -26,18 +26,16 @@ or either one precomputed once (`precompute_ref=true`, cached in out/ref_logps/,
 from __future__ import annotations
 
 import functools
-import json
 
 import models
-from minitrain import checkpoint as ckpt, distributed
 from minitrain.bundled import demo_dir
 from minitrain.device import resolve_precision
 from minitrain.errors import UserError
 from minitrain.objectives.kto import KTOConfig, KTOObjective, add_kl_rows, collate_kto, precompute_kto_reference
 from minitrain.objectives.reference import make_reference
 from minitrain.progress import log
-from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
-                           prepare_out_dir)
+from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,
+                           load_examples, load_model, load_tokenizer, prepare_out_dir)
 from minitrain.train import train
 
 DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
@@ -93,6 +91,8 @@ def run(config: KTOConfig) -> dict:
     """Train the adapter with KTO and save it; returns the loop's summary plus the held-out metrics."""
     check_out_dir(config)
     job = setup(config)
+    if config.eval_only:  # KTO's loss and reward metrics of init_adapter (or the base) on the held-out rows
+        return evaluate_only(config, job)
     out = prepare_out_dir(config, job)
     device = next(job.model.parameters()).device
     amp_dtype, _ = resolve_precision(config.precision, device)
@@ -103,22 +103,8 @@ def run(config: KTOConfig) -> dict:
                 precompute_kto_reference(job.model, job.objective.reference, examples, out / "ref_logps" / name,
                                          job.tok.pad_id, batch, amp_dtype, log)
 
-    def record(model, step: int, row: dict) -> dict:
-        """The loop's eval_fn: copy this evaluation's `eval/...` metrics to out/eval.jsonl (rank 0)."""
-        def write() -> None:
-            with open(out / "eval.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **{k: v for k, v in row.items() if k.startswith("eval/")}}) + "\n")
-        distributed.main_only(write)
-        return {}
-
-    if config.resume:
-        step = ckpt.read_state(out)["step"]
-        distributed.main_only(lambda: ckpt.truncate_log(out / "eval.jsonl", step))
-    elif job.eval_examples:  # the value before step 1
-        distributed.main_only(lambda: (out / "eval.jsonl").unlink(missing_ok=True))
-        m = job.objective.evaluate(job.model, job.eval_examples, job.collate, config.batch_size, amp_dtype)
-        log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in m.items()))
-        record(job.model, 0, m)
+    record = eval_log(out)  # out/eval.jsonl: the value before step 1, then each evaluation (rank 0)
+    evaluate_at_start(job, config, record)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples, eval_fn=record if job.eval_examples else None)
     finish(job.model, config, job.lora, summary)

@@ -57,8 +57,8 @@ from minitrain.errors import UserError
 from minitrain.evaluate.generation import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, EarlyStopping, GenerationEval
 from minitrain.objectives.sft import seq2seq
 from minitrain.progress import log
-from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, finish, load_examples, load_model,
-                           load_tokenizer, prepare_out_dir)
+from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only,
+                           finish, load_examples, load_model, load_tokenizer, prepare_out_dir)
 from minitrain.text.tokenizer import Tokenizer
 from minitrain.train import train
 
@@ -191,11 +191,23 @@ def setup(config: Seq2SeqConfig) -> Job:
     return Job(model, seq2seq, train_examples, collate, eval_examples, lora, tok)
 
 
+def generation_eval(config: Seq2SeqConfig, job: Job, save_best) -> GenerationEval:
+    """ROUGE of greedy (or beam) outputs on the held-out rows, the best adapter kept, early stopping."""
+    dtype = base_dtype(config.precision, pick_device(config.device))
+    stopper = EarlyStopping(config.early_stop_metric, config.patience, config.min_delta)
+    return GenerationEval(job.eval_examples, job.tok, generate, out_dir=config.out, save_best=save_best,
+                          stopper=stopper, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
+                          num_beams=config.num_beams, amp_dtype=None if dtype == torch.float32 else dtype)
+
+
 def run(config: Seq2SeqConfig) -> dict:
     """Load, add tokens, adapt, train with generation eval, save the last and the best adapter."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
     model, tok, lora, eval_examples = job.model, job.tok, job.lora, job.eval_examples
+    if config.eval_only:  # loss, perplexity and ROUGE of the base (or init_adapter); predictions in out/predictions
+        rouge = generation_eval(config, job, None)
+        return evaluate_only(config, job, eval_fn=lambda m, step, row: rouge.score(m, step))
     out = prepare_out_dir(config, job)
     if not config.resume:  # no stale best adapter or predictions beside a new run
         for stale in (BEST_DIR, PREDICTIONS_DIR):
@@ -207,11 +219,11 @@ def run(config: Seq2SeqConfig) -> dict:
 
     eval_fn = None
     if eval_examples:
-        dtype = base_dtype(config.precision, pick_device(config.device))
-        stopper = EarlyStopping(config.early_stop_metric, config.patience, config.min_delta)
-        eval_fn = GenerationEval(eval_examples, tok, generate, out_dir=out, save_best=save_with_tokenizer,
-                                 stopper=stopper, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
-                                 num_beams=config.num_beams, amp_dtype=None if dtype == torch.float32 else dtype)
+        rouge = generation_eval(config, job, save_with_tokenizer)
+        # out/eval.jsonl: step 0 (the model it starts from: loss and ROUGE, outside early stopping), then
+        # each of the loop's evaluations
+        evaluate_at_start(job, config, eval_log(out, lambda m, step, row: rouge.score(m, step)))
+        eval_fn = eval_log(out, rouge)
     summary = train(model, seq2seq, job.train_examples, job.collate, config, eval_examples=eval_examples,
                     eval_fn=eval_fn)
     finish(model, config, lora, summary)

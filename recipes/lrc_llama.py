@@ -32,8 +32,8 @@ from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
 from minitrain.progress import log
-from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
-                           lora_config, prepare_out_dir)
+from minitrain.run import (Job, attach_adapters, check_out_dir, evaluate_only, finish, load_examples, load_model,
+                           load_tokenizer, lora_config, prepare_out_dir)
 from minitrain.train import train
 
 
@@ -113,6 +113,8 @@ def run(config: LRCConfig) -> dict:
     """Load, correct, train, save the adapter; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
+    if config.eval_only:  # the corrected quantized base's held-out loss / perplexity, nothing trained
+        return evaluate_only(config, job)
     prepare_out_dir(config, job)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
                     eval_examples=job.eval_examples)

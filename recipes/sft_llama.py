@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import models
 from minitrain.config import SFTConfig
-from minitrain.run import Job, check_out_dir, finish, prepare_out_dir, sft_job
+from minitrain.run import Job, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish, prepare_out_dir, sft_job
 from minitrain.train import train
 
 config = SFTConfig(
@@ -51,8 +51,12 @@ def run(config: SFTConfig) -> dict:
     """Load, adapt, train, save the adapter; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
-    prepare_out_dir(config, job)
+    if config.eval_only:  # the held-out loss / perplexity of the base or init_adapter, nothing trained
+        return evaluate_only(config, job)
+    out = prepare_out_dir(config, job)
+    record = eval_log(out)  # out/eval.jsonl: step 0 (the model it starts from), then each evaluation
+    evaluate_at_start(job, config, record)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
-                    eval_examples=job.eval_examples)
+                    eval_examples=job.eval_examples, eval_fn=record if job.eval_examples else None)
     finish(job.model, config, job.lora, summary)
     return summary

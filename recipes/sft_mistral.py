@@ -26,7 +26,7 @@ import models
 from minitrain.bundled import demo_dir
 from minitrain.config import SFTConfig
 from minitrain.progress import log
-from minitrain.run import Job, check_out_dir, finish, prepare_out_dir, sft_job
+from minitrain.run import Job, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish, prepare_out_dir, sft_job
 from minitrain.train import train
 
 DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
@@ -76,9 +76,13 @@ def run(config: SFTConfig) -> dict:
     """Train the Stage A adapter and save it; returns the loop's summary."""
     check_out_dir(config)  # a refusal comes before minutes of loading
     job = setup(config)
+    if config.eval_only:  # the held-out loss / perplexity of the base or init_adapter, nothing trained
+        return evaluate_only(config, job)
     out = prepare_out_dir(config, job)
+    record = eval_log(out)  # out/eval.jsonl: step 0 (the model it starts from), then each evaluation
+    evaluate_at_start(job, config, record)
     summary = train(job.model, job.objective, job.train_examples, job.collate, config,
-                    eval_examples=job.eval_examples)
+                    eval_examples=job.eval_examples, eval_fn=record if job.eval_examples else None)
     finish(job.model, config, job.lora, summary)
     if job.lora is not None:  # finetune=full saved a model, which Stage B's DPO (an adapter's) does not continue
         log(f"Stage B (DPO) continuing this adapter:\n  {stage_b_command(config)}")

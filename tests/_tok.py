@@ -157,10 +157,11 @@ def _train_sp(d: Path, name: str, vocab_size: int, **kw) -> None:
     (d / name).write_bytes(buf.getvalue())
 
 
-def _build_sp(d: Path, vocab_size: int) -> None:
+def _build_sp(d: Path, vocab_size: int, byte_fallback: bool = False) -> None:
     # Llama-style: BPE, no normalization, spaces kept as written (Llama / Mistral tokenizer.model)
     _train_sp(d, "tokenizer.model", vocab_size, model_type="bpe", normalization_rule_name="identity",
               remove_extra_whitespaces=False, split_digits=True, pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+              byte_fallback=byte_fallback,
               pad_piece="<pad>", bos_piece="<s>", eos_piece="</s>", unk_piece="<unk>")
     _write_json(
         d / "tokenizer_config.json",
@@ -301,9 +302,11 @@ def make_llama3_tokenizer(folder: Path, vocab_size: int = 320) -> Path:
     return _copy(_cached(("llama3", vocab_size), lambda d: _build_llama3(d, vocab_size)), folder)
 
 
-def make_sp_tokenizer(folder: Path, vocab_size: int = 128) -> Path:
-    """Write a tiny sentencepiece `tokenizer.model` folder (pad 0, bos 1, eos 2, unk 3)."""
-    return _copy(_cached(("sp", vocab_size), lambda d: _build_sp(d, vocab_size)), folder)
+def make_sp_tokenizer(folder: Path, vocab_size: int = 128, byte_fallback: bool = False) -> Path:
+    """Write a tiny sentencepiece `tokenizer.model` folder (pad 0, bos 1, eos 2, unk 3); `byte_fallback`:
+    with the 256 `<0xNN>` pieces, as the Llama 2 / Mistral models have them (vocab_size over 300)."""
+    key = ("sp", vocab_size) + (("bytes",) if byte_fallback else ())
+    return _copy(_cached(key, lambda d: _build_sp(d, vocab_size, byte_fallback)), folder)
 
 
 def make_t5_tokenizer(folder: Path, vocab_size: int = 128, extra_ids: int = 0) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WINGS = ("data", "text", "adapters", "objectives", "evaluate", "plan")
+WINGS = ("data", "text", "adapters", "objectives", "evaluate", "plan", "export")
 
 
 def modules(root: Path, pkg: str = "minitrain") -> dict[str, Path]:

@@ -240,15 +240,7 @@ class GenerationEval:
     def __call__(self, model: nn.Module, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         if not self._replayed:  # a resumed run: the evaluations before the checkpoint decide the state
             self._resume(step)
-        preds = generate_texts(model, self.examples, self.tok, self.generate, **self.options)
-        per_example = [rouge.score(ref, pred) for ref, pred in zip(self.references, preds)]
-        n = max(len(per_example), 1)
-        result: dict[str, Any] = {f"eval/{t}": sum(s[t].fmeasure for s in per_example) / n for t in rouge.ROUGE_TYPES}
-        _write_jsonl(self.out / PREDICTIONS_DIR / f"step_{step:07d}.jsonl", [
-            {"index": i, "input": src, "prediction": pred, "reference": ref,
-             **{t: s[t].fmeasure for t in rouge.ROUGE_TYPES}}
-            for i, (src, pred, ref, s) in enumerate(zip(self.inputs, preds, self.references, per_example))])
-
+        result = self.score(model, step)
         seen = {**metrics, **result}
         if self.stopper.metric not in seen:
             raise KeyError(f"GenerationEval: metric {self.stopper.metric!r} is not among {sorted(seen)}")
@@ -262,6 +254,21 @@ class GenerationEval:
                      f"{self.stopper.min_delta:g} in {self.stopper.patience} evaluations; best adapter "
                      f"(step {self.stopper.best_step}) in {self.out / BEST_DIR}")
             result["stop"] = True
+        return result
+
+    def score(self, model: nn.Module, step: int) -> dict[str, Any]:
+        """Generate, ROUGE against the references, write `out/predictions/step_N.jsonl`; returns the
+        `eval/rouge...` means. No best adapter and no early stopping: the evaluation before step 1 and
+        `eval_only` call this alone (the stopper counts the loop's evaluations only, so a resumed run,
+        which replays metrics.jsonl, keeps the same state)."""
+        preds = generate_texts(model, self.examples, self.tok, self.generate, **self.options)
+        per_example = [rouge.score(ref, pred) for ref, pred in zip(self.references, preds)]
+        n = max(len(per_example), 1)
+        result: dict[str, Any] = {f"eval/{t}": sum(s[t].fmeasure for s in per_example) / n for t in rouge.ROUGE_TYPES}
+        _write_jsonl(self.out / PREDICTIONS_DIR / f"step_{step:07d}.jsonl", [
+            {"index": i, "input": src, "prediction": pred, "reference": ref,
+             **{t: s[t].fmeasure for t in rouge.ROUGE_TYPES}}
+            for i, (src, pred, ref, s) in enumerate(zip(self.inputs, preds, self.references, per_example))])
         return result
 
     def _keep_best(self, model: nn.Module, step: int, value: float) -> None:

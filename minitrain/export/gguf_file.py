@@ -1,0 +1,263 @@
+"""HF-layout weights and config.json -> a GGUF file llama.cpp runs, per family.
+
+What changes on the way (as llama.cpp's own converter does it, convert_hf_to_gguf.py):
+
+- names: llama.cpp's (`blk.N.attn_q.weight`, `token_embd.weight`, ...), from the `gguf` package's
+  own HF -> GGUF table (`gguf.get_tensor_name_map`); a tensor with no place there is refused;
+- LLaMA and Mistral (llama.cpp's `llama` architecture) apply rotary embeddings to interleaved
+  pairs where HF rotates halves: the rows of q_proj and k_proj are permuted per head to match
+  (`permute_qk`); Qwen2, Qwen3, Gemma and Phi-3 rotate halves in llama.cpp too and keep theirs;
+- Gemma 2 / 3 scale by (1 + w) in every RMSNorm: llama.cpp stores 1 + w;
+- a tied output head is not written (llama.cpp reuses the token embedding);
+- LLaMA 3.1's `llama3` RoPE scaling becomes the `rope_freqs` tensor, Phi-3's long-context
+  factors `rope_factors_long` / `rope_factors_short`.
+
+`check_exportable(config)` refuses, in one line, what llama.cpp would run differently from the
+checkpoint: another family, a RoPE scaling it does not take, Mistral's sliding window on the
+`llama` architecture, a Gemma query scale other than the one llama.cpp computes. Types: f32; f16
+and bf16 (1-D tensors, norms and biases, stay f32 as llama.cpp keeps them); q8_0 (blocks of 32
+along a row with one f16 scale; a tensor whose rows are not a multiple of 32 is written f16).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minitrain.errors import UserError
+from minitrain.export.gguf_vocab import add_vocab
+
+TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str  # llama.cpp's architecture name (`general.architecture`)
+    permute_qk: bool  # interleaved rotary pairs in llama.cpp: permute q_proj / k_proj rows
+    norm_plus_one: bool  # Gemma: RMSNorm scales by (1 + w)
+
+
+FAMILIES = {
+    "llama": Family("llama", True, False),
+    "mistral": Family("llama", True, False),
+    "qwen2": Family("qwen2", False, False),
+    "qwen3": Family("qwen3", False, False),
+    "gemma2": Family("gemma2", False, True),
+    "gemma3_text": Family("gemma3", False, True),
+    "phi3": Family("phi3", False, False),
+}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # llama.cpp scales queries by hidden / heads there
+
+
+def head_dim(config: Mapping[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def rope_params(config: Mapping[str, Any], layers: str = "full_attention") -> dict[str, Any]:
+    """config.json's RoPE settings of the full (or sliding) attention layers: `rope_scaling` (transformers 4)
+    or `rope_parameters` (transformers 5, per layer type for Gemma 3), with the top-level `rope_theta`."""
+    rs = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rs = rs.get(layers, rs if layers == "full_attention" else {}) if isinstance(rs, dict) else {}
+    return {"rope_theta": config.get("rope_theta"), "partial_rotary_factor": config.get("partial_rotary_factor"),
+            **{k: v for k, v in rs.items() if v is not None}}
+
+
+def rope_scaling(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The full-attention layers' RoPE scaling, {} without one."""
+    rs = rope_params(config)
+    kind = rs.get("rope_type", rs.get("type"))
+    return {} if kind in (None, "default") else dict(rs, rope_type=kind)
+
+
+def check_exportable(config: Mapping[str, Any]) -> Family:
+    """The family of config.json, or a `UserError` saying what llama.cpp cannot run as the checkpoint does."""
+    kind = config.get("model_type")
+    if kind not in FAMILIES:
+        raise UserError(f"config.json: model_type {kind!r} — GGUF export takes {', '.join(FAMILIES)}")
+    fam = FAMILIES[kind]
+    rs = rope_scaling(config)
+    allowed = {"llama": ("linear", "llama3"), "qwen2": ("linear", "yarn"), "qwen3": ("linear", "yarn"),
+               "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su")}[fam.arch]
+    if rs and rs["rope_type"] not in allowed:
+        raise UserError(f"config.json: rope_scaling {rs['rope_type']!r} on {kind} — llama.cpp's {fam.arch} takes "
+                        f"{', '.join(allowed) or 'none'}; not exported")
+    if fam.arch == "llama":
+        window = config.get("sliding_window")
+        if window and window < config.get("max_position_embeddings", 0):
+            raise UserError(f"config.json: sliding_window={window} — llama.cpp's llama architecture attends to the "
+                            f"whole context, so beyond {window} tokens it would not compute this model; not exported")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise UserError(f"config.json: {kind} with attention_bias / mlp_bias — not exported")
+    if kind == "qwen2" and config.get("use_sliding_window"):
+        raise UserError("config.json: use_sliding_window=true — llama.cpp's qwen2 attends to the whole context; "
+                        "not exported")
+    if kind == "gemma2" and config.get("tie_word_embeddings") is False:
+        raise UserError("config.json: gemma2 with its own lm_head (tie_word_embeddings=false) — llama.cpp's gemma2 "
+                        "uses the token embedding as the output head; not exported")
+    if fam.norm_plus_one:
+        scalar = config.get("query_pre_attn_scalar", head_dim(config))
+        big = config.get("num_hidden_layers") == GEMMA_27B_LAYERS[kind]
+        theirs = config["hidden_size"] // config["num_attention_heads"] if big else head_dim(config)
+        if scalar != theirs:
+            raise UserError(f"config.json: query_pre_attn_scalar={scalar} — llama.cpp scales {kind}'s queries by "
+                            f"1/sqrt({theirs}); not exported")
+    return fam
+
+
+def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
+    """The architecture's hyper-parameters under llama.cpp's keys."""
+    c = config
+    writer.add_context_length(c.get("max_position_embeddings", 4096))
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c.get("num_key_value_heads") or c["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
+    writer.add_vocab_size(c["vocab_size"])
+    hd = head_dim(c)
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    rp = rope_params(c)
+    writer.add_rope_freq_base(float(rp.get("rope_theta") or 10000.0))
+    rotary = int(hd * (rp.get("partial_rotary_factor") or 1.0))
+    writer.add_rope_dimension_count(rotary)
+    import gguf
+
+    rs = rope_scaling(c)
+    if rs.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rs["factor"])
+    elif rs.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rs["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+    if fam.arch in ("gemma2", "gemma3"):
+        if c.get("attn_logit_softcapping"):
+            writer.add_attn_logit_softcapping(c["attn_logit_softcapping"])
+        if c.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+        if c.get("sliding_window"):
+            writer.add_sliding_window(c["sliding_window"])
+            types = c.get("layer_types")
+            if types:  # per layer, as the checkpoint says
+                writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+            elif fam.arch == "gemma3":
+                writer.add_sliding_window_pattern(c.get("sliding_window_pattern", 6))
+        local = rope_params(c, "sliding_attention").get("rope_theta") or c.get("rope_local_base_freq")
+        if fam.arch == "gemma3" and local:
+            writer.add_rope_freq_base_swa(float(local))
+    if fam.arch == "phi3":
+        writer.add_sliding_window(c.get("sliding_window") or 0)
+        if rs:
+            orig = c.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+            writer.add_rope_scaling_orig_ctx_len(orig)
+            scale = c["max_position_embeddings"] / orig
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+
+
+def extra_tensors(config: Mapping[str, Any], fam: Family) -> dict[str, torch.Tensor]:
+    """llama.cpp's RoPE factor tensors: LLaMA 3.1's `rope_freqs`, Phi-3's long / short factors."""
+    rs, hd = rope_scaling(config), head_dim(config)
+    if rs.get("rope_type") == "llama3":
+        theta = rs.get("rope_theta") or 10000.0
+        freqs = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        factor, low, high = rs.get("factor", 8.0), rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old = rs.get("original_max_position_embeddings", 8192)
+        out = []
+        for f in freqs.tolist():
+            wavelen = 2 * math.pi / f
+            if wavelen < old / high:
+                out.append(1.0)
+            elif wavelen > old / low:
+                out.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                out.append(1 / ((1 - smooth) / factor + smooth))
+        return {"rope_freqs.weight": torch.tensor(out, dtype=torch.float32)}
+    if fam.arch == "phi3" and rs.get("long_factor"):
+        return {"rope_factors_long.weight": torch.tensor(rs["long_factor"], dtype=torch.float32),
+                "rope_factors_short.weight": torch.tensor(rs["short_factor"], dtype=torch.float32)}
+    return {}
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of q_proj / k_proj (n_head * hd, ...) from HF's rotate-half order to llama.cpp's pairs:
+    per head, the two halves interleave (rows i and hd/2 + i become neighbours)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], fam: Family) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> llama.cpp-named fp32 tensors, transformed for `fam` (the module docstring)."""
+    import gguf
+
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == fam.arch)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    tied = config.get("tie_word_embeddings", fam.norm_plus_one)  # Gemma ties unless it says otherwise
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        if key == "lm_head.weight" and tied:
+            continue
+        t = t.detach().float().cpu()
+        if fam.norm_plus_one and key.endswith("norm.weight"):
+            t = t + 1
+        if fam.permute_qk and key.endswith("self_attn.q_proj.weight"):
+            t = permute_qk(t, heads)
+        elif fam.permute_qk and key.endswith("self_attn.k_proj.weight"):
+            t = permute_qk(t, kv)
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise UserError(f"{key}: a tensor llama.cpp's {fam.arch} has no place for — not exported")
+        out[name] = t
+    return {**out, **extra_tensors(config, fam)}
+
+
+def write_gguf(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tokenizer: str | Path, out: str | Path,
+               kind: str = "f16", name: str | None = None) -> Path:
+    """Write `state` (HF names, adapters already folded in) as a GGUF file at `out` (written aside and
+    renamed: nothing half-written); `tokenizer`: the folder with the tokenizer files; `kind`: TYPES."""
+    import gguf
+    from gguf.quants import quantize
+
+    if kind not in TYPES:
+        raise UserError(f"--type {kind}: not one of {', '.join(TYPES)} (llama.cpp's own tools quantize further)")
+    fam = check_exportable(config)
+    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+    tensors = gguf_tensors(state, config, fam)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    writer = gguf.GGUFWriter(tmp, fam.arch)
+    try:
+        writer.add_name(name or out.stem)
+        write_metadata(writer, config, fam)
+        writer.add_file_type(ftype)
+        add_vocab(writer, tokenizer, config["vocab_size"])
+        for tname, t in tensors.items():
+            data = t.numpy()
+            want = qtype if data.ndim > 1 else gguf.GGMLQuantizationType.F32  # norms, biases, factors: f32
+            if want == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
+                want = gguf.GGMLQuantizationType.F16  # rows not in whole blocks of 32 (as llama.cpp falls back)
+            if want in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                writer.add_tensor(tname, quantize(data, want))
+            else:
+                writer.add_tensor(tname, quantize(data, want), raw_dtype=want)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out

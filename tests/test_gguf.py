@@ -1,0 +1,390 @@
+"""tools/export_gguf.py: GGUF files for llama.cpp, checked against llama.cpp itself.
+
+Without llama.cpp (CI): the file's adapter fold against peft's `merge_and_unload`, the metadata
+llama.cpp reads (bos / eos / add_bos as transformers' tokenizer has them, the chat template), and
+the refusals. With llama-cpp-python installed (it builds from its source distribution with cmake
+and a C++ compiler: `pip install llama-cpp-python`, several minutes on two cores), per family on a
+tiny checkpoint saved by transformers with a tokenizer of that family's shape:
+
+- tokenization of 20 strings (special tokens, unicode, leading / trailing spaces) equals ours
+  (which equals transformers'). One difference is llama.cpp's own and is checked as such: with a
+  sentencepiece model that puts a space before a text (LLaMA 2, Mistral, Phi-3), llama.cpp also
+  puts one ("▁") before the text that follows a special token inside the string, where
+  transformers does not;
+- next-token logits of a prompt: an f32 file with an f32 KV cache within 1e-5 x max|logit| (the
+  conversion is exact; Gemma within 1e-3: llama.cpp's CPU GELU reads an f16 table), f16 within 3e-3 x max|logit| (f16 keeps 11 bits), bf16 within
+  2e-2 (8 bits), q8_0 within 5e-2 x max|logit| (8-bit weights, and llama.cpp's CPU matmul quantizes
+  activations to 8 bits too);
+- 32 greedy tokens (f16): our greedy sequence is fed to llama.cpp and its argmax at every step must
+  be our token, except at a step where our top-2 logits are closer than the f16 tolerance (a tie
+  f16 cannot decide; at most 8 of 32 allowed).
+
+    pip install llama-cpp-python && python -m pytest tests/test_gguf.py   # the llama.cpp checks too
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from _tok import (make_gemma_tokenizer, make_llama3_tokenizer, make_phi3_tokenizer, make_qwen_tokenizer,
+                  make_sp_tokenizer)
+from conftest import save_hf_causal
+
+pytest.importorskip("gguf")
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name: (config overrides, tokenizer builder, vocab size)
+FAMILIES = {
+    "llama": (dict(model_type="llama", num_key_value_heads=2),
+              lambda d: make_sp_tokenizer(d, 400, byte_fallback=True), 400),
+    "llama3": (dict(model_type="llama", num_key_value_heads=2, rope_theta=500000.0), make_llama3_tokenizer, 325),
+    "mistral": (dict(model_type="mistral", num_key_value_heads=2),
+                lambda d: make_sp_tokenizer(d, 400, byte_fallback=True), 400),
+    "qwen2": (dict(model_type="qwen2", num_key_value_heads=2, rope_theta=1000000.0), make_qwen_tokenizer, 305),
+    "qwen3": (dict(model_type="qwen3", num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+              make_qwen_tokenizer, 305),
+    "gemma2": (dict(model_type="gemma2", head_dim=16, num_key_value_heads=2, sliding_window=5, query_pre_attn_scalar=16,
+                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True),
+               make_gemma_tokenizer, 420),
+    "gemma3": (dict(model_type="gemma3_text", head_dim=16, num_key_value_heads=2, sliding_window=5,
+                    query_pre_attn_scalar=16, num_hidden_layers=3), make_gemma_tokenizer, 420),
+    "phi3": (dict(model_type="phi3", num_key_value_heads=2), make_phi3_tokenizer, 411),
+    # RoPE scalings llama.cpp takes as tensors; original context 16, so a longer prompt uses them
+    "llama3_rope": (dict(model_type="llama", num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+                    make_llama3_tokenizer, 325),
+    "phi3_longrope": (dict(model_type="phi3", num_key_value_heads=2, max_position_embeddings=64,
+                           original_max_position_embeddings=16,
+                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                         "long_factor": [1.0 + 0.5 * i for i in range(8)]}),
+                      make_phi3_tokenizer, 411),
+}
+PARITY = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+STRINGS = ["Hello world", " leading space", "  two spaces", "tabs\tand\nnewlines\n\n", "ünïcödé façade naïve",
+           "日本語のテキスト", "emoji 🦙🚀 ok", "numbers 12345 3.14", "the word of the day", "punctuation!?... (yes)",
+           "MiXeD CaSe", "a", " ", "trailing space ", "line\r\nbreak", "end.", "x" * 30, "über straße"]
+F16_TOL, BF16_TOL, Q8_TOL = 3e-3, 2e-2, 5e-2  # x max|logit|: f16 keeps 11 bits (2^-10 ~ 1e-3)
+F32_TOL, F32_TOL_GELU = 1e-5, 1e-3  # f32 file, f32 cache: exact but for the order of sums; Gemma: GELU's f16 table
+PROMPT = "the word of the day is"
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            overrides, tokenizer, vocab = FAMILIES[name]
+            kw = dict(overrides)
+            d = save_hf_causal(tmp_path_factory.mktemp(f"gguf_{name}"), seed=3, model_type=kw.pop("model_type"),
+                               vocab_size=vocab, **kw)
+            tokenizer(d)
+            cache[name] = d
+        return cache[name]
+
+    return make
+
+
+def tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_gguf", REPO / "tools" / "export_gguf.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def export(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    code = tool().main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def fields(path: Path) -> dict:
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items()}
+
+
+# ----------------------------------------------------------------------------- without llama.cpp
+
+
+def test_adapter_is_folded_in_as_peft_merges_it(family, tmp_path, capsys):
+    """The exported blocks equal peft's merge_and_unload of the same adapter (f32 file, read back)."""
+    import gguf
+    import peft
+    import transformers
+
+    from minitrain.export.gguf_file import FAMILIES as ARCHS, gguf_tensors
+
+    base = family("qwen2")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    pm.save_pretrained(tmp_path / "adapter")
+    merged = pm.merge_and_unload().state_dict()
+    code, err = export(capsys, "--model", base, "--adapter", tmp_path / "adapter", "--out", tmp_path / "m.gguf",
+                       "--type", "f32")
+    assert code == 0, err
+    config = json.loads((base / "config.json").read_text())
+    want = gguf_tensors(merged, config, ARCHS["qwen2"])
+    got = {t.name: torch.from_numpy(t.data.copy()) for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert set(got) == set(want)
+    for name in ("blk.0.attn_q.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight", "blk.0.attn_q.bias"):
+        assert torch.allclose(got[name].reshape(want[name].shape), want[name], atol=1e-6), name
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+    before = gguf_tensors(plain, config, ARCHS["qwen2"])
+    assert not torch.allclose(before["blk.0.attn_q.weight"], want["blk.0.attn_q.weight"])  # the adapter did change it
+
+
+def test_metadata_llama_cpp_reads(family, tmp_path, capsys):
+    """bos / eos / add_bos as transformers' tokenizer has them; the chat template; the token count."""
+    import transformers
+
+    for name in ("llama", "qwen3"):
+        folder = tmp_path / name
+        shutil.copytree(family(name), folder)
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+        code, err = export(capsys, "--model", folder, "--out", tmp_path / f"{name}.gguf")
+        assert code == 0, err
+        f = fields(tmp_path / f"{name}.gguf")
+        ref = transformers.AutoTokenizer.from_pretrained(folder)
+        assert f["tokenizer.ggml.eos_token_id"] == ref.eos_token_id
+        assert f.get("tokenizer.ggml.bos_token_id") == ref.bos_token_id
+        with_bos = ref.encode("a")[:1] == [ref.bos_token_id] if ref.bos_token_id is not None else False
+        assert f["tokenizer.ggml.add_bos_token"] == with_bos
+        assert f["tokenizer.chat_template"] == cfg["chat_template"]
+        assert len(f["tokenizer.ggml.tokens"]) == json.loads((folder / "config.json").read_text())["vocab_size"]
+        assert f["general.architecture"] == {"llama": "llama", "qwen3": "qwen3"}[name]
+
+
+@pytest.mark.parametrize("change, args, needle", [
+    ({}, ("--type", "q4_k"), "--type q4_k: not one of f32, f16, bf16, q8_0"),
+    ({}, ("--adapter", "MISSING"), "no adapter_config.json"),
+    ({"model_type": "t5"}, (), "GGUF export takes"),
+    ({"sliding_window": 8, "max_position_embeddings": 256}, (), "sliding_window=8"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, (), "rope_scaling 'dynamic'"),
+])
+def test_refusals_are_one_line_and_write_nothing(family, tmp_path, capsys, change, args, needle):
+    folder = tmp_path / "m"
+    shutil.copytree(family("llama"), folder)
+    cfg = {**json.loads((folder / "config.json").read_text()), **change}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    args = [str(tmp_path / "nope") if a == "MISSING" else a for a in args]
+    code, err = export(capsys, "--model", folder, "--out", tmp_path / "x.gguf", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_gemma_refusals(family, tmp_path, capsys):
+    for change, needle in (({"query_pre_attn_scalar": 24}, "query_pre_attn_scalar=24"),
+                           ({"tie_word_embeddings": False}, "own lm_head")):
+        folder = tmp_path / "g"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(family("gemma2"), folder)
+        cfg = {**json.loads((folder / "config.json").read_text()), **change}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        code, err = export(capsys, "--model", folder, "--out", tmp_path / "x.gguf")
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_adapter_of_another_base_is_refused(family, tmp_path, capsys):
+    from _tok import corpus
+
+    from minitrain.cli import run_cli
+
+    other = tmp_path / "other"
+    shutil.copytree(family("qwen2"), other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4, seed=2)))
+    assert run_cli([str(REPO / "recipes" / "sft.py"), f"model={other}", f"data={data}", f"out={tmp_path / 'run'}",
+                    "max_steps=1", "batch_size=2", "lora_r=2", "device=cpu"]) == 0
+    code, err = export(capsys, "--model", family("qwen2"), "--adapter", tmp_path / "run" / "adapter",
+                       "--out", tmp_path / "x.gguf")
+    assert code == 2 and "was trained on another base model" in err, err
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_lrc_adapter_needs_its_quantized_base(family, tmp_path, capsys):
+    """A low-rank-correction adapter corrects the ternary base: without --quantize it is refused (one line)."""
+    from _tok import corpus
+
+    from minitrain.cli import run_cli
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(4, seed=2)))
+    run = tmp_path / "lrc"
+    assert run_cli([str(REPO / "recipes" / "lrc.py"), f"model={family('qwen2')}", f"data={data}", f"out={run}",
+                    "max_steps=1", "batch_size=2", "lora_r=2", "device=cpu", "quantize=ternary"]) == 0
+    code, err = export(capsys, "--model", family("qwen2"), "--adapter", run / "adapter", "--out", tmp_path / "x.gguf")
+    assert code == 2 and "--quantize ternary" in err and len(err.strip().splitlines()) == 1, err
+    code, err = export(capsys, "--model", family("qwen2"), "--adapter", run / "adapter", "--out", tmp_path / "x.gguf",
+                       "--quantize", "ternary")
+    assert code == 0, err
+
+
+# ----------------------------------------------------------------------------- against llama.cpp
+
+
+def our_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model.output_projection(model(torch.tensor([ids])))[0].float()
+
+
+def one_space_more_after_specials(ours: list[int], theirs: list[int], specials: set[int], space: int,
+                                  start: int) -> bool:
+    """llama.cpp's sentencepiece puts "▁" before the text after a special token of the string (from
+    `start`: not after the bos it adds): theirs is ours with one there."""
+    fixed = []
+    for i, t in enumerate(ours):
+        fixed.append(t)
+        if i >= start and t in specials and i + 1 < len(ours) and ours[i + 1] not in specials:
+            fixed.append(space)
+    return fixed == theirs
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_llama_cpp_parity(family, tmp_path, capsys, name):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    import models
+    from minitrain.text.tokenizer import Tokenizer
+    from minitrain.weights import load_pretrained
+
+    folder = family(name)
+    tok = Tokenizer.from_folder(folder)
+    model = load_pretrained(folder, models.from_hf_config, dtype=torch.float32).eval()
+    files = {}
+    for kind in ("f32", "f16", "bf16", "q8_0"):
+        files[kind] = tmp_path / f"{name}.{kind}.gguf"
+        code, err = export(capsys, "--model", folder, "--out", files[kind], "--type", kind)
+        assert code == 0, err
+    llm = llama_cpp.Llama(model_path=str(files["f16"]), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    # tokenization: 18 plain strings and 2 with special tokens inside
+    specials = [s for s in tok.special_strings() if s]
+    strings = STRINGS + [f"{specials[0]} after special", f"before {specials[-1]} mid"]
+    special_ids = {tok.token_to_id(s) for s in specials}
+    sp_with_prefix = fields(files["f16"]).get("tokenizer.ggml.add_space_prefix", False)
+    for s in strings:
+        ours, theirs = tok.encode(s, bos=tok.add_bos), llm.tokenize(s.encode(), add_bos=True, special=True)
+        if ours != theirs and sp_with_prefix and special_ids & set(ours):
+            space = tok.token_to_id("\u2581")
+            assert one_space_more_after_specials(ours, theirs, special_ids, space, int(tok.add_bos)), (s, ours, theirs)
+        else:
+            assert ours == theirs, (s, ours, theirs)
+    # logits of a prompt
+    prompt = tok.encode(PROMPT, bos=tok.add_bos)
+    ours = our_logits(model, prompt).numpy()
+    scale = float(np.abs(ours).max())
+    f32 = getattr(llama_cpp, "GGML_TYPE_F32", 0)
+    exact = F32_TOL_GELU if "gemma" in name else F32_TOL
+    for kind, tol in (("f32", exact), ("f16", F16_TOL), ("bf16", BF16_TOL), ("q8_0", Q8_TOL)):
+        # f32: the weights as they are and an f32 KV cache (llama.cpp's default cache is f16)
+        cache = {"type_k": f32, "type_v": f32} if kind == "f32" else {}
+        m = llm if kind == "f16" else llama_cpp.Llama(model_path=str(files[kind]), n_ctx=128, logits_all=True,
+                                                      verbose=False, n_threads=2, **cache)
+        m.reset()
+        m.eval(prompt)
+        diff = float(np.abs(np.array(m.scores[: len(prompt)]) - ours).max())
+        print(f"{name} {kind}: max|logit diff| {diff:.3g}, {diff / scale:.3g} of max|logit| ({scale:.3g})")
+        assert diff <= tol * scale, (kind, diff, scale)
+    # 32 greedy tokens, f16: our greedy sequence fed to llama.cpp token by token; at each step its argmax
+    # must be ours, except at a tie f16 cannot decide (our top-2 closer than the f16 tolerance)
+    gen = models.family(model).generate(model, torch.tensor([prompt]), max_new_tokens=32, eos_token_id=[])
+    gen = gen[0, len(prompt):].tolist()
+    llm.reset()
+    llm.eval(prompt + gen)
+    theirs = np.array(llm.scores[len(prompt) - 1: len(prompt) + 31]).argmax(-1).tolist()
+    margins = torch.topk(our_logits(model, prompt + gen)[len(prompt) - 1: len(prompt) + 31], 2).values
+    margins = (margins[:, 0] - margins[:, 1]).tolist()
+    ties = [i for i, m in enumerate(margins) if m < F16_TOL * scale]
+    differ = [i for i in range(32) if gen[i] != theirs[i] and i not in ties]
+    print(f"{name}: greedy {32 - len(ties)} of 32 steps compared ({len(ties)} ties), {len(differ)} differ")
+    assert not differ, f"{name}: greedy steps {differ}: ours {[gen[i] for i in differ]}, llama.cpp " \
+                       f"{[theirs[i] for i in differ]}"
+    assert len(ties) <= 8  # most steps are decided
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
+def test_llama_cpp_runs_the_adapter_folded_in(family, tmp_path, capsys, name):
+    """A PEFT adapter exported with the base: llama.cpp's logits are ours with the adapter, to f16
+    precision, while the adapter moves them far more than that."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+    import peft
+    import transformers
+
+    import models
+    from minitrain.adapters.peft_format import load_adapter
+    from minitrain.text.tokenizer import Tokenizer
+    from minitrain.weights import load_pretrained
+
+    base = family(name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    torch.manual_seed(0)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    pm.save_pretrained(tmp_path / "adapter")
+    code, err = export(capsys, "--model", base, "--adapter", tmp_path / "adapter", "--out", tmp_path / "a.gguf")
+    assert code == 0, err
+    tok = Tokenizer.from_folder(base)
+    prompt = tok.encode(PROMPT, bos=tok.add_bos)
+    plain = load_pretrained(base, models.from_hf_config, dtype=torch.float32).eval()
+    adapted = load_pretrained(base, models.from_hf_config, dtype=torch.float32)
+    load_adapter(adapted, tmp_path / "adapter")
+    ours, before = our_logits(adapted.eval(), prompt).numpy(), our_logits(plain, prompt).numpy()
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "a.gguf"), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(prompt)
+    diff = float(np.abs(np.array(llm.scores[: len(prompt)]) - ours).max())
+    moved = float(np.abs(ours - before).max())
+    print(f"{name} + adapter: max|logit diff| {diff:.3g}; the adapter moves the logits by up to {moved:.3g}")
+    assert diff <= F16_TOL * float(np.abs(ours).max()) and moved > 100 * diff
+
+
+@pytest.mark.parametrize("name", ["llama3_rope", "phi3_longrope"])
+def test_llama_cpp_rope_scaling(family, tmp_path, capsys, name):
+    """LLaMA 3.1's `llama3` scaling (the rope_freqs tensor) and Phi-3's long factors, on a prompt past the
+    original context of 16 (an f32 file, an f32 KV cache). llama.cpp picks Phi-3's long or short factors
+    by its context size, transformers by the sequence's length: a sequence shorter than the original
+    context in a larger llama.cpp context gets the long factors there and the short ones here."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    import models
+    from minitrain.text.tokenizer import Tokenizer
+    from minitrain.weights import load_pretrained
+
+    folder = family(name)
+    code, err = export(capsys, "--model", folder, "--out", tmp_path / "m.gguf", "--type", "f32")
+    assert code == 0, err
+    tok = Tokenizer.from_folder(folder)
+    prompt = tok.encode("the word of the day is a long sentence that goes past sixteen", bos=tok.add_bos)
+    assert len(prompt) > 16
+    f32 = getattr(llama_cpp, "GGML_TYPE_F32", 0)
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, logits_all=True, verbose=False,
+                          n_threads=2, type_k=f32, type_v=f32)
+    llm.eval(prompt)
+    ours = our_logits(load_pretrained(folder, models.from_hf_config, dtype=torch.float32).eval(), prompt).numpy()
+    diff = float(np.abs(np.array(llm.scores[: len(prompt)]) - ours).max())
+    print(f"{name}: {len(prompt)} tokens, max|logit diff| {diff:.3g}")
+    assert diff <= F32_TOL * float(np.abs(ours).max())

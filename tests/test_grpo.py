@@ -1,0 +1,143 @@
+"""GRPO against TRL's GRPOTrainer (the reference), on the same weights, prompts, fixed completions and rewards.
+
+- the loss and every parameter's gradient equal `trl.GRPOTrainer._compute_loss`'s for each loss_type,
+  with and without beta, with old log-probs (num_iterations > 1) and an asymmetric clip;
+- the advantages equal TRL's formula (its own `nanstd`) for scale_rewards group | batch | none, with
+  a reward function that does not apply to some rows (None -> NaN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+from minitrain.objectives.grpo import completion_logps, group_advantages, grpo_loss
+from minitrain.weights import load_pretrained
+
+TEMPERATURE = 0.7
+MAX_COMPLETION = 6
+# two prompts (left-padded) x G=2 completions (right-padded; the last one truncated: no eos)
+PROMPTS = [[0, 0, 1, 17, 23], [1, 40, 41, 42, 43]]
+COMPLETIONS = [[5, 6, 7, 2, 0, 0], [8, 9, 2, 0, 0, 0], [10, 11, 12, 13, 14, 2], [15, 16, 17, 18, 19, 20]]
+
+
+def batch_tensors():
+    prompt_ids = torch.tensor([p for p in PROMPTS for _ in range(2)])
+    prompt_mask = (prompt_ids != 0).long()
+    completion_ids = torch.tensor(COMPLETIONS)
+    completion_mask = torch.zeros_like(completion_ids)
+    for i, c in enumerate(COMPLETIONS):
+        n = c.index(2) + 1 if 2 in c else len(c)
+        completion_mask[i, :n] = 1
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.fixture(scope="module")
+def trainer(hf_causal, tmp_path_factory):
+    """A TRL GRPOTrainer on a tiny Qwen2 (a few seconds to build: once per module)."""
+    import datasets
+    import transformers
+    import trl
+    from _tok import make_bpe_tokenizer
+
+    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
+    tok_dir = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf.config.dropout = 0.0
+    args = trl.GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], use_cpu=True, bf16=False,
+                          per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
+                          temperature=TEMPERATURE, disable_tqdm=True, gradient_checkpointing=False)
+    ds = datasets.Dataset.from_list([{"prompt": "the a"}] * 4)
+    t = trl.GRPOTrainer(model=hf, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                        train_dataset=ds, processing_class=tok)
+    t.model.train()
+    return t, folder
+
+
+def trl_loss_and_grads(trainer, inputs, loss_type, beta, epsilon, epsilon_high):
+    trainer.loss_type, trainer.beta = loss_type, beta
+    trainer.epsilon_low, trainer.epsilon_high = epsilon, epsilon_high
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return float(loss), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+CASES = [(lt, beta, old, eps_high) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")
+         for beta, old, eps_high in ((0.0, False, None), (0.04, True, 0.28))]
+
+
+@pytest.mark.parametrize("loss_type,beta,old,eps_high", CASES)
+def test_loss_and_gradients_equal_trl(trainer, loss_type, beta, old, eps_high):
+    t, folder = trainer
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch_tensors()
+    advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])
+    g = torch.Generator().manual_seed(1)
+    shape = completion_ids.shape
+    # old log-probs a little off the current ones (num_iterations > 1: the policy moved since sampling),
+    # large enough that some ratios leave [1 - eps, 1 + eps_high] and are clipped
+    ours = load_pretrained(folder, models.from_hf_config)
+    ours.train()
+    with torch.no_grad():
+        now, _ = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE)
+    old_logps = now + 0.3 * torch.randn(shape, generator=g) if old else None
+    ref_logps = now + 0.5 * torch.randn(shape, generator=g) if beta else None
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": advantages,
+              "num_items_in_batch": completion_mask.sum()}
+    if old:
+        inputs["old_per_token_logps"] = old_logps
+    if beta:
+        inputs["ref_per_token_logps"] = ref_logps
+    expected, expected_grads = trl_loss_and_grads(t, inputs, loss_type, beta, 0.2, eps_high or 0.2)
+
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    logps, _ = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE)
+    loss_sum, count, stats = grpo_loss(logps, advantages, completion_mask, old_logps=old_logps, ref_logps=ref_logps,
+                                       loss_type=loss_type, epsilon=0.2, epsilon_high=eps_high or 0.0, beta=beta,
+                                       max_completion_length=MAX_COMPLETION)
+    loss = loss_sum / count
+    loss.backward()
+    assert float(loss) == pytest.approx(expected, abs=1e-5, rel=1e-5)
+    if old:
+        assert float(stats["low_clipped"] + stats["high_clipped"]) > 0  # the clip is exercised
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert set(expected_grads) <= set(grads)
+    for n, ref in expected_grads.items():
+        torch.testing.assert_close(grads[n], ref, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def trl_advantages(rewards_per_func, weights, G, scale):
+    """TRL 1.16's `_generate_and_score_completions` advantage lines, with its own `nanstd`."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    mean = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+    if scale in ("group", "none"):
+        std = nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+    else:
+        std = nanstd(rewards).expand_as(rewards)
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trl(scale):
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 0.5], [0.0, nan], [2.0, 1.0], [2.0, 1.0], [nan, nan], [3.0, 0.0]])
+    weights = torch.tensor([1.0, 0.5])
+    ours, _, zero = group_advantages(rewards, weights, 2, scale)
+    ref, ref_zero = trl_advantages(rewards, weights, 2, scale)
+    torch.testing.assert_close(ours, ref)
+    assert zero.tolist() == ref_zero.tolist()
+    if scale == "group":
+        assert zero.tolist() == [False, False, True, True, False, False]  # the equal pair only (a lone scored
+        # completion's std is NaN, as in TRL)

@@ -26,14 +26,21 @@ step; minitrain uses the window's, rule 2).
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from minitrain import distributed
 from minitrain.config import TrainConfig, doc
 from minitrain.errors import UserError
 from minitrain.objectives.losses import chunked_token_logprobs
+from minitrain.objectives.reference import dropout_off
+from minitrain.objectives.rewards import score
+from minitrain.objectives.sampling import sample
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -69,6 +76,11 @@ class GRPOConfig(TrainConfig):
 
     def check(self) -> None:
         super().check()
+        if self.max_len <= self.max_completion_length:
+            raise UserError(f"max_len={self.max_len}: must exceed max_completion_length={self.max_completion_length} "
+                            f"(max_len counts prompt + completion) — raise max_len")
+        if self.parallel == "fsdp":
+            raise UserError("parallel=fsdp: GRPO samples with the whole model on each rank — use parallel=ddp")
         if self.beta and self.finetune == "full":
             raise UserError(f"beta={self.beta}: the reference is the model with its adapter switched off, which "
                             f"finetune=full has none of — use finetune=lora, or beta=0")
@@ -202,3 +214,191 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     high = ((r > 1 + epsilon_high) & (A > 0)).to(mask.dtype) * mask
     stats.update(tokens=mask.sum(), low_clipped=low.sum(), high_clipped=high.sum())
     return loss_sum, count, stats
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+def collate_prompts(examples: list[dict], pad_id: int) -> dict[str, Any]:
+    """`read_prompts` examples -> left-padded `prompt_ids` / `prompt_attention_mask` (B, P) and, as
+    lists, each row's `prompts`, `columns` (column name -> values; None where a row lacks it) and `rows`."""
+    P = max(len(ex["prompt_ids"]) for ex in examples)
+    ids = torch.full((len(examples), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), P), dtype=torch.long)
+    for i, ex in enumerate(examples):
+        n = len(ex["prompt_ids"])
+        ids[i, P - n :] = torch.tensor(ex["prompt_ids"], dtype=torch.long)
+        mask[i, P - n :] = 1
+    names = list(dict.fromkeys(k for ex in examples for k in ex["columns"]))
+    return {"prompt_ids": ids, "prompt_attention_mask": mask, "prompts": [ex["prompt"] for ex in examples],
+            "columns": {k: [ex["columns"].get(k) for ex in examples] for k in names},
+            "rows": [ex["row"] for ex in examples]}
+
+
+ZERO_STD_WARN_AFTER = 10  # rollouts in a row whose every group had equal rewards before the warning
+
+
+class GRPOObjective:
+    """`(model, prompt batch) -> (loss_sum, count, metrics)`: sample G completions per prompt with the
+    adapters on (`sampling.sample`), score them (`rewards.score`), then TRL's GRPO loss on them.
+
+    new_cache: the family's KV cache class (`models.family(model).KVCache`); eos_ids: the ids that end
+    a completion (eos, end-of-turn); reference: `minitrain.objectives.reference`'s, run only when
+    beta > 0; out: the run's folder, for `completions.jsonl`.
+
+    With `num_iterations` = k > 1 the rollout of the window's j-th micro-batch is kept, with the
+    log-probs of the policy that sampled it (`old_logps`), and reused by the j-th micro-batch of the
+    next k - 1 optimizer steps (TRL's reuse); the prompts the loop hands those steps are not used.
+    Call `start_at(step)` when resuming, so that the cycle and the logs continue from the checkpoint's
+    step (a resume inside a cycle samples afresh: save_every a multiple of k resumes exactly).
+    """
+
+    token_level = False
+
+    def __init__(self, cfg: GRPOConfig, rewards: list, tok: Any, new_cache: Any, eos_ids: list[int],
+                 reference: Any = None, out: Any = None, log: Any = print):
+        self.cfg, self.rewards, self.tok, self.new_cache = cfg, rewards, tok, new_cache
+        self.eos_ids, self.reference, self.out, self.log = list(eos_ids), reference, out, log
+        weights = list(cfg.reward_weights) or [1.0] * len(rewards)
+        if len(weights) != len(rewards):
+            raise UserError(f"reward_weights: {len(weights)} weights for {len(rewards)} reward functions "
+                            f"({', '.join(n for n, _ in rewards)}) — give one weight per function")
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.calls, self.kept, self.zero_std_run, self.warned = 0, {}, 0, False
+
+    def start_at(self, step: int) -> None:
+        self.calls = step * self.cfg.grad_accum
+
+    # -- the rollout: no graph
+    @torch.no_grad()
+    def rollout(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        cfg, G = self.cfg, self.cfg.num_generations
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_attention_mask"]
+        comp = sample(model, prompt_ids, prompt_mask, new_cache=self.new_cache, num_generations=G,
+                            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                            top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+        lengths = comp.mask.sum(1).tolist()
+        ids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
+        texts = [self.tok.decode(i) for i in ids]
+        prompts = [p for p in batch["prompts"] for _ in range(G)]
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for p, t in zip(prompts, texts)]
+        columns = {k: [v for v in vs for _ in range(G)] for k, vs in batch["columns"].items()}
+        rows = [r for r in batch["rows"] for _ in range(G)]
+        per_func = score(self.rewards, prompts, completions, ids, columns, rows)  # (N, F)
+        advantages, rewards, zero_std = group_advantages(per_func, self.weights, G, cfg.scale_rewards)
+        mask = comp.mask
+        if cfg.mask_truncated_completions:
+            mask = mask * (~comp.truncated)[:, None].long()
+        device = prompt_ids.device
+        r = {"prompt_ids": prompt_ids.repeat_interleave(G, 0), "prompt_mask": prompt_mask.repeat_interleave(G, 0),
+             "completion_ids": comp.ids, "completion_mask": mask.to(device), "advantages": advantages.to(device),
+             "old_logps": None, "ref_logps": None}
+        if cfg.num_iterations > 1:  # the sampling policy's log-probs, for the steps that reuse this rollout
+            with dropout_off(model):
+                r["old_logps"] = self._logps(model, r)[0]
+        if cfg.beta:
+            with dropout_off(model), self.reference.applied(model):
+                r["ref_logps"] = self._logps(model, r)[0]
+        valid = ~torch.isnan(rewards)
+        r["metrics"] = {
+            "reward": float(rewards[valid].mean()) if valid.any() else float("nan"),
+            "reward_std": float(nanstd(rewards)) if valid.sum() > 1 else 0.0,
+            **{f"rewards/{name}/mean": float(torch.nanmean(per_func[:, j])) for j, (name, _) in enumerate(self.rewards)},
+            "frac_reward_zero_std": float(zero_std.float().mean()),
+            "completions/mean_length": float(sum(lengths) / len(lengths)),
+            "completions/clipped_ratio": float(comp.truncated.float().mean()),
+        }
+        r["sample"] = [{"prompt": p, "completion": t, "reward": None if math.isnan(float(x)) else float(x),
+                        "advantage": float(a), "row": w}
+                       for p, t, x, a, w in zip(prompts, texts, rewards, advantages, rows)]
+        return r
+
+    def _logps(self, model: nn.Module, r: dict[str, Any], entropy: bool = False):
+        return completion_logps(model, r["prompt_ids"], r["prompt_mask"], r["completion_ids"], r["completion_mask"],
+                                self.cfg.temperature, entropy)
+
+    # -- the loss on a rollout: the graph
+    def loss(self, model: nn.Module, r: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:
+        cfg = self.cfg
+        logps, ent = self._logps(model, r, entropy=True)
+        loss_sum, count, st = grpo_loss(logps, r["advantages"], r["completion_mask"], old_logps=r["old_logps"],
+                                        ref_logps=r["ref_logps"], loss_type=cfg.loss_type, epsilon=cfg.epsilon,
+                                        epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                        max_completion_length=cfg.max_completion_length,
+                                        bias_correction_kl=cfg.use_bias_correction_kl)
+        tokens = max(float(st["tokens"]), 1.0)
+        low, high = float(st["low_clipped"]) / tokens, float(st["high_clipped"]) / tokens
+        metrics = {**r["metrics"], "entropy": float(ent.sum()) / tokens, "clip_ratio/low_mean": low,
+                   "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high}
+        if cfg.beta:
+            metrics["kl"] = float(st["kl_sum"]) / tokens
+        return loss_sum, count, metrics
+
+    def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:
+        cfg = self.cfg
+        k, self.calls = self.calls, self.calls + 1
+        pos, step = k % cfg.grad_accum, k // cfg.grad_accum + 1
+        if (step - 1) % cfg.num_iterations == 0 or pos not in self.kept:
+            r = self.rollout(model, batch)
+            self.kept = {**(self.kept if pos else {}), pos: r} if cfg.num_iterations > 1 else {}
+            self._watch(r, step, first=pos == 0)
+        else:
+            r = self.kept[pos]
+        return self.loss(model, r)
+
+    def _watch(self, r: dict[str, Any], step: int, first: bool) -> None:
+        """The zero-advantage warning (once) and the sample in completions.jsonl."""
+        if r["metrics"]["frac_reward_zero_std"] == 1.0:
+            self.zero_std_run += 1
+            if self.zero_std_run == ZERO_STD_WARN_AFTER and not self.warned:
+                self.warned = True
+                self.log(f"warning: step {step}: the last {ZERO_STD_WARN_AFTER} rollouts gave every completion of each "
+                         f"group the same reward, so every advantage is 0 and nothing is learned — give partial "
+                         f"credit in the reward, raise num_generations or temperature, or use easier prompts")
+        else:
+            self.zero_std_run = 0
+        every = self.cfg.log_completions_every
+        if self.out is not None and every and first and step % every == 0:
+            def write() -> None:
+                with open(self.out / "completions.jsonl", "a") as f:
+                    for s in r["sample"][: 2 * self.cfg.num_generations]:
+                        f.write(json.dumps({"step": step, **s}, default=str) + "\n")
+            distributed.main_only(write)
+
+    def audit_objective(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, float, dict]:
+        """What the gradient-path audit runs: a rollout of the batch with advantages +1, -1, ... instead
+        of its rewards' (which may all be equal, and 0 advantages would zero every gradient), through the
+        same loss. Counts nothing and writes nothing."""
+        r = self.rollout(model, batch)
+        n = r["advantages"].shape[0]
+        r["advantages"] = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(n)],
+                                       device=r["advantages"].device)
+        if r["completion_mask"].sum() == 0:  # every completion masked (truncated): score them anyway
+            r["completion_mask"] = torch.ones_like(r["completion_mask"])
+        return self.loss(model, r)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, examples: list[dict], collate: Any, batch_size: int,
+                 amp_dtype: torch.dtype | None = None) -> dict[str, float]:
+        """The held-out reward: one greedy completion per prompt (the policy's most likely answer), scored
+        by the reward functions; `eval/reward` is the mean of the weighted sums (completions no function
+        scores left out). Every rank computes the same figure over every example."""
+        device = next(model.parameters()).device
+        totals: list[float] = []
+        for i in range(0, len(examples), batch_size):
+            batch = collate(list(examples[i : i + batch_size]))
+            ids, mask = batch["prompt_ids"].to(device), batch["prompt_attention_mask"].to(device)
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                comp = sample(model, ids, mask, new_cache=self.new_cache, max_new_tokens=self.cfg.max_completion_length,
+                              greedy=True, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+            lengths = comp.mask.sum(1).tolist()
+            cids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
+            texts = [self.tok.decode(c) for c in cids]
+            completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                           for p, t in zip(batch["prompts"], texts)]
+            per_func = score(self.rewards, batch["prompts"], completions, cids, batch["columns"], batch["rows"])
+            unscored = torch.isnan(per_func).all(1)
+            summed = (per_func * self.weights[None]).nansum(1)
+            totals += summed[~unscored].tolist()
+        return {"eval/reward": sum(totals) / len(totals) if totals else float("nan")}

@@ -190,8 +190,7 @@ def prepare_out_dir(cfg: Any, job: Job | None = None) -> Path:
         from minitrain.train import audit_inputs, mark_audited  # train imports nothing of run
 
         batch, optimizer, amp_dtype = audit_inputs(job.model, job.train_examples, job.collate, cfg)
-        audited = getattr(job.objective, "audit_objective", job.objective)  # GRPO: its rollout, fixed advantages
-        preflight(job.model, audited, batch, optimizer=optimizer, amp_dtype=amp_dtype, log=log)
+        preflight(job.model, job.objective, batch, optimizer=optimizer, amp_dtype=amp_dtype, log=log)
         mark_audited(job.model, job.objective)
     out = Path(cfg.out)
     extra = trained_format(getattr(job.train_examples, "shapes", None), job.tok) if job is not None else None

@@ -229,8 +229,7 @@ def train(
     elif getattr(model, _AUDITED, None) == id(objective) and optimizer is None:
         pass  # run.prepare_out_dir audited this model and objective before writing out/
     else:
-        preflight(model, getattr(objective, "audit_objective", objective),  # GRPO: fixed advantages
-                  audit_batch(train_examples, collate, cfg, device),
+        preflight(model, objective, audit_batch(train_examples, collate, cfg, device),
                   optimizer=optimizer, amp_dtype=amp_dtype, log=log)
 
     if parallel == "fsdp":  # from here on the trainable tensors are this rank's shards (DTensors)

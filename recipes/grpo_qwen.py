@@ -1,8 +1,8 @@
 """GRPO on a Qwen (or any decoder) checkpoint with a LoRA adapter: online RL from rewards a program checks.
 
     python -m minitrain recipes/grpo_qwen.py                      # the built-in demo (CPU, about a minute)
-    python -m minitrain recipes/grpo_qwen.py model=/path/to/Qwen2.5-1.5B-Instruct data=math.jsonl \\
-        rewards=checks.py:correct,formatted reward_weights=1,0.2 out=runs/grpo
+    python -m minitrain recipes/grpo_qwen.py model=/path/to/Qwen3-0.6B data=math.jsonl \\
+        rewards=checks.py:correct,formatted reward_weights=1,0.2 out=runs/grpo   # 12 GB GPU
 
 Rows are `{"prompt": str | [messages]}` plus any other columns (any file format of docs/data.md,
 `fields=` to rename); a conversation is rendered with the checkpoint's chat template and its

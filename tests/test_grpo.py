@@ -141,3 +141,29 @@ def test_advantages_equal_trl(scale):
     if scale == "group":
         assert zero.tolist() == [False, False, True, True, False, False]  # the equal pair only (a lone scored
         # completion's std is NaN, as in TRL)
+
+
+def test_memory_plan_counts_the_samplers_kv_cache(hf_causal):
+    """The plan's GRPO sampling moment: its KV cache term equals the bytes the sampler's cache holds."""
+    import json
+
+    from minitrain.objectives.sampling import sample
+    from minitrain.plan.decoder import sampling_terms
+    from minitrain.plan.predict import shape_from_hf
+    from minitrain.plan.run_shape import RunShape
+
+    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
+    model = load_pretrained(folder, models.from_hf_config)
+    caches = []
+
+    def new_cache(n):
+        caches.append(models.family(model).KVCache(n))
+        return caches[-1]
+
+    prompt = torch.tensor([[1, 17, 23, 5], [0, 1, 40, 41]])
+    sample(model, prompt, (prompt != 0).long(), new_cache=new_cache, num_generations=3, max_new_tokens=6,
+           eos_ids=[], pad_id=0)
+    held = sum(t.numel() * t.element_size() for d in (caches[0].keys, caches[0].values) for t in d.values())
+    run = RunShape(rows=6, seq=4 + 6, compute="fp32", sample_rows=6)
+    shape = shape_from_hf(json.loads((folder / "config.json").read_text()))
+    assert next(t.bytes for t in sampling_terms(shape, run) if t.name == "sampler: KV cache") == held

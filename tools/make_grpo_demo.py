@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(part)
     write_jsonl(out / "train.jsonl", rows[0])
     write_jsonl(out / "eval.jsonl", rows[1])
+    (out / "README.md").write_text("# demo/grpo/ — written by tools/make_grpo_demo.py\n\n```\n" + __doc__.strip()
+                                   + "\n```\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"wrote {out} ({size / 2**20:.2f} MiB)")
 

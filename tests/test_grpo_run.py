@@ -161,3 +161,35 @@ def test_resumed_run_samples_the_same_completions(tmp_path):
     assert [[r[k] for k in keys] for r in m_resumed] == [[r[k] for k in keys] for r in m_straight]
     a, b = (load_file(tmp_path / run / "adapter" / "adapter_model.safetensors") for run in ("straight", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_ranks_each_sample_the_completions_of_their_own_prompts(tmp_path):
+    """torchrun, 2 ranks (gloo): each rank takes its share of every batch of prompts (the loop's
+    `idx[rank::world]`) and samples all G completions of each of them, so a group never spans ranks:
+    rank 0's logged groups are G rows of one prompt each, all from its own share of step 1's batch."""
+    import os
+    import subprocess
+    import sys
+
+    from minitrain.data.batcher import Batcher
+    from minitrain.data.readers import read_prompts
+    from minitrain.text.tokenizer import Tokenizer
+
+    out, G = tmp_path / "ddp", 3
+    args = [f"model={DEMO / 'model'}", f"data={DEMO / 'train.jsonl'}", "rewards=last_digit", "max_steps=1",
+            "batch_size=4", f"num_generations={G}", "max_completion_length=8", "max_len=40", "lora_r=2",
+            "lora_alpha=4", "checkpointing=false", "grad_accum=1", "log_completions_every=1", f"out={out}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "minitrain",
+                        RECIPE, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (out / "checkpoint" / "rng.rank1.safetensors").is_file()  # rank 1's sampler RNG is kept too
+    examples = read_prompts(DEMO / "train.jsonl", Tokenizer.from_folder(DEMO / "model"), max_len=32)
+    first = next(iter(Batcher([len(ex["prompt_ids"]) for ex in examples], 4, seed=0, shuffle=True,
+                              group_by_length=True)))  # as the loop orders them (seed 0: the default)
+    mine = {examples[i]["row"] for i in first[0::2]}
+    logged = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    groups = [logged[i : i + G] for i in range(0, len(logged), G)]
+    assert len(groups) == 2 and all(len({r["row"] for r in g}) == 1 for g in groups)
+    assert {g[0]["row"] for g in groups} == mine

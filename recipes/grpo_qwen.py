@@ -42,6 +42,7 @@ from pathlib import Path
 
 import models
 from minitrain import checkpoint as ckpt, distributed
+from minitrain.bundled import demo_dir
 from minitrain.errors import UserError
 from minitrain.objectives.grpo import GRPOConfig, GRPOObjective, collate_prompts
 from minitrain.objectives.reference import make_reference
@@ -51,7 +52,7 @@ from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_exa
                            prepare_out_dir)
 from minitrain.train import train
 
-DEMO = Path(__file__).resolve().parent.parent / "demo" / "grpo"
+DEMO = demo_dir() / "grpo"  # demo/grpo in a clone, minitrain/demo/grpo in an installed wheel
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 
 

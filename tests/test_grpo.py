@@ -56,14 +56,21 @@ def trainer(hf_causal, tmp_path_factory):
     return t, folder
 
 
+TRL_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
 def trl_loss_and_grads(trainer, inputs, loss_type, beta, epsilon, epsilon_high):
+    import collections
+
     trainer.loss_type, trainer.beta = loss_type, beta
     trainer.epsilon_low, trainer.epsilon_high = epsilon, epsilon_high
     trainer.current_gradient_accumulation_steps = 1
+    trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
     trainer.model.zero_grad(set_to_none=True)
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {k: trainer._metrics["train"][k][-1] for k in (*TRL_METRICS, *(("kl",) if beta else ()))}
+    return float(loss), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, metrics
 
 
 CASES = [(lt, beta, old, eps_high) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -92,19 +99,25 @@ def test_loss_and_gradients_equal_trl(trainer, loss_type, beta, old, eps_high):
         inputs["old_per_token_logps"] = old_logps
     if beta:
         inputs["ref_per_token_logps"] = ref_logps
-    expected, expected_grads = trl_loss_and_grads(t, inputs, loss_type, beta, 0.2, eps_high or 0.2)
+    expected, expected_grads, expected_metrics = trl_loss_and_grads(t, inputs, loss_type, beta, 0.2, eps_high or 0.2)
 
     for p in ours.parameters():
         p.requires_grad_(True)
-    logps, _ = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE)
+    logps, ent = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE,
+                                  entropy=True)
     loss_sum, count, stats = grpo_loss(logps, advantages, completion_mask, old_logps=old_logps, ref_logps=ref_logps,
                                        loss_type=loss_type, epsilon=0.2, epsilon_high=eps_high or 0.0, beta=beta,
                                        max_completion_length=MAX_COMPLETION)
     loss = loss_sum / count
     loss.backward()
     assert float(loss) == pytest.approx(expected, abs=1e-5, rel=1e-5)
+    n = float(stats["tokens"])
+    low, high = float(stats["low_clipped"]) / n, float(stats["high_clipped"]) / n
+    ours_metrics = {"entropy": float(ent.sum()) / n, "clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                    "clip_ratio/region_mean": low + high, **({"kl": float(stats["kl_sum"]) / n} if beta else {})}
+    assert ours_metrics == pytest.approx(expected_metrics, abs=1e-5, rel=1e-5)
     if old:
-        assert float(stats["low_clipped"] + stats["high_clipped"]) > 0  # the clip is exercised
+        assert low > 0 and high > 0  # both sides of the clip are exercised
     grads = {n: p.grad for n, p in ours.named_parameters()}
     assert set(expected_grads) <= set(grads)
     for n, ref in expected_grads.items():

@@ -88,7 +88,7 @@ def nan(prompts, completions, **kw):
     return [math.nan] * len(completions)
 '''
 
-SMALL = ["max_steps=1", "batch_size=2", "num_generations=2", "max_completion_length=4", "max_len=24",
+SMALL = ["batch_size=2", "num_generations=2", "max_completion_length=4", "max_len=24",
          "lora_r=2", "lora_alpha=4", "checkpointing=false", "grad_accum=1", "log_completions_every=0"]
 
 
@@ -111,7 +111,7 @@ def test_bad_rewards_are_one_line_exit_2_nothing_written(tmp_path, capsys, spec,
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sevens))
     out = tmp_path / "out"
     code = run_cli([RECIPE, f"out={out}", f"model={DEMO / 'model'}", f"data={tmp_path / 'train.jsonl'}",
-                    "rewards=" + spec.format(tmp=tmp_path), *SMALL])
+                    "rewards=" + spec.format(tmp=tmp_path), "max_steps=1", *SMALL])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
     assert re.search(message, err[0]), err[0]
@@ -193,3 +193,19 @@ def test_two_ranks_each_sample_the_completions_of_their_own_prompts(tmp_path):
     groups = [logged[i : i + G] for i in range(0, len(logged), G)]
     assert len(groups) == 2 and all(len({r["row"] for r in g}) == 1 for g in groups)
     assert {g[0]["row"] for g in groups} == mine
+
+
+def test_equal_rewards_everywhere_are_said_once_and_wrong_weights_are_refused(tmp_path, capsys):
+    """Every group's rewards equal for 10 rollouts in a row: one warning, once, saying what to change.
+    reward_weights of the wrong length: one line, exit 2, nothing written."""
+    (tmp_path / "flat.py").write_text("def flat(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    args = [RECIPE, f"model={DEMO / 'model'}", f"data={DEMO / 'train.jsonl'}", *SMALL]
+    assert run_cli([*args, f"out={tmp_path / 'flat'}", f"rewards={tmp_path / 'flat.py'}:flat", "max_steps=12"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("every advantage is 0 and nothing is learned") == 1
+    assert "give partial credit in the reward, raise num_generations or temperature" in out
+    assert run_cli([*args, f"out={tmp_path / 'weights'}", "rewards=last_digit", "reward_weights=1,2",
+                    "max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reward_weights: 2 weights for 1 reward functions (last_digit)" in err[0], err
+    assert not (tmp_path / "weights").exists()

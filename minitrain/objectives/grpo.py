@@ -37,7 +37,7 @@ from torch import nn
 from minitrain import distributed
 from minitrain.config import TrainConfig, doc
 from minitrain.errors import UserError
-from minitrain.objectives.losses import chunked_token_logprobs
+from minitrain.objectives.losses import chunked_token_logprobs, default_chunk
 from minitrain.objectives.reference import dropout_off
 from minitrain.objectives.rewards import score
 from minitrain.objectives.sampling import sample
@@ -154,12 +154,14 @@ def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     ent = None
     if entropy:
         with torch.no_grad():
-            ent = torch.zeros_like(logps)
-            h = hidden.detach()
-            for b in range(h.shape[0]):  # one row of logits (C, V) at a time
-                logp = torch.log_softmax(head(h[b]).float(), dim=-1)
-                ent[b] = -(logp.exp() * logp).sum(-1)
-            ent = ent * completion_mask
+            keep = completion_mask.reshape(-1).nonzero().squeeze(1)  # the completion tokens only
+            h = hidden.detach().reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (n, D)
+            flat = torch.zeros(completion_mask.numel(), dtype=torch.float32, device=hidden.device)
+            chunk = default_chunk(model.output_projection, hidden.device)
+            for i in range(0, h.shape[0], chunk):  # (chunk, V) logits at a time
+                logp = torch.log_softmax(head(h[i : i + chunk]).float(), dim=-1)
+                flat[keep[i : i + chunk]] = -(logp.exp() * logp).sum(-1)
+            ent = flat.view(completion_mask.shape)
     return logps, ent
 
 

@@ -180,3 +180,36 @@ def test_memory_plan_counts_the_samplers_kv_cache(hf_causal):
     run = RunShape(rows=6, seq=4 + 6, compute="fp32", sample_rows=6)
     shape = shape_from_hf(json.loads((folder / "config.json").read_text()))
     assert next(t.bytes for t in sampling_terms(shape, run) if t.name == "sampler: KV cache") == held
+
+
+def test_prompt_rows_chat_and_text_with_their_columns(tmp_path):
+    """`read_prompts`: a conversation is the checkpoint's chat template with the generation prompt, as
+    transformers' `apply_chat_template(add_generation_prompt=True)` renders it; a string gets no bos on a
+    Qwen tokenizer (as transformers' encode); `fields` renames the prompt column; every other column is
+    kept for the rewards; each example knows its file:line."""
+    import json
+
+    import transformers
+    from _tok import make_qwen_tokenizer
+
+    from minitrain.data.readers import read_prompts
+    from minitrain.text.tokenizer import Tokenizer
+
+    import shutil
+    from pathlib import Path
+
+    folder = make_qwen_tokenizer(tmp_path / "tok")  # with Qwen2.5's own chat template
+    shutil.copy(Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2_5.jinja", folder / "chat_template.jinja")
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the a of to"}]
+    rows = [{"question": msgs, "answer": "7", "level": 2}, {"question": "the of and", "answer": "3"}]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ex = read_prompts(data, Tokenizer.from_folder(folder), max_len=256, fields={"prompt": "question"})
+    assert ex.truncated == 0
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ref = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert ex[0]["prompt_ids"] == list(ref) and ex[0]["prompt"] == msgs
+    assert ex[1]["prompt_ids"] == hf("the of and")["input_ids"]
+    assert ex[0]["columns"] == {"answer": "7", "level": 2} and ex[1]["columns"] == {"answer": "3"}
+    assert [e["row"] for e in ex] == [f"{data}:1", f"{data}:2"]

@@ -71,7 +71,9 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     length = torch.zeros(N, dtype=torch.long, device=device)  # tokens kept per row (eos included)
-    with dropout_off(model):
+    # eager even where the blocks are compiled (compile=true): each decoding step has a new cache
+    # length, which would recompile the blocks over and over; the training forward stays compiled
+    with dropout_off(model), torch.compiler.set_stance("force_eager"):
         cache = new_cache(ids.shape[1] + max_new_tokens)
         hidden = model(ids, mask, cache=cache)[:, -1]  # (N, D)
         step_mask = torch.ones(N, 1, dtype=torch.long, device=device)

@@ -136,7 +136,8 @@ def killing(prompts, completions, answer, **kw):
 
 
 def test_resumed_run_samples_the_same_completions(tmp_path):
-    """Killed in step 3's rollout (the first after the step-2 checkpoint), resumed from that checkpoint: steps 3 and 4 sample the same completions and log the same metrics as a run
+    """Killed in step 3's rollout (the first after the step-2 checkpoint), resumed from that checkpoint:
+    steps 3 and 4 sample the same completions and log the same metrics as a run
     straight through, and the adapters are equal bit for bit."""
     marker = tmp_path / "kill-once"
     (tmp_path / "killing.py").write_text(KILLING.format(root=str(ROOT), marker=str(marker),

@@ -178,7 +178,8 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     logps (B, C) the policy's completion log-probs (with a graph), advantages (B,), mask (B, C)
     1 on the completion tokens that take loss; old_logps (B, C) the sampling policy's (None:
     `logps` detached, one step per generation); ref_logps (B, C) the reference's (needed when
-    beta > 0; `bias_correction_kl`: the KL term times the ratio, TRL's `use_bias_correction_kl`). The loss is `loss_sum / count` (count summed over the window by the loop).
+    beta > 0; `bias_correction_kl`: the KL term times the ratio, TRL's `use_bias_correction_kl`).
+    The loss is `loss_sum / count` (count summed over the window by the loop).
     stats: sums over tokens for the metrics (`kl_sum`, `low_clipped`, ...) and `tokens`."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"grpo_loss: loss_type {loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
@@ -277,8 +278,8 @@ class GRPOObjective:
         cfg, G = self.cfg, self.cfg.num_generations
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_attention_mask"]
         comp = sample(model, prompt_ids, prompt_mask, new_cache=self.new_cache, num_generations=G,
-                            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                            top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+                      max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                      top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
         lengths = comp.mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
         texts = [self.tok.decode(i) for i in ids]
@@ -306,7 +307,8 @@ class GRPOObjective:
         r["metrics"] = {
             "reward": float(rewards[valid].mean()) if valid.any() else float("nan"),
             "reward_std": float(nanstd(rewards)) if valid.sum() > 1 else 0.0,
-            **{f"rewards/{name}/mean": float(torch.nanmean(per_func[:, j])) for j, (name, _) in enumerate(self.rewards)},
+            **{f"rewards/{name}/mean": float(torch.nanmean(per_func[:, j]))
+               for j, (name, _) in enumerate(self.rewards)},
             "frac_reward_zero_std": float(zero_std.float().mean()),
             "completions/mean_length": float(sum(lengths) / len(lengths)),
             "completions/clipped_ratio": float(comp.truncated.float().mean()),

@@ -80,7 +80,8 @@ def _import_file(path: Path) -> Any:
     except SyntaxError as e:
         raise UserError(f"{path}:{e.lineno}: syntax error in the reward file: {e.msg} — fix it") from None
     except Exception as e:  # the user's import-time error, at the user's line
-        raise UserError(f"{_user_line(e, path)}: {type(e).__name__}: {e} (importing the reward file) — fix it") from None
+        raise UserError(f"{_user_line(e, path)}: {type(e).__name__}: {e} (importing the reward file) "
+                        f"— fix it") from None
     return module
 
 

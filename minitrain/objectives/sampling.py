@@ -4,9 +4,9 @@
 
 The engine never imports `models/`: the recipe passes the family's cache class in
 (`models.family(model).KVCache`), and the model is run through the contract's cached forward
-(`model(ids, mask, cache=cache) -> hidden`, `model.output_projection`). Prompts are left-padded,
-each repeated G times (rows `i * G .. i * G + G - 1` are prompt i's group), prefilled once, then
-decoded one token per step for every row; a row stops at its first eos / end-of-turn id and is
+(`model(ids, mask, cache=cache) -> hidden`, `model.output_projection`). Prompts are left-padded and
+prefilled once each; the cache is then repeated G times (`cache.repeat_rows(G)`: rows `i * G .. i * G +
+G - 1` are prompt i's group) and every row decoded one token per step; a row stops at its first eos / end-of-turn id and is
 padded after it; decoding stops when every row has or at `max_new_tokens`.
 
 Sampling follows transformers' logits processors in their order: logits / temperature, then top-k,
@@ -64,9 +64,8 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     if bool((prompt_mask[:, 1:] < prompt_mask[:, :-1]).any()):
         raise ValueError("sample: prompt_mask has padding after real tokens — left-pad the prompts")
     device = prompt_ids.device
-    ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # (N, P): group i is rows i*G .. i*G+G-1
-    mask = prompt_mask.repeat_interleave(num_generations, dim=0).long()
-    N = ids.shape[0]
+    G = num_generations
+    N = prompt_ids.shape[0] * G  # group i is rows i*G .. i*G+G-1
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
@@ -74,8 +73,13 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     # eager even where the blocks are compiled (compile=true): each decoding step has a new cache
     # length, which would recompile the blocks over and over; the training forward stays compiled
     with dropout_off(model), torch.compiler.set_stance("force_eager"):
-        cache = new_cache(ids.shape[1] + max_new_tokens)
-        hidden = model(ids, mask, cache=cache)[:, -1]  # (N, D)
+        cache = new_cache(prompt_ids.shape[1] + max_new_tokens)
+        if hasattr(cache, "repeat_rows"):  # each prompt prefilled once, its cache then repeated G times
+            hidden = model(prompt_ids, prompt_mask.long(), cache=cache)[:, -1].repeat_interleave(G, dim=0)  # (N, D)
+            cache.repeat_rows(G)
+        else:
+            hidden = model(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0).long(),
+                           cache=cache)[:, -1]
         step_mask = torch.ones(N, 1, dtype=torch.long, device=device)
         for t in range(max_new_tokens):
             logits = model.output_projection(hidden).float()  # (N, V)

@@ -210,3 +210,22 @@ def test_equal_rewards_everywhere_are_said_once_and_wrong_weights_are_refused(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "reward_weights: 2 weights for 1 reward functions (last_digit)" in err[0], err
     assert not (tmp_path / "weights").exists()
+
+
+def test_num_iterations_reuses_each_rollout_for_that_many_steps(tmp_path):
+    """num_iterations=2: steps 1 and 2 train on the same completions (step 2 with the old log-probs of
+    step 1's policy, so its ratios move off 1), step 3 samples new ones."""
+    out = tmp_path / "it2"
+    (tmp_path / "digit.py").write_text(  # a reward that differs within groups: the last digit written
+        "def digit(prompts, completions, **kw):\n"
+        "    return [float(next((ch for ch in reversed(c) if ch.isdigit()), 0)) for c in completions]\n")
+    assert run_cli([RECIPE, f"model={DEMO / 'model'}", f"data={DEMO / 'train.jsonl'}",
+                    f"rewards={tmp_path / 'digit.py'}:digit",
+                    *SMALL[:-1], "log_completions_every=1", "max_steps=3", "lr=5e-2",
+                    "num_iterations=2", f"out={out}"]) == 0
+    logged = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in logged}) == [1, 3]  # a rollout is logged at the step that sampled it
+    m = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    same = ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std")
+    assert [m[1][k] for k in same] == [m[0][k] for k in same]  # step 2: step 1's completions and rewards
+    assert m[1]["loss"] != m[0]["loss"]  # ... under the moved policy: ratios off 1 (old log-probs kept)

@@ -243,7 +243,10 @@ def audit(
     """One forward + backward of `objective(model, batch)`; report who gets gradient and why not.
 
     Leaves the model as it found it: gradients, RNG state and parameter values are restored.
+    An objective may name what to audit in its place (`objective.audit_objective`: GRPO's rollout
+    with fixed non-zero advantages, since all-equal rewards would zero every gradient).
     """
+    objective = getattr(objective, "audit_objective", objective)
     named = dict(model.named_parameters())
     trainable = [(n, p) for n, p in named.items() if p.requires_grad]
     frozen = [(n, p) for n, p in named.items() if not p.requires_grad]

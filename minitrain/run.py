@@ -46,7 +46,7 @@ from minitrain.audit import preflight
 from minitrain.config import to_dict, to_json
 from minitrain.data.collate import collate_causal
 from minitrain.data.packing import collate_packed_causal
-from minitrain.data.readers import hold_out, read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.readers import hold_out, read_preference, read_prompts, read_seq2seq, read_sft, read_unpaired
 from minitrain.device import base_dtype, pick_device
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
@@ -429,12 +429,13 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     held out (None without either).
 
     kind: "sft" (prompt / completion, chats, text -> input_ids and labels), "seq2seq",
-    "preference" or "unpaired" (KTO); rows are read by `minitrain.data.readers` with `cfg.fields`, the tokenizer's
+    "preference", "unpaired" (KTO) or "prompts" (GRPO); rows are read by `minitrain.data.readers` with `cfg.fields`, the tokenizer's
     chat template gets `cfg.chat_template_kwargs`; `options` go to the reader (e.g. max_target_len).
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
-    readers = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired}
+    readers = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired,
+               "prompts": read_prompts}
     if kind not in readers:
         raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
     read = readers[kind]

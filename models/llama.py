@@ -580,6 +580,15 @@ class KVCache:
     def end(self, n_new: int) -> None:
         self.length += n_new
 
+    def repeat_rows(self, n: int) -> None:
+        """Each row's slots repeated n times in its place (row i -> rows i*n .. i*n+n-1): a prompt
+        prefilled once, then continued n ways (GRPO's G completions of one prompt)."""
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                store[layer] = t.repeat_interleave(n, dim=0)
+        if self.mask is not None:
+            self.mask = self.mask.repeat_interleave(n, dim=0)
+
 
 def attention_mask_4d(key_valid: torch.Tensor, q_start: int, sliding_window: int | None) -> torch.Tensor:
     """Boolean SDPA mask (B, 1, T, S), True = may attend: causal, not padding, inside the window.

@@ -69,6 +69,7 @@ def test_the_advertised_commands_are_found():
             "recipes/lora_t5.py"} <= where
     names = {a.split("/")[-1] for _, _, args, _ in COMMANDS for a in args if a.startswith("model=")}
     assert names == {"Mistral-7B-Instruct-v0.2", "Meta-Llama-3-8B-Instruct", "flan-t5-base", "Qwen3-0.6B"}
+    assert "recipes/grpo_qwen.py" in {r for _, r, _, _ in COMMANDS}
 
 
 @pytest.mark.parametrize("where,recipe,args,context", COMMANDS, ids=[f"{w}: {' '.join(a)[:60]}" for w, _, a, _ in COMMANDS])

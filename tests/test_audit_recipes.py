@@ -55,8 +55,10 @@ def inputs(hf_causal, tmp_path_factory) -> dict[str, Path]:
     kto = root / "kto.jsonl"
     kto.write_text("".join(json.dumps({"prompt": " ".join(w[:3]), "completion": " ".join(w[3:6]) or "yes",
                                        "label": i % 2 == 0}) + "\n" for i, w in enumerate(lines)))
+    rewards = root / "rewards.py"  # GRPO's reward: any function of the completions
+    rewards.write_text("def length(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n")
     return {"llama": llama, "mistral": mistral, "t5": root / "t5", "sft": sft, "prefs": prefs, "kto": kto,
-            "root": root}
+            "root": root, "rewards": rewards}
 
 
 def args_for(recipe: str, d: dict[str, Path]) -> list[str]:
@@ -72,6 +74,8 @@ def args_for(recipe: str, d: dict[str, Path]) -> list[str]:
         "lrc.py": {"model": d["llama"], "data": d["sft"]},
         "lora_t5.py": {"model": d["t5"], "data": d["sft"]},
         "kto_mistral.py": {"model": d["mistral"], "data": d["kto"], "eval_data": d["kto"]},
+        "grpo_qwen.py": {"model": d["llama"], "data": d["sft"], "rewards": f"{d['rewards']}:length",
+                         "num_generations": 2, "max_completion_length": 4},
     }
     assert recipe in per, f"recipes/{recipe}: add its command line to args_for in this test"
     return [str(REPO / "recipes" / recipe)] + [f"{k}={v}" for k, v in {**common, **per[recipe]}.items()]

@@ -208,6 +208,49 @@ def test_greedy_generate_matches_transformers(hf_causal, name):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("name", ["llama_bias", "qwen2_window", "qwen3", "gemma2", "gemma3_capped",
+                                  "phi3_partial_window"])
+def test_batched_sampler_greedy_matches_transformers(hf_causal, name):
+    """GRPO's sampler (minitrain.objectives.sampling), greedy with G = 2 completions per left-padded
+    prompt and an eos that stops one row early: each row equals transformers' `generate`, the mask covers
+    the tokens up to the eos, and only the row that never met the eos is marked truncated."""
+    from minitrain.objectives.sampling import sample
+
+    folder = family_checkpoint(hf_causal, name)
+    ours, hf = load_ours(folder).train(), load_hf(folder)
+    hf.generation_config.eos_token_id = None
+    ids, mask = prompts()
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    eos = int(hf.generate(input_ids=ids, attention_mask=mask, **kw)[0, 12 + 3])  # row 0 stops after 4 tokens
+    ref = hf.generate(input_ids=ids, attention_mask=mask, eos_token_id=eos, **kw)[:, 12:]
+    got = sample(ours, ids, mask, new_cache=models.family(ours).KVCache, num_generations=2, max_new_tokens=10,
+                 greedy=True, eos_ids=[eos], pad_id=0)
+    assert got.ids.shape[0] == 4 and torch.is_grad_enabled()
+    for row in range(4):
+        want = ref[row // 2]
+        n = int((want == eos).nonzero()[0]) + 1 if bool((want == eos).any()) else len(want)
+        assert got.ids[row, :n].tolist() == want[:n].tolist(), row
+        assert got.mask[row].sum() == n and bool(got.truncated[row]) == (n == 10 and int(want[-1]) != eos)
+    assert ours.training  # the model is left as it was
+
+
+def test_sampler_filters_equal_transformers_warpers():
+    """top-k then top-p as transformers' TopKLogitsWarper and TopPLogitsWarper keep them."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from minitrain.objectives.sampling import filter_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    for k, p in ((0, 0.9), (7, 1.0), (7, 0.5), (0, 0.3), (1, 0.95)):
+        ref = logits.clone()
+        if k:
+            ref = TopKLogitsWarper(k)(None, ref)
+        if p < 1:
+            ref = TopPLogitsWarper(p)(None, ref)
+        assert torch.equal(torch.isinf(filter_logits(logits, k, p)), torch.isinf(ref)), (k, p)
+
+
 # ------------------------------------------------------------------------ config, keys
 
 

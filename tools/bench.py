@@ -1,11 +1,12 @@
-"""minitrain against the HF stack on the same LoRA SFT, DPO, ORPO and KTO runs (CPU), and QLoRA DPO 7B GPU memory.
+"""minitrain against the HF stack on the same LoRA SFT, DPO, ORPO, KTO and GRPO runs (CPU), and QLoRA DPO 7B GPU memory.
 
-    python tools/bench.py [--repeats 3] [--only sft|dpo|orpo|kto] [--kinds sft,dpo] [--write BENCHMARKS.md] [--cache DIR] [--threads N]
+    python tools/bench.py [--repeats 3] [--only sft|dpo|orpo|kto|grpo] [--kinds sft,dpo] [--write BENCHMARKS.md] [--cache DIR] [--threads N]
                           [--steps 10] [--batch 4] [--accum 1] [--dpo-steps 8] [--dpo-batch 2] [--dpo-accum 1]
                           [--max-len 384] [--layers 4] [--dim 256] [--ffn 688] [--heads 4] [--kv-heads 4]
                           [--vocab 32000] [--lora-r 16] [--targets q_proj,k_proj,v_proj,o_proj,...]
     python tools/bench.py --gpu-dpo-7b [--seq 1024] [--dpo-steps 3] [--out FILE.json]   (CUDA only)
     python tools/bench.py --profile mt-sft|mt-dpo   (one minitrain run under cProfile: the top functions)
+    python tools/bench.py --sampler [--gen-batch 8] [--gen-prompt 32] [--gen-new 64]   (GRPO's sampler vs generate)
 
 What runs (each run a fresh `python` subprocess, so peak RSS and start-up are honest):
 
@@ -27,6 +28,10 @@ What runs (each run a fresh `python` subprocess, so peak RSS and start-up are ho
   gives its chosen answer, label true, and its rejected one, label false: 2 x pairs rows per step);
   TRL's KTO requires sequential sampling (its KL rows are fixed neighbours), so its HF side runs
   `train_sampling_strategy="sequential"`; minitrain shuffles as for the other kinds;
+- GRPO (`--kinds grpo`): `recipes/grpo_qwen.py` against `trl.GRPOTrainer` + peft on the demo's toy
+  task and tiny model (demo/grpo: "the last digit of a sum", the recipe's `last_digit` reward on both
+  sides), the same prompts per step, G, max_completion_length, temperature 1, loss dapo, beta 0 (no
+  reference); throughput in completions (prompts x G per step) per second and per CPU-second;
 - the same on both: fp32 on CPU, batch, accumulation, steps, max_len, LoRA r / alpha / dropout 0 /
   targets, constant LR, no warmup, AdamW (torch, foreach), grad clip 1.0, no eval, no saving
   during the run (minitrain writes its final checkpoint and adapter after the last step, outside
@@ -79,7 +84,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 NAN = float("nan")
-UNITS = {"dpo": "pairs", "orpo": "pairs", "kto": "rows"}  # what a preference kind's throughput counts
+UNITS = {"dpo": "pairs", "orpo": "pairs", "kto": "rows", "grpo": "completions"}
+GRPO_DEMO = ROOT / "demo" / "grpo"  # GRPO's toy task and tiny model, the same on both sides  # what a preference kind's throughput counts
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -217,6 +223,15 @@ def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[
         return [sys.executable, "-m", "minitrain", "recipes/kto_mistral.py", f"data={info['kto']}", "eval_data=",
                 f"max_steps={a.dpo_steps}", f"batch_size={2 * a.dpo_batch}", f"grad_accum={a.dpo_accum}", "beta=0.1",
                 *common]
+    if kind == "grpo":  # the demo's toy task and model (demo/grpo), not the bench checkpoint
+        return [sys.executable, "-m", "minitrain", "recipes/grpo_qwen.py", f"model={GRPO_DEMO / 'model'}",
+                f"data={GRPO_DEMO / 'train.jsonl'}", "eval_data=", "rewards=last_digit", f"out={out}",
+                f"max_steps={a.grpo_steps}", f"batch_size={a.grpo_prompts}", f"num_generations={a.grpo_g}",
+                f"max_completion_length={a.grpo_len}", "max_len=64", "temperature=1.0", "loss_type=dapo", "beta=0.0",
+                "lora_r=8", "lora_alpha=16", "lora_dropout=0.0", "lora_targets=q_proj,k_proj,v_proj,o_proj",
+                "lr=2e-3", "warmup=0", "schedule=constant", "precision=fp32", "device=cpu", "log_every=1",
+                "save_every=0", "max_grad_norm=1.0", "weight_decay=0.0", f"seed={a.seed}", "overwrite=true",
+                "checkpointing=false", "grad_accum=1", "log_completions_every=0", "group_by_length=false"]
     loss = ["loss_type=orpo", "sft_weight=1.0"] if kind == "orpo" else ["loss_type=sigmoid", "sft_weight=0.0"]
     return [sys.executable, "-m", "minitrain", "recipes/dpo_mistral.py", f"data={info['dpo']}", "eval_data=",
             f"max_steps={a.dpo_steps}", f"batch_size={a.dpo_batch}", f"grad_accum={a.dpo_accum}", "beta=0.1",
@@ -224,6 +239,11 @@ def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[
 
 
 def hf_spec(kind: str, a: argparse.Namespace, info: dict, out: Path) -> dict:
+    if kind == "grpo":
+        return {"kind": kind, "model": str(GRPO_DEMO / "model"), "data": str(GRPO_DEMO / "train.jsonl"),
+                "out": str(out), "steps": a.grpo_steps, "batch": a.grpo_prompts * a.grpo_g, "g": a.grpo_g,
+                "completion_len": a.grpo_len, "accum": 1, "max_len": 64, "lora_r": 8,
+                "targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "lr": 2e-3, "seed": a.seed}
     sft = kind == "sft"
     data = info["sft"] if sft else info["kto"] if kind == "kto" else info["dpo"]
     return {"kind": kind, "model": info["model"], "data": data, "out": str(out),
@@ -333,7 +353,7 @@ def run_one(kind: str, side: str, a: argparse.Namespace, info: dict, rep: int) -
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(work / "spec.json")]
         steps_file = work / "hf_out" / "steps.jsonl"
     r = timed_run(cmd, steps_file, work / "log.txt", child_env(a, side))
-    pairs = a.dpo_batch * a.dpo_accum * (2 if kind == "kto" else 1)
+    pairs = a.grpo_prompts * a.grpo_g if kind == "grpo" else a.dpo_batch * a.dpo_accum * (2 if kind == "kto" else 1)
     s = summarize(kind, side, r, pairs)
     s["command"] = cmd
     if r["rc"] != 0:
@@ -383,6 +403,8 @@ def hf_worker(spec_path: str) -> int:
     rows = [json.loads(line) for line in open(spec["data"]) if line.strip()]
     tok = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    if spec["kind"] == "grpo":
+        rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows[: spec["steps"] * spec["batch"]]]
     lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0,
                       target_modules=spec["targets"], task_type="CAUSAL_LM")
     common = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=spec["batch"],
@@ -407,6 +429,16 @@ def hf_worker(spec_path: str) -> int:
         collator = transformers.DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, data_collator=collator,
                                        callbacks=[StepClock()])
+    elif spec["kind"] == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        from recipes.grpo_qwen import last_digit
+
+        common["train_sampling_strategy"] = "random"
+        args = GRPOConfig(num_generations=spec["g"], max_completion_length=spec["completion_len"], temperature=1.0,
+                          beta=0.0, loss_type="dapo", log_completions=False, **common)
+        trainer = GRPOTrainer(model=model, reward_funcs=last_digit, args=args, train_dataset=Dataset.from_list(rows),
+                              processing_class=tok, peft_config=lora, callbacks=[StepClock()])
     elif spec["kind"] == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -509,8 +541,10 @@ def table(results: dict, kind: str) -> list[str]:
         u, goal = UNITS[kind], ">= 2x" if kind == "dpo" else ""
         metrics += [(f"{u}/s (steps 2..N)", f"{u}_per_s", goal),
                     (f"{u} per CPU-second (steps 2..N)", f"{u}_per_cpu_s", goal)]
+    if kind == "grpo":
+        metrics[-2:] = [(n, k, ">= 2x" if k.endswith("per_cpu_s") else g) for n, k, g in metrics[-2:]]
     goals = kind in ("sft", "dpo")  # the issue's goals were set for these two
-    metrics += [("peak RSS (MiB)", "peak_rss_mb", "<= 0.6x" if goals else ""),
+    metrics += [("peak RSS (MiB)", "peak_rss_mb", "<= 0.6x" if goals else "<= 0.5x" if kind == "grpo" else ""),
                 ("time to first step (s)", "first_step_s", "<= 0.5x" if goals else ""),
                 ("CPU-seconds to first step", "cpu_first_step_s", "<= 0.5x" if goals else ""),
                 ("seconds per step (steps 2..N)", "steady_s_per_step", ""),
@@ -554,7 +588,11 @@ def render(a: argparse.Namespace, results: dict, info: dict, argv: list[str], ex
              + ("; ORPO: the same pairs, beta (lambda) 0.1, no reference" if "orpo" in results else "")
              + (f"; KTO: the same pairs unpaired, {2 * a.dpo_batch} rows x accumulation {a.dpo_accum} per step, "
                 f"beta 0.1, weights 1 / 1, reference = adapter off (HF: sequential sampling, as TRL's KTO requires)"
-                if "kto" in results else "") + ".",
+                if "kto" in results else "")
+             + (f"; GRPO: the demo's toy task and model (demo/grpo, {a.grpo_steps} steps x {a.grpo_prompts} prompts x "
+                f"G={a.grpo_g}, up to {a.grpo_len} new tokens, temperature 1, dapo, beta 0, LoRA r=8 on q,k,v,o; "
+                f"tokens: minitrain counts prompt tokens, HF the policy forward's; compare completions)"
+                if "grpo" in results else "") + ".",
              ""]
     for kind in results:
         lines += table(results, kind) + [""]
@@ -602,6 +640,58 @@ def padding_note(a: argparse.Namespace, info: dict) -> str:
     return ("Padding in minitrain's SFT micro-batches (its Batcher, same seed; HF pads to the batch's longest too, "
             "and its sampler shuffles differently): "
             + "; ".join(out) + ".")
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+def sampler_bench(a: argparse.Namespace) -> int:
+    """GRPO's batched sampler against transformers' `generate` on the bench checkpoint: the same model
+    weights, a batch of `--gen-batch` left-padded prompts, `--gen-new` new tokens each (greedy, no eos, so
+    both decode every step), each side with its KV cache (transformers: its default dynamic cache), in this
+    one process on `--threads` threads; CPU-seconds (process time) per call, median of `--repeats`
+    interleaved calls; both sides' tokens are checked equal."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    import models
+    from minitrain.objectives.sampling import sample
+    from minitrain.weights import load_pretrained
+
+    torch.set_num_threads(a.threads)
+    info = prepare(a)
+    ours = load_pretrained(info["model"], models.from_hf_config)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(info["model"], dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    g = torch.Generator().manual_seed(a.seed)
+    B, P, n = a.gen_batch, a.gen_prompt, a.gen_new
+    ids = torch.randint(3, a.vocab, (B, P), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(B):  # left padding: row i has i * P // (2 * B) pads
+        mask[i, : i * P // (2 * B)] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    times: dict[str, list[float]] = {"minitrain": [], "transformers": []}
+    outs = {}
+    for rep in range(a.repeats + 1):  # the first call of each side warms up, uncounted
+        for side in (("minitrain", "transformers") if rep % 2 == 0 else ("transformers", "minitrain")):
+            t0 = time.process_time()
+            with torch.no_grad():
+                if side == "minitrain":
+                    out = sample(ours, ids, mask, new_cache=models.family(ours).KVCache, max_new_tokens=n,
+                                 greedy=True, eos_ids=[], pad_id=0).ids
+                else:
+                    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                      pad_token_id=0)[:, P:]
+            if rep:
+                times[side].append(time.process_time() - t0)
+            outs[side] = out
+    same = torch.equal(outs["minitrain"], outs["transformers"])
+    tps = {k: B * n / med(v) for k, v in times.items()}
+    print(f"sampler: batch {B}, prompts {P} tokens (left-padded), {n} new tokens, greedy, {a.threads} thread(s), "
+          f"median of {a.repeats}: minitrain {tps['minitrain']:.0f} tok per CPU-s, transformers generate "
+          f"{tps['transformers']:.0f} ({tps['minitrain'] / tps['transformers']:.2f}x); tokens equal: {same}")
+    return 0 if same else 1
 
 
 # ----------------------------------------------------------------------------- profile
@@ -734,7 +824,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", choices=("sft", "dpo", "orpo", "kto"))
+    p.add_argument("--only", choices=("sft", "dpo", "orpo", "kto", "grpo"))
+    p.add_argument("--sampler", action="store_true", help="GRPO's sampler against transformers' generate")
+    p.add_argument("--gen-batch", type=int, default=8)
+    p.add_argument("--gen-prompt", type=int, default=32)
+    p.add_argument("--gen-new", type=int, default=64)
+    p.add_argument("--grpo-steps", type=int, default=8)
+    p.add_argument("--grpo-prompts", type=int, default=4)
+    p.add_argument("--grpo-g", type=int, default=8)
+    p.add_argument("--grpo-len", type=int, default=16)
     p.add_argument("--kinds", type=lambda s: s.split(","), default=["sft", "dpo"],
                    help="which runs, comma-separated: sft,dpo (default), orpo, kto")
     p.add_argument("--write", metavar="BENCHMARKS.md")
@@ -782,15 +880,17 @@ def main(argv: list[str]) -> int:
         return gpu_dpo_7b(a)
     if a.profile:
         return profile_run(a, a.profile)
+    if a.sampler:
+        return sampler_bench(a)
     info = prepare(a)
     print(f"checkpoint {info['model']} ({info['params']:,} params); data {info['sft']}, {info['dpo']}", flush=True)
     env = child_env(a)
     extra = {"machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M"),
              "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     kinds = [a.only] if a.only else a.kinds
-    bad = [k for k in kinds if k not in ("sft", "dpo", "orpo", "kto")]
+    bad = [k for k in kinds if k not in ("sft", "dpo", "orpo", "kto", "grpo")]
     if bad:
-        print(f"error: --kinds: unknown {', '.join(bad)} — use sft, dpo, orpo, kto", file=sys.stderr)
+        print(f"error: --kinds: unknown {', '.join(bad)} — use sft, dpo, orpo, kto, grpo", file=sys.stderr)
         return 2
     results = {k: {"mt": [], "hf": []} for k in kinds}
     for rep in range(a.repeats):

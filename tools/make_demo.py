@@ -235,8 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one thread: the same reductions, so the same bytes, on every run
     out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
+    for old in out.iterdir() if out.exists() else ():  # demo/grpo is tools/make_grpo_demo.py's: kept
+        if old.name != "grpo":
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
     rng = random.Random(args.seed)
 
     corpus = [chat(rng, TRAIN_NAMES + HELDOUT_NAMES, HALLUCINATION_RATE) for _ in range(20000)]

@@ -1,6 +1,6 @@
 """Rows -> token-id examples: what the readers make of each row shape, and truncation.
 
-Readers (`read_sft`, `read_seq2seq`, `read_preference`, `read_unpaired`) turn the rows of a data file
+Readers (`read_sft`, `read_seq2seq`, `read_preference`, `read_unpaired`, `read_prompts`) turn the rows of a data file
 (`minitrain.data.files`, typed access through `minitrain.data.rows`) into examples of token
 ids; a user's mistake in the file is one `UserError` naming `file:line`. They return an
 `Examples` list that also says how many rows were truncated or skipped. The batch order is
@@ -377,6 +377,37 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
             out.skipped += 1
             continue
         out.append(ex)
+    return out
+
+
+def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
+                 max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
+                 split: str | None = None) -> Examples:
+    """Prompts to generate from (GRPO) `{"prompt_ids", "prompt", "columns", "row"}`.
+
+    Rows: `{"prompt": str | [messages]}` plus any other columns, which are kept as they are in
+    `columns` (the reward functions get them). A string prompt is `[bos] prompt`; a conversation is
+    rendered with the chat template (or format) and the assistant's generation prompt. A prompt
+    longer than `max_prompt_len` (default `max_len // 2`: the rest is room for the completion)
+    loses tokens on `truncation_side` (a leading bos is kept), counted in `Examples.truncated`.
+    `prompt` is the row's prompt (messages with their keys renamed by `fields`), `row` its `file:line`.
+    """
+    max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len) or max_len // 2
+    fields = check_fields(fields, ("prompt", "role", "content"))
+    out = Examples(path=str(path))
+    for where, raw in read_rows(path, split):
+        row = Row(where, raw, fields, '"prompt"')
+        prompt = row.get("prompt")
+        if isinstance(prompt, list):
+            prompt = row.messages("prompt")
+            ids, _ = _chat(tok, where, prompt, add_generation_prompt=True)
+        else:
+            ids = _with_bos(tok, tok.encode(row.text("prompt")), out)
+        if len(ids) > max_prompt_len:
+            ids = _cut(ids, max_prompt_len, truncation_side, tok.bos_id)
+            out.truncated += 1
+        columns = {k: v for k, v in raw.items() if k != row.key("prompt")}
+        out.append({"prompt_ids": ids, "prompt": prompt, "columns": columns, "row": where})
     return out
 
 

@@ -13,4 +13,7 @@ Modules, in reading order:
     kto         KTO on unpaired, labelled rows
     distill     knowledge distillation: KD + CE, feature matching, attention transfer
     ard         ARD-LoRA's ELBO, its held-out uncertainty evaluation, its prior's schedule
+    sampling    G completions per prompt in one batch through the model's KV cache (GRPO's rollout)
+    rewards     reward functions (TRL's signature) from a file or a recipe, scored with one-line errors
+    grpo        GRPO: group advantages, TRL's clipped loss and its variants, the rollout objective
 """

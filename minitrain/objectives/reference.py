@@ -99,6 +99,10 @@ class BaseReference:
     def fingerprint(self) -> str:
         return "base model (adapters disabled)"
 
+    def applied(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Within: the model is the reference (its adapters disabled)."""
+        return disable_adapters(model)
+
 
 class AdapterSnapshotReference:
     """Mode (b), continuing a trained adapter: the reference is the policy as it was when made.
@@ -134,6 +138,10 @@ class AdapterSnapshotReference:
             with torch.no_grad():
                 for p, value in zip(live, kept):
                     p.copy_(value)
+
+    def applied(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Within: the model is the reference (the snapshot swapped in)."""
+        return self.swapped_in(model)
 
     def logps(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) reference log-probs (P,), without a graph."""

@@ -654,3 +654,16 @@ class Phi3Shape(ModelShape):
             terms.append(Term("fused qkv output (held by v's view)", run.tokens * (self.q_width + self.kv_width) * run.s,
                               f"(Hq + Hk) x {run.s} per token"))
         return terms
+
+
+def sampling_terms(model: ModelShape, run: RunShape) -> list[Term]:
+    """GRPO's rollout (`minitrain.objectives.sampling`), a moment of its own: no graph, before the
+    policy forward. The KV cache of every layer for `sample_rows` rows x `seq` slots, in the compute
+    dtype, and one decoding step's hidden states and fp32 logits (with the filtered copy and softmax)."""
+    R, T, L = run.sample_rows, run.seq, model.num_hidden_layers
+    kv = R * T * L * 2 * model.num_key_value_heads * model.head_dim * run.s
+    return [Term("sampler: KV cache", kv, f"{R} rows x {T} slots x {L} layers x 2 x {model.kv_width} x {run.s} B"),
+            Term("sampler: prefill hidden states", R * T * model.hidden_size * run.s * 2, "rows x T x D x s x 2"),
+            Term("sampler: one step's logits (fp32, filtered, softmax)", R * model.vocab_size * 4 * 3,
+                 "rows x V x 4 B x 3")]
+

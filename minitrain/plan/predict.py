@@ -62,7 +62,8 @@ from pathlib import Path
 from typing import Any
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import GemmaShape, ModelShape, Phi3Shape, adapter_terms, teacher_weight_terms
+from minitrain.plan.decoder import (GemmaShape, ModelShape, Phi3Shape, adapter_terms, sampling_terms,
+                                    teacher_weight_terms)
 from minitrain.plan.run_shape import DTYPE_BYTES, Plan, RunShape, Term
 from minitrain.plan.t5 import T5Shape
 
@@ -97,6 +98,8 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
     if run.full:  # the gradients are in the moments where they exist (set_to_none between steps)
         persistent = [t for t in persistent if t.name != "gradients"]
     moments, notes = model.moments(run)
+    if run.sample_rows:  # GRPO: generation has its own moment (no graph; the cache is freed before the forward)
+        moments["GRPO sampling (KV cache, no grad)"] = sampling_terms(model, run)
     trainable = sum(model.trainable_tensors(run)) * DTYPE_BYTES[run.adapter_dtype]
     moments["optimizer step"] = moments.get("optimizer step", []) + [
         Term("AdamW temporaries", trainable if run.optimizer_temps else 0,
@@ -113,7 +116,9 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
     reference: `precomputed` with precompute_ref, `snapshot` when continuing an adapter
     (init_adapter), else `base` (adapters disabled). `loss_type` orpo / cpo / simpo: the same
     rows and no reference (`none`). KTO configs (`desirable_weight`): batch_size rows with a
-    graph, and a reference forward of 2 x batch_size rows (the rows and their KL rows).
+    graph, and a reference forward of 2 x batch_size rows (the rows and their KL rows). GRPO configs
+    (`num_generations` G): batch_size x G rows of max_len (prompt + completion), the same rows in the
+    sampler's KV cache, and with `beta` the reference forward (base, or snapshot with init_adapter).
     """
     precision = getattr(cfg, "precision", "auto")
     if precision == "auto":
@@ -128,6 +133,10 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
         if getattr(cfg, "loss_type", "") in ("orpo", "cpo", "simpo"):
             ref = "none"
     rows = cfg.batch_size * (2 if is_dpo and not is_kto else 1)
+    generations = getattr(cfg, "num_generations", 0)  # GRPO: every prompt's G completions are forwarded
+    if generations:
+        rows = cfg.batch_size * generations
+        ref = None if not cfg.beta else ("snapshot" if getattr(cfg, "init_adapter", "") else "base")
     feats = (len(cfg.feature_layers) or -1) if getattr(cfg, "feature_weight", 0.0) > 0 else 0  # empty: every layer
     attns = (len(cfg.attention_layers) or -1) if getattr(cfg, "attention_weight", 0.0) > 0 else 0
     return RunShape(rows=rows, seq=seq or cfg.max_len, target_seq=getattr(cfg, "max_target_len", None),
@@ -140,7 +149,7 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0,
                     teacher=teacher_shape(cfg), teacher_quantize=getattr(cfg, "teacher_quantize", "none"),
                     kd_top_k=getattr(cfg, "top_k", 0) if getattr(cfg, "teacher", "") else 0, kd_features=feats,
-                    kd_attention=attns)
+                    kd_attention=attns, sample_rows=rows if generations else 0)
 
 
 def teacher_shape(cfg: Any) -> "ModelShape | None":

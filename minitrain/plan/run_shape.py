@@ -71,6 +71,7 @@ class RunShape:
     kd_top_k: int = 0  # distillation: subset KD over the teacher's top-k tokens (0: the full vocabulary)
     kd_features: int = 0  # distillation: student layers whose hidden states are matched (-1: every layer)
     kd_attention: int = 0  # distillation: student layers whose attention is transferred (-1: every layer)
+    sample_rows: int = 0  # GRPO: completions sampled per micro-batch (prompts x G), each with seq KV slots
 
     @property
     def s(self) -> int:

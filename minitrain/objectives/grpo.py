@@ -1,0 +1,408 @@
+"""GRPO: group-relative policy optimisation from rewards a program computes (TRL's GRPOTrainer loss).
+
+For each prompt the policy samples G completions (`minitrain.objectives.sampling`), reward functions
+score them (`minitrain.objectives.rewards`), and each completion's advantage is its reward less its
+group's mean, divided by the group's (or the batch's) standard deviation (`group_advantages`). The
+loss is PPO's clipped surrogate per completion token,
+
+    ratio = exp(logp - old_logp)      (old_logp: the policy that sampled; = logp detached when
+                                       each generation is used for one step)
+    loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * kl_t
+    kl_t = exp(ref - logp) - (ref - logp) - 1          (k3 estimator, against the reference;
+                                                        times ratio with use_bias_correction_kl, TRL's default)
+
+summed over completion tokens and normalised as `loss_type` says (`grpo_loss`): TRL's formulas,
+term for term (trl 1.16 `GRPOTrainer._compute_loss` and `_generate_and_score_completions`), so that
+on the same model, completions and rewards the loss and its gradients equal TRL's
+(tests/test_grpo.py).
+
+The unit of the loop's normalisation (docs/design.md rule 2) follows the loss_type: `grpo`
+averages each completion's token mean over completions (the unit is the completion), `dapo` and
+`bnpo` average over every completion token of the window (the unit is the token), `dr_grpo`
+divides by completions x max_completion_length. TRL's `dapo` normalises by the tokens of the whole
+generation batch as here; its `bnpo` by each micro-batch's tokens (the same with one micro-batch per
+step; minitrain uses the window's, rule 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from minitrain import distributed
+from minitrain.config import TrainConfig, doc
+from minitrain.errors import UserError
+from minitrain.objectives.losses import chunked_token_logprobs, default_chunk
+from minitrain.objectives.reference import dropout_off
+from minitrain.objectives.rewards import score
+from minitrain.objectives.sampling import sample
+
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
+
+
+@dataclass
+class GRPOConfig(TrainConfig):
+    """A GRPO run: `TrainConfig` plus generation and loss keys (names and defaults as TRL's GRPOConfig).
+
+    `batch_size` counts prompts per micro-batch; each gets `num_generations` completions."""
+
+    rewards: str = doc("", "reward functions: path/to/file.py:fn[,fn2...] (TRL's signature fn(prompts, "
+                           "completions, **columns) -> list of float | None); empty: the recipe's own")
+    reward_weights: list[float] = doc([], "one weight per reward function (empty: all 1)")
+    num_generations: int = doc(8, "completions sampled per prompt (the group)", ge=2)
+    max_completion_length: int = doc(256, "new tokens per completion at most", ge=1)
+    temperature: float = doc(1.0, "sampling temperature (the log-probs are of logits / temperature, as TRL)", gt=0)
+    top_p: float = doc(1.0, "nucleus sampling: keep the smallest set of tokens of probability >= top_p", gt=0, le=1)
+    top_k: int = doc(0, "sample among the k most likely tokens only (0: all)", ge=0)
+    loss_type: str = doc("dapo", "how token losses are averaged (TRL's loss_type)", choices=LOSS_TYPES)
+    scale_rewards: str = doc("group", "advantages divided by the group's std, the batch's, or not at all",
+                             choices=SCALE_REWARDS)
+    epsilon: float = doc(0.2, "lower clip of the ratio: 1 - epsilon", gt=0, lt=1)
+    epsilon_high: float = doc(0.0, "upper clip of the ratio: 1 + epsilon_high (0: epsilon)", ge=0)
+    beta: float = doc(0.0, "weight of the KL term against the reference (0: no reference is run)", ge=0)
+    use_bias_correction_kl: bool = doc(True, "multiply the KL term by the ratio (TRL's default: an unbiased "
+                                             "reverse-KL gradient)")
+    num_iterations: int = doc(1, "optimizer steps on each generation (old log-probs kept from the first)", ge=1)
+    mask_truncated_completions: bool = doc(False, "completions cut at max_completion_length take no loss")
+    log_completions_every: int = doc(10, "write a sample of prompts, completions and rewards to "
+                                         "out/completions.jsonl every this many steps (0: never)", ge=0)
+
+    def check(self) -> None:
+        super().check()
+        if self.max_len <= self.max_completion_length:
+            raise UserError(f"max_len={self.max_len}: must exceed max_completion_length={self.max_completion_length} "
+                            f"(max_len counts prompt + completion) — raise max_len")
+        if self.parallel == "fsdp":
+            raise UserError("parallel=fsdp: GRPO samples with the whole model on each rank — use parallel=ddp")
+        if self.beta and self.finetune == "full":
+            raise UserError(f"beta={self.beta}: the reference is the model with its adapter switched off, which "
+                            f"finetune=full has none of — use finetune=lora, or beta=0")
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The unbiased standard deviation ignoring NaNs (TRL's `nanstd`)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=dim is not None)
+    var = torch.nanmean((x - mean) ** 2, dim=dim)
+    n = (~torch.isnan(x)).sum(dim=dim) if dim is not None else (~torch.isnan(x)).sum()
+    return (var * n / (n - 1)).sqrt()
+
+
+def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages (N,), rewards (N,), std_is_zero (N,)) from rewards_per_func (N, F): NaN where a
+    function does not apply to a completion; rows in groups of `num_generations` consecutive ones.
+
+    TRL's "sum_then_normalize": the weighted sum ignoring NaNs (a completion no function scored
+    is NaN: left out of its group's mean and std, advantage 0); minus the group mean; divided by
+    the group's std (`group`), the whole batch's (`batch`) plus 1e-4, or by nothing (`none`)."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights[None]).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + STD_EPS)
+    zero_std = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(advantages, nan=0.0), rewards, zero_std
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+class _Tempered(nn.Module):
+    """The output projection divided by a temperature (TRL scores logits / temperature)."""
+
+    def __init__(self, head: nn.Module, temperature: float):
+        super().__init__()
+        self.head, self.temperature = head, temperature
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h) / self.temperature
+
+
+def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                     completion_ids: torch.Tensor, completion_mask: torch.Tensor, temperature: float = 1.0,
+                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(completion token t | prompt, completion < t) under softmax(logits / temperature): (B, C) fp32,
+    0 where completion_mask is 0; and, with `entropy`, each position's entropy (B, C), without a graph.
+
+    prompt_ids (B, P) left-padded, completion_ids (B, C) right-padded. One forward of [prompt;
+    completion]; logits only for the completion positions, in chunks (never B x T x V)."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    C = completion_ids.shape[1]
+    hidden = model(ids, mask)[:, -C - 1 : -1]  # (B, C, D): position t predicts completion token t
+    head = model.output_projection
+    head = head if temperature == 1.0 else _Tempered(head, temperature)
+    labels = completion_ids.masked_fill(completion_mask == 0, -100)
+    logps = chunked_token_logprobs(hidden, head, labels)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            keep = completion_mask.reshape(-1).nonzero().squeeze(1)  # the completion tokens only
+            h = hidden.detach().reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (n, D)
+            flat = torch.zeros(completion_mask.numel(), dtype=torch.float32, device=hidden.device)
+            chunk = default_chunk(model.output_projection, hidden.device)
+            for i in range(0, h.shape[0], chunk):  # (chunk, V) logits at a time
+                logp = torch.log_softmax(head(h[i : i + chunk]).float(), dim=-1)
+                flat[keep[i : i + chunk]] = -(logp.exp() * logp).sum(-1)
+            ent = flat.view(completion_mask.shape)
+    return logps, ent
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+              old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+              loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
+              beta: float = 0.0, max_completion_length: int | None = None, bias_correction_kl: bool = True
+              ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+    """(loss_sum, count, stats) of TRL's GRPO loss on one micro-batch.
+
+    logps (B, C) the policy's completion log-probs (with a graph), advantages (B,), mask (B, C)
+    1 on the completion tokens that take loss; old_logps (B, C) the sampling policy's (None:
+    `logps` detached, one step per generation); ref_logps (B, C) the reference's (needed when
+    beta > 0; `bias_correction_kl`: the KL term times the ratio, TRL's `use_bias_correction_kl`).
+    The loss is `loss_sum / count` (count summed over the window by the loop).
+    stats: sums over tokens for the metrics (`kl_sum`, `low_clipped`, ...) and `tokens`."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"grpo_loss: loss_type {loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+    epsilon_high = epsilon if epsilon_high is None or epsilon_high == 0 else epsilon_high
+    mask = mask.to(logps.dtype)
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)  # (B, C)
+    A = advantages[:, None]
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    per_token = -torch.min(ratio * A, clipped * A)
+    stats: dict[str, torch.Tensor] = {}
+    if beta:
+        if ref_logps is None:
+            raise ValueError("grpo_loss: beta > 0 needs ref_logps")
+        d = ref_logps - logps
+        kl = torch.exp(d) - d - 1
+        if bias_correction_kl:  # TRL's default: x ratio, the unbiased reverse-KL gradient (DeepSeek-V3.2)
+            kl = kl * ratio
+        per_token = per_token + beta * kl
+        stats["kl_sum"] = (kl.detach() * mask).sum()
+    B = logps.shape[0]
+    if loss_type == "grpo":
+        loss_sum = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+        count = float(B)
+    elif loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("grpo_loss: dr_grpo needs max_completion_length")
+        loss_sum = (per_token * mask).sum()
+        count = float(B * max_completion_length)
+    else:  # bnpo, dapo: per completion token
+        loss_sum = (per_token * mask).sum()
+        count = float(mask.sum())
+    r = ratio.detach()
+    low = ((r < 1 - epsilon) & (A < 0)).to(mask.dtype) * mask
+    high = ((r > 1 + epsilon_high) & (A > 0)).to(mask.dtype) * mask
+    stats.update(tokens=mask.sum(), low_clipped=low.sum(), high_clipped=high.sum())
+    return loss_sum, count, stats
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+def collate_prompts(examples: list[dict], pad_id: int) -> dict[str, Any]:
+    """`read_prompts` examples -> left-padded `prompt_ids` / `prompt_attention_mask` (B, P) and, as
+    lists, each row's `prompts`, `columns` (column name -> values; None where a row lacks it) and `rows`."""
+    P = max(len(ex["prompt_ids"]) for ex in examples)
+    ids = torch.full((len(examples), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), P), dtype=torch.long)
+    for i, ex in enumerate(examples):
+        n = len(ex["prompt_ids"])
+        ids[i, P - n :] = torch.tensor(ex["prompt_ids"], dtype=torch.long)
+        mask[i, P - n :] = 1
+    names = list(dict.fromkeys(k for ex in examples for k in ex["columns"]))
+    return {"prompt_ids": ids, "prompt_attention_mask": mask, "prompts": [ex["prompt"] for ex in examples],
+            "columns": {k: [ex["columns"].get(k) for ex in examples] for k in names},
+            "rows": [ex["row"] for ex in examples]}
+
+
+ZERO_STD_WARN_AFTER = 10  # rollouts in a row whose every group had equal rewards before the warning
+
+
+class GRPOObjective:
+    """`(model, prompt batch) -> (loss_sum, count, metrics)`: sample G completions per prompt with the
+    adapters on (`sampling.sample`), score them (`rewards.score`), then TRL's GRPO loss on them.
+
+    new_cache: the family's KV cache class (`models.family(model).KVCache`); eos_ids: the ids that end
+    a completion (eos, end-of-turn); reference: `minitrain.objectives.reference`'s, run only when
+    beta > 0; out: the run's folder, for `completions.jsonl`.
+
+    With `num_iterations` = k > 1 the rollout of the window's j-th micro-batch is kept, with the
+    log-probs of the policy that sampled it (`old_logps`), and reused by the j-th micro-batch of the
+    next k - 1 optimizer steps (TRL's reuse); the prompts the loop hands those steps are not used.
+    Call `start_at(step)` when resuming, so that the cycle and the logs continue from the checkpoint's
+    step (a resume inside a cycle samples afresh: save_every a multiple of k resumes exactly).
+    """
+
+    token_level = False
+
+    def __init__(self, cfg: GRPOConfig, rewards: list, tok: Any, new_cache: Any, eos_ids: list[int],
+                 reference: Any = None, out: Any = None, log: Any = print):
+        self.cfg, self.rewards, self.tok, self.new_cache = cfg, rewards, tok, new_cache
+        self.eos_ids, self.reference, self.out, self.log = list(eos_ids), reference, out, log
+        weights = list(cfg.reward_weights) or [1.0] * len(rewards)
+        if len(weights) != len(rewards):
+            raise UserError(f"reward_weights: {len(weights)} weights for {len(rewards)} reward functions "
+                            f"({', '.join(n for n, _ in rewards)}) — give one weight per function")
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.calls, self.kept, self.zero_std_run, self.warned = 0, {}, 0, False
+
+    def start_at(self, step: int) -> None:
+        self.calls = step * self.cfg.grad_accum
+
+    # -- the rollout: no graph
+    @torch.no_grad()
+    def rollout(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        cfg, G = self.cfg, self.cfg.num_generations
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_attention_mask"]
+        comp = sample(model, prompt_ids, prompt_mask, new_cache=self.new_cache, num_generations=G,
+                      max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                      top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+        lengths = comp.mask.sum(1).tolist()
+        ids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
+        texts = [self.tok.decode(i) for i in ids]
+        prompts = [p for p in batch["prompts"] for _ in range(G)]
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for p, t in zip(prompts, texts)]
+        columns = {k: [v for v in vs for _ in range(G)] for k, vs in batch["columns"].items()}
+        rows = [r for r in batch["rows"] for _ in range(G)]
+        per_func = score(self.rewards, prompts, completions, ids, columns, rows)  # (N, F)
+        advantages, rewards, zero_std = group_advantages(per_func, self.weights, G, cfg.scale_rewards)
+        mask = comp.mask
+        if cfg.mask_truncated_completions:
+            mask = mask * (~comp.truncated)[:, None].long()
+        device = prompt_ids.device
+        r = {"prompt_ids": prompt_ids.repeat_interleave(G, 0), "prompt_mask": prompt_mask.repeat_interleave(G, 0),
+             "completion_ids": comp.ids, "completion_mask": mask.to(device), "advantages": advantages.to(device),
+             "old_logps": None, "ref_logps": None}
+        if cfg.num_iterations > 1:  # the sampling policy's log-probs, for the steps that reuse this rollout
+            with dropout_off(model):
+                r["old_logps"] = self._logps(model, r)[0]
+        if cfg.beta:
+            with dropout_off(model), self.reference.applied(model):
+                r["ref_logps"] = self._logps(model, r)[0]
+        valid = ~torch.isnan(rewards)
+        r["metrics"] = {
+            "reward": float(rewards[valid].mean()) if valid.any() else float("nan"),
+            "reward_std": float(nanstd(rewards)) if valid.sum() > 1 else 0.0,
+            **{f"rewards/{name}/mean": float(torch.nanmean(per_func[:, j]))
+               for j, (name, _) in enumerate(self.rewards)},
+            "frac_reward_zero_std": float(zero_std.float().mean()),
+            "completions/mean_length": float(sum(lengths) / len(lengths)),
+            "completions/clipped_ratio": float(comp.truncated.float().mean()),
+        }
+        r["sample"] = [{"prompt": p, "completion": t, "reward": None if math.isnan(float(x)) else float(x),
+                        "advantage": float(a), "row": w}
+                       for p, t, x, a, w in zip(prompts, texts, rewards, advantages, rows)]
+        return r
+
+    def _logps(self, model: nn.Module, r: dict[str, Any], entropy: bool = False):
+        return completion_logps(model, r["prompt_ids"], r["prompt_mask"], r["completion_ids"], r["completion_mask"],
+                                self.cfg.temperature, entropy)
+
+    # -- the loss on a rollout: the graph
+    def loss(self, model: nn.Module, r: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:
+        cfg = self.cfg
+        logps, ent = self._logps(model, r, entropy=True)
+        loss_sum, count, st = grpo_loss(logps, r["advantages"], r["completion_mask"], old_logps=r["old_logps"],
+                                        ref_logps=r["ref_logps"], loss_type=cfg.loss_type, epsilon=cfg.epsilon,
+                                        epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                        max_completion_length=cfg.max_completion_length,
+                                        bias_correction_kl=cfg.use_bias_correction_kl)
+        tokens = max(float(st["tokens"]), 1.0)
+        low, high = float(st["low_clipped"]) / tokens, float(st["high_clipped"]) / tokens
+        metrics = {**r["metrics"], "entropy": float(ent.sum()) / tokens, "clip_ratio/low_mean": low,
+                   "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high}
+        if cfg.beta:
+            metrics["kl"] = float(st["kl_sum"]) / tokens
+        return loss_sum, count, metrics
+
+    def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:
+        cfg = self.cfg
+        k, self.calls = self.calls, self.calls + 1
+        pos, step = k % cfg.grad_accum, k // cfg.grad_accum + 1
+        if (step - 1) % cfg.num_iterations == 0 or pos not in self.kept:
+            r = self.rollout(model, batch)
+            self.kept = {**(self.kept if pos else {}), pos: r} if cfg.num_iterations > 1 else {}
+            self._watch(r, step, first=pos == 0)
+        else:
+            r = self.kept[pos]
+        return self.loss(model, r)
+
+    def _watch(self, r: dict[str, Any], step: int, first: bool) -> None:
+        """The zero-advantage warning (once) and the sample in completions.jsonl."""
+        if r["metrics"]["frac_reward_zero_std"] == 1.0:
+            self.zero_std_run += 1
+            if self.zero_std_run == ZERO_STD_WARN_AFTER and not self.warned:
+                self.warned = True
+                self.log(f"warning: step {step}: the last {ZERO_STD_WARN_AFTER} rollouts gave every completion of each "
+                         f"group the same reward, so every advantage is 0 and nothing is learned — give partial "
+                         f"credit in the reward, raise num_generations or temperature, or use easier prompts")
+        else:
+            self.zero_std_run = 0
+        every = self.cfg.log_completions_every
+        if self.out is not None and every and first and step % every == 0:
+            def write() -> None:
+                with open(self.out / "completions.jsonl", "a") as f:
+                    for s in r["sample"][: 2 * self.cfg.num_generations]:
+                        f.write(json.dumps({"step": step, **s}, default=str) + "\n")
+            distributed.main_only(write)
+
+    def audit_objective(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, float, dict]:
+        """What the gradient-path audit runs: a rollout of the batch with advantages +1, -1, ... instead
+        of its rewards' (which may all be equal, and 0 advantages would zero every gradient), through the
+        same loss. Counts nothing and writes nothing."""
+        r = self.rollout(model, batch)
+        n = r["advantages"].shape[0]
+        r["advantages"] = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(n)],
+                                       device=r["advantages"].device)
+        if r["completion_mask"].sum() == 0:  # every completion masked (truncated): score them anyway
+            r["completion_mask"] = torch.ones_like(r["completion_mask"])
+        return self.loss(model, r)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, examples: list[dict], collate: Any, batch_size: int,
+                 amp_dtype: torch.dtype | None = None) -> dict[str, float]:
+        """The held-out reward: one greedy completion per prompt (the policy's most likely answer), scored
+        by the reward functions; `eval/reward` is the mean of the weighted sums (completions no function
+        scores left out). Every rank computes the same figure over every example."""
+        device = next(model.parameters()).device
+        totals: list[float] = []
+        for i in range(0, len(examples), batch_size):
+            batch = collate(list(examples[i : i + batch_size]))
+            ids, mask = batch["prompt_ids"].to(device), batch["prompt_attention_mask"].to(device)
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                comp = sample(model, ids, mask, new_cache=self.new_cache, max_new_tokens=self.cfg.max_completion_length,
+                              greedy=True, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+            lengths = comp.mask.sum(1).tolist()
+            cids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
+            texts = [self.tok.decode(c) for c in cids]
+            completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                           for p, t in zip(batch["prompts"], texts)]
+            per_func = score(self.rewards, batch["prompts"], completions, cids, batch["columns"], batch["rows"])
+            unscored = torch.isnan(per_func).all(1)
+            summed = (per_func * self.weights[None]).nansum(1)
+            totals += summed[~unscored].tolist()
+        return {"eval/reward": sum(totals) / len(totals) if totals else float("nan")}

@@ -1,0 +1,215 @@
+"""GRPO against TRL's GRPOTrainer (the reference), on the same weights, prompts, fixed completions and rewards.
+
+- the loss and every parameter's gradient equal `trl.GRPOTrainer._compute_loss`'s for each loss_type,
+  with and without beta, with old log-probs (num_iterations > 1) and an asymmetric clip;
+- the advantages equal TRL's formula (its own `nanstd`) for scale_rewards group | batch | none, with
+  a reward function that does not apply to some rows (None -> NaN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+from minitrain.objectives.grpo import completion_logps, group_advantages, grpo_loss
+from minitrain.weights import load_pretrained
+
+TEMPERATURE = 0.7
+MAX_COMPLETION = 6
+# two prompts (left-padded) x G=2 completions (right-padded; the last one truncated: no eos)
+PROMPTS = [[0, 0, 1, 17, 23], [1, 40, 41, 42, 43]]
+COMPLETIONS = [[5, 6, 7, 2, 0, 0], [8, 9, 2, 0, 0, 0], [10, 11, 12, 13, 14, 2], [15, 16, 17, 18, 19, 20]]
+
+
+def batch_tensors():
+    prompt_ids = torch.tensor([p for p in PROMPTS for _ in range(2)])
+    prompt_mask = (prompt_ids != 0).long()
+    completion_ids = torch.tensor(COMPLETIONS)
+    completion_mask = torch.zeros_like(completion_ids)
+    for i, c in enumerate(COMPLETIONS):
+        n = c.index(2) + 1 if 2 in c else len(c)
+        completion_mask[i, :n] = 1
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.fixture(scope="module")
+def trainer(hf_causal, tmp_path_factory):
+    """A TRL GRPOTrainer on a tiny Qwen2 (a few seconds to build: once per module)."""
+    import datasets
+    import transformers
+    import trl
+    from _tok import make_bpe_tokenizer
+
+    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
+    tok_dir = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf.config.dropout = 0.0
+    args = trl.GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], use_cpu=True, bf16=False,
+                          per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
+                          temperature=TEMPERATURE, disable_tqdm=True, gradient_checkpointing=False)
+    ds = datasets.Dataset.from_list([{"prompt": "the a"}] * 4)
+    t = trl.GRPOTrainer(model=hf, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                        train_dataset=ds, processing_class=tok)
+    t.model.train()
+    return t, folder
+
+
+TRL_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def trl_loss_and_grads(trainer, inputs, loss_type, beta, epsilon, epsilon_high):
+    import collections
+
+    trainer.loss_type, trainer.beta = loss_type, beta
+    trainer.epsilon_low, trainer.epsilon_high = epsilon, epsilon_high
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    metrics = {k: trainer._metrics["train"][k][-1] for k in (*TRL_METRICS, *(("kl",) if beta else ()))}
+    return float(loss), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, metrics
+
+
+CASES = [(lt, beta, old, eps_high) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")
+         for beta, old, eps_high in ((0.0, False, None), (0.04, True, 0.28))]
+
+
+@pytest.mark.parametrize("loss_type,beta,old,eps_high", CASES)
+def test_loss_and_gradients_equal_trl(trainer, loss_type, beta, old, eps_high):
+    t, folder = trainer
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch_tensors()
+    advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])
+    g = torch.Generator().manual_seed(1)
+    shape = completion_ids.shape
+    # old log-probs a little off the current ones (num_iterations > 1: the policy moved since sampling),
+    # large enough that some ratios leave [1 - eps, 1 + eps_high] and are clipped
+    ours = load_pretrained(folder, models.from_hf_config)
+    ours.train()
+    with torch.no_grad():
+        now, _ = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE)
+    old_logps = now + 0.3 * torch.randn(shape, generator=g) if old else None
+    ref_logps = now + 0.5 * torch.randn(shape, generator=g) if beta else None
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": advantages,
+              "num_items_in_batch": completion_mask.sum()}
+    if old:
+        inputs["old_per_token_logps"] = old_logps
+    if beta:
+        inputs["ref_per_token_logps"] = ref_logps
+    expected, expected_grads, expected_metrics = trl_loss_and_grads(t, inputs, loss_type, beta, 0.2, eps_high or 0.2)
+
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    logps, ent = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE,
+                                  entropy=True)
+    loss_sum, count, stats = grpo_loss(logps, advantages, completion_mask, old_logps=old_logps, ref_logps=ref_logps,
+                                       loss_type=loss_type, epsilon=0.2, epsilon_high=eps_high or 0.0, beta=beta,
+                                       max_completion_length=MAX_COMPLETION)
+    loss = loss_sum / count
+    loss.backward()
+    assert float(loss) == pytest.approx(expected, abs=1e-5, rel=1e-5)
+    n = float(stats["tokens"])
+    low, high = float(stats["low_clipped"]) / n, float(stats["high_clipped"]) / n
+    ours_metrics = {"entropy": float(ent.sum()) / n, "clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                    "clip_ratio/region_mean": low + high, **({"kl": float(stats["kl_sum"]) / n} if beta else {})}
+    assert ours_metrics == pytest.approx(expected_metrics, abs=1e-5, rel=1e-5)
+    if old:
+        assert low > 0 and high > 0  # both sides of the clip are exercised
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert set(expected_grads) <= set(grads)
+    for n, ref in expected_grads.items():
+        torch.testing.assert_close(grads[n], ref, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def trl_advantages(rewards_per_func, weights, G, scale):
+    """TRL 1.16's `_generate_and_score_completions` advantage lines, with its own `nanstd`."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    mean = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+    if scale in ("group", "none"):
+        std = nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
+    else:
+        std = nanstd(rewards).expand_as(rewards)
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trl(scale):
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 0.5], [0.0, nan], [2.0, 1.0], [2.0, 1.0], [nan, nan], [3.0, 0.0]])
+    weights = torch.tensor([1.0, 0.5])
+    ours, _, zero = group_advantages(rewards, weights, 2, scale)
+    ref, ref_zero = trl_advantages(rewards, weights, 2, scale)
+    torch.testing.assert_close(ours, ref)
+    assert zero.tolist() == ref_zero.tolist()
+    if scale == "group":
+        assert zero.tolist() == [False, False, True, True, False, False]  # the equal pair only (a lone scored
+        # completion's std is NaN, as in TRL)
+
+
+def test_memory_plan_counts_the_samplers_kv_cache(hf_causal):
+    """The plan's GRPO sampling moment: its KV cache term equals the bytes the sampler's cache holds."""
+    import json
+
+    from minitrain.objectives.sampling import sample
+    from minitrain.plan.decoder import sampling_terms
+    from minitrain.plan.predict import shape_from_hf
+    from minitrain.plan.run_shape import RunShape
+
+    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
+    model = load_pretrained(folder, models.from_hf_config)
+    caches = []
+
+    def new_cache(n):
+        caches.append(models.family(model).KVCache(n))
+        return caches[-1]
+
+    prompt = torch.tensor([[1, 17, 23, 5], [0, 1, 40, 41]])
+    sample(model, prompt, (prompt != 0).long(), new_cache=new_cache, num_generations=3, max_new_tokens=6,
+           eos_ids=[], pad_id=0)
+    held = sum(t.numel() * t.element_size() for d in (caches[0].keys, caches[0].values) for t in d.values())
+    run = RunShape(rows=6, seq=4 + 6, compute="fp32", sample_rows=6)
+    shape = shape_from_hf(json.loads((folder / "config.json").read_text()))
+    assert next(t.bytes for t in sampling_terms(shape, run) if t.name == "sampler: KV cache") == held
+
+
+def test_prompt_rows_chat_and_text_with_their_columns(tmp_path):
+    """`read_prompts`: a conversation is the checkpoint's chat template with the generation prompt, as
+    transformers' `apply_chat_template(add_generation_prompt=True)` renders it; a string gets no bos on a
+    Qwen tokenizer (as transformers' encode); `fields` renames the prompt column; every other column is
+    kept for the rewards; each example knows its file:line."""
+    import json
+
+    import transformers
+    from _tok import make_qwen_tokenizer
+
+    from minitrain.data.readers import read_prompts
+    from minitrain.text.tokenizer import Tokenizer
+
+    import shutil
+    from pathlib import Path
+
+    folder = make_qwen_tokenizer(tmp_path / "tok")  # with Qwen2.5's own chat template
+    shutil.copy(Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2_5.jinja", folder / "chat_template.jinja")
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the a of to"}]
+    rows = [{"question": msgs, "answer": "7", "level": 2}, {"question": "the of and", "answer": "3"}]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ex = read_prompts(data, Tokenizer.from_folder(folder), max_len=256, fields={"prompt": "question"})
+    assert ex.truncated == 0
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ref = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert ex[0]["prompt_ids"] == list(ref) and ex[0]["prompt"] == msgs
+    assert ex[1]["prompt_ids"] == hf("the of and")["input_ids"]
+    assert ex[0]["columns"] == {"answer": "7", "level": 2} and ex[1]["columns"] == {"answer": "3"}
+    assert [e["row"] for e in ex] == [f"{data}:1", f"{data}:2"]

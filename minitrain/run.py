@@ -25,7 +25,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors import SafetensorError
@@ -39,7 +39,9 @@ from minitrain.audit import preflight
 from minitrain.config import to_dict, to_json
 from minitrain.data.collate import collate_causal
 from minitrain.data.packing import collate_packed_causal
-from minitrain.data.readers import hold_out, read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.files import data_sources
+from minitrain.data.readers import Examples, hold_out, mixture, read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.store_build import default_cache, open_or_build
 from minitrain.device import base_dtype, pick_device
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
@@ -57,9 +59,10 @@ EMA_SUFFIX = "_ema"  # ema_decay: the moving average beside them, adapter_ema/ o
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR, MODEL_DIR, *(d + EMA_SUFFIX for d in (ADAPTER_DIR, MODEL_DIR)))
 # keys that say where / how to start, not what the run is
-NOT_THE_RUN = ("out", "resume", "overwrite", "extend", "trained_format")
+NOT_THE_RUN = ("out", "resume", "overwrite", "extend", "trained_format", "data_cache", "data_workers")
 # config.json's one entry that is not a key: how the run rendered its rows (`trained_format`), which
 # tools/generate.py follows so that a model is queried in the format it was trained in
+READERS = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired}
 
 
 
@@ -416,10 +419,8 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
-    readers = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired}
-    if kind not in readers:
-        raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
-    read = readers[kind]
+    if kind not in READERS:
+        raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(READERS)}")
     tok.chat_template_kwargs = dict(getattr(cfg, "chat_template_kwargs", {}) or {})
     options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side, fields=getattr(cfg, "fields", None),
                    **options)
@@ -427,7 +428,7 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
         options["drop_identical"] = getattr(cfg, "drop_identical_pairs", False)
     if kind == "sft":
         options["prompt_completion"] = getattr(cfg, "prompt_completion", "raw")
-    train = read(cfg.data, tok, **options)
+    train = read_data(cfg, cfg.data, kind, tok, options, weights=getattr(cfg, "data_weights", None))
     shapes = getattr(train, "shapes", None)  # rows per shape, before any eval_split
     if not train and getattr(train, "identical", 0):
         raise UserError(f"{cfg.data}: no usable examples ({train.identical} pairs dropped: chosen == rejected"
@@ -438,7 +439,7 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     if cfg.eval_data and (Path(cfg.eval_data) / "dataset_dict.json").is_file():
         raise UserError(f"eval_data={cfg.eval_data}: a datasets folder with splits — name the split, e.g. "
                         f"eval_data={Path(cfg.eval_data) / 'validation'}")
-    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
+    evals = read_data(cfg, cfg.eval_data, kind, tok, options) if cfg.eval_data else None
     if evals is None and getattr(cfg, "eval_split", 0):
         train, evals = hold_out(train, cfg.eval_split, cfg.seed)
     # the run's size in optimizer steps (warmup longer than the run, ...) is refused now, before
@@ -477,6 +478,30 @@ def log_rendering(shapes: dict[str, int] | None, tok: Tokenizer) -> None:
             f"template{advice}")
     if shapes.get("text"):
         log(f"text: {shapes['text']} rows trained as plain text")
+
+
+def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str, Any],
+              weights: list[float] | None = None) -> Sequence[dict]:
+    """The examples of `data` (one path, or several / globs separated by commas, `data_weights` for a
+    mixture): from the token store in `cfg.data_cache` (built when missing, `cfg.data_workers`
+    processes; `minitrain.data.store_build`), or with `data_cache=false` read into memory."""
+    read = READERS[kind]
+    sources = data_sources(data)
+    cache = str(getattr(cfg, "data_cache", "false"))
+    if cache.lower() in ("false", "off", "no", "none", "0", ""):
+        parts = [read(s, tok, **options) for s in sources]
+        examples = parts[0] if len(parts) == 1 else Examples(
+            [ex for p in parts for ex in p], path=data,
+            **{c: sum(getattr(p, c) for p in parts) for c in ("truncated", "skipped", "bos_in_text", "identical")})
+        counts = [len(p) for p in parts]
+    else:
+        examples = open_or_build(default_cache() if cache == "auto" else cache, sources, kind, read, tok, options,
+                                 workers=getattr(cfg, "data_workers", 0), weights=list(weights or []) or None)
+        counts = examples.header["per_source"]
+        if kind == "unpaired":  # KTO writes each row's KL row into the example: lists it can change
+            examples = Examples(list(examples), path=examples.path, truncated=examples.truncated,
+                                skipped=examples.skipped, bos_in_text=examples.bos_in_text)
+    return mixture(examples, counts, weights, cfg.seed) if weights else examples
 
 
 def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:

@@ -8,17 +8,25 @@ transformers and the JSON lines baseline in tests/test_data*.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from _tok import corpus, make_llama3_tokenizer, make_t5_tokenizer
+from _tok import corpus, make_bpe_tokenizer, make_llama3_tokenizer, make_t5_tokenizer
 from minitrain.data import store_build
-from minitrain.data.readers import read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.batcher import Batcher
+from minitrain.data.readers import hold_out, read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.store import StoreView
 from minitrain.data.store_build import open_or_build
 from minitrain.errors import UserError
+from minitrain.objectives.sft import sft
 from minitrain.text.tokenizer import Tokenizer
+from minitrain.train import train
 from test_data_formats import FORMATS, PREF_ROWS, SFT_ROWS, TEMPLATES, write_jsonl
 
 READERS = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired}
@@ -114,3 +122,73 @@ def test_bad_row_is_named_by_file_line_whichever_worker_meets_it(tmp_path, tok):
             build(tmp_path / "c", path, tok, workers=workers)
         assert str(e.value) == str(ref.value) and str(e.value).startswith(f"{path}:4: ")
     assert not [p for p in (tmp_path / "c").iterdir() if p.is_dir()]  # no store, no temporary folder
+
+
+# --------------------------------------------------------------------------- downstream: the loop reads the store
+
+
+def old_epoch_batches(lengths, bs, seed, epoch, shuffle=True, group=True, drop_last=False, mega=50):
+    """The Batcher's order as it was written before the store (a list per batch): the new layout of
+    two arrays must give the same order, so checkpoints made before it resume alike."""
+    lengths = np.asarray(lengths)
+    n = len(lengths)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    if not group:
+        batches = [order[i : i + bs] for i in range(0, n, bs)]
+    else:
+        batches = []
+        for s in range(0, n, bs * mega):
+            part = order[s : s + bs * mega]
+            part = part[np.argsort(-lengths[part], kind="stable")]
+            batches += [part[i : i + bs] for i in range(0, len(part), bs)]
+    if drop_last and batches and len(batches[-1]) < bs:
+        batches.pop()
+    if group and shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return [[int(i) for i in b] for b in batches]
+
+
+@pytest.mark.parametrize("n,bs,group,shuffle,drop_last", [(1000, 4, True, True, False), (997, 3, True, True, True),
+                                                          (50, 4, False, True, True), (31, 2, True, False, False)])
+def test_batcher_layout_keeps_the_order_it_had(n, bs, group, shuffle, drop_last):
+    lengths = np.random.default_rng(n).integers(1, 40, n)  # many ties: the stable sort matters
+    b = Batcher(lengths, bs, seed=7, shuffle=shuffle, group_by_length=group, drop_last=drop_last, mega_batch=3)
+    for epoch in (0, 1):
+        assert b.epoch_batches(epoch) == old_epoch_batches(lengths, bs, 7, epoch, shuffle, group, drop_last, 3)
+
+
+def test_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
+    """A run killed mid-way and resumed, reading the store (2 workers, eval_split views), ends bitwise
+    equal to an uninterrupted run on today's in-memory lists: metrics, weights and RNG."""
+    from test_resume import Killed, killing, model_state
+    from test_train import TinyLM, cfg_for, collate, freeze_embeddings, quiet, rows
+
+    bpe = Tokenizer.from_folder(make_bpe_tokenizer(tmp_path / "bpe"))  # vocab 128
+    lines = corpus(30)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": a, "completion": " " + b} for a, b in zip(lines, lines[1:])])
+    ref_train, ref_eval = hold_out(read_sft(data, bpe, max_len=24), 0.2, 0)
+    train_s, eval_s = hold_out(build(tmp_path / "cache", data, bpe, max_len=24), 0.2, 0)
+    assert isinstance(train_s, StoreView) and list(train_s) == list(ref_train) and list(eval_s) == list(ref_eval)
+
+    def model():
+        return freeze_embeddings(TinyLM(vocab=128, dropout=0.2, seed=3))
+
+    kw = dict(batch_size=2, grad_accum=2, epochs=1.5, save_every=3, eval_every=2, lr=5e-3, warmup=2,
+              schedule="cosine", group_by_length=True)
+    cfg = cfg_for(tmp_path / "lists", **kw)
+    straight = model()
+    train(straight, sft, ref_train, collate, cfg, eval_examples=ref_eval, log=quiet)
+    after = torch.rand(4)
+    cfg_b = cfg_for(tmp_path / "store", **kw)
+    with pytest.raises(Killed):
+        train(model(), killing(sft, 9), train_s, collate, cfg_b, eval_examples=eval_s, log=quiet)
+    torch.manual_seed(1234)
+    resumed = model()
+    train(resumed, sft, train_s, collate, dataclasses.replace(cfg_b, resume=True), eval_examples=eval_s, log=quiet)
+    strip = ("tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in rows(Path(cfg_b.out))] == \
+           [{k: v for k, v in r.items() if k not in strip} for r in rows(Path(cfg.out))]
+    for k, v in model_state(straight).items():
+        assert torch.equal(model_state(resumed)[k], v), k
+    assert torch.equal(torch.rand(4), after)

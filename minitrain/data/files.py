@@ -22,6 +22,7 @@ are kept.
 from __future__ import annotations
 
 import csv
+import glob
 import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -76,6 +77,23 @@ def read_rows(path: str | Path, split: str | None = None, pick: Pick | None = No
         raise UserError(f"{p}: empty file (no JSON rows) — add one JSON object per line")
     if not any_row:
         raise UserError(f"{p}: no rows ({describe(fmt)} file) — add rows, or check the path")
+
+
+def data_sources(data: str) -> list[str]:
+    """The sources a `data=` value names: paths separated by commas, each a file, a folder or a glob
+    (`shards/*.parquet`, expanded in name order); a glob that matches nothing is one clear line."""
+    out: list[str] = []
+    for part in (p.strip() for p in str(data).split(",")):
+        if not part:
+            raise UserError(f"data={data}: an empty entry between commas — list paths as a.jsonl,b.parquet")
+        if glob.has_magic(part):
+            found = sorted(glob.glob(part))
+            if not found:
+                raise UserError(f"{part}: matches no file — check the pattern (data={data})")
+            out += found
+        else:
+            out.append(part)
+    return out
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:

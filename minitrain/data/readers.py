@@ -410,3 +410,30 @@ def hold_out(examples: Examples, share: float, seed: int) -> tuple[Examples, Exa
     evals = Examples([ex for i, ex in enumerate(examples) if i in held],
                      path=f"{examples.path} (eval_split={share}: {k} held out, seed {seed})")
     return train, evals
+
+
+def mixture(examples: Sequence[dict], counts: Sequence[int], weights: Sequence[float], seed: int) -> Sequence[dict]:
+    """The examples of a mixture (`data_weights`): `counts[s]` examples of source `s` (in order) taken
+    `weights[s]` times each, a fraction by a seeded choice (2.5: every example twice and half of them a
+    third time; 0.5: a seeded half; 0: none). Each source's share is its own, in file order; the
+    Batcher shuffles them together. A token store gives a view by index, a list a list."""
+    if len(counts) != len(weights):
+        raise UserError(f"data_weights: {len(weights)} weights for {len(counts)} data sources — give one weight per "
+                        f"source named in data=")
+    rng = np.random.default_rng([seed, 0x5EED])
+    parts, start = [], 0
+    for n, w in zip(counts, weights):
+        k = round(w * n)
+        if k:
+            parts.append(start + np.sort(np.resize(rng.permutation(n), k)))
+        start += n
+    if not parts:
+        raise UserError(f"data_weights={list(weights)}: every source weighs 0 — give a weight above 0")
+    idx = np.concatenate(parts)
+    if hasattr(examples, "take"):
+        view = examples.take(idx)
+        for c in ("truncated", "skipped", "bos_in_text", "identical"):
+            setattr(view, c, getattr(examples, c, 0))
+        return view
+    return Examples([examples[i] for i in idx], path=examples.path, truncated=examples.truncated,
+                    skipped=examples.skipped, bos_in_text=examples.bos_in_text, identical=examples.identical)

@@ -76,6 +76,7 @@ class TokenStore(Sequence):
         self._off = {k: _map(self.folder / f"{k}.off", np.int64) for k in self.lists}
         self._val = {k: _map(self.folder / f"{k}.val", np.int64) for k in self.values}
         self.order = list(header["order"])  # the example dict's keys in the readers' order
+        self.extra: dict[str, np.ndarray] = {}  # per-example floats added after the build (`set_values`)
 
     def __len__(self) -> int:
         return self.n
@@ -96,7 +97,7 @@ class TokenStore(Sequence):
             else:
                 v = int(self._val[k][i])
                 ex[k] = bool(v) if self.values[k] == "bool" else v
-        return ex
+        return _with_extra(ex, self.extra, i)
 
     def __iter__(self) -> Iterator[dict]:
         for i in range(self.n):
@@ -115,8 +116,13 @@ class TokenStore(Sequence):
         """Tokens per example for length grouping (the loop's `_length`): `input_ids`, else all id lists."""
         return self.list_lengths("input_ids") if "input_ids" in self.lists else self.lengths
 
-    def take(self, indices: Sequence[int] | np.ndarray, path: str | None = None) -> "StoreView":
+    def take(self, indices: Sequence[int] | np.ndarray, path: str | None = None) -> StoreView:
         return StoreView(self, np.asarray(indices, dtype=np.int64), path=path)
+
+    def set_values(self, columns: dict[str, Sequence[float]]) -> None:
+        """Give every example a float under each key (DPO's precomputed reference log-probs), held
+        in memory as one array per key: what the in-memory path writes into each example dict."""
+        self.extra.update(_columns(columns, len(self)))
 
 
 class StoreView(Sequence):
@@ -128,18 +134,24 @@ class StoreView(Sequence):
         for k in COUNTS:
             setattr(self, k, counts.get(k, 0))
         self.shapes = None
+        self.extra: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self.store[j] for j in self.indices[i]]
-        return self.store[self.indices[i]]
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        return _with_extra(self.store[self.indices[i]], self.extra, i if i >= 0 else i + len(self))
 
     def __iter__(self) -> Iterator[dict]:
-        for j in self.indices:
-            yield self.store[j]
+        for i in range(len(self)):
+            yield self[i]
+
+    def set_values(self, columns: dict[str, Sequence[float]]) -> None:
+        """As `TokenStore.set_values`, for this view's examples only."""
+        self.extra.update(_columns(columns, len(self)))
 
     @property
     def lengths(self) -> np.ndarray:
@@ -149,8 +161,21 @@ class StoreView(Sequence):
     def batch_lengths(self) -> np.ndarray:
         return self.store.batch_lengths[self.indices]
 
-    def take(self, indices, path: str | None = None) -> "StoreView":
+    def take(self, indices, path: str | None = None) -> StoreView:
         return StoreView(self.store, self.indices[np.asarray(indices, dtype=np.int64)], path=path)
+
+
+def _columns(columns: dict[str, Sequence[float]], n: int) -> dict[str, np.ndarray]:
+    out = {k: np.asarray(v, dtype=np.float64) for k, v in columns.items()}
+    if any(v.shape != (n,) for v in out.values()):
+        raise ValueError(f"set_values: every column needs {n} values")
+    return out
+
+
+def _with_extra(ex: dict[str, Any], extra: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+    for k, v in extra.items():
+        ex[k] = float(v[i])
+    return ex
 
 
 def _map(path: Path, dtype) -> np.ndarray:

@@ -69,6 +69,8 @@ def _files_under(p: Path) -> list[Path]:
 
 
 def file_fingerprint(f: Path) -> dict[str, Any]:
+    if not f.exists():  # said by the reader, with its own message, when the build reads it
+        return {"file": str(f), "missing": True}
     st = f.stat()
     h = hashlib.blake2b(digest_size=16)
     with open(f, "rb") as fh:
@@ -231,6 +233,13 @@ def _worker(w: int, k: int, folder: Path, args: tuple, done: Any, results: Any) 
 
 def expected_rows(sources: list[str]) -> int | None:
     """The row count when it is cheap to know (JSON lines: non-blank lines; Parquet: its metadata)."""
+    try:
+        return _count_rows(sources)
+    except OSError:
+        return None
+
+
+def _count_rows(sources: list[str]) -> int | None:
     total = 0
     for s in sources:
         for f in _files_under(Path(s)):

@@ -9,7 +9,9 @@ transformers and the JSON lines baseline in tests/test_data*.py).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import multiprocessing as mp
 import shutil
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import torch
 from _tok import corpus, make_bpe_tokenizer, make_llama3_tokenizer, make_t5_tokenizer
 from minitrain.data import store_build
 from minitrain.data.batcher import Batcher
-from minitrain.data.readers import hold_out, read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.readers import Examples, hold_out, read_preference, read_seq2seq, read_sft, read_unpaired
 from minitrain.data.store import StoreView
 from minitrain.data.store_build import open_or_build
 from minitrain.errors import UserError
@@ -192,3 +194,129 @@ def test_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
     for k, v in model_state(straight).items():
         assert torch.equal(model_state(resumed)[k], v), k
     assert torch.equal(torch.rand(4), after)
+
+
+# --------------------------------------------------------------------------- several sources, a mixture
+
+
+def test_several_files_and_a_glob_with_weights(tmp_path, tok):
+    """`a.jsonl,shards/*.parquet`: the store holds the sources in order, as reading each does; weights
+    take each source's examples that many times (a seeded fraction), the same in memory and on disk,
+    and a change of weights is another store."""
+    from minitrain.data.files import data_sources
+    from minitrain.data.readers import mixture
+
+    rows = SFT_ROWS["prompt_completion"]
+    a = write_jsonl(tmp_path / "a.jsonl", rows[:4])
+    (tmp_path / "shards").mkdir()
+    for i in range(2):
+        FORMATS["parquet"](tmp_path, rows[i::2]).rename(tmp_path / "shards" / f"{i}.parquet")
+    sources = data_sources(f"{a},{tmp_path / 'shards' / '*.parquet'}")
+    assert sources == [str(a), str(tmp_path / "shards" / "0.parquet"), str(tmp_path / "shards" / "1.parquet")]
+    parts = [read_sft(s, tok, max_len=40) for s in sources]
+    store = build(tmp_path / "c", sources, tok)
+    assert list(store) == [ex for p in parts for ex in p]
+    assert store.header["per_source"] == [4, 3, 3]
+    weights = [2.0, 0.5, 0.0]
+    mixed = mixture(store, store.header["per_source"], weights, seed=3)
+    ref = mixture(Examples([ex for p in parts for ex in p]), [4, 3, 3], weights, seed=3)
+    assert list(mixed) == list(ref) and len(ref) == 8 + 2 + 0  # round(0.5 * 3) = 2 of the second source
+    assert [ex for ex in ref[:8]] == [ex for ex in parts[0] for _ in range(2)]  # each of a.jsonl twice
+    other = open_or_build(tmp_path / "c", sources, "sft", read_sft, tok, {"max_len": 40}, workers=1, weights=weights)
+    assert other.folder != store.folder  # the weights are in the fingerprint
+    with pytest.raises(UserError, match=r"^nothing\*\.parquet: matches no file"):
+        data_sources("nothing*.parquet")
+    with pytest.raises(UserError, match="2 weights for 3 data sources"):
+        mixture(store, [4, 3, 3], [1.0, 1.0], seed=0)
+
+
+# --------------------------------------------------------------------------- reuse, damage, full disk, two builders
+
+
+def test_reused_until_something_that_made_it_changes(tmp_path, tok, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["prompt_completion"])
+    first = build(tmp_path / "c", path, tok)
+    assert "token store built" in capsys.readouterr().out
+    assert build(tmp_path / "c", path, tok).folder == first.folder
+    assert "token store built" not in capsys.readouterr().out  # a cache hit builds nothing
+    assert build(tmp_path / "c", path, tok, max_len=30).folder != first.folder
+    tok.chat_template_kwargs = {"x": 1}
+    try:
+        assert build(tmp_path / "c", path, tok).folder != first.folder
+    finally:
+        tok.chat_template_kwargs = {}
+    write_jsonl(path, SFT_ROWS["prompt_completion"][:-1])  # the data changes
+    assert len(build(tmp_path / "c", path, tok)) == len(SFT_ROWS["prompt_completion"]) - 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "missing"])
+def test_damaged_store_is_detected_and_rebuilt_with_a_note(tmp_path, tok, capsys, damage):
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["messages"])
+    ref = read_sft(path, tok, max_len=40)
+    folder = build(tmp_path / "c", path, tok).folder
+    ids = folder / "input_ids.ids"
+    if damage == "truncate":  # a kill or a copy cut short
+        ids.write_bytes(ids.read_bytes()[:-4])
+    elif damage == "header":
+        header = json.loads((folder / "header.json").read_text())
+        header["n"] -= 1
+        (folder / "header.json").write_text(json.dumps(header))
+    else:
+        (folder / "labels.off").unlink()
+    capsys.readouterr()
+    store = build(tmp_path / "c", path, tok)
+    out = capsys.readouterr().out
+    assert f"note: data_cache: {folder}: damaged" in out and "rebuilding" in out, out
+    assert store.folder == folder and list(store) == list(ref)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_full_disk_leaves_nothing_and_says_so_in_one_line(tmp_path, tok, monkeypatch, workers):
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["messages"] + SFT_ROWS["text"])
+    real = store_build.PartWriter.flush
+
+    def flush(self):  # the disk fills after the first write
+        if any(f.tell() for f in self._files.values()):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self)
+
+    monkeypatch.setattr(store_build.PartWriter, "flush", flush)
+    with pytest.raises(UserError) as e:
+        build(tmp_path / "c", path, tok, workers=workers)
+    msg = str(e.value)
+    assert "\n" not in msg and "disk full" in msg and "nothing kept" in msg and " — " in msg, msg
+    assert not [p for p in (tmp_path / "c").iterdir() if p.is_dir()]
+
+
+def _build_in_child(cache, path, tok_dir, barrier, marks, results):
+    def slow_read(*args, **kw):  # a build long enough for the other process to arrive meanwhile
+        with open(marks, "a") as f:
+            f.write("built\n")
+        import time
+
+        time.sleep(1.0)
+        return read_sft(*args, **kw)
+
+    tok = Tokenizer.from_folder(tok_dir)
+    barrier.wait()
+    store = open_or_build(cache, [str(path)], "sft", slow_read, tok, {"max_len": 40}, workers=1)
+    results.put((str(store.folder), list(store)))
+
+
+def test_two_processes_building_the_same_store_at_once(tmp_path, tok):
+    """Both get the same store; one built it while the other waited; nothing half-made is left."""
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["prompt_completion"])
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    marks = tmp_path / "marks"
+    procs = [ctx.Process(target=_build_in_child, args=(tmp_path / "c", path, tok.source, barrier, marks, results))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert marks.read_text() == "built\n"  # one build
+    assert got[0] == got[1] and got[0][1] == list(read_sft(path, tok, max_len=40))
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.is_dir()] == [Path(got[0][0]).name]

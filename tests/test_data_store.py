@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
 import multiprocessing as mp
 import shutil
@@ -18,18 +19,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from _tok import corpus, make_bpe_tokenizer, make_llama3_tokenizer, make_t5_tokenizer
+from test_data_formats import FORMATS, PREF_ROWS, SFT_ROWS, TEMPLATES, write_jsonl
+
 from minitrain.data import store_build
 from minitrain.data.batcher import Batcher
-from minitrain.data.readers import Examples, hold_out, read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.readers import (
+    Examples,
+    hold_out,
+    read_preference,
+    read_seq2seq,
+    read_sft,
+    read_unpaired,
+)
 from minitrain.data.store import StoreView
 from minitrain.data.store_build import open_or_build
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
 from minitrain.text.tokenizer import Tokenizer
 from minitrain.train import train
-from test_data_formats import FORMATS, PREF_ROWS, SFT_ROWS, TEMPLATES, write_jsonl
 
 READERS = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired}
 
@@ -168,7 +176,7 @@ def test_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
 
     bpe = Tokenizer.from_folder(make_bpe_tokenizer(tmp_path / "bpe"))  # vocab 128
     lines = corpus(30)
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": a, "completion": " " + b} for a, b in zip(lines, lines[1:])])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": a, "completion": " " + b} for a, b in itertools.pairwise(lines)])
     ref_train, ref_eval = hold_out(read_sft(data, bpe, max_len=24), 0.2, 0)
     train_s, eval_s = hold_out(build(tmp_path / "cache", data, bpe, max_len=24), 0.2, 0)
     assert isinstance(train_s, StoreView) and list(train_s) == list(ref_train) and list(eval_s) == list(ref_eval)
@@ -176,8 +184,8 @@ def test_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
     def model():
         return freeze_embeddings(TinyLM(vocab=128, dropout=0.2, seed=3))
 
-    kw = dict(batch_size=2, grad_accum=2, epochs=1.5, save_every=3, eval_every=2, lr=5e-3, warmup=2,
-              schedule="cosine", group_by_length=True)
+    kw = {"batch_size": 2, "grad_accum": 2, "epochs": 1.5, "save_every": 3, "eval_every": 2, "lr": 5e-3, "warmup": 2,
+          "schedule": "cosine", "group_by_length": True}
     cfg = cfg_for(tmp_path / "lists", **kw)
     straight = model()
     train(straight, sft, ref_train, collate, cfg, eval_examples=ref_eval, log=quiet)
@@ -320,3 +328,13 @@ def test_two_processes_building_the_same_store_at_once(tmp_path, tok):
     assert marks.read_text() == "built\n"  # one build
     assert got[0] == got[1] and got[0][1] == list(read_sft(path, tok, max_len=40))
     assert [p.name for p in (tmp_path / "c").iterdir() if p.is_dir()] == [Path(got[0][0]).name]
+
+
+def test_progress_line_counts_rows_once_with_rate_and_eta(tmp_path, tok, capsys, monkeypatch):
+    monkeypatch.setattr(store_build, "PROGRESS_EVERY", 0.0)  # a line at every report
+    rows = SFT_ROWS["prompt_completion"] * 3  # 18 rows, 9 chunks of 2 over 2 workers
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    build(tmp_path / "c", path, tok, workers=2)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "building the token store" in ln]
+    assert lines and "rows/s" in lines[-1] and "ETA" in lines[-1], lines
+    assert lines[-1].split(": ")[-1].startswith("18 rows ("), lines[-1]  # every row once, whichever worker

@@ -44,11 +44,13 @@ class Pick:
     by the reader that takes it."""
 
     def __init__(self, keep: Callable[[int], bool]):
-        self.keep, self.i = keep, 0
+        self.keep, self.i, self.taken = keep, 0, 0  # rows seen, rows taken
 
     def take(self) -> bool:
         self.i += 1
-        return self.keep(self.i - 1)
+        mine = self.keep(self.i - 1)
+        self.taken += mine
+        return mine
 
 
 def read_rows(path: str | Path, split: str | None = None, pick: Pick | None = None) -> Iterator[tuple[str, dict]]:

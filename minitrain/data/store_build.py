@@ -36,7 +36,16 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from minitrain.data.files import Pick, read_rows
-from minitrain.data.store import COUNTS, HEADER, ID_DTYPE, VERSION, Damaged, TokenStore, fsync_folder, header_checksum
+from minitrain.data.store import (
+    COUNTS,
+    HEADER,
+    ID_DTYPE,
+    VERSION,
+    Damaged,
+    TokenStore,
+    fsync_folder,
+    header_checksum,
+)
 from minitrain.errors import UserError
 from minitrain.progress import log
 
@@ -166,7 +175,7 @@ class PartWriter:
             self.flush()
 
     def _open(self, name: str) -> None:
-        self._files[name] = open(self.folder / name, "wb")
+        self._files[name] = open(self.folder / name, "wb")  # noqa: SIM115 -- open while rows arrive; close()
 
     def flush(self) -> None:
         for name, buf in self._buf.items():
@@ -187,15 +196,15 @@ class PartWriter:
 def _rows(sources: list[str], split: str | None, pick: Pick, writer: PartWriter,
           tick: Callable[[int], None]) -> Iterator[tuple[str, dict]]:
     """Every source's rows in order, through one `Pick`; tells `writer` which source a row is from."""
-    seen = 0
+    done = 0  # rows of this worker's share already counted by `tick`
     for s, src in enumerate(sources):
         writer.source = s
         for item in read_rows(src, split, pick):
             yield item
-            if pick.i - seen >= CHUNK:
-                tick(pick.i - seen)
-                seen = pick.i
-    tick(pick.i - seen)
+            if pick.taken - done >= CHUNK:
+                tick(pick.taken - done)
+                done = pick.taken
+    tick(pick.taken - done)
 
 
 def _part(w: int, k: int, folder: Path, sources: list[str], split: str | None, read: Callable, tok: Any,
@@ -406,7 +415,7 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
         pass
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        lock = open(cache / f".{folder.name}.lock", "a+")
+        lock = open(cache / f".{folder.name}.lock", "a+")  # noqa: SIM115 -- held by the with block below
     except OSError as e:
         raise UserError(f"data_cache={cache}: cannot write there ({e.strerror or e}) — pass data_cache=<a writable "
                         f"folder>, or data_cache=false to keep the examples in memory") from None

@@ -40,7 +40,8 @@ from minitrain.config import to_dict, to_json
 from minitrain.data.collate import collate_causal
 from minitrain.data.packing import collate_packed_causal
 from minitrain.data.files import data_sources
-from minitrain.data.readers import Examples, hold_out, mixture, read_preference, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_source, mixture, read_preference, read_seq2seq,
+                                    read_sft, read_unpaired)
 from minitrain.data.store_build import default_cache, open_or_build
 from minitrain.device import base_dtype, pick_device
 from minitrain.errors import UserError
@@ -428,7 +429,8 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
         options["drop_identical"] = getattr(cfg, "drop_identical_pairs", False)
     if kind == "sft":
         options["prompt_completion"] = getattr(cfg, "prompt_completion", "raw")
-    train = read_data(cfg, cfg.data, kind, tok, options, weights=getattr(cfg, "data_weights", None))
+    weights = list(getattr(cfg, "data_weights", None) or []) or None
+    train, counts = read_data(cfg, cfg.data, kind, tok, options, weights)
     shapes = getattr(train, "shapes", None)  # rows per shape, before any eval_split
     if not train and getattr(train, "identical", 0):
         raise UserError(f"{cfg.data}: no usable examples ({train.identical} pairs dropped: chosen == rejected"
@@ -439,9 +441,12 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     if cfg.eval_data and (Path(cfg.eval_data) / "dataset_dict.json").is_file():
         raise UserError(f"eval_data={cfg.eval_data}: a datasets folder with splits — name the split, e.g. "
                         f"eval_data={Path(cfg.eval_data) / 'validation'}")
-    evals = read_data(cfg, cfg.eval_data, kind, tok, options) if cfg.eval_data else None
+    evals = read_data(cfg, cfg.eval_data, kind, tok, options)[0] if cfg.eval_data else None
     if evals is None and getattr(cfg, "eval_split", 0):
+        counts = kept_per_source(counts, held_out(len(train), cfg.eval_split, cfg.seed))
         train, evals = hold_out(train, cfg.eval_split, cfg.seed)
+    if weights:  # after eval_split: an example taken twice is never on both sides
+        train = mixture(train, counts, weights, cfg.seed)
     # the run's size in optimizer steps (warmup longer than the run, ...) is refused now, before
     # prepare_out_dir writes anything, rather than by the loop
     total, warmup, _ = resolve_steps(len(train), cfg.batch_size, cfg.grad_accum, cfg.epochs, cfg.max_steps,
@@ -481,12 +486,16 @@ def log_rendering(shapes: dict[str, int] | None, tok: Tokenizer) -> None:
 
 
 def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str, Any],
-              weights: list[float] | None = None) -> Sequence[dict]:
-    """The examples of `data` (one path, or several / globs separated by commas, `data_weights` for a
-    mixture): from the token store in `cfg.data_cache` (built when missing, `cfg.data_workers`
-    processes; `minitrain.data.store_build`), or with `data_cache=false` read into memory."""
+              weights: list[float] | None = None) -> tuple[Sequence[dict], list[int]]:
+    """(examples, examples per source) of `data` (one path, or several / globs separated by commas):
+    from the token store in `cfg.data_cache` (built when missing, `cfg.data_workers` processes;
+    `minitrain.data.store_build`), or with `data_cache=false` read into memory. `weights` (checked
+    against the sources here, applied by the caller) are part of the store's fingerprint."""
     read = READERS[kind]
     sources = data_sources(data)
+    if weights and len(weights) != len(sources):
+        raise UserError(f"data_weights: {len(weights)} weights for {len(sources)} data sources ({', '.join(sources)}) "
+                        f"— give one weight per source")
     cache = str(getattr(cfg, "data_cache", "false"))
     if cache.lower() in ("false", "off", "no", "none", "0", ""):
         parts = [read(s, tok, **options) for s in sources]
@@ -496,12 +505,12 @@ def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str,
         counts = [len(p) for p in parts]
     else:
         examples = open_or_build(default_cache() if cache == "auto" else cache, sources, kind, read, tok, options,
-                                 workers=getattr(cfg, "data_workers", 0), weights=list(weights or []) or None)
+                                 workers=getattr(cfg, "data_workers", 0), weights=weights)
         counts = examples.header["per_source"]
         if kind == "unpaired":  # KTO writes each row's KL row into the example: lists it can change
             examples = Examples(list(examples), path=examples.path, truncated=examples.truncated,
                                 skipped=examples.skipped, bos_in_text=examples.bos_in_text)
-    return mixture(examples, counts, weights, cfg.seed) if weights else examples
+    return examples, counts
 
 
 def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:

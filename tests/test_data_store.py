@@ -338,3 +338,26 @@ def test_progress_line_counts_rows_once_with_rate_and_eta(tmp_path, tok, capsys,
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "building the token store" in ln]
     assert lines and "rows/s" in lines[-1] and "ETA" in lines[-1], lines
     assert lines[-1].split(": ")[-1].startswith("18 rows ("), lines[-1]  # every row once, whichever worker
+
+
+def test_load_examples_same_with_and_without_the_store(tmp_path, tok):
+    """The run's data step: two sources, weights and eval_split give the same train and eval examples
+    from the store as in memory; eval_split is taken before the weights, so no example is on both sides."""
+    from minitrain.config import TrainConfig
+    from minitrain.run import load_examples
+
+    rows = [{"prompt": f"Question {i}: {w}?", "completion": f" {w} {i}."} for i, w in enumerate(corpus(20))]
+    a, b = write_jsonl(tmp_path / "a.jsonl", rows[:12]), write_jsonl(tmp_path / "b.jsonl", rows[12:])
+    got = {}
+    for cache in (str(tmp_path / "c"), "false"):
+        cfg = TrainConfig(data=f"{a},{b}", data_weights=[2.0, 0.5], eval_split=0.2, seed=3, max_len=64,
+                          data_cache=cache, data_workers=2, batch_size=2)
+        got[cache] = load_examples(cfg, tok)
+    (train_s, eval_s), (train_m, eval_m) = got.values()
+    assert isinstance(train_s, StoreView) and not isinstance(train_m, StoreView)
+    assert list(train_s) == list(train_m) and list(eval_s) == list(eval_m) and len(eval_m) == 4
+    held = {tuple(ex["input_ids"]) for ex in eval_m}
+    assert not held & {tuple(ex["input_ids"]) for ex in train_m}
+    kept_a = 12 - sum(tuple(ex["input_ids"]) in held for ex in read_sft(a, tok, max_len=64))
+    kept_b = 8 - (4 - (12 - kept_a))
+    assert len(train_m) == 2 * kept_a + round(0.5 * kept_b)  # a.jsonl's examples twice, a seeded half of b's

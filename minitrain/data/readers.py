@@ -386,15 +386,27 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
     return out
 
 
+def held_out(n: int, share: float, seed: int) -> np.ndarray:
+    """Which of `n` examples `hold_out` holds out (a seeded choice of `round(share n)`, at least one)."""
+    k = max(1, round(n * share))
+    if k >= n:
+        raise UserError(f"eval_split={share}: {n} examples leave none to train on — lower eval_split or add data")
+    return np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k]
+
+
+def kept_per_source(counts: Sequence[int], held: np.ndarray) -> list[int]:
+    """Examples per source left for training once the indices `held` are held out (sources in order)."""
+    source = np.searchsorted(np.cumsum(counts), held, side="right")
+    return [int(c - h) for c, h in zip(counts, np.bincount(source, minlength=len(counts)))]
+
+
 def hold_out(examples: Examples, share: float, seed: int) -> tuple[Examples, Examples]:
     """(train, eval): a seeded `share` of `examples` held out for evaluation (at least one example,
     never all). The choice is a pure function of the example count and `seed`, so a resumed run
     holds out the same examples; train keeps the file's order, eval is disjoint from it."""
     n = len(examples)
-    k = max(1, round(n * share))
-    if k >= n:
-        raise UserError(f"eval_split={share}: {n} examples leave none to train on — lower eval_split or add data")
-    chosen = np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k]
+    chosen = held_out(n, share, seed)
+    k = len(chosen)
     if hasattr(examples, "take"):  # a token store: two views by index, no lists
         mask = np.zeros(n, dtype=bool)
         mask[chosen] = True

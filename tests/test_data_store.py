@@ -361,3 +361,31 @@ def test_load_examples_same_with_and_without_the_store(tmp_path, tok):
     kept_a = 12 - sum(tuple(ex["input_ids"]) in held for ex in read_sft(a, tok, max_len=64))
     kept_b = 8 - (4 - (12 - kept_a))
     assert len(train_m) == 2 * kept_a + round(0.5 * kept_b)  # a.jsonl's examples twice, a seeded half of b's
+
+
+def _killed_build(cache, path, tok_dir):
+    def stuck(*args, **kw):  # writes part of the store, then hangs until killed
+        read_sft(*args, **kw)
+        import time
+
+        time.sleep(60)
+
+    open_or_build(cache, [str(path)], "sft", stuck, Tokenizer.from_folder(tok_dir), {"max_len": 40}, workers=1)
+
+
+def test_a_build_killed_midway_leaves_no_store_and_the_next_run_builds_it(tmp_path, tok):
+    import os
+    import signal
+    import time
+
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["prompt_completion"])
+    p = mp.get_context("fork").Process(target=_killed_build, args=(tmp_path / "c", path, tok.source))
+    p.start()
+    while not list((tmp_path / "c").glob(".tmp-*/part-0/*.ids")) and p.is_alive():
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    assert [d.name.startswith(".tmp-") for d in (tmp_path / "c").iterdir() if d.is_dir()] == [True]  # only the temporary
+    store = build(tmp_path / "c", path, tok, workers=1)
+    assert list(store) == list(read_sft(path, tok, max_len=40))
+    assert [d for d in (tmp_path / "c").iterdir() if d.is_dir()] == [store.folder]  # the killed build's folder is gone

@@ -431,8 +431,9 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
             except Damaged as e:
                 log(f"note: data_cache: {folder}: damaged ({e}) — rebuilding it")
                 shutil.rmtree(folder, ignore_errors=True)
+        for stale in cache.glob(f".tmp-{folder.name}-*"):  # a build killed before its rename: ours to remove now
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = cache / f".tmp-{folder.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.perf_counter()
         workers = workers or usable_cores()
         try:

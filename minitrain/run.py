@@ -501,7 +501,8 @@ def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str,
         parts = [read(s, tok, **options) for s in sources]
         examples = parts[0] if len(parts) == 1 else Examples(
             [ex for p in parts for ex in p], path=data,
-            **{c: sum(getattr(p, c) for p in parts) for c in ("truncated", "skipped", "bos_in_text", "identical")})
+            **{c: sum(getattr(p, c) for p in parts) for c in ("truncated", "skipped", "bos_in_text", "identical")},
+            shapes=None if parts[0].shapes is None else {k: sum(p.shapes[k] for p in parts) for k in parts[0].shapes})
         counts = [len(p) for p in parts]
     else:
         examples = open_or_build(default_cache() if cache == "auto" else cache, sources, kind, read, tok, options,

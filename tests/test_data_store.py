@@ -356,6 +356,7 @@ def test_load_examples_same_with_and_without_the_store(tmp_path, tok):
     (train_s, eval_s), (train_m, eval_m) = got.values()
     assert isinstance(train_s, StoreView) and not isinstance(train_m, StoreView)
     assert list(train_s) == list(train_m) and list(eval_s) == list(eval_m) and len(eval_m) == 4
+    assert train_s.shapes == train_m.shapes == {"chat": 0, "pair": 20, "pair_chat": 0, "text": 0}  # the run's log
     held = {tuple(ex["input_ids"]) for ex in eval_m}
     assert not held & {tuple(ex["input_ids"]) for ex in train_m}
     kept_a = 12 - sum(tuple(ex["input_ids"]) in held for ex in read_sft(a, tok, max_len=64))

@@ -444,8 +444,9 @@ def mixture(examples: Sequence[dict], counts: Sequence[int], weights: Sequence[f
     idx = np.concatenate(parts)
     if hasattr(examples, "take"):
         view = examples.take(idx)
-        for c in ("truncated", "skipped", "bos_in_text", "identical"):
-            setattr(view, c, getattr(examples, c, 0))
+        for c in ("truncated", "skipped", "bos_in_text", "identical", "shapes"):
+            setattr(view, c, getattr(examples, c, None))
         return view
     return Examples([examples[i] for i in idx], path=examples.path, truncated=examples.truncated,
-                    skipped=examples.skipped, bos_in_text=examples.bos_in_text, identical=examples.identical)
+                    skipped=examples.skipped, bos_in_text=examples.bos_in_text, identical=examples.identical,
+                    shapes=examples.shapes)

@@ -390,3 +390,17 @@ def test_a_build_killed_midway_leaves_no_store_and_the_next_run_builds_it(tmp_pa
     store = build(tmp_path / "c", path, tok, workers=1)
     assert list(store) == list(read_sft(path, tok, max_len=40))
     assert [d for d in (tmp_path / "c").iterdir() if d.is_dir()] == [store.folder]  # the killed build's folder is gone
+
+
+def test_values_set_beside_the_store_read_as_the_in_memory_write(tmp_path, tok):
+    """DPO's precomputed reference log-probs: `set_values` on a store view gives each example the float the
+    in-memory path writes into its dict (fp32 tensor -> Python float), and nothing to the other view."""
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["prompt_completion"])
+    train, evals = hold_out(build(tmp_path / "c", path, tok), 0.34, 0)
+    ref_train, _ = hold_out(read_sft(path, tok, max_len=40), 0.34, 0)
+    logps = -torch.rand(len(train), dtype=torch.float32) * 50
+    train.set_values({"ref_chosen_logp": logps.double().numpy()})
+    for ex, v in zip(ref_train, logps.tolist()):
+        ex["ref_chosen_logp"] = v
+    assert list(train) == list(ref_train) and train[1:3] == ref_train[1:3]
+    assert "ref_chosen_logp" not in evals[0]

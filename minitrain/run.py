@@ -497,6 +497,13 @@ def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str,
         raise UserError(f"data_weights: {len(weights)} weights for {len(sources)} data sources ({', '.join(sources)}) "
                         f"— give one weight per source")
     cache = str(getattr(cfg, "data_cache", "false"))
+    if cache == "auto":
+        try:
+            default_cache().mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # no writable cache folder (a read-only home): today's path, said once
+            log(f"note: data_cache=auto: cannot create {default_cache()} ({e.strerror or e}) — examples are kept in "
+                f"memory; pass data_cache=<a writable folder> to keep a token store")
+            cache = "false"
     if cache.lower() in ("false", "off", "no", "none", "0", ""):
         parts = [read(s, tok, **options) for s in sources]
         examples = parts[0] if len(parts) == 1 else Examples(

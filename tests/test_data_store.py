@@ -404,3 +404,17 @@ def test_values_set_beside_the_store_read_as_the_in_memory_write(tmp_path, tok):
         ex["ref_chosen_logp"] = v
     assert list(train) == list(ref_train) and train[1:3] == ref_train[1:3]
     assert "ref_chosen_logp" not in evals[0]
+
+
+def test_default_cache_that_cannot_be_made_falls_back_to_memory_with_a_note(tmp_path, tok, monkeypatch, capsys):
+    from minitrain.config import TrainConfig
+    from minitrain.run import load_examples
+
+    (tmp_path / "file").write_text("")  # XDG_CACHE_HOME under a file: no folder can be made there
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "cache"))
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["prompt_completion"])
+    train, _ = load_examples(TrainConfig(data=str(path), max_len=40), tok)
+    assert not isinstance(train, StoreView) and list(train) == list(read_sft(path, tok, max_len=40))
+    assert "note: data_cache=auto: cannot create" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"^data_cache=.*: cannot write there .* — pass data_cache="):
+        load_examples(TrainConfig(data=str(path), max_len=40, data_cache=str(tmp_path / "file" / "c")), tok)

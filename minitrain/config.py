@@ -64,6 +64,12 @@ class TrainConfig:
     fields: dict[str, str] = doc({}, 'your column names for the row shapes\' keys, e.g. {"prompt": "question", '
                                      '"completion": "answer"}',
                                  example={"prompt": "question", "completion": "answer"})
+    data_weights: list[float] = doc([], "with several data sources: how many times each source's examples are taken per "
+                                        "epoch (2: twice, 0.5: a seeded half), one weight per source")
+    data_cache: str = doc("auto", "folder of the token stores (the tokenized data, memory-mapped, reused while "
+                                  "nothing that made it changes); auto: $XDG_CACHE_HOME/minitrain/data or "
+                                  "~/.cache/minitrain/data; false: tokenize into memory at every start")
+    data_workers: int = doc(0, "processes that build a token store (0: the usable cores)", ge=0)
     out: str = doc("runs/run", "output folder: metrics.jsonl, config.json, adapter/, checkpoint/")
     max_steps: int = doc(-1, "optimizer steps to run (-1: derived from epochs)", ge=-1)
     epochs: float = doc(1.0, "passes over the data when max_steps is -1", gt=0)
@@ -171,6 +177,8 @@ class TrainConfig:
         if self.warmup >= 1 and self.warmup != int(self.warmup):
             raise UserError(f"warmup={format_value(self.warmup)}: a warmup of 1 or more counts optimizer "
                             f"steps and must be whole — e.g. warmup=100, or warmup=0.03 for a ratio")
+        if any(w < 0 or not math.isfinite(w) for w in self.data_weights):
+            raise UserError(f"data_weights={list(self.data_weights)}: weights must be finite and >= 0")
         if self.eval_split and self.eval_data:
             raise UserError(f"eval_split={format_value(self.eval_split)}: eval_data is given too — use one of them")
         for k in self.chat_template_kwargs:

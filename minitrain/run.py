@@ -28,10 +28,9 @@ import functools
 import hashlib
 import json
 import shutil
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -46,7 +45,10 @@ from minitrain.audit import preflight
 from minitrain.config import to_dict, to_json
 from minitrain.data.collate import collate_causal
 from minitrain.data.packing import collate_packed_causal
-from minitrain.data.readers import hold_out, read_preference, read_prompts, read_seq2seq, read_sft, read_unpaired
+from minitrain.data.files import data_sources
+from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_source, mixture, read_preference, read_prompts,
+                                    read_seq2seq, read_sft, read_unpaired)
+from minitrain.data.store_build import default_cache, open_or_build
 from minitrain.device import base_dtype, pick_device
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
@@ -65,11 +67,11 @@ EMA_SUFFIX = "_ema"  # ema_decay: the moving average beside them, adapter_ema/ o
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR, MODEL_DIR, *(d + EMA_SUFFIX for d in (ADAPTER_DIR, MODEL_DIR)))
 # keys that say where / how to start, not what the run is
-NOT_THE_RUN = ("out", "resume", "overwrite", "extend", "trained_format")
+NOT_THE_RUN = ("out", "resume", "overwrite", "extend", "trained_format", "data_cache", "data_workers")
 # config.json's one entry that is not a key: how the run rendered its rows (`trained_format`), which
 # tools/generate.py follows so that a model is queried in the format it was trained in
-
-
+READERS = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired,
+           "prompts": read_prompts}
 
 
 @dataclass
@@ -434,11 +436,8 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     """
     if not cfg.data:
         raise UserError("data: not set — pass data=path/to/train.jsonl")
-    readers = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired,
-               "prompts": read_prompts}
-    if kind not in readers:
-        raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(readers)}")
-    read = readers[kind]
+    if kind not in READERS:
+        raise ValueError(f"load_examples: kind {kind!r} is not one of {', '.join(READERS)}")
     tok.chat_template_kwargs = dict(getattr(cfg, "chat_template_kwargs", {}) or {})
     options = dict(max_len=cfg.max_len, truncation_side=cfg.truncation_side, fields=getattr(cfg, "fields", None),
                    **options)
@@ -446,7 +445,8 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
         options["drop_identical"] = getattr(cfg, "drop_identical_pairs", False)
     if kind == "sft":
         options["prompt_completion"] = getattr(cfg, "prompt_completion", "raw")
-    train = read(cfg.data, tok, **options)
+    weights = list(getattr(cfg, "data_weights", None) or []) or None
+    train, counts = read_data(cfg, cfg.data, kind, tok, options, weights)
     shapes = getattr(train, "shapes", None)  # rows per shape, before any eval_split
     if not train and getattr(train, "identical", 0):
         raise UserError(f"{cfg.data}: no usable examples ({train.identical} pairs dropped: chosen == rejected"
@@ -457,9 +457,12 @@ def load_examples(cfg: Any, tok: Tokenizer, kind: str = "sft", **options: Any) -
     if cfg.eval_data and (Path(cfg.eval_data) / "dataset_dict.json").is_file():
         raise UserError(f"eval_data={cfg.eval_data}: a datasets folder with splits — name the split, e.g. "
                         f"eval_data={Path(cfg.eval_data) / 'validation'}")
-    evals = read(cfg.eval_data, tok, **options) if cfg.eval_data else None
+    evals = read_data(cfg, cfg.eval_data, kind, tok, options)[0] if cfg.eval_data else None
     if evals is None and getattr(cfg, "eval_split", 0):
+        counts = kept_per_source(counts, held_out(len(train), cfg.eval_split, cfg.seed))
         train, evals = hold_out(train, cfg.eval_split, cfg.seed)
+    if weights:  # after eval_split: an example taken twice is never on both sides
+        train = mixture(train, counts, weights, cfg.seed)
     if distributed.world_size() > 1:
         distributed.check_agree("data", examples_digest(train) + (examples_digest(evals) if evals else ""),
                                 "every machine must read the same data files with the same settings (copy the "
@@ -485,8 +488,10 @@ def examples_digest(examples: Sequence[dict]) -> str:
     """A short hash of tokenized examples: their count, every length, the first and the last example
     (what tells two ranks' data apart without hashing every token)."""
     h = hashlib.sha256(str(len(examples)).encode())
-    h.update(np.asarray([sum(len(v) for k, v in ex.items() if k.endswith("ids")) for ex in examples],
-                        dtype=np.int64).tobytes())
+    lengths = getattr(examples, "lengths", None)  # Examples and the token store know them; else count
+    if lengths is None:
+        lengths = [sum(len(v) for k, v in ex.items() if k.endswith("ids")) for ex in examples]
+    h.update(np.asarray(lengths, dtype=np.int64).tobytes())
     for ex in (examples[0], examples[-1]) if len(examples) else ():
         h.update(json.dumps({k: [int(i) for i in v] if hasattr(v, "__len__") and not isinstance(v, str) else v
                              for k, v in sorted(ex.items())}, default=str).encode())
@@ -512,6 +517,43 @@ def log_rendering(shapes: dict[str, int] | None, tok: Tokenizer) -> None:
             f"template{advice}")
     if shapes.get("text"):
         log(f"text: {shapes['text']} rows trained as plain text")
+
+
+def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str, Any],
+              weights: list[float] | None = None) -> tuple[Sequence[dict], list[int]]:
+    """(examples, examples per source) of `data` (one path, or several / globs separated by commas):
+    from the token store in `cfg.data_cache` (built when missing, `cfg.data_workers` processes;
+    `minitrain.data.store_build`), or with `data_cache=false` read into memory. `weights` (checked
+    against the sources here, applied by the caller) are part of the store's fingerprint."""
+    read = READERS[kind]
+    sources = data_sources(data)
+    if weights and len(weights) != len(sources):
+        raise UserError(f"data_weights: {len(weights)} weights for {len(sources)} data sources ({', '.join(sources)}) "
+                        f"— give one weight per source")
+    cache = str(getattr(cfg, "data_cache", "false"))
+    if cache == "auto":
+        try:
+            default_cache().mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # no writable cache folder (a read-only home): today's path, said once
+            log(f"note: data_cache=auto: cannot create {default_cache()} ({e.strerror or e}) — examples are kept in "
+                f"memory; pass data_cache=<a writable folder> to keep a token store")
+            cache = "false"
+    # GRPO's prompts carry their rows' other columns for the reward functions: kept in memory, never in a store
+    if cache.lower() in ("false", "off", "no", "none", "0", "") or kind == "prompts":
+        parts = [read(s, tok, **options) for s in sources]
+        examples = parts[0] if len(parts) == 1 else Examples(
+            [ex for p in parts for ex in p], path=data,
+            **{c: sum(getattr(p, c) for p in parts) for c in ("truncated", "skipped", "bos_in_text", "identical")},
+            shapes=None if parts[0].shapes is None else {k: sum(p.shapes[k] for p in parts) for k in parts[0].shapes})
+        counts = [len(p) for p in parts]
+    else:
+        examples = open_or_build(default_cache() if cache == "auto" else cache, sources, kind, read, tok, options,
+                                 workers=getattr(cfg, "data_workers", 0), weights=weights)
+        counts = examples.header["per_source"]
+        if kind == "unpaired":  # KTO writes each row's KL row into the example: lists it can change
+            examples = Examples(list(examples), path=examples.path, truncated=examples.truncated,
+                                skipped=examples.skipped, bos_in_text=examples.bos_in_text)
+    return examples, counts
 
 
 def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:

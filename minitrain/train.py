@@ -31,8 +31,9 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -198,7 +199,7 @@ def train(
     _seed_numpy(cfg.seed + rank)
 
     # the data order is the same on every rank (seeded); each rank takes its share of each batch
-    batcher = Batcher([_length(ex) for ex in train_examples], cfg.batch_size, seed=cfg.seed,
+    batcher = Batcher(_lengths(train_examples), cfg.batch_size, seed=cfg.seed,
                       shuffle=True, group_by_length=getattr(cfg, "group_by_length", True))
     distributed.broadcast_tensors(params)  # every rank starts from rank 0's trainable values
     if optimizer is not None:
@@ -512,7 +513,7 @@ def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg
     so the preflight costs a fraction of a step instead of two full micro-batches; on long-row
     data (an 890-token shortest row) even one full example was a third of the time to step 1.
     """
-    return _to_device(collate([audit_slice(min(examples, key=_length))]), device)
+    return _to_device(collate([audit_slice(examples[int(np.argmin(_lengths(examples)))])]), device)
 
 
 def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list[dict]], dict],
@@ -800,6 +801,12 @@ def _length(ex: dict) -> int:
     if "input_ids" in ex:
         return len(ex["input_ids"])
     return sum(len(v) for k, v in ex.items() if k.endswith("_ids") and isinstance(v, (list, tuple)))
+
+
+def _lengths(examples: Sequence[dict]) -> Sequence[int]:
+    """`_length` of every example; a token store has them as an array (no example is built)."""
+    lengths = getattr(examples, "batch_lengths", None)
+    return lengths if lengths is not None else [_length(ex) for ex in examples]
 
 
 def _input_tokens(batch: dict[str, Any]) -> int:

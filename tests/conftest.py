@@ -7,13 +7,21 @@ its folder. Overrides are HF config fields (e.g. `num_key_value_heads=2`, `slidi
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# token stores (data_cache=auto) of the runs the tests make go to a folder of this session, not the user's cache
+_CACHE = tempfile.mkdtemp(prefix="minitrain-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 TINY_LLAMA = dict(
     vocab_size=128,

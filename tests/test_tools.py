@@ -222,3 +222,19 @@ def test_merge_keeps_the_base_dtype_and_notes_a_quantized_run(adapter, tmp_path)
     p = _run("tools/merge.py", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(tmp_path / "l"))
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "pass --quantize nf4" in p.stderr
     assert not (tmp_path / "l").exists()
+
+
+def test_bench_data_measures_the_store_at_a_tiny_size(tmp_path):
+    """tools/bench_data.py end to end on 300 rows (no datasets): builds with 1 and 2 workers, a cache hit,
+    the in-memory path; its table names every figure. (The figures themselves are BENCHMARKS.md's.)"""
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "bench_data.py"), "--rows", "300", "--memory-rows", "300",
+                        "--no-datasets", "--keep", str(tmp_path)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = p.stdout
+    for what in ("first build, 1 worker |", "first build, 2 workers |", "cache hit: open_or_build |",
+                 "beyond the mapped store pages (RssAnon) |", "in memory (data_cache=false), 300 rows |"):
+        assert what in out, out
+    hit = json.loads(out.split("cache hit: ")[1].splitlines()[0].replace("'", '"'))
+    assert hit["rows"] == 300 and hit["tokens"] > 300
+    assert len([d for d in (tmp_path / "cache-w2").iterdir() if d.is_dir()]) == 1  # the hit built nothing new

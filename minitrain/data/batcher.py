@@ -41,35 +41,38 @@ class Batcher:
         n = len(self.lengths)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """All batches of `epoch`, in order."""
+    def epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order, starts): epoch `epoch`'s example indices laid out batch after batch, and where each
+        batch starts in `order`, in the order the batches are handed out (batch `j` is
+        `order[starts[j] : starts[j] + batch_size]`). Two arrays, not a list per batch: 8 bytes an
+        example, whatever the data's size."""
         n, bs = len(self.lengths), self.batch_size
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(n) if self.shuffle else np.arange(n)
-        if not self.group_by_length:
-            batches = [order[i : i + bs] for i in range(0, n, bs)]
-        else:
-            chunk = bs * self.mega_batch
-            batches = []
-            for s in range(0, n, chunk):
-                part = order[s : s + chunk]
-                part = part[np.argsort(-self.lengths[part], kind="stable")]  # longest first
-                batches += [part[i : i + bs] for i in range(0, len(part), bs)]
-        if self.drop_last and batches and len(batches[-1]) < bs:
-            batches.pop()
+        if self.group_by_length:  # each mega-batch sorted longest first, stably: its batches hold similar lengths
+            chunk = np.arange(n) // (bs * self.mega_batch)
+            order = order[np.lexsort((-self.lengths[order], chunk))]
+        starts = np.arange(0, n, bs)  # mega-batches are whole batches, so batches are every bs positions
+        if self.drop_last and n % bs:
+            starts = starts[:-1]
         if self.group_by_length and self.shuffle:
-            batches = [batches[i] for i in rng.permutation(len(batches))]
-        return [[int(i) for i in b] for b in batches]
+            starts = starts[rng.permutation(len(starts))]
+        return order, starts
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """All batches of `epoch`, in order."""
+        order, starts = self.epoch_layout(epoch)
+        return [order[s : s + self.batch_size].tolist() for s in starts]
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
-        batches = self.epoch_batches(self.epoch)
-        while self.position < len(batches):
-            b = batches[self.position]
+        order, starts = self.epoch_layout(self.epoch)
+        while self.position < len(starts):
+            s = starts[self.position]
             self.position += 1
-            yield b
+            yield order[s : s + self.batch_size].tolist()
 
     def _fingerprint(self) -> str:
         """Which data the order belongs to: count and a checksum of the lengths."""

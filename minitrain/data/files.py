@@ -22,9 +22,10 @@ are kept.
 from __future__ import annotations
 
 import csv
+import glob
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from minitrain.data.rows import type_name
 from minitrain.errors import UserError
@@ -36,11 +37,28 @@ ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"
 DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet", ".arrow")
 
 
-def read_rows(path: str | Path, split: str | None = None) -> Iterator[tuple[str, dict]]:
-    """Yield `(where, row)` for each row of the data file or folder `path` (see the module doc)."""
+class Pick:
+    """Which rows one reader of several takes: `keep(i)` on the 0-based row index across everything
+    read with this `Pick` (the token store's workers each take every K-th chunk of rows). Rows not
+    taken are counted but not parsed where the format allows (JSON lines), so a bad row is named
+    by the reader that takes it."""
+
+    def __init__(self, keep: Callable[[int], bool]):
+        self.keep, self.i, self.taken = keep, 0, 0  # rows seen, rows taken
+
+    def take(self) -> bool:
+        self.i += 1
+        mine = self.keep(self.i - 1)
+        self.taken += mine
+        return mine
+
+
+def read_rows(path: str | Path, split: str | None = None, pick: Pick | None = None) -> Iterator[tuple[str, dict]]:
+    """Yield `(where, row)` for each row of the data file or folder `path` (see the module doc);
+    with `pick`, only the rows it takes."""
     p = Path(path)
     if p.is_dir():
-        yield from _read_folder(p, split)
+        yield from _read_folder(p, split, pick)
         return
     if not p.exists():
         raise UserError(f"{p}: no such file — check the data path")
@@ -51,14 +69,33 @@ def read_rows(path: str | Path, split: str | None = None) -> Iterator[tuple[str,
         fmt = "json" if _load_json(p, quiet=True) is not None else "jsonl"
     read = {"jsonl": _read_jsonl, "json": _read_json, "csv": _read_csv, "tsv": _read_csv,
             "parquet": _read_parquet, "arrow": _read_arrow, "arrow-stream": _read_arrow}[fmt]
-    any_row = False
-    for item in read(p, fmt):
+    any_row, start = False, pick.i if pick is not None else 0
+    for item in read(p, fmt, pick) if fmt == "jsonl" else read(p, fmt):
         any_row = True
-        yield item
+        if pick is None or fmt == "jsonl" or pick.take():
+            yield item
+    any_row = any_row or (pick is not None and pick.i > start)
     if not any_row and fmt == "jsonl":
         raise UserError(f"{p}: empty file (no JSON rows) — add one JSON object per line")
     if not any_row:
         raise UserError(f"{p}: no rows ({describe(fmt)} file) — add rows, or check the path")
+
+
+def data_sources(data: str) -> list[str]:
+    """The sources a `data=` value names: paths separated by commas, each a file, a folder or a glob
+    (`shards/*.parquet`, expanded in name order); a glob that matches nothing is one clear line."""
+    out: list[str] = []
+    for part in (p.strip() for p in str(data).split(",")):
+        if not part:
+            raise UserError(f"data={data}: an empty entry between commas — list paths as a.jsonl,b.parquet")
+        if glob.has_magic(part):
+            found = sorted(glob.glob(part))
+            if not found:
+                raise UserError(f"{part}: matches no file — check the pattern (data={data})")
+            out += found
+        else:
+            out.append(part)
+    return out
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:
@@ -118,9 +155,11 @@ def _is_binary(head: bytes) -> bool:
 # --------------------------------------------------------------------------- text formats
 
 
-def _read_jsonl(p: Path, fmt: str) -> Iterator[tuple[str, dict]]:
+def _read_jsonl(p: Path, fmt: str, pick: Pick | None = None) -> Iterator[tuple[str, dict]]:
     with open(p, "rb") as f:
         for n, raw in enumerate(f, 1):
+            if pick is not None and raw.strip() and not pick.take():
+                continue  # another reader's row: not parsed here
             where = f"{p}:{n}"
             try:
                 line = raw.decode("utf-8")
@@ -279,7 +318,7 @@ def _read_arrow(p: Path, fmt: str) -> Iterator[tuple[str, dict]]:
 # --------------------------------------------------------------------------- folders
 
 
-def _read_folder(p: Path, split: str | None) -> Iterator[tuple[str, dict]]:
+def _read_folder(p: Path, split: str | None, pick: Pick | None = None) -> Iterator[tuple[str, dict]]:
     if (p / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: one folder per split
         try:
             splits = json.loads((p / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
@@ -289,7 +328,7 @@ def _read_folder(p: Path, split: str | None) -> Iterator[tuple[str, dict]]:
         if name not in splits:
             raise UserError(f"{p}: the dataset has no split {name!r} (splits: {', '.join(splits)}) — pass "
                             f"the split's folder, e.g. {p / splits[0]}" if splits else f"{p}: the dataset has no splits")
-        yield from _read_folder(p / name, None)
+        yield from _read_folder(p / name, None, pick)
         return
     if split is not None:
         raise UserError(f"{p}: not a datasets folder with splits (no dataset_dict.json) — drop the split")
@@ -299,11 +338,11 @@ def _read_folder(p: Path, split: str | None) -> Iterator[tuple[str, dict]]:
         except (OSError, ValueError, KeyError, TypeError):
             raise UserError(f"{p}/state.json: unreadable — re-save the dataset with save_to_disk") from None
         for name in files:
-            yield from read_rows(p / name)
+            yield from read_rows(p / name, pick=pick)
         return
     files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
     if not files:
         raise UserError(f"{p}: is a folder with no data files ({', '.join(DATA_SUFFIXES)}) and not a datasets "
                         f"save_to_disk folder — pass the data file itself")
     for f in files:
-        yield from read_rows(f)
+        yield from read_rows(f, pick=pick)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -151,7 +151,8 @@ def _preference_parts(row: Row) -> tuple[str | list, tuple[str | list, str | lis
 
 def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
              max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
-             split: str | None = None, prompt_completion: str = "raw") -> Examples:
+             split: str | None = None, prompt_completion: str = "raw",
+             rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None) -> Examples:
     """Causal-LM examples `{"input_ids", "labels"}` from the rows of a data file (any format of
     `minitrain.data.files`; `split` picks a split of a datasets folder), in these shapes:
 
@@ -173,8 +174,10 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
     eos = [tok.eos_id] if tok.eos_id is not None else []
     if prompt_completion not in ("raw", "chat"):
         raise UserError(f"prompt_completion={prompt_completion!r}: use 'raw' or 'chat'")
-    out = Examples(path=str(path), shapes=dict.fromkeys(("chat", "pair", "pair_chat", "text"), 0))
-    for where, raw in read_rows(path, split):
+    out = Examples(path=str(path)) if into is None else into
+    if out.shapes is None:
+        out.shapes = dict.fromkeys(("chat", "pair", "pair_chat", "text"), 0)
+    for where, raw in read_rows(path, split) if rows is None else rows:
         row = Row(where, raw, fields, '"prompt" and "completion", "messages" or "text"')
         chat = row.chat()
         shape = "chat"
@@ -232,7 +235,8 @@ def _with_bos(tok: Tokenizer, ids: list[int], out: Examples) -> list[int]:
 
 def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                  max_target_len: int | None = None, fields: dict[str, str] | None = None,
-                 max_prompt_len: int | None = None, split: str | None = None) -> Examples:
+                 max_prompt_len: int | None = None, split: str | None = None, rows: Iterable[tuple[str, dict]] | None = None,
+             into: Examples | None = None) -> Examples:
     """Encoder-decoder examples from `{"prompt", "completion"}` rows (any file format, as `read_sft`).
 
     `input_ids` = prompt + eos (cut to `max_len` on `truncation_side`, the eos kept),
@@ -245,8 +249,8 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
     if not isinstance(max_target_len, int) or max_target_len < 1:
         raise UserError(f"max_target_len={max_target_len!r}: must be an integer >= 1")
     fields = check_fields(fields, SEQ2SEQ_FIELDS)
-    out = Examples(path=str(path))
-    for where, raw in read_rows(path, split):
+    out = Examples(path=str(path)) if into is None else into
+    for where, raw in read_rows(path, split) if rows is None else rows:
         row = Row(where, raw, fields, '"prompt" and "completion"')
         src = tok.encode(row.text("prompt"), eos=True)
         tgt = tok.encode(row.text("completion"), eos=True)
@@ -261,7 +265,8 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
 
 def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                     max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
-                    split: str | None = None, drop_identical: bool = False) -> Examples:
+                    split: str | None = None, drop_identical: bool = False,
+                    rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None) -> Examples:
     """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`.
 
     Rows (any file format, as `read_sft`):
@@ -279,8 +284,8 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, PREFERENCE_FIELDS)
     eos = [tok.eos_id] if tok.eos_id is not None else []
-    out = Examples(path=str(path))
-    for where, raw in read_rows(path, split):
+    out = Examples(path=str(path)) if into is None else into
+    for where, raw in read_rows(path, split) if rows is None else rows:
         row = Row(where, raw, fields, '"prompt", "chosen" and "rejected"')
         prompt, answers_in = _preference_parts(row)
         # each answer as (id, label) pairs after the shared prompt
@@ -333,7 +338,8 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
 
 def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                   max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
-                  split: str | None = None) -> Examples:
+                  split: str | None = None, rows: Iterable[tuple[str, dict]] | None = None,
+             into: Examples | None = None) -> Examples:
     """Unpaired feedback (KTO) `{"input_ids", "labels", "label", "prompt_len"}`.
 
     Rows: `{"prompt", "completion", "label": true|false}` (a thumbs-up or thumbs-down on one
@@ -344,8 +350,8 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, ("prompt", "completion", "label", "role", "content"))
     eos = [tok.eos_id] if tok.eos_id is not None else []
-    out = Examples(path=str(path))
-    for where, raw in read_rows(path, split):
+    out = Examples(path=str(path)) if into is None else into
+    for where, raw in read_rows(path, split) if rows is None else rows:
         row = Row(where, raw, fields, '"prompt", "completion" and "label"')
         label = row.get("label")
         if not isinstance(label, bool):
@@ -411,18 +417,67 @@ def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
     return out
 
 
+def held_out(n: int, share: float, seed: int) -> np.ndarray:
+    """Which of `n` examples `hold_out` holds out (a seeded choice of `round(share n)`, at least one)."""
+    k = max(1, round(n * share))
+    if k >= n:
+        raise UserError(f"eval_split={share}: {n} examples leave none to train on — lower eval_split or add data")
+    return np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k]
+
+
+def kept_per_source(counts: Sequence[int], held: np.ndarray) -> list[int]:
+    """Examples per source left for training once the indices `held` are held out (sources in order)."""
+    source = np.searchsorted(np.cumsum(counts), held, side="right")
+    return [int(c - h) for c, h in zip(counts, np.bincount(source, minlength=len(counts)))]
+
+
 def hold_out(examples: Examples, share: float, seed: int) -> tuple[Examples, Examples]:
     """(train, eval): a seeded `share` of `examples` held out for evaluation (at least one example,
     never all). The choice is a pure function of the example count and `seed`, so a resumed run
     holds out the same examples; train keeps the file's order, eval is disjoint from it."""
     n = len(examples)
-    k = max(1, round(n * share))
-    if k >= n:
-        raise UserError(f"eval_split={share}: {n} examples leave none to train on — lower eval_split or add data")
-    held = set(np.random.default_rng([seed, 0xE7A1]).permutation(n)[:k].tolist())
+    chosen = held_out(n, share, seed)
+    k = len(chosen)
+    if hasattr(examples, "take"):  # a token store: two views by index, no lists
+        mask = np.zeros(n, dtype=bool)
+        mask[chosen] = True
+        train = examples.take(np.flatnonzero(~mask))
+        for c in ("truncated", "skipped", "bos_in_text", "shapes"):
+            setattr(train, c, getattr(examples, c))
+        return train, examples.take(np.flatnonzero(mask), path=f"{examples.path} (eval_split={share}: {k} held out, "
+                                                                f"seed {seed})")
+    held = set(chosen.tolist())
     train = Examples([ex for i, ex in enumerate(examples) if i not in held], path=examples.path,
                      truncated=examples.truncated, skipped=examples.skipped, bos_in_text=examples.bos_in_text,
                      shapes=examples.shapes)
     evals = Examples([ex for i, ex in enumerate(examples) if i in held],
                      path=f"{examples.path} (eval_split={share}: {k} held out, seed {seed})")
     return train, evals
+
+
+def mixture(examples: Sequence[dict], counts: Sequence[int], weights: Sequence[float], seed: int) -> Sequence[dict]:
+    """The examples of a mixture (`data_weights`): `counts[s]` examples of source `s` (in order) taken
+    `weights[s]` times each, a fraction by a seeded choice (2.5: every example twice and half of them a
+    third time; 0.5: a seeded half; 0: none). Each source's share is its own, in file order; the
+    Batcher shuffles them together. A token store gives a view by index, a list a list."""
+    if len(counts) != len(weights):
+        raise UserError(f"data_weights: {len(weights)} weights for {len(counts)} data sources — give one weight per "
+                        f"source named in data=")
+    rng = np.random.default_rng([seed, 0x5EED])
+    parts, start = [], 0
+    for n, w in zip(counts, weights):
+        k = round(w * n)
+        if k:
+            parts.append(start + np.sort(np.resize(rng.permutation(n), k)))
+        start += n
+    if not parts:
+        raise UserError(f"data_weights={list(weights)}: every source weighs 0 — give a weight above 0")
+    idx = np.concatenate(parts)
+    if hasattr(examples, "take"):
+        view = examples.take(idx)
+        for c in ("truncated", "skipped", "bos_in_text", "identical", "shapes"):
+            setattr(view, c, getattr(examples, c, None))
+        return view
+    return Examples([examples[i] for i in idx], path=examples.path, truncated=examples.truncated,
+                    skipped=examples.skipped, bos_in_text=examples.bos_in_text, identical=examples.identical,
+                    shapes=examples.shapes)

@@ -319,6 +319,9 @@ def precompute_reference(model: nn.Module, reference: BaseReference | AdapterSna
 
         distributed.main_only(write)
         log(f"reference log-probs: {len(examples)} pairs cached in {tensors_path}")
+    if hasattr(examples, "set_values"):  # a token store: one array per key, not a write into each example
+        examples.set_values({"ref_chosen_logp": chosen.double().numpy(), "ref_rejected_logp": rejected.double().numpy()})
+        return reused
     for ex, c, r in zip(examples, chosen.tolist(), rejected.tolist()):
         ex["ref_chosen_logp"], ex["ref_rejected_logp"] = c, r
     return reused

@@ -1,0 +1,196 @@
+"""The token store: a split's examples as flat arrays on disk, read through a memory map.
+
+A store is a folder:
+
+    header.json        what made it (`fingerprint`), the example count, the keys, each file's size,
+                       the readers' counts (truncated, skipped, ...) and a checksum of the header itself
+    <key>.ids          int32, every example's `<key>` list one after the other (ids, labels: -100 kept)
+    <key>.off          int64, n + 1 offsets into `<key>.ids`
+    <key>.val          int64, one number per example (KTO's `label`, `prompt_len`)
+
+`TokenStore(folder)` is a read-only sequence of example dicts: `store[i]` builds example `i`'s lists
+from the mapped arrays, so nothing is held per example but what the memory map pages in; `lengths`
+/ `batch_lengths` are numpy arrays of the offsets' differences. `store.take(indices)` is a view
+(`eval_split`, a mixture's weights) holding only the index array.
+
+`open_or_build(...)` finds the store of a fingerprint in the cache folder or builds it: a lock file
+makes one process build while the others wait; the build writes into a temporary folder beside the
+store, fsyncs, and renames it into place, so a kill or a second run never leaves a half store that
+is later read. A store whose header checksum or file sizes do not match is rebuilt, with a note.
+The build itself (workers over row chunks, merged in order) is `minitrain.data.store_build`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+VERSION = 1
+HEADER = "header.json"
+ID_DTYPE = np.int32
+COUNTS = ("truncated", "skipped", "bos_in_text", "identical")
+
+
+class Damaged(Exception):
+    """A store folder that does not read back as written (the message says what differs)."""
+
+
+def header_checksum(header: dict[str, Any]) -> str:
+    body = {k: v for k, v in header.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class TokenStore(Sequence):
+    """A built store, read through memory maps (see the module doc)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        try:
+            header = json.loads((self.folder / HEADER).read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise Damaged(f"{HEADER} unreadable ({e.__class__.__name__})") from None
+        if not isinstance(header, dict) or header.get("checksum") != header_checksum(header):
+            raise Damaged(f"{HEADER} checksum does not match its content")
+        if header.get("version") != VERSION:
+            raise Damaged(f"store version {header.get('version')}, this minitrain reads {VERSION}")
+        for name, size in header["files"].items():
+            path = self.folder / name
+            if not path.is_file() or path.stat().st_size != size:
+                got = path.stat().st_size if path.is_file() else "missing"
+                raise Damaged(f"{name}: {got} bytes, the header says {size}")
+        self.header = header
+        self.n = int(header["n"])
+        self.path = header["path"]
+        for k in COUNTS:
+            setattr(self, k, int(header["counts"].get(k, 0)))
+        self.shapes = header.get("shapes")  # SFT: rows per shape, for the run's log
+        self.lists = list(header["lists"])  # keys holding token lists, in the example's key order
+        self.values = dict(header["values"])  # key -> "bool" | "int"
+        self._ids = {k: _map(self.folder / f"{k}.ids", ID_DTYPE) for k in self.lists}
+        self._off = {k: _map(self.folder / f"{k}.off", np.int64) for k in self.lists}
+        self._val = {k: _map(self.folder / f"{k}.val", np.int64) for k in self.values}
+        self.order = list(header["order"])  # the example dict's keys in the readers' order
+        self.extra: dict[str, np.ndarray] = {}  # per-example floats added after the build (`set_values`)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        i = int(i)
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        ex: dict[str, Any] = {}
+        for k in self.order:
+            if k in self._ids:
+                off = self._off[k]
+                ex[k] = self._ids[k][off[i]:off[i + 1]].tolist()
+            else:
+                v = int(self._val[k][i])
+                ex[k] = bool(v) if self.values[k] == "bool" else v
+        return _with_extra(ex, self.extra, i)
+
+    def __iter__(self) -> Iterator[dict]:
+        for i in range(self.n):
+            yield self[i]
+
+    def list_lengths(self, key: str) -> np.ndarray:
+        return np.diff(self._off[key])
+
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:
+        """Tokens per example, all its id lists (as `Examples.lengths`)."""
+        return sum((self.list_lengths(k) for k in self.lists if k.endswith("ids")), np.zeros(self.n, np.int64))
+
+    @functools.cached_property
+    def batch_lengths(self) -> np.ndarray:
+        """Tokens per example for length grouping (the loop's `_length`): `input_ids`, else all id lists."""
+        return self.list_lengths("input_ids") if "input_ids" in self.lists else self.lengths
+
+    def take(self, indices: Sequence[int] | np.ndarray, path: str | None = None) -> StoreView:
+        return StoreView(self, np.asarray(indices, dtype=np.int64), path=path)
+
+    def set_values(self, columns: dict[str, Sequence[float]]) -> None:
+        """Give every example a float under each key (DPO's precomputed reference log-probs), held
+        in memory as one array per key: what the in-memory path writes into each example dict."""
+        self.extra.update(_columns(columns, len(self)))
+
+
+class StoreView(Sequence):
+    """Some examples of a store, by index (held out, or a mixture's weights); reads as the store does."""
+
+    def __init__(self, store: TokenStore, indices: np.ndarray, path: str | None = None, **counts: int):
+        self.store, self.indices = store, indices
+        self.path = store.path if path is None else path
+        for k in COUNTS:
+            setattr(self, k, counts.get(k, 0))
+        self.shapes = store.shapes  # the file's rows per shape (as `hold_out` keeps them in memory)
+        self.extra: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        return _with_extra(self.store[self.indices[i]], self.extra, i if i >= 0 else i + len(self))
+
+    def __iter__(self) -> Iterator[dict]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def set_values(self, columns: dict[str, Sequence[float]]) -> None:
+        """As `TokenStore.set_values`, for this view's examples only."""
+        self.extra.update(_columns(columns, len(self)))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.store.lengths[self.indices]
+
+    @property
+    def batch_lengths(self) -> np.ndarray:
+        return self.store.batch_lengths[self.indices]
+
+    def take(self, indices, path: str | None = None) -> StoreView:
+        return StoreView(self.store, self.indices[np.asarray(indices, dtype=np.int64)], path=path)
+
+
+def _columns(columns: dict[str, Sequence[float]], n: int) -> dict[str, np.ndarray]:
+    out = {k: np.asarray(v, dtype=np.float64) for k, v in columns.items()}
+    if any(v.shape != (n,) for v in out.values()):
+        raise ValueError(f"set_values: every column needs {n} values")
+    return out
+
+
+def _with_extra(ex: dict[str, Any], extra: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+    for k, v in extra.items():
+        ex[k] = float(v[i])
+    return ex
+
+
+def _map(path: Path, dtype) -> np.ndarray:
+    if path.stat().st_size == 0:  # mmap of an empty file fails
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def fsync_folder(folder: Path) -> None:
+    for f in folder.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,457 @@
+"""Building the token store (`minitrain.data.store`): once, in parallel, atomically, with a lock.
+
+`open_or_build(cache, sources, read, tok, options, workers)` returns the store of this fingerprint
+from `cache`, building it when it is missing or damaged.
+
+The fingerprint is everything that made the examples: each data file (resolved path, size, mtime and
+a hash of its first and last MiB), the tokenizer (its files, special ids, bos rule, chat format,
+templates and `chat_template_kwargs`), the reader and its options (`fields`, `max_len`, truncation,
+...), the source weights, and the source code of the readers and the text package (a change in how
+rows become ids rebuilds).
+
+The build: rows are cut into chunks of `CHUNK` rows; worker `w` of `K` reads every row but parses and
+tokenizes only chunks `c` with `c % K == w` (`files.Pick`), through the reader itself (`into=`: a
+writer of flat arrays), so ids and labels are those of the in-memory path and a bad row is named
+by `file:line` by whichever worker took it (the first in file order is reported). The parts are then
+merged chunk by chunk in row order. Workers are forked (`data_workers=1`: in this process). A
+progress line (rows, rows/s, ETA when the row count can be known cheaply) is logged every few
+seconds. Everything is written into `.tmp-*` beside the store, fsynced and renamed: a kill, a full
+disk or an error leaves nothing that is later read (and a full disk removes what it wrote).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minitrain.data.files import Pick, read_rows
+from minitrain.data.store import (
+    COUNTS,
+    HEADER,
+    ID_DTYPE,
+    VERSION,
+    Damaged,
+    TokenStore,
+    fsync_folder,
+    header_checksum,
+)
+from minitrain.errors import UserError
+from minitrain.progress import log
+
+CHUNK = 1024  # rows per chunk handed to one worker
+FLUSH = 1 << 20  # buffered tokens per key before a write
+SAMPLE = 1 << 20  # bytes hashed at each end of a data file
+PROGRESS_EVERY = 5.0  # seconds between progress lines
+CODE = ("data/files.py", "data/rows.py", "data/readers.py", "data/store.py", "data/store_build.py",
+        "text/tokenizer.py", "text/backends.py", "text/chat_template.py", "text/chat_formats.py")
+
+
+def default_cache() -> Path:
+    """`$XDG_CACHE_HOME/minitrain/data`, else `~/.cache/minitrain/data`."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "minitrain" / "data"
+
+
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+
+def _files_under(p: Path) -> list[Path]:
+    return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+
+
+def file_fingerprint(f: Path) -> dict[str, Any]:
+    if not f.exists():  # said by the reader, with its own message, when the build reads it
+        return {"file": str(f), "missing": True}
+    st = f.stat()
+    h = hashlib.blake2b(digest_size=16)
+    with open(f, "rb") as fh:
+        h.update(fh.read(SAMPLE))
+        if st.st_size > 2 * SAMPLE:
+            fh.seek(st.st_size - SAMPLE)
+        h.update(fh.read(SAMPLE))
+    return {"file": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": h.hexdigest()}
+
+
+def tokenizer_fingerprint(tok: Any) -> dict[str, Any]:
+    h = hashlib.blake2b(digest_size=16)
+    folder = Path(getattr(tok, "source", ""))
+    if folder.is_dir():
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and ("token" in f.name or "chat_template" in f.name or f.suffix == ".model"
+                                or f.name == "special_tokens_map.json"):
+                h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return {"files": h.hexdigest(), "bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id, "add_bos": tok.add_bos,
+            "vocab": tok.vocab_size, "chat_format": tok.chat_format, "templates": tok.chat_templates,
+            "template_kwargs": tok.chat_template_kwargs}
+
+
+def code_fingerprint() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.blake2b(digest_size=16)
+    for name in CODE:
+        h.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return h.hexdigest()
+
+
+def fingerprint(sources: list[str], kind: str, tok: Any, options: dict[str, Any],
+                weights: list[float] | None = None) -> dict[str, Any]:
+    try:
+        files = [[file_fingerprint(f) for f in _files_under(Path(s))] for s in sources]
+    except OSError as e:
+        raise UserError(f"{e.filename}: cannot read ({e.strerror or e}) — check the data path") from None
+    return {"version": VERSION, "kind": kind, "sources": list(sources), "files": files, "weights": weights,
+            "options": options, "tokenizer": tokenizer_fingerprint(tok), "code": code_fingerprint()}
+
+
+def store_name(sources: list[str], kind: str, fp: dict[str, Any]) -> str:
+    key = hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stem = Path(sources[0].rstrip("/")).stem or "data"
+    return f"{stem}{'+' if len(sources) > 1 else ''}-{kind}-{key}"
+
+
+# --------------------------------------------------------------------------- the writer a reader fills
+
+
+class PartWriter:
+    """What a reader appends examples to (`into=`): flat arrays in `folder`, plus the readers'
+    counts, examples per chunk (for the merge) and per source."""
+
+    def __init__(self, folder: Path, pick: Pick):
+        self.folder, self.pick = folder, pick
+        folder.mkdir(parents=True)
+        for k in COUNTS:
+            setattr(self, k, 0)
+        self.shapes: dict[str, int] | None = None  # SFT: rows per shape (`read_sft` fills it)
+        self.order: list[str] | None = None
+        self.values: dict[str, str] = {}
+        self.n = 0
+        self.per_chunk: dict[int, int] = {}
+        self.per_source: dict[int, int] = {}
+        self.source = 0
+        self._buf: dict[str, list[int]] = {}
+        self._files: dict[str, Any] = {}
+        self._pending = 0
+
+    def append(self, ex: dict[str, Any]) -> None:
+        if self.order is None:
+            self.order = list(ex)
+            self.values = {k: "bool" if isinstance(v, bool) else "int" for k, v in ex.items() if not isinstance(v, list)}
+            for k in self.order:
+                if k in self.values:
+                    self._open(f"{k}.val")
+                else:
+                    self._open(f"{k}.ids"), self._open(f"{k}.len")
+        for k in self.order:
+            v = ex[k]
+            if k in self.values:
+                self._buf.setdefault(f"{k}.val", []).append(int(v))
+            else:
+                self._buf.setdefault(f"{k}.ids", []).extend(v)
+                self._buf.setdefault(f"{k}.len", []).append(len(v))
+                self._pending += len(v)
+        self.n += 1
+        chunk = (self.pick.i - 1) // CHUNK
+        self.per_chunk[chunk] = self.per_chunk.get(chunk, 0) + 1
+        self.per_source[self.source] = self.per_source.get(self.source, 0) + 1
+        if self._pending >= FLUSH:
+            self.flush()
+
+    def _open(self, name: str) -> None:
+        self._files[name] = open(self.folder / name, "wb")  # noqa: SIM115 -- open while rows arrive; close()
+
+    def flush(self) -> None:
+        for name, buf in self._buf.items():
+            if buf:
+                dtype = ID_DTYPE if name.endswith(".ids") else np.int64
+                self._files[name].write(np.asarray(buf, dtype=dtype).tobytes())
+                buf.clear()
+        self._pending = 0
+
+    def close(self) -> dict[str, Any]:
+        self.flush()
+        for f in self._files.values():
+            f.close()
+        return {"n": self.n, "order": self.order, "values": self.values, "per_chunk": self.per_chunk,
+                "per_source": self.per_source, "counts": {k: getattr(self, k) for k in COUNTS}, "shapes": self.shapes}
+
+
+def _rows(sources: list[str], split: str | None, pick: Pick, writer: PartWriter,
+          tick: Callable[[int], None]) -> Iterator[tuple[str, dict]]:
+    """Every source's rows in order, through one `Pick`; tells `writer` which source a row is from."""
+    done = 0  # rows of this worker's share already counted by `tick`
+    for s, src in enumerate(sources):
+        writer.source = s
+        for item in read_rows(src, split, pick):
+            yield item
+            if pick.taken - done >= CHUNK:
+                tick(pick.taken - done)
+                done = pick.taken
+    tick(pick.taken - done)
+
+
+def _part(w: int, k: int, folder: Path, sources: list[str], split: str | None, read: Callable, tok: Any,
+          options: dict[str, Any], tick: Callable[[int], None]) -> dict[str, Any]:
+    """Worker `w` of `k`: its chunks of rows into `folder` (see the module doc)."""
+    pick = Pick(lambda i: (i // CHUNK) % k == w)
+    writer = PartWriter(folder, pick)
+    try:
+        read(sources[0], tok, rows=_rows(sources, split, pick, writer, tick), into=writer, **options)
+    except UserError as e:
+        writer.close()
+        return {"error": e.message, "chunk": (pick.i - 1) // CHUNK}
+    out = writer.close()
+    out["rows"] = pick.i
+    return out
+
+
+def _worker(w: int, k: int, folder: Path, args: tuple, done: Any, results: Any) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+    def tick(n: int) -> None:
+        with done.get_lock():
+            done.value += n
+
+    try:
+        results.put((w, _part(w, k, folder, *args, tick=tick)))
+    except OSError as e:
+        results.put((w, {"oserror": e.errno, "reason": e.strerror or str(e)}))
+    except Exception as e:  # noqa: BLE001 -- a bug of ours: the main process raises it
+        results.put((w, {"crash": f"{type(e).__name__}: {e}"}))
+
+
+# --------------------------------------------------------------------------- build
+
+
+def expected_rows(sources: list[str]) -> int | None:
+    """The row count when it is cheap to know (JSON lines: non-blank lines; Parquet: its metadata)."""
+    try:
+        return _count_rows(sources)
+    except OSError:
+        return None
+
+
+def _count_rows(sources: list[str]) -> int | None:
+    total = 0
+    for s in sources:
+        for f in _files_under(Path(s)):
+            with open(f, "rb") as fh:
+                head = fh.read(4)
+                if head == b"PAR1":
+                    try:
+                        import pyarrow.parquet as pq
+                        total += pq.ParquetFile(f).metadata.num_rows
+                        continue
+                    except Exception:  # noqa: BLE001 -- no count: no ETA
+                        return None
+                if head.lstrip()[:1] != b"{":
+                    return None
+                fh.seek(0)
+                total += sum(block.count(b"\n") for block in iter(lambda: fh.read(1 << 24), b""))
+    return total or None
+
+
+class Progress:
+    def __init__(self, what: str, expected: int | None):
+        self.what, self.expected, self.t0 = what, expected, time.perf_counter()
+        self.last, self.rows = self.t0, 0
+
+    def __call__(self, n: int, force: bool = False) -> None:
+        self.rows += n
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_EVERY and not force:
+            return
+        self.last = now
+        rate = self.rows / max(now - self.t0, 1e-9)
+        eta = ""
+        if self.expected and rate > 0:
+            eta = f", ETA {max(0.0, (self.expected - self.rows) / rate):.0f} s"
+        log(f"data: building the token store of {self.what}: {self.rows:,} rows ({rate:,.0f} rows/s{eta})")
+
+
+def build(tmp: Path, sources: list[str], split: str | None, read: Callable, tok: Any, options: dict[str, Any],
+          workers: int, fp: dict[str, Any]) -> None:
+    """Write the store of `sources` into the new folder `tmp` (see the module doc)."""
+    tmp.mkdir(parents=True)
+    progress = Progress(",".join(sources), expected_rows(sources))
+    args = (sources, split, read, tok, options)
+    if workers == 1:
+        try:
+            parts = [_part(0, 1, tmp / "part-0", *args, tick=progress)]
+        except OSError as e:
+            parts = [{"oserror": e.errno, "reason": e.strerror or str(e)}]
+    else:
+        parts = _run_workers(tmp, workers, args, progress)
+    for p in parts:
+        if "oserror" in p:
+            raise OSError(p["oserror"], p["reason"])
+        if "crash" in p:
+            raise RuntimeError(f"token store worker failed: {p['crash']}")
+    errors = sorted((p["chunk"], p["error"]) for p in parts if "error" in p)
+    if errors:
+        raise UserError(errors[0][1])
+    progress(0, force=True) if progress.rows >= CHUNK else None
+    _merge(tmp, parts, sources, fp)
+
+
+def _run_workers(tmp: Path, k: int, args: tuple, progress: Progress) -> list[dict[str, Any]]:
+    ctx = mp.get_context("fork")
+    done, results = ctx.Value("q", 0), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(w, k, tmp / f"part-{w}", args, done, results), daemon=True)
+             for w in range(k)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict[str, Any]] = {}
+    reported = 0
+    try:
+        while len(got) < k:
+            try:
+                w, res = results.get(timeout=0.5)
+                got[w] = res
+            except queue.Empty:
+                dead = [p for w, p in enumerate(procs) if w not in got and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"token store worker died (exit code {dead[0].exitcode})") from None
+            with done.get_lock():
+                now = done.value
+            progress(now - reported)
+            reported = now
+    finally:
+        for p in procs:
+            if p.is_alive() and len(got) < k:
+                p.terminate()
+            p.join()
+    return [got[w] for w in range(k)]
+
+
+def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[str, Any]) -> None:
+    """The parts' examples in row order (chunk `c` is part `c % K`'s) as the store's files in `tmp`."""
+    k = len(parts)
+    first = next((p for p in parts if p["order"] is not None), None)
+    order = first["order"] if first else []
+    values = first["values"] if first else {}
+    lists = [key for key in order if key not in values]
+    n = sum(p["n"] for p in parts)
+    # the examples of each chunk, in row order: (part, start, count)
+    cursor = [0] * k
+    pieces = []
+    for c in range(max((max(p["per_chunk"], default=-1) for p in parts), default=-1) + 1):
+        w = c % k
+        cnt = parts[w]["per_chunk"].get(c, 0)
+        if cnt:
+            pieces.append((w, cursor[w], cnt))
+            cursor[w] += cnt
+    for key in lists:
+        lens = [_read(tmp / f"part-{w}" / f"{key}.len", np.int64) for w in range(k)]
+        starts = [np.concatenate([[0], np.cumsum(x)]) for x in lens]
+        ids = [_read(tmp / f"part-{w}" / f"{key}.ids", ID_DTYPE, mmap=True) for w in range(k)]
+        off = np.zeros(n + 1, dtype=np.int64)
+        at = 0
+        with open(tmp / f"{key}.ids", "wb") as out:
+            for w, s, cnt in pieces:
+                a, b = starts[w][s], starts[w][s + cnt]
+                out.write(np.ascontiguousarray(ids[w][a:b]).tobytes())
+                off[at + 1 : at + cnt + 1] = off[at] + (starts[w][s + 1 : s + cnt + 1] - a)
+                at += cnt
+        off.tofile(tmp / f"{key}.off")
+        del ids
+    for key in values:
+        vals = [_read(tmp / f"part-{w}" / f"{key}.val", np.int64) for w in range(k)]
+        np.concatenate([vals[w][s : s + cnt] for w, s, cnt in pieces] or [np.zeros(0, np.int64)]).tofile(
+            tmp / f"{key}.val")
+    for w in range(k):
+        shutil.rmtree(tmp / f"part-{w}")
+    per_source = [sum(p["per_source"].get(s, 0) for p in parts) for s in range(len(sources))]
+    counts = {c: sum(p["counts"][c] for p in parts) for c in COUNTS}
+    shapes = None
+    for p in parts:
+        for k, v in (p.get("shapes") or {}).items():
+            shapes = shapes or {}
+            shapes[k] = shapes.get(k, 0) + v
+    files = {f.name: f.stat().st_size for f in tmp.iterdir()}
+    header = {"version": VERSION, "n": n, "path": ",".join(sources), "lists": lists, "values": values, "order": order,
+              "files": files, "counts": counts, "shapes": shapes, "per_source": per_source, "fingerprint": fp}
+    header["checksum"] = header_checksum(header)
+    (tmp / HEADER).write_text(json.dumps(header, indent=1, default=str), encoding="utf-8")
+    fsync_folder(tmp)
+
+
+def _read(path: Path, dtype, mmap: bool = False) -> np.ndarray:
+    if not path.exists() or path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r") if mmap else np.fromfile(path, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- open or build
+
+
+def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callable, tok: Any,
+                  options: dict[str, Any], *, split: str | None = None, workers: int = 0,
+                  weights: list[float] | None = None) -> TokenStore:
+    """The token store of these sources and settings, from `cache` or built into it (module doc)."""
+    cache = Path(cache)
+    fp = fingerprint(sources, kind, tok, {**options, "split": split}, weights)
+    folder = cache / store_name(sources, kind, fp)
+    try:
+        return TokenStore(folder)
+    except (Damaged, FileNotFoundError):
+        pass
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(cache / f".{folder.name}.lock", "a+")  # noqa: SIM115 -- held by the with block below
+    except OSError as e:
+        raise UserError(f"data_cache={cache}: cannot write there ({e.strerror or e}) — pass data_cache=<a writable "
+                        f"folder>, or data_cache=false to keep the examples in memory") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"data: another process is building {folder}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if folder.exists():
+            try:
+                return TokenStore(folder)
+            except Damaged as e:
+                log(f"note: data_cache: {folder}: damaged ({e}) — rebuilding it")
+                shutil.rmtree(folder, ignore_errors=True)
+        for stale in cache.glob(f".tmp-{folder.name}-*"):  # a build killed before its rename: ours to remove now
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = cache / f".tmp-{folder.name}-{os.getpid()}"
+        t0 = time.perf_counter()
+        workers = workers or usable_cores()
+        try:
+            build(tmp, sources, split, read, tok, options, workers, fp)
+            os.rename(tmp, folder)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise UserError(f"data_cache={cache}: disk full while building the token store of "
+                                f"{','.join(sources)} (nothing kept) — free space, pass data_cache=<a folder on a "
+                                f"larger disk>, or data_cache=false") from None
+            raise UserError(f"data_cache={cache}: cannot write the token store ({e.strerror or e}; nothing kept) — "
+                            f"pass data_cache=<a writable folder>, or data_cache=false") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        store = TokenStore(folder)
+        log(f"data: token store built in {time.perf_counter() - t0:.1f} s with {workers} worker"
+            f"{'s' if workers > 1 else ''}: {folder}")
+        return store

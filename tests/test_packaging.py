@@ -85,6 +85,11 @@ def test_recipes_by_name_from_an_installed_wheel(installed, tmp_path):
         steps = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
         assert steps[-1]["step"] == 2 and "loss" in steps[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dpo", "my_sft.py", "sft"]  # nothing else written
+    # every file of every recipe's demo is in the wheel (GRPO's in demo/grpo/ too)
+    shipped = installed.parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
+        "site-packages" / "minitrain" / "demo"
+    ours = sorted(str(p.relative_to(REPO / "demo")) for p in (REPO / "demo").rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(shipped)) for p in shipped.rglob("*") if p.is_file()) == ours
 
 
 def test_a_recipe_path_typed_outside_the_clone(installed, tmp_path):

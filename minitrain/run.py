@@ -492,9 +492,8 @@ def examples_digest(examples: Sequence[dict]) -> str:
     if lengths is None:
         lengths = [sum(len(v) for k, v in ex.items() if k.endswith("ids")) for ex in examples]
     h.update(np.asarray(lengths, dtype=np.int64).tobytes())
-    for ex in (examples[0], examples[-1]) if len(examples) else ():
-        h.update(json.dumps({k: [int(i) for i in v] if hasattr(v, "__len__") and not isinstance(v, str) else v
-                             for k, v in sorted(ex.items())}, default=str).encode())
+    for ex in (examples[0], examples[-1]) if len(examples) else ():  # a store's arrays as lists
+        h.update(json.dumps(ex, sort_keys=True, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)).encode())
     return h.hexdigest()[:12]
 
 

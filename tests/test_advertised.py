@@ -94,3 +94,16 @@ def test_the_old_demo_command_would_not_fit():
     text, fits = tool.render(cfg, "recipes/dpo_mistral.py", overrides, {"--gpu-mem": "12GiB", "--device": "cuda",
                                                                           "--all": False})
     assert not fits and "checkpointing=true" in text
+
+
+def test_the_readme_gives_each_first_command_its_time_and_a_way_without_the_pytorch_index():
+    """The two commands at the top of the README: how long each part takes, idle and on a busy
+    machine, and what to do where download.pytorch.org is out of reach."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    top = text[:text.index("## ")]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:4]]
+            for r in top.splitlines() if r.startswith("| ") and not r.startswith("| command")}
+    for what in ("install", "the demo", "the tests"):
+        (row,) = [cells for name, cells in rows.items() if name.startswith(what)]
+        assert all(re.search(r"\d+ (s|min)", cell) for cell in row), (what, row)
+    assert "download.pytorch.org cannot be\nreached" in top and "pip install /path/to/torch-2.13.0-" in top

@@ -359,9 +359,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def to_json(cfg: Any) -> str:
-    """The resolved config as JSON text (what `out/config.json` holds)."""
-    return json.dumps(to_dict(cfg), indent=2, ensure_ascii=False, default=str) + "\n"
+def to_json(cfg: Any, **extra: Any) -> str:
+    """The resolved config as JSON text (what `out/config.json` holds), plus `extra` entries (the run's
+    `trained_format`)."""
+    return json.dumps({**to_dict(cfg), **extra}, indent=2, ensure_ascii=False, default=str) + "\n"
 
 
 def from_json(text: str, cls: type[T], where: str = "config.json") -> T:

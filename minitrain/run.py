@@ -230,9 +230,7 @@ def _write_config(cfg: Any, trained: dict[str, Any] | None = None) -> None:
     out = check_out_dir(cfg)
     tmp = out / f".{CONFIG_FILE}.tmp"
     created = not out.exists()
-    text = to_json(cfg)
-    if trained is not None:
-        text = json.dumps({**json.loads(text), "trained_format": trained}, indent=2, ensure_ascii=False) + "\n"
+    text = to_json(cfg) if trained is None else to_json(cfg, trained_format=trained)
     try:
         out.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")

@@ -21,8 +21,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -346,32 +348,36 @@ def test_kto_reference_point_is_the_mean_of_the_ranks_means_clamped_after(tmp_pa
         assert both == pytest.approx(0.1, abs=1e-6) and only_rank1 == pytest.approx(0.5, abs=1e-6)
 
 
+def two_nodes(commands: list[list[str]]) -> tuple[list[int], list[tuple[str, str]]]:
+    """Start one `torchrun --nnodes 2 --rdzv-backend c10d` launcher (one process) per command, as two
+    machines meeting at a rendezvous endpoint on localhost; their exit codes and (stdout, stderr)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex,
+                "-m", "minitrain"]
+    nodes = [subprocess.Popen(launcher + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for args in commands]
+    outs = [n.communicate(timeout=600) for n in nodes]
+    return [n.returncode for n in nodes], outs
+
+
 @pytest.mark.slow
 def test_two_nodes_on_localhost_equal_one_process(tiny_model, tmp_path, capsys):
     """`torchrun --nnodes 2 --rdzv-backend c10d`: two launchers (two "machines", one process each) that
     meet at a rendezvous endpoint train what one process trains with the whole batch."""
-    import socket
-    import uuid
-
     from minitrain.cli import run_cli
 
     one = tmp_path / "one"
     assert run_cli(cli_args(tiny_model, one)) == 0, capsys.readouterr().err
     capsys.readouterr()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     two = tmp_path / "two"
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex,
-            "-m", "minitrain", *cli_args(tiny_model, two)]
-    nodes = [subprocess.Popen(node, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    outs = [n.communicate(timeout=600) for n in nodes]
-    for n, (out, err) in zip(nodes, outs):
-        assert n.returncode == 0, err[-4000:]
+    codes, outs = two_nodes([cli_args(tiny_model, two)] * 2)
+    for code, (out, err) in zip(codes, outs):
+        assert code == 0, err[-4000:]
         assert "Traceback" not in err
     assert sum(out.count("done: step 3/3") for out, _ in outs) == 1  # global rank 0 alone prints
     want = load_file(one / "adapter" / "adapter_model.safetensors")
@@ -387,9 +393,6 @@ def test_two_nodes_on_localhost_equal_one_process(tiny_model, tmp_path, capsys):
 def test_machines_that_read_other_files_are_refused_before_step_1(tiny_model, tmp_path, what):
     """Two machines given other data (or another checkpoint) under the same names: each rank would
     train on its own files and the run would mean nothing; every rank stops before step 1, one line."""
-    import socket
-    import uuid
-
     other = tmp_path / "other"
     if what == "data":
         rows = (REPO / "tests" / "bad_inputs" / "data" / "good.jsonl").read_text().splitlines()
@@ -402,22 +405,12 @@ def test_machines_that_read_other_files_are_refused_before_step_1(tiny_model, tm
         weights = load_file(other / "model.safetensors")
         save_file({k: v + 0.01 for k, v in weights.items()}, other / "model.safetensors")  # a fine-tune of it
         swap = f"model={other}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex,
-                "-m", "minitrain"]
     key = swap.partition("=")[0] + "="
-    commands = [cli_args(tiny_model, out), [swap if a.startswith(key) else a for a in cli_args(tiny_model, out)]]
-    nodes = [subprocess.Popen(launcher + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for args in commands]
-    outs = [n.communicate(timeout=600) for n in nodes]
+    codes, outs = two_nodes([cli_args(tiny_model, out), [swap if a.startswith(key) else a
+                                                         for a in cli_args(tiny_model, out)]])
     errors = [ln for _, err in outs for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, [err[-2000:] for _, err in outs]
     assert errors[0].startswith(f"error: {what}: rank 1 reads other {what} than rank 0"), errors
-    assert all(n.returncode != 0 for n in nodes) and not out.exists()
+    assert all(code != 0 for code in codes) and not out.exists()
     assert all("minitrain/" not in err.partition("Traceback")[2] for _, err in outs)  # torchrun's own report only

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, rows, trainable_state
 
-from minitrain import distributed
+from minitrain import distributed, fsdp
 from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.config import TrainConfig
 from minitrain.errors import UserError
@@ -97,7 +97,7 @@ def equal_batches_worker(rank: int, out: str, case: str) -> None:
     parallel = case.split("-")[0]
     cfg = config(Path(out) / "run", parallel=parallel, checkpointing=case == "fsdp-lora")  # with recompute
     summary = train(model, sft, TRAIN, collate, cfg, eval_examples=EVAL, log=quiet)
-    save_file(trainable_state(model), f"{out}/rank{rank}.safetensors")  # whole tensors again (fsdp: unshard)
+    save_file(fsdp.gather_whole(trainable_state(model)), f"{out}/rank{rank}.safetensors")  # (fsdp: gathered)
     Path(f"{out}/summary{rank}.json").write_text(json.dumps(summary))
 
 
@@ -142,7 +142,7 @@ def stop_resume_worker(rank: int, root: str, parallel: str) -> None:
     cfg = config(Path(root) / "straight", epochs=2.0, parallel=parallel)  # 6 steps
     straight = lora_model(dropout=0.2)  # dropout: each rank's RNG must resume exactly
     train(straight, sft, TRAIN, collate, cfg, log=quiet)
-    save_file(trainable_state(straight), f"{root}/straight{rank}.safetensors")
+    save_file(fsdp.gather_whole(trainable_state(straight)), f"{root}/straight{rank}.safetensors")
 
     calls = [0]
 
@@ -160,7 +160,7 @@ def stop_resume_worker(rank: int, root: str, parallel: str) -> None:
         Path(f"{root}/stopped{rank}.json").write_text(json.dumps([e.step, e.exit_code]))
     resumed = lora_model(dropout=0.2)
     train(resumed, sft, TRAIN, collate, dataclasses.replace(cut, resume=True), log=quiet)
-    save_file(trainable_state(resumed), f"{root}/resumed{rank}.safetensors")
+    save_file(fsdp.gather_whole(trainable_state(resumed)), f"{root}/resumed{rank}.safetensors")
 
 
 @pytest.mark.slow
@@ -205,7 +205,7 @@ def dpo_eval_worker(rank: int, out: str, parallel: str) -> None:
 
     job = demo_dpo_job()
     if parallel == "fsdp":
-        distributed.shard(job.model, torch.device("cpu"))
+        fsdp.shard(job.model, torch.device("cpu"))
     m = evaluate_dpo(job.model, job.objective, job.eval_examples[:5], job.collate, batch_size=4)
     Path(f"{out}/eval{rank}.json").write_text(json.dumps(m))
 

@@ -40,7 +40,7 @@ from torch import nn
 from minitrain import distributed
 from minitrain.adapters.lora import applied
 from minitrain.errors import UserError
-from minitrain.weights import (Headers, io_error_reason, is_weight_file, plan_shard_files, read_tensor,
+from minitrain.weights import (Headers, io_error_reason, is_weight_file, plan_shard_files, read_tensor, stored_dtype,
                                write_folder, write_index_and_config)
 
 _PENDING = "_minitrain_pending_weights"
@@ -173,9 +173,12 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
                 local.copy_(whole[rows[0]:rows[1]] if rows else whole)
                 continue
             path, data_start, info = source(name)
-            t = read_tensor(file(path), path, data_start, info, rows=rows)
+            direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == stored_dtype(info)
+            t = read_tensor(file(path), path, data_start, info, rows=rows, out=local if direct else None)
             read += t.numel() * t.element_size()
-            local.copy_(t.to(device=device, dtype=local.dtype))
+            if not direct:  # another dtype or device: through one temporary the size of this shard
+                local.copy_(t.to(device=device, dtype=local.dtype))
+            del t
         st = applied(model)
         for i, (name, live, copy) in enumerate(st.saved if st is not None else ()):  # modules_to_save's base values
             path, data_start, info = source(name)

@@ -157,16 +157,23 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     return header, 8 + n
 
 
-def read_tensor(f, path: Path, data_start: int, info: dict, rows: tuple[int, int] | None = None) -> torch.Tensor:
+def stored_dtype(info: dict) -> torch.dtype:
+    """The torch dtype of a tensor from its safetensors header entry."""
+    return _DTYPES[info["dtype"]]
+
+
+def read_tensor(f, path: Path, data_start: int, info: dict, rows: tuple[int, int] | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Read one tensor from an open file straight into a fresh (owned, not mmapped) tensor.
 
-    `rows`: only rows [start, stop) of dim 0 (contiguous bytes in the file): a rank's FSDP shard."""
+    `rows`: only rows [start, stop) of dim 0 (contiguous bytes in the file): a rank's FSDP shard.
+    `out`: read into this CPU tensor instead (contiguous, of the stored dtype and shape): no copy."""
     shape, offset = list(info["shape"]), data_start + info["data_offsets"][0]
     if rows is not None:
         start, stop = rows
         row_bytes = (info["data_offsets"][1] - info["data_offsets"][0]) // max(shape[0], 1)
         shape[0], offset = stop - start, offset + start * row_bytes
-    t = torch.empty(shape, dtype=_DTYPES[info["dtype"]])
+    t = torch.empty(shape, dtype=_DTYPES[info["dtype"]]) if out is None else out
     buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, writable
     f.seek(offset)
     done = 0

@@ -59,16 +59,17 @@ def config(out: Path, **kw) -> TrainConfig:
     return cfg_for(out, batch_size=4, grad_accum=2, lr=1e-2, max_grad_norm=0.2, **{"out": str(out), **kw})
 
 
-def launch(tmp_path: Path, fn: str, *args) -> list[str]:
-    """Run `fn(rank, *args)` of this module in 2 processes joined by gloo; their stderr."""
+def launch(tmp_path: Path, fn: str, *args, module: str = "test_distributed") -> list[str]:
+    """Run `fn(rank, *args)` of `module` (a test module, default this one) in 2 processes joined by gloo;
+    their stderr."""
     code = (f"import sys, torch, torch.distributed as dist\n"
             f"sys.path[:0] = [{str(HERE)!r}, {str(REPO)!r}]\n"
             f"torch.set_num_threads(1)\n"
             f"rank = int(sys.argv[1])\n"
             f"dist.init_process_group('gloo', init_method={'file://' + str(tmp_path / ('rdv-' + fn))!r}, "
             f"rank=rank, world_size=2)\n"
-            f"import test_distributed\n"
-            f"test_distributed.{fn}(rank, *{args!r})\n"
+            f"import {module}\n"
+            f"{module}.{fn}(rank, *{args!r})\n"
             f"dist.destroy_process_group()\n"
             # skip interpreter finalisation: gloo's worker threads may still hold tensors then, and
             # freeing them without an interpreter aborts now and then (pytorch/pytorch#179291)
@@ -274,16 +275,6 @@ def test_more_processes_than_gpus_is_refused_on_every_rank_before_joining(tmp_pa
 
 
 # ----------------------------------------------------------------------------- torchrun + the CLI
-
-
-@pytest.fixture(scope="module")
-def tiny_model(hf_causal, tmp_path_factory) -> Path:
-    from _tok import make_bpe_tokenizer
-
-    d = tmp_path_factory.mktemp("dist_model") / "model"
-    shutil.copytree(hf_causal("dist_llama"), d)
-    make_bpe_tokenizer(d)
-    return d
 
 
 def cli_args(model: Path, out: Path, *extra: str) -> list[str]:

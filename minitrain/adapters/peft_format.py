@@ -230,10 +230,17 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for key, t in tensors.items():
-            if params[key].is_meta:  # a base still on meta (FSDP's sharded load): the adapter is real already
-                params[key].data = t.to(params[key].dtype)
-            else:
-                params[key].copy_(t)
+            old = params[key]
+            if not old.is_meta:
+                old.copy_(t)
+                continue
+            # a base still on meta (FSDP's sharded load reads it later): the adapter becomes real now,
+            # in every module that holds this Parameter (a tied one too)
+            new = nn.Parameter(t.to(old.dtype), requires_grad=old.requires_grad)
+            for m in model.modules():
+                for leaf, q in m._parameters.items():
+                    if q is old:
+                        m._parameters[leaf] = new
     st = applied(model)  # modules_to_save: the file's value is live, the base copy stays
     if trainable:
         freeze_for_adapters(model)

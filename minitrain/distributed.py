@@ -85,9 +85,9 @@ def check(cfg: Any, world: int, under_torchrun: bool) -> None:
         if getattr(cfg, "precision", "") == "fp16":
             raise UserError("parallel=fsdp with precision=fp16: the loss scaler's overflow check would see only "
                             "each rank's shard — use precision=bf16 (or fp32), or parallel=ddp")
-        if getattr(cfg, "quantize", "none") != "none":
-            raise UserError(f"parallel=fsdp with quantize={cfg.quantize}: quantized base layers cannot be sharded "
-                            f"— use parallel=ddp (each rank holds the quantized base)")
+        if getattr(cfg, "quantize", "none") == "ternary":
+            raise UserError("parallel=fsdp with quantize=ternary: ternary base layers are not sharded — use "
+                            "parallel=ddp (each rank holds the ternary base), or quantize=nf4 / int8")
     batch_size = getattr(cfg, "batch_size", world)
     if batch_size < world:
         raise UserError(f"batch_size={batch_size}: smaller than the {world} processes — batch_size is the global "

@@ -136,9 +136,19 @@ def prepare(model: nn.Module, device: torch.device, log: Callable[[str], None]) 
     model.to_empty(device=device)
     read = _read_rows(model, load, stash, device)
     delattr(model, _PENDING)
-    mib = read / 2**20
-    log(f"sharded load: this rank read {mib:,.1f} MiB of {load.folder} (its 1/{distributed.world_size()} of each "
-        f"tensor)")
+    params = list(model.parameters())
+    held = sum(p.to_local().numel() * p.element_size() for p in params if distributed.is_sharded(p))
+    whole = sum(p.numel() * p.element_size() for p in params)
+    log(f"sharded load: this rank read {_size(read)} of {load.folder} and holds {_size(held)} of the model's "
+        f"{_size(whole)} (its 1/{distributed.world_size()} of each tensor)")
+
+
+def _size(n: int) -> str:
+    """Bytes for a log line: `812.3 KiB`, `1.25 GiB`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n / 2**10:,.1f} KiB"
 
 
 def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], device: torch.device) -> int:
@@ -165,9 +175,24 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
                 files[path] = opened.enter_context(open(path, "rb"))
             return files[path]
 
+        quantized: dict[str, dict[str, torch.Tensor]] = {}  # a quantized layer's whole tensors, until placed
         for name, p in model.named_parameters():
             local = p.to_local() if distributed.is_sharded(p) else p
             rows = _rows(p.shape[0], local.shape[0]) if p.dim() and local is not p else None
+            owner, _, leaf = name.rpartition(".")
+            layer = model.get_submodule(owner)
+            if hasattr(layer, "quantized") and leaf != "bias":  # adapters/quant_rows.py: quantize the whole weight,
+                if owner not in quantized:  # as one process does, then keep this rank's rows
+                    path, data_start, info = source(f"{owner}.weight")
+                    w = read_tensor(file(path), path, data_start, info)
+                    read += w.numel() * w.element_size()
+                    quantized[owner] = layer.quantized(w.to(device=device, dtype=load.dtype))
+                    del w
+                whole = quantized[owner].pop(leaf)
+                local.copy_(whole[rows[0]:rows[1]] if rows else whole)
+                if not quantized[owner]:
+                    del quantized[owner]
+                continue
             if name in stash:
                 whole = stash.pop(name)
                 local.copy_(whole[rows[0]:rows[1]] if rows else whole)

@@ -307,6 +307,10 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     if sharded:  # built on meta; each rank reads only its rows of each tensor when FSDP2 shards it
         model, headers = open_pretrained(folder, build)
         fsdp.defer_weights(model, folder, headers, dtype, device)
+        if cfg.quantize in ("nf4", "int8"):  # as rows FSDP2 can cut; each rank quantizes and keeps its rows
+            from minitrain.adapters.quant_rows import replace_linears
+
+            replace_linears(model, cfg.quantize, dtype)
     else:
         model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)
     emb = getattr(model, "input_embeddings", None)

@@ -10,6 +10,8 @@
 - Through torchrun and the CLI: LoRA with `modules_to_save` and an EMA under parallel=fsdp saves the
   adapter one process saves (the trained lm_head: it used to save the base's), and continuing that
   adapter (`init_adapter`) under fsdp equals one process too.
+- QLoRA under FSDP2: an nf4 and an int8 base (bitsandbytes' CPU kernels) sharded over 2 ranks, each
+  holding about half of the quantized bytes, trains the adapter the one-process QLoRA run trains.
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def test_each_rank_reads_its_rows_and_the_shards_make_the_whole_model(split_chec
         info = json.loads((tmp_path / f"{name}.json").read_text())
         assert info["tied"]  # the head is still the embedding after sharding
         read = [ln for ln in info["log"] if ln.startswith("sharded load: this rank read")]
-        mib = float(read[0].split("read ")[1].split(" MiB")[0])
-        assert 0.4 * total / 2**20 <= mib <= 0.6 * total / 2**20, (mib, total)  # about half, not the whole
+        got_read = size_after(read[0], " read ")
+        assert 0.4 * total <= got_read <= 0.6 * total, (read[0], total)  # about half, not the whole
         held = [int((tmp_path / f"held{r}-{dtype}.txt").read_text()) for r in (0, 1)]
         whole = sum(t.numel() * t.element_size() for k, t in want.items() if k != "lm_head.weight")
         assert all(h < 0.6 * whole for h in held) and sum(held) >= whole  # each rank holds its half (+ padding)
@@ -108,6 +110,12 @@ def test_each_rank_reads_its_rows_and_the_shards_make_the_whole_model(split_chec
         a, b = load_file(f), load_file(ref / f.name)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), f.name
     assert not list(tmp_path.glob(".saved.parts-*"))  # the staging folder is gone
+
+
+def size_after(line: str, word: str) -> float:
+    """The size (`812.3 KiB`, `1.25 GiB`) that follows `word` in a log line, in bytes."""
+    number, unit = line.split(word)[1].split()[:2]
+    return float(number.replace(",", "")) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
 
 
 def torchrun(args: list[str]) -> subprocess.CompletedProcess:
@@ -146,3 +154,22 @@ def test_fsdp_lora_with_modules_to_save_and_init_adapter_equal_one_process(tiny_
     got = load_file(tmp_path / "two-b" / "adapter" / "adapter_model.safetensors")
     assert max_abs_diff(got, want) <= 1e-5
     assert max_abs_diff(got, load_file(one / "adapter" / "adapter_model.safetensors")) > 1e-4  # it trained on
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_qlora_under_fsdp_holds_half_the_base_and_equals_one_process(tiny_model, tmp_path, capsys, quantize):
+    pytest.importorskip("bitsandbytes")
+    from minitrain.cli import run_cli
+
+    keys = [f"quantize={quantize}", "lr=1e-2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(cli_args(tiny_model, one, *keys)) == 0, capsys.readouterr().err
+    p = torchrun(cli_args(tiny_model, two, *keys, "parallel=fsdp"))
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
+    held, whole = size_after(line, " holds "), size_after(line, " model's ")
+    assert 0.4 * whole <= held <= 0.6 * whole, line  # rank 0's half of the quantized base (and the rest)
+    want = load_file(one / "adapter" / "adapter_model.safetensors")
+    got = load_file(two / "adapter" / "adapter_model.safetensors")
+    assert max_abs_diff(got, want) <= 5e-5
+    start_b = max(float(t.abs().max()) for k, t in got.items() if "lora_B" in k)
+    assert start_b > 1e-3  # B moved off zero: the adapter trained

@@ -65,6 +65,13 @@ def defer_weights(model: nn.Module, folder: Path, headers: Headers, dtype: torch
     setattr(model, _PENDING, Pending(folder, headers, dtype, device))
 
 
+def whole_model_only(cfg: Any, what: str) -> None:
+    """One line for a step that needs the whole model on each rank, under `parallel=fsdp`."""
+    if getattr(cfg, "parallel", "ddp") == "fsdp":
+        raise UserError(f"parallel=fsdp: {what}: needs the whole model on each rank, which a sharded run never "
+                        f"holds — use parallel=ddp")
+
+
 def pending(model: nn.Module) -> Pending | None:
     return getattr(model, _PENDING, None)
 
@@ -159,11 +166,15 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
     for name, p in params.items():
         aliases.setdefault(id(p), []).append(name)
 
-    def source(name: str) -> tuple[Path, int, dict]:
+    def source(name: str, shape: tuple[int, ...] | None = None) -> tuple[Path, int, dict]:
         key = next((a for a in aliases[id(params[name])] if a in where), None)
         if key is None:
             raise UserError(f"parallel=fsdp: {name} is neither in the checkpoint nor made before sharding "
                             f"(an adapter minitrain does not shard) — use parallel=ddp")
+        stored = tuple(where[key][2]["shape"])
+        if shape is not None and stored != shape:  # e.g. an embedding resized on meta: its rows are not the file's
+            raise UserError(f"parallel=fsdp: {name} is {shape} but {stored} in {load.folder} (changed after "
+                            f"loading, e.g. resized for new tokens) — use parallel=ddp")
         return where[key]
 
     read = 0
@@ -183,7 +194,7 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
             layer = model.get_submodule(owner)
             if hasattr(layer, "quantized") and leaf != "bias":  # adapters/quant_rows.py: quantize the whole weight,
                 if owner not in quantized:  # as one process does, then keep this rank's rows
-                    path, data_start, info = source(f"{owner}.weight")
+                    path, data_start, info = source(f"{owner}.weight", (layer.out_features, layer.in_features))
                     w = read_tensor(file(path), path, data_start, info)
                     read += w.numel() * w.element_size()
                     quantized[owner] = layer.quantized(w.to(device=device, dtype=load.dtype))
@@ -197,7 +208,7 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
                 whole = stash.pop(name)
                 local.copy_(whole[rows[0]:rows[1]] if rows else whole)
                 continue
-            path, data_start, info = source(name)
+            path, data_start, info = source(name, tuple(p.shape))
             direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == stored_dtype(info)
             t = read_tensor(file(path), path, data_start, info, rows=rows, out=local if direct else None)
             read += t.numel() * t.element_size()

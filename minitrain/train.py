@@ -674,7 +674,9 @@ def evaluate_once(
     generic `evaluate`; then `eval_fn(model, 0, row)` (ROUGE, ...), its values merged (a "stop" it
     returns is dropped: nothing runs after). Logged as the loop logs an evaluation; returns the row."""
     log = log or functools.partial(print, flush=True)
-    device = next(model.parameters()).device
+    device = fsdp.device_of(model)
+    if getattr(cfg, "parallel", "ddp") == "fsdp" and distributed.world_size() > 1:
+        fsdp.prepare(model, device, log)  # a model still on meta is sharded and read first
     amp_dtype, _ = resolve_precision(cfg.precision, device)
     if hasattr(objective, "evaluate"):
         row = dict(objective.evaluate(model, examples, collate, cfg.batch_size, amp_dtype))

@@ -9,7 +9,7 @@
   and tensors as `weights.save_pretrained` from the whole model.
 - Through torchrun and the CLI: LoRA with `modules_to_save` and an EMA under parallel=fsdp saves the
   adapter one process saves (the trained lm_head: it used to save the base's), and continuing that
-  adapter (`init_adapter`) under fsdp equals one process too.
+  adapter (`init_adapter`) under fsdp equals one process too; so does `eval_only=true`.
 - QLoRA under FSDP2: an nf4 and an int8 base (bitsandbytes' CPU kernels) sharded over 2 ranks, each
   holding about half of the quantized bytes, trains the adapter the one-process QLoRA run trains.
 """
@@ -173,3 +173,14 @@ def test_qlora_under_fsdp_holds_half_the_base_and_equals_one_process(tiny_model,
     assert max_abs_diff(got, want) <= 5e-5
     start_b = max(float(t.abs().max()) for k, t in got.items() if "lora_B" in k)
     assert start_b > 1e-3  # B moved off zero: the adapter trained
+
+
+def test_eval_only_under_fsdp_reads_the_shards_and_equals_one_process(tiny_model, tmp_path, capsys):
+    from minitrain.cli import run_cli
+
+    keys = ["eval_only=true", "eval_split=0.5"]
+    assert run_cli(cli_args(tiny_model, tmp_path / "one", *keys)) == 0, capsys.readouterr().err
+    torchrun(cli_args(tiny_model, tmp_path / "two", *keys, "parallel=fsdp"))
+    want, got = ([json.loads(ln) for ln in (tmp_path / d / "eval.jsonl").read_text().splitlines()] for d in ("one", "two"))
+    assert len(got) == len(want) == 1 and got[0]["step"] == 0
+    assert got[0]["eval/loss"] == pytest.approx(want[0]["eval/loss"], rel=1e-5)

@@ -113,7 +113,11 @@ def shard(model: nn.Module, device: torch.device) -> int:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (distributed.world_size(),))
-    blocks = [m for m in model.modules() if isinstance(m, tuple(model.block_types))]
+    # a block holding a parameter the model reads outside it (T5's position table) goes with the root,
+    # whose parameters stay gathered for the whole forward
+    outside = {id(p) for p in getattr(model, "used_outside_blocks", list)()}
+    blocks = [m for m in model.modules() if isinstance(m, tuple(model.block_types))
+              and not any(id(p) in outside for p in m.parameters())]
     for m in blocks:
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)

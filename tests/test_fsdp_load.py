@@ -184,3 +184,17 @@ def test_eval_only_under_fsdp_reads_the_shards_and_equals_one_process(tiny_model
     want, got = ([json.loads(ln) for ln in (tmp_path / d / "eval.jsonl").read_text().splitlines()] for d in ("one", "two"))
     assert len(got) == len(want) == 1 and got[0]["step"] == 0
     assert got[0]["eval/loss"] == pytest.approx(want[0]["eval/loss"], rel=1e-5)
+
+
+def test_t5_under_fsdp_equals_ddp(tmp_path):
+    """T5's stacks read block 0's position table before the blocks run: `used_outside_blocks` keeps
+    that block with the root (it failed with "mixed torch.Tensor and DTensor" before)."""
+    from test_lora_t5 import corpus, save_tiny_t5, write_rows
+
+    model, data = save_tiny_t5(tmp_path / "t5"), write_rows(tmp_path / "train.jsonl", corpus(8, seed=5))
+    args = [str(REPO / "recipes" / "lora_t5.py"), f"model={model}", f"data={data}", "max_steps=2", "batch_size=2",
+            "precision=fp32", 'fields={"prompt": "question", "completion": "answer"}', "save_every=0"]
+    for parallel in ("ddp", "fsdp"):
+        torchrun([*args, f"out={tmp_path / parallel}", f"parallel={parallel}"])
+    want, got = (load_file(tmp_path / p / "adapter" / "adapter_model.safetensors") for p in ("ddp", "fsdp"))
+    assert max_abs_diff(got, want) <= 1e-5

@@ -37,6 +37,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
+from minitrain import distributed
 from minitrain.adapters.lora import LoRALinear, logical_numel
 from minitrain.errors import UserError
 
@@ -302,7 +303,10 @@ def audit(
                     problems.append(_why_no_graph(model, calls, reentrant, trainable))
                 reachable: set[int] = set()
             else:
-                reachable = _reachable_leaves(loss)
+                # under FSDP2 the graph's leaves are the gathered copies, not the shards: the shards'
+                # gradients (None where nothing reached) are what tell
+                sharded = any(distributed.is_sharded(p) for _, p in trainable)
+                reachable = set() if sharded else _reachable_leaves(loss)
                 if trainable:
                     loss.backward()
             for n, p in trainable:
@@ -380,7 +384,7 @@ def _status(name: str, p: torch.Tensor, reachable: set[int]) -> TensorAudit:
     module = _module_of(name)
     if g is None or (reachable and id(p) not in reachable):
         return TensorAudit(name, module, UNREACHABLE, None, p.numel())
-    g = g.float()
+    g = distributed.full_tensor(g).float()  # (a shard's gradient: gathered, on every rank alike)
     if not torch.isfinite(g).all():
         return TensorAudit(name, module, NONFINITE, float("nan"), p.numel())
     norm = float(g.norm())
@@ -422,14 +426,15 @@ def _probe_zero_at_init(model, objective, batch, amp_dtype, trainable, statuses,
     for n, t in statuses.items():
         if t.status == ZERO and ".lora_A." in n:
             partner = every.get(n.replace(".lora_A.", ".lora_B."))
-            if partner is not None and partner.requires_grad and not partner.detach().any():
+            if partner is not None and partner.requires_grad and not distributed.full_tensor(partner.detach()).any():
                 suspects.append((n, partner))
     if not suspects:
         return
-    saved = [(b, b.detach().clone()) for _, b in suspects]
+    local = [b.to_local() if distributed.is_sharded(b) else b for _, b in suspects]  # (a shard: this rank's rows)
+    saved = [(b, b.detach().clone()) for b in local]
     try:
         with torch.no_grad():
-            for _, b in suspects:
+            for b in local:
                 b.copy_(torch.randn_like(b) * 1e-3)
         for _, p in trainable:
             p.grad = None
@@ -438,6 +443,7 @@ def _probe_zero_at_init(model, objective, batch, amp_dtype, trainable, statuses,
             loss.backward()
         for n, _ in suspects:
             g = named[n].grad
+            g = None if g is None else distributed.full_tensor(g)
             if g is not None and torch.isfinite(g).all() and g.abs().sum() > 0:
                 statuses[n].status = ZERO_AT_INIT
     finally:

@@ -18,11 +18,11 @@ the whole batch, up to float summation order):
   gradient all-reduce per optimizer step rather than per micro-batch, and no 1/world averaging
   to undo, since the loss is a sum normalised by the global target count (docs/design.md rule 2).
 - `fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `model.block_types`,
-  then on the root. Parameters, gradients and optimizer state are sharded; gradients are
-  reduce-scattered as sums (divide factor 1) and divided by the same global count. For full
-  fine-tuning or bases too big for one device's optimizer state. The model is loaded whole on
-  each rank first (as the loader does today), and made whole again at the end of training
-  (`unshard`), so saving the adapter and any evaluation afterwards see plain tensors.
+  then on the root (`minitrain.fsdp`). Parameters, gradients and optimizer state are sharded;
+  gradients are reduce-scattered as sums (divide factor 1) and divided by the same global count.
+  For full fine-tuning or bases too big for one device. The model is built on meta and each rank
+  reads only its rows of each weight; it stays sharded to the end, where what is saved is
+  gathered (the adapter) or written one shard file at a time (a full fine-tune).
 
 Rank 0 alone writes (logs, metrics.jsonl, config.json, checkpoints, the adapter); a write that
 fails there is raised on every rank (`main_only`), so no rank is left waiting in a collective.
@@ -36,7 +36,6 @@ from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from minitrain.errors import UserError
 
@@ -86,9 +85,9 @@ def check(cfg: Any, world: int, under_torchrun: bool) -> None:
         if getattr(cfg, "precision", "") == "fp16":
             raise UserError("parallel=fsdp with precision=fp16: the loss scaler's overflow check would see only "
                             "each rank's shard — use precision=bf16 (or fp32), or parallel=ddp")
-        if getattr(cfg, "quantize", "none") != "none":
-            raise UserError(f"parallel=fsdp with quantize={cfg.quantize}: quantized base layers cannot be sharded "
-                            f"— use parallel=ddp (each rank holds the quantized base)")
+        if getattr(cfg, "quantize", "none") == "ternary":
+            raise UserError("parallel=fsdp with quantize=ternary: ternary base layers are not sharded — use "
+                            "parallel=ddp (each rank holds the ternary base), or quantize=nf4 / int8")
     batch_size = getattr(cfg, "batch_size", world)
     if batch_size < world:
         raise UserError(f"batch_size={batch_size}: smaller than the {world} processes — batch_size is the global "
@@ -223,7 +222,7 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
     flush()
 
 
-# ----------------------------------------------------------------------------- FSDP2
+# ----------------------------------------------------------------------------- FSDP2's tensors (minitrain.fsdp shards)
 
 
 def is_sharded(t: Any) -> bool:
@@ -245,36 +244,3 @@ def like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
-
-
-def shard(model: nn.Module, device: torch.device) -> int:
-    """FSDP2: `fully_shard` each block of `model.block_types`, then the root; returns the block count.
-
-    Gradients are reduce-scattered as sums (divide factor 1): the loop divides by the global
-    target count, as it does for ddp.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device.type, (world_size(),))
-    blocks = [m for m in model.modules() if isinstance(m, tuple(model.block_types))]
-    for m in blocks:
-        fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for m in [*blocks, model]:  # (per FSDP module: these setters do not recurse)
-        m.set_gradient_divide_factor(1.0)
-        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-    return len(blocks)
-
-
-def unshard(model: nn.Module) -> None:
-    """After FSDP training: gather every parameter on every rank and keep it whole (no resharding
-    after later forwards), so saving and evaluating see plain tensors and need no collectives."""
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in fsdp:
-        m.set_reshard_after_forward(False, recurse=False)
-        m.set_reshard_after_backward(False, recurse=False)
-    for m in fsdp:
-        m.unshard()

@@ -74,6 +74,12 @@ def attach(model: nn.Module, ema: EMA | None) -> None:
     setattr(model, _ATTR, ema)
 
 
+def of(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The EMA train() left on `model` by parameter name, as it is kept (sharded under FSDP), or None."""
+    ema: EMA | None = getattr(model, _ATTR, None)
+    return None if ema is None else ema.state_dict()
+
+
 def whole(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The EMA train() left on `model`, as whole CPU tensors by parameter name (a collective under
     FSDP: every rank calls it), or None when the run kept none."""

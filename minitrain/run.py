@@ -37,7 +37,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from minitrain import checkpoint, distributed, ema
+from minitrain import checkpoint, distributed, ema, fsdp
 from minitrain.adapters.lora import (LoRAConfig, adapter_signature, apply_lora, count_parameters, freeze_for_adapters,
                                      trainable_report)
 from minitrain.adapters.peft_format import load_adapter, save_adapter
@@ -56,7 +56,7 @@ from minitrain.progress import log
 from minitrain.schedule import resolve_steps
 from minitrain.text.chat_template import CARRIED, TEMPLATE_FILE, resolve_template
 from minitrain.text.tokenizer import Tokenizer
-from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, read_header, save_pretrained
+from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, open_pretrained, read_header, save_pretrained
 
 
 CONFIG_FILE = "config.json"
@@ -205,7 +205,7 @@ def prepare_out_dir(cfg: Any, job: Job | None = None) -> Path:
     if job is not None and not getattr(cfg, "skip_audit", False):
         from minitrain.train import audit_inputs, mark_audited  # train imports nothing of run
 
-        batch, optimizer, amp_dtype = audit_inputs(job.model, job.train_examples, job.collate, cfg)
+        batch, optimizer, amp_dtype = audit_inputs(job.model, job.train_examples, job.collate, cfg, log=log)
         preflight(job.model, job.objective, batch, optimizer=optimizer, amp_dtype=amp_dtype, log=log)
         mark_audited(job.model, job.objective)
     out = Path(cfg.out)
@@ -303,7 +303,16 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
             log(f"note: quantize={cfg.quantize} on {device}: bitsandbytes' CPU kernels work but are slow — "
                 f"meant for trying a recipe, not for long runs")
         hook = quantize_hook(cfg.quantize, compute_dtype=dtype)  # float layers and 4-bit matmuls alike
-    model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)
+    sharded = getattr(cfg, "parallel", "ddp") == "fsdp" and distributed.world_size() > 1
+    if sharded:  # built on meta; each rank reads only its rows of each tensor when FSDP2 shards it
+        model, headers = open_pretrained(folder, build)
+        fsdp.defer_weights(model, folder, headers, dtype, device)
+        if cfg.quantize in ("nf4", "int8"):  # as rows FSDP2 can cut; each rank quantizes and keeps its rows
+            from minitrain.adapters.quant_rows import replace_linears
+
+            replace_linears(model, cfg.quantize, dtype)
+    else:
+        model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)
     emb = getattr(model, "input_embeddings", None)
     if isinstance(emb, nn.Embedding) and tok.vocab_size > emb.num_embeddings:
         raise UserError(f"{folder}: the tokenizer has {tok.vocab_size} ids but the model's embedding has "
@@ -314,7 +323,8 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     if cfg.quantize == "ternary":
         base += (f" (2 bits a weight, per-{cfg.ternary_scale} absmean scale"
                  + (f", {cfg.ternary_act_bits}-bit activations" if cfg.ternary_act_bits else "") + ")")
-    log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in {base}")
+    log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in {base}"
+        + (f"; sharded over {distributed.world_size()} ranks as it is read (parallel=fsdp)" if sharded else ""))
     return model, tok
 
 
@@ -350,12 +360,16 @@ def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None) 
         return None
     if cfg.init_adapter:
         lcfg = load_adapter(model, cfg.init_adapter, trainable=True)
+        if fsdp.pending(model) is not None:
+            fsdp.draw_adapters(model, [], cfg.seed)  # (nothing to draw: moves the loaded values to the device)
         log(f"adapter: continuing {cfg.init_adapter} (r={lcfg.r}, alpha={lcfg.alpha}, targets={lcfg.targets}); "
             f"the lora_* keys of this run are not used")
     else:
         lcfg = lora if lora is not None else lora_config(cfg)
         torch.manual_seed(cfg.seed)  # the adapter's init (LoRA A) follows `seed`: same seed, same start
-        apply_lora(model, lcfg)
+        names = apply_lora(model, lcfg)
+        if fsdp.pending(model) is not None:  # a base on meta: the adapter is drawn for real, as one process would
+            fsdp.draw_adapters(model, names, cfg.seed)
         freeze_for_adapters(model, lcfg)
     for name, p in model.named_parameters():
         if p.requires_grad and p.dtype != torch.float32:
@@ -646,22 +660,32 @@ def evaluate_only(cfg: Any, job: Job, eval_fn: Callable | None = None) -> dict[s
 
 def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[str, Any]) -> Path:
     """Save the adapter in PEFT's format into `out/adapter` (`lora` None, i.e. finetune=full: the model
-    as an HF folder in `out/model`) and say where everything is."""
+    as an HF folder in `out/model`) and say where everything is. Every rank calls it: a sharded
+    (`parallel=fsdp`) adapter is gathered for rank 0, a sharded model written one shard file at a time."""
     out = Path(cfg.out)
     folder = out / (ADAPTER_DIR if lora is not None else MODEL_DIR)
-    averaged = ema.whole(model)  # every rank gathers (FSDP shards), rank 0 writes
+    sharded = any(distributed.is_sharded(p) for p in model.parameters())
+    trained = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}  # (ties: each name)
+    averaged = ema.of(model) if sharded else ema.whole(model)  # (whole: every rank gathers, rank 0 writes)
 
-    def write(to: Path) -> None:
+    def write(to: Path, values: dict[str, torch.Tensor] | None = None) -> None:
+        """The adapter or model at `to`; `values`: tensors by parameter name to save in place of the model's."""
         if lora is not None:
-            distributed.main_only(lambda: _write_adapter(model, to, lora))  # under torchrun: rank 0 writes
-        else:  # every rank gathers (FSDP shards), rank 0 writes
+            state = fsdp.gather_whole(values or trained) if sharded else values
+            distributed.main_only(lambda: _write_adapter(model, to, lora, state))  # under torchrun: rank 0 writes
+        elif sharded:  # never the whole model on one rank: one shard file at a time
+            fsdp.save_model(to, {**dict(model.named_parameters()), **(values or {})}, _model_config(model),
+                            side_files=lambda tmp: _copy_side_files(model, tmp))
+        elif values is not None:
+            with ema.swapped_in(model, values):
+                write(to)
+        else:  # every rank gathers (a ddp run: whole already), rank 0 writes
             tensors = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in model.named_parameters()}
             distributed.main_only(lambda: _write_model(model, to, tensors))
 
     write(folder)
     if averaged is not None:
-        with ema.swapped_in(model, averaged):
-            write(folder.with_name(folder.name + EMA_SUFFIX))
+        write(folder.with_name(folder.name + EMA_SUFFIX), averaged)
     template = getattr(cfg, "chat_template", "")
     if template and lora is None:  # the template the run was given travels with the model (transformers reads it)
         for to in [folder] + ([folder.with_name(folder.name + EMA_SUFFIX)] if averaged is not None else []):
@@ -685,10 +709,11 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[st
     return folder
 
 
-def _write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig) -> None:
+def _write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig,
+                   state: dict[str, torch.Tensor] | None = None) -> None:
     out = folder.parent
     try:
-        save_adapter(model, folder, lora)
+        save_adapter(model, folder, lora, state=state)
     except UserError as e:
         if not isinstance(e.__cause__, OSError | SafetensorError):
             raise
@@ -702,14 +727,9 @@ def _write_model(model: nn.Module, folder: Path, tensors: dict[str, torch.Tensor
     whole parameters, a tied one once under its first name; fp32: the master weights as trained)
     and the tokenizer (`SIDE_FILES`) of the folder the base came from."""
     out = folder.parent
-    emb = getattr(model, "input_embeddings", None)
-    config = dict(model.hf_config, **({"vocab_size": emb.num_embeddings} if isinstance(emb, nn.Embedding) else {}))
     try:
-        save_pretrained(model, folder, config, dtype=torch.float32, state_dict=tensors)
-        source = getattr(model, "source_dir", None)
-        for name in SIDE_FILES if source is not None else ():
-            if (Path(source) / name).is_file():
-                shutil.copyfile(Path(source) / name, folder / name)
+        save_pretrained(model, folder, _model_config(model), dtype=torch.float32, state_dict=tensors)
+        _copy_side_files(model, folder)
     except (OSError, UserError) as e:
         cause = e.__cause__ if isinstance(e, UserError) else e
         if not isinstance(cause, OSError | SafetensorError):
@@ -717,3 +737,17 @@ def _write_model(model: nn.Module, folder: Path, tensors: dict[str, torch.Tensor
         raise UserError(f"{folder}: cannot write the model: {io_error_reason(cause)} — the trained checkpoint is in "
                         f"{out / checkpoint.NAME}: free space or make {out} writable, then rerun with resume=true "
                         f"to write the model") from None
+
+
+def _model_config(model: nn.Module) -> dict[str, Any]:
+    """The config.json of a trained model: its base's, with the embedding's rows as `vocab_size`."""
+    emb = getattr(model, "input_embeddings", None)
+    return dict(model.hf_config, **({"vocab_size": emb.num_embeddings} if isinstance(emb, nn.Embedding) else {}))
+
+
+def _copy_side_files(model: nn.Module, folder: Path) -> None:
+    """The tokenizer files (`SIDE_FILES`) of the folder the base came from, copied into `folder`."""
+    source = getattr(model, "source_dir", None)
+    for name in SIDE_FILES if source is not None else ():
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, folder / name)

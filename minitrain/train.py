@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minitrain import checkpoint as ckpt, distributed
+from minitrain import checkpoint as ckpt, distributed, fsdp
 from minitrain.audit import preflight
 from minitrain.data.batcher import Batcher
 from minitrain.data.collate import IGNORE_INDEX
@@ -157,13 +157,14 @@ def train(
     sums, target counts, input tokens and gradients are summed over ranks at the optimizer step,
     so the update equals one process with the whole batch. `cfg.parallel` = "ddp" (every rank
     holds the model; one bucketed gradient all-reduce per optimizer step) or "fsdp" (FSDP2
-    `fully_shard` per block then the root, after the audit; sharded gradients reduce-scattered as
-    sums; the model is gathered whole again at the end). Rank 0 alone logs and writes; every
+    `fully_shard` per block then the root, before the audit; a model loaded on meta reads each rank's
+    rows then (`minitrain.fsdp`); sharded gradients reduce-scattered as sums; the model stays sharded
+    at the end: `run.finish` gathers what it saves). Rank 0 alone logs and writes; every
     rank's RNG state goes into the checkpoint; the objective's metrics in metrics.jsonl are rank 0's.
     """
     log = log or functools.partial(print, flush=True)
     out = Path(out_dir if out_dir is not None else cfg.out)
-    device = next(model.parameters()).device
+    device = fsdp.device_of(model)
     world, rank = distributed.world_size(), distributed.rank()
     if rank != 0:
         log = _quiet  # rank 0 alone logs
@@ -201,7 +202,11 @@ def train(
     # the data order is the same on every rank (seeded); each rank takes its share of each batch
     batcher = Batcher(_lengths(train_examples), cfg.batch_size, seed=cfg.seed,
                       shuffle=True, group_by_length=getattr(cfg, "group_by_length", True))
-    distributed.broadcast_tensors(params)  # every rank starts from rank 0's trainable values
+    if parallel == "fsdp" and save_adapter is not None:
+        raise UserError("save_adapter: under parallel=fsdp the adapter stays sharded after training — leave "
+                        "save_adapter=None and save it with run.finish (it gathers the adapter for rank 0)")
+    if not any(p.is_meta or distributed.is_sharded(p) for p in params):  # (a sharded model: FSDP2 cut rank 0's)
+        distributed.broadcast_tensors(params)  # every rank starts from rank 0's trainable values
     if optimizer is not None:
         ours = {id(p) for p in params}
         if any(id(p) not in ours for g in optimizer.param_groups for p in g["params"]):
@@ -222,9 +227,13 @@ def train(
         else:
             log(f"notice: compile=true ignored on {device.type} (torch.compile is used on CUDA and CPU)")
 
+    if parallel == "fsdp":  # from here on the trainable tensors are this rank's shards (DTensors)
+        fsdp.prepare(model, device, log)  # (already done by run.prepare_out_dir for a recipe)
+        named = _trainable(model, [n for n, _ in named])
+        params = [p for _, p in named]
+
     # ---- rule 5: every trainable tensor must be reachable from the loss, checked before step 1
-    # (on the model as given: before FSDP shards it and before a checkpoint is restored into it;
-    # every rank audits the same batch)
+    # (before a checkpoint is restored into the model; every rank audits the same batch)
     if getattr(cfg, "skip_audit", False):
         log("notice: gradient-path audit skipped (skip_audit=true)")
     elif getattr(model, _AUDITED, None) == id(objective) and optimizer is None:
@@ -233,11 +242,6 @@ def train(
         preflight(model, objective, audit_batch(train_examples, collate, cfg, device),
                   optimizer=optimizer, amp_dtype=amp_dtype, log=log)
 
-    if parallel == "fsdp":  # from here on the trainable tensors are this rank's shards (DTensors)
-        blocks = distributed.shard(model, device)
-        log(f"FSDP2: fully_shard on {blocks} blocks and the root, over {world} ranks")
-        named = _trainable(model, [n for n, _ in named])
-        params = [p for _, p in named]
     optimizer = optimizer or build_optimizer(named, cfg.weight_decay, cfg.lr)
 
     ema_decay = getattr(cfg, "ema_decay", 0.0)
@@ -449,8 +453,6 @@ def train(
             sink.close()
 
     attach(model, ema)  # for the recipe's finish(), which saves it beside the adapter / model
-    if parallel == "fsdp":
-        distributed.unshard(model)  # whole tensors again on every rank: for saving and what follows
     if save_adapter is not None:
         distributed.main_only(lambda: save_adapter(model, out / "adapter"))
     summary.update(step=step, total_steps=total_steps, warmup_steps=warmup_steps,
@@ -517,14 +519,17 @@ def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg
 
 
 def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list[dict]], dict],
-                 cfg: Any) -> tuple[dict[str, Any], AdamW, torch.dtype | None]:
+                 cfg: Any, log: Callable[[str], None] = print) -> tuple[dict[str, Any], AdamW, torch.dtype | None]:
     """What `train()` would audit before step 1, for `tools/audit.py`: the audit batch, the
-    optimizer `train()` would build, the autocast dtype; checkpointing applied as the run would."""
-    device = next(model.parameters()).device
-    named = _trainable(model, None)
+    optimizer `train()` would build, the autocast dtype; checkpointing applied and FSDP2 sharding done
+    as the run would (`parallel=fsdp`: the audit runs on the shards)."""
+    device = fsdp.device_of(model)
     amp_dtype, _ = resolve_precision(cfg.precision, device)
     if cfg.checkpointing:
         enable_checkpointing(model)
+    if getattr(cfg, "parallel", "ddp") == "fsdp" and distributed.world_size() > 1:
+        fsdp.prepare(model, device, log)
+    named = _trainable(model, None)
     optimizer = build_optimizer(named, cfg.weight_decay, cfg.lr)
     return audit_batch(examples, collate, cfg, device), optimizer, amp_dtype
 
@@ -669,7 +674,9 @@ def evaluate_once(
     generic `evaluate`; then `eval_fn(model, 0, row)` (ROUGE, ...), its values merged (a "stop" it
     returns is dropped: nothing runs after). Logged as the loop logs an evaluation; returns the row."""
     log = log or functools.partial(print, flush=True)
-    device = next(model.parameters()).device
+    device = fsdp.device_of(model)
+    if getattr(cfg, "parallel", "ddp") == "fsdp" and distributed.world_size() > 1:
+        fsdp.prepare(model, device, log)  # a model still on meta is sharded and read first
     amp_dtype, _ = resolve_precision(cfg.precision, device)
     if hasattr(objective, "evaluate"):
         row = dict(objective.evaluate(model, examples, collate, cfg.batch_size, amp_dtype))

@@ -157,11 +157,25 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     return header, 8 + n
 
 
-def read_tensor(f, path: Path, data_start: int, info: dict) -> torch.Tensor:
-    """Read one tensor from an open file straight into a fresh (owned, not mmapped) tensor."""
-    t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+def stored_dtype(info: dict) -> torch.dtype:
+    """The torch dtype of a tensor from its safetensors header entry."""
+    return _DTYPES[info["dtype"]]
+
+
+def read_tensor(f, path: Path, data_start: int, info: dict, rows: tuple[int, int] | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read one tensor from an open file straight into a fresh (owned, not mmapped) tensor.
+
+    `rows`: only rows [start, stop) of dim 0 (contiguous bytes in the file): a rank's FSDP shard.
+    `out`: read into this CPU tensor instead (contiguous, of the stored dtype and shape): no copy."""
+    shape, offset = list(info["shape"]), data_start + info["data_offsets"][0]
+    if rows is not None:
+        start, stop = rows
+        row_bytes = (info["data_offsets"][1] - info["data_offsets"][0]) // max(shape[0], 1)
+        shape[0], offset = stop - start, offset + start * row_bytes
+    t = torch.empty(shape, dtype=_DTYPES[info["dtype"]]) if out is None else out
     buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, writable
-    f.seek(data_start + info["data_offsets"][0])
+    f.seek(offset)
     done = 0
     while done < len(buf):
         got = f.readinto(buf[done:])
@@ -172,6 +186,9 @@ def read_tensor(f, path: Path, data_start: int, info: dict) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- loading
+
+
+Headers = dict[Path, tuple[dict[str, dict], int]]  # file -> (its safetensors header, where its data starts)
 
 
 def load_pretrained(
@@ -190,17 +207,8 @@ def load_pretrained(
     out frozen (`requires_grad=False`): adapter code decides what trains. A checkpoint that does not
     match the model is one UserError listing missing keys, unexpected keys and shape mismatches.
     """
+    model, headers = open_pretrained(folder, build)
     folder = Path(folder)
-    config = read_config(folder)
-    model = _build_on_meta(build, config, folder / "config.json")
-    files = checkpoint_files(folder)
-    headers = {path: read_header(path) for path in files}
-    # keys a family knows are derived, not weights (e.g. old LLaMA saves' rotary_emb.inv_freq)
-    ignore = [re.compile(p) for p in getattr(model, "ignore_checkpoint_keys", ())]
-    headers = {path: ({k: v for k, v in h.items() if not any(p.search(k) for p in ignore)}, start)
-               for path, (h, start) in headers.items()}
-    _check_against_model(model, folder, headers)
-
     device = torch.device(device)
     total = sum(len(h) for h, _ in headers.values())
     loaded: set[str] = set()
@@ -220,9 +228,25 @@ def load_pretrained(
                     bar.update(1)
 
     _tie_and_check(model, folder, loaded)
+    return model
+
+
+def open_pretrained(folder: str | os.PathLike, build: Callable[[dict[str, Any]], nn.Module]) -> tuple[nn.Module, Headers]:
+    """The model of `folder/config.json` built on meta (tied as its config says), checked key for key
+    and shape for shape against the checkpoint's headers, and those headers; no weight is read.
+    `load_pretrained` streams the weights in next; FSDP's sharded load reads each rank's rows."""
+    folder = Path(folder)
+    config = read_config(folder)
+    model = _build_on_meta(build, config, folder / "config.json")
+    headers = {path: read_header(path) for path in checkpoint_files(folder)}
+    # keys a family knows are derived, not weights (e.g. old LLaMA saves' rotary_emb.inv_freq)
+    ignore = [re.compile(p) for p in getattr(model, "ignore_checkpoint_keys", ())]
+    headers = {path: ({k: v for k, v in h.items() if not any(p.search(k) for p in ignore)}, start)
+               for path, (h, start) in headers.items()}
+    _check_against_model(model, folder, headers)
     model.hf_config = config
     model.source_dir = folder
-    return model
+    return model, headers
 
 
 class skip_init(TorchFunctionMode):
@@ -374,33 +398,20 @@ def save_pretrained(
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder}: exists and is not a folder — choose another output path")
     tensors = _tensors_to_save(model, state_dict)
-    shards = _plan_shards(tensors, dtype, max_shard_bytes)
-    config = dict(config)
-    if dtype is not None:
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        if "dtype" in config:
-            config["dtype"] = config["torch_dtype"]
-
-    names = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]
+    files = plan_shard_files(tensors, dtype, max_shard_bytes)
 
     def fill(tmp: Path) -> None:
         weight_map, total_size = {}, 0
-        for fname, keys in zip(names, shards):
+        for fname, keys in files:
             part = {k: _prepare(tensors[k], dtype) for k in keys}
             save_file(part, tmp / fname, metadata={"format": "pt"})
-            for k, t in part.items():
-                weight_map[k] = fname
-                total_size += t.numel() * t.element_size()
+            weight_map.update(dict.fromkeys(keys, fname))
+            total_size += sum(t.numel() * t.element_size() for t in part.values())
             del part
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_index_and_config(tmp, files, weight_map, total_size, config, dtype)
 
     try:  # one folder swap: a crash never mixes the shards (or index) of two saves
-        write_folder(folder, fill, keep_others=lambda name: not _is_weight_file(name))
+        write_folder(folder, fill, keep_others=lambda name: not is_weight_file(name))
     except (OSError, SafetensorError) as e:  # disk full, read-only, permissions: nothing half-written stays
         raise UserError(f"{folder}: cannot write the weights: {io_error_reason(e)} — free space or choose a "
                         f"writable folder, then save again") from e
@@ -436,19 +447,37 @@ def _dedup(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _plan_shards(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
-    """Greedy split in state-dict order: a new shard when the next tensor would pass `max_bytes`."""
+def plan_shard_files(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None,
+                     max_bytes: int) -> list[tuple[str, list[str]]]:
+    """HF's file names and the keys each holds: a greedy split in state-dict order, a new file when
+    the next tensor would pass `max_bytes` (sizes from shapes and dtypes: sharded tensors count whole)."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in tensors.items():
-        item = dtype.itemsize if (dtype is not None and t.is_floating_point()) else t.element_size()
+        item = dtype.itemsize if (dtype is not None and t.is_floating_point()) else t.dtype.itemsize
         n = t.numel() * item
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
         size += n
-    return shards
+    if len(shards) == 1:
+        return [(SINGLE_FILE, shards[0])]
+    return [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", keys) for i, keys in enumerate(shards)]
+
+
+def write_index_and_config(tmp: Path, files: list[tuple[str, list[str]]], weight_map: dict[str, str], total_size: int,
+                           config: dict[str, Any], dtype: torch.dtype | None) -> None:
+    """The index (when several files) and config.json (its dtype set to `dtype`) of an HF save in `tmp`."""
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    config = dict(config)
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        if "dtype" in config:
+            config["dtype"] = config["torch_dtype"]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -457,7 +486,7 @@ def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to("cpu").contiguous()
 
 
-def _is_weight_file(name: str) -> bool:
+def is_weight_file(name: str) -> bool:
     """A file of an HF weights save: `model.safetensors`, its shards or its index."""
     return name in (SINGLE_FILE, INDEX_FILE) or (name.startswith("model-") and name.endswith(".safetensors"))
 

@@ -556,6 +556,11 @@ class T5ForConditionalGeneration(nn.Module):
         self.register_load_state_dict_post_hook(_accept_tied_aliases)
         self._warned_fp16 = False
 
+    def used_outside_blocks(self) -> list[nn.Parameter]:
+        """Parameters inside a block that the stacks also use outside it: block 0's relative position
+        table, read by each stack before its blocks run (a sharding wrapper must keep it whole then)."""
+        return [s.block[0].layer[0].SelfAttention.relative_attention_bias.weight for s in (self.encoder, self.decoder)]
+
     @property
     def input_embeddings(self) -> nn.Embedding:
         return self.shared

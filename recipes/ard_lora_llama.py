@@ -30,6 +30,7 @@ from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
 from minitrain.objectives.ard import ARDObjective, PriorSchedule, dataset_target_tokens, uncertainty_eval
 from minitrain.progress import log
+from minitrain.fsdp import whole_model_only
 from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, evaluate_only, finish, load_examples,
                            load_model, load_tokenizer, prepare_out_dir)
 from minitrain.train import build_optimizer, train
@@ -87,6 +88,7 @@ def resolve_quantize(config: ARDConfig) -> str:
 
 def setup(config: ARDConfig) -> Job:
     """Load the base, attach LoRA with ARD gates, read the data; writes nothing."""
+    whole_model_only(config, "ARD-LoRA's gates (made after the base is read)")
     tok = load_tokenizer(config)
     train_examples, eval_examples = load_examples(config, tok, "sft")  # before the weights: seconds, not minutes
     model, tok = load_model(dataclasses.replace(config, quantize=resolve_quantize(config)), models.from_hf_config, tok)

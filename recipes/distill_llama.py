@@ -66,7 +66,8 @@ def setup(config: DistillConfig) -> Job:
     train_examples, eval_examples = load_examples(config, tok, "sft")  # before the weights: seconds, not minutes
     model, tok = load_model(config, models.from_hf_config, tok)
     teacher, _ = load_model(dataclasses.replace(config, model=config.teacher, quantize=config.teacher_quantize,
-                                                finetune="lora"),  # frozen: the compute dtype, even for a full student
+                                                finetune="lora",  # frozen: the compute dtype, even for a full student
+                                                parallel="ddp"),  # read whole on each rank: FSDP shards the student
                             models.from_hf_config)
     for folder, m in ((config.model, model), (config.teacher, teacher)):
         if m.is_encoder_decoder:

@@ -32,6 +32,7 @@ from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
 from minitrain.progress import log
+from minitrain.fsdp import whole_model_only
 from minitrain.run import (Job, attach_adapters, check_out_dir, evaluate_only, finish, load_examples, load_model,
                            load_tokenizer, lora_config, prepare_out_dir)
 from minitrain.train import train
@@ -76,6 +77,7 @@ config = LRCConfig(
 
 def setup(config: LRCConfig) -> Job:
     """Load the quantized base, attach adapters, set them to the quantization error, read the data; writes nothing."""
+    whole_model_only(config, "the low-rank correction (computed from the whole base weights)")
     tok = load_tokenizer(config)
     train_examples, eval_examples = load_examples(config, tok, "sft")  # before the weights: seconds, not minutes
     model, tok = load_model(config, models.from_hf_config, tok)

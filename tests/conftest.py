@@ -67,3 +67,16 @@ def hf_causal(tmp_path_factory):
         return cache[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(hf_causal, tmp_path_factory) -> Path:
+    """A tiny LLaMA with a BPE tokenizer (the torchrun / CLI tests' model)."""
+    import shutil
+
+    from _tok import make_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("dist_model") / "model"
+    shutil.copytree(hf_causal("dist_llama"), d)
+    make_bpe_tokenizer(d)
+    return d

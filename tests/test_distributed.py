@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, rows, trainable_state
 
-from minitrain import distributed
+from minitrain import distributed, fsdp
 from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.config import TrainConfig
 from minitrain.errors import UserError
@@ -59,16 +59,17 @@ def config(out: Path, **kw) -> TrainConfig:
     return cfg_for(out, batch_size=4, grad_accum=2, lr=1e-2, max_grad_norm=0.2, **{"out": str(out), **kw})
 
 
-def launch(tmp_path: Path, fn: str, *args) -> list[str]:
-    """Run `fn(rank, *args)` of this module in 2 processes joined by gloo; their stderr."""
+def launch(tmp_path: Path, fn: str, *args, module: str = "test_distributed") -> list[str]:
+    """Run `fn(rank, *args)` of `module` (a test module, default this one) in 2 processes joined by gloo;
+    their stderr."""
     code = (f"import sys, torch, torch.distributed as dist\n"
             f"sys.path[:0] = [{str(HERE)!r}, {str(REPO)!r}]\n"
             f"torch.set_num_threads(1)\n"
             f"rank = int(sys.argv[1])\n"
             f"dist.init_process_group('gloo', init_method={'file://' + str(tmp_path / ('rdv-' + fn))!r}, "
             f"rank=rank, world_size=2)\n"
-            f"import test_distributed\n"
-            f"test_distributed.{fn}(rank, *{args!r})\n"
+            f"import {module}\n"
+            f"{module}.{fn}(rank, *{args!r})\n"
             f"dist.destroy_process_group()\n"
             # skip interpreter finalisation: gloo's worker threads may still hold tensors then, and
             # freeing them without an interpreter aborts now and then (pytorch/pytorch#179291)
@@ -97,7 +98,7 @@ def equal_batches_worker(rank: int, out: str, case: str) -> None:
     parallel = case.split("-")[0]
     cfg = config(Path(out) / "run", parallel=parallel, checkpointing=case == "fsdp-lora")  # with recompute
     summary = train(model, sft, TRAIN, collate, cfg, eval_examples=EVAL, log=quiet)
-    save_file(trainable_state(model), f"{out}/rank{rank}.safetensors")  # whole tensors again (fsdp: unshard)
+    save_file(fsdp.gather_whole(trainable_state(model)), f"{out}/rank{rank}.safetensors")  # (fsdp: gathered)
     Path(f"{out}/summary{rank}.json").write_text(json.dumps(summary))
 
 
@@ -142,7 +143,7 @@ def stop_resume_worker(rank: int, root: str, parallel: str) -> None:
     cfg = config(Path(root) / "straight", epochs=2.0, parallel=parallel)  # 6 steps
     straight = lora_model(dropout=0.2)  # dropout: each rank's RNG must resume exactly
     train(straight, sft, TRAIN, collate, cfg, log=quiet)
-    save_file(trainable_state(straight), f"{root}/straight{rank}.safetensors")
+    save_file(fsdp.gather_whole(trainable_state(straight)), f"{root}/straight{rank}.safetensors")
 
     calls = [0]
 
@@ -160,7 +161,7 @@ def stop_resume_worker(rank: int, root: str, parallel: str) -> None:
         Path(f"{root}/stopped{rank}.json").write_text(json.dumps([e.step, e.exit_code]))
     resumed = lora_model(dropout=0.2)
     train(resumed, sft, TRAIN, collate, dataclasses.replace(cut, resume=True), log=quiet)
-    save_file(trainable_state(resumed), f"{root}/resumed{rank}.safetensors")
+    save_file(fsdp.gather_whole(trainable_state(resumed)), f"{root}/resumed{rank}.safetensors")
 
 
 @pytest.mark.slow
@@ -205,7 +206,7 @@ def dpo_eval_worker(rank: int, out: str, parallel: str) -> None:
 
     job = demo_dpo_job()
     if parallel == "fsdp":
-        distributed.shard(job.model, torch.device("cpu"))
+        fsdp.shard(job.model, torch.device("cpu"))
     m = evaluate_dpo(job.model, job.objective, job.eval_examples[:5], job.collate, batch_size=4)
     Path(f"{out}/eval{rank}.json").write_text(json.dumps(m))
 
@@ -274,16 +275,6 @@ def test_more_processes_than_gpus_is_refused_on_every_rank_before_joining(tmp_pa
 
 
 # ----------------------------------------------------------------------------- torchrun + the CLI
-
-
-@pytest.fixture(scope="module")
-def tiny_model(hf_causal, tmp_path_factory) -> Path:
-    from _tok import make_bpe_tokenizer
-
-    d = tmp_path_factory.mktemp("dist_model") / "model"
-    shutil.copytree(hf_causal("dist_llama"), d)
-    make_bpe_tokenizer(d)
-    return d
 
 
 def cli_args(model: Path, out: Path, *extra: str) -> list[str]:

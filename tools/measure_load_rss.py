@@ -1,6 +1,7 @@
 """Peak memory of loading a checkpoint: minitrain's `load_pretrained` against transformers.
 
     python tools/measure_load_rss.py [--dtype float32|bfloat16] [--nf4] [--keep DIR]
+    python tools/measure_load_rss.py --world 1,2,4 [--keep DIR]     # parallel=fsdp's sharded load, per rank
 
 Saves a ~300M-parameter LLaMA-shaped checkpoint with transformers (hidden 1024, 18 layers,
 intermediate 2816, vocab 32000: 297M parameters) in `--dtype` (default float32) into a temporary
@@ -13,6 +14,11 @@ file-backed (mmapped) pages included: a loader that maps the file and then copie
 for both. The target for minitrain is <= 1.3x (the model itself is 1.0x). With `--nf4` the
 minitrain load is repeated with `quantize_hook("nf4")`, whose ratio should sit far below 1.0x.
 Needs the bench/test extra (transformers, psutil). Not a test: it takes a minute and ~3 GB.
+
+`--world`: the sharded load of `parallel=fsdp` (`minitrain.fsdp`: built on meta, `fully_shard`, each
+rank reads its rows) in N processes started by torchrun (gloo, CPU), against the one-process load:
+each rank's peak RSS of the load minus its RSS before it (after joining the process group and the
+FSDP imports), as a ratio to the one-process figure. The goal: <= 0.6x at 2 ranks, <= 0.35x at 4.
 """
 
 from __future__ import annotations
@@ -113,16 +119,71 @@ def child(loader: str, folder: Path, dtype: str) -> None:
     print(json.dumps({**out, "model_bytes": held}))
 
 
+def child_fsdp(folder: Path, dtype: str, out: Path) -> None:
+    """One rank of the sharded load (under torchrun): join gloo, take the baseline, load, report."""
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    import torch.distributed.fsdp  # noqa: F401  (imported before the baseline: not the load's memory)
+    import torch.distributed.tensor  # noqa: F401
+
+    from minitrain import fsdp
+    from minitrain.weights import open_pretrained
+    from models import from_hf_config
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    proc = psutil.Process()
+    dist.barrier()
+    reset_peak()
+    baseline = proc.memory_info().rss
+    model, headers = open_pretrained(folder, from_hf_config)
+    fsdp.defer_weights(model, folder, headers, getattr(torch, dtype), torch.device("cpu"))
+    fsdp.prepare(model, torch.device("cpu"), log=lambda _: None)
+    peak = peak_rss_bytes()
+    held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    rank = dist.get_rank()
+    (out / f"rank{rank}.json").write_text(json.dumps(dict(peak_delta=peak - baseline, held=held)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_world(folder: Path, dtype: str, worlds: list[int]) -> None:
+    """The per-rank table of `--world` (see the module docstring)."""
+    one = subprocess.run([sys.executable, __file__, "--child", "minitrain", str(folder), dtype],
+                         check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    one = json.loads(one)["peak_delta"]
+    print(f"one process (load_pretrained, the whole model): peak - baseline {one / 2**20:.0f} MiB")
+    print(f"{'ranks':>5} {'rank':>4} {'peak-baseline':>13} {'shards held':>11} {'vs one':>6}")
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                            __file__, "--fsdp-child", str(folder), dtype, tmp], check=True, capture_output=True,
+                           text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+            for r in range(world):
+                got = json.loads((Path(tmp) / f"rank{r}.json").read_text())
+                print(f"{world:>5} {r:>4} {got['peak_delta'] / 2**20:>9.0f} MiB {got['held'] / 2**20:>7.0f} MiB "
+                      f"{got['peak_delta'] / one:>5.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--nf4", action="store_true", help="also measure minitrain with quantize_hook('nf4')")
     ap.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="fewer for a quick try")
     ap.add_argument("--keep", type=Path, help="save the checkpoint here (reused if present) instead of a temp dir")
+    ap.add_argument("--world", type=lambda s: [int(x) for x in s.split(",")],
+                    help="the sharded load of parallel=fsdp at these numbers of ranks, e.g. 1,2,4")
     ap.add_argument("--child", nargs=3, metavar=("LOADER", "FOLDER", "DTYPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--fsdp-child", nargs=3, metavar=("FOLDER", "DTYPE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child[0], Path(args.child[1]), args.child[2])
+        return
+    if args.fsdp_child:
+        child_fsdp(Path(args.fsdp_child[0]), args.fsdp_child[1], Path(args.fsdp_child[2]))
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,6 +194,10 @@ def main() -> None:
             n = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()[-1])
             print(f"saved {n / 1e6:.0f}M parameters ({args.dtype}) with transformers to {folder}")
         disk = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        if args.world:
+            print(f"checkpoint on disk: {disk / 2**20:.0f} MiB ({args.dtype})")
+            measure_world(folder, args.dtype, args.world)
+            return
         print(f"checkpoint on disk: {disk / 2**20:.0f} MiB; loading in {args.dtype}")
         print(f"{'loader':<14} {'peak-baseline':>13} {'ratio':>6} {'after load':>10} {'after touch':>11} {'model':>9}")
         loaders = ["minitrain", "transformers"] + (["minitrain+nf4"] if args.nf4 else [])

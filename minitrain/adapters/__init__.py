@@ -7,6 +7,7 @@ Modules, in reading order:
     merge        adapters folded into their base weights, the rounding error reported
     quant        quantized bases: each base linear quantized as its weight streams in (bitsandbytes
                  nf4 / int8, minitrain's ternary)
+    quant_rows   nf4 / int8 bases as plain row-major tensors FSDP2 can shard (parallel=fsdp)
     ternary      the ternary (BitNet b1.58) linear: 2 bits a weight, plain torch
     lrc          low-rank correction: LoRA on a quantized base that starts at its quantization error
     ard          ARD-LoRA: gated rank components under an ARD prior (its objective is

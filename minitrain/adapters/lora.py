@@ -144,6 +144,8 @@ def quant_kind(obj: Any) -> str | None:
     `TernaryLinear` or its packed weight, else None."""
     if is_ternary(obj):
         return "ternary"
+    if getattr(obj, "minitrain_quant", None):  # adapters/quant_rows.py: nf4 / int8 as rows FSDP2 shards
+        return obj.minitrain_quant
     bnb = loaded_bnb()
     if bnb is None:
         return None
@@ -157,6 +159,8 @@ def quant_kind(obj: Any) -> str | None:
 def logical_numel(p: torch.Tensor) -> int:
     """Number of weights a tensor stands for (a packed 4-bit tensor holds two per byte): the count to
     show a user, never `p.numel()` (which halves every nf4 layer)."""
+    if getattr(p, "logical_shape", None) is not None:  # an nf4 weight as rows (adapters/quant_rows.py)
+        return math.prod(p.logical_shape)
     qs = getattr(p, "quant_state", None)
     if quant_kind(p) == "4bit" and qs is not None:
         return math.prod(qs.shape)
@@ -438,7 +442,8 @@ class LoRALinearTernary(LoRALinear):
 
 def _wrap(base: nn.Module, cfg: LoRAConfig, r: int | None = None) -> LoRALinear:
     kind = quant_kind(base)
-    cls = {"4bit": LoRALinear4bit, "8bit": LoRALinear8bit, "ternary": LoRALinearTernary, None: LoRALinear}[kind]
+    cls = getattr(type(base), "lora_class", None) or {  # (quant_rows' layers name their own)
+        "4bit": LoRALinear4bit, "8bit": LoRALinear8bit, "ternary": LoRALinearTernary, None: LoRALinear}[kind]
     # the new layer follows the model's mode: dropout stays off on a model in eval()
     return cls(base, r or cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, cfg.dtype).train(base.training)
 
@@ -484,7 +489,7 @@ def target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = 
     modules = dict(model.named_modules())
     for n in chosen:
         m = modules[n]
-        if quant_kind(m) == "8bit" and m.state.has_fp16_weights:
+        if quant_kind(m) == "8bit" and getattr(getattr(m, "state", None), "has_fp16_weights", False):
             raise UserError(f"{n}: a Linear8bitLt with has_fp16_weights=True keeps a float weight, not an int8 "
                             f"one — build it with has_fp16_weights=False to train LoRA on an int8 base")
         if isinstance(m, LoRALinear):

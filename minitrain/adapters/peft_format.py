@@ -49,7 +49,7 @@ _PEFT_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 
 def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | None = None, *,
-                 base_model_name_or_path: str | None = None) -> Path:
+                 base_model_name_or_path: str | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` in PEFT's format (loadable by
     `peft.PeftModel.from_pretrained`) into a temporary folder beside `folder`, then swap it in by
     renames (`weights.write_folder`); other files already in `folder` (a tokenizer) are kept.
@@ -57,7 +57,8 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
     Keys are `base_model.model.<module>.lora_A.weight` / `.lora_B.weight` (and
     `base_model.model.<param>` for modules_to_save). The safetensors metadata adds our own
     `minitrain.vocab_size` (the base's input-embedding rows) so loading onto a differently resized
-    vocabulary is caught; the JSON config holds PEFT's fields only.
+    vocabulary is caught; the JSON config holds PEFT's fields only. `state`: whole tensors by
+    parameter name to save in place of the model's own (an FSDP run's gathered adapter, an EMA).
     """
     st = applied(model)
     if st is None:
@@ -67,12 +68,13 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
         raise UserError(f"save_adapter: cfg (r={cfg.r}, alpha={cfg.alpha}, rslora={cfg.rslora}) differs from the "
                         f"applied adapter (r={c.r}, alpha={c.alpha}, rslora={c.rslora}) — pass the config used "
                         f"by apply_lora, or none")
+    state = state or {}
     tensors: dict[str, torch.Tensor] = {}
     for n, m in lora_layers(model):
-        tensors[f"{PEFT_PREFIX}{n}.lora_A.weight"] = m.lora_A.weight.detach().contiguous().cpu()
-        tensors[f"{PEFT_PREFIX}{n}.lora_B.weight"] = m.lora_B.weight.detach().contiguous().cpu()
+        for name, p in ((f"{n}.lora_A.weight", m.lora_A.weight), (f"{n}.lora_B.weight", m.lora_B.weight)):
+            tensors[f"{PEFT_PREFIX}{name}"] = state.get(name, p).detach().contiguous().cpu()
     for n, p, _ in st.saved:
-        tensors[f"{PEFT_PREFIX}{n}"] = p.detach().contiguous().cpu()
+        tensors[f"{PEFT_PREFIX}{n}"] = state.get(n, p).detach().contiguous().cpu()
     emb = getattr(model, "input_embeddings", None)
     if base_model_name_or_path is None and getattr(model, "source_dir", None) is not None:
         base_model_name_or_path = str(model.source_dir)
@@ -228,7 +230,17 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for key, t in tensors.items():
-            params[key].copy_(t)
+            old = params[key]
+            if not old.is_meta:
+                old.copy_(t)
+                continue
+            # a base still on meta (FSDP's sharded load reads it later): the adapter becomes real now,
+            # in every module that holds this Parameter (a tied one too)
+            new = nn.Parameter(t.to(old.dtype), requires_grad=old.requires_grad)
+            for m in model.modules():
+                for leaf, q in m._parameters.items():
+                    if q is old:
+                        m._parameters[leaf] = new
     st = applied(model)  # modules_to_save: the file's value is live, the base copy stays
     if trainable:
         freeze_for_adapters(model)

@@ -1,0 +1,305 @@
+"""FSDP2 (`parallel=fsdp`): shard the model, read each rank's part of the weights, write the result
+file by file. No rank ever holds the whole model.
+
+    torchrun --nproc_per_node N -m minitrain RECIPE.py parallel=fsdp ...
+
+The path of a sharded run, as torch's own FSDP2 is meant to be used:
+
+1. `run.load_model` builds the model on the meta device and checks the checkpoint's keys and shapes
+   from the file headers; nothing is read (`defer_weights`: the model carries a `Pending` load).
+2. Adapters are attached on meta as usual; the few tensors they draw at random (LoRA's A) are made
+   real right there, from the run's seed, so every rank holds the same values one process would.
+3. `prepare` (from `run.prepare_out_dir` before the audit, or from `train`): `fully_shard` each block
+   of `model.block_types`, then the root (`shard`); allocate each rank's shards (`to_empty`); each
+   rank reads only the rows of dim 0 it owns from the safetensors files (FSDP2 shards dim 0 in
+   `ceil(rows / N)` chunks, as `torch.chunk` does), straight into its shard. A whole tensor exists
+   only for what was real before sharding (the adapters) and for `modules_to_save`'s frozen copies.
+4. Training runs on the shards; the end keeps them sharded: `gather_whole` hands rank 0 the adapter
+   (small), and `save_model` writes a full fine-tune's HF folder one shard file at a time (every
+   rank gathers that file's tensors, rank 0 writes it, then frees them).
+
+Gradients are reduce-scattered as sums (divide factor 1): the loop divides by the global target
+count, as it does for ddp. A model loaded whole (a recipe that builds its own) is sharded the same
+way, before the audit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+from torch import nn
+
+from minitrain import distributed
+from minitrain.adapters.lora import applied
+from minitrain.errors import UserError
+from minitrain.weights import (Headers, io_error_reason, is_weight_file, plan_shard_files, read_tensor, stored_dtype,
+                               write_folder, write_index_and_config)
+
+_PENDING = "_minitrain_pending_weights"
+
+
+@dataclass
+class Pending:
+    """A checkpoint not read yet: where its tensors are, the dtype floating ones are read in, the device."""
+
+    folder: Path
+    headers: Headers
+    dtype: torch.dtype
+    device: torch.device
+
+
+def defer_weights(model: nn.Module, folder: Path, headers: Headers, dtype: torch.dtype, device: torch.device) -> None:
+    """Leave `model` on meta, its floating parameters in `dtype`; `prepare` reads each rank's rows."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)  # meta to meta: no memory
+        p.requires_grad_(False)
+    setattr(model, _PENDING, Pending(folder, headers, dtype, device))
+
+
+def whole_model_only(cfg: Any, what: str) -> None:
+    """One line for a step that needs the whole model on each rank, under `parallel=fsdp`."""
+    if getattr(cfg, "parallel", "ddp") == "fsdp":
+        raise UserError(f"parallel=fsdp: {what}: needs the whole model on each rank, which a sharded run never "
+                        f"holds — use parallel=ddp")
+
+
+def pending(model: nn.Module) -> Pending | None:
+    return getattr(model, _PENDING, None)
+
+
+def draw_adapters(model: nn.Module, names: list[str], seed: int) -> None:
+    """Make the adapter of a model still on meta real on its device: the LoRA layers `names` drawn
+    as `apply_lora` draws them on a loaded model (seeded, in the same order, so the values equal one
+    process's), and any other real tensor (a loaded adapter) moved to the device."""
+    device = pending(model).device
+    for p in model.parameters():
+        if not p.is_meta and p.device != device:
+            p.data = p.data.to(device)
+    torch.manual_seed(seed)
+    for name in names:
+        layer = model.get_submodule(name)
+        for lin in (layer.lora_A, layer.lora_B):
+            lin.weight = nn.Parameter(torch.empty_like(lin.weight, device=device), requires_grad=lin.weight.requires_grad)
+        layer.reset_lora()
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where `model` computes: its parameters' device, or for a pending load the device it will be read to."""
+    load = pending(model)
+    return load.device if load is not None else next(model.parameters()).device
+
+
+def is_sharded_model(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def shard(model: nn.Module, device: torch.device) -> int:
+    """`fully_shard` each block of `model.block_types`, then the root; returns the block count."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (distributed.world_size(),))
+    # a block holding a parameter the model reads outside it (T5's position table) goes with the root,
+    # whose parameters stay gathered for the whole forward
+    outside = {id(p) for p in getattr(model, "used_outside_blocks", list)()}
+    blocks = [m for m in model.modules() if isinstance(m, tuple(model.block_types))
+              and not any(id(p) in outside for p in m.parameters())]
+    for m in blocks:
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in [*blocks, model]:  # (per FSDP module: these setters do not recurse)
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return len(blocks)
+
+
+def prepare(model: nn.Module, device: torch.device, log: Callable[[str], None]) -> None:
+    """Shard `model` (once) and, when its weights are pending, read each rank's rows into its shards."""
+    if is_sharded_model(model):
+        return
+    load = pending(model)
+    stash: dict[str, torch.Tensor] = {}
+    if load is not None:  # what is real already (the adapters) is put back after sharding
+        for name, p in model.named_parameters():
+            if not p.is_meta:
+                stash[name] = p.detach().clone()
+                owner, _, leaf = name.rpartition(".")
+                module = model.get_submodule(owner)
+                module._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    blocks = shard(model, device)
+    log(f"FSDP2: fully_shard on {blocks} blocks and the root, over {distributed.world_size()} ranks")
+    if load is None:
+        return
+    model.to_empty(device=device)
+    read = _read_rows(model, load, stash, device)
+    delattr(model, _PENDING)
+    params = list(model.parameters())
+    held = sum(p.to_local().numel() * p.element_size() for p in params if distributed.is_sharded(p))
+    whole = sum(p.numel() * p.element_size() for p in params)
+    log(f"sharded load: this rank read {_size(read)} of {load.folder} and holds {_size(held)} of the model's "
+        f"{_size(whole)} (its 1/{distributed.world_size()} of each tensor)")
+
+
+def _size(n: int) -> str:
+    """Bytes for a log line: `812.3 KiB`, `1.25 GiB`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n / 2**10:,.1f} KiB"
+
+
+def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], device: torch.device) -> int:
+    """Fill every sharded parameter from the stash or the checkpoint (only this rank's rows); returns bytes read."""
+    where = {key: (path, start, info) for path, (header, start) in load.headers.items() for key, info in header.items()}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases: dict[int, list[str]] = {}
+    for name, p in params.items():
+        aliases.setdefault(id(p), []).append(name)
+
+    def source(name: str, shape: tuple[int, ...] | None = None) -> tuple[Path, int, dict]:
+        key = next((a for a in aliases[id(params[name])] if a in where), None)
+        if key is None:
+            raise UserError(f"parallel=fsdp: {name} is neither in the checkpoint nor made before sharding "
+                            f"(an adapter minitrain does not shard) — use parallel=ddp")
+        stored = tuple(where[key][2]["shape"])
+        if shape is not None and stored != shape:  # e.g. an embedding resized on meta: its rows are not the file's
+            raise UserError(f"parallel=fsdp: {name} is {shape} but {stored} in {load.folder} (changed after "
+                            f"loading, e.g. resized for new tokens) — use parallel=ddp")
+        return where[key]
+
+    read = 0
+    with contextlib.ExitStack() as opened, torch.no_grad():
+        files: dict[Path, Any] = {}
+
+        def file(path: Path) -> Any:
+            if path not in files:
+                files[path] = opened.enter_context(open(path, "rb"))
+            return files[path]
+
+        quantized: dict[str, dict[str, torch.Tensor]] = {}  # a quantized layer's whole tensors, until placed
+        for name, p in model.named_parameters():
+            local = p.to_local() if distributed.is_sharded(p) else p
+            rows = _rows(p.shape[0], local.shape[0]) if p.dim() and local is not p else None
+            owner, _, leaf = name.rpartition(".")
+            layer = model.get_submodule(owner)
+            if hasattr(layer, "quantized") and leaf != "bias":  # adapters/quant_rows.py: quantize the whole weight,
+                if owner not in quantized:  # as one process does, then keep this rank's rows
+                    path, data_start, info = source(f"{owner}.weight", (layer.out_features, layer.in_features))
+                    w = read_tensor(file(path), path, data_start, info)
+                    read += w.numel() * w.element_size()
+                    quantized[owner] = layer.quantized(w.to(device=device, dtype=load.dtype))
+                    del w
+                whole = quantized[owner].pop(leaf)
+                local.copy_(whole[rows[0]:rows[1]] if rows else whole)
+                if not quantized[owner]:
+                    del quantized[owner]
+                continue
+            if name in stash:
+                whole = stash.pop(name)
+                local.copy_(whole[rows[0]:rows[1]] if rows else whole)
+                continue
+            path, data_start, info = source(name, tuple(p.shape))
+            direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == stored_dtype(info)
+            t = read_tensor(file(path), path, data_start, info, rows=rows, out=local if direct else None)
+            read += t.numel() * t.element_size()
+            if not direct:  # another dtype or device: through one temporary the size of this shard
+                local.copy_(t.to(device=device, dtype=local.dtype))
+            del t
+        st = applied(model)
+        for i, (name, live, copy) in enumerate(st.saved if st is not None else ()):  # modules_to_save's base values
+            path, data_start, info = source(name)
+            whole = read_tensor(file(path), path, data_start, info).to(device=device, dtype=copy.dtype)
+            st.saved[i] = (name, live, nn.Parameter(whole, requires_grad=False))
+    return read
+
+
+def _rows(total: int, local: int) -> tuple[int, int]:
+    """This rank's rows [start, stop) of dim 0 under FSDP2's Shard(0): chunks of ceil(total / N), as
+    `torch.chunk` cuts them (the last ranks may hold fewer, or none)."""
+    world, rank = distributed.world_size(), distributed.rank()
+    chunk = -(-total // world)
+    start = min(rank * chunk, total)
+    stop = min(start + chunk, total)
+    if stop - start != local:  # FSDP2 cut it otherwise: our bug, never a wrong weight
+        raise RuntimeError(f"FSDP2 shard of {total} rows: rank {rank} holds {local}, expected {stop - start}")
+    return start, stop
+
+
+# ----------------------------------------------------------------------------- the end of training
+
+
+def gather_whole(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole CPU tensors by name (every rank calls it: a sharded one is gathered). For small sets: the
+    adapter, the EMA of an adapter."""
+    done: dict[int, torch.Tensor] = {}  # a tied tensor under two names is gathered once
+    for t in tensors.values():
+        if id(t) not in done:
+            done[id(t)] = distributed.full_tensor(t.detach()).contiguous().cpu()
+    return {n: done[id(t)] for n, t in tensors.items()}
+
+
+def save_model(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+               side_files: Callable[[Path], None], dtype: torch.dtype | None = torch.float32,
+               max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write an HF folder of (sharded) `tensors` one shard file at a time: every rank gathers that
+    file's tensors, rank 0 writes them, then frees them; no rank holds more than one file's worth.
+    Rank 0 then swaps the folder in as a whole (`write_folder`: a crash leaves the previous save or
+    the new one), `side_files(tmp)` adding the tokenizer. A write that fails on rank 0 keeps it
+    gathering (no rank is left waiting) and is one `UserError` on every rank at the end."""
+    files = plan_shard_files(tensors, dtype, max_shard_bytes)
+    writer = distributed.rank() == 0
+    stage = folder.with_name(f".{folder.name}.parts-{os.getpid()}")  # rank 0's: written there, moved in at the end
+    failure: list[BaseException] = []
+    if writer:
+        shutil.rmtree(stage, ignore_errors=True)
+        try:
+            stage.mkdir(parents=True)
+        except OSError as e:
+            failure.append(e)
+    weight_map, total = {}, 0
+    for fname, keys in files:
+        part = {}
+        for k in keys:
+            t = distributed.full_tensor(tensors[k].detach())  # a collective: every rank, same order
+            part[k] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
+        if writer and not failure:
+            try:
+                save_file(part, stage / fname, metadata={"format": "pt"})
+            except (OSError, SafetensorError) as e:
+                failure.append(e)
+        weight_map.update(dict.fromkeys(keys, fname))
+        total += sum(t.numel() * t.element_size() for t in part.values())
+        del part
+
+    def commit() -> None:
+        def fill(tmp: Path) -> None:
+            for fname, _ in files:
+                (stage / fname).replace(tmp / fname)
+            write_index_and_config(tmp, files, weight_map, total, config, dtype)
+            side_files(tmp)
+
+        try:
+            if failure:
+                raise failure[0]
+            write_folder(folder, fill, keep_others=lambda name: not is_weight_file(name))
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"{folder}: cannot write the model: {io_error_reason(e)} — free space or make "
+                            f"{folder.parent} writable") from None
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    distributed.main_only(commit)

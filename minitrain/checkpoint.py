@@ -7,7 +7,8 @@
   (AdamW: `exp_avg`, `exp_avg_sq`); scalar entries (AdamW's `step`) go to `state.json`;
 - `ema.safetensors` (with `ema_decay`): the moving average of the trainable tensors, by name;
 - `rng.safetensors`: rank 0's torch CPU generator state (uint8) and each CUDA device's state;
-  under torchrun, `rng.rank<N>.safetensors` holds rank N's (every rank draws its own dropout);
+  under torchrun, `rng.rank<N>.safetensors` holds rank N's (every rank draws its own dropout),
+  written by rank N;
 - `state.json`: step, schedule, data-order state (the Batcher's), running counters, python
   `random` and numpy RNG states (a list, one per rank), the world size, the run's config and
   what the run was made from (`made_from`: fingerprints of the base model and its tokenizer,
@@ -23,9 +24,16 @@ A write that fails (disk full, read-only folder, permissions; safetensors' own e
 `UserError` naming the folder and the reason; the temporary folder is removed and the previous
 checkpoint stays in place.
 
-Under torch.distributed every rank calls `save` and `load`: sharded (FSDP) tensors are gathered
-whole and each rank's RNG states collected, then rank 0 alone writes; a checkpoint resumes only
-at the world size that saved it.
+Under torch.distributed every rank calls `save` and `load`. Whole tensors (one process, ddp) are
+written by rank 0 as above. FSDP shards are not gathered: each rank writes its own rows as
+`weights.rank<R>.safetensors`, `optimizer.rank<R>.safetensors`, `ema.rank<R>.safetensors` (their
+headers say where the rows go; `checkpoint_shards`), and `state.json` holds `"parts": N`. Every
+rank writes (its parts, its `rng` file) into the `checkpoint.tmp-*` folder rank 0 made; rank 0
+then checks that it sees every file (out= must be a folder every machine sees), writes state.json
+last and renames. A write failing on any rank is one `UserError` on every rank, the temporary
+folder removed. `load` reads only the rows each rank now holds, from whole files or parts, so a
+checkpoint resumes at another world size and in the other mode (fsdp <-> ddp); the continuation is
+exact but for random draws (`world_note`). A missing part is one line naming it (`check_files`).
 """
 
 from __future__ import annotations

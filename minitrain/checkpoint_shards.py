@@ -161,6 +161,6 @@ def laid_out(src: Tensors, name: str, ref: torch.Tensor) -> torch.Tensor:
         return distributed.like(t, ref) if tuple(t.shape) == tuple(ref.shape) else t
     from torch.distributed.tensor import DTensor
 
-    local = src.rows(name, *where)
+    local = src.rows(name, *where).to(ref.device)
     return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
                               stride=ref.stride())

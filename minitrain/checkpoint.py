@@ -188,7 +188,8 @@ def save(
             missing = [f for f in expected if not (tmp / f).is_file()]
             if missing:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise UserError(f"{out / NAME}: rank 0 does not see {missing[0]}, which another rank wrote into "
+                writer = missing[0].rpartition(".rank")[2].partition(".")[0] or "0"
+                raise UserError(f"{out / NAME}: rank 0 does not see {missing[0]}, which rank {writer} wrote into "
                                 f"{tmp.name} — out= must be a folder every machine sees (a shared filesystem), then "
                                 f"rerun")
             with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder

@@ -23,8 +23,10 @@ interpreter starts few.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -187,6 +189,20 @@ def phase_four(rank: int, world: int, root: str) -> None:
     finally:
         shards.write_part = real
 
+    # rank 3 on a machine whose out= is another folder: rank 0 misses its part; one line everywhere
+    def elsewhere(path, *a):
+        real(root / "elsewhere" / path.name if rank == 3 else path, *a)
+
+    (root / "elsewhere").mkdir(exist_ok=True)
+    shards.write_part = elsewhere
+    try:
+        ckpt.save(out, named, optimizer, {"step": 3})
+        raise AssertionError("not refused")
+    except UserError as e:
+        (root / f"not_shared-{rank}.json").write_text(json.dumps([str(e), getattr(e, "shared", False)]))
+    finally:
+        shards.write_part = real
+
 
 def parts_rows(folder: Path, stem: str) -> dict[str, tuple[int, list[tuple[int, int]]]]:
     """{tensor: (its whole row count, [(first row, rows) of each part that holds some, in rank order])},
@@ -327,7 +343,7 @@ def test_a_missing_part_is_one_line_on_every_rank(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_write_failing_on_one_rank_is_one_line_everywhere_and_keeps_the_previous_checkpoint(runs):
+def test_a_write_failing_or_unseen_on_one_rank_is_one_line_everywhere_and_keeps_the_previous_checkpoint(runs):
     root, _ = runs
     got = [json.loads((root / f"disk_full-{r}.json").read_text()) for r in range(4)]
     assert all(g == got[0] for g in got) and got[0][1] is True
@@ -337,6 +353,14 @@ def test_a_write_failing_on_one_rank_is_one_line_everywhere_and_keeps_the_previo
                          f"complete checkpoint (step 1)")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint"]  # no checkpoint.tmp-* left
     assert ckpt.saved_step(out / "checkpoint") == 1
+    # a rank writing where rank 0 does not see it (out= not shared between machines): the same
+    got = [json.loads((root / f"not_shared-{r}.json").read_text()) for r in range(4)]
+    assert all(g == got[0] for g in got) and got[0][1] is True
+    assert re.fullmatch(re.escape(f"{out / 'checkpoint'}: rank 0 does not see weights.rank3.safetensors, which rank "
+                                  f"3 wrote into checkpoint.tmp-") + r"\d+ — out= must be a folder every machine sees "
+                        r"\(a shared filesystem\), then rerun", got[0][0]), got[0][0]
+    assert (root / "elsewhere" / "weights.rank3.safetensors").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint"] and ckpt.saved_step(out / "checkpoint") == 1
 
 
 @pytest.mark.slow
@@ -363,7 +387,7 @@ def test_chunk_rows_are_torch_chunk_rows():
             for c in torch.arange(n).chunk(parts):
                 want.append(want[-1] + len(c))
             want += [n] * (parts + 1 - len(want))
-            assert got == list(zip(want[:-1], want[1:])), (n, parts)
+            assert got == list(itertools.pairwise(want)), (n, parts)
 
 
 def test_world_note_only_at_another_world_size():

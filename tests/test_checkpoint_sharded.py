@@ -160,11 +160,7 @@ def phase_four(rank: int, world: int, root: str) -> None:
         cut_run(rank, root, case, 1)
 
     # a checkpoint lacking a part: the same one line on every rank (rank 0 looked)
-    try:
-        ckpt.load(root / "missing", [], None)
-        raise AssertionError("not refused")
-    except UserError as e:
-        (root / f"missing-{rank}.json").write_text(json.dumps([str(e), getattr(e, "shared", False)]))
+    refused(root, rank, "missing", lambda: ckpt.load(root / "missing", [], None))
 
     # a write failing on rank 2 alone: one line on every rank, no tmp left, the previous checkpoint kept
     model = TinyLM()
@@ -180,28 +176,25 @@ def phase_four(rank: int, world: int, root: str) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         real(path, *a)
 
-    shards.write_part = full_disk
-    try:
-        ckpt.save(out, named, optimizer, {"step": 2})
-        raise AssertionError("not refused")
-    except UserError as e:
-        (root / f"disk_full-{rank}.json").write_text(json.dumps([str(e), getattr(e, "shared", False)]))
-    finally:
-        shards.write_part = real
-
-    # rank 3 on a machine whose out= is another folder: rank 0 misses its part; one line everywhere
-    def elsewhere(path, *a):
+    def elsewhere(path, *a):  # rank 3 on a machine whose out= is another folder: rank 0 misses its part
         real(root / "elsewhere" / path.name if rank == 3 else path, *a)
 
     (root / "elsewhere").mkdir(exist_ok=True)
-    shards.write_part = elsewhere
+    for name, write, step in (("disk_full", full_disk, 2), ("not_shared", elsewhere, 3)):
+        shards.write_part = write
+        try:
+            refused(root, rank, name, lambda: ckpt.save(out, named, optimizer, {"step": step}))  # noqa: B023
+        finally:
+            shards.write_part = real
+
+
+def refused(root: Path, rank: int, name: str, fn) -> None:
+    """`fn()` must raise a UserError: its line and whether every rank raises it go to `<name>-<rank>.json`."""
     try:
-        ckpt.save(out, named, optimizer, {"step": 3})
+        fn()
         raise AssertionError("not refused")
     except UserError as e:
-        (root / f"not_shared-{rank}.json").write_text(json.dumps([str(e), getattr(e, "shared", False)]))
-    finally:
-        shards.write_part = real
+        (root / f"{name}-{rank}.json").write_text(json.dumps([str(e), getattr(e, "shared", False)]))
 
 
 def parts_rows(folder: Path, stem: str) -> dict[str, tuple[int, list[tuple[int, int]]]]:

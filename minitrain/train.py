@@ -159,8 +159,9 @@ def train(
     holds the model; one bucketed gradient all-reduce per optimizer step) or "fsdp" (FSDP2
     `fully_shard` per block then the root, before the audit; a model loaded on meta reads each rank's
     rows then (`minitrain.fsdp`); sharded gradients reduce-scattered as sums; the model stays sharded
-    at the end: `run.finish` gathers what it saves). Rank 0 alone logs and writes; every
-    rank's RNG state goes into the checkpoint; the objective's metrics in metrics.jsonl are rank 0's.
+    at the end: `run.finish` gathers what it saves). Rank 0 alone logs and writes, but each rank
+    writes its own checkpoint files (its RNG state; under fsdp its rows of every tensor) and a
+    checkpoint resumes at another world size or mode; the objective's metrics in metrics.jsonl are rank 0's.
     """
     log = log or functools.partial(print, flush=True)
     out = Path(out_dir if out_dir is not None else cfg.out)

@@ -155,7 +155,7 @@ def restore(src: Tensors, name: str, target: torch.Tensor) -> None:
 def laid_out(src: Tensors, name: str, ref: torch.Tensor) -> torch.Tensor:
     """Tensor `name` laid out as `ref` (a DTensor of this rank's rows when `ref` is a `Shard(0)` shard;
     for an optimizer state that does not exist yet), read without the rows other ranks own."""
-    where = span(ref)
+    where = span(ref) if src.shapes[name] == tuple(ref.shape) else None
     if where is None:
         t = src.whole(name)
         return distributed.like(t, ref) if tuple(t.shape) == tuple(ref.shape) else t

@@ -308,6 +308,8 @@ def test_each_rank_writes_its_own_rows_and_no_file_is_a_pickle(runs):
         assert "parts" not in json.loads((folder / "state.json").read_text())
     folder = root / "after4" / "back"  # saved by ddp x 4
     assert (folder / "weights.safetensors").is_file() and (folder / "rng.rank3.safetensors").is_file()
+    # what a resume checks before it writes anything reads the parts' headers: every tensor's whole shape
+    assert ckpt.saved_shapes(root / "after2" / "full") == {n: tuple(p.shape) for n, p in TinyLM().named_parameters()}
     # 2 ranks of the full fine-tune wrote about half the tensor bytes each
     sizes = [tensor_bytes(root / "after2" / "full" / shards.part_file("weights", r)) for r in (0, 1)]
     whole = sum(p.numel() * 4 for p in TinyLM().parameters())

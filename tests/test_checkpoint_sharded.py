@@ -7,12 +7,14 @@ same run uninterrupted in one process (trained tensors within 1e-5, every metric
     full   full fine-tune   fsdp x 2 -> fsdp x 4 -> 1 process
     lora   LoRA r=4         fsdp x 2 -> fsdp x 4 -> 1 process
     mixed  LoRA r=2, EMA,   ddp  x 2 -> fsdp x 4 -> 1 process   (ddp -> fsdp; batch 6 over 4 ranks:
-           batch 6                                                2 + 2 + 1 + 1, a rank with no rows)
+           batch 6                                                2 + 2 + 1 + 1, then 1 + 1 + 1 + 0;
+                                                                  lora_A's 2 rows: ranks 2, 3 hold none)
     back   full fine-tune   fsdp x 2 -> ddp  x 4 -> 1 process   (fsdp -> ddp at several ranks)
 
 Also: each rank's part holds its ~1/N of the rows (no rank wrote the whole), every file of a
 checkpoint is safetensors or JSON (no pickle), a checkpoint lacking a part is one line on every
-rank, a write failing on one rank is one line on every rank with the previous checkpoint kept,
+rank, a write failing on one rank (or landing where rank 0 does not see it: out= not shared) is
+one line on every rank with the previous checkpoint kept,
 and a rank SIGKILLed in the middle of a save leaves the previous checkpoint whole (the run then
 resumes from it, in one process, to the uninterrupted result).
 

@@ -181,6 +181,7 @@ def phase_four(rank: int, world: int, root: str) -> None:
     def elsewhere(path, *a):  # rank 3 on a machine whose out= is another folder: rank 0 misses its part
         real(root / "elsewhere" / path.name if rank == 3 else path, *a)
 
+    other_layouts(rank, world, str(root))
     (root / "elsewhere").mkdir(exist_ok=True)
     for name, write, step in (("disk_full", full_disk, 2), ("not_shared", elsewhere, 3)):
         shards.write_part = write
@@ -188,6 +189,27 @@ def phase_four(rank: int, world: int, root: str) -> None:
             refused(root, rank, name, lambda: ckpt.save(out, named, optimizer, {"step": step}))  # noqa: B023
         finally:
             shards.write_part = real
+
+
+def other_layouts(rank: int, world: int, root: str) -> None:
+    """A DTensor not sharded on rows (replicated) is written whole by rank 0 beside a row-sharded one,
+    and each comes back as it was laid out; a plain (whole) target gets the whole of both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 3), torch.randn(2, 4)
+    named = [("rows", torch.nn.Parameter(distribute_tensor(a, mesh, [Shard(0)]))),
+             ("copies", torch.nn.Parameter(distribute_tensor(b, mesh, [Replicate()])))]
+    ckpt.save(Path(root) / "layouts", named, build_optimizer(named, 0.0, 1e-2), {"step": 1})
+    back = [(n, torch.nn.Parameter(torch.zeros_like(p))) for n, p in named]
+    ckpt.load(Path(root) / "layouts", back, build_optimizer(back, 0.0, 1e-2))
+    plain = [("rows", torch.nn.Parameter(torch.zeros(5, 3))), ("copies", torch.nn.Parameter(torch.zeros(2, 4)))]
+    ckpt.load(Path(root) / "layouts", plain, build_optimizer(plain, 0.0, 1e-2))
+    same = [torch.equal(back[0][1].full_tensor(), a), torch.equal(back[1][1].to_local(), b),
+            torch.equal(plain[0][1].detach(), a), torch.equal(plain[1][1].detach(), b)]
+    (Path(root) / f"layouts-{rank}.json").write_text(json.dumps(same))
 
 
 def refused(root: Path, rank: int, name: str, fn) -> None:
@@ -322,6 +344,16 @@ def tensor_bytes(path: Path) -> int:
     with open(path, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+
+
+@pytest.mark.slow
+def test_a_tensor_of_another_layout_is_written_whole_by_rank_0_and_restored(runs):
+    root, _ = runs
+    assert all(json.loads((root / f"layouts-{r}.json").read_text()) == [True] * 4 for r in range(4))
+    parts = parts_rows(root / "layouts" / "checkpoint", "weights")
+    assert parts["rows"] == (5, [(0, 2), (2, 2), (4, 1)]) and parts["copies"] == (2, [(0, 2)])
+    with safe_open(str(root / "layouts" / "checkpoint" / "weights.rank0.safetensors"), "pt") as f:
+        assert "copies" in f.keys()  # noqa: SIM118 (rank 0's part)
 
 
 @pytest.mark.slow

@@ -206,6 +206,27 @@ def as_two_parts(ck: Path) -> None:
     (ck / "state.json").write_text(json.dumps(state))
 
 
+def test_the_two_part_layout_resumes_as_the_whole_files_do(models_dir, trained, tmp_path, capsys):
+    """The layout `resume_missing_part` damages, whole: a CLI resume (one more step, extend=true) from it
+    trains the same adapter, bitwise, as from the whole files it was made of, and says the world changed."""
+    adapters = []
+    for name in ("whole", "parts"):
+        out = tmp_path / name
+        shutil.copytree(trained, out)
+        if name == "parts":
+            as_two_parts(out / "checkpoint")
+        keys = {**base_args(models_dir / "good", out), "resume": "true", "extend": "true",
+                "max_steps": str(int(BASE["max_steps"]) + 1)}
+        assert run_cli([RECIPE] + [f"{k}={v}" for k, v in keys.items()]) == 0, capsys.readouterr().err
+        printed = capsys.readouterr().out
+        assert ("saved by 2 processes, this run has 1" in printed) == (name == "parts")
+        adapters.append(load_file(out / "adapter" / "adapter_model.safetensors"))
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    before = load_file(trained / "adapter" / "adapter_model.safetensors")
+    assert not all(torch.equal(before[k], adapters[0][k]) for k in before)  # the extra step moved it
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_bad_input(case, models_dir, adapter_other_base, trained, tmp_path, capsys):
     model = models_dir / case.get("model", "good")

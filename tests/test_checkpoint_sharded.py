@@ -44,7 +44,7 @@ from test_train import TinyLM, cfg_for, collate, quiet, rows, trainable_state
 
 from minitrain import checkpoint as ckpt
 from minitrain import checkpoint_shards as shards
-from minitrain import distributed, ema
+from minitrain import distributed, ema, fsdp
 from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
@@ -166,7 +166,7 @@ def phase_four(rank: int, world: int, root: str) -> None:
 
     # a write failing on rank 2 alone: one line on every rank, no tmp left, the previous checkpoint kept
     model = TinyLM()
-    distributed.shard(model, torch.device("cpu"))
+    fsdp.shard(model, torch.device("cpu"))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(named, 0.0, 1e-2)
     out = root / "disk_full"

@@ -10,6 +10,7 @@ The loop and its services (this folder):
     run          the steps a recipe takes in order: tokenizer, examples, model, adapters, finish
     train        the training loop, one function top to bottom
     checkpoint   resumable checkpoints (safetensors + JSON, atomic)
+    checkpoint_shards  a checkpoint's tensors on disk: whole, or one part per rank (FSDP)
     optim        AdamW
     schedule     learning rate as a pure function of the optimizer step
     device       the device, the frozen weights' dtype, autocast

@@ -7,7 +7,8 @@
   (AdamW: `exp_avg`, `exp_avg_sq`); scalar entries (AdamW's `step`) go to `state.json`;
 - `ema.safetensors` (with `ema_decay`): the moving average of the trainable tensors, by name;
 - `rng.safetensors`: rank 0's torch CPU generator state (uint8) and each CUDA device's state;
-  under torchrun, `rng.rank<N>.safetensors` holds rank N's (every rank draws its own dropout);
+  under torchrun, `rng.rank<N>.safetensors` holds rank N's (every rank draws its own dropout),
+  written by rank N;
 - `state.json`: step, schedule, data-order state (the Batcher's), running counters, python
   `random` and numpy RNG states (a list, one per rank), the world size, the run's config and
   what the run was made from (`made_from`: fingerprints of the base model and its tokenizer,
@@ -23,9 +24,16 @@ A write that fails (disk full, read-only folder, permissions; safetensors' own e
 `UserError` naming the folder and the reason; the temporary folder is removed and the previous
 checkpoint stays in place.
 
-Under torch.distributed every rank calls `save` and `load`: sharded (FSDP) tensors are gathered
-whole and each rank's RNG states collected, then rank 0 alone writes; a checkpoint resumes only
-at the world size that saved it.
+Under torch.distributed every rank calls `save` and `load`. Whole tensors (one process, ddp) are
+written by rank 0 as above. FSDP shards are not gathered: each rank writes its own rows as
+`weights.rank<R>.safetensors`, `optimizer.rank<R>.safetensors`, `ema.rank<R>.safetensors` (their
+headers say where the rows go; `checkpoint_shards`), and `state.json` holds `"parts": N`. Every
+rank writes (its parts, its `rng` file) into the `checkpoint.tmp-*` folder rank 0 made; rank 0
+then checks that it sees every file (out= must be a folder every machine sees), writes state.json
+last and renames. A write failing on any rank is one `UserError` on every rank, the temporary
+folder removed. `load` reads only the rows each rank now holds, from whole files or parts, so a
+checkpoint resumes at another world size and in the other mode (fsdp <-> ddp); the continuation is
+exact but for random draws (`world_note`). A missing part is one line naming it (`check_files`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,17 +50,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from minitrain import checkpoint_shards as shards
 from minitrain import distributed
 from minitrain.adapters.lora import adapter_signature
 from minitrain.errors import UserError
-from minitrain.weights import io_error_reason, write_folder
+from minitrain.weights import begin_folder, io_error_reason, swap_folder
 
 if TYPE_CHECKING:
     from minitrain.optim import AdamW
 
 NAME = "checkpoint"
 EMA_FILE = "ema.safetensors"
-FORMAT = 2  # 2: per-rank RNG states and world_size (1: rank 0's RNG only; still loads)
+FORMAT = 3  # 3: per-rank parts under FSDP ("parts"); 2: per-rank RNG states, world_size; 1: rank 0's RNG (all load)
 
 
 def _rng_file(rank: int) -> str:
@@ -93,16 +103,15 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> None
 def _optimizer_state(
     names: dict[torch.Tensor, str], optimizer: torch.optim.Optimizer | AdamW
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """Split the optimizer state by parameter name into (whole) tensors and JSON scalars.
-
-    Every rank must call it in the same order under FSDP: sharded state is gathered whole."""
+    """Split the optimizer state by parameter name into tensors (as they are: shards under FSDP) and
+    JSON scalars. Every rank must call it in the same order (a sharded 0-d entry is gathered)."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for p, st in optimizer.state.items():
         name = names[p]
         for key, v in sorted(st.items()):
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                tensors[f"{name}/{key}"] = distributed.full_tensor(v.detach()).contiguous().cpu()
+                tensors[f"{name}/{key}"] = v.detach()
             elif isinstance(v, torch.Tensor):  # AdamW's step: a 0-d tensor
                 v = distributed.full_tensor(v)
                 scalars.setdefault(name, {})[key] = {"tensor": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
@@ -123,47 +132,100 @@ def save(
 
     A failed write is a `UserError` (`<folder>: cannot write the checkpoint: <reason> — ...`), with
     no `checkpoint.tmp-*` left and the previous checkpoint in place. Under torch.distributed every
-    rank calls it (gathers), rank 0 writes, and a failure is raised on every rank.
+    rank calls it and writes its own files (its RNG state; under FSDP its part of every tensor) into
+    the temporary folder rank 0 made; rank 0 checks they are all there, writes state.json and
+    renames the folder into place. A failure on any rank is raised on every rank.
     """
     out = Path(out_dir)
     final = out / NAME
+    world, rank = distributed.world_size(), distributed.rank()
     names = {p: n for n, p in named_params}
-    weights = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in named_params}
     opt_tensors, opt_scalars = _optimizer_state(names, optimizer)
-    ema = {n: distributed.full_tensor(t.detach()).contiguous().cpu() for n, t in ema.items()} if ema else None
-    rngs = distributed.gather_objects(_rng_state())  # one (tensors, json) per rank
-    full = {**state, "optimizer_scalars": opt_scalars, "rng": [js for _, js in rngs],
-            "world_size": len(rngs), "format": FORMAT}
+    kinds = {"weights": dict(named_params), "optimizer": opt_tensors, **({"ema": ema} if ema else {})}
+    sharded = any(distributed.is_sharded(p) for _, p in named_params)
+    if sharded:  # each rank its own rows (no gather)
+        mine = {shards.part_file(stem, rank): shards.local_part(ts) for stem, ts in kinds.items()}
+    else:  # whole tensors (not sharded: the same on every rank), written by rank 0
+        mine = {shards.whole_file(stem): ({n: t.detach().contiguous().cpu() for n, t in ts.items()}, None)
+                for stem, ts in kinds.items()} if rank == 0 else {}
+    rng_tensors, rng_js = _rng_state()
+    full = {**state, "optimizer_scalars": opt_scalars, "rng": distributed.gather_objects(rng_js),
+            "world_size": world, "format": FORMAT, **({"parts": world} if sharded else {})}
 
-    def fill(tmp: Path) -> None:
-        save_file(weights, tmp / "weights.safetensors")
-        save_file(opt_tensors, tmp / "optimizer.safetensors")
-        if ema is not None:
-            save_file(ema, tmp / EMA_FILE)
-        for r, (tensors, _) in enumerate(rngs):
-            save_file(tensors, tmp / _rng_file(r))
-        with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder
-            json.dump(full, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def write() -> None:
+    made = reason = None
+    if rank == 0:  # the temporary folder every rank writes into
         try:
-            write_folder(final, fill)  # also removes the tmp-* / old-* folders of killed writers
-        except (OSError, SafetensorError) as e:  # disk full, read-only, permissions
-            raise UserError(_write_error(out, e)) from None
+            made = str(begin_folder(final))
+        except (OSError, UserError) as e:
+            reason = e.message if isinstance(e, UserError) else _write_error(out, io_error_reason(e))
+    made, reason = distributed.gather_objects((made, reason))[0]
+    if reason:
+        _raise_everywhere(reason)
+    tmp = Path(made)
+    reason = None
+    try:
+        if not tmp.is_dir():
+            reason = (f"{out / NAME}: rank {rank} does not see the folder rank 0 made ({tmp.name}) — out= must be a "
+                      f"folder every machine sees (a shared filesystem), then rerun")
+        else:
+            for fname, (tensors, rows) in mine.items():
+                if rows is None:
+                    save_file(tensors, tmp / fname)
+                else:
+                    shards.write_part(tmp / fname, tensors, rows, rank, world)
+            save_file(rng_tensors, tmp / _rng_file(rank))
+    except (OSError, SafetensorError) as e:  # disk full, read-only, permissions
+        reason = _write_error(out, io_error_reason(e) + (f" (rank {rank})" if world > 1 else ""))
+    failed = [r for r in distributed.gather_objects(reason) if r]  # (every rank has written: a barrier)
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _raise_everywhere(failed[0])
 
-    distributed.main_only(write)
+    def finish() -> None:  # rank 0
+        try:
+            expected = _files(full.get("parts"), world, ema is not None)
+            missing = [f for f in expected if not (tmp / f).is_file()]
+            if missing:
+                shutil.rmtree(tmp, ignore_errors=True)
+                writer = missing[0].rpartition(".rank")[2].partition(".")[0] or "0"
+                raise UserError(f"{out / NAME}: rank 0 does not see {missing[0]}, which rank {writer} wrote into "
+                                f"{tmp.name} — out= must be a folder every machine sees (a shared filesystem), then "
+                                f"rerun")
+            with open(tmp / "state.json", "w") as f:  # written last: its presence marks a complete folder
+                json.dump(full, f)
+                f.flush()
+                os.fsync(f.fileno())
+            swap_folder(final, tmp)  # also removes the tmp-* / old-* folders of killed writers
+        except (OSError, SafetensorError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(_write_error(out, io_error_reason(e))) from None
+
+    distributed.main_only(finish)
     return final
 
 
-def _write_error(out: Path, e: BaseException) -> str:
+def _files(parts: int | None, world: int, ema: bool) -> list[str]:
+    """The tensor files of a checkpoint: whole (`parts` None) or one part per rank, then one RNG file per rank."""
+    stems = [*shards.STEMS[:2], *(shards.STEMS[2:] if ema else [])]
+    tensors = ([shards.whole_file(s) for s in stems] if parts is None
+               else [shards.part_file(s, r) for s in stems for r in range(parts)])
+    return tensors + [_rng_file(r) for r in range(world)]
+
+
+def _raise_everywhere(message: str) -> None:
+    """Every rank raises the same error; the CLI prints it once (rank 0)."""
+    err = UserError(message)
+    err.shared = distributed.world_size() > 1
+    raise err
+
+
+def _write_error(out: Path, reason: str) -> str:
     previous = find(out)
     step = saved_step(previous) if previous is not None else None
     then = (f"rerun with resume=true to continue from the last complete checkpoint (step {'?' if step is None else step})"
             if previous is not None else "rerun (overwrite=true)")
-    return (f"{out / NAME}: cannot write the checkpoint: {io_error_reason(e)} — free space or make {out} "
-            f"writable, then {then}")
+    return f"{out / NAME}: cannot write the checkpoint: {reason} — free space or make {out} writable, then {then}"
 
 
 # ----------------------------------------------------------------------------- what a run was made from
@@ -260,8 +322,6 @@ def check_readable(folder: str | os.PathLike) -> dict[str, Any]:
     """The state of the checkpoint `folder` after checking, without loading anything, that every file
     `load` will read is there and reads (state.json parses; safetensors headers are whole): a
     damaged checkpoint is refused before a resume writes anything."""
-    from minitrain.weights import read_header
-
     folder = Path(folder)
     try:
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
@@ -275,9 +335,25 @@ def check_readable(folder: str | os.PathLike) -> dict[str, Any]:
     if bad:
         raise UserError(f"{folder / 'state.json'}: damaged ({', '.join(bad)} missing or of the wrong type) — restore "
                         f"the checkpoint, or start again without resume=true (overwrite=true)")
-    for name in ("weights.safetensors", "optimizer.safetensors", _rng_file(0)):
+    distributed.main_only(lambda: check_files(folder, state))  # rank 0 looks; every rank refuses alike
+    return state
+
+
+def check_files(folder: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Refuse a checkpoint that lacks a file `load` reads (a part another rank wrote, included) or
+    whose safetensors header does not read; one line naming the file and what to do."""
+    from minitrain.weights import read_header
+
+    folder = Path(folder)
+    parts = state.get("parts")
+    for name in _files(parts, int(state.get("world_size", 1)), ema=False):
         path = folder / name
         if not path.is_file():
+            if parts is not None and ".rank" in name and not name.startswith("rng"):
+                raise UserError(f"{path}: missing — the checkpoint was saved by {parts} ranks, each writing its own "
+                                f"part, and this part is not there: copy it into {folder} (on several machines out= "
+                                f"must be a folder every machine sees), restore the checkpoint, or start again "
+                                f"without resume=true (overwrite=true)")
             raise UserError(f"{path}: missing — the checkpoint is incomplete: restore it, or start again without "
                             f"resume=true (overwrite=true)")
         try:
@@ -285,7 +361,16 @@ def check_readable(folder: str | os.PathLike) -> dict[str, Any]:
         except UserError as e:
             raise UserError(f"{e.message.split(' — ')[0]} — the checkpoint is damaged: restore it, or start again "
                             f"without resume=true (overwrite=true)") from None
-    return state
+
+
+def saved_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """The whole shapes of the trainable tensors in the checkpoint `folder` (either layout), or None
+    where it does not read."""
+    try:
+        state = json.loads((Path(folder) / "state.json").read_text(encoding="utf-8"))
+        return shards.Tensors(Path(folder), "weights", state.get("parts")).shapes
+    except (OSError, ValueError, SafetensorError, UserError, AttributeError):
+        return None
 
 
 def saved_step(folder: Path) -> int | None:
@@ -360,30 +445,44 @@ def check_run(saved: dict[str, Any], mine: dict[str, Any], extend: bool = False)
                         f"same settings,{hint} or start a new out folder")
 
 
-def load_ema(out_dir: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
-    """The moving average saved with the checkpoint in `out_dir` (whole tensors by name); a
-    checkpoint without one, or with other tensors, is a `UserError`."""
+def load_ema(out_dir: str | os.PathLike, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy the moving average saved with the checkpoint in `out_dir` into `named` (name, EMA tensor)
+    in place: each rank reads the rows of its shard only. A checkpoint without one, or with other
+    tensors, is a `UserError`."""
     folder = find(out_dir)
-    path = folder / EMA_FILE
+    parts = read_state(out_dir).get("parts")
+    files = [shards.whole_file("ema")] if parts is None else [shards.part_file("ema", r) for r in range(parts)]
+    path = folder / files[0]
     if not path.is_file():
         raise UserError(f"{path}: missing — the checkpoint was saved without ema_decay; resume with the run's "
                         f"own settings (ema_decay=0), or start a new out folder")
-    tensors = load_file(path)
-    if set(tensors) != set(names):
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        raise UserError(f"{folder / missing[0]}: missing — the checkpoint was saved by {parts} ranks, each writing "
+                        f"its own part, and this part is not there: copy it into {folder}, restore the checkpoint, "
+                        f"or start again without resume=true (overwrite=true)")
+    src = shards.Tensors(folder, "ema", parts)
+    if set(src.shapes) != {n for n, _ in named}:
         raise UserError(f"{path}: holds the average of other tensors — resume with the same model, adapters and "
                         f"settings")
-    return tensors
+    for name, t in named:
+        shards.restore(src, name, t)
 
 
-def check_world_size(state: dict[str, Any], folder: str | os.PathLike, world: int | None = None) -> None:
-    """Refuse resuming at another world size: each rank's RNG state (dropout) is in the checkpoint."""
+def world_note(state: dict[str, Any], world: int | None = None) -> str | None:
+    """The line to log when a checkpoint saved by another number of processes resumes, else None.
+
+    The continuation is exact at any world size (the data order and position are global, each
+    micro-batch is split across the ranks, loss and gradients are sums over them) except for what
+    each rank draws at random: rank r < the saved count continues rank r's saved generators, a new
+    rank starts from the seed; so dropout masks (and sampling) differ from an uninterrupted run."""
     world = distributed.world_size() if world is None else world
     saved = int(state.get("world_size", 1))
-    if saved != world:
-        how = (f"torchrun --nproc_per_node {saved} -m minitrain ..." if saved > 1
-               else "one process: python -m minitrain ..., without torchrun")
-        raise UserError(f"{folder}: checkpoint was saved by {saved} process{'es' if saved > 1 else ''}, this run "
-                        f"has {world} — resume at the same world size ({how} resume=true)")
+    if saved == world:
+        return None
+    return (f"resume: the checkpoint was saved by {saved} process{'es' if saved > 1 else ''}, this run has {world}: "
+            f"it continues the same run, except that random draws (dropout masks, sampling) differ from an "
+            f"uninterrupted run; without them it is the same to float rounding")
 
 
 def load(
@@ -393,33 +492,35 @@ def load(
 ) -> dict[str, Any]:
     """Restore trainable weights, optimizer state and RNG states in place; return the loop state.
 
-    The parameters must be the same names and shapes as when saved (the same run), and the
-    world size the same: anything else is a `UserError` rather than a silently different
-    continuation. Under torch.distributed every rank reads the files and keeps its own shard
-    (FSDP) and its own RNG state.
+    The parameters must be the same names and shapes as when saved (the same run): anything else
+    is a `UserError` rather than a silently different continuation. Under torch.distributed every
+    rank calls it and reads only the rows of its own shard (FSDP; all of them for a whole tensor),
+    from the whole files or whichever per-rank parts hold them, so a checkpoint resumes at any world
+    size and in either mode. Each rank restores its own saved RNG state (at another world size a
+    rank the checkpoint has none for keeps its seed: `world_note`).
     """
     state = read_state(out_dir)
     folder = find(out_dir)
-    check_world_size(state, folder)
-    weights = load_file(folder / "weights.safetensors")
+    distributed.main_only(lambda: check_files(folder, state))
+    parts = state.get("parts")
+    weights = shards.Tensors(folder, "weights", parts)
     want = {n for n, _ in named_params}
-    if set(weights) != want:
-        missing, extra = sorted(want - set(weights)), sorted(set(weights) - want)
+    if set(weights.shapes) != want:
+        missing, extra = sorted(want - set(weights.shapes)), sorted(set(weights.shapes) - want)
         raise UserError(
             f"{folder}: checkpoint holds different trainable tensors (missing {missing[:3]}, "
             f"unexpected {extra[:3]}) — resume with the same model, adapters and settings"
         )
     for n, p in named_params:
-        if weights[n].shape != p.shape:
-            raise UserError(f"{folder}: {n} has shape {tuple(weights[n].shape)}, the model {tuple(p.shape)} "
+        if weights.shapes[n] != tuple(p.shape):
+            raise UserError(f"{folder}: {n} has shape {weights.shapes[n]}, the model {tuple(p.shape)} "
                             f"— resume with the same model and adapter settings")
-    with torch.no_grad():  # every check passed: now restore
-        for n, p in named_params:
-            p.copy_(distributed.like(weights[n], p))
+    for n, p in named_params:  # every check passed: now restore
+        shards.restore(weights, n, p)
 
     # rebuild the optimizer's state dict in torch's format (params by index; minitrain.optim.AdamW
     # uses the same) and let the optimizer place the tensors
-    opt_tensors = load_file(folder / "optimizer.safetensors")
+    opt_tensors = shards.Tensors(folder, "optimizer", parts)
     scalars = state.pop("optimizer_scalars")
     sd = optimizer.state_dict()
     index = {}
@@ -432,16 +533,19 @@ def load(
         for key, v in entries.items():
             is_tensor = isinstance(v, dict) and "tensor" in v
             per_name.setdefault(name, {})[key] = torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"])) if is_tensor else v
-    for full_key, t in opt_tensors.items():
+    for full_key in opt_tensors.shapes:
         name, key = full_key.rsplit("/", 1)
         ref = by_name.get(name)
-        per_name.setdefault(name, {})[key] = distributed.like(t, ref) if ref is not None and t.shape == ref.shape else t
+        per_name.setdefault(name, {})[key] = (shards.laid_out(opt_tensors, full_key, ref) if ref is not None
+                                              else opt_tensors.whole(full_key))
     names = {p: n for n, p in named_params}
     sd["state"] = {i: per_name[names[p]] for i, p in index.items() if names[p] in per_name}
     optimizer.load_state_dict(sd)
 
     rank = distributed.rank()
-    rng = load_file(folder / _rng_file(rank))
     js = state.pop("rng")
-    _set_rng_state(rng, js[rank] if isinstance(js, list) else js)  # format 1: rank 0's dict
+    if not isinstance(js, list):  # format 1: rank 0's dict
+        js = [js]
+    if rank < len(js) and (folder / _rng_file(rank)).is_file():
+        _set_rng_state(load_file(folder / _rng_file(rank)), js[rank])
     return state

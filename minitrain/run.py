@@ -56,7 +56,7 @@ from minitrain.progress import log
 from minitrain.schedule import resolve_steps
 from minitrain.text.chat_template import CARRIED, TEMPLATE_FILE, resolve_template
 from minitrain.text.tokenizer import Tokenizer
-from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, open_pretrained, read_header, save_pretrained
+from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, open_pretrained, save_pretrained
 
 
 CONFIG_FILE = "config.json"
@@ -155,7 +155,7 @@ def check_out_dir(cfg: Any) -> Path:
 def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
     """Refuse `resume=true` when the checkpoint in `cfg.out` was made by another run (writes nothing).
 
-    The checkpoint must read (state.json, the safetensors headers), hold this world size, these
+    The checkpoint must read (state.json, the safetensors headers, every per-rank part), hold these
     settings, and have been made from this base model and tokenizer (`checkpoint.made_from`). The
     loop checks the same when it loads it, but by then `prepare_out_dir` has rewritten
     `config.json`; checking here keeps a refused resume from changing the folder. `run` adds values
@@ -164,8 +164,7 @@ def check_resume(cfg: Any, run: dict[str, Any] | None = None) -> None:
     folder = checkpoint.find(cfg.out)
     if not cfg.resume or folder is None:
         return
-    state = checkpoint.check_readable(folder)
-    checkpoint.check_world_size(state, folder)
+    state = checkpoint.check_readable(folder)  # (any world size: each rank reads the rows it owns)
     items = list(state.get("run", {}).items())
     mine = {**{k: getattr(cfg, k) for k, _ in items if hasattr(cfg, k)}, **(run or {})}
     checkpoint.check_run(dict(items), mine, extend=getattr(cfg, "extend", False))
@@ -413,11 +412,9 @@ def _check_resume_tensors(model: nn.Module, cfg: Any) -> None:
     folder = checkpoint.find(cfg.out) if cfg.resume else None
     if folder is None:
         return
-    try:
-        header, _ = read_header(folder / "weights.safetensors")
-    except (OSError, UserError):
+    saved = checkpoint.saved_shapes(folder)  # whole files or per-rank parts
+    if saved is None:
         return  # an unreadable checkpoint is reported by checkpoint.load
-    saved = {k: tuple(v["shape"]) for k, v in header.items()}
     mine = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     missing = sorted(set(mine) - set(saved))
     if missing:

@@ -159,8 +159,9 @@ def train(
     holds the model; one bucketed gradient all-reduce per optimizer step) or "fsdp" (FSDP2
     `fully_shard` per block then the root, before the audit; a model loaded on meta reads each rank's
     rows then (`minitrain.fsdp`); sharded gradients reduce-scattered as sums; the model stays sharded
-    at the end: `run.finish` gathers what it saves). Rank 0 alone logs and writes; every
-    rank's RNG state goes into the checkpoint; the objective's metrics in metrics.jsonl are rank 0's.
+    at the end: `run.finish` gathers what it saves). Rank 0 alone logs and writes, but each rank
+    writes its own checkpoint files (its RNG state; under fsdp its rows of every tensor) and a
+    checkpoint resumes at another world size or mode; the objective's metrics in metrics.jsonl are rank 0's.
     """
     log = log or functools.partial(print, flush=True)
     out = Path(out_dir if out_dir is not None else cfg.out)
@@ -256,7 +257,6 @@ def train(
     made_from = ckpt.made_from(model)  # base model, tokenizer, adapter: a resume must match them
     if cfg.resume:
         saved = ckpt.read_state(out)
-        ckpt.check_world_size(saved, out / ckpt.NAME, world)
         ckpt.check_made_from(saved.get("made_from"), made_from, ckpt.find(out))
         missing = [k for k in ("run", "counters", "batcher") if k not in saved]
         if missing:
@@ -269,11 +269,13 @@ def train(
                             f"optimizer steps — raise max_steps (or epochs) past {saved['step']}")
         state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
         if ema is not None:
-            ema.load_state_dict(ckpt.load_ema(out, ema.names))
+            ckpt.load_ema(out, list(zip(ema.names, ema.tensors)))  # (each rank its own rows)
         step, counters = state["step"], state["counters"]
         batcher.load_state_dict(state["batcher"])
         distributed.main_only(lambda: ckpt.truncate_log(out / "metrics.jsonl", step))
         log(f"resumed from {ckpt.find(out)} at step {step}/{total_steps}")
+        if ckpt.world_note(saved, world):  # another number of processes: exact but for random draws
+            log(ckpt.world_note(saved, world))
         if extend and total_steps != saved["run"].get("total_steps"):
             log(extension_rule(step, saved["run"].get("total_steps"), total_steps, warmup_steps, cfg))
 
@@ -283,7 +285,7 @@ def train(
 
     saved_at = step if cfg.resume else -1
 
-    def save_checkpoint() -> None:  # every rank calls it (gathers); rank 0 writes
+    def save_checkpoint() -> None:  # every rank calls it and writes its own files (its part under fsdp)
         nonlocal saved_at
         ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "made_from": made_from,
                                            "counters": counters, "batcher": batcher.state_dict(),

@@ -503,23 +503,52 @@ def write_folder(folder: Path, fill: Callable[[Path], None], *,
     one process writes a folder at a time. `keep_others`: what else a previous `folder` holds (a
     tokenizer saved beside an adapter) is hard-linked (or copied) into the new one: everything
     (True), or the top-level names the function accepts (e.g. not the weights of an earlier save).
+
+    The two halves are `begin_folder` and `swap_folder`, for a temporary folder that several
+    processes fill (a sharded checkpoint: each rank writes its own part into it).
     """
+    tmp = begin_folder(folder)
+    try:
+        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    swap_folder(folder, tmp, keep_others=keep_others)
+
+
+def _target(folder: Path) -> Path:
     folder = Path(os.path.abspath(folder))  # "." gets a name
     if folder.is_symlink():  # replace the link's target, not the link
         folder = folder.resolve()
+    return folder
+
+
+def begin_folder(folder: Path) -> Path:
+    """The new, empty `<folder>.tmp-<pid>` that `swap_folder` will put in place of `folder`."""
+    folder = _target(folder)
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
     if Path.cwd().is_relative_to(folder.resolve()):
         raise UserError(f"{folder}: is (or holds) the current folder, and is replaced as a whole — write into "
                         f"a new subfolder")
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    old = folder.with_name(f"{folder.name}.old-{os.getpid()}")
-    moved = False
     try:
         if tmp.exists():  # a killed writer with our pid
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def swap_folder(folder: Path, tmp: Path, *, keep_others: bool | Callable[[str], bool] = False) -> None:
+    """Put the filled `tmp` (from `begin_folder`) in place of `folder` (see `write_folder`); a failure
+    removes `tmp`, leaves the previous `folder` in place, and re-raises."""
+    folder = _target(folder)
+    old = tmp.with_name(f"{folder.name}.old-{tmp.name.rpartition('.tmp-')[2]}")
+    moved = False
+    try:
         if keep_others and folder.is_dir():
             keep = (lambda name: True) if keep_others is True else keep_others
             written = {p.name for p in tmp.iterdir()}

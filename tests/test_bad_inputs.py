@@ -184,6 +184,49 @@ def test_corpus_is_well_formed():
     assert any(c.get("subprocess") for c in CASES)
 
 
+def as_two_parts(ck: Path) -> None:
+    """Lay a one-process checkpoint out as 2 FSDP ranks save it (each rank's rows in its own part)."""
+    from safetensors.torch import load_file
+
+    from minitrain import checkpoint_shards as shards
+
+    for stem in ("weights", "optimizer"):
+        whole = load_file(ck / f"{stem}.safetensors")
+        for r in (0, 1):
+            part, rows = {}, {}
+            for name, t in whole.items():
+                a, b = shards.chunk_rows(t.shape[0], 2, r)
+                if b > a:
+                    part[name], rows[name] = t[a:b].contiguous(), [a, *t.shape]
+            shards.write_part(ck / shards.part_file(stem, r), part, rows, r, 2)
+        (ck / f"{stem}.safetensors").unlink()
+    shutil.copy(ck / "rng.safetensors", ck / "rng.rank1.safetensors")
+    state = json.loads((ck / "state.json").read_text())
+    state.update(parts=2, world_size=2, rng=state["rng"] * 2)
+    (ck / "state.json").write_text(json.dumps(state))
+
+
+def test_the_two_part_layout_resumes_as_the_whole_files_do(models_dir, trained, tmp_path, capsys):
+    """The layout `resume_missing_part` damages, whole: a CLI resume (one more step, extend=true) from it
+    trains the same adapter, bitwise, as from the whole files it was made of, and says the world changed."""
+    adapters = []
+    for name in ("whole", "parts"):
+        out = tmp_path / name
+        shutil.copytree(trained, out)
+        if name == "parts":
+            as_two_parts(out / "checkpoint")
+        keys = {**base_args(models_dir / "good", out), "resume": "true", "extend": "true",
+                "max_steps": str(int(BASE["max_steps"]) + 1)}
+        assert run_cli([RECIPE] + [f"{k}={v}" for k, v in keys.items()]) == 0, capsys.readouterr().err
+        printed = capsys.readouterr().out
+        assert ("saved by 2 processes, this run has 1" in printed) == (name == "parts")
+        adapters.append(load_file(out / "adapter" / "adapter_model.safetensors"))
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    before = load_file(trained / "adapter" / "adapter_model.safetensors")
+    assert not all(torch.equal(before[k], adapters[0][k]) for k in before)  # the extra step moved it
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_bad_input(case, models_dir, adapter_other_base, trained, tmp_path, capsys):
     model = models_dir / case.get("model", "good")
@@ -211,6 +254,10 @@ def test_bad_input(case, models_dir, adapter_other_base, trained, tmp_path, caps
             (ck / "state.json").write_text(json.dumps(state))
         else:
             (ck / "weights.safetensors").write_bytes((ck / "weights.safetensors").read_bytes()[:100])
+    elif kind == "missing_part":  # a checkpoint of 2 FSDP ranks whose rank 1 weights part is not there
+        shutil.copytree(trained, out)
+        as_two_parts(out / "checkpoint")
+        (out / "checkpoint" / "weights.rank1.safetensors").unlink()
     else:
         assert kind == "fresh", kind
     before = snapshot(out)

@@ -24,8 +24,10 @@ the whole batch, up to float summation order):
   reads only its rows of each weight; it stays sharded to the end, where what is saved is
   gathered (the adapter) or written one shard file at a time (a full fine-tune).
 
-Rank 0 alone writes (logs, metrics.jsonl, config.json, checkpoints, the adapter); a write that
+Rank 0 alone writes logs, metrics.jsonl, config.json and the adapter or model; a write that
 fails there is raised on every rank (`main_only`), so no rank is left waiting in a collective.
+A checkpoint is written by every rank (its RNG state; under fsdp its rows of each tensor) into one
+folder that rank 0 completes and swaps in (`minitrain.checkpoint`).
 """
 
 from __future__ import annotations

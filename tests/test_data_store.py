@@ -418,3 +418,114 @@ def test_default_cache_that_cannot_be_made_falls_back_to_memory_with_a_note(tmp_
     assert "note: data_cache=auto: cannot create" in capsys.readouterr().out
     with pytest.raises(UserError, match=r"^data_cache=.*: cannot write there .* — pass data_cache="):
         load_examples(TrainConfig(data=str(path), max_len=40, data_cache=str(tmp_path / "file" / "c")), tok)
+
+
+# --------------------------------------------------------------------------- KTO: KL rows read from the store
+
+
+def _kl_rows_as_before(examples, block):
+    """The reference: each example's KL row written into a copy of its dict, TRL's rotation (row i: its
+    prompt + the completion of row i - 1 in its block of `block` rows, the block's first takes its last)."""
+    out = [dict(ex) for ex in examples]
+    for start in range(0, len(out), block):
+        rows = out[start:start + block]
+        for i, ex in enumerate(rows):
+            other = rows[i - 1]
+            p, q = ex["prompt_len"], other["prompt_len"]
+            ex["kl_ids"] = ex["input_ids"][:p] + other["input_ids"][q:]
+            ex["kl_labels"] = [-100] * p + other["labels"][q:]
+    return out
+
+
+def test_kto_kl_rows_from_the_store_equal_in_memory(tmp_path, tok):
+    """KTO reads the store through `add_kl_rows` (each KL row made when its example is read): train and
+    eval examples, KL rows (a short last block and a block of one included), labels and collated
+    batches equal today's in-memory lists; nothing is copied out of the store."""
+    from functools import partial
+
+    from minitrain.config import TrainConfig
+    from minitrain.objectives.kto import add_kl_rows, collate_kto
+    from minitrain.run import load_examples
+
+    rows = [{"prompt": f"Question {i}: {w}?", "completion": f" {w} {i}.", "label": i % 3 != 0}
+            for i, w in enumerate(corpus(12))]
+    path = write_jsonl(tmp_path / "u.jsonl", rows)
+    got = {}
+    for cache in (str(tmp_path / "c"), "false"):
+        cfg = TrainConfig(data=str(path), eval_split=0.25, seed=3, max_len=64, data_cache=cache, data_workers=2,
+                          batch_size=2)
+        got[cache] = [add_kl_rows(ex, 4) for ex in load_examples(cfg, tok, "unpaired")]
+    (train_s, eval_s), (train_m, eval_m) = got.values()
+    assert isinstance(train_s.examples, StoreView) and isinstance(train_m.examples, Examples)
+    assert len(train_s) == 9 and len(eval_s) == 3  # blocks of 4, 4, 1 and one of 3
+    for store, memory in ((train_s, train_m), (eval_s, eval_m)):
+        expected = _kl_rows_as_before(list(memory.examples), 4)
+        assert list(store) == expected == list(memory)
+        assert store[1:6] == expected[1:6] and store[-1] == expected[-1]
+        assert list(store.column("label")) == [ex["label"] for ex in expected]
+        assert list(store.batch_lengths) == [len(ex["input_ids"]) for ex in expected]
+        a, b = partial(collate_kto, pad_id=0)(store[:4]), partial(collate_kto, pad_id=0)(expected[:4])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    assert train_s[8]["kl_ids"] == train_s[8]["input_ids"]  # a block of one pairs the row with itself
+    assert train_s.path == train_m.path and train_s.truncated == train_m.truncated
+
+
+def test_kto_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
+    """KTO (precomputed reference log-probs held beside the store) killed mid-way and resumed on the store
+    ends bitwise equal to an uninterrupted run on the in-memory lists: metrics, eval rows, weights and RNG."""
+    from functools import partial
+
+    from test_resume import Killed, model_state
+    from test_train import TinyLM, cfg_for, freeze_embeddings, quiet, rows
+
+    from minitrain.objectives.kto import KTOObjective, add_kl_rows, collate_kto
+
+    class Dying(KTOObjective):
+        calls = 0
+
+        def __call__(self, model, batch):
+            self.calls += model.training  # eval calls do not count
+            if self.calls > 7:
+                raise Killed
+            return super().__call__(model, batch)
+
+    bpe = Tokenizer.from_folder(make_bpe_tokenizer(tmp_path / "bpe"))  # vocab 128
+    lines = corpus(26)
+    data = write_jsonl(tmp_path / "u.jsonl", [{"prompt": a, "completion": " " + b, "label": len(b) % 2 == 0}
+                                              for a, b in itertools.pairwise(lines)])
+    bs = 3
+    ref = [add_kl_rows(x, bs) for x in hold_out(read_unpaired(data, bpe, max_len=24), 0.2, 0)]
+    ours = [add_kl_rows(x, bs) for x in hold_out(build(tmp_path / "cache", data, bpe, "unpaired", max_len=24), 0.2, 0)]
+    assert isinstance(ours[0].examples, StoreView) and list(ours[0]) == list(ref[0])
+    g = torch.Generator().manual_seed(5)
+    for r, o in zip(ref, ours):  # the reference's log-probs, as `precompute_kto_reference` sets them
+        values = {"ref_logp": (-40 * torch.rand(len(r), generator=g)).double().numpy(),
+                  "ref_kl_logp": (-40 * torch.rand(len(r), generator=g)).double().numpy()}
+        r.set_values(values)
+        o.set_values(values)
+
+    def model():
+        return freeze_embeddings(TinyLM(vocab=128, dropout=0.2, seed=3))
+
+    collate = partial(collate_kto, pad_id=0)
+    kw = {"batch_size": bs, "grad_accum": 2, "epochs": 1.5, "save_every": 2, "eval_every": 2, "lr": 5e-3,
+          "warmup": 1, "schedule": "cosine", "group_by_length": True}
+    cfg = cfg_for(tmp_path / "lists", **kw)
+    straight = model()
+    train(straight, KTOObjective(0.1), ref[0], collate, cfg, eval_examples=ref[1], log=quiet)
+    after = torch.rand(4)
+    cfg_b = cfg_for(tmp_path / "store", **kw)
+    with pytest.raises(Killed):
+        train(model(), Dying(0.1), ours[0], collate, cfg_b, eval_examples=ours[1], log=quiet)
+    torch.manual_seed(1234)
+    resumed = model()
+    train(resumed, KTOObjective(0.1), ours[0], collate, dataclasses.replace(cfg_b, resume=True),
+          eval_examples=ours[1], log=quiet)
+    strip = ("tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb")
+    got, want = rows(Path(cfg_b.out)), rows(Path(cfg.out))
+    assert len(want) >= 5 and any("eval/loss" in r for r in want) and any("kl" in r for r in want)
+    assert [{k: v for k, v in r.items() if k not in strip} for r in got] == \
+           [{k: v for k, v in r.items() if k not in strip} for r in want]
+    for k, v in model_state(straight).items():
+        assert torch.equal(model_state(resumed)[k], v), k
+    assert torch.equal(torch.rand(4), after)

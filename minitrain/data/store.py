@@ -10,7 +10,7 @@ A store is a folder:
 
 `TokenStore(folder)` is a read-only sequence of example dicts: `store[i]` builds example `i`'s lists
 from the mapped arrays, so nothing is held per example but what the memory map pages in; `lengths`
-/ `batch_lengths` are numpy arrays of the offsets' differences. `store.take(indices)` is a view
+/ `batch_lengths` are numpy arrays of the offsets' differences, `column(key)` a per-example number. `store.take(indices)` is a view
 (`eval_split`, a mixture's weights) holding only the index array.
 
 `open_or_build(...)` finds the store of a fingerprint in the cache folder or builds it: a lock file
@@ -107,6 +107,11 @@ class TokenStore(Sequence):
     def list_lengths(self, key: str) -> np.ndarray:
         return np.diff(self._off[key])
 
+    def column(self, key: str) -> np.ndarray:
+        """A per-example number (KTO's `label`, `prompt_len`) of every example, read from the mapped
+        array without building an example."""
+        return np.asarray(self._val[key])
+
     @functools.cached_property
     def lengths(self) -> np.ndarray:
         """Tokens per example, all its id lists (as `Examples.lengths`)."""
@@ -161,6 +166,9 @@ class StoreView(Sequence):
     @property
     def batch_lengths(self) -> np.ndarray:
         return self.store.batch_lengths[self.indices]
+
+    def column(self, key: str) -> np.ndarray:
+        return self.store.column(key)[self.indices]
 
     def take(self, indices, path: str | None = None) -> StoreView:
         return StoreView(self.store, self.indices[np.asarray(indices, dtype=np.int64)], path=path)

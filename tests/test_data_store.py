@@ -55,10 +55,10 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(store_build, "FLUSH", 7)  # and several writes
 
 
-def build(cache, data, tok, kind="sft", workers=2, **options):
+def build(cache, data, tok, kind="sft", workers=2, keep_days=0, **options):
     options.setdefault("max_len", 40)
     sources = data if isinstance(data, list) else [str(data)]
-    return open_or_build(cache, sources, kind, READERS[kind], tok, options, workers=workers)
+    return open_or_build(cache, sources, kind, READERS[kind], tok, options, workers=workers, keep_days=keep_days)
 
 
 def assert_same(store, ref):
@@ -529,3 +529,69 @@ def test_kto_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
     for k, v in model_state(straight).items():
         assert torch.equal(model_state(resumed)[k], v), k
     assert torch.equal(torch.rand(4), after)
+
+
+# --------------------------------------------------------------------------- old stores removed (store_cache)
+
+
+def _age(store_folder, days):
+    t = __import__("time").time() - days * 86400
+    __import__("os").utime(store_folder / "last_used", (t, t))
+
+
+def test_opening_records_use_and_a_build_removes_stores_unused_for_days(tmp_path, tok, capsys):
+    """Each open touches the store's `last_used`; a build removes the folder's stores no run opened for
+    `keep_days` days (and killed builds' temporary folders as old), never a store being built, never
+    the one just built; a store used since is kept."""
+    import fcntl
+    import os
+    import time
+
+    rows = SFT_ROWS["prompt_completion"]
+    paths = [write_jsonl(tmp_path / f"{n}.jsonl", rows[:k]) for n, k in (("old", 2), ("busy", 3), ("recent", 4))]
+    cache = tmp_path / "c"
+    old, busy, recent = (build(cache, p, tok) for p in paths)
+    for s, days in ((old, 40), (busy, 40), (recent, 10)):
+        _age(s.folder, days)
+    killed = cache / f".tmp-{old.folder.name}-99999"
+    killed.mkdir()
+    os.utime(killed, (time.time() - 40 * 86400,) * 2)
+    build(cache, paths[0], tok, keep_days=30)  # a cache hit: no build, so nothing removed, but used now
+    assert time.time() - (old.folder / "last_used").stat().st_mtime < 60
+    _age(old.folder, 40)
+    with open(cache / f".{busy.folder.name}.lock", "a+") as lock:  # another process building it now
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        new = build(cache, write_jsonl(tmp_path / "new.jsonl", rows), tok, keep_days=30)
+    left = sorted(d.name for d in cache.iterdir() if d.is_dir())
+    assert left == sorted([busy.folder.name, recent.folder.name, new.folder.name])
+    assert f".{old.folder.name}.lock" in os.listdir(cache)  # lock files stay (empty)
+    assert "data_cache: removed 1 token store unused for 30 days" in capsys.readouterr().out
+    assert list(busy) == list(read_sft(paths[1], tok, max_len=40))  # what stays reads as before
+    assert list(build(cache, paths[0], tok)) == list(read_sft(paths[0], tok, max_len=40))  # rebuilt when asked again
+
+
+def test_minitrain_cache_lists_and_clears(tmp_path, tok, capsys):
+    from minitrain.cli import run_cli
+
+    rows = SFT_ROWS["prompt_completion"]
+    cache = tmp_path / "c"
+    a = build(cache, write_jsonl(tmp_path / "a.jsonl", rows[:2]), tok)
+    b = build(cache, write_jsonl(tmp_path / "b.jsonl", rows), tok, "sft")
+    _age(a.folder, 40)
+    capsys.readouterr()
+    assert run_cli(["cache", "--dir", str(cache)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"2 token stores in {cache}")
+    assert a.folder.name in out[1] and "2 examples (sft)" in out[1] and "(40 days ago)" in out[1]  # oldest first
+    assert b.folder.name in out[2] and f"{len(b)} examples" in out[2] and str(tmp_path / "b.jsonl") in out[2]
+    assert run_cli(["cache", "clear", "--days", "30", "--dir", str(cache)]) == 0
+    assert "removed 1 token store" in capsys.readouterr().out
+    assert not a.folder.exists() and b.folder.exists()
+    assert run_cli(["cache", "clear", "--dir", str(cache)]) == 0
+    assert "removed 1 token store" in capsys.readouterr().out and not b.folder.exists()
+    assert run_cli(["cache", "--dir", str(cache)]) == 0
+    assert capsys.readouterr().out.startswith("no token stores in")
+    for bad in (["cache", "rm"], ["cache", "clear", "--days", "-1"], ["cache", "--days", "3"], ["cache", "--dir"]):
+        assert run_cli(bad) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cache ") and len(err.strip().splitlines()) == 1, err

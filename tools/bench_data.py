@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     m = res.get("memory")
     if m:
         print(f"| in memory (data_cache=false), {m['rows']:,} rows | {m['open_s']:.1f} s "
-              f"({m['rows'] / m['open_s']:,.0f} rows/s), peak RSS {m['peak'] / 2**20:,.0f} MiB = {m['peak'] / m['tokens']:.1f} B/token |")
+              f"({m['rows'] / m['open_s']:,.0f} rows/s), peak RSS {m['peak'] / 2**20:,.0f} MiB = "
+              f"{m['peak'] / m['tokens']:.1f} B/token |")
     if "datasets" in res:
         s = res["datasets"]
         b = res[f"build{counts[-1]}"]

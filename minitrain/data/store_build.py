@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from minitrain.data import store_cache
 from minitrain.data.files import Pick, read_rows
 from minitrain.data.store import (
     COUNTS,
@@ -405,13 +406,15 @@ def _read(path: Path, dtype, mmap: bool = False) -> np.ndarray:
 
 def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callable, tok: Any,
                   options: dict[str, Any], *, split: str | None = None, workers: int = 0,
-                  weights: list[float] | None = None) -> TokenStore:
-    """The token store of these sources and settings, from `cache` or built into it (module doc)."""
+                  weights: list[float] | None = None, keep_days: float = 0) -> TokenStore:
+    """The token store of these sources and settings, from `cache` or built into it (module doc).
+    Opening it records its use; after a build, the stores of `cache` unused for `keep_days` days are
+    removed (`minitrain.data.store_cache`; 0: none)."""
     cache = Path(cache)
     fp = fingerprint(sources, kind, tok, {**options, "split": split}, weights)
     folder = cache / store_name(sources, kind, fp)
     try:
-        return TokenStore(folder)
+        return _opened(folder)
     except (Damaged, FileNotFoundError):
         pass
     try:
@@ -428,7 +431,7 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
             fcntl.flock(lock, fcntl.LOCK_EX)
         if folder.exists():
             try:
-                return TokenStore(folder)
+                return _opened(folder)
             except Damaged as e:
                 log(f"note: data_cache: {folder}: damaged ({e}) — rebuilding it")
                 shutil.rmtree(folder, ignore_errors=True)
@@ -451,7 +454,17 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        store = TokenStore(folder)
+        store = _opened(folder)
         log(f"data: token store built in {time.perf_counter() - t0:.1f} s with {workers} worker"
             f"{'s' if workers > 1 else ''}: {folder}")
-        return store
+    gone = store_cache.evict(cache, keep_days, keep=folder)  # after the lock: evict takes each store's own
+    if gone:
+        log(f"data_cache: removed {len(gone)} token store{'s' if len(gone) > 1 else ''} unused for {keep_days:g} "
+            f"days ({sum(s.size for s in gone) / 2**20:,.1f} MiB): {', '.join(s.folder.name for s in gone)}")
+    return store
+
+
+def _opened(folder: Path) -> TokenStore:
+    store = TokenStore(folder)
+    store_cache.touch(folder)
+    return store

@@ -595,3 +595,30 @@ def test_minitrain_cache_lists_and_clears(tmp_path, tok, capsys):
         assert run_cli(bad) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: cache ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_whole_data_passes_read_the_arrays_as_the_lists_say(tmp_path, tok, monkeypatch):
+    """ARD's target-token count and distillation's largest-id check read a store's arrays in blocks of
+    examples (no example built): the same figures, and the same error naming the same example, as the
+    in-memory lists, on the store and on eval_split views of it."""
+    from minitrain.data import store as store_module
+    from minitrain.objectives.ard import dataset_target_tokens
+    from minitrain.objectives.distill import check_ids_shared
+
+    monkeypatch.setattr(store_module, "BLOCK", 3)  # several blocks, one cut short
+    path = write_jsonl(tmp_path / "m.jsonl", MIXED)
+    store, ref = build(tmp_path / "c", path, tok), read_sft(path, tok, max_len=40)
+    views, lists = hold_out(store, 0.3, 0), hold_out(ref, 0.3, 0)
+    for got, want in ((store, ref), *zip(views, lists)):
+        assert list(got.list_max("input_ids")) == [max(ex["input_ids"]) for ex in want]
+        assert list(got.target_counts()) == [dataset_target_tokens([ex]) for ex in want]
+        assert dataset_target_tokens(got) == dataset_target_tokens(list(want)) > 0
+    top = check_ids_shared([ref], 10**6, "t")
+    assert check_ids_shared([*views], 10**6, "t") == check_ids_shared([*lists], 10**6, "t") == top
+    for shared in (top, int(np.median([max(ex["input_ids"]) for ex in ref]))):
+        errors = []
+        for parts in (views, lists):
+            with pytest.raises(UserError) as e:
+                check_ids_shared([*parts], shared, "t")
+            errors.append(str(e.value))
+        assert errors[0] == errors[1] and "example" in errors[0]

@@ -254,8 +254,7 @@ def test_rollout_reuse_and_masked_truncation_equal_trl(hf_causal, tmp_path, monk
                         train_dataset=datasets.Dataset.from_list([{"prompt": "the a"}] * 4))
     t.model.train()
     texts = ["the a of", "to and the"]  # the two prompts' strings (what the reward functions see)
-    ids = [[x for x in c if x != 0] if 2 in c else c for c in COMPLETIONS]  # as generated: up to the eos
-    ids = [c[: c.index(2) + 1] if 2 in c else c for c in ids]
+    ids = [c[: c.index(2) + 1] if 2 in c else c for c in COMPLETIONS]  # as generated: up to the eos
     prompt_lists = [[x for x in p if x != 0] for p in PROMPTS for _ in range(2)]
     decoded = [ours_tok.decode(c) for c in ids]
 
@@ -271,7 +270,7 @@ def test_rollout_reuse_and_masked_truncation_equal_trl(hf_causal, tmp_path, monk
     ours.train()
     for p in ours.parameters():
         p.requires_grad_(True)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = batch_tensors()
+    *_, completion_ids, completion_mask = batch_tensors()
     monkeypatch.setattr(grpo_module, "sample", lambda *a, **kw: Completions(
         completion_ids, completion_mask, torch.tensor([2 not in c for c in COMPLETIONS])))
     cfg = GRPOConfig(num_generations=2, max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE,

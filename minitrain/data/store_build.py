@@ -363,17 +363,27 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
     for key in lists:
         lens = [_read(tmp / f"part-{w}" / f"{key}.len", np.int64) for w in range(k)]
         starts = [np.concatenate([[0], np.cumsum(x)]) for x in lens]
-        ids = [_read(tmp / f"part-{w}" / f"{key}.ids", ID_DTYPE, mmap=True) for w in range(k)]
+        # each part's ids are copied piece by piece as bytes (read, not mapped: a 10M-row merge would
+        # otherwise count every page it copied in the process's RSS)
+        paths = [tmp / f"part-{w}" / f"{key}.ids" for w in range(k)]
+        ids = [open(p, "rb") if p.exists() else None for p in paths]  # noqa: SIM115 -- closed below (a part
+        # without examples wrote no file and gives no piece)
+        width = np.dtype(ID_DTYPE).itemsize
         off = np.zeros(n + 1, dtype=np.int64)
         at = 0
-        with open(tmp / f"{key}.ids", "wb") as out:
-            for w, s, cnt in pieces:
-                a, b = starts[w][s], starts[w][s + cnt]
-                out.write(np.ascontiguousarray(ids[w][a:b]).tobytes())
-                off[at + 1 : at + cnt + 1] = off[at] + (starts[w][s + 1 : s + cnt + 1] - a)
-                at += cnt
+        try:
+            with open(tmp / f"{key}.ids", "wb") as out:
+                for w, s, cnt in pieces:
+                    a, b = starts[w][s], starts[w][s + cnt]
+                    ids[w].seek(int(a) * width)
+                    out.write(ids[w].read(int(b - a) * width))
+                    off[at + 1 : at + cnt + 1] = off[at] + (starts[w][s + 1 : s + cnt + 1] - a)
+                    at += cnt
+        finally:
+            for f in ids:
+                if f is not None:
+                    f.close()
         off.tofile(tmp / f"{key}.off")
-        del ids
     for key in values:
         vals = [_read(tmp / f"part-{w}" / f"{key}.val", np.int64) for w in range(k)]
         np.concatenate([vals[w][s : s + cnt] for w, s, cnt in pieces] or [np.zeros(0, np.int64)]).tofile(
@@ -395,10 +405,10 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
     fsync_folder(tmp)
 
 
-def _read(path: Path, dtype, mmap: bool = False) -> np.ndarray:
+def _read(path: Path, dtype) -> np.ndarray:
     if not path.exists() or path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r") if mmap else np.fromfile(path, dtype=dtype)
+    return np.fromfile(path, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- open or build

@@ -7,6 +7,7 @@
 3. `validate` the result (bounds, choices, cross-field rules) and call `run(config)`.
 
 `minitrain ls` lists the recipes minitrain ships, `minitrain cp NAME [DEST]` copies one to edit.
+`minitrain cache [clear [--days N]] [--dir DIR]` lists (or removes) the token stores of `data_cache`.
 
 A recipe may also define `demo`, a dict of settings for its built-in demo: they apply only when
 the command names none of `model`, `data`, `eval_data` (`resolve_config`), so a real run gets
@@ -141,6 +142,11 @@ def _main(argv: list[str]) -> int:
         raise UserError(f"no recipe given — {USAGE}")
     if argv[0] in ("ls", "cp") and not Path(argv[0]).exists():
         return _ls_cp(argv)
+    if argv[0] == "cache" and not Path(argv[0]).exists():  # the token stores of data_cache
+        from minitrain.data import store_cache
+        from minitrain.data.store_build import default_cache
+
+        return store_cache.main(argv[1:], default_cache())
     path, args = argv[0], argv[1:]
     if not path.endswith(".py") and ("=" in path or path.startswith("-")):
         raise UserError(f"{path}: the first argument must be the recipe file — "

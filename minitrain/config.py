@@ -70,6 +70,9 @@ class TrainConfig:
                                   "nothing that made it changes); auto: $XDG_CACHE_HOME/minitrain/data or "
                                   "~/.cache/minitrain/data; false: tokenize into memory at every start")
     data_workers: int = doc(0, "processes that build a token store (0: the usable cores)", ge=0)
+    data_cache_days: float = doc(30, "after building a token store, remove the stores of data_cache that no run "
+                                      "opened for this many days (0: keep them all; `minitrain cache` lists them)",
+                                 ge=0)
     out: str = doc("runs/run", "output folder: metrics.jsonl, config.json, adapter/, checkpoint/")
     max_steps: int = doc(-1, "optimizer steps to run (-1: derived from epochs)", ge=-1)
     epochs: float = doc(1.0, "passes over the data when max_steps is -1", gt=0)

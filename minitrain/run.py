@@ -556,11 +556,9 @@ def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str,
         counts = [len(p) for p in parts]
     else:
         examples = open_or_build(default_cache() if cache == "auto" else cache, sources, kind, read, tok, options,
-                                 workers=getattr(cfg, "data_workers", 0), weights=weights)
+                                 workers=getattr(cfg, "data_workers", 0), weights=weights,
+                                 keep_days=getattr(cfg, "data_cache_days", 0))
         counts = examples.header["per_source"]
-        if kind == "unpaired":  # KTO writes each row's KL row into the example: lists it can change
-            examples = Examples(list(examples), path=examples.path, truncated=examples.truncated,
-                                skipped=examples.skipped, bos_in_text=examples.bos_in_text)
     return examples, counts
 
 

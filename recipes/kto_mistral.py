@@ -70,10 +70,9 @@ def setup(config: KTOConfig) -> Job:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — KTO here trains causal LMs")
     lora = attach_adapters(model, config)
     reference = make_reference(model, config.init_adapter)  # before any step: the snapshot is Stage A
-    for examples in (train_examples, eval_examples):
-        if examples:
-            add_kl_rows(examples, config.batch_size)
-    good = sum(ex["label"] for ex in train_examples)
+    train_examples = add_kl_rows(train_examples, config.batch_size)  # each KL row made when its example is read
+    eval_examples = add_kl_rows(eval_examples, config.batch_size) if eval_examples else eval_examples
+    good = int(train_examples.column("label").sum())
     bad = len(train_examples) - good
     ratio = (config.desirable_weight * good) / (config.undesirable_weight * bad) if bad else float("inf")
     log(f"kto: beta={config.beta}, desirable_weight={config.desirable_weight}, undesirable_weight="

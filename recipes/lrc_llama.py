@@ -98,8 +98,8 @@ def setup(config: LRCConfig) -> Job:
     calibrate = None
     if config.lrc_calibration:
         device = model.input_embeddings.weight.device
-        batches = [train_examples[i:i + config.batch_size]
-                   for i in range(0, len(train_examples), config.batch_size)][:config.lrc_calibration]
+        n = min(len(train_examples), config.batch_size * config.lrc_calibration)  # read only those (a store)
+        batches = [train_examples[i:i + config.batch_size] for i in range(0, n, config.batch_size)]
 
         def calibrate(m):
             for rows in batches:

@@ -55,10 +55,10 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(store_build, "FLUSH", 7)  # and several writes
 
 
-def build(cache, data, tok, kind="sft", workers=2, **options):
+def build(cache, data, tok, kind="sft", workers=2, keep_days=0, **options):
     options.setdefault("max_len", 40)
     sources = data if isinstance(data, list) else [str(data)]
-    return open_or_build(cache, sources, kind, READERS[kind], tok, options, workers=workers)
+    return open_or_build(cache, sources, kind, READERS[kind], tok, options, workers=workers, keep_days=keep_days)
 
 
 def assert_same(store, ref):
@@ -418,3 +418,207 @@ def test_default_cache_that_cannot_be_made_falls_back_to_memory_with_a_note(tmp_
     assert "note: data_cache=auto: cannot create" in capsys.readouterr().out
     with pytest.raises(UserError, match=r"^data_cache=.*: cannot write there .* — pass data_cache="):
         load_examples(TrainConfig(data=str(path), max_len=40, data_cache=str(tmp_path / "file" / "c")), tok)
+
+
+# --------------------------------------------------------------------------- KTO: KL rows read from the store
+
+
+def _kl_rows_as_before(examples, block):
+    """The reference: each example's KL row written into a copy of its dict, TRL's rotation (row i: its
+    prompt + the completion of row i - 1 in its block of `block` rows, the block's first takes its last)."""
+    out = [dict(ex) for ex in examples]
+    for start in range(0, len(out), block):
+        rows = out[start:start + block]
+        for i, ex in enumerate(rows):
+            other = rows[i - 1]
+            p, q = ex["prompt_len"], other["prompt_len"]
+            ex["kl_ids"] = ex["input_ids"][:p] + other["input_ids"][q:]
+            ex["kl_labels"] = [-100] * p + other["labels"][q:]
+    return out
+
+
+def test_kto_kl_rows_from_the_store_equal_in_memory(tmp_path, tok):
+    """KTO reads the store through `add_kl_rows` (each KL row made when its example is read): train and
+    eval examples, KL rows (a short last block and a block of one included), labels and collated
+    batches equal today's in-memory lists; nothing is copied out of the store."""
+    from functools import partial
+
+    from minitrain.config import TrainConfig
+    from minitrain.objectives.kto import add_kl_rows, collate_kto
+    from minitrain.run import load_examples
+
+    rows = [{"prompt": f"Question {i}: {w}?", "completion": f" {w} {i}.", "label": i % 3 != 0}
+            for i, w in enumerate(corpus(12))]
+    path = write_jsonl(tmp_path / "u.jsonl", rows)
+    got = {}
+    for cache in (str(tmp_path / "c"), "false"):
+        cfg = TrainConfig(data=str(path), eval_split=0.25, seed=3, max_len=64, data_cache=cache, data_workers=2,
+                          batch_size=2)
+        got[cache] = [add_kl_rows(ex, 4) for ex in load_examples(cfg, tok, "unpaired")]
+    (train_s, eval_s), (train_m, eval_m) = got.values()
+    assert isinstance(train_s.examples, StoreView) and isinstance(train_m.examples, Examples)
+    assert len(train_s) == 9 and len(eval_s) == 3  # blocks of 4, 4, 1 and one of 3
+    for store, memory in ((train_s, train_m), (eval_s, eval_m)):
+        expected = _kl_rows_as_before(list(memory.examples), 4)
+        assert list(store) == expected == list(memory)
+        assert store[1:6] == expected[1:6] and store[-1] == expected[-1]
+        assert list(store.column("label")) == [ex["label"] for ex in expected]
+        assert list(store.batch_lengths) == [len(ex["input_ids"]) for ex in expected]
+        a, b = partial(collate_kto, pad_id=0)(store[:4]), partial(collate_kto, pad_id=0)(expected[:4])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    assert train_s[8]["kl_ids"] == train_s[8]["input_ids"]  # a block of one pairs the row with itself
+    assert train_s.path == train_m.path and train_s.truncated == train_m.truncated
+
+
+def test_kto_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
+    """KTO (precomputed reference log-probs held beside the store) killed mid-way and resumed on the store
+    ends bitwise equal to an uninterrupted run on the in-memory lists: metrics, eval rows, weights and RNG."""
+    from functools import partial
+
+    from test_resume import Killed, model_state
+    from test_train import TinyLM, cfg_for, freeze_embeddings, quiet, rows
+
+    from minitrain.objectives.kto import KTOObjective, add_kl_rows, collate_kto
+
+    class Dying(KTOObjective):
+        calls = 0
+
+        def __call__(self, model, batch):
+            self.calls += model.training  # eval calls do not count
+            if self.calls > 7:
+                raise Killed
+            return super().__call__(model, batch)
+
+    bpe = Tokenizer.from_folder(make_bpe_tokenizer(tmp_path / "bpe"))  # vocab 128
+    lines = corpus(26)
+    data = write_jsonl(tmp_path / "u.jsonl", [{"prompt": a, "completion": " " + b, "label": len(b) % 2 == 0}
+                                              for a, b in itertools.pairwise(lines)])
+    bs = 3
+    ref = [add_kl_rows(x, bs) for x in hold_out(read_unpaired(data, bpe, max_len=24), 0.2, 0)]
+    ours = [add_kl_rows(x, bs) for x in hold_out(build(tmp_path / "cache", data, bpe, "unpaired", max_len=24), 0.2, 0)]
+    assert isinstance(ours[0].examples, StoreView) and list(ours[0]) == list(ref[0])
+    g = torch.Generator().manual_seed(5)
+    for r, o in zip(ref, ours):  # the reference's log-probs, as `precompute_kto_reference` sets them
+        values = {"ref_logp": (-40 * torch.rand(len(r), generator=g)).double().numpy(),
+                  "ref_kl_logp": (-40 * torch.rand(len(r), generator=g)).double().numpy()}
+        r.set_values(values)
+        o.set_values(values)
+
+    def model():
+        return freeze_embeddings(TinyLM(vocab=128, dropout=0.2, seed=3))
+
+    collate = partial(collate_kto, pad_id=0)
+    kw = {"batch_size": bs, "grad_accum": 2, "epochs": 1.5, "save_every": 2, "eval_every": 2, "lr": 5e-3,
+          "warmup": 1, "schedule": "cosine", "group_by_length": True}
+    cfg = cfg_for(tmp_path / "lists", **kw)
+    straight = model()
+    train(straight, KTOObjective(0.1), ref[0], collate, cfg, eval_examples=ref[1], log=quiet)
+    after = torch.rand(4)
+    cfg_b = cfg_for(tmp_path / "store", **kw)
+    with pytest.raises(Killed):
+        train(model(), Dying(0.1), ours[0], collate, cfg_b, eval_examples=ours[1], log=quiet)
+    torch.manual_seed(1234)
+    resumed = model()
+    train(resumed, KTOObjective(0.1), ours[0], collate, dataclasses.replace(cfg_b, resume=True),
+          eval_examples=ours[1], log=quiet)
+    strip = ("tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb")
+    got, want = rows(Path(cfg_b.out)), rows(Path(cfg.out))
+    assert len(want) >= 5 and any("eval/loss" in r for r in want) and any("kl" in r for r in want)
+    assert [{k: v for k, v in r.items() if k not in strip} for r in got] == \
+           [{k: v for k, v in r.items() if k not in strip} for r in want]
+    for k, v in model_state(straight).items():
+        assert torch.equal(model_state(resumed)[k], v), k
+    assert torch.equal(torch.rand(4), after)
+
+
+# --------------------------------------------------------------------------- old stores removed (store_cache)
+
+
+def _age(store_folder, days):
+    t = __import__("time").time() - days * 86400
+    __import__("os").utime(store_folder / "last_used", (t, t))
+
+
+def test_opening_records_use_and_a_build_removes_stores_unused_for_days(tmp_path, tok, capsys):
+    """Each open touches the store's `last_used`; a build removes the folder's stores no run opened for
+    `keep_days` days (and killed builds' temporary folders as old), never a store being built, never
+    the one just built; a store used since is kept."""
+    import fcntl
+    import os
+    import time
+
+    rows = SFT_ROWS["prompt_completion"]
+    paths = [write_jsonl(tmp_path / f"{n}.jsonl", rows[:k]) for n, k in (("old", 2), ("busy", 3), ("recent", 4))]
+    cache = tmp_path / "c"
+    old, busy, recent = (build(cache, p, tok) for p in paths)
+    for s, days in ((old, 40), (busy, 40), (recent, 10)):
+        _age(s.folder, days)
+    killed = cache / f".tmp-{old.folder.name}-99999"
+    killed.mkdir()
+    os.utime(killed, (time.time() - 40 * 86400,) * 2)
+    build(cache, paths[0], tok, keep_days=30)  # a cache hit: no build, so nothing removed, but used now
+    assert time.time() - (old.folder / "last_used").stat().st_mtime < 60
+    _age(old.folder, 40)
+    with open(cache / f".{busy.folder.name}.lock", "a+") as lock:  # another process building it now
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        new = build(cache, write_jsonl(tmp_path / "new.jsonl", rows), tok, keep_days=30)
+    left = sorted(d.name for d in cache.iterdir() if d.is_dir())
+    assert left == sorted([busy.folder.name, recent.folder.name, new.folder.name])
+    assert f".{old.folder.name}.lock" in os.listdir(cache)  # lock files stay (empty)
+    assert "data_cache: removed 1 token store unused for 30 days" in capsys.readouterr().out
+    assert list(busy) == list(read_sft(paths[1], tok, max_len=40))  # what stays reads as before
+    assert list(build(cache, paths[0], tok)) == list(read_sft(paths[0], tok, max_len=40))  # rebuilt when asked again
+
+
+def test_minitrain_cache_lists_and_clears(tmp_path, tok, capsys):
+    from minitrain.cli import run_cli
+
+    rows = SFT_ROWS["prompt_completion"]
+    cache = tmp_path / "c"
+    a = build(cache, write_jsonl(tmp_path / "a.jsonl", rows[:2]), tok)
+    b = build(cache, write_jsonl(tmp_path / "b.jsonl", rows), tok, "sft")
+    _age(a.folder, 40)
+    capsys.readouterr()
+    assert run_cli(["cache", "--dir", str(cache)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"2 token stores in {cache}")
+    assert a.folder.name in out[1] and "2 examples (sft)" in out[1] and "(40 days ago)" in out[1]  # oldest first
+    assert b.folder.name in out[2] and f"{len(b)} examples" in out[2] and str(tmp_path / "b.jsonl") in out[2]
+    assert run_cli(["cache", "clear", "--days", "30", "--dir", str(cache)]) == 0
+    assert "removed 1 token store" in capsys.readouterr().out
+    assert not a.folder.exists() and b.folder.exists()
+    assert run_cli(["cache", "clear", "--dir", str(cache)]) == 0
+    assert "removed 1 token store" in capsys.readouterr().out and not b.folder.exists()
+    assert run_cli(["cache", "--dir", str(cache)]) == 0
+    assert capsys.readouterr().out.startswith("no token stores in")
+    for bad in (["cache", "rm"], ["cache", "clear", "--days", "-1"], ["cache", "--days", "3"], ["cache", "--dir"]):
+        assert run_cli(bad) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cache ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_whole_data_passes_read_the_arrays_as_the_lists_say(tmp_path, tok, monkeypatch):
+    """ARD's target-token count and distillation's largest-id check read a store's arrays in blocks of
+    examples (no example built): the same figures, and the same error naming the same example, as the
+    in-memory lists, on the store and on eval_split views of it."""
+    from minitrain.data import store as store_module
+    from minitrain.objectives.ard import dataset_target_tokens
+    from minitrain.objectives.distill import check_ids_shared
+
+    monkeypatch.setattr(store_module, "BLOCK", 3)  # several blocks, one cut short
+    path = write_jsonl(tmp_path / "m.jsonl", MIXED)
+    store, ref = build(tmp_path / "c", path, tok), read_sft(path, tok, max_len=40)
+    views, lists = hold_out(store, 0.3, 0), hold_out(ref, 0.3, 0)
+    for got, want in ((store, ref), *zip(views, lists)):
+        assert list(got.list_max("input_ids")) == [max(ex["input_ids"]) for ex in want]
+        assert list(got.target_counts()) == [dataset_target_tokens([ex]) for ex in want]
+        assert dataset_target_tokens(got) == dataset_target_tokens(list(want)) > 0
+    top = check_ids_shared([ref], 10**6, "t")
+    assert check_ids_shared([*views], 10**6, "t") == check_ids_shared([*lists], 10**6, "t") == top
+    for shared in (top, int(np.median([max(ex["input_ids"]) for ex in ref]))):
+        errors = []
+        for parts in (views, lists):
+            with pytest.raises(UserError) as e:
+                check_ids_shared([*parts], shared, "t")
+            errors.append(str(e.value))
+        assert errors[0] == errors[1] and "example" in errors[0]

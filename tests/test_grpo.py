@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -213,3 +215,95 @@ def test_prompt_rows_chat_and_text_with_their_columns(tmp_path):
     assert ex[1]["prompt_ids"] == hf("the of and")["input_ids"]
     assert ex[0]["columns"] == {"answer": "7", "level": 2} and ex[1]["columns"] == {"answer": "3"}
     assert [e["row"] for e in ex] == [f"{data}:1", f"{data}:2"]
+
+
+def _sum_mod_10(prompts, completions, completion_ids, **kw):
+    """A reward that differs within both groups of COMPLETIONS (0, 9 and 2, 5): no advantage is 0."""
+    return [float(sum(ids) % 10) for ids in completion_ids]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_rollout_reuse_and_masked_truncation_equal_trl(hf_causal, tmp_path, monkeypatch, loss_type):
+    """From the rollout to the loss, two optimizer steps on one generation (`num_iterations=2`) with
+    `mask_truncated_completions`: TRL's `_prepare_inputs` (which generates, scores, masks the truncated
+    completion, keeps the sampling policy's log-probs and buffers the batch for the next step) against
+    our `GRPOObjective` called by the loop twice; the same fixed completions fed to both (generation
+    replaced on both sides), the same SGD step in between. Loss and every gradient equal at both steps;
+    the second step reuses the first's completions under the moved policy (its loss differs)."""
+    import datasets
+    import transformers
+    import trl
+    from _tok import make_bpe_tokenizer
+
+    import minitrain.objectives.grpo as grpo_module
+    from minitrain.objectives.grpo import GRPOConfig, GRPOObjective
+    from minitrain.objectives.sampling import Completions
+    from minitrain.text.tokenizer import Tokenizer
+
+    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
+    tok_dir = make_bpe_tokenizer(tmp_path / "tok")
+    ours_tok = Tokenizer.from_folder(tok_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf.config.dropout = 0.0
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                          per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
+                          temperature=TEMPERATURE, disable_tqdm=True, gradient_checkpointing=False, loss_type=loss_type,
+                          num_iterations=2, mask_truncated_completions=True, beta=0.0)
+    t = trl.GRPOTrainer(model=hf, reward_funcs=_sum_mod_10, args=args,
+                        processing_class=transformers.AutoTokenizer.from_pretrained(str(tok_dir)),
+                        train_dataset=datasets.Dataset.from_list([{"prompt": "the a"}] * 4))
+    t.model.train()
+    texts = ["the a of", "to and the"]  # the two prompts' strings (what the reward functions see)
+    ids = [c[: c.index(2) + 1] if 2 in c else c for c in COMPLETIONS]  # as generated: up to the eos
+    prompt_lists = [[x for x in p if x != 0] for p in PROMPTS for _ in range(2)]
+    decoded = [ours_tok.decode(c) for c in ids]
+
+    def trl_generate(prompts):
+        return prompt_lists, ids, None, decoded, None, {}, None, None
+
+    monkeypatch.setattr(t, "_generate", trl_generate)
+    t._step, t._buffered_inputs = 0, None
+    t.current_gradient_accumulation_steps = 1
+    rows = [{"prompt": p} for p in texts for _ in range(2)]
+
+    ours = load_pretrained(folder, models.from_hf_config)
+    ours.train()
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    *_, completion_ids, completion_mask = batch_tensors()
+    monkeypatch.setattr(grpo_module, "sample", lambda *a, **kw: Completions(
+        completion_ids, completion_mask, torch.tensor([2 not in c for c in COMPLETIONS])))
+    cfg = GRPOConfig(num_generations=2, max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE,
+                     loss_type=loss_type, num_iterations=2, mask_truncated_completions=True, grad_accum=1)
+    objective = GRPOObjective(cfg, [("sum_mod_10", _sum_mod_10)], ours_tok, new_cache=None, eos_ids=[2])
+    batch = {"prompt_ids": torch.tensor(PROMPTS), "prompt_attention_mask": torch.tensor(PROMPTS).ne(0).long(),
+             "prompts": texts, "columns": {}, "rows": ["p.jsonl:1", "p.jsonl:2"]}
+
+    lr, losses = 0.5, []
+    for step in (1, 2):
+        inputs = t._prepare_inputs(rows)
+        assert int((inputs["completion_mask"].sum(1) == 0).sum()) == 1  # TRL masked the truncated one (rows shuffled)
+        assert ("old_per_token_logps" in inputs) and (step == 1 or inputs["advantages"].abs().min() > 0)
+        t._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+        t.model.zero_grad(set_to_none=True)
+        expected = t._compute_loss(t.model, inputs)
+        expected.backward()
+        expected_grads = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        ours.zero_grad(set_to_none=True)
+        loss_sum, count, metrics = objective(ours, batch)
+        loss = loss_sum / count
+        loss.backward()
+        assert float(loss) == pytest.approx(float(expected), abs=1e-5, rel=1e-5), step
+        grads = {n: p.grad for n, p in ours.named_parameters()}
+        assert set(expected_grads) <= set(grads)
+        for n, ref in expected_grads.items():
+            torch.testing.assert_close(grads[n], ref, atol=1e-5, rtol=1e-4, msg=f"step {step}: {n}")
+        losses.append(float(loss))
+        with torch.no_grad():  # the same plain SGD step on both sides
+            for model in (t.model, ours):
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.sub_(lr * p.grad)
+        t._step += 1
+    assert losses[1] != pytest.approx(losses[0], abs=1e-4)  # step 2: the moved policy against the old log-probs
+    assert objective.calls == 2 and metrics["clip_ratio/region_mean"] >= 0

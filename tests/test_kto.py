@@ -42,8 +42,7 @@ TRL_METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logp
 
 def our_examples(rows=ROWS, block=None) -> list[dict]:
     out = [{"input_ids": p + c, "labels": [-100] * len(p) + c, "label": y, "prompt_len": len(p)} for p, c, y in rows]
-    add_kl_rows(out, block or len(out))
-    return out
+    return add_kl_rows(out, block or len(out))
 
 
 def trl_features(rows=ROWS) -> list[dict]:

@@ -1,7 +1,7 @@
 """The token store against today's in-memory examples and HF `datasets`: build time, cache hit, RSS.
 
     python tools/bench_data.py [--rows 1000000] [--memory-rows 200000] [--shape pc|chat]
-                               [--workers 1,2] [--no-datasets] [--keep DIR]
+                               [--workers 1,2] [--no-datasets] [--no-memory] [--keep DIR] [--recipe]
 
 Writes everything it measures into a temporary folder (or `--keep DIR`): a byte-level BPE tokenizer
 (`tokenizers`, 4000 ids, Llama-3-style specials) with a Llama-3-style Jinja chat template, and
@@ -16,6 +16,10 @@ template (`--shape chat`). Each figure comes from a fresh `python` subprocess:
 - in memory (`data_cache=false`, on the first `--memory-rows` rows): `read_sft` into lists, peak RSS per token;
 - HF `datasets` (bench extra): `load_dataset("json")` + `.map(num_proc=2)` whose function is
   minitrain's own reader on one row, so ids and labels are the same work; its own cache folder.
+
+`--no-memory` skips the `data_cache=false` figures (today's lists would need ~29 GB at 10M rows).
+`--recipe` times only the whole run to its first step (first start with `data_workers=` the last
+`--workers` count, second start, and `data_cache=false` unless `--no-memory`).
 
 Prints a Markdown table. Not a test: at 1M rows it takes several minutes on 2 cores.
 """
@@ -191,14 +195,15 @@ def make_model(d: Path) -> Path:
     return folder
 
 
-def time_to_first_step(d: Path, model: Path, data: Path, cache: str, name: str) -> dict:
+def time_to_first_step(d: Path, model: Path, data: Path, cache: str, name: str, workers: int) -> dict:
     import shutil
 
     """`python -m minitrain recipes/sft_llama.py ... max_steps=1`: seconds from the start to the first
     metrics line (step 1 done), and the process's peak RSS."""
     out = d / f"run-{name}"
     cmd = [sys.executable, "-m", "minitrain", str(ROOT / "recipes" / "sft_llama.py"), f"model={model}", f"data={data}",
-           f"out={out}", "overwrite=true", "max_steps=1", "batch_size=8", "max_len=1024", f"data_cache={cache}"]
+           f"out={out}", "overwrite=true", "max_steps=1", "batch_size=8", "max_len=1024", f"data_cache={cache}",
+           f"data_workers={workers}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     log = open(d / f"run-{name}.log", "w")  # noqa: SIM115 -- closed below
     t0 = time.perf_counter()
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default=None)
     ap.add_argument("--recipe", action="store_true", help="only: time to the first step of recipes/sft_llama.py "
                                                           "(tiny model), first start, second start, data_cache=false")
+    ap.add_argument("--no-memory", action="store_true", help="skip data_cache=false (today's lists: ~29 GB "
+                                                             "at 10M rows)")
     a = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory()
     d = Path(a.keep or tmp.name)
@@ -244,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
 
         model = make_model(d)
         shutil.rmtree(d / "recipe-cache", ignore_errors=True)
-        for name, cache in (("first start", d / "recipe-cache"), ("second start", d / "recipe-cache"),
-                            ("data_cache=false", "false")):
-            print(f"| {name} | {time_to_first_step(d, model, data, str(cache), name.split()[0])} |", flush=True)
+        starts = [("first start", d / "recipe-cache"), ("second start", d / "recipe-cache")]
+        if not a.no_memory:
+            starts.append(("data_cache=false", "false"))
+        workers = int(a.workers.split(",")[-1])
+        for name, cache in starts:
+            row = time_to_first_step(d, model, data, str(cache), name.split()[0], workers)
+            print(f"| {name} | {row} | load average {os.getloadavg()[0]:.1f} |", flush=True)
         return 0
     counts = [int(w) for w in a.workers.split(",")]
     for w in counts:
@@ -254,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build, {w} worker(s): {r}", flush=True)
     res["hit"] = r = probe("hit", data, d / "tok", d / f"cache-w{counts[-1]}", counts[-1])
     print(f"cache hit: {r}", flush=True)
-    res["memory"] = r = probe("memory", data, d / "tok", d / "none", 1, min(a.rows, a.memory_rows))
-    print(f"in memory: {r}", flush=True)
+    if not a.no_memory:
+        res["memory"] = r = probe("memory", data, d / "tok", d / "none", 1, min(a.rows, a.memory_rows))
+        print(f"in memory: {r}", flush=True)
     if not a.no_datasets:
         res["datasets"] = r = probe("datasets", data, d / "tok", d / "hf-cache", 2)
         print(f"datasets.map(num_proc=2): {r}", flush=True)
@@ -276,9 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| peak RSS growth over that epoch (VmHWM) | {h['peak'] / 2**20:,.0f} MiB = {h['peak'] / tokens:.2f} B/token |")
     print(f"| of it beyond the mapped store pages (RssAnon) | {h['anon'] / 2**20:,.0f} MiB = "
           f"{h['anon'] / tokens:.2f} B/token |")
-    m = res["memory"]
-    print(f"| in memory (data_cache=false), {m['rows']:,} rows | {m['open_s']:.1f} s ({m['rows'] / m['open_s']:,.0f} rows/s), "
-          f"peak RSS {m['peak'] / 2**20:,.0f} MiB = {m['peak'] / m['tokens']:.1f} B/token |")
+    m = res.get("memory")
+    if m:
+        print(f"| in memory (data_cache=false), {m['rows']:,} rows | {m['open_s']:.1f} s "
+              f"({m['rows'] / m['open_s']:,.0f} rows/s), peak RSS {m['peak'] / 2**20:,.0f} MiB = "
+              f"{m['peak'] / m['tokens']:.1f} B/token |")
     if "datasets" in res:
         s = res["datasets"]
         b = res[f"build{counts[-1]}"]

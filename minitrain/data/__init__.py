@@ -14,4 +14,5 @@ Modules, in reading order:
     packing  a micro-batch's sequences packed into as few rows as fit
     store    the token store: a split's examples as flat arrays on disk, read through a memory map
     store_build  the store built once (fingerprint, lock, parallel workers, atomic rename), or found in the cache
+    store_cache  the cache folder: each store's last use, old stores removed, `minitrain cache`
 """

@@ -10,7 +10,8 @@ A store is a folder:
 
 `TokenStore(folder)` is a read-only sequence of example dicts: `store[i]` builds example `i`'s lists
 from the mapped arrays, so nothing is held per example but what the memory map pages in; `lengths`
-/ `batch_lengths` are numpy arrays of the offsets' differences. `store.take(indices)` is a view
+/ `batch_lengths` are numpy arrays of the offsets' differences, `column(key)` a per-example number;
+`list_max` / `target_counts` per-example figures read from the arrays in blocks. `store.take(indices)` is a view
 (`eval_split`, a mixture's weights) holding only the index array.
 
 `open_or_build(...)` finds the store of a fingerprint in the cache folder or builds it: a lock file
@@ -36,6 +37,7 @@ VERSION = 1
 HEADER = "header.json"
 ID_DTYPE = np.int32
 COUNTS = ("truncated", "skipped", "bos_in_text", "identical")
+BLOCK = 1 << 16  # examples per block when a method reads a whole array (list_max, target_counts)
 
 
 class Damaged(Exception):
@@ -107,6 +109,33 @@ class TokenStore(Sequence):
     def list_lengths(self, key: str) -> np.ndarray:
         return np.diff(self._off[key])
 
+    def column(self, key: str) -> np.ndarray:
+        """A per-example number (KTO's `label`, `prompt_len`) of every example, read from the mapped
+        array without building an example."""
+        return np.asarray(self._val[key])
+
+    def list_max(self, key: str) -> np.ndarray:
+        """Per example: the largest entry of its `key` list (-1 when empty), from the mapped array in
+        blocks of examples (distillation's check that the teacher knows every id)."""
+        off, ids, out = self._off[key], self._ids[key], np.full(self.n, -1, dtype=np.int64)
+        for a in range(0, self.n, BLOCK):
+            b = min(a + BLOCK, self.n)
+            starts, full = off[a:b] - off[a], off[a + 1 : b + 1] > off[a:b]
+            if full.any():
+                out[a:b][full] = np.maximum.reduceat(np.asarray(ids[off[a] : off[b]]), starts[full])
+        return out
+
+    def target_counts(self, key: str = "labels") -> np.ndarray:
+        """Per example: entries of its `key` list after the first that are not -100 (the targets a
+        causal loss counts: ARD's dataset size), from the mapped array in blocks of examples."""
+        off, ids, out = self._off[key], self._ids[key], np.zeros(self.n, dtype=np.int64)
+        for a in range(0, self.n, BLOCK):
+            b = min(a + BLOCK, self.n)
+            kept = np.concatenate([[0], np.cumsum(np.asarray(ids[off[a] : off[b]]) != -100)])
+            ends = off[a + 1 : b + 1] - off[a]
+            out[a:b] = kept[ends] - kept[np.minimum(off[a:b] - off[a] + 1, ends)]
+        return out
+
     @functools.cached_property
     def lengths(self) -> np.ndarray:
         """Tokens per example, all its id lists (as `Examples.lengths`)."""
@@ -155,12 +184,25 @@ class StoreView(Sequence):
         self.extra.update(_columns(columns, len(self)))
 
     @property
+    def lists(self) -> list[str]:
+        return self.store.lists
+
+    @property
     def lengths(self) -> np.ndarray:
         return self.store.lengths[self.indices]
 
     @property
     def batch_lengths(self) -> np.ndarray:
         return self.store.batch_lengths[self.indices]
+
+    def column(self, key: str) -> np.ndarray:
+        return self.store.column(key)[self.indices]
+
+    def list_max(self, key: str) -> np.ndarray:
+        return self.store.list_max(key)[self.indices]
+
+    def target_counts(self, key: str = "labels") -> np.ndarray:
+        return self.store.target_counts(key)[self.indices]
 
     def take(self, indices, path: str | None = None) -> StoreView:
         return StoreView(self.store, self.indices[np.asarray(indices, dtype=np.int64)], path=path)

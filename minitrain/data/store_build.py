@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from minitrain.data import store_cache
 from minitrain.data.files import Pick, read_rows
 from minitrain.data.store import (
     COUNTS,
@@ -362,17 +363,27 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
     for key in lists:
         lens = [_read(tmp / f"part-{w}" / f"{key}.len", np.int64) for w in range(k)]
         starts = [np.concatenate([[0], np.cumsum(x)]) for x in lens]
-        ids = [_read(tmp / f"part-{w}" / f"{key}.ids", ID_DTYPE, mmap=True) for w in range(k)]
+        # each part's ids are copied piece by piece as bytes (read, not mapped: a 10M-row merge would
+        # otherwise count every page it copied in the process's RSS)
+        paths = [tmp / f"part-{w}" / f"{key}.ids" for w in range(k)]
+        ids = [open(p, "rb") if p.exists() else None for p in paths]  # noqa: SIM115 -- closed below (a part
+        # without examples wrote no file and gives no piece)
+        width = np.dtype(ID_DTYPE).itemsize
         off = np.zeros(n + 1, dtype=np.int64)
         at = 0
-        with open(tmp / f"{key}.ids", "wb") as out:
-            for w, s, cnt in pieces:
-                a, b = starts[w][s], starts[w][s + cnt]
-                out.write(np.ascontiguousarray(ids[w][a:b]).tobytes())
-                off[at + 1 : at + cnt + 1] = off[at] + (starts[w][s + 1 : s + cnt + 1] - a)
-                at += cnt
+        try:
+            with open(tmp / f"{key}.ids", "wb") as out:
+                for w, s, cnt in pieces:
+                    a, b = starts[w][s], starts[w][s + cnt]
+                    ids[w].seek(int(a) * width)
+                    out.write(ids[w].read(int(b - a) * width))
+                    off[at + 1 : at + cnt + 1] = off[at] + (starts[w][s + 1 : s + cnt + 1] - a)
+                    at += cnt
+        finally:
+            for f in ids:
+                if f is not None:
+                    f.close()
         off.tofile(tmp / f"{key}.off")
-        del ids
     for key in values:
         vals = [_read(tmp / f"part-{w}" / f"{key}.val", np.int64) for w in range(k)]
         np.concatenate([vals[w][s : s + cnt] for w, s, cnt in pieces] or [np.zeros(0, np.int64)]).tofile(
@@ -394,10 +405,10 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
     fsync_folder(tmp)
 
 
-def _read(path: Path, dtype, mmap: bool = False) -> np.ndarray:
+def _read(path: Path, dtype) -> np.ndarray:
     if not path.exists() or path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r") if mmap else np.fromfile(path, dtype=dtype)
+    return np.fromfile(path, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- open or build
@@ -405,13 +416,15 @@ def _read(path: Path, dtype, mmap: bool = False) -> np.ndarray:
 
 def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callable, tok: Any,
                   options: dict[str, Any], *, split: str | None = None, workers: int = 0,
-                  weights: list[float] | None = None) -> TokenStore:
-    """The token store of these sources and settings, from `cache` or built into it (module doc)."""
+                  weights: list[float] | None = None, keep_days: float = 0) -> TokenStore:
+    """The token store of these sources and settings, from `cache` or built into it (module doc).
+    Opening it records its use; after a build, the stores of `cache` unused for `keep_days` days are
+    removed (`minitrain.data.store_cache`; 0: none)."""
     cache = Path(cache)
     fp = fingerprint(sources, kind, tok, {**options, "split": split}, weights)
     folder = cache / store_name(sources, kind, fp)
     try:
-        return TokenStore(folder)
+        return _opened(folder)
     except (Damaged, FileNotFoundError):
         pass
     try:
@@ -428,7 +441,7 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
             fcntl.flock(lock, fcntl.LOCK_EX)
         if folder.exists():
             try:
-                return TokenStore(folder)
+                return _opened(folder)
             except Damaged as e:
                 log(f"note: data_cache: {folder}: damaged ({e}) — rebuilding it")
                 shutil.rmtree(folder, ignore_errors=True)
@@ -451,7 +464,17 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        store = TokenStore(folder)
+        store = _opened(folder)
         log(f"data: token store built in {time.perf_counter() - t0:.1f} s with {workers} worker"
             f"{'s' if workers > 1 else ''}: {folder}")
-        return store
+    gone = store_cache.evict(cache, keep_days, keep=folder)  # after the lock: evict takes each store's own
+    if gone:
+        log(f"data_cache: removed {len(gone)} token store{'s' if len(gone) > 1 else ''} unused for {keep_days:g} "
+            f"days ({sum(s.size for s in gone) / 2**20:,.1f} MiB): {', '.join(s.folder.name for s in gone)}")
+    return store
+
+
+def _opened(folder: Path) -> TokenStore:
+    store = TokenStore(folder)
+    store_cache.touch(folder)
+    return store

@@ -59,7 +59,11 @@ class ARDObjective:
 
 
 def dataset_target_tokens(examples: Sequence[dict]) -> int:
-    """Target tokens of causal examples: labels after the first that are not -100 (what `sft` counts)."""
+    """Target tokens of causal examples: labels after the first that are not -100 (what `sft` counts);
+    a token store counts them in its arrays."""
+    counts = getattr(examples, "target_counts", None)
+    if counts is not None:
+        return int(counts().sum())
     return sum(sum(1 for y in ex["labels"][1:] if y != IGNORE_INDEX) for ex in examples)
 
 

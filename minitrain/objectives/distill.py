@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -608,8 +609,16 @@ def check_ids_shared(examples: Sequence[Sequence[dict]], shared: int, teacher_di
     naming the data file and the example when one is `shared` or beyond (the teacher cannot score it)."""
     top = -1
     for part in examples:
-        for k, ex in enumerate(part or ()):
-            m = max(max(ex["input_ids"], default=-1), max(ex.get("labels", ()), default=-1))
+        if hasattr(part, "list_max"):  # a token store: each example's largest id, from its arrays
+            maxima = part.list_max("input_ids")
+            if "labels" in part.lists:
+                maxima = np.maximum(maxima, part.list_max("labels"))
+            found = [(int(k), int(maxima[k])) for k in np.flatnonzero(maxima >= shared)[:1]]
+            found.append((-1, int(maxima.max(initial=-1))))
+        else:
+            found = ((k, max(max(ex["input_ids"], default=-1), max(ex.get("labels", ()), default=-1)))
+                     for k, ex in enumerate(part or ()))
+        for k, m in found:
             if m >= shared:
                 raise UserError(f"{getattr(part, 'path', 'data')}: example {k} holds token id {m}, but the teacher "
                                 f"(teacher={teacher_dir}) and the student share only ids 0..{shared - 1} — drop the "

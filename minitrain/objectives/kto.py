@@ -11,7 +11,8 @@ loss and metric names are TRL's `KTOTrainer` (`trl.experimental.kto`, now `trl.K
 The reference point z0 estimates KL(policy || reference) from MISMATCHED prompt-completion pairs,
 as the paper and TRL do: row i's KL row is its prompt followed by the completion of row i - 1
 within its block of `batch_size` consecutive rows of the file (the first takes the block's last),
-TRL's `add_kl_completion_ids`. TRL samples those blocks in order, so a block is a batch; here the
+TRL's `add_kl_completion_ids`; `add_kl_rows` makes each KL row when its example is read (`KLRows`), so
+a token store (`data_cache=`) stays on disk. TRL samples those blocks in order, so a block is a batch; here the
 pairing is fixed when the data is read (so it can be cached with the reference), and a batch's KL
 rows come from its rows' blocks — the same estimator of the policy-reference KL. z0 is computed
 per micro-batch (TRL: per micro-batch too, averaged over ranks).
@@ -28,9 +29,11 @@ losses and the number of rows; TRL's loss is the mean over the batch's rows, the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -100,20 +103,71 @@ def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor
 # ----------------------------------------------------------------------------- the data
 
 
-def add_kl_rows(examples: Sequence[dict], block: int) -> None:
-    """Give each example its KL row, in place: its prompt + the completion of the previous row in its
-    block of `block` consecutive rows (the first row takes the block's last), TRL's rotation.
+def add_kl_rows(examples: Sequence[dict], block: int) -> KLRows:
+    """`examples` (a list, or a token store read through its memory map) as KTO reads them: each with
+    its KL row, its prompt + the completion of the previous row in its block of `block` consecutive
+    rows (the first row takes the block's last), TRL's rotation. See `KLRows`."""
+    return KLRows(examples, block)
 
-    `kl_ids` / `kl_labels` (-100 on the prompt); a last short block rotates within itself, and a
-    block of one row pairs it with itself (no mismatch: TRL would do the same).
-    """
-    for start in range(0, len(examples), block):
-        rows = examples[start : start + block]
-        for i, ex in enumerate(rows):
-            other = rows[i - 1]  # i = 0: the block's last
-            p, q = ex["prompt_len"], other["prompt_len"]
-            ex["kl_ids"] = ex["input_ids"][:p] + other["input_ids"][q:]
-            ex["kl_labels"] = [IGNORE_INDEX] * p + other["labels"][q:]
+
+class KLRows(Sequence):
+    """KTO's examples, each read with its KL row: `kl_ids` / `kl_labels` (-100 on the prompt) are made
+    when an example is read, from it and its block neighbour, so a token store's rows are never held
+    as Python lists. A last short block rotates within itself, and a block of one row pairs it with
+    itself (no mismatch: TRL would do the same). Precomputed reference log-probs (`set_values`) are
+    held as one array per key, as the store holds DPO's."""
+
+    def __init__(self, examples: Sequence[dict], block: int):
+        if block < 1:
+            raise ValueError(f"KLRows: block must be >= 1, got {block}")
+        self.examples, self.block = examples, block
+        self.extra: dict[str, np.ndarray] = {}
+        for c in ("path", "truncated", "skipped", "bos_in_text", "identical", "shapes"):
+            if hasattr(examples, c):
+                setattr(self, c, getattr(examples, c))
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n, i = len(self), int(i)
+        i = i + n if i < 0 else i
+        if not 0 <= i < n:
+            raise IndexError(i)
+        start = i - i % self.block
+        j = i - 1 if i > start else min(start + self.block, n) - 1  # the block's first row: its last
+        ex = dict(self.examples[i])
+        other = ex if j == i else self.examples[j]
+        p, q = ex["prompt_len"], other["prompt_len"]
+        ex["kl_ids"] = list(ex["input_ids"][:p]) + list(other["input_ids"][q:])
+        ex["kl_labels"] = [IGNORE_INDEX] * p + list(other["labels"][q:])
+        for k, v in self.extra.items():
+            ex[k] = float(v[i])
+        return ex
+
+    def __iter__(self) -> Iterator[dict]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def batch_lengths(self) -> np.ndarray:
+        """`input_ids` lengths (the loop's length grouping; the KL rows do not count, as in memory)."""
+        got = getattr(self.examples, "batch_lengths", None)
+        return np.asarray(got if got is not None else [len(ex["input_ids"]) for ex in self.examples])
+
+    def column(self, key: str) -> np.ndarray:
+        """Every example's `key` (`label`), from a store's array or the examples' dicts."""
+        column = getattr(self.examples, "column", None)
+        return column(key) if column is not None else np.asarray([ex[key] for ex in self.examples])
+
+    def set_values(self, columns: dict[str, Sequence[float]]) -> None:
+        """Give every example a float under each key (the precomputed reference log-probs)."""
+        out = {k: np.asarray(v, dtype=np.float64) for k, v in columns.items()}
+        if any(v.shape != (len(self),) for v in out.values()):
+            raise ValueError(f"KLRows.set_values: every column needs {len(self)} values")
+        self.extra.update(out)
 
 
 def _as_pair(ex: dict) -> dict:
@@ -123,6 +177,31 @@ def _as_pair(ex: dict) -> dict:
     if "ref_logp" in ex:
         view["ref_chosen_logp"], view["ref_rejected_logp"] = ex["ref_logp"], ex["ref_kl_logp"]
     return view
+
+
+class _Pairs(Sequence):
+    """KTO examples read as DPO's pairs (`_as_pair`), one at a time: what `precompute_reference` scores."""
+
+    def __init__(self, examples: Sequence[dict]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        got = self.examples[i]
+        return [_as_pair(ex) for ex in got] if isinstance(i, slice) else _as_pair(got)
+
+    def __iter__(self) -> Iterator[dict]:
+        return (_as_pair(ex) for ex in self.examples)
+
+    def set_values(self, columns: dict[str, Sequence[float]]) -> None:
+        chosen, rejected = columns["ref_chosen_logp"], columns["ref_rejected_logp"]
+        if hasattr(self.examples, "set_values"):
+            self.examples.set_values({"ref_logp": chosen, "ref_kl_logp": rejected})
+            return
+        for ex, c, r in zip(self.examples, chosen, rejected):  # a plain list of examples with their KL rows
+            ex["ref_logp"], ex["ref_kl_logp"] = float(c), float(r)
 
 
 def collate_kto(examples: Sequence[dict], pad_id: int) -> dict[str, Any]:
@@ -136,14 +215,11 @@ def collate_kto(examples: Sequence[dict], pad_id: int) -> dict[str, Any]:
 def precompute_kto_reference(model: nn.Module, reference: BaseReference | AdapterSnapshotReference,
                              examples: Sequence[dict], cache, pad_id: int, batch_size: int,
                              amp_dtype: torch.dtype | None = None, log: Callable[[str], None] = print) -> bool:
-    """`ref_logp` and `ref_kl_logp` for every example, from `cache` when fresh (DPO's cache: the
-    rows and their KL rows are scored as DPO scores a pair's two answers). Returns True if reused."""
-    views = [_as_pair(ex) for ex in examples]
-    reused = precompute_reference(model, reference, views, cache,
-                                  lambda exs: collate_preference(exs, pad_id), batch_size, amp_dtype, log)
-    for ex, v in zip(examples, views):
-        ex["ref_logp"], ex["ref_kl_logp"] = v["ref_chosen_logp"], v["ref_rejected_logp"]
-    return reused
+    """`ref_logp` and `ref_kl_logp` for every example (`add_kl_rows`' examples: held as arrays), from
+    `cache` when fresh (DPO's cache: the rows and their KL rows are scored as DPO scores a pair's two
+    answers, read one batch at a time). Returns True if reused."""
+    return precompute_reference(model, reference, _Pairs(examples), cache,
+                                lambda exs: collate_preference(exs, pad_id), batch_size, amp_dtype, log)
 
 
 # ----------------------------------------------------------------------------- the objective

@@ -427,6 +427,16 @@ def test_batcher_covers_each_index_once_per_epoch(n, bs, seed, group, drop_last,
                               drop_last=drop_last).epoch_batches(epoch)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 500), size=st.integers(1, 60), seed=st.integers(0, 2**31))
+def test_sorting_within_blocks_equals_lexsort_by_block_then_key(n, size, seed):
+    from minitrain.data.batcher import _sorted_within
+
+    keys = np.random.default_rng(seed).integers(-20, 0, n)  # many ties: stability counts
+    want = np.lexsort((keys, np.arange(n) // size))
+    assert np.array_equal(_sorted_within(keys, size), want)
+
+
 def test_batcher_seeds_and_epochs_change_the_order():
     lengths = lengths_for(200)
     a, b = Batcher(lengths, 8, seed=1), Batcher(lengths, 8, seed=2)

@@ -20,13 +20,15 @@ on the root; torch 2.13's FSDP2, read off `torch/distributed/fsdp/_fully_shard/`
   (zeros_like of rank 0's shard, ceil(rows / N) rows) follow the trained tensors.
 - gathered while computing: the root (embeddings, head, final norm: what no block holds) is
   all-gathered at the start of the forward and not resharded after it (FSDP2 keeps the root
-  gathered, since the backward needs it at once) until the end of the backward. A block is
+  gathered, since the backward needs it at once) until the end of the backward; its all-gather
+  output is kept until the first block's copy-out, so the root is there twice for a moment. A block is
   all-gathered in its pre-forward: a flat all-gather output, copied out into the unsharded
   parameters; in the forward that flat output is kept until the next block's copy-out (to overlap
   it with the next all-gather), so two blocks' worth are alive while a block computes. In the
   backward each block prefetches the one before it: its own unsharded parameters + the next one's
   all-gather output, two blocks again. With one rank, the unsharded parameters are a copy of the
-  shard (no all-gather buffer is kept).
+  shard (no all-gather buffer is kept). On the CPU, gloo's all-gather gathers into a flat tensor of
+  its own and copies it into FSDP2's output: one block more while a block is gathered.
 - gradients: a block's gradients are made whole (unsharded, fp32) by autograd, then copied into a
   reduce-scatter input of the same size, whose output is this rank's 1/N; the input is kept until
   the next block's reduce-scatter. The root's gradients (full fine-tuning: the head's from the
@@ -184,13 +186,18 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
         elif t.name.startswith("EMA"):
             persistent.append(Term(t.name + " (1/N shard)", _sum(grads, "shard", N), "fp32 copy of the shards"))
     root_full = _sum(root, "padded", N)
+    gloo = int(run.device == "cpu" and N > 1)  # measured: gloo's all-gather fills a flat tensor of its own first
     block_full = _sum(block, "padded", N)
-    gathered_blocks = 2 * block_full if N > 1 else block_full
     root_term = Term("FSDP: root gathered (embeddings, head, final norm)", root_full,
                      "whole, from the forward to the end of the backward")
-    blocks_term = Term("FSDP: blocks gathered", gathered_blocks,
-                       "this block's parameters + the next one's all-gather output" if N > 1
-                       else "the block's parameters (a copy of the shard)")
+    one = Term("FSDP: one block gathered", block_full, "the next block's all-gather output" if N > 1
+               else "the block's parameters (a copy of the shard)")
+    two = Term("FSDP: two blocks gathered", 2 * block_full,
+               "this block's parameters + the next one's all-gather output") if N > 1 else one
+    gathering = [Term("FSDP: blocks while one is all-gathered", (2 + gloo) * block_full,
+                      "the last one's + the one being gathered" + (" + gloo's flat copy of it" if gloo else ""))]
+    if N == 1:
+        gathering = [one]
     block_rs = _sum(block_grads, "padded", N)
     moments: dict[str, list[Term]] = {}
     for name, terms in local.moments.items():
@@ -202,22 +209,21 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
             if run.full:
                 terms = [t for t in terms if t is not shard_grads] + [shard_grads]
             moments[name] = terms
-            continue
-        terms.append(root_term)
-        if name == "last block backward":
-            terms.append(blocks_term)
-            if block_rs:
-                if not run.full:  # LoRA: the block's whole gradients before the reduce-scatter
-                    terms.append(Term("gradients: one block whole", block_rs, "before its reduce-scatter"))
-                terms.append(Term("FSDP: reduce-scatter input + output", block_rs + block_rs // N,
-                                  "one block's gradients, copied whole + 1/N"))
-        elif name == "GRPO sampling (KV cache, no grad)":
-            terms.append(blocks_term)
-        moments[name] = terms
-    # the last block's forward: every block's saved tensors so far, two blocks gathered
+        elif name == "last block backward":
+            moments.update(_backward_moments(local, terms, root_term, gathering, two, one, block_rs,
+                                             _sum(block_grads, "shard", N), N, L))
+        else:
+            moments[name] = terms + [root_term] + ([two] if name.startswith("GRPO") else [])
+    # the last block's forward: every block's saved tensors so far, one block all-gathered
     fwd = local.moments.get("end of forward (loss forward)", [])
     kept = [t for t in fwd if not t.name.startswith("loss") and not t.name.startswith("teacher")]
-    moments["last block forward (FSDP: blocks gathered)"] = kept + [root_term, blocks_term]
+    moments["last block forward (FSDP: all-gather)"] = kept + [root_term] + gathering
+    if N > 1:  # the root's all-gather output is kept until the first block's copy-out
+        batch = [t for t in kept if t.name.startswith(("batch tensors", "RoPE", "attention mask"))]
+        moments["first block forward (FSDP: all-gather)"] = batch + [
+            root_term, Term("FSDP: the root's all-gather output", root_full, "kept until the first block's copy-out"),
+            Term("FSDP: the first block's all-gather output", (1 + gloo) * block_full,
+                 "+ gloo's flat copy of it" if gloo else "")]
     if root_grads:  # the root's reduce-scatter, after every block's (its parameters resharded first)
         whole = _sum(root_grads, "padded", N)
         block_shards = _sum(block_grads, "shard", N) * L
@@ -229,6 +235,48 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     notes = list(local.notes) + [(f"per rank of {N} (parallel=fsdp): rank 0's share, {run_rows(run)}; "
                                   f"gathered: root {fmt_bytes(root_full)}, one block {fmt_bytes(block_full)}")]
     return Plan(persistent, moments, peak, notes)
+
+
+def _backward_moments(local: Plan, terms: list[Term], root: Term, gathering: list[Term], two: Term, one: Term,
+                      block_rs: int, block_shard: int, N: int, L: int) -> dict[str, list[Term]]:
+    """The backward of block i (L - 1 first, down to 0) in three moments: its pre-backward (the block
+    before it being all-gathered), its backward (two blocks gathered, its gradients whole) and its
+    reduce-scatter (its parameters resharded, its saved tensors freed). From block L - 2 on, the
+    reduce-scatter input of the block after it is still alive (FSDP2 frees it at the next
+    reduce-scatter), and the blocks done hold their gradients' 1/N shards; the saved activations of the
+    blocks above are freed. Each moment is planned at the block where it is largest."""
+    work = [t for t in terms if t.name.startswith(("block backward", "4-bit", "ternary"))]
+    full_grads = [t for t in terms if t.name.startswith("gradients")]  # full fine-tuning: head, norm, one block
+    kept = [t for t in terms if t not in work and t not in full_grads]
+    head = [t for t in local.moments.get("loss backward", []) if t.name.startswith("gradients")]
+    whole = Term("gradients: this block's, whole", block_rs, "before its reduce-scatter")
+
+    def at(i: int, *, freed: bool = False) -> list[Term]:
+        left = i + (0 if freed else 1)  # blocks whose saved tensors are still alive
+        out = [Term(t.name.replace(f"x {L} blocks", f"of {left} blocks (of {L})"), t.bytes * left // L, t.formula)
+               if t.name.startswith("saved activations") else t for t in kept]
+        out += head + [root]
+        if i < L - 1:
+            out.append(Term(f"gradients: 1/N shards of {L - 1 - i} blocks done", block_shard * (L - 1 - i),
+                            "reduce-scatter outputs"))
+            if not freed and block_rs:
+                out.append(Term("FSDP: the block after's reduce-scatter input", block_rs, "kept until the next one"))
+        return out
+
+    rs = [Term("FSDP: reduce-scatter input + output", block_rs + block_rs // N,
+               "this block's gradients copied whole + this rank's 1/N")] if block_rs else []
+    candidates = {
+        "pre-backward (FSDP: all-gather)": lambda i: at(i) + gathering,
+        "backward": lambda i: at(i) + work + [whole, two],
+        "reduce-scatter (FSDP)": lambda i: at(i, freed=True) + [whole, one] + rs,
+    }
+    out = {}
+    for what, make in candidates.items():
+        best = max(range(L), key=lambda i: sum(t.bytes for t in make(i)))
+        label = "last block backward" if what == "backward" and best == L - 1 else (
+            f"block {best} of {L} {what}" if best < L - 1 else f"last block {what}")
+        out[label] = make(best)
+    return out
 
 
 def run_rows(run: RunShape) -> str:

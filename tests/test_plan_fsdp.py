@@ -148,7 +148,7 @@ def measured_worker(rank: int, out: str) -> None:
         ids = torch.randint(4, HF["vocab_size"], (ROWS // 2, SEQ), generator=g)  # this rank's rows
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
-        def step():
+        def step(model=model, opt=opt, batch=batch):
             loss, _, _ = sft(model, batch)
             loss.backward()
             opt.step()

@@ -201,7 +201,7 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
         add("precision=bf16", replace(run, compute="bf16"))
     per_row = run.rows // batch_size
     b = batch_size
-    while b > 1:
+    while b // 2 >= run.world:  # under torchrun, at least one row per rank
         b //= 2
         add(f"batch_size={b} grad_accum={grad_accum * batch_size // b} (same effective batch)",
             replace(run, rows=b * per_row, reference_rows=run.reference_rows and run.reference_rows * b // batch_size))

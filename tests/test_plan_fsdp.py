@@ -206,3 +206,24 @@ def test_two_ranks_measured_against_the_plan(tmp_path):
             print(f"{mode} rank {r}: measured {measured / 2**20:.2f} MiB, planned {plan.peak / 2**20:.2f} MiB "
                   f"({plan.peak / measured:.3f}, {plan.peak_moment})")
             assert measured == pytest.approx(plan.peak, rel=0.2), (mode, r, measured, plan.peak, plan.peak_moment)
+
+
+def test_fit_check_plans_one_rank_under_fsdp(monkeypatch):
+    """The check before loading (`minitrain.plan.fit`) now checks fsdp runs, against one rank's plan:
+    full fine-tuning of Mistral-7B's config.json (fp32 master weights and AdamW: ~110 GB whole)."""
+    from minitrain import distributed
+    from minitrain.cli import load_recipe, resolve_config
+    from minitrain.errors import UserError
+    from minitrain.plan import fit
+
+    mistral = ROOT / "tests" / "fixtures" / "configs" / "Mistral-7B-Instruct-v0.2"
+    cfg = resolve_config(load_recipe(str(ROOT / "recipes" / "sft_llama.py")),
+                         [f"model={mistral}", "data=x.jsonl", "finetune=full", "parallel=fsdp", "batch_size=8",
+                          "max_len=512", "checkpointing=true", "gpu_mem=80GiB"])[0]
+    monkeypatch.setattr(distributed, "world_size", lambda: 8)
+    lines: list[str] = []
+    assert fit.check(cfg, log=lines.append) is cfg
+    assert lines and lines[0].startswith("memory: planned peak ") and "fits: gpu_mem=80GiB" in lines[0]
+    monkeypatch.setattr(distributed, "world_size", lambda: 1)  # one rank holds all of it
+    with pytest.raises(UserError, match=r"^memory: the plan needs "):
+        fit.check(cfg, log=lines.append)

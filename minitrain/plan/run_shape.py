@@ -39,7 +39,8 @@ class RunShape:
     (`models.llama.Ragged`): their per-token terms then count the real tokens and, without a
     window shorter than seq, no mask is built (`predict` applies this; T5 ignores it). teacher:
     distillation's teacher (`distill_terms`), run frozen in the compute dtype (or
-    `teacher_quantize`).
+    `teacher_quantize`). world, parallel: under torchrun the plan is rank 0's
+    (`minitrain.plan.sharded`): rows (and targets) stay the global micro-batch, which it splits.
     """
 
     rows: int

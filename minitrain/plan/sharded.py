@@ -206,8 +206,6 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
             terms = [Term("AdamW temporaries: 1/N shard", _sum(grads, "shard", N) if run.optimizer_temps else 0,
                           "1 x trainable shards (foreach)")
                      if t.name == "AdamW temporaries" else shard_grads if t.name == "gradients" else t for t in terms]
-            if run.full:
-                terms = [t for t in terms if t is not shard_grads] + [shard_grads]
             moments[name] = terms
         elif name == "last block backward":
             moments.update(_backward_moments(local, terms, root_term, gathering, two, one, block_rs,

@@ -27,7 +27,8 @@ kernel's RSS figures (/proc/self/status) around the training phase:
 the live bytes (otherwise freed heap stays resident and the peak reads high by chance).
 The plan is `minitrain.plan.predict` for the same config with `device=cpu` and `world=N`: rank 0's.
 
-`--write` puts the table between `<!-- bench:begin plan-ranks -->` markers in the file. Needs the
+`--write` puts the table between `<!-- bench:begin plan-ranks -->` markers in the file (`--tag` names
+other markers). Needs the
 bench extra (transformers). Run it under `nice`: it is CPU-bound and takes minutes.
 """
 
@@ -203,6 +204,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--write", type=Path, default=None)
+    ap.add_argument("--tag", default="plan-ranks", help="the markers' tag in the --write file")
     a = ap.parse_args(argv)
     recipe = str(ROOT / "recipes" / "sft_llama.py")
     rows = []
@@ -225,8 +227,8 @@ def main(argv: list[str]) -> int:
     if a.write:
         from bench import markers, write_benchmarks
 
-        begin, end = markers("plan-ranks")
-        write_benchmarks(a.write, f"{begin}\n{text}\n{end}", "plan-ranks")
+        begin, end = markers(a.tag)
+        write_benchmarks(a.write, f"{begin}\n{text}\n{end}", a.tag)
     return 0
 
 

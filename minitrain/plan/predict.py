@@ -187,7 +187,7 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
         if peak < base:
             out.append((keys, base - peak, peak))
 
-    if run.world > 1 and run.parallel == "ddp":
+    if run.world > 1 and run.parallel == "ddp" and not model.is_encoder_decoder:
         add("parallel=fsdp", replace(run, parallel="fsdp"))
     if run.full:
         add("finetune=lora", replace(run, full=False))

@@ -86,6 +86,16 @@ def test_fsdp_lora_shards_by_hand():
     assert plan.peak == max(plan.persistent_bytes + plan.moment_bytes(m) for m in plan.moments)
 
 
+def test_fsdp_quantized_base_is_a_quarter_of_its_bytes_by_hand():
+    run = RunShape(rows=4, seq=8, compute="fp32", quantize="int8", lora_r=2, lora_targets=("q_proj",), world=4,
+                   parallel="fsdp")
+    # int8: in x out bytes + 4 per output row, split 4 ways (rounded up): q, k, v, o: 36 + 24 = 60 -> 15 each;
+    # gate, up: 60 + 40 = 100 -> 25 each; down: 60 + 24 = 84 -> 21; two fp32 norms of 6: 2 x 2 x 4 = 16
+    block = 4 * 15 + 2 * 25 + 21 + 16
+    root = 2 * 3 * 6 * 4 + 2 * 4  # embed and head (10 x 6, fp32): 3 rows each; the final norm: 2 values
+    assert terms(predict(TINY, run))["weights: 1/N shard (FSDP2)"] == 2 * block + root == 446
+
+
 def test_ddp_rank_share_and_bucket_by_hand():
     plan = predict(TINY, RunShape(rows=5, seq=8, compute="fp32", full=True, world=2, parallel="ddp"))
     one = predict(TINY, RunShape(rows=3, seq=8, compute="fp32", full=True))  # rank 0: ceil(5 / 2) rows

@@ -4,7 +4,7 @@
   dim 0 of every parameter into ceil(rows / N)-row pieces: small tensors round up), for
   `parallel=fsdp` (full fine-tuning and LoRA) and `parallel=ddp` (the rank's rows, the all-reduce
   bucket);
-- 2 ranks (gloo, FSDP2 applied by `minitrain.distributed.shard`, the loop's AdamW): each rank's
+- 2 ranks (gloo, FSDP2 applied by `minitrain.fsdp.shard`, the loop's AdamW): each rank's
   parameter shards and optimizer state equal the plan's persistent terms to the byte, and its
   whole peak (those + the peak bytes allocated during a steady-state step, measured as
   tests/test_plan.py does with `minitrain.plan.measure`) is within 20% of the plan's, LoRA and full
@@ -86,14 +86,23 @@ def test_fsdp_lora_shards_by_hand():
     assert plan.peak == max(plan.persistent_bytes + plan.moment_bytes(m) for m in plan.moments)
 
 
-def test_fsdp_quantized_base_is_a_quarter_of_its_bytes_by_hand():
+def test_fsdp_quantized_base_by_rows_by_hand():
     run = RunShape(rows=4, seq=8, compute="fp32", quantize="int8", lora_r=2, lora_targets=("q_proj",), world=4,
                    parallel="fsdp")
-    # int8: in x out bytes + 4 per output row, split 4 ways (rounded up): q, k, v, o: 36 + 24 = 60 -> 15 each;
-    # gate, up: 60 + 40 = 100 -> 25 each; down: 60 + 24 = 84 -> 21; two fp32 norms of 6: 2 x 2 x 4 = 16
-    block = 4 * 15 + 2 * 25 + 21 + 16
+    # int8 rows (out x in int8) + one fp32 scale per row, ceil(out / 4) rows a rank: q, k, v, o (6 x 6): 2 rows,
+    # 2 x 6 + 2 x 4 = 20 each; gate, up (10 x 6): 3 x 6 + 3 x 4 = 30 each; down (6 x 10): 2 x 10 + 2 x 4 = 28;
+    # two fp32 norms of 6: 2 x 2 x 4 = 16
+    block = 4 * 20 + 2 * 30 + 28 + 16
     root = 2 * 3 * 6 * 4 + 2 * 4  # embed and head (10 x 6, fp32): 3 rows each; the final norm: 2 values
-    assert terms(predict(TINY, run))["weights: 1/N shard (FSDP2)"] == 2 * block + root == 446
+    assert terms(predict(TINY, run))["weights: 1/N shard (FSDP2)"] == 2 * block + root == 520
+    # nf4 (in a multiple of 64): D=64, F=128, one layer: codes (out, in / 2) bytes + (out, in / 64) fp32 scales
+    wide = ModelShape(vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+    nf4 = predict(wide, RunShape(rows=4, seq=8, compute="fp32", quantize="nf4", lora_targets=(), world=4,
+                                 parallel="fsdp"))
+    # q, k, v, o: 16 rows of 32 + 1 scale: 16 x (32 + 4) = 576 each; gate, up: 32 x 36 = 1152 each;
+    # down (64 x 128): 16 x (64 + 2 x 4) = 1152; norms: 2 x 16 x 4; root: 2 x 3 x 64 x 4 + 16 x 4
+    assert terms(nf4)["weights: 1/N shard (FSDP2)"] == 4 * 576 + 3 * 1152 + 128 + 1536 + 64
 
 
 def test_ddp_rank_share_and_bucket_by_hand():
@@ -137,7 +146,7 @@ def measured_worker(rank: int, out: str) -> None:
     import torch
 
     import models
-    from minitrain import distributed
+    from minitrain import distributed, fsdp
     from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.objectives.sft import sft
     from minitrain.plan.measure import measure_peak_allocated
@@ -151,7 +160,7 @@ def measured_worker(rank: int, out: str) -> None:
             cfg = LoRAConfig(r=R, alpha=2 * R, dropout=0.0, targets=list(ALL))
             apply_lora(model, cfg)
             freeze_for_adapters(model, cfg)
-        distributed.shard(model, torch.device("cpu"))
+        fsdp.shard(model, torch.device("cpu"))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         opt = build_optimizer(named, 0.0, 1e-4)
         g = torch.Generator().manual_seed(rank)

@@ -10,12 +10,14 @@ gradients and optimizer state; at the optimizer step the gradients are summed ov
 buckets of about `minitrain.distributed.BUCKET_BYTES` (a bucket closes once it reaches that size, so the largest is up
 to one tensor more): one bucket's `torch.cat` copy is alive beside the gradients.
 
-fsdp (`minitrain.distributed.shard`: `fully_shard` on each block of `model.block_types`, then
+fsdp (`minitrain.fsdp.shard`: `fully_shard` on each block of `model.block_types`, then
 on the root; torch 2.13's FSDP2, read off `torch/distributed/fsdp/_fully_shard/`):
 
 - persistent, 1/N: FSDP2 shards dim 0 of every parameter, padded to a multiple of N, so a rank
   holds ceil(rows / N) rows of each (a norm of D values: ceil(D / N)); frozen base weights and
-  trained tensors alike. A quantized base (nf4 / int8 / ternary) is planned as 1/N of its bytes.
+  trained tensors alike. A quantized base is held by rows (`minitrain.adapters.quant_rows`): nf4 as
+  (out, in / 2) bytes of codes + (out, in / 64) fp32 scales (double quantization's nested scales
+  stored dequantized), int8 as (out, in) int8 + (out,) fp32 scales; sharded the same way.
   The sharded gradients (one flat reduce-scatter output per block, padded) and AdamW's two moments
   (zeros_like of rank 0's shard, ceil(rows / N) rows) follow the trained tensors.
 - gathered while computing: the root (embeddings, head, final norm: what no block holds) is
@@ -45,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from minitrain.plan.run_shape import DTYPE_BYTES, Plan, RunShape, Term, fmt_bytes, linears_bytes
+from minitrain.plan.run_shape import NF4_BLOCK, DTYPE_BYTES, Plan, RunShape, Term, fmt_bytes, linears_bytes
 
 if TYPE_CHECKING:
     from minitrain.plan.decoder import ModelShape
@@ -110,7 +112,11 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[Ten
     for name, (i, o) in model.linears().items():
         if run.quantize == "none" or full:
             block.append(Tensor(name, (o, i), s, full))
-        else:
+        elif run.quantize == "nf4":  # `minitrain.adapters.quant_rows.NF4Rows`: codes and fp32 scales, by rows
+            block += [Tensor(name, (o, -(-i // 2)), 1), Tensor(name + ".absmax", (o, -(-i // NF4_BLOCK)), 4)]
+        elif run.quantize == "int8":  # `Int8Rows`: int8 rows and one fp32 scale per row
+            block += [Tensor(name, (o, i), 1), Tensor(name + ".scb", (o,), 4)]
+        else:  # (ternary is refused under fsdp: 1/N of its bytes)
             b, _ = linears_bytes([(i, o, 1)], run)
             block.append(Tensor(name, (b,), 1))
     biases = []

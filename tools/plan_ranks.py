@@ -72,9 +72,10 @@ def child(out: str, argv: list[str]) -> int:
     """One rank: `python -m minitrain ARGV` with the RSS readings around its training phase."""
     sys.path.insert(0, str(ROOT))
     import importlib
+    import importlib.util
 
-    for name in PREIMPORT:  # their code and tables are not device memory: resident before the baseline
-        importlib.import_module(name)
+    for name in PREIMPORT + (("bitsandbytes",) if importlib.util.find_spec("bitsandbytes") else ()):
+        importlib.import_module(name)  # their code and tables are not device memory: resident before the baseline
     import minitrain.checkpoint as ckpt
     import minitrain.train as train_mod
     from minitrain import cli
@@ -155,7 +156,8 @@ def case_args(folder: Path, out: Path, mode: str, a: argparse.Namespace) -> list
             f"parallel={a.parallel}", "device=cpu", "precision=fp32", "threads=1", f"max_len={a.seq}",
             f"batch_size={a.batch}", "grad_accum=1", f"max_steps={a.steps}", "log_every=1", "save_every=0",
             "warmup=0", "group_by_length=false"]
-    return args + (["finetune=full"] if mode == "full" else [f"lora_r={a.lora_r}"])
+    return args + {"full": ["finetune=full"], "lora": [f"lora_r={a.lora_r}"],
+                   "qlora": [f"lora_r={a.lora_r}", "quantize=nf4"]}[mode]
 
 
 def plan_peak(recipe: str, args: list[str], world: int) -> tuple[int, str]:
@@ -182,8 +184,10 @@ def measure(recipe: str, args: list[str], world: int, work: Path) -> list[dict]:
            str(29500 + random.randrange(2000)), str(Path(__file__).resolve()), "--child", str(got), "--",
            recipe, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    if proc.returncode != 0:  # reported in the table: the last error line of rank 0
+        errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln and ln.startswith("[rank0]")]
+        print(proc.stderr[-4000:], file=sys.stderr)
+        return [{"rank": 0, "failed": (errors or ["torchrun failed"])[-1].removeprefix("[rank0]: ")}]
     return [json.loads((got / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -192,7 +196,7 @@ def main(argv: list[str]) -> int:
         return child(argv[1], argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="1,2,4")
-    ap.add_argument("--modes", default="full,lora")
+    ap.add_argument("--modes", default="full,lora", help="full, lora, qlora (an nf4 base: needs bitsandbytes)")
     ap.add_argument("--parallel", default="fsdp", choices=["fsdp", "ddp"])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=2816)
@@ -217,7 +221,8 @@ def main(argv: list[str]) -> int:
                 args = case_args(work, work / f"run-{mode}-{world}", mode, a)
                 planned, moment = plan_peak(recipe, args, world)
                 ranks = measure(recipe, args, world, work)
-                for r in ranks:  # file-backed pages (the mapped checkpoint, library code) are not device memory
+                # file-backed pages (the mapped checkpoint, library code) are not device memory
+                for r in [r for r in ranks if "failed" not in r]:
                     r["loaded"] = r["detail"]["RssAnon"] + r["detail"]["RssShmem"]
                     r["measured"] = r["peak"] - r["train_start"] + r["loaded"]
                 rows.append(dict(mode=mode, world=world, planned=planned, moment=moment, ranks=ranks))
@@ -245,7 +250,12 @@ def render(a: argparse.Namespace, hf: dict, size: int, rows: list[dict], argv: l
              "planned peak moment |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for r in row["ranks"]:
-            mode = "full fine-tune" if row["mode"] == "full" else f"LoRA r={a.lora_r} (every linear)"
+            mode = {"full": "full fine-tune", "lora": f"LoRA r={a.lora_r} (every linear)",
+                    "qlora": f"QLoRA: nf4 base, LoRA r={a.lora_r}"}[row["mode"]]
+            if "failed" in r:
+                lines.append(f"| {mode} | {row['world']} | - | {row['planned'] / mib:.1f} MiB | the run failed: "
+                             f"`{r['failed']}` | | | |")
+                continue
             lines.append(f"| {mode} | {row['world']} | {r['rank']} | {row['planned'] / mib:.1f} MiB | "
                          f"{r['measured'] / mib:.1f} MiB | {row['planned'] / r['measured']:.3f} | "
                          f"{r['loaded'] / mib:.1f} MiB | {row['moment']} |")

@@ -263,4 +263,7 @@ def render(a: argparse.Namespace, hf: dict, size: int, rows: list[dict], argv: l
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.path.insert(0, str(ROOT))
+    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
+
+    sys.exit(main_quietly(main, sys.argv[1:]))

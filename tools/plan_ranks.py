@@ -17,8 +17,8 @@ kernel's RSS figures (/proc/self/status) around the training phase:
   imports later, FSDP2's torch._dynamo and sympy among them, are imported before it: code is not
   device memory);
 - the high-water mark (VmHWM) is reset when the loop builds its optimizer (after loading and
-  sharding), read before each checkpoint save (which gathers on rank 0 today) and reset after it,
-  and read when the loop ends (before `unshard`);
+  sharding), read before each checkpoint save (its buffers are the save's, not training's) and
+  reset after it, and read when the loop ends (before the result is gathered and written);
 - measured peak = that high-water mark - RSS at the reset + the anonymous memory (RssAnon) gained
   since the baseline: what loading leaves behind counts, as it would on a device, but not the
   file-backed pages (the mapped checkpoint, library code), which are not device memory.

@@ -83,7 +83,8 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
     free, where = budget
     planned = _plan(cfg)
     if planned is None:
-        log(f"note: memory plan skipped: {cfg.model}/config.json is not a model minitrain.plan models")
+        fsdp = " (under parallel=fsdp: the decoder-only families)" if getattr(cfg, "parallel", "ddp") == "fsdp" else ""
+        log(f"note: memory plan skipped: {cfg.model}/config.json is not a model minitrain.plan models{fsdp}")
         return cfg
     model, run, plan = planned
     if needed(plan.peak) <= free:

@@ -1,6 +1,7 @@
 """Predict a recipe's peak GPU memory before running it, and what to change to make it fit.
 
     python tools/plan.py RECIPE.py key=value ... [--gpu-mem 12GiB] [--seq N] [--targets N] [--device cuda|cpu] [--all]
+                         [--world N] [--parallel ddp|fsdp]
 
 The recipe's config is loaded exactly as `python -m minitrain RECIPE.py key=value ...` would
 (`minitrain.cli.load_recipe` + `resolve_config` + `validate`: a recipe's demo settings apply
@@ -10,7 +11,10 @@ counted and how); it models LLaMA, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text
 target rows `max_target_len`). The device is the recipe's (`device=cpu` plans a CPU run:
 its smaller loss chunk, no CUDA context) unless `--device` says otherwise. The worst case is planned: every row `max_len` long (or `--seq`),
 every position a target (or `--targets` per micro-batch). `--all` also prints the other candidate
-peak moments. Exit code: 0 fits (or no --gpu-mem), 1 does not fit, 2 bad input.
+peak moments. `--world N` plans one rank of N under torchrun (rank 0: its share of the batch), with
+the recipe's `parallel=` key (ddp: the whole model on every rank; fsdp: FSDP2's 1/N shards, the gathered
+root and blocks, the reduce-scatter buffers; `minitrain.plan.sharded`) unless `--parallel` says otherwise;
+`--gpu-mem` is then one rank's device. Exit code: 0 fits (or no --gpu-mem), 1 does not fit, 2 bad input.
 """
 
 from __future__ import annotations
@@ -29,13 +33,13 @@ from minitrain.plan.predict import predict, run_shape, shape_from_hf, suggestion
 from minitrain.plan.run_shape import RESERVE_CONTEXT, RESERVE_SLACK, fmt_bytes
 
 USAGE = ("usage: python tools/plan.py RECIPE.py [key=value ...] [--gpu-mem 12GiB] [--seq N] [--targets N] "
-         "[--device cuda|cpu] [--all]")
-OPTIONS = {"--gpu-mem": str, "--seq": int, "--targets": int, "--device": str}
+         "[--device cuda|cpu] [--all] [--world N] [--parallel ddp|fsdp]")
+OPTIONS = {"--gpu-mem": str, "--seq": int, "--targets": int, "--device": str, "--world": int, "--parallel": str}
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str], dict]:
     """(recipe path, key=value overrides, options)."""
-    opts: dict = {"--all": False, "--device": None}
+    opts: dict = {"--all": False, "--device": None, "--world": 1, "--parallel": None}
     rest: list[str] = []
     i = 0
     while i < len(argv):
@@ -63,15 +67,30 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], dict]:
         raise UserError(f"no recipe file given — {USAGE}")
     if opts["--device"] not in (None, "cuda", "cpu"):
         raise UserError(f"--device {opts['--device']}: use cuda or cpu")
+    if opts["--world"] < 1:
+        raise UserError(f"--world {opts['--world']}: the number of ranks, 1 or more")
+    if opts["--parallel"] not in (None, "ddp", "fsdp"):
+        raise UserError(f"--parallel {opts['--parallel']}: use ddp or fsdp")
     return rest[0], rest[1:], opts
 
 
-def load_config(path: str, overrides: list[str]):
+def load_config(path: str, overrides: list[str], opts: dict | None = None):
+    """The recipe's config with the overrides; `--parallel` sets `parallel`, and a world the
+    batch cannot feed is refused as torchrun would (`minitrain.distributed.check`)."""
+    import dataclasses
+
+    from minitrain import distributed
     from minitrain.cli import load_recipe, resolve_config
     from minitrain.config import validate
 
     cfg, _ = resolve_config(load_recipe(path), overrides)
     validate(cfg)
+    opts = opts or {}
+    if opts.get("--parallel"):
+        cfg = dataclasses.replace(cfg, parallel=opts["--parallel"])
+    world = opts.get("--world", 1)
+    if world > 1 or getattr(cfg, "parallel", "ddp") == "fsdp":
+        distributed.check(cfg, world, under_torchrun=True)
     return cfg
 
 
@@ -104,7 +123,8 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
     hf, config_path = read_model_config(cfg)
     opts = {**opts, "--device": plan_device(cfg, opts["--device"])}
     model = shape_from_hf(hf, where=str(config_path))
-    run = run_shape(cfg, device=opts["--device"], seq=opts.get("--seq"), targets=opts.get("--targets"))
+    run = run_shape(cfg, device=opts["--device"], seq=opts.get("--seq"), targets=opts.get("--targets"),
+                    world=opts.get("--world", 1))
     plan = predict(model, run)
     lines = [f"plan: {path} {' '.join(overrides)}".rstrip(),
              f"model: {config_path} ({model.model_type}, {model.num_params() / 1e9:.2f}B params, {model.describe()})",
@@ -124,6 +144,10 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
              + (f" (KTO: the reference scores {run.reference_rows} rows, these and their KL rows; the KL rows' "
                 f"policy forward has no graph)" if run.reference_rows else "")
              + (f", {run.targets} targets" if run.targets is not None else ", every position a target (worst case)"),
+             *([f"per rank: rank 0 of {run.world} ({run.parallel}), {-(-run.rows // run.world)} of the {run.rows} rows"
+                + (": FSDP2 shards parameters, gradients and optimizer state 1/N" if run.parallel == "fsdp"
+                   else ": the whole model on every rank")]
+               if run.world > 1 or run.parallel == "fsdp" else []),
              ""]
     lines.append("  persistent")
     for t in plan.persistent:
@@ -166,7 +190,7 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
 def main(argv: list[str]) -> int:
     try:
         path, overrides, opts = parse_args(argv)
-        cfg = load_config(path, overrides)
+        cfg = load_config(path, overrides, opts)
         text, fits = render(cfg, path, overrides, opts)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

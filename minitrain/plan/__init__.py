@@ -8,6 +8,7 @@ Modules, in reading order:
                prediction returns, bytes per dtype and per quantized weight
     decoder    the decoder-only families' terms: LLaMA / Mistral / Qwen2 / Qwen3, Gemma, Phi-3
     t5         T5's encoder-decoder terms
+    sharded    one rank's memory under torchrun: parallel=fsdp (FSDP2's shards, gathered blocks) and ddp
     fit        the check a run makes before loading (`memory_check`, `auto_fit`, `gpu_mem`)
     flops      model FLOPs of a step: FLOP/s and MFU in metrics.jsonl
     measure    measured CPU peaks, to check the plan against

@@ -15,7 +15,9 @@ compared with the device's free memory. When it does not fit:
 
 `gpu_mem=12GiB` plans against that size instead of the free memory the GPU reports, and makes the
 check run on a machine without a GPU as well (planned as on CUDA), to try a config before renting
-one. A model family the plan does not model, or FSDP (sharded), is not checked (said so).
+one. Under torchrun every rank checks its own device against the plan of one rank
+(`minitrain.plan.sharded`: its share of the batch; with `parallel=fsdp` the 1/N shards and the
+gathered blocks). A model family the plan does not model (or T5 under fsdp) is not checked (said so).
 `planned_peak_mb(cfg, device)` gives the loop the figure it logs beside the measured `peak_mem_mb`.
 """
 
@@ -40,8 +42,13 @@ def _plan(cfg: Any) -> tuple[Any, RunShape, Plan] | None:
         model = shape_from_hf(hf, where=str(path))
     except (OSError, ValueError, UserError, TypeError, KeyError):
         return None  # unreadable or not modelled: loading reports a bad folder with its own message
-    run = run_shape(cfg, device="cuda")
-    return model, run, predict(model, run)
+    from minitrain import distributed
+
+    run = run_shape(cfg, device="cuda", world=distributed.world_size())  # under torchrun: this rank's share
+    try:
+        return model, run, predict(model, run)
+    except UserError:
+        return None  # a run the plan does not model (T5 under fsdp)
 
 
 def needed(peak: int) -> int:
@@ -70,16 +77,14 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
     UserError when it does not fit. Reads only `config.json`; writes nothing."""
     if not getattr(cfg, "memory_check", True) or not getattr(cfg, "model", ""):
         return cfg
-    if getattr(cfg, "parallel", "ddp") == "fsdp":
-        log("note: memory plan skipped: parallel=fsdp shards the model (the plan models one device holding it)")
-        return cfg
     budget = device_budget(cfg)
     if budget is None:
         return cfg
     free, where = budget
     planned = _plan(cfg)
     if planned is None:
-        log(f"note: memory plan skipped: {cfg.model}/config.json is not a model minitrain.plan models")
+        fsdp = " (under parallel=fsdp: the decoder-only families)" if getattr(cfg, "parallel", "ddp") == "fsdp" else ""
+        log(f"note: memory plan skipped: {cfg.model}/config.json is not a model minitrain.plan models{fsdp}")
         return cfg
     model, run, plan = planned
     if needed(plan.peak) <= free:
@@ -109,11 +114,14 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
 
 def _fits_in_order(cfg: Any):
     """auto_fit's candidates, least change first: checkpointing on, then ever smaller micro-batches
-    (divisors of batch_size) with grad_accum raised so batch_size x grad_accum stays the same."""
+    (divisors of batch_size, at least one row per rank) with grad_accum raised so batch_size x
+    grad_accum stays the same."""
+    from minitrain import distributed
+
     ck = dataclasses.replace(cfg, checkpointing=True)
     if not cfg.checkpointing:
         yield ck
-    for b in range(cfg.batch_size - 1, 0, -1):
+    for b in range(cfg.batch_size - 1, distributed.world_size() - 1, -1):
         if cfg.batch_size % b == 0:
             yield dataclasses.replace(ck, batch_size=b, grad_accum=cfg.grad_accum * cfg.batch_size // b)
 

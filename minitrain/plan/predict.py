@@ -82,7 +82,16 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
 
 
 def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
-    """The memory plan of one run: persistent terms and the activation terms at each candidate peak."""
+    """The memory plan of one run: persistent terms and the activation terms at each candidate peak.
+    Under torchrun (`run.world` > 1, or `parallel=fsdp`): rank 0's (`minitrain.plan.sharded`)."""
+    if run.world > 1 or run.parallel == "fsdp":
+        from minitrain.plan import sharded
+
+        if run.parallel == "fsdp" and model.is_encoder_decoder:
+            raise UserError("parallel=fsdp: the per-rank memory plan models the decoder-only families only, not T5 "
+                            "— memory_check=false skips the plan")
+        local = predict(model, sharded.local_run(run))
+        return (sharded.fsdp_plan if run.parallel == "fsdp" else sharded.ddp_plan)(model, run, local)
     if run.full and model.is_encoder_decoder:
         raise UserError("finetune=full: the memory plan models full fine-tuning of LLaMA / Mistral only — "
                         "memory_check=false skips the plan")
@@ -108,9 +117,11 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
     return Plan(persistent, moments, peak, notes)
 
 
-def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets: int | None = None) -> RunShape:
+def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets: int | None = None,
+              world: int = 1) -> RunShape:
     """The `RunShape` a recipe config trains with on `device` (worst case: every row `max_len` long;
-    seq2seq configs: every source `max_len`, every target `max_target_len` long).
+    seq2seq configs: every source `max_len`, every target `max_target_len` long), on each of
+    `world` ranks with the config's `parallel` (ddp or fsdp).
 
     DPO configs (with `beta` and `precompute_ref`) forward 2 x batch_size rows and have a
     reference: `precomputed` with precompute_ref, `snapshot` when continuing an adapter
@@ -149,7 +160,8 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0,
                     teacher=teacher_shape(cfg), teacher_quantize=getattr(cfg, "teacher_quantize", "none"),
                     kd_top_k=getattr(cfg, "top_k", 0) if getattr(cfg, "teacher", "") else 0, kd_features=feats,
-                    kd_attention=attns, sample_rows=rows if generations else 0)
+                    kd_attention=attns, sample_rows=rows if generations else 0, world=world,
+                    parallel=getattr(cfg, "parallel", "ddp"))
 
 
 def teacher_shape(cfg: Any) -> "ModelShape | None":
@@ -175,6 +187,8 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
         if peak < base:
             out.append((keys, base - peak, peak))
 
+    if run.world > 1 and run.parallel == "ddp" and not model.is_encoder_decoder:
+        add("parallel=fsdp", replace(run, parallel="fsdp"))
     if run.full:
         add("finetune=lora", replace(run, full=False))
     elif run.quantize == "none":
@@ -187,7 +201,7 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
         add("precision=bf16", replace(run, compute="bf16"))
     per_row = run.rows // batch_size
     b = batch_size
-    while b > 1:
+    while b // 2 >= run.world:  # under torchrun, at least one row per rank
         b //= 2
         add(f"batch_size={b} grad_accum={grad_accum * batch_size // b} (same effective batch)",
             replace(run, rows=b * per_row, reference_rows=run.reference_rows and run.reference_rows * b // batch_size))

@@ -39,7 +39,8 @@ class RunShape:
     (`models.llama.Ragged`): their per-token terms then count the real tokens and, without a
     window shorter than seq, no mask is built (`predict` applies this; T5 ignores it). teacher:
     distillation's teacher (`distill_terms`), run frozen in the compute dtype (or
-    `teacher_quantize`).
+    `teacher_quantize`). world, parallel: under torchrun the plan is rank 0's
+    (`minitrain.plan.sharded`): rows (and targets) stay the global micro-batch, which it splits.
     """
 
     rows: int
@@ -72,6 +73,8 @@ class RunShape:
     kd_features: int = 0  # distillation: student layers whose hidden states are matched (-1: every layer)
     kd_attention: int = 0  # distillation: student layers whose attention is transferred (-1: every layer)
     sample_rows: int = 0  # GRPO: completions sampled per micro-batch (prompts x G), each with seq KV slots
+    world: int = 1  # ranks under torchrun: the plan is rank 0's (`minitrain.plan.sharded`); rows stay the global batch
+    parallel: str = "ddp"  # ddp: every rank holds the whole model | fsdp: FSDP2 shards it (`minitrain.plan.sharded`)
 
     @property
     def s(self) -> int:

@@ -1,0 +1,311 @@
+"""The memory of one rank under torchrun: `parallel=fsdp` (FSDP2) and `parallel=ddp`.
+
+`predict` sends a run of `RunShape.world` > 1 ranks, or any `parallel=fsdp` run, here. Each rank
+forwards its share of the global micro-batch (`minitrain.train`: `indices[rank::world]`, so rank 0
+has the most, ceil(rows / N)); its activations are the one-device plan's at those rows. The
+planned rank is rank 0, the largest. What differs:
+
+ddp (`minitrain.distributed.all_reduce_sum`): every rank holds the whole model, adapters,
+gradients and optimizer state; at the optimizer step the gradients are summed over ranks in flat
+buckets of about `minitrain.distributed.BUCKET_BYTES` (a bucket closes once it reaches that size, so the largest is up
+to one tensor more): one bucket's `torch.cat` copy is alive beside the gradients.
+
+fsdp (`minitrain.fsdp.shard`: `fully_shard` on each block of `model.block_types`, then
+on the root; torch 2.13's FSDP2, read off `torch/distributed/fsdp/_fully_shard/`):
+
+- persistent, 1/N: FSDP2 shards dim 0 of every parameter, padded to a multiple of N, so a rank
+  holds ceil(rows / N) rows of each (a norm of D values: ceil(D / N)); frozen base weights and
+  trained tensors alike. A quantized base is held by rows (`minitrain.adapters.quant_rows`): nf4 as
+  (out, in / 2) bytes of codes + (out, in / 64) fp32 scales (double quantization's nested scales
+  stored dequantized), int8 as (out, in) int8 + (out,) fp32 scales; sharded the same way.
+  The sharded gradients (one flat reduce-scatter output per block, padded) and AdamW's two moments
+  (zeros_like of rank 0's shard, ceil(rows / N) rows) follow the trained tensors.
+- gathered while computing: the root (embeddings, head, final norm: what no block holds) is
+  all-gathered at the start of the forward and not resharded after it (FSDP2 keeps the root
+  gathered, since the backward needs it at once) until the end of the backward; its all-gather
+  output is kept until the first block's copy-out, so the root is there twice for a moment. A block is
+  all-gathered in its pre-forward: a flat all-gather output, copied out into the unsharded
+  parameters; in the forward that flat output is kept until the next block's copy-out (to overlap
+  it with the next all-gather), so two blocks' worth are alive while a block computes. In the
+  backward each block prefetches the one before it: its own unsharded parameters + the next one's
+  all-gather output, two blocks again. With one rank, the unsharded parameters are a copy of the
+  shard (no all-gather buffer is kept). On the CPU, gloo's all-gather gathers into a flat tensor of
+  its own and copies it into FSDP2's output: one block more while a block is gathered.
+- gradients: a block's gradients are made whole (unsharded, fp32) by autograd, then copied into a
+  reduce-scatter input of the same size, whose output is this rank's 1/N; the input is kept until
+  the next block's reduce-scatter. The root's gradients (full fine-tuning: the head's from the
+  loss backward, the embeddings' at the very end) stay whole until the end of the backward, then
+  are reduce-scattered the same way.
+- the optimizer step updates the shards: AdamW's foreach temporaries are 1/N.
+
+Not modelled under fsdp: T5 (the plan covers the decoder-only families there), the reference
+model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from minitrain.plan.run_shape import NF4_BLOCK, DTYPE_BYTES, Plan, RunShape, Term, fmt_bytes, linears_bytes
+
+if TYPE_CHECKING:
+    from minitrain.plan.decoder import ModelShape
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: its shape (dim 0 is what FSDP2 shards), bytes per element, and whether it trains.
+    A quantized weight is one flat row of its bytes (`elem` 1)."""
+
+    name: str
+    shape: tuple[int, ...]
+    elem: int
+    trainable: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * self.elem
+
+    def shard_bytes(self, world: int) -> int:
+        """Bytes of one rank's shard: ceil(dim 0 / N) rows (FSDP2 pads dim 0 to a multiple of N)."""
+        rows = -(-self.shape[0] // world)
+        return rows * (self.numel // self.shape[0]) * self.elem
+
+    def padded_bytes(self, world: int) -> int:
+        """Bytes of the whole tensor as FSDP2 gathers it: N shards of `shard_bytes`."""
+        return world * self.shard_bytes(world)
+
+
+def per_rank(n: int, world: int) -> int:
+    """Rank 0's share of n things dealt `indices[rank::world]`: ceil(n / world)."""
+    return -(-n // world)
+
+
+def local_run(run: RunShape) -> RunShape:
+    """The run one rank computes: its share of the rows (and targets), as a world of one."""
+    N = run.world
+    return replace(run, world=1, parallel="ddp", rows=per_rank(run.rows, N),
+                   targets=None if run.targets is None else per_rank(run.targets, N),
+                   real_tokens=None if run.real_tokens is None else per_rank(run.real_tokens, N),
+                   reference_rows=run.reference_rows and per_rank(run.reference_rows, N),
+                   sample_rows=per_rank(run.sample_rows, N))
+
+
+def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[Tensor]]:
+    """(the root's tensors, one block's tensors), as `fully_shard` groups them: each block holds its
+    linears (in the run's format), norms, biases and adapters; the root holds the rest."""
+    from minitrain.plan.decoder import adapted_linears, matches
+
+    full = run.full
+    s = 4 if full else run.s  # the loader's dtype: fp32 master weights for full fine-tuning
+    a = DTYPE_BYTES[run.adapter_dtype]
+    D, V = model.hidden_size, model.vocab_size
+    block: list[Tensor] = []
+    for name, (i, o) in model.linears().items():
+        if run.quantize == "none" or full:
+            block.append(Tensor(name, (o, i), s, full))
+        elif run.quantize == "nf4":  # `minitrain.adapters.quant_rows.NF4Rows`: codes and fp32 scales, by rows
+            block += [Tensor(name, (o, -(-i // 2)), 1), Tensor(name + ".absmax", (o, -(-i // NF4_BLOCK)), 4)]
+        elif run.quantize == "int8":  # `Int8Rows`: int8 rows and one fp32 scale per row
+            block += [Tensor(name, (o, i), 1), Tensor(name + ".scb", (o,), 4)]
+        else:  # (ternary is refused under fsdp: 1/N of its bytes)
+            b, _ = linears_bytes([(i, o, 1)], run)
+            block.append(Tensor(name, (b,), 1))
+    biases = []
+    if model.qkv_bias:
+        biases += [("self_attn.q_proj.bias", model.q_width), ("self_attn.k_proj.bias", model.kv_width),
+                   ("self_attn.v_proj.bias", model.kv_width)]
+    if model.o_bias:
+        biases.append(("self_attn.o_proj.bias", D))
+    if model.mlp_bias:
+        F = model.intermediate_size
+        biases += [("mlp.gate_proj.bias", F), ("mlp.up_proj.bias", F), ("mlp.down_proj.bias", D)]
+    norms = [(f"norm{k}", D) for k in range(model.NORMS)]
+    if model.qk_norm:
+        norms += [("self_attn.q_norm", model.head_dim), ("self_attn.k_norm", model.head_dim)]
+    block += [Tensor(n, (d,), s, full) for n, d in biases + norms]
+    if not full:
+        lin = model.linears()
+        for name in adapted_linears(model, run.lora_targets):
+            i, o = lin[name]
+            r = run.rank(i, o)
+            block += [Tensor(name + ".lora_A", (r, i), a, True), Tensor(name + ".lora_B", (o, r), a, True)]
+    root = [Tensor("embed_tokens", (V, D), s, full)]
+    if not model.tie_word_embeddings:
+        root.append(Tensor("lm_head", (V, D), s, full))
+    root.append(Tensor("norm", (D,), s, full))
+    if not full:
+        for m in run.modules_to_save:  # a trained copy beside the frozen one
+            if matches("lm_head", m) or matches("model.embed_tokens", m):
+                root.append(Tensor(m, (V, D), a, True))
+            elif matches("model.norm", m):
+                root.append(Tensor(m, (D,), a, True))
+    return root, block
+
+
+def _sum(tensors: list[Tensor], how: str, world: int = 1) -> int:
+    if how == "bytes":
+        return sum(t.bytes for t in tensors)
+    if how == "shard":
+        return sum(t.shard_bytes(world) for t in tensors)
+    return sum(t.padded_bytes(world) for t in tensors)
+
+
+def _grad(t: Tensor, run: RunShape) -> Tensor:
+    """A trained tensor's gradient: fp32 (the trained tensors are fp32)."""
+    return replace(t, elem=DTYPE_BYTES[run.adapter_dtype] if not run.full else 4)
+
+
+def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
+    """Rank 0's plan under FSDP2 from `local`, the plan of one device computing rank 0's rows."""
+    N, L = run.world, model.num_hidden_layers
+    root, block = parameters(model, run)
+    trained = [t for t in root + block * L if t.trainable]
+    grads = [_grad(t, run) for t in trained]
+    root_grads = [_grad(t, run) for t in root if t.trainable]
+    block_grads = [_grad(t, run) for t in block if t.trainable]
+    base = [t for t in root + block * L if not t.trainable]
+    n_train = sum(t.numel for t in trained)
+    persistent = [
+        Term("weights: 1/N shard (FSDP2)", _sum(base, "shard", N),
+             f"ceil(rows / {N}) rows of each frozen tensor ({sum(t.numel for t in base):,} params"
+             + (f", {run.quantize} bytes" if run.quantize != "none" and not run.full else "") + ")"),
+        Term("trained tensors: 1/N shard", _sum(trained, "shard", N),
+             f"{n_train:,} params, ceil(rows / {N}) rows each" + (" (fp32 master weights)" if run.full else "")),
+        Term("optimizer (AdamW): 1/N shard", 2 * _sum([replace(t, elem=4) for t in trained], "shard", N)
+             + 4 * len(trained), f"2 fp32 moments of each shard + {len(trained)} steps"),
+    ]
+    shard_grads = Term("gradients: 1/N shard", _sum(grads, "shard", N), "reduce-scatter outputs, fp32")
+    if not run.full:
+        persistent.append(shard_grads)
+    for t in local.persistent:  # what FSDP does not shard here
+        if t.name.startswith("teacher") or t.name.startswith("DPO reference"):
+            persistent.append(t)
+        elif t.name.startswith("EMA"):
+            persistent.append(Term(t.name + " (1/N shard)", _sum(grads, "shard", N), "fp32 copy of the shards"))
+    root_full = _sum(root, "padded", N)
+    gloo = int(run.device == "cpu" and N > 1)  # measured: gloo's all-gather fills a flat tensor of its own first
+    block_full = _sum(block, "padded", N)
+    root_term = Term("FSDP: root gathered (embeddings, head, final norm)", root_full,
+                     "whole, from the forward to the end of the backward")
+    one = Term("FSDP: one block gathered", block_full, "the next block's all-gather output" if N > 1
+               else "the block's parameters (a copy of the shard)")
+    two = Term("FSDP: two blocks gathered", 2 * block_full,
+               "this block's parameters + the next one's all-gather output") if N > 1 else one
+    gathering = [Term("FSDP: blocks while one is all-gathered", (2 + gloo) * block_full,
+                      "the last one's + the one being gathered" + (" + gloo's flat copy of it" if gloo else ""))]
+    if N == 1:
+        gathering = [one]
+    block_rs = _sum(block_grads, "padded", N)
+    moments: dict[str, list[Term]] = {}
+    for name, terms in local.moments.items():
+        terms = list(terms)
+        if name == "optimizer step":
+            terms = [Term("AdamW temporaries: 1/N shard", _sum(grads, "shard", N) if run.optimizer_temps else 0,
+                          "1 x trainable shards (foreach)")
+                     if t.name == "AdamW temporaries" else shard_grads if t.name == "gradients" else t for t in terms]
+            moments[name] = terms
+        elif name == "last block backward":
+            moments.update(_backward_moments(local, terms, root_term, gathering, two, one, block_rs,
+                                             _sum(block_grads, "shard", N), N, L))
+        else:
+            moments[name] = terms + [root_term] + ([two] if name.startswith("GRPO") else [])
+    # the last block's forward: every block's saved tensors so far, one block all-gathered
+    fwd = local.moments.get("end of forward (loss forward)", [])
+    kept = [t for t in fwd if not t.name.startswith("loss") and not t.name.startswith("teacher")]
+    moments["last block forward (FSDP: all-gather)"] = kept + [root_term] + gathering
+    if N > 1:  # the root's all-gather output is kept until the first block's copy-out
+        batch = [t for t in kept if t.name.startswith(("batch tensors", "RoPE", "attention mask"))]
+        moments["first block forward (FSDP: all-gather)"] = batch + [
+            root_term, Term("FSDP: the root's all-gather output", root_full, "kept until the first block's copy-out"),
+            Term("FSDP: the first block's all-gather output", (1 + gloo) * block_full,
+                 "+ gloo's flat copy of it" if gloo else "")]
+    if root_grads:  # the root's reduce-scatter, after every block's (its parameters resharded first)
+        whole = _sum(root_grads, "padded", N)
+        block_shards = _sum(block_grads, "shard", N) * L
+        moments["end of backward (FSDP: the root's reduce-scatter)"] = [
+            Term("gradients: the blocks' 1/N shards", block_shards, f"{L} blocks"),
+            Term("gradients: the root's, whole", whole, "embeddings, head, final norm (fp32)"),
+            Term("FSDP: reduce-scatter input + output", whole + whole // N, "the root's gradients, copied + 1/N")]
+    peak = max(moments, key=lambda k: sum(t.bytes for t in moments[k]))
+    notes = list(local.notes) + [(f"per rank of {N} (parallel=fsdp): rank 0's share, {run_rows(run)}; "
+                                  f"gathered: root {fmt_bytes(root_full)}, one block {fmt_bytes(block_full)}")]
+    return Plan(persistent, moments, peak, notes)
+
+
+def _backward_moments(local: Plan, terms: list[Term], root: Term, gathering: list[Term], two: Term, one: Term,
+                      block_rs: int, block_shard: int, N: int, L: int) -> dict[str, list[Term]]:
+    """The backward of block i (L - 1 first, down to 0) in three moments: its pre-backward (the block
+    before it being all-gathered), its backward (two blocks gathered, its gradients whole) and its
+    reduce-scatter (its parameters resharded, its saved tensors freed). From block L - 2 on, the
+    reduce-scatter input of the block after it is still alive (FSDP2 frees it at the next
+    reduce-scatter), and the blocks done hold their gradients' 1/N shards; the saved activations of the
+    blocks above are freed. Each moment is planned at the block where it is largest."""
+    work = [t for t in terms if t.name.startswith(("block backward", "4-bit", "ternary"))]
+    full_grads = [t for t in terms if t.name.startswith("gradients")]  # full fine-tuning: head, norm, one block
+    kept = [t for t in terms if t not in work and t not in full_grads]
+    head = [t for t in local.moments.get("loss backward", []) if t.name.startswith("gradients")]
+    whole = Term("gradients: this block's, whole", block_rs, "before its reduce-scatter")
+
+    def at(i: int, *, freed: bool = False) -> list[Term]:
+        left = i + (0 if freed else 1)  # blocks whose saved tensors are still alive
+        out = [Term(t.name.replace(f"x {L} blocks", f"of {left} blocks (of {L})"), t.bytes * left // L, t.formula)
+               if t.name.startswith("saved activations") else t for t in kept]
+        out += head + [root]
+        if i < L - 1:
+            out.append(Term(f"gradients: 1/N shards of {L - 1 - i} blocks done", block_shard * (L - 1 - i),
+                            "reduce-scatter outputs"))
+            if not freed and block_rs:
+                out.append(Term("FSDP: the block after's reduce-scatter input", block_rs, "kept until the next one"))
+        return out
+
+    rs = [Term("FSDP: reduce-scatter input + output", block_rs + block_rs // N,
+               "this block's gradients copied whole + this rank's 1/N")] if block_rs else []
+    candidates = {
+        "pre-backward (FSDP: all-gather)": lambda i: at(i) + gathering,
+        "backward": lambda i: at(i) + work + [whole, two],
+        "reduce-scatter (FSDP)": lambda i: at(i, freed=True) + [whole, one] + rs,
+    }
+    out = {}
+    for what, make in candidates.items():
+        best = max(range(L), key=lambda i: sum(t.bytes for t in make(i)))
+        label = "last block backward" if what == "backward" and best == L - 1 else (
+            f"block {best} of {L} {what}" if best < L - 1 else f"last block {what}")
+        out[label] = make(best)
+    return out
+
+
+def run_rows(run: RunShape) -> str:
+    """'2 of 4 rows per micro-batch'."""
+    return f"{per_rank(run.rows, run.world)} of {run.rows} rows per micro-batch"
+
+
+def ddp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
+    """Rank 0's plan under ddp: the whole model, its share of the rows, and at the step one
+    all-reduce bucket's flat copy beside the gradients."""
+    from minitrain.distributed import BUCKET_BYTES
+
+    tensors = [n * DTYPE_BYTES[run.adapter_dtype if not run.full else "fp32"] for n in model.trainable_tensors(run)]
+    largest = size = 0
+    for b in tensors:  # a bucket closes once it holds BUCKET_BYTES or more
+        if size >= BUCKET_BYTES:
+            size = 0
+        size += b
+        largest = max(largest, size)
+    moments = dict(local.moments)
+    if run.world > 1:
+        step = [t for t in local.moments["optimizer step"] if t.name != "AdamW temporaries"]
+        moments["gradient all-reduce (ddp)"] = step + [
+            Term("all-reduce bucket (flat copy)", largest,
+                 f"the largest bucket: gradients in ~{fmt_bytes(BUCKET_BYTES)} buckets, {fmt_bytes(sum(tensors))} in all")]
+    peak = max(moments, key=lambda k: sum(t.bytes for t in moments[k]))
+    notes = list(local.notes) + [f"per rank of {run.world} (parallel=ddp): the whole model, {run_rows(run)}"]
+    return Plan(list(local.persistent), moments, peak, notes)

@@ -65,6 +65,11 @@ def defer_weights(model: nn.Module, folder: Path, headers: Headers, dtype: torch
     setattr(model, _PENDING, Pending(folder, headers, dtype, device))
 
 
+def wanted(cfg: Any) -> bool:
+    """Whether this run shards its model: `parallel=fsdp` in a process group (torchrun; one rank too)."""
+    return getattr(cfg, "parallel", "ddp") == "fsdp" and distributed.active()
+
+
 def whole_model_only(cfg: Any, what: str) -> None:
     """One line for a step that needs the whole model on each rank, under `parallel=fsdp`."""
     if getattr(cfg, "parallel", "ddp") == "fsdp":

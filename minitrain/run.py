@@ -302,7 +302,7 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
             log(f"note: quantize={cfg.quantize} on {device}: bitsandbytes' CPU kernels work but are slow — "
                 f"meant for trying a recipe, not for long runs")
         hook = quantize_hook(cfg.quantize, compute_dtype=dtype)  # float layers and 4-bit matmuls alike
-    sharded = getattr(cfg, "parallel", "ddp") == "fsdp" and distributed.world_size() > 1
+    sharded = fsdp.wanted(cfg)
     if sharded:  # built on meta; each rank reads only its rows of each tensor when FSDP2 shards it
         model, headers = open_pretrained(folder, build)
         fsdp.defer_weights(model, folder, headers, dtype, device)
@@ -323,7 +323,8 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
         base += (f" (2 bits a weight, per-{cfg.ternary_scale} absmean scale"
                  + (f", {cfg.ternary_act_bits}-bit activations" if cfg.ternary_act_bits else "") + ")")
     log(f"model: {folder} ({kind}, {n:,} parameters) on {device}, base in {base}"
-        + (f"; sharded over {distributed.world_size()} ranks as it is read (parallel=fsdp)" if sharded else ""))
+        + (f"; sharded over {distributed.world_size()} rank{'s' if distributed.world_size() > 1 else ''} as it is "
+           f"read (parallel=fsdp)" if sharded else ""))
     return model, tok
 
 

@@ -529,7 +529,7 @@ def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list
     amp_dtype, _ = resolve_precision(cfg.precision, device)
     if cfg.checkpointing:
         enable_checkpointing(model)
-    if getattr(cfg, "parallel", "ddp") == "fsdp" and distributed.world_size() > 1:
+    if fsdp.wanted(cfg):
         fsdp.prepare(model, device, log)
     named = _trainable(model, None)
     optimizer = build_optimizer(named, cfg.weight_decay, cfg.lr)
@@ -677,7 +677,7 @@ def evaluate_once(
     returns is dropped: nothing runs after). Logged as the loop logs an evaluation; returns the row."""
     log = log or functools.partial(print, flush=True)
     device = fsdp.device_of(model)
-    if getattr(cfg, "parallel", "ddp") == "fsdp" and distributed.world_size() > 1:
+    if fsdp.wanted(cfg):
         fsdp.prepare(model, device, log)  # a model still on meta is sharded and read first
     amp_dtype, _ = resolve_precision(cfg.precision, device)
     if hasattr(objective, "evaluate"):

@@ -158,6 +158,37 @@ def test_advantages_equal_trl(scale):
         # completion's std is NaN, as in TRL)
 
 
+REWARDS = [[1.0, 0.5], [0.0, float("nan")], [2.0, 1.0], [2.0, 1.0], [5.0, 0.0], [3.0, 0.0], [0.0, 0.0], [4.0, 2.0]]
+
+
+def batch_std_worker(rank: int, out: str) -> None:
+    """Rank r holds the groups r, r + 2, ... of REWARDS (2 completions a group), as torchrun splits prompts."""
+    import json
+    from pathlib import Path
+
+    rows = torch.tensor(REWARDS).view(-1, 2, 2)[rank::2].reshape(-1, 2)
+    adv, _, _ = group_advantages(rows, torch.tensor([1.0, 0.5]), 2, "batch")
+    Path(out, f"adv{rank}.json").write_text(json.dumps(adv.tolist()))
+
+
+def test_batch_scaling_under_torchrun_uses_every_ranks_rewards(tmp_path):
+    """`scale_rewards=batch` with 2 ranks: each rank's advantages are TRL's over the whole batch
+    (rewards gathered from both), not over its own share."""
+    import json
+
+    from test_distributed import launch
+
+    launch(tmp_path, "batch_std_worker", str(tmp_path), module="test_grpo")
+    ref, _ = trl_advantages(torch.tensor(REWARDS), torch.tensor([1.0, 0.5]), 2, "batch")
+    ref = ref.view(-1, 2)  # (groups, 2 completions)
+    for rank in (0, 1):
+        got = torch.tensor(json.loads((tmp_path / f"adv{rank}.json").read_text()))
+        torch.testing.assert_close(got, ref[rank::2].reshape(-1))
+    own, _ = trl_advantages(torch.tensor(REWARDS).view(-1, 2, 2)[0::2].reshape(-1, 2), torch.tensor([1.0, 0.5]), 2,
+                            "batch")
+    assert not torch.allclose(own, ref[0::2].reshape(-1))  # one rank's share alone would scale otherwise
+
+
 def test_memory_plan_counts_the_samplers_kv_cache(hf_causal):
     """The plan's GRPO sampling moment: its KV cache term equals the bytes the sampler's cache holds."""
     import json

@@ -104,14 +104,17 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
 
     TRL's "sum_then_normalize": the weighted sum ignoring NaNs (a completion no function scored
     is NaN: left out of its group's mean and std, advantage 0); minus the group mean; divided by
-    the group's std (`group`), the whole batch's (`batch`) plus 1e-4, or by nothing (`none`)."""
+    the group's std (`group`), the whole batch's (`batch`) plus 1e-4, or by nothing (`none`).
+    Under torchrun the batch is every rank's rows (TRL gathers them too): with `batch`, every rank
+    calls this at the same point (a collective)."""
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     rewards = (rewards_per_func * weights[None]).nansum(dim=1)
     rewards[unscorable] = torch.nan
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
-    if scale_rewards == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    if scale_rewards == "batch":  # over the global batch: each rank's rewards, gathered
+        every = torch.tensor([x for part in distributed.gather_objects(rewards.tolist()) for x in part])
+        std = nanstd(every).expand_as(rewards) if every.numel() > 1 else torch.zeros_like(rewards)
     else:
         std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
     advantages = rewards - mean

@@ -26,7 +26,6 @@ way, before the audit.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +39,8 @@ from torch import nn
 from minitrain import distributed
 from minitrain.adapters.lora import applied
 from minitrain.errors import UserError
-from minitrain.weights import (Headers, io_error_reason, is_weight_file, plan_shard_files, read_tensor, stored_dtype,
-                               write_folder, write_index_and_config)
+from minitrain.weights import (Headers, begin_folder, io_error_reason, is_weight_file, plan_shard_files, read_tensor,
+                               stored_dtype, swap_folder, write_index_and_config)
 
 _PENDING = "_minitrain_pending_weights"
 
@@ -261,19 +260,18 @@ def save_model(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str,
                side_files: Callable[[Path], None], dtype: torch.dtype | None = torch.float32,
                max_shard_bytes: int = 5 * 2**30) -> None:
     """Write an HF folder of (sharded) `tensors` one shard file at a time: every rank gathers that
-    file's tensors, rank 0 writes them, then frees them; no rank holds more than one file's worth.
-    Rank 0 then swaps the folder in as a whole (`write_folder`: a crash leaves the previous save or
-    the new one), `side_files(tmp)` adding the tokenizer. A write that fails on rank 0 keeps it
-    gathering (no rank is left waiting) and is one `UserError` on every rank at the end."""
+    file's tensors, rank 0 writes them into the folder's temporary twin (`weights.begin_folder`),
+    then all free them; no rank holds more than one file's worth. Rank 0 then adds the index,
+    config.json and `side_files(tmp)` (the tokenizer) and swaps the folder in as a whole (a crash
+    leaves the previous save or the new one). A write that fails on rank 0 keeps it gathering (no
+    rank is left waiting) and is one `UserError` on every rank at the end."""
     files = plan_shard_files(tensors, dtype, max_shard_bytes)
-    writer = distributed.rank() == 0
-    stage = folder.with_name(f".{folder.name}.parts-{os.getpid()}")  # rank 0's: written there, moved in at the end
+    tmp: Path | None = None
     failure: list[BaseException] = []
-    if writer:
-        shutil.rmtree(stage, ignore_errors=True)
+    if distributed.rank() == 0:
         try:
-            stage.mkdir(parents=True)
-        except OSError as e:
+            tmp = begin_folder(folder)
+        except (OSError, UserError) as e:
             failure.append(e)
     weight_map, total = {}, 0
     for fname, keys in files:
@@ -281,9 +279,9 @@ def save_model(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str,
         for k in keys:
             t = distributed.full_tensor(tensors[k].detach())  # a collective: every rank, same order
             part[k] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
-        if writer and not failure:
+        if tmp is not None and not failure:
             try:
-                save_file(part, stage / fname, metadata={"format": "pt"})
+                save_file(part, tmp / fname, metadata={"format": "pt"})
             except (OSError, SafetensorError) as e:
                 failure.append(e)
         weight_map.update(dict.fromkeys(keys, fname))
@@ -291,20 +289,17 @@ def save_model(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str,
         del part
 
     def commit() -> None:
-        def fill(tmp: Path) -> None:
-            for fname, _ in files:
-                (stage / fname).replace(tmp / fname)
-            write_index_and_config(tmp, files, weight_map, total, config, dtype)
-            side_files(tmp)
-
         try:
             if failure:
                 raise failure[0]
-            write_folder(folder, fill, keep_others=lambda name: not is_weight_file(name))
+            write_index_and_config(tmp, files, weight_map, total, config, dtype)
+            side_files(tmp)
+            swap_folder(folder, tmp, keep_others=lambda name: not is_weight_file(name))
         except (OSError, SafetensorError) as e:
             raise UserError(f"{folder}: cannot write the model: {io_error_reason(e)} — free space or make "
                             f"{folder.parent} writable") from None
         finally:
-            shutil.rmtree(stage, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # (gone already once swapped in)
 
     distributed.main_only(commit)

@@ -227,22 +227,27 @@ def trained_format(shapes: dict[str, int] | None, tok: Tokenizer) -> dict[str, A
 
 def _write_config(cfg: Any, trained: dict[str, Any] | None = None) -> None:
     out = check_out_dir(cfg)
-    tmp = out / f".{CONFIG_FILE}.tmp"
+    _write_text(out, CONFIG_FILE, to_json(cfg) if trained is None else to_json(cfg, trained_format=trained))
+    for name in RUN_OUTPUTS[2:]:  # the saved adapter / model folders
+        if not cfg.resume and (out / name).is_dir():
+            shutil.rmtree(out / name)
+
+
+def _write_text(out: Path, name: str, text: str) -> None:
+    """`out/name` written whole (a temporary file renamed into place); a failure is one UserError and
+    leaves nothing behind (not even `out`, when this call created it)."""
+    tmp = out / f".{name}.tmp"
     created = not out.exists()
-    text = to_json(cfg) if trained is None else to_json(cfg, trained_format=trained)
     try:
         out.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out / CONFIG_FILE)
+        tmp.replace(out / name)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         if created:
             shutil.rmtree(out, ignore_errors=True)
-        raise UserError(f"{out}: cannot write {CONFIG_FILE}: {io_error_reason(e)} — free space or choose a "
+        raise UserError(f"{out}: cannot write {name}: {io_error_reason(e)} — free space or choose a "
                         f"writable out folder") from None
-    for name in RUN_OUTPUTS[2:]:  # the saved adapter / model folders
-        if not cfg.resume and (out / name).is_dir():
-            shutil.rmtree(out / name)
 
 
 # ----------------------------------------------------------------------------- model
@@ -632,21 +637,10 @@ def evaluate_only(cfg: Any, job: Job, eval_fn: Callable | None = None) -> dict[s
     what = f"adapter {cfg.init_adapter}" if getattr(cfg, "init_adapter", "") else "the base model"
     log(f"eval_only: evaluating {what} on {len(job.eval_examples)} held-out examples; nothing is trained")
 
-    def write(name: str, text: str) -> None:
-        tmp = out / f".{name}.tmp"
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(out / name)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise UserError(f"{out}: cannot write {name}: {io_error_reason(e)} — free space or choose a "
-                            f"writable out folder") from None
-
-    distributed.main_only(lambda: write(CONFIG_FILE, to_json(cfg)))  # check_out_dir(cfg) has passed (the recipe)
+    distributed.main_only(lambda: _write_text(out, CONFIG_FILE, to_json(cfg)))  # check_out_dir(cfg) has passed (the recipe)
     row = evaluate_once(job.model, job.objective, job.eval_examples, job.collate, cfg, eval_fn=eval_fn, log=log)
     values = {k: v for k, v in row.items() if k.startswith("eval/")}
-    distributed.main_only(lambda: write(EVAL_LOG, json.dumps({"step": 0, **values}) + "\n"))
+    distributed.main_only(lambda: _write_text(out, EVAL_LOG, json.dumps({"step": 0, **values}) + "\n"))
     log(f"eval: {out / EVAL_LOG} | config: {out / CONFIG_FILE}")
     return {"step": 0, "total_steps": 0, **values, "out_dir": str(out)}
 

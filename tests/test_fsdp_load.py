@@ -109,7 +109,7 @@ def test_each_rank_reads_its_rows_and_the_shards_make_the_whole_model(split_chec
     for f in saved.glob("*.safetensors"):
         a, b = load_file(f), load_file(ref / f.name)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), f.name
-    assert not list(tmp_path.glob(".saved.parts-*"))  # the staging folder is gone
+    assert not list(tmp_path.glob("saved.tmp-*"))  # the temporary folder is gone
 
 
 def size_after(line: str, word: str) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minitrain.adapters.lora import LoRALinear
+from minitrain.adapters.lora import LoRALinear, name_matches
 from minitrain.errors import UserError
 
 _CODES: dict[torch.device, torch.Tensor] = {}
@@ -135,7 +135,7 @@ def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype, ski
     tied = {i for i, n in seen.items() if n > 1}
     n = 0
     for name, m in list(model.named_modules()):
-        if type(m) is not nn.Linear or any(name == s or name.endswith("." + s) for s in skip) or id(m.weight) in tied:
+        if type(m) is not nn.Linear or any(name_matches(name, s) for s in skip) or id(m.weight) in tied:
             continue
         bias = m.bias is not None
         new = (NF4Rows(m.in_features, m.out_features, bias, compute_dtype) if kind == "nf4"

@@ -108,6 +108,19 @@ def is_sharded_model(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP group of `model` back to its shards (a no-op when all are, or the model is not
+    sharded). FSDP2 leaves the root gathered after a forward, for the backward that reshards it; after
+    a forward without one (an evaluation) the root's attributes are the gathered copies. Whoever then
+    collects the parameters (the optimizer, a checkpoint, a save) would hold copies that FSDP never
+    reduces into (a trained head that never moved); after each evaluation the loop calls this."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 # ----------------------------------------------------------------------------- sharding
 
 

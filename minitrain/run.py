@@ -655,14 +655,12 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[st
     out = Path(cfg.out)
     folder = out / (ADAPTER_DIR if lora is not None else MODEL_DIR)
     sharded = any(distributed.is_sharded(p) for p in model.parameters())
-    trained = {n: p for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}  # (ties: each name)
     averaged = ema.of(model) if sharded else ema.whole(model)  # (whole: every rank gathers, rank 0 writes)
 
     def write(to: Path, values: dict[str, torch.Tensor] | None = None) -> None:
         """The adapter or model at `to`; `values`: tensors by parameter name to save in place of the model's."""
         if lora is not None:
-            state = fsdp.gather_whole(values or trained) if sharded else values
-            distributed.main_only(lambda: _write_adapter(model, to, lora, state))  # under torchrun: rank 0 writes
+            write_adapter(model, to, lora, values)
         elif sharded:  # never the whole model on one rank: one shard file at a time
             fsdp.save_model(to, {**dict(model.named_parameters()), **(values or {})}, _model_config(model),
                             side_files=lambda tmp: _copy_side_files(model, tmp))
@@ -697,6 +695,17 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[st
         log(f"EMA of the trained weights (ema_decay={cfg.ema_decay:g}), same format: {folder}{EMA_SUFFIX}")
     log(f"metrics: {out / 'metrics.jsonl'} | config: {out / CONFIG_FILE}")
     return folder
+
+
+def write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig,
+                  values: dict[str, torch.Tensor] | None = None) -> None:
+    """The adapter in PEFT's format at `folder`. Every rank calls it under torchrun: a sharded
+    (`parallel=fsdp`) adapter is gathered for rank 0, which writes. `values`: tensors by parameter
+    name to save in place of the model's (the EMA)."""
+    if any(distributed.is_sharded(p) for p in model.parameters()):
+        values = fsdp.gather_whole(values or {n: p for n, p in model.named_parameters(remove_duplicate=False)
+                                              if p.requires_grad})
+    distributed.main_only(lambda: _write_adapter(model, folder, lora, values))
 
 
 def _write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig,

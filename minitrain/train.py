@@ -230,6 +230,7 @@ def train(
 
     if parallel == "fsdp":  # from here on the trainable tensors are this rank's shards (DTensors)
         fsdp.prepare(model, device, log)  # (already done by run.prepare_out_dir for a recipe)
+        fsdp.reshard(model)  # (an evaluation before step 1 left the root's gathered tensors in its place)
         named = _trainable(model, [n for n, _ in named])
         params = [p for _, p in named]
 
@@ -427,6 +428,7 @@ def train(
                         extra = dict(eval_fn(model, step, dict(row)))
                         stop_early = distributed.any_rank(bool(extra.pop("stop", False)), device)
                         row.update(extra)
+                fsdp.reshard(model)  # the shards back in the model's place: the checkpoint and the save read them
                 summary.update({k: v for k, v in row.items() if k.startswith("eval/")})
             if metrics_f and (step % cfg.log_every == 0 or step == total_steps or evaluated):
                 metrics_f.write(json.dumps(row) + "\n")
@@ -688,6 +690,7 @@ def evaluate_once(
         extra = dict(eval_fn(model, 0, dict(row)))
         extra.pop("stop", None)
         row.update(extra)
+    fsdp.reshard(model)  # the shards back in place: train() collects the parameters to step from the model
     log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in row.items() if isinstance(v, int | float)))
     return row
 

@@ -48,8 +48,9 @@ import torch
 
 import models
 from models.t5 import generate
-from minitrain.adapters.peft_format import adapter_vocab_size, save_adapter
+from minitrain.adapters.peft_format import adapter_vocab_size
 from minitrain.config import TrainConfig, doc
+from minitrain.distributed import main_only
 from minitrain.data.collate import collate_seq2seq
 from minitrain.data.packing import collate_packed_seq2seq
 from minitrain.device import base_dtype, pick_device
@@ -58,7 +59,7 @@ from minitrain.evaluate.generation import BEST_DIR, BEST_FILE, PREDICTIONS_DIR, 
 from minitrain.objectives.sft import seq2seq
 from minitrain.progress import log
 from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only,
-                           finish, load_examples, load_model, load_tokenizer, prepare_out_dir)
+                           finish, load_examples, load_model, load_tokenizer, prepare_out_dir, write_adapter)
 from minitrain.text.tokenizer import Tokenizer
 from minitrain.train import train
 
@@ -213,9 +214,9 @@ def run(config: Seq2SeqConfig) -> dict:
         for stale in (BEST_DIR, PREDICTIONS_DIR):
             shutil.rmtree(out / stale, ignore_errors=True)
 
-    def save_with_tokenizer(m, folder: Path) -> None:
-        save_adapter(m, folder, lora)
-        tok.save(folder)
+    def save_with_tokenizer(m, folder: Path) -> None:  # every rank calls it; rank 0 writes
+        write_adapter(m, folder, lora)
+        main_only(lambda: tok.save(folder))
 
     eval_fn = None
     if eval_examples:
@@ -227,7 +228,7 @@ def run(config: Seq2SeqConfig) -> dict:
     summary = train(model, seq2seq, job.train_examples, job.collate, config, eval_examples=eval_examples,
                     eval_fn=eval_fn)
     finish(model, config, lora, summary)
-    tok.save(out / ADAPTER_DIR)
+    main_only(lambda: tok.save(out / ADAPTER_DIR))
     if (out / BEST_DIR / BEST_FILE).is_file():
         best = json.loads((out / BEST_DIR / BEST_FILE).read_text())
         log(f"best adapter: {out / BEST_DIR} (step {best['step']}, {best['metric']} {best['value']:.4f})")

@@ -186,15 +186,45 @@ def test_eval_only_under_fsdp_reads_the_shards_and_equals_one_process(tiny_model
     assert got[0]["eval/loss"] == pytest.approx(want[0]["eval/loss"], rel=1e-5)
 
 
-def test_t5_under_fsdp_equals_ddp(tmp_path):
+def test_t5_with_generation_eval_under_fsdp_equals_ddp(tmp_path):
     """T5's stacks read block 0's position table before the blocks run: `used_outside_blocks` keeps
-    that block with the root (it failed with "mixed torch.Tensor and DTensor" before)."""
+    that block with the root (it failed with "mixed torch.Tensor and DTensor" before). ROUGE evaluations
+    before and between the steps: every rank generates, the root's blocks still train after them
+    (they stayed at zero before `fsdp.reshard`), rank 0 alone writes the predictions and the best
+    adapter (gathered from the shards), each evaluation logged once."""
     from test_lora_t5 import corpus, save_tiny_t5, write_rows
 
     model, data = save_tiny_t5(tmp_path / "t5"), write_rows(tmp_path / "train.jsonl", corpus(8, seed=5))
+    val = write_rows(tmp_path / "val.jsonl", corpus(4, seed=6))
     args = [str(REPO / "recipes" / "lora_t5.py"), f"model={model}", f"data={data}", "max_steps=2", "batch_size=2",
-            "precision=fp32", 'fields={"prompt": "question", "completion": "answer"}', "save_every=0"]
+            "precision=fp32", 'fields={"prompt": "question", "completion": "answer"}', "save_every=0",
+            f"eval_data={val}", "eval_every=1", "patience=3", "max_new_tokens=4"]
     for parallel in ("ddp", "fsdp"):
-        torchrun([*args, f"out={tmp_path / parallel}", f"parallel={parallel}"])
-    want, got = (load_file(tmp_path / p / "adapter" / "adapter_model.safetensors") for p in ("ddp", "fsdp"))
+        p = torchrun([*args, f"out={tmp_path / parallel}", f"parallel={parallel}"])
+        assert sum(ln.startswith("step 1: eval/rouge1") for ln in p.stdout.splitlines()) == 1, p.stdout
+    for folder in ("adapter", "best_adapter"):
+        want, got = (load_file(tmp_path / p / folder / "adapter_model.safetensors") for p in ("ddp", "fsdp"))
+        assert max_abs_diff(got, want) <= 1e-5, folder
+        assert (tmp_path / "fsdp" / folder / "tokenizer_config.json").is_file()
+    b = {k: t for k, t in want.items() if k.endswith("lora_B.weight") and ".block.0." in k}
+    assert b and all(float(t.abs().max()) > 0 for t in b.values())  # the root's blocks trained
+    for parallel in ("ddp", "fsdp"):
+        rows = (tmp_path / parallel / "predictions" / "step_0000002.jsonl").read_text().splitlines()
+        assert len(rows) == 4
+
+
+def test_evaluations_between_steps_under_fsdp_equal_one_process(tiny_model, tmp_path, capsys):
+    """An evaluation (no_grad forwards) before and between steps leaves FSDP's root gathered; the next
+    step must still reduce the root's gradients (the trained head here) into its shards."""
+    from minitrain.cli import run_cli
+
+    keys = ["modules_to_save=lm_head", "lr=1e-2", "eval_split=0.25", "eval_every=1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(cli_args(tiny_model, one, *keys)) == 0, capsys.readouterr().err
+    torchrun(cli_args(tiny_model, two, *keys, "parallel=fsdp"))
+    want = load_file(one / "adapter" / "adapter_model.safetensors")
+    got = load_file(two / "adapter" / "adapter_model.safetensors")
     assert max_abs_diff(got, want) <= 1e-5
+    rows = {d: [json.loads(ln) for ln in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "two")}
+    for a, b in zip(rows["one"], rows["two"], strict=True):
+        assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-5)

@@ -15,13 +15,14 @@ scores, to read what the model really says) and keeps the adapter of the best ev
 Generation is a function passed in (the engine never imports `models/`): `generate(model,
 input_ids, attention_mask, max_new_tokens=..., num_beams=...) -> (B, 1 + new) ids` whose first
 column is the decoder start token, as `models.t5.generate` returns. References are the eval
-labels decoded (what the loss trains on, after truncation to `max_target_len`). Single process:
-under several ranks, call it on every rank only if each generates the same set.
+labels decoded (what the loss trains on, after truncation to `max_target_len`). Under torchrun
+every rank calls the hook and generates the whole set (a sharded model needs every rank in each
+forward); rank 0 alone logs and writes, and `save_best` is called on every rank (it gathers a
+sharded adapter; rank 0 writes).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -33,7 +34,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from minitrain import distributed
 from minitrain.evaluate import rouge
+from minitrain.progress import log as log_rank0
 from minitrain.text.tokenizer import Tokenizer
 
 Generate = Callable[..., torch.Tensor]
@@ -205,7 +208,8 @@ class GenerationEval:
 
     examples: eval examples (`input_ids`, `labels`) from `minitrain.data.readers.read_seq2seq`.
     generate: see the module doc. save_best(model, folder): writes the adapter (and tokenizer) to
-        `folder`; called on a new best, into a fresh folder that then replaces `out/best_adapter`.
+        `folder`; called on a new best (on every rank under torchrun, writing from rank 0), into a
+        fresh folder that then replaces `out/best_adapter`.
     stopper: the metric to keep the best of and stop on; `metrics` from the loop (e.g. `eval/loss`)
         and this hook's ROUGE keys are both available to it.
     """
@@ -230,7 +234,7 @@ class GenerationEval:
         self.save_best, self.stopper = save_best, stopper
         self.options = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, num_beams=num_beams,
                             amp_dtype=amp_dtype)
-        self.log = log or functools.partial(print, flush=True)
+        self.log = log or log_rank0
         eos = [tok.eos_id] if tok.eos_id is not None else []
         # inputs as the model saw them, added tokens such as [Question] included
         self.inputs = [tok.decode(until_eos(ex["input_ids"], eos), skip_special=False) for ex in self.examples]
@@ -265,30 +269,40 @@ class GenerationEval:
         per_example = [rouge.score(ref, pred) for ref, pred in zip(self.references, preds)]
         n = max(len(per_example), 1)
         result: dict[str, Any] = {f"eval/{t}": sum(s[t].fmeasure for s in per_example) / n for t in rouge.ROUGE_TYPES}
-        _write_jsonl(self.out / PREDICTIONS_DIR / f"step_{step:07d}.jsonl", [
-            {"index": i, "input": src, "prediction": pred, "reference": ref,
-             **{t: s[t].fmeasure for t in rouge.ROUGE_TYPES}}
-            for i, (src, pred, ref, s) in enumerate(zip(self.inputs, preds, self.references, per_example))])
+        rows = [{"index": i, "input": src, "prediction": pred, "reference": ref,
+                 **{t: s[t].fmeasure for t in rouge.ROUGE_TYPES}}
+                for i, (src, pred, ref, s) in enumerate(zip(self.inputs, preds, self.references, per_example))]
+        distributed.main_only(lambda: _write_jsonl(self.out / PREDICTIONS_DIR / f"step_{step:07d}.jsonl", rows))
         return result
 
     def _keep_best(self, model: nn.Module, step: int, value: float) -> None:
-        """Write the adapter into a fresh folder, then swap it in for `out/best_adapter`."""
+        """Write the adapter into a fresh folder, then swap it in for `out/best_adapter` (the files: rank 0)."""
         best, tmp, old = self.out / BEST_DIR, self.out / f".{BEST_DIR}.tmp", self.out / f".{BEST_DIR}.old"
-        for d in (tmp, old):
-            shutil.rmtree(d, ignore_errors=True)
-        self.save_best(model, tmp)
-        (tmp / BEST_FILE).write_text(json.dumps({"step": step, "metric": self.stopper.metric, "value": value,
-                                                 "mode": self.stopper.mode}) + "\n")
-        if best.exists():
-            best.rename(old)
-        tmp.rename(best)
-        shutil.rmtree(old, ignore_errors=True)
+
+        def clear() -> None:
+            for d in (tmp, old):
+                shutil.rmtree(d, ignore_errors=True)
+
+        def swap_in() -> None:
+            (tmp / BEST_FILE).write_text(json.dumps({"step": step, "metric": self.stopper.metric, "value": value,
+                                                     "mode": self.stopper.mode}) + "\n")
+            if best.exists():
+                best.rename(old)
+            tmp.rename(best)
+            shutil.rmtree(old, ignore_errors=True)
+
+        distributed.main_only(clear)
+        self.save_best(model, tmp)  # every rank: a sharded adapter is gathered for rank 0
+        distributed.main_only(swap_in)
 
     def _resume(self, step: int) -> None:
         self._replayed = True
         n = self.stopper.replay(_read_metrics(self.out / "metrics.jsonl"), before_step=step)
         if n:
             self.log(f"early stopping: {n} earlier evaluations replayed — {self.stopper.describe()}")
+        distributed.main_only(self._drop_later_best)
+
+    def _drop_later_best(self) -> None:
         best = self.out / BEST_DIR
         if (best / BEST_FILE).is_file():
             kept = json.loads((best / BEST_FILE).read_text()).get("step")

@@ -27,6 +27,7 @@ from minitrain.adapters.lora import trainable_report
 from minitrain.adapters.quant import INSTALL, require_bitsandbytes
 from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import collate_causal
+from minitrain.distributed import main_only
 from minitrain.errors import UserError
 from minitrain.objectives.ard import ARDObjective, PriorSchedule, dataset_target_tokens, uncertainty_eval
 from minitrain.progress import log
@@ -122,7 +123,7 @@ def run(config: ARDConfig) -> dict:
     if config.resume:
         schedule.restore(model, checkpoint.read_state(out)["step"])  # the prior as it was at the checkpoint's step
     else:
-        (out / ARD_LOG).unlink(missing_ok=True)
+        main_only(lambda: (out / ARD_LOG).unlink(missing_ok=True))  # (rank 0 writes it)
     device = next(model.parameters()).device
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = build_optimizer(named, config.weight_decay, config.lr, device)  # the loop's own default

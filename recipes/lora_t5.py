@@ -211,8 +211,7 @@ def run(config: Seq2SeqConfig) -> dict:
         return evaluate_only(config, job, eval_fn=lambda m, step, row: rouge.score(m, step))
     out = prepare_out_dir(config, job)
     if not config.resume:  # no stale best adapter or predictions beside a new run
-        for stale in (BEST_DIR, PREDICTIONS_DIR):
-            shutil.rmtree(out / stale, ignore_errors=True)
+        main_only(lambda: [shutil.rmtree(out / stale, ignore_errors=True) for stale in (BEST_DIR, PREDICTIONS_DIR)])
 
     def save_with_tokenizer(m, folder: Path) -> None:  # every rank calls it; rank 0 writes
         write_adapter(m, folder, lora)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from minitrain import checkpoint
+from minitrain import checkpoint, distributed
 from minitrain.adapters.ard import ard_kl, gates, load_prior_state, prior_state, relevance, update_prior
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.errors import UserError
@@ -170,8 +170,9 @@ class PriorSchedule:
         self.log(f"step {step}: ARD prior re-estimated; {row['kept_ranks']} rank components with alpha < 1e3"
                  + (f"; held-out acc {row['acc']:.4f} nll {row['nll']:.4f} ece {row['ece']:.4f}" if "acc" in row else ""))
         row["alpha"] = prior_state(model)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if distributed.rank() == 0:  # (under torchrun every rank re-estimates the same prior)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
         return row
 
     def attach(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

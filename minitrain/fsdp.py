@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -114,6 +115,8 @@ def reshard(model: nn.Module) -> None:
     a forward without one (an evaluation) the root's attributes are the gathered copies. Whoever then
     collects the parameters (the optimizer, a checkpoint, a save) would hold copies that FSDP never
     reduces into (a trained head that never moved); after each evaluation the loop calls this."""
+    if "torch.distributed.fsdp" not in sys.modules:  # nothing was sharded (and a plain run imports no FSDP)
+        return
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():

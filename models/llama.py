@@ -531,6 +531,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     # BENCHMARKS.md). And for tables that require grad, which ours never do.
     if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:
         return x * cos + rotate_half(x) * sin
+    if not torch.is_grad_enabled():  # (generation: no graph, so no autograd.Function call to pay for)
+        return _rotate(x, cos, sin)
     return _Rotary.apply(x, cos, sin)
 
 
@@ -770,9 +772,13 @@ class LlamaAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         n_rep = self.n_heads // self.n_kv
+        if cache is not None and not return_probs:  # decoding: SDPA reads the shared heads in place
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
         y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -26,7 +26,7 @@ every `log_completions_every` steps; with `eval_data`, `eval/reward` is the held
 greedy completions, before step 1 and every `eval_every` steps (also in out/eval.jsonl).
 
 Under torchrun (parallel=ddp) each rank samples the completions of its own prompts: a group never
-spans ranks, and `scale_rewards=batch` uses each rank's share of the batch.
+spans ranks, and `scale_rewards=batch` divides by the std of the whole batch (every rank's rewards).
 
 The built-in demo (no model, data or eval_data on the command line) trains demo/grpo/ (written by
 tools/make_grpo_demo.py): a tiny LLaMA asked for the last digit of a sum, which answers carelessly

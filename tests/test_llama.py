@@ -346,6 +346,7 @@ def check_padded_batch_equals_each_row_alone(model, padding: str) -> None:
     states and every parameter's gradient must equal those of each row run alone, with no padding
     at all (the definition of what padding must not change); padding positions come out as 0."""
     model.train()
+    T = ml.RAGGED_MIN_LENGTH + 4  # (shorter rows take the padded path)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (3, T), generator=g)
     mask = torch.ones(3, T, dtype=torch.long)
@@ -380,6 +381,14 @@ def check_padded_batch_equals_each_row_alone(model, padding: str) -> None:
 @pytest.mark.parametrize("name", ["gqa", "mistral_window", "qwen2_window", "qwen3"])
 def test_padded_batch_equals_each_row_alone(hf_causal, name, padding):
     check_padded_batch_equals_each_row_alone(load_ours(checkpoint(hf_causal, name)), padding)
+
+
+def test_short_rows_take_the_padded_path():
+    """Under `RAGGED_MIN_LENGTH` positions the per-sequence loop costs more than the padding it skips."""
+    valid = torch.ones(4, ml.RAGGED_MIN_LENGTH, dtype=torch.bool)
+    valid[0, :3] = False
+    assert ml.unpadded_lengths(valid, True, None) == (ml.RAGGED_MIN_LENGTH - 3,) + (ml.RAGGED_MIN_LENGTH,) * 3
+    assert ml.unpadded_lengths(valid[:, 1:], True, None) is None
 
 
 def test_ragged_lengths_refuses_a_hole():

@@ -389,6 +389,9 @@ def test_short_rows_take_the_padded_path():
     valid[0, :3] = False
     assert ml.unpadded_lengths(valid, True, None) == (ml.RAGGED_MIN_LENGTH - 3,) + (ml.RAGGED_MIN_LENGTH,) * 3
     assert ml.unpadded_lengths(valid[:, 1:], True, None) is None
+    from minitrain.plan.decoder import ModelShape
+
+    assert ModelShape.UNPADS_FROM == ml.RAGGED_MIN_LENGTH  # the memory plan counts the same padding
 
 
 def test_ragged_lengths_refuses_a_hole():

@@ -96,7 +96,7 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
         raise UserError("finetune=full: the memory plan models full fine-tuning of LLaMA / Mistral only — "
                         "memory_check=false skips the plan")
     if run.real_tokens is not None:  # padding that only the decoder-only families on a CPU leave out
-        if run.device == "cpu" and getattr(model, "UNPADS_ON_CPU", False):
+        if run.device == "cpu" and getattr(model, "UNPADS_ON_CPU", False) and run.seq >= model.UNPADS_FROM:
             windowed = model.sliding_window is not None and model.sliding_window < run.seq
             run = replace(run, mask=run.mask and windowed)
         else:

@@ -138,5 +138,5 @@ def run(config: ARDConfig) -> dict:
         summary.update({f"eval/{k}": v for k, v in final.items()})
     fold_gates(model)  # the PEFT adapter below is then the posterior mean
     finish(model, config, job.lora, summary)
-    save_gates(model, out / ADAPTER_DIR / "ard_gates.safetensors")
+    main_only(lambda: save_gates(model, out / ADAPTER_DIR / "ard_gates.safetensors"))  # (rank 0: one file)
     return summary

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import models
-from minitrain.objectives.grpo import completion_logps, group_advantages, grpo_loss
+from minitrain.objectives.grpo import completion_logps, group_advantages, grpo_loss, shared_prompt_layout
 from minitrain.weights import load_pretrained
 
 TEMPERATURE = 0.7
@@ -105,8 +105,10 @@ def test_loss_and_gradients_equal_trl(trainer, loss_type, beta, old, eps_high):
 
     for p in ours.parameters():
         p.requires_grad_(True)
+    # the graph through the shared-prompt layout (each prompt once for its G = 2 rows), as a run takes it
+    assert shared_prompt_layout(prompt_ids, prompt_mask, completion_mask, 2, ours.config.hidden_size) is not None
     logps, ent = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE,
-                                  entropy=True)
+                                  entropy=True, group=2)
     loss_sum, count, stats = grpo_loss(logps, advantages, completion_mask, old_logps=old_logps, ref_logps=ref_logps,
                                        loss_type=loss_type, epsilon=0.2, epsilon_high=eps_high or 0.0, beta=beta,
                                        max_completion_length=MAX_COMPLETION)
@@ -338,3 +340,47 @@ def test_rollout_reuse_and_masked_truncation_equal_trl(hf_causal, tmp_path, monk
         t._step += 1
     assert losses[1] != pytest.approx(losses[0], abs=1e-4)  # step 2: the moved policy against the old log-probs
     assert objective.calls == 2 and metrics["clip_ratio/region_mean"] >= 0
+
+
+def test_the_shared_prompt_layout_gives_each_rows_log_probs_and_gradients(hf_causal):
+    """GRPO's G rows of a prompt run it once (`shared_prompt_layout`): log-probs, entropies and every
+    gradient equal the padded batch's, a truncated completion whose mask is 0 included; rows whose
+    prompts differ, and long completions (where one row of G is dearer), keep the padded batch."""
+    model = load_pretrained(hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2), models.from_hf_config)
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    g = torch.Generator().manual_seed(3)
+    G, P, C = 4, 7, 9
+    prompts = torch.randint(3, 100, (3, P), generator=g)
+    prompt_mask = torch.ones(3, P, dtype=torch.long)
+    prompt_mask[0, :3], prompt_mask[2, :1] = 0, 0  # left padding
+    prompt_ids = (prompts * prompt_mask).repeat_interleave(G, 0)
+    prompt_mask = prompt_mask.repeat_interleave(G, 0)
+    completion_ids = torch.randint(3, 100, (3 * G, C), generator=g)
+    lengths = torch.randint(1, C + 1, (3 * G,), generator=g)
+    lengths[5] = 0  # a truncated completion under mask_truncated_completions
+    completion_mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    weights = torch.randn(3 * G, C, generator=g)
+
+    def run(group):
+        model.zero_grad()
+        logps, ent = completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7,
+                                      entropy=True, group=group)
+        (logps * weights).sum().backward()
+        return logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    assert shared_prompt_layout(prompt_ids, prompt_mask, completion_mask, G, model.config.hidden_size) is not None
+    (a, ea, ga), (b, eb, gb) = run(1), run(G)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eb, ea, atol=1e-5, rtol=1e-5)
+    assert set(ga) == set(gb) and len(ga) > 0
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert float(a[completion_mask.bool()].abs().min()) > 0  # real log-probs, not zeros
+    # rows of a group with different prompts, or completions so long that G of them in a row cost more
+    other = prompt_ids.clone()
+    other[1, -1] += 1
+    assert shared_prompt_layout(other, prompt_mask, completion_mask, G, model.config.hidden_size) is None
+    long_mask = torch.ones(3 * G, 4000, dtype=torch.long)
+    assert shared_prompt_layout(prompt_ids, prompt_mask, long_mask, G, model.config.hidden_size) is None

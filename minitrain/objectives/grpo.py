@@ -138,18 +138,78 @@ class _Tempered(nn.Module):
         return self.head(h) / self.temperature
 
 
+def shared_prompt_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor,
+                         group: int, width: int = 0) -> dict[str, Any] | None:
+    """One row per group of `group` rows that share their prompt: the prompt's real tokens once, then
+    each completion's real tokens, each at the positions that follow the prompt and attending to the
+    prompt and to itself only (a causal model gives every token the hidden state it has in its own
+    row). Returns `rows` (B, T) indices into [prompt_ids | completion_ids] flattened (N, P + C),
+    `position_ids` and `block_mask` (B, 1, T, T), and `predicts` (N, C): the flat (B * T) position
+    whose hidden state predicts each completion token. None when the rows' prompts differ, or when
+    the layout costs more than the padded batch: positions x 7 `width` (the multiply-adds of a
+    block's linears per position, over those of one attention entry, for an MLP ~3.5x as wide) plus
+    attention entries, B x T against N x (P + C) positions (long completions make one row of G of
+    them the dearer layout: its attention grows with the square of G x C)."""
+    N, P = prompt_ids.shape
+    C = completion_mask.shape[1]
+    if group < 2 or N % group:
+        return None
+    B = N // group
+    firsts = prompt_ids[::group].repeat_interleave(group, 0)
+    if not (torch.equal(prompt_ids, firsts) and torch.equal(prompt_mask, prompt_mask[::group].repeat_interleave(group, 0))):
+        return None
+    p_len = prompt_mask[::group].sum(1).tolist()
+    c_len = completion_mask.sum(1).tolist()
+    T = max(p + sum(c_len[g * group : (g + 1) * group]) for g, p in enumerate(p_len))
+    if B * T * (7 * width + T) > N * (P + C) * (7 * width + P + C):
+        return None
+    rows, pos, seg = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
+    predicts = torch.zeros(N, C, dtype=torch.long)
+    for g, p in enumerate(p_len):
+        row = g * group  # the group's first row: its prompt tokens are the last p of its P slots
+        rows[g, :p] = torch.arange(row * (P + C) + P - p, row * (P + C) + P)
+        pos[g, :p] = torch.arange(p)
+        seg[g, :p] = 0
+        at = p
+        for j in range(group):
+            n = int(c_len[row + j])
+            rows[g, at : at + n] = torch.arange((row + j) * (P + C) + P, (row + j) * (P + C) + P + n)
+            pos[g, at : at + n] = torch.arange(p, p + n)
+            seg[g, at : at + n] = j + 1
+            # token t of completion j is predicted by the prompt's last position (t = 0), else by token t - 1
+            if n:
+                predicts[row + j, :n] = g * T + torch.cat([torch.tensor([p - 1]), torch.arange(at, at + n - 1)])
+            at += n
+    idx = torch.arange(T)
+    causal = idx[None, :] <= idx[:, None]  # (T, T)
+    same = seg[:, :, None] == seg[:, None, :]
+    allowed = causal[None] & (same | (seg[:, None, :] == 0)) & (seg[:, :, None] >= 0) & (seg[:, None, :] >= 0)
+    allowed |= torch.eye(T, dtype=torch.bool)[None]  # every query sees itself (padding rows: no empty row)
+    return {"rows": rows, "position_ids": pos, "block_mask": allowed[:, None], "predicts": predicts}
+
+
 def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                      completion_ids: torch.Tensor, completion_mask: torch.Tensor, temperature: float = 1.0,
-                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy: bool = False, group: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(completion token t | prompt, completion < t) under softmax(logits / temperature): (B, C) fp32,
     0 where completion_mask is 0; and, with `entropy`, each position's entropy (B, C), without a graph.
 
     prompt_ids (B, P) left-padded, completion_ids (B, C) right-padded. One forward of [prompt;
-    completion]; logits only for the completion positions, in chunks (never B x T x V)."""
+    completion]; logits only for the completion positions, in chunks (never B x T x V). `group`: rows
+    come in groups of that many sharing their prompt (GRPO's G), which then runs once per group
+    (`shared_prompt_layout`) where that is the cheaper layout; the values are the same."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    mask = torch.cat([prompt_mask, completion_mask], dim=1)
     C = completion_ids.shape[1]
-    hidden = model(ids, mask)[:, -C - 1 : -1]  # (B, C, D): position t predicts completion token t
+    width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
+    layout = shared_prompt_layout(prompt_ids, prompt_mask, completion_mask, group, width)
+    if layout is not None:
+        dev = ids.device
+        shared = model(ids.reshape(-1)[layout["rows"].to(dev)], layout["block_mask"].to(dev),
+                       position_ids=layout["position_ids"].to(dev))  # (B, T, D)
+        hidden = shared.flatten(0, 1)[layout["predicts"].to(dev)]  # (N, C, D)
+    else:
+        mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        hidden = model(ids, mask)[:, -C - 1 : -1]  # (B, C, D): position t predicts completion token t
     head = model.output_projection
     head = head if temperature == 1.0 else _Tempered(head, temperature)
     labels = completion_ids.masked_fill(completion_mask == 0, -100)
@@ -323,7 +383,7 @@ class GRPOObjective:
 
     def _logps(self, model: nn.Module, r: dict[str, Any], entropy: bool = False):
         return completion_logps(model, r["prompt_ids"], r["prompt_mask"], r["completion_ids"], r["completion_mask"],
-                                self.cfg.temperature, entropy)
+                                self.cfg.temperature, entropy, group=self.cfg.num_generations)
 
     # -- the loss on a rollout: the graph
     def loss(self, model: nn.Module, r: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:

@@ -582,6 +582,14 @@ class KVCache:
     def end(self, n_new: int) -> None:
         self.length += n_new
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows `index` (1-D, in that order): decoding goes on without finished rows."""
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                store[layer] = t.index_select(0, index)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, index)
+
     def repeat_rows(self, n: int) -> None:
         """Each row's slots repeated n times in its place (row i -> rows i*n .. i*n+n-1): a prompt
         prefilled once, then continued n ways (GRPO's G completions of one prompt)."""

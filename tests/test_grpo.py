@@ -384,3 +384,39 @@ def test_the_shared_prompt_layout_gives_each_rows_log_probs_and_gradients(hf_cau
     assert shared_prompt_layout(other, prompt_mask, completion_mask, G, model.config.hidden_size) is None
     long_mask = torch.ones(3 * G, 4000, dtype=torch.long)
     assert shared_prompt_layout(prompt_ids, prompt_mask, long_mask, G, model.config.hidden_size) is None
+
+
+def test_finished_rows_leave_the_batch_and_change_no_completion(hf_causal):
+    """Once half the rows decoded have ended, they leave the batch with their cache slots
+    (`KVCache.keep_rows`): greedy completions, masks and truncation equal those of the batch kept whole."""
+    from minitrain.objectives.sampling import sample
+
+    model = load_pretrained(hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2), models.from_hf_config)
+    model.train()
+    kv = models.family(model).KVCache
+    calls = []
+
+    class Whole(kv):  # no keep_rows: every row decoded to the end
+        keep_rows = property(lambda self: (_ for _ in ()).throw(AttributeError("keep_rows")))
+
+    class Counted(kv):
+        def keep_rows(self, index):
+            calls.append(index.numel())
+            super().keep_rows(index)
+
+    g = torch.Generator().manual_seed(5)
+    prompt_ids = torch.randint(3, 100, (4, 6), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[1, :2] = 0
+    free = sample(model, prompt_ids, prompt_mask, new_cache=Whole, num_generations=3, max_new_tokens=10, greedy=True)
+    # ids that end prompts 0 and 1 early (their G rows at once: greedy) but never appear for prompts 2 and 3
+    late = set(free.ids[6:].flatten().tolist())
+    eos = [t for t in (int(free.ids[0, 2]), int(free.ids[3, 4])) if t not in late]
+    assert eos
+    a = sample(model, prompt_ids, prompt_mask, new_cache=Whole, num_generations=3, max_new_tokens=10, greedy=True,
+               eos_ids=eos)
+    b = sample(model, prompt_ids, prompt_mask, new_cache=Counted, num_generations=3, max_new_tokens=10, greedy=True,
+               eos_ids=eos)
+    assert calls and calls[0] < 12  # the batch shrank
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and torch.equal(a.truncated, b.truncated)
+    assert bool(a.truncated.any()) and not bool(a.truncated.all())  # some ended, some ran to the limit

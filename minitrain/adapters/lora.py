@@ -297,8 +297,12 @@ class LoRALinear(nn.Module):
         x = x.reshape(-1, x.shape[-1])  # (rows, in): the base output below is then no view
         out = self.base_forward(x)  # (rows, out) in the base output dtype
         a = self.lora_A.weight
-        h = self.lora_dropout(x.to(a.dtype))  # (rows, in) in the adapter dtype
-        z = self.lora_A(h) * self.scaling  # (rows, r): the scaling costs r, not out, per row
+        h = x.to(a.dtype)  # (rows, in) in the adapter dtype
+        drop = self.lora_dropout
+        if torch.is_grad_enabled() or (drop.training and getattr(drop, "p", 0.0)):
+            z = self.lora_A(drop(h)) * self.scaling  # (rows, r): the scaling costs r, not out, per row
+        else:  # no graph and no dropout (sampling, evaluation): the same product without two module calls
+            z = F.linear(h, a) * self.scaling
         if z.dtype != out.dtype:  # e.g. a bf16 base with fp32 adapters outside autocast
             return (out + self.lora_B(z).to(out.dtype)).view(*lead, -1)
         # z @ B.T accumulated into `out` itself by one GEMM: no (rows, out) delta, no copy, no add pass.

@@ -7,7 +7,9 @@ The engine never imports `models/`: the recipe passes the family's cache class i
 (`model(ids, mask, cache=cache) -> hidden`, `model.output_projection`). Prompts are left-padded and
 prefilled once each; the cache is then repeated G times (`cache.repeat_rows(G)`: rows `i * G .. i * G +
 G - 1` are prompt i's group) and every row decoded one token per step; a row stops at its first eos / end-of-turn id and is
-padded after it; decoding stops when every row has or at `max_new_tokens`.
+padded after it; decoding stops when every row has or at `max_new_tokens`. Once the finished rows are
+half of those still decoded, they leave the batch, their cache slots with them (`cache.keep_rows`):
+short answers then stop costing the long ones' steps.
 
 Sampling follows transformers' logits processors in their order: logits / temperature, then top-k,
 then top-p (the smallest set of most likely tokens whose probability reaches top_p; the most likely
@@ -85,19 +87,26 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
             hidden = model(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0).long(),
                            cache=cache)[:, -1]
         step_mask = torch.ones(N, 1, dtype=torch.long, device=device)
+        rows = torch.arange(N, device=device)  # the output row of each row still decoded
         for t in range(max_new_tokens):
-            logits = model.output_projection(hidden).float()  # (N, V)
+            logits = model.output_projection(hidden).float()  # (n, V)
             if greedy:
                 token = logits.argmax(-1)
             else:
                 probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (N,)
-            token = torch.where(done, torch.full_like(token, pad_id), token)
-            out[:, t] = token
-            length += (~done).long()
-            done = done | torch.isin(token, eos)
-            if bool(done.all()) or t == max_new_tokens - 1:
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (n,)
+            live = ~done[rows]
+            token = torch.where(live, token, torch.full_like(token, pad_id))
+            out[rows, t] = token
+            length[rows] += live.long()
+            done[rows] = ~live | torch.isin(token, eos)
+            n_done = int(done[rows].sum())
+            if n_done == rows.numel() or t == max_new_tokens - 1:
                 break
+            if 2 * n_done >= rows.numel() and hasattr(cache, "keep_rows"):  # drop the finished half and their cache
+                keep = (~done[rows]).nonzero().squeeze(1)
+                cache.keep_rows(keep)
+                rows, token, step_mask = rows[keep], token[keep], step_mask[keep]
             hidden = model(token[:, None], step_mask, cache=cache)[:, -1]
     C = int(length.max()) if N else 0
     keep = torch.arange(C, device=device)[None] < length[:, None]

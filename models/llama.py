@@ -610,6 +610,10 @@ def attention_mask_4d(key_valid: torch.Tensor, q_start: int, sliding_window: int
     """
     S = key_valid.shape[1]
     device = key_valid.device
+    if q_start == S - 1 and sliding_window is None:  # one new token (decoding): every real key, and itself
+        allowed = key_valid.clone()
+        allowed[:, -1] = True
+        return allowed[:, None, None]  # (B, 1, 1, S)
     q_idx = torch.arange(q_start, S, device=device)[:, None]  # (T, 1)
     kv_idx = torch.arange(S, device=device)[None, :]  # (1, S)
     allowed = kv_idx <= q_idx  # (T, S) causal

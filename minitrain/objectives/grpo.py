@@ -163,23 +163,23 @@ def shared_prompt_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, co
     T = max(p + sum(c_len[g * group : (g + 1) * group]) for g, p in enumerate(p_len))
     if B * T * (7 * width + T) > N * (P + C) * (7 * width + P + C):
         return None
-    rows, pos, seg = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
-    predicts = torch.zeros(N, C, dtype=torch.long)
+    rows, pos, seg = [], [], []  # per group: flat indices, positions, segment (0 prompt, j + 1 completion j, -1 pad)
+    predicts = [[0] * C for _ in range(N)]
     for g, p in enumerate(p_len):
-        row = g * group  # the group's first row: its prompt tokens are the last p of its P slots
-        rows[g, :p] = torch.arange(row * (P + C) + P - p, row * (P + C) + P)
-        pos[g, :p] = torch.arange(p)
-        seg[g, :p] = 0
-        at = p
+        first = g * group  # the group's first row: its prompt tokens are the last p of its P slots
+        r, q, sg = list(range(first * (P + C) + P - p, first * (P + C) + P)), list(range(p)), [0] * p
         for j in range(group):
-            n = int(c_len[row + j])
-            rows[g, at : at + n] = torch.arange((row + j) * (P + C) + P, (row + j) * (P + C) + P + n)
-            pos[g, at : at + n] = torch.arange(p, p + n)
-            seg[g, at : at + n] = j + 1
+            row, n = first + j, int(c_len[first + j])
             # token t of completion j is predicted by the prompt's last position (t = 0), else by token t - 1
             if n:
-                predicts[row + j, :n] = g * T + torch.cat([torch.tensor([p - 1]), torch.arange(at, at + n - 1)])
-            at += n
+                predicts[row][:n] = [g * T + p - 1] + [g * T + len(r) + t for t in range(n - 1)]
+            r += range(row * (P + C) + P, row * (P + C) + P + n)
+            q += range(p, p + n)
+            sg += [j + 1] * n
+        rows.append(r + [0] * (T - len(r)))
+        pos.append(q + [0] * (T - len(q)))
+        seg.append(sg + [-1] * (T - len(sg)))
+    rows, pos, seg, predicts = (torch.tensor(x, dtype=torch.long) for x in (rows, pos, seg, predicts))
     idx = torch.arange(T)
     causal = idx[None, :] <= idx[:, None]  # (T, T)
     same = seg[:, :, None] == seg[:, None, :]

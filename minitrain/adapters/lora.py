@@ -298,11 +298,11 @@ class LoRALinear(nn.Module):
         out = self.base_forward(x)  # (rows, out) in the base output dtype
         a = self.lora_A.weight
         h = x.to(a.dtype)  # (rows, in) in the adapter dtype
-        drop = self.lora_dropout
-        if torch.is_grad_enabled() or (drop.training and getattr(drop, "p", 0.0)):
-            z = self.lora_A(drop(h)) * self.scaling  # (rows, r): the scaling costs r, not out, per row
-        else:  # no graph and no dropout (sampling, evaluation): the same product without two module calls
-            z = F.linear(h, a) * self.scaling
+        drop, lora_a = self.lora_dropout, self.lora_A
+        if type(lora_a) is nn.Linear and not torch.is_grad_enabled() and not (drop.training and getattr(drop, "p", 0.0)):
+            z = F.linear(h, a) * self.scaling  # no graph, no dropout (sampling, evaluation): no module calls
+        else:  # (a gated `lora_A`, ARD's `RankGate`, has a forward of its own)
+            z = lora_a(drop(h)) * self.scaling  # (rows, r): the scaling costs r, not out, per row
         if z.dtype != out.dtype:  # e.g. a bf16 base with fp32 adapters outside autocast
             return (out + self.lora_B(z).to(out.dtype)).view(*lead, -1)
         # z @ B.T accumulated into `out` itself by one GEMM: no (rows, out) delta, no copy, no add pass.

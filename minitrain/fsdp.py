@@ -114,7 +114,8 @@ def reshard(model: nn.Module) -> None:
     sharded). FSDP2 leaves the root gathered after a forward, for the backward that reshards it; after
     a forward without one (an evaluation) the root's attributes are the gathered copies. Whoever then
     collects the parameters (the optimizer, a checkpoint, a save) would hold copies that FSDP never
-    reduces into (a trained head that never moved); after each evaluation the loop calls this."""
+    reduces into (a trained head that never moved): `train()` calls this before it collects them, and
+    after each evaluation."""
     if "torch.distributed.fsdp" not in sys.modules:  # nothing was sharded (and a plain run imports no FSDP)
         return
     from torch.distributed.fsdp import FSDPModule

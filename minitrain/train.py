@@ -690,7 +690,6 @@ def evaluate_once(
         extra = dict(eval_fn(model, 0, dict(row)))
         extra.pop("stop", None)
         row.update(extra)
-    fsdp.reshard(model)  # the shards back in place: train() collects the parameters to step from the model
     log("step 0: " + " | ".join(f"{k} {v:.4f}" for k, v in row.items() if isinstance(v, int | float)))
     return row
 

@@ -792,14 +792,13 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         n_rep = self.n_heads // self.n_kv
-        if cache is not None and not return_probs:  # decoding: SDPA reads the shared heads in place
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1)
-            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-        y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
+        if cache is not None and not return_probs:  # decoding: SDPA reads the shared heads in place
+            y, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1), None
+        else:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
+            y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return (y, probs) if return_probs else y
 

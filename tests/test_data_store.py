@@ -171,7 +171,7 @@ def test_batcher_layout_keeps_the_order_it_had(n, bs, group, shuffle, drop_last)
 def test_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
     """A run killed mid-way and resumed, reading the store (2 workers, eval_split views), ends bitwise
     equal to an uninterrupted run on today's in-memory lists: metrics, weights and RNG."""
-    from test_resume import Killed, killing, model_state
+    from test_resume import Killed, assert_same_weights, killing, steady
     from test_train import TinyLM, cfg_for, collate, freeze_embeddings, quiet, rows
 
     bpe = Tokenizer.from_folder(make_bpe_tokenizer(tmp_path / "bpe"))  # vocab 128
@@ -196,11 +196,8 @@ def test_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
     torch.manual_seed(1234)
     resumed = model()
     train(resumed, sft, train_s, collate, dataclasses.replace(cfg_b, resume=True), eval_examples=eval_s, log=quiet)
-    strip = ("tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb")
-    assert [{k: v for k, v in r.items() if k not in strip} for r in rows(Path(cfg_b.out))] == \
-           [{k: v for k, v in r.items() if k not in strip} for r in rows(Path(cfg.out))]
-    for k, v in model_state(straight).items():
-        assert torch.equal(model_state(resumed)[k], v), k
+    assert steady(rows(Path(cfg_b.out))) == steady(rows(Path(cfg.out)))
+    assert_same_weights(resumed, straight)
     assert torch.equal(torch.rand(4), after)
 
 
@@ -475,7 +472,7 @@ def test_kto_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
     ends bitwise equal to an uninterrupted run on the in-memory lists: metrics, eval rows, weights and RNG."""
     from functools import partial
 
-    from test_resume import Killed, model_state
+    from test_resume import Killed, assert_same_weights, steady
     from test_train import TinyLM, cfg_for, freeze_embeddings, quiet, rows
 
     from minitrain.objectives.kto import KTOObjective, add_kl_rows, collate_kto
@@ -521,13 +518,10 @@ def test_kto_resumed_run_on_the_store_is_bitwise_the_in_memory_run(tmp_path):
     resumed = model()
     train(resumed, KTOObjective(0.1), ours[0], collate, dataclasses.replace(cfg_b, resume=True),
           eval_examples=ours[1], log=quiet)
-    strip = ("tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb")
     got, want = rows(Path(cfg_b.out)), rows(Path(cfg.out))
     assert len(want) >= 5 and any("eval/loss" in r for r in want) and any("kl" in r for r in want)
-    assert [{k: v for k, v in r.items() if k not in strip} for r in got] == \
-           [{k: v for k, v in r.items() if k not in strip} for r in want]
-    for k, v in model_state(straight).items():
-        assert torch.equal(model_state(resumed)[k], v), k
+    assert steady(got) == steady(want)
+    assert_same_weights(resumed, straight)
     assert torch.equal(torch.rand(4), after)
 
 

@@ -99,12 +99,13 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
             token = torch.where(live, token, torch.full_like(token, pad_id))
             out[rows, t] = token
             length[rows] += live.long()
-            done[rows] = ~live | torch.isin(token, eos)
-            n_done = int(done[rows].sum())
+            ended = ~live | torch.isin(token, eos)
+            done[rows] = ended
+            n_done = int(ended.sum())
             if n_done == rows.numel() or t == max_new_tokens - 1:
                 break
             if 2 * n_done >= rows.numel() and hasattr(cache, "keep_rows"):  # drop the finished half and their cache
-                keep = (~done[rows]).nonzero().squeeze(1)
+                keep = (~ended).nonzero().squeeze(1)
                 cache.keep_rows(keep)
                 rows, token, step_mask = rows[keep], token[keep], step_mask[keep]
             hidden = model(token[:, None], step_mask, cache=cache)[:, -1]

@@ -4,7 +4,7 @@
                           [--steps 10] [--batch 4] [--accum 1] [--dpo-steps 8] [--dpo-batch 2] [--dpo-accum 1]
                           [--max-len 384] [--layers 4] [--dim 256] [--ffn 688] [--heads 4] [--kv-heads 4]
                           [--vocab 32000] [--lora-r 16] [--targets q_proj,k_proj,v_proj,o_proj,...]
-    python tools/bench.py --gpu-dpo-7b [--seq 1024] [--dpo-steps 3] [--out FILE.json]   (CUDA only)
+    python tools/bench.py --gpu-dpo-7b [--seq 1024] [--dpo-steps 3] [--compile] [--out FILE.json]   (CUDA only)
     python tools/bench.py --profile mt-sft|mt-dpo   (one minitrain run under cProfile: the top functions)
     python tools/bench.py --sampler [--gen-batch 8] [--gen-prompt 32] [--gen-new 64]   (GRPO's sampler vs generate)
 
@@ -788,7 +788,7 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
     cfg = DPOConfig(out=str(out), max_steps=a.dpo_steps, batch_size=1, grad_accum=1, lr=5e-6, warmup=0,
                     schedule="constant", max_len=seq, precision="bf16", checkpointing=True, lora_r=16,
                     lora_alpha=32.0, lora_targets=list(targets), quantize="nf4", device=str(device), beta=0.1,
-                    save_every=0, log_every=1)
+                    save_every=0, log_every=1, compile=a.compile)
     objective = make_dpo_objective(cfg.beta, reference=make_reference(model, ""))
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -798,7 +798,7 @@ def gpu_dpo_7b(a: argparse.Namespace) -> int:
     summary = train(model, objective, examples, lambda b: collate_with_reference(b, 0), cfg, out_dir=out)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "seq": seq,
               "steps": summary["step"], "seconds": time.perf_counter() - t0, "targets": list(targets),
-              "shape": "tiny" if a.tiny else "mistral-7b"}
+              "shape": "tiny" if a.tiny else "mistral-7b", "compile": a.compile}
     if device.type == "cuda":
         result.update(weights_and_adapters_bytes=before, max_allocated_bytes=torch.cuda.max_memory_allocated(),
                       max_reserved_bytes=torch.cuda.max_memory_reserved())
@@ -866,6 +866,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compile", action="store_true", help="--gpu-dpo-7b: torch.compile each block")
     p.add_argument("--out", metavar="FILE.json")
     return p.parse_args(argv)
 

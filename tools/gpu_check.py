@@ -1,26 +1,38 @@
-"""Everything only a GPU can show, in one command (2.5 minutes on one H200, 26 Nov 2026):
+"""Everything only a GPU can show, in one command:
 
-    python tools/gpu_check.py [--write BENCHMARKS.md] [--sft-steps 8] [--sft-rows 4] [--sft-seq 1024] [--skip-hf]
-                              [--logs DIR]
+    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo] [--write BENCHMARKS.md] [--logs DIR]
+                              [--sft-steps 8] [--sft-rows 4] [--sft-seq 1024] [--skip-hf]
+    python tools/gpu_check.py --tiny [--write FILE]   # every part on tiny shapes (on the CPU without a GPU)
 
-1. the CUDA tests (`tests/test_cuda.py`): bf16 autocast close to fp32, per-block `torch.compile`
-   with non-reentrant checkpointing giving eager's gradients, nf4 / int8 QLoRA equal to peft +
-   bitsandbytes on CUDA;
-2. QLoRA DPO on a Mistral-7B shape (random weights, nf4, seq 1024, checkpointing, one pair):
-   `torch.cuda.max_memory_allocated` against `minitrain.plan`'s prediction (target <= 8 GB),
-   through `tools/bench.py --gpu-dpo-7b`;
-3. LoRA SFT on a Llama-3-8B shape (random bf16 weights, LoRA r=16 on all seven linears,
-   checkpointing and per-block compile, `--sft-rows` x `--sft-seq` tokens a step) through
-   `minitrain.train.train`: tokens/s, MFU (`minitrain.plan.flops`: model FLOPs / s / the device's dense
-   bf16 peak) and peak memory; beside it, in the same run, the HF stack on the same shape and
-   batch (transformers `LlamaForCausalLM` + peft, gradient checkpointing, torch's fused AdamW),
-   with the same FLOPs count for its MFU.
+Parts (each side of each comparison in its own process, so that its peak memory is its own):
 
-Each part runs in its own process (peak memory is its own). The results go to a dated section
-between `<!-- gpu:begin -->` and `<!-- gpu:end -->` of `--write` (BENCHMARKS.md by default; the
-markers are appended when absent); `--logs DIR` keeps each part's whole output there (tests.log,
-dpo.log, mt_sft.log, hf_sft.log). Without CUDA it prints `skipped: ...`, writes nothing and exits
-0 (tested in CI: `tests/test_gpu_check.py`).
+1. `tests`: the CUDA tests (`tests/test_cuda.py`): bf16 autocast, per-block compile with checkpointing,
+   nf4 / int8 QLoRA against peft + bitsandbytes, FlexAttention on packed rows against the padded batch,
+   a one-GPU FSDP2 + nf4 run equal to the plain QLoRA run;
+2. `dpo`: QLoRA DPO on a Mistral-7B shape (random weights, nf4, seq 1024, checkpointing, one pair):
+   peak memory against `minitrain.plan`'s prediction (target <= 8 GB), eager and with per-block compile
+   (`tools/bench.py --gpu-dpo-7b [--compile]`);
+3. `sft`: LoRA SFT on a Llama-3-8B shape (random bf16 weights, r=16 on all seven linears, `--sft-rows` x
+   `--sft-seq` tokens a step) through `minitrain.train.train`, one lever at a time (`SFT_VARIANTS`: the
+   plan's choice of checkpointing, checkpointing on every block, none, eager blocks), beside the HF
+   stack on the same shape and batch (transformers + peft with gradient checkpointing and torch's fused
+   AdamW; the same with Liger kernels when `liger-kernel` is installed, the bench extra);
+4. `packed`: the same shape on rows of mixed lengths (64 .. `--sft-seq`): minitrain's padded batch,
+   minitrain's packed rows (`packing=true`, FlexAttention), transformers + peft's padded batch;
+   tokens/s counts real tokens;
+5. `qlora`: the 8B shape with an nf4 base: minitrain against transformers + bitsandbytes + peft;
+6. `grpo`: GRPO on a Qwen2.5-1.5B shape: the sampler's tokens/s against transformers' `generate`
+   (same weights, batch, KV cache; greedy, no eos), and one GRPO step's time split into generation and
+   training (policy forward, loss, backward).
+
+Tokens/s, MFU (`minitrain.plan.flops`: model FLOPs / s / the device's dense bf16 peak, the same count
+for both stacks) and peak allocated memory go to a dated section between `<!-- gpu:begin -->` and
+`<!-- gpu:end -->` of `--write` (BENCHMARKS.md by default; the markers are appended when absent);
+`--logs DIR` keeps each part's whole output. Without CUDA it prints `skipped: ...`, writes nothing and
+exits 0, unless `--tiny`: then the same code runs on tiny shapes on the CPU (no compile, no Liger), which
+CI runs to keep this script working between GPU sessions (`tests/test_gpu_check.py`); its figures mean
+nothing. Expected time with every part: 6-9 minutes on one H100 (an estimate: the parts added on 27 Nov
+have not run on a GPU yet; the 26 Nov three-part check took 2.5 minutes on an H200).
 """
 
 from __future__ import annotations
@@ -42,128 +54,297 @@ BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
                  rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=128000, eos_token_id=128001)
+QWEN2_1_5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+                  bos_token_id=151643, eos_token_id=151645)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PARTS = ("tests", "dpo", "sft", "packed", "qlora", "grpo")
 GB = 1e9
 
+# one lever at a time: TrainConfig keys over the base (bf16, per-block compile on CUDA)
+SFT_VARIANTS = {
+    "plan": ("minitrain, checkpointing as the plan fits it", {"checkpointing": False, "auto_fit": True}),
+    "ckpt": ("minitrain, checkpointing every block", {"checkpointing": True}),
+    "none": ("minitrain, no checkpointing", {"checkpointing": False, "memory_check": False}),
+    "eager": ("minitrain, every block checkpointed, eager (no compile)", {"checkpointing": True, "compile": False}),
+}
+HF_VARIANTS = {"peft": "transformers + peft", "liger": "transformers + peft + Liger kernels",
+               "mixed": "transformers + peft, padded batch", "nf4": "transformers + bitsandbytes nf4 + peft"}
+PACKED_VARIANTS = {"padded": ("minitrain, padded batch", {}),
+                   "packed": ("minitrain, packed rows (FlexAttention)", {"packing": True, "attention": "flex"})}
 
-def _rows(n: int, seq: int, vocab: int) -> list[dict]:
+
+def shape(a: argparse.Namespace, hf: dict) -> dict:
+    """`hf`, or its tiny version under `--tiny` (same family, a few small layers)."""
+    return {**hf, **TINY} if a.tiny else hf
+
+
+def device(a: argparse.Namespace):
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _rows(n: int, seq: int, vocab: int, mixed: bool = False) -> list[dict]:
+    """n rows of random tokens, loss on the second half; `mixed`: lengths drawn from 64 .. seq."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
-        ids = torch.randint(3, vocab, (seq,), generator=g).tolist()
-        out.append({"input_ids": ids, "labels": [-100] * (seq // 2) + ids[seq // 2:]})
+        t = int(torch.randint(min(64, seq), seq + 1, (1,), generator=g)) if mixed else seq
+        ids = torch.randint(3, vocab, (t,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": [-100] * (t // 2) + ids[t // 2:]})
     return out
 
 
-def _random_bf16_llama(device):
-    """The Llama-3-8B shape with random bf16 weights drawn on the GPU one tensor at a time."""
+def _random_model(hf: dict, dev, nf4: bool = False):
+    """A model of `hf`'s shape with random bf16 weights drawn on `dev` one tensor at a time (nf4:
+    each linear quantized as it arrives, by minitrain's loader hook)."""
     import torch
 
     import models
+    from minitrain.adapters.quant import quantize_hook
 
     with torch.device("meta"):
-        model = models.from_hf_config(LLAMA3_8B)
+        model = models.from_hf_config(hf)
+    hook = quantize_hook("nf4", compute_dtype=torch.bfloat16) if nf4 else None
     for name, p in list(model.named_parameters()):
-        w = torch.randn(p.shape, dtype=torch.bfloat16, device=device) * (0.02 if p.dim() > 1 else 1.0)
+        w = torch.randn(p.shape, dtype=torch.bfloat16, device=dev) * (0.02 if p.dim() > 1 else 1.0)
         if p.dim() == 1:
             w = 1.0 + 0.1 * w
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(w, requires_grad=False))
+        if hook is None or not hook(model, name, w):
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(w, requires_grad=False))
+    model.tie_weights()
     return model
 
 
+def _peak(dev) -> int | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
+
+
 def child_mt_sft(a: argparse.Namespace) -> dict:
+    """minitrain's LoRA SFT step on the 8B shape with `--variant`'s keys: tokens/s, MFU, peak memory."""
     import torch
 
     from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.config import TrainConfig
     from minitrain.data.collate import collate_causal
+    from minitrain.data.packing import collate_packed_causal
     from minitrain.objectives.sft import sft
+    from minitrain.plan.fit import check
     from minitrain.train import train
 
-    device = torch.device("cuda")
+    dev = device(a)
+    hf = shape(a, LLAMA3_8B)
+    keys = {**SFT_VARIANTS, **PACKED_VARIANTS, "nf4": ("", {"checkpointing": True})}[a.variant][1]
+    out = Path(tempfile.mkdtemp(prefix="minitrain_gpu_sft_"))
+    (out / "model").mkdir()
+    (out / "model" / "config.json").write_text(json.dumps(hf))  # what the plan reads (auto_fit)
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 64 * 2**30
+    base = dict(out=str(out / "run"), model=str(out / "model"), max_steps=a.sft_steps, batch_size=a.sft_rows,
+                lr=1e-4, warmup=0.0, schedule="constant", precision="bf16", compile=dev.type == "cuda",
+                device=dev.type, save_every=0, log_every=1, group_by_length=False, max_len=a.sft_seq,
+                lora_r=16, lora_alpha=32.0, lora_targets=TARGETS, gpu_mem=f"{total}B",
+                quantize="nf4" if a.variant == "nf4" else "none")
+    packing = keys.pop("packing", False)
+    tc = TrainConfig(**{**base, **keys})
+    tc = check(tc, log=print)  # auto_fit picks checkpointing; the others are only checked (memory_check)
     torch.manual_seed(0)
-    model = _random_bf16_llama(device)
+    model = _random_model(hf, dev, nf4=a.variant == "nf4")
     cfg = LoRAConfig(r=16, alpha=32, targets=TARGETS)
     apply_lora(model, cfg)
     freeze_for_adapters(model, cfg)
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # fp32 adapters (minitrain.run.attach_adapters)
-    rows = _rows(a.sft_rows * a.sft_steps, a.sft_seq, LLAMA3_8B["vocab_size"])
-    out = Path(tempfile.mkdtemp(prefix="minitrain_gpu_sft_"))
-    tc = TrainConfig(out=str(out), max_steps=a.sft_steps, batch_size=a.sft_rows, lr=1e-4, warmup=0.0,
-                     schedule="constant", precision="bf16", checkpointing=True, compile=True, device="cuda",
-                     save_every=0, log_every=1, group_by_length=False)
-    torch.cuda.reset_peak_memory_stats()
-    train(model, sft, rows, lambda ex: collate_causal(ex, 0), tc, out_dir=out, log=lambda s: None)
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
-    steady = [r for r in lines if r["step"] > 2]  # steps 1-2: compilation
+    mixed = a.variant in PACKED_VARIANTS
+    rows = _rows(a.sft_rows * a.sft_steps * (3 if mixed else 1), a.sft_seq, hf["vocab_size"], mixed)
+    collate = ((lambda ex: collate_packed_causal(ex, 0, a.sft_seq)) if packing else (lambda ex: collate_causal(ex, 0)))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    train(model, sft, rows, collate, tc, out_dir=out / "run", log=lambda s: None)
+    lines = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
+    steady = [r for r in lines if r["step"] > 2] or lines  # steps 1-2: compilation
     tps = sum(r["tokens"] for r in steady) / sum(r["tokens"] / r["tokens_per_s"] for r in steady)
     mfu = sum(r.get("mfu", 0.0) for r in steady) / len(steady)
-    return {"tokens_per_s": tps, "mfu": mfu, "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "steps_timed": len(steady)}
+    return {"tokens_per_s": tps, "mfu": mfu, "peak_allocated_bytes": _peak(dev), "steps_timed": len(steady),
+            "checkpointing": tc.checkpointing}
 
 
 def child_hf_sft(a: argparse.Namespace) -> dict:
+    """transformers + peft (+ Liger, + bitsandbytes nf4) on the same shape, rows and FLOPs count."""
     import peft
     import torch
     import transformers
 
     from minitrain.plan.flops import FlopCounter, device_peak_flops
 
+    dev = device(a)
+    hf = shape(a, LLAMA3_8B)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k != "model_type"})
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    if a.variant == "liger":
+        if dev.type != "cuda":
+            return {"error": "Liger kernels need CUDA (Triton)", "optional": True}
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()  # patches transformers' Llama modules before the model is built
+    cfg = transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"})
+    if a.variant == "nf4":  # quantized as transformers loads a checkpoint: save random weights, load in 4 bits
+        folder = Path(tempfile.mkdtemp(prefix="minitrain_gpu_hf_nf4_"))
+        with torch.device(dev):
+            transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).save_pretrained(folder)
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, quantization_config=q, dtype=torch.bfloat16,
+                                                              device_map={"": dev.index or 0} if dev.type == "cuda"
+                                                              else {"": "cpu"})
+    else:
+        with torch.device(dev):
+            model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    rows = _rows(a.sft_rows * a.sft_steps, a.sft_seq, LLAMA3_8B["vocab_size"])
-    counter = FlopCounter.of(_counter_model())
-    torch.cuda.reset_peak_memory_stats()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4, fused=dev.type == "cuda")
+    mixed = a.variant == "mixed"
+    rows = _rows(a.sft_rows * a.sft_steps * (3 if mixed else 1), a.sft_seq, hf["vocab_size"], mixed)
+    counter = FlopCounter.of(_counter_model(hf))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times, flops, tokens = [], 0.0, 0
-    for s in range(a.sft_steps):
+    for s in range(len(rows) // a.sft_rows):
         chunk = rows[s * a.sft_rows:(s + 1) * a.sft_rows]
-        ids = torch.tensor([r["input_ids"] for r in chunk], device="cuda")
-        labels = torch.tensor([r["labels"] for r in chunk], device="cuda")
-        torch.cuda.synchronize()
+        T = max(len(r["input_ids"]) for r in chunk)
+        ids = torch.tensor([r["input_ids"] + [0] * (T - len(r["input_ids"])) for r in chunk])
+        labels = torch.tensor([r["labels"] + [-100] * (T - len(r["labels"])) for r in chunk])
+        mask = (torch.arange(T)[None] < torch.tensor([len(r["input_ids"]) for r in chunk])[:, None]).long()
+        sync()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         if s >= 2:
             times.append(time.perf_counter() - t0)
-            tokens += ids.numel()
-            flops += counter.batch({"input_ids": ids.cpu(), "labels": labels.cpu()})
-    peak = device_peak_flops("cuda")
+            tokens += int(mask.sum())
+            flops += counter.batch({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    peak = device_peak_flops(dev)
     return {"tokens_per_s": tokens / sum(times), "mfu": flops / sum(times) / peak if peak else None,
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "steps_timed": len(times)}
+            "peak_allocated_bytes": _peak(dev), "steps_timed": len(times)}
 
 
-def _counter_model():
-    """The 8B shape on meta with the same LoRA: only its module shapes are read (minitrain.plan.flops)."""
+def child_grpo(a: argparse.Namespace) -> dict:
+    """GRPO's sampler against transformers' `generate` on a Qwen2.5-1.5B shape (base weights, greedy,
+    no eos), then one GRPO step's time split: sampling G completions per prompt with the adapters on,
+    and the policy's forward, loss and backward on them."""
+    import torch
+
+    import models
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.objectives.grpo import completion_logps, grpo_loss
+    from minitrain.objectives.sampling import sample
+
+    dev = device(a)
+    hf = shape(a, QWEN2_1_5B)
+    B, P, n, G = (8, 16, 12, 4) if a.tiny else (64, 128, 256, 8)
+    torch.manual_seed(0)
+    ours = _random_model(hf, dev).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, hf["vocab_size"], (B, P), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(B):  # left padding: row i has i * P // (2 * B) pads
+        mask[i, : i * P // (2 * B)] = 0
+    ids, mask = ids.masked_fill(mask == 0, 0).to(dev), mask.to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return out, time.perf_counter() - t0
+
+    cache = models.family(ours).KVCache
+    result: dict = {"batch": B, "prompt": P, "new_tokens": n, **_against_generate(ours, hf, ids, mask, n, cache, timed)}
+    lcfg = LoRAConfig(r=16, alpha=32, targets=TARGETS)
+    apply_lora(ours, lcfg)
+    freeze_for_adapters(ours, lcfg)
+    for p in ours.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    prompts, pmask = ids[: B // G], mask[: B // G]
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for rep in range(2):
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+            done, t_gen = timed(lambda: sample(ours, prompts, pmask, new_cache=cache, num_generations=G,
+                                               max_new_tokens=n, temperature=1.0, eos_ids=[], pad_id=0))
+
+        def step():
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logps, _ = completion_logps(ours.train(), prompts.repeat_interleave(G, 0), pmask.repeat_interleave(G, 0),
+                                            done.ids, done.mask, group=G)
+                adv = torch.randn(logps.shape[0], device=dev)
+                loss, count, _ = grpo_loss(logps, adv, done.mask)
+            (loss / count).backward()
+            ours.zero_grad(set_to_none=True)
+
+        _, t_train = timed(step)
+    result.update(step_generation_s=t_gen, step_training_s=t_train, completions=B // G * G,
+                  step_peak_allocated_bytes=_peak(dev))
+    return result
+
+
+def _against_generate(ours, hf: dict, ids, mask, n: int, cache, timed) -> dict:
+    """The sampler against transformers' `generate` on the same weights (greedy, no eos), each timed
+    on its second call: tokens/s of each and how many rows came out equal."""
+    import torch
+    import transformers
+
+    from minitrain.objectives.sampling import sample
+
+    theirs = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{k: v for k, v in hf.items() if k != "model_type"}))
+    theirs = theirs.to(device=ids.device, dtype=torch.bfloat16).eval()
+    missing = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert not missing.unexpected_keys and all("rotary" in k for k in missing.missing_keys), missing
+    theirs.generation_config.eos_token_id = None
+    B, P = ids.shape
+    with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        for _ in range(2):  # the first call of each warms up
+            mt, t_mt = timed(lambda: sample(ours, ids, mask, new_cache=cache, max_new_tokens=n, greedy=True,
+                                            eos_ids=[], pad_id=0).ids)
+            ref, t_hf = timed(lambda: theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                                      do_sample=False, pad_token_id=0)[:, P:])
+    return {"sampler_tokens_per_s": B * n / t_mt, "generate_tokens_per_s": B * n / t_hf,
+            "equal_rows": int((mt == ref).all(1).sum())}
+
+
+def _counter_model(hf: dict):
+    """`hf`'s shape on meta with the same LoRA: only its module shapes are read (minitrain.plan.flops)."""
     import torch
 
     import models
     from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 
     with torch.device("meta"):
-        model = models.from_hf_config(LLAMA3_8B)
+        model = models.from_hf_config(hf)
         cfg = LoRAConfig(r=16, alpha=32, targets=TARGETS)
         apply_lora(model, cfg)
     freeze_for_adapters(model, cfg)
     return model
-
-
 def _sub(args: list[str], timeout: int, log: Path | None = None) -> tuple[int, str, float]:
     """Run `python args` from the repository: (exit code, output, seconds); the output also to `log`."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -184,39 +365,89 @@ def _log(a: argparse.Namespace, name: str) -> Path | None:
     return Path(a.logs) / f"{name}.log" if a.logs else None
 
 
-def _child(name: str, a: argparse.Namespace, timeout: int) -> dict:
-    rc, out, secs = _sub([str(Path(__file__).resolve()), "--child", name, "--sft-steps", str(a.sft_steps),
-                          "--sft-rows", str(a.sft_rows), "--sft-seq", str(a.sft_seq)], timeout, _log(a, name))
+def _child(name: str, a: argparse.Namespace, timeout: int, variant: str = "") -> dict:
+    args = [str(Path(__file__).resolve()), "--child", name, "--variant", variant, "--sft-steps", str(a.sft_steps),
+            "--sft-rows", str(a.sft_rows), "--sft-seq", str(a.sft_seq)] + (["--tiny"] if a.tiny else [])
+    rc, out, secs = _sub(args, timeout, _log(a, f"{name}-{variant}" if variant else name))
     last = [x for x in out.splitlines() if x.startswith("{")]
     if rc or not last:
         return {"error": f"exit {rc}: {out[-600:]}", "seconds": secs}
     return {**json.loads(last[-1]), "seconds": secs}
 
 
+def _gb(x) -> str:
+    return f"{x / GB:.2f} GB" if x else "n/a"
+
+
+def _table(title: str, rows: list[tuple[str, dict]], against: dict | None) -> list[str]:
+    """A markdown table of tokens/s, MFU and peak memory; the ratios against `against` (an HF run)."""
+    lines = ["", f"| {title} | tokens/s | MFU | peak allocated | vs HF tokens/s | vs HF memory |", "|---|---|---|---|---|---|"]
+    for label, r in rows:
+        if "tokens_per_s" not in r:
+            lines.append(f"| {label} | {str(r.get('error', 'not run'))[:200]} | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+        ok = against and "tokens_per_s" in against and r is not against
+        speed = f"{r['tokens_per_s'] / against['tokens_per_s']:.2f}x" if ok else ""
+        mem = (f"{r['peak_allocated_bytes'] / against['peak_allocated_bytes']:.2f}x"
+               if ok and r.get("peak_allocated_bytes") and against.get("peak_allocated_bytes") else "")
+        extra = f" (checkpointing={str(r['checkpointing']).lower()})" if "checkpointing" in r else ""
+        lines.append(f"| {label}{extra} | {r['tokens_per_s']:.0f} | {mfu} | {_gb(r.get('peak_allocated_bytes'))} "
+                     f"| {speed} | {mem} |")
+    return lines
+
+
 def render(results: dict, when: str, device: str) -> str:
     """The dated BENCHMARKS.md section from the results dict (pure: tested on fake results)."""
     t = results.get("tests", {})
-    d = results.get("dpo", {})
     lines = [f"### GPU check, {when} on {device}", "",
-             f"`python tools/gpu_check.py` at git {results.get('git', '?')}; torch {results.get('torch', '?')}.", "",
+             f"`python tools/gpu_check.py{results.get('argv', '')}` at git {results.get('git', '?')}; "
+             f"torch {results.get('torch', '?')}.", "",
              f"- CUDA tests (`tests/test_cuda.py`): {t.get('summary', 'not run')}"]
-    if "max_allocated_bytes" in d:
-        lines.append(f"- QLoRA DPO, Mistral-7B shape, nf4, seq {d.get('seq')}, checkpointing: measured "
-                     f"{d['max_allocated_bytes'] / GB:.2f} GB max allocated ({d['max_reserved_bytes'] / GB:.2f} GB "
-                     f"reserved) against {d['predicted_peak_bytes'] / GB:.2f} GB planned (measured / planned "
-                     f"{d['measured_over_predicted']:.3f}); target <= 8 GB: "
-                     f"{'met' if d['max_reserved_bytes'] <= 8 * GB else 'NOT met'}")
-    else:
-        lines.append(f"- QLoRA DPO, Mistral-7B shape: {d.get('error', 'not run')}")
-    lines += ["", "| LoRA SFT, Llama-3-8B shape, bf16, checkpointing | tokens/s | MFU | peak allocated |",
-              "|---|---|---|---|"]
-    for side, label in (("mt", "minitrain (per-block compile)"), ("hf", "transformers + peft")):
-        r = results.get(side, {})
-        if "tokens_per_s" in r:
-            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
-            lines.append(f"| {label} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_allocated_bytes'] / GB:.2f} GB |")
+    for key, how in (("dpo", "eager"), ("dpo_compile", "per-block compile")):
+        d = results.get(key)
+        if d is None:
+            continue
+        if "max_allocated_bytes" in d:
+            lines.append(f"- QLoRA DPO, Mistral-7B shape, nf4, seq {d.get('seq')}, checkpointing, {how}: measured "
+                         f"{d['max_allocated_bytes'] / GB:.2f} GB max allocated ({d['max_reserved_bytes'] / GB:.2f} GB "
+                         f"reserved) against {d['predicted_peak_bytes'] / GB:.2f} GB planned (measured / planned "
+                         f"{d['measured_over_predicted']:.3f}); target <= 8 GB: "
+                         f"{'met' if d['max_reserved_bytes'] <= 8 * GB else 'NOT met'}; {d.get('seconds', 0):.0f} s "
+                         f"for {d.get('steps', '?')} steps")
+        elif "error" in d:
+            lines.append(f"- QLoRA DPO, Mistral-7B shape, {how}: {d['error']}")
         else:
-            lines.append(f"| {label} | {r.get('error', 'not run')[:200]} | | |")
+            lines.append(f"- QLoRA DPO, {d.get('shape')} shape, seq {d.get('seq')}, {how}: {d.get('steps')} steps in "
+                         f"{d.get('seconds', 0):.0f} s (no CUDA memory figures)")
+    sft = results.get("sft", {})
+    if sft:
+        rows = [(label, sft.get(k, {})) for k, (label, _) in SFT_VARIANTS.items()]
+        rows += [(HF_VARIANTS[k], sft.get("hf_" + k, {})) for k in ("peft", "liger") if "hf_" + k in sft]
+        lines += _table("LoRA SFT, Llama-3-8B shape, bf16, equal rows", rows, sft.get("hf_peft"))
+    packed = results.get("packed", {})
+    if packed:
+        rows = [(label, packed.get(k, {})) for k, (label, _) in PACKED_VARIANTS.items()]
+        rows.append((HF_VARIANTS["mixed"], packed.get("hf_mixed", {})))
+        lines += _table("LoRA SFT, Llama-3-8B shape, rows of mixed lengths (real tokens/s)", rows, packed.get("hf_mixed"))
+    qlora = results.get("qlora", {})
+    if qlora:
+        lines += _table("QLoRA SFT, Llama-3-8B shape, nf4 base", [("minitrain, nf4", qlora.get("nf4", {})),
+                        (HF_VARIANTS["nf4"], qlora.get("hf_nf4", {}))], qlora.get("hf_nf4"))
+    g = results.get("grpo")
+    if g is not None:
+        if "sampler_tokens_per_s" in g:
+            lines += ["", f"- GRPO sampler, Qwen2.5-1.5B shape, batch {g['batch']}, prompts {g['prompt']} tokens "
+                          f"(left-padded), {g['new_tokens']} new tokens, greedy, bf16: minitrain "
+                          f"{g['sampler_tokens_per_s']:.0f} tokens/s, transformers `generate` "
+                          f"{g['generate_tokens_per_s']:.0f} ({g['sampler_tokens_per_s'] / g['generate_tokens_per_s']:.2f}x); "
+                          f"rows with equal tokens {g['equal_rows']}/{g['batch']}",
+                      f"- GRPO step ({g['completions']} completions of {g['new_tokens']} tokens, LoRA r=16): generation "
+                      f"{g['step_generation_s']:.2f} s, training (forward, loss, backward) {g['step_training_s']:.2f} s "
+                      f"({100 * g['step_generation_s'] / (g['step_generation_s'] + g['step_training_s']):.0f}% generating); "
+                      f"peak {_gb(g.get('step_peak_allocated_bytes'))}"]
+        else:
+            lines += ["", f"- GRPO: {g.get('error', 'not run')}"]
     return "\n".join(lines) + "\n"
 
 
@@ -234,54 +465,101 @@ def write_section(path: Path, section: str) -> None:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", type=lambda x: x.split(","), default=list(PARTS), help=",".join(PARTS) + " (default: all)")
     p.add_argument("--write", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--sft-steps", type=int, default=8)
     p.add_argument("--sft-rows", type=int, default=4)
     p.add_argument("--sft-seq", type=int, default=1024)
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="minitrain's runs only")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, on the CPU without CUDA: checks this script")
     p.add_argument("--logs", help="a folder where each part's whole output is kept")
-    p.add_argument("--child", choices=("mt_sft", "hf_sft"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--child", choices=("mt_sft", "hf_sft", "grpo"), help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    bad = [x for x in a.parts if x not in PARTS]
+    if bad:
+        p.error(f"--parts: unknown {', '.join(bad)} — choose from {', '.join(PARTS)}")
+    if a.tiny and not a.child:
+        a.sft_seq, a.sft_steps = min(a.sft_seq, 64), min(a.sft_steps, 3)
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not a.tiny:
         print("skipped: no CUDA device here (torch.cuda.is_available() is False) — run "
               "python tools/gpu_check.py on a machine with an NVIDIA GPU; nothing was written")
         return 0
     if a.child:
         sys.path.insert(0, str(ROOT))
-        print(json.dumps({"mt_sft": child_mt_sft, "hf_sft": child_hf_sft}[a.child](a)))
+        print(json.dumps({"mt_sft": child_mt_sft, "hf_sft": child_hf_sft, "grpo": child_grpo}[a.child](a)))
         return 0
-    results: dict = {"torch": torch.__version__}
+    results: dict = {"torch": torch.__version__, "argv": "".join(" " + x for x in argv)}
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     results["git"] = git.stdout.strip() or "?"
-    rc, out, secs = _sub(["-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "tests/test_cuda.py"], 240,
-                         _log(a, "tests"))
-    summary = next((x for x in reversed(out.splitlines()) if re.search(r"passed|failed|error", x)), out[-300:])
-    results["tests"] = {"rc": rc, "summary": f"{summary.strip()} ({secs:.0f} s)"}
-    print("tests:", results["tests"]["summary"], flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        rc, out, secs = _sub([str(ROOT / "tools" / "bench.py"), "--gpu-dpo-7b", "--seq", "1024", "--dpo-steps", "3",
-                              "--out", f"{tmp}/dpo.json"], 240, _log(a, "dpo"))
-        results["dpo"] = (json.loads(Path(f"{tmp}/dpo.json").read_text()) if rc == 0 and Path(f"{tmp}/dpo.json").exists()
-                          else {"error": f"exit {rc}: {out[-400:]}"})
-    print("dpo:", json.dumps(results["dpo"])[:400], flush=True)
-    results["mt"] = _child("mt_sft", a, 300)
-    print("minitrain sft:", results["mt"], flush=True)
-    if not a.skip_hf:
-        results["hf"] = _child("hf_sft", a, 240)
-        print("hf sft:", results["hf"], flush=True)
+    big = 1 if a.tiny else 4  # timeouts, scaled down for the tiny shapes
+    if "tests" in a.parts and not a.tiny:
+        rc, out, secs = _sub(["-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+                             300, _log(a, "tests"))
+        summary = next((x for x in reversed(out.splitlines()) if re.search(r"passed|failed|error", x)), out[-300:])
+        results["tests"] = {"rc": rc, "summary": f"{summary.strip()} ({secs:.0f} s)"}
+        print("tests:", results["tests"]["summary"], flush=True)
+    if "dpo" in a.parts:
+        for key, extra in (("dpo", []), ("dpo_compile", ["--compile"]))[:2 if torch.cuda.is_available() else 1]:
+            with tempfile.TemporaryDirectory() as tmp:
+                tiny = ["--tiny", "--device", "cuda" if torch.cuda.is_available() else "cpu", "--seq", "64"] if a.tiny else []
+                rc, out, secs = _sub([str(ROOT / "tools" / "bench.py"), "--gpu-dpo-7b", "--seq", "1024", "--dpo-steps", "3",
+                                      "--out", f"{tmp}/dpo.json", *extra, *tiny], 60 * big, _log(a, key))
+                done = Path(f"{tmp}/dpo.json")
+                results[key] = (json.loads(done.read_text()) if rc == 0 and done.exists()
+                                else {"error": f"exit {rc}: {out[-400:]}"})
+            print(f"{key}:", json.dumps(results[key])[:400], flush=True)
+    for part, mt, hf in (("sft", list(SFT_VARIANTS), ["peft", "liger"]), ("packed", list(PACKED_VARIANTS), ["mixed"]),
+                         ("qlora", ["nf4"], ["nf4"])):
+        if part not in a.parts:
+            continue
+        results[part] = {}
+        for v in mt:
+            results[part][v] = _child("mt_sft", a, 90 * big, v)
+            print(f"{part} minitrain {v}:", results[part][v], flush=True)
+        for v in [] if a.skip_hf else hf:
+            if v == "liger" and not _has("liger_kernel"):
+                results[part]["hf_liger"] = {"error": "liger-kernel is not installed (pip install -e .[bench])",
+                                             "optional": True}
+                continue
+            results[part]["hf_" + v] = _child("hf_sft", a, 90 * big, v)
+            print(f"{part} hf {v}:", results[part]["hf_" + v], flush=True)
+    if "grpo" in a.parts:
+        results["grpo"] = _child("grpo", a, 90 * big)
+        print("grpo:", results["grpo"], flush=True)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = render(results, when, f"{torch.cuda.get_device_name()} ({platform.node()})")
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (--tiny: the figures mean nothing)"
+    section = render(results, when, f"{where} ({platform.node()})")
     print(section)
-    if a.write:
+    if a.write and not (a.tiny and a.write == str(ROOT / "BENCHMARKS.md")):
         write_section(Path(a.write), section)
         print(f"written to {a.write}")
-    return 0
+    failed = failures(results)
+    if failed:
+        print("failed: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
+
+
+def failures(results: dict) -> list[str]:
+    """The parts that did not run (an optional side that is not installed or needs CUDA aside)."""
+    out = ["tests"] if results.get("tests", {}).get("rc") else []
+    out += [k for k in ("dpo", "dpo_compile", "grpo") if "error" in results.get(k, {})]
+    return out + [f"{part} {k}" for part in ("sft", "packed", "qlora") for k, r in results.get(part, {}).items()
+                  if "error" in r and not r.get("optional")]
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 - per-block `torch.compile` with non-reentrant checkpointing gives eager's gradients;
 - a ternary base (minitrain.adapters.ternary) with LRC adapters: CUDA equals CPU, compiled equals eager;
 - nf4 / int8 QLoRA on CUDA: logits and adapter gradients equal peft + bitsandbytes (transformers'
-  `BitsAndBytesConfig` loading of the same checkpoint) with the same adapter values.
+  `BitsAndBytesConfig` loading of the same checkpoint) with the same adapter values;
+- FSDP2 on one GPU (torchrun, NCCL) over an nf4 base trains the adapter the plain QLoRA run trains.
 """
 
 from __future__ import annotations
@@ -159,3 +160,28 @@ def test_qlora_matches_peft_and_bitsandbytes(hf_causal, kind):
         if "lora_" in n:
             torch.testing.assert_close(g_ours[n.replace("base_model.model.", "").replace(".default", "")],
                                        p.grad.float(), atol=1e-4, rtol=1e-3)
+
+
+def test_one_gpu_fsdp_qlora_equals_plain_qlora(tiny_model, tmp_path):
+    """FSDP2 on one GPU (torchrun, one process, NCCL) over an nf4 base trains the same adapter as the
+    plain QLoRA run: the sharded load, the quantized blocks under fully_shard and the reduce on CUDA."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from test_distributed import REPO, cli_args, max_abs_diff
+
+    def args(out, *extra):  # the CPU tests' run, on the GPU
+        return [a if a != "device=cpu" else "device=cuda" for a in cli_args(tiny_model, out, "quantize=nf4", "lr=1e-2", *extra)]
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    plain = [sys.executable, "-m", "minitrain", *args(tmp_path / "plain")]
+    fsdp = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "minitrain",
+            *args(tmp_path / "fsdp", "parallel=fsdp")]
+    for cmd in (plain, fsdp):
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    want, got = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("plain", "fsdp"))
+    assert max_abs_diff(got, want) <= 1e-5
+    assert max(float(t.abs().max()) for k, t in got.items() if "lora_B" in k) > 1e-3  # it trained

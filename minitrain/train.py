@@ -218,8 +218,7 @@ def train(
         enable_checkpointing(model, cfg.checkpointing)  # the preflight audit may have wrapped them: count them all
         n = sum(getattr(m, "_minitrain_checkpointed", False) for m in model.modules())
         total = sum(isinstance(m, tuple(model.block_types)) for m in model.modules())
-        log(f"activation checkpointing (non-reentrant) on {n} blocks" + (f" (the first {n} of {total})"
-                                                                         if n < total else ""))
+        log(f"activation checkpointing (non-reentrant) on {f'the first {n} of {total}' if n < total else n} blocks")
     if cfg.compile:
         if device.type == "cuda" or (device.type == "cpu" and cpu_compiler()):
             n = compile_blocks(model)

@@ -8,7 +8,6 @@ no_grad. Healthy cases: LoRA at init (B == 0), QLoRA over a quantized base, T5.
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch

@@ -32,8 +32,9 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   it), and under bf16 autocast each linear keeps a bf16 copy of its weight (autocast's cast cache,
   held for backward) and a bf16 copy of its fp32 input.
 - activations: what autograd keeps for backward in `models/llama.py` + `minitrain/adapters/lora.py`, per
-  block and per token (read off the autograd graph; see `block_saved`), the per-block inputs
-  only under checkpointing plus one block recomputed, and the loss's chunked logits
+  block and per token (read off the autograd graph; see `block_saved`), only the block inputs of the
+  checkpointed blocks (all, or the first N with `checkpointing=N`) plus one block recomputed, and
+  the loss's chunked logits
   (`minitrain.objectives.losses.LOGITS_PER_CHUNK` logits per chunk, never the full `B x T x V`).
 - transients at the peak moment: the logits chunk in forward / backward, one block's backward
   working set, a dequantized 4-bit weight in bitsandbytes' backward, a dequantized ternary weight

@@ -109,8 +109,9 @@ class TrainConfig:
                                     example=True)
     memory_check: bool = doc(True, "on CUDA, plan the peak memory from config.json before loading and stop "
                                    "with suggestions if it exceeds the free memory (minitrain.plan.fit)")
-    auto_fit: bool = doc(False, "when the plan does not fit: choose checkpointing and the micro-batch "
-                                "(global batch kept through grad_accum) instead of stopping")
+    auto_fit: bool = doc(False, "when the plan does not fit: checkpoint the fewest blocks that fit "
+                                "(checkpointing=N), else every block and a smaller micro-batch (global batch "
+                                "kept through grad_accum) instead of stopping")
     gpu_mem: str = doc("", "plan against this much device memory (e.g. 12GiB) instead of the GPU's free "
                            "memory; also checks on a machine without a GPU", example="12GiB")
     compile: bool = doc(False, "torch.compile each block (CUDA; CPU with a C++ compiler)")

@@ -47,7 +47,8 @@ from types import ModuleType
 from typing import Any, Callable, NamedTuple
 
 from minitrain import bundled
-from minitrain.config import conforms, example, field_types, format_value, shown, type_name, unwrap_optional, validate
+from minitrain.config import (conforms, example, field_types, format_value, shown, type_name, union_members,
+                              unwrap_optional, validate)
 from minitrain.errors import UserError
 
 USAGE = ("usage: python -m minitrain RECIPE [key=value ...] [--help] — RECIPE is a recipe file (my_sft.py) "
@@ -533,12 +534,21 @@ def parse_value(text: str, tp: Any) -> Any:
     """Parse command-line text as field type `tp`; raises `_Bad("a float")` etc. when it does not fit.
 
     int, float (finite), bool (true/false/1/0/yes/no), str, list / list[T] (comma-separated or a
-    JSON list), tuple[T, ...], dict (JSON object), Literal[...], Optional[X] (`none` / `null`).
+    JSON list), tuple[T, ...], dict (JSON object), Literal[...], Optional[X] (`none` / `null`), a union
+    `X | Y` (the first member, in the order written, that takes the text: `int | bool` reads 1 as an int).
     """
     inner, optional = unwrap_optional(tp)
     s = text.strip()
     if optional and s.lower() in ("none", "null"):
         return None
+    if union_members(inner):
+        wanted = []
+        for member in union_members(inner):
+            try:
+                return parse_value(text, member)
+            except _Bad as e:
+                wanted.append(str(e))
+        raise _Bad(" or ".join(wanted))
     origin = typing.get_origin(inner)
     if inner is bool:
         if s.lower() in _TRUE:

@@ -103,11 +103,15 @@ class TrainConfig:
                           "also sets it)", ge=0)
     precision: str = doc("auto", "auto: bf16 autocast where supported, else fp32",
                          choices=("auto", "bf16", "fp32", "fp16"))
-    checkpointing: bool = doc(False, "non-reentrant activation checkpointing per block")
+    checkpointing: int | bool = doc(False, "non-reentrant activation checkpointing per block: true = every "
+                                           "block, false = none, N = the first N blocks (their activations "
+                                           "live longest; the rest keep theirs, no recompute)", ge=0,
+                                    example=True)
     memory_check: bool = doc(True, "on CUDA, plan the peak memory from config.json before loading and stop "
                                    "with suggestions if it exceeds the free memory (minitrain.plan.fit)")
-    auto_fit: bool = doc(False, "when the plan does not fit: choose checkpointing and the micro-batch "
-                                "(global batch kept through grad_accum) instead of stopping")
+    auto_fit: bool = doc(False, "when the plan does not fit: checkpoint the fewest blocks that fit "
+                                "(checkpointing=N), else every block and a smaller micro-batch (global batch "
+                                "kept through grad_accum) instead of stopping")
     gpu_mem: str = doc("", "plan against this much device memory (e.g. 12GiB) instead of the GPU's free "
                            "memory; also checks on a machine without a GPU", example="12GiB")
     compile: bool = doc(False, "torch.compile each block (CUDA; CPU with a C++ compiler)")
@@ -244,6 +248,25 @@ def unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def union_members(tp: Any) -> tuple[Any, ...]:
+    """The members of a union other than `X | None` (`int | bool` -> `(int, bool)`), else `()`."""
+    inner, _ = unwrap_optional(tp)
+    if typing.get_origin(inner) in (typing.Union, types.UnionType):
+        return tuple(a for a in typing.get_args(inner) if a is not type(None))
+    return ()
+
+
+def checkpointed_blocks(setting: int | bool, blocks: int) -> int:
+    """How many blocks `checkpointing=setting` wraps in a model of `blocks` blocks: true all, false
+    none, N the first N (0 to `blocks`); UserError naming the key for an N the model does not have."""
+    if isinstance(setting, bool):
+        return blocks if setting else 0
+    if not 0 <= setting <= blocks:
+        raise UserError(f"checkpointing={setting}: the model has {blocks} blocks — give 0 to {blocks} (the first N "
+                        f"blocks are checkpointed), or checkpointing=true for all of them")
+    return setting
+
+
 def type_name(tp: Any) -> str:
     """How a field type reads in help and errors: `int`, `list[str]`, `float | None`."""
     inner, optional = unwrap_optional(tp)
@@ -262,6 +285,8 @@ def conforms(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(inner)
     if inner is Any:
         return True
+    if union_members(inner):
+        return any(conforms(value, m) for m in union_members(inner))
     if inner is bool:
         return isinstance(value, bool)
     if inner is int:

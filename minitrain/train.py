@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minitrain import checkpoint as ckpt, distributed, fsdp
 from minitrain.audit import preflight
+from minitrain.config import checkpointed_blocks
 from minitrain.data.batcher import Batcher
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.device import resolve_precision
@@ -214,9 +215,10 @@ def train(
             raise UserError("optimizer: holds tensors that are not among the trainable ones — build it over "
                             "exactly the parameters that require grad (or pass them as trainable=)")
     if cfg.checkpointing:
-        enable_checkpointing(model)  # the preflight audit may have wrapped them already: count them all
+        enable_checkpointing(model, cfg.checkpointing)  # the preflight audit may have wrapped them: count them all
         n = sum(getattr(m, "_minitrain_checkpointed", False) for m in model.modules())
-        log(f"activation checkpointing (non-reentrant) on {n} blocks")
+        total = sum(isinstance(m, tuple(model.block_types)) for m in model.modules())
+        log(f"activation checkpointing (non-reentrant) on {f'the first {n} of {total}' if n < total else n} blocks")
     if cfg.compile:
         if device.type == "cuda" or (device.type == "cpu" and cpu_compiler()):
             n = compile_blocks(model)
@@ -530,7 +532,7 @@ def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list
     device = fsdp.device_of(model)
     amp_dtype, _ = resolve_precision(cfg.precision, device)
     if cfg.checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, cfg.checkpointing)
     if fsdp.wanted(cfg):
         fsdp.prepare(model, device, log)
     named = _trainable(model, None)
@@ -564,18 +566,22 @@ def build_optimizer(
     return AdamW(groups, lr=lr)
 
 
-def enable_checkpointing(model: nn.Module) -> int:
-    """Run each block of `model.block_types` under non-reentrant activation checkpointing.
+def enable_checkpointing(model: nn.Module, setting: int | bool = True) -> int:
+    """Run blocks of `model.block_types` under non-reentrant activation checkpointing: every block
+    (`setting=True`), or the first N (`setting=N`, in module order: the first blocks' activations
+    live longest, so each one checkpointed frees the most; the rest keep theirs and recompute nothing).
 
     Non-reentrant: with frozen embeddings the block inputs do not require grad, and reentrant
     checkpointing then returns outputs without a graph, so the adapters inside get no gradient
     (field report 004). The non-reentrant form records the graph normally and recomputes only
     the saved activations. Applied only while grad is enabled (not in eval / generation).
-    Returns the number of blocks wrapped; wrapping twice is a no-op.
+    Returns the number of blocks wrapped now; wrapping twice is a no-op. An N beyond the model's
+    blocks is a UserError naming `checkpointing`.
     """
+    blocks = [m for m in model.modules() if isinstance(m, tuple(model.block_types))]
     n = 0
-    for m in model.modules():
-        if isinstance(m, tuple(model.block_types)) and not getattr(m, "_minitrain_checkpointed", False):
+    for m in blocks[:checkpointed_blocks(setting, len(blocks))]:
+        if not getattr(m, "_minitrain_checkpointed", False):
             inner = m.forward
 
             def forward(*args, _inner=inner, **kwargs):

@@ -8,7 +8,6 @@ no_grad. Healthy cases: LoRA at init (B == 0), QLoRA over a quantized base, T5.
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
@@ -99,8 +98,9 @@ def test_a_reentrant_checkpointing_over_frozen_embeddings(lora_model):
     assert all(t.status == UNREACHABLE for t in report.tensors)
 
 
-def test_non_reentrant_checkpointing_is_healthy(lora_model):
-    enable_checkpointing(lora_model)
+@pytest.mark.parametrize("setting", [True, 1])
+def test_non_reentrant_checkpointing_is_healthy(lora_model, setting):
+    assert enable_checkpointing(lora_model, setting) == (2 if setting is True else 1)  # all, or the first block
     assert audit(lora_model, sft, _batch()).ok
 
 
@@ -275,6 +275,8 @@ def test_tools_audit_cli_exit_codes(hf_causal, tmp_path):
     ok = audit_cli("checkpointing=true")
     assert ok.returncode == 0, ok.stderr
     assert "audit: healthy" in ok.stdout and "gradient norm per layer" in ok.stdout
+    part = audit_cli("checkpointing=1")  # the first block checkpointed, the other not
+    assert part.returncode == 0 and "audit: healthy" in part.stdout, part.stderr
     assert not (tmp_path / "out").exists()  # the audit writes nothing
     js = audit_cli("--json")
     assert js.returncode == 0 and json.loads(js.stdout)["ok"] is True

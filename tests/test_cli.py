@@ -157,7 +157,9 @@ def test_value_may_contain_equals(recipe):
     ("lrr=1", ["unknown key 'lrr'", "typed.py", "did you mean 'lr'", "valid keys:", "max_steps"]),
     ("lr=abc", ["lr=abc: expected a float", "e.g. lr=0.0001"]),
     ("max_steps=2.5", ["max_steps=2.5: expected an int"]),
-    ("checkpointing=maybe", ["checkpointing=maybe: expected true or false"]),
+    ("checkpointing=maybe", ["checkpointing=maybe: expected an int or true or false", "e.g. checkpointing=true"]),
+    ("checkpointing=2.5", ["checkpointing=2.5: expected an int or true or false"]),  # a union: int | bool
+    ("checkpointing=-1", ["checkpointing=-1: must be >= 0"]),
     ("counts=a,b", ["counts=a,b: expected a list of int"]),
     ("lora_targets=[1]", ["lora_targets=[1]: expected a list of str"]),
     ("extra=[1]", ["extra=[1]: expected a JSON object"]),
@@ -185,6 +187,17 @@ def test_bad_argument_is_one_error_line(capsys, recipe, arg, needles):
     code, out, err = cli(capsys, recipe, arg)
     assert_one_error(code, err, *needles)
     assert "RUN " not in out  # run(config) was not called
+
+
+def test_checkpointing_takes_true_false_or_a_number_of_blocks(capsys, recipe):
+    """`int | bool`: the first member that takes the text, so digits are a count of blocks (0: none)."""
+    for text, want in (("true", True), ("no", False), ("3", 3), ("0", 0)):
+        code, out, err = cli(capsys, recipe, f"checkpointing={text}")
+        assert code == 0, err
+        got = ran_config(out)["checkpointing"]
+        assert got == want and type(got) is type(want), (text, got)
+    assert from_json('{"checkpointing": 2}', TrainConfig).checkpointing == 2
+    assert from_json('{"checkpointing": true}', TrainConfig).checkpointing is True
 
 
 def test_key_given_twice(capsys, recipe):
@@ -429,7 +442,7 @@ def test_from_json_keeps_float_fields_float():
     ("[1]", "expected a JSON object"),
     ('{"lrr": 1}', "unknown key(s) lrr"),
     ('{"lr": "fast"}', 'lr="fast" is not float'),
-    ('{"checkpointing": 1}', "checkpointing=1 is not bool"),
+    ('{"checkpointing": "yes"}', 'checkpointing="yes" is not int | bool'),
     ('{"lora_targets": "q_proj"}', "is not list[str]"),
 ])
 def test_from_json_is_strict(text, needle):

@@ -77,6 +77,34 @@ def test_auto_fit_chooses_checkpointing_then_the_micro_batch_keeping_the_global_
                                                  f"grad_accum={got.grad_accum} (global batch 16 kept)")
 
 
+def test_auto_fit_checkpoints_the_fewest_blocks_that_fit_before_all_or_a_smaller_micro_batch():
+    """A budget between no checkpointing and every block: auto_fit picks checkpointing=N, the smallest N
+    the reference planner says fits (N - 1 does not), and keeps the micro-batch."""
+    cfg = dpo_config("checkpointing=false", "quantize=nf4", "gpu_mem=12GiB", "auto_fit=true")
+    blocks = json.loads((MISTRAL / "config.json").read_text())["num_hidden_layers"]
+    none, every = (fit._plan(dataclasses.replace(cfg, checkpointing=k))[2].peak for k in (False, True))
+    budget = f"{(fit.needed(none) + fit.needed(every)) // 2 // 2**20}MiB"  # halfway between the two
+    cfg = dataclasses.replace(cfg, gpu_mem=budget)
+    assert not plan_tool_fits(cfg, budget) and plan_tool_fits(dataclasses.replace(cfg, checkpointing=True), budget)
+    said: list[str] = []
+    got = fit.check(cfg, log=said.append)
+    n = got.checkpointing
+    assert type(n) is int and 0 < n < blocks, n
+    assert (got.batch_size, got.grad_accum) == (cfg.batch_size, cfg.grad_accum)
+    assert plan_tool_fits(got, budget) and not plan_tool_fits(dataclasses.replace(cfg, checkpointing=n - 1), budget)
+    assert len(said) == 1 and said[0].startswith(f"auto_fit: checkpointing={n} (the first {n} of {blocks} blocks) "
+                                                 f"(global batch {cfg.batch_size * cfg.grad_accum} kept)"), said
+
+
+def test_checkpointing_beyond_the_models_blocks_is_one_error_naming_the_key(tmp_path):
+    with pytest.raises(UserError, match="^checkpointing=33: the model has 32 blocks — give 0 to 32"):
+        fit.check(dpo_config("checkpointing=33", "quantize=nf4", "gpu_mem=12GiB"), log=lambda _: None)
+    p = cli(str(ROOT / "recipes" / "dpo_mistral.py"), f"model={MISTRAL}", "data=pairs.jsonl", "quantize=nf4",
+            "checkpointing=33", "gpu_mem=12GiB", cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: checkpointing=33: the model has 32 blocks")
+    assert "\n" not in p.stderr.strip()
+
+
 def test_auto_fit_that_cannot_fit_says_so_and_what_else_to_try():
     cfg = dpo_config("gpu_mem=4GiB", "auto_fit=true")  # bf16 7B weights alone are 13.5 GiB
     with pytest.raises(UserError) as e:

@@ -218,6 +218,9 @@ CASES = {
     "fp32 attn ckpt": dict(ckpt=True),
     "fp32 all-linear gqa": dict(targets=ALL, kv=2),
     "fp32 all-linear gqa ckpt": dict(targets=ALL, kv=2, ckpt=True),
+    "fp32 all-linear gqa ckpt 2 of 4": dict(targets=ALL, kv=2, ckpt=2),  # checkpointing=N: the first N blocks
+    "bf16 all-linear ckpt 1 of 4": dict(targets=ALL, compute="bf16", ckpt=1),
+    "fp32 vocab32k ckpt 3 of 4 all-linear": dict(vocab=32000, seq=192, targets=ALL, ckpt=3),
     "bf16 all-linear": dict(targets=ALL, compute="bf16"),
     "bf16 all-linear ckpt": dict(targets=ALL, compute="bf16", ckpt=True),
     "fp32 vocab32k": dict(vocab=32000, seq=192),
@@ -243,7 +246,7 @@ def test_sft_step_peak_within_20_percent(case):
     dtype = torch.bfloat16 if c["compute"] == "bf16" else torch.float32
     model = build(hf, dtype, c["targets"], quantize=c["quantize"], lrc_rank=c["lrc"])
     if c["ckpt"]:
-        enable_checkpointing(model)
+        assert enable_checkpointing(model, c["ckpt"]) == (4 if c["ckpt"] is True else c["ckpt"])
     batch = batch_of(c["rows"], c["seq"], c["vocab"])
     measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
     targets = int((batch["labels"][:, 1:] != -100).sum())
@@ -253,6 +256,29 @@ def test_sft_step_peak_within_20_percent(case):
     plan = predict(ModelShape.from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
     assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
+
+
+def test_partial_checkpointing_peak_is_planned_neither_as_none_nor_as_all():
+    """checkpointing=2 of 4 blocks: the plan (2 block inputs + 2 blocks' saved tensors) within 20% of
+    the measured step, where the plans of no checkpointing and of every block are not."""
+    from minitrain.objectives.sft import sft
+
+    hf = hf_config(num_key_value_heads=2, head_dim=64)
+    model = build(hf, torch.float32, ALL)
+    assert enable_checkpointing(model, 2) == 2
+    assert [getattr(b, "_minitrain_checkpointed", False) for b in model.model.layers] == [True, True, False, False]
+    batch = batch_of(4, 256, 2048)
+    measured = measured_step(model, sft, batch, autocast=False)
+    run = RunShape(rows=4, seq=256, compute="fp32", lora_targets=ALL, checkpointing=2, device="cpu",
+                   targets=int((batch["labels"][:, 1:] != -100).sum()), real_tokens=int(batch["attention_mask"].sum()))
+    ratio = {}
+    for k in (0, 2, True):
+        plan = predict(ModelShape.from_hf(hf), replace(run, checkpointing=k))
+        ratio[k] = (plan.activation_peak + plan.term("gradients")) / measured
+        if k == 2:
+            names = [t.name for t in plan.moments[plan.peak_moment]]
+            assert "block inputs x 2 (checkpointing)" in names and "saved activations x 2 blocks" in names
+    assert 0.8 <= ratio[2] <= 1.2 and not 0.8 <= ratio[0] <= 1.2 and not 0.8 <= ratio[True] <= 1.2, ratio
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
@@ -377,7 +403,8 @@ def test_full_finetune_weights_grads_optimizer_exact(tied):
 
 
 FULL_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16"),
-              "bf16 ckpt gqa": dict(compute="bf16", ckpt=True, kv=2)}
+              "bf16 ckpt gqa": dict(compute="bf16", ckpt=True, kv=2), "fp32 ckpt 2 of 4": dict(ckpt=2),
+              "bf16 ckpt 3 of 4": dict(compute="bf16", ckpt=3)}
 
 
 @pytest.mark.parametrize("case", list(FULL_CASES))
@@ -390,7 +417,7 @@ def test_full_finetune_step_peak_within_20_percent(case):
     hf = hf_config(num_key_value_heads=c["kv"])
     model = full_model(hf)
     if c["ckpt"]:
-        enable_checkpointing(model)
+        enable_checkpointing(model, c["ckpt"])
     batch = batch_of(c["rows"], c["seq"], 2048)
     measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
     run = RunShape(rows=c["rows"], seq=c["seq"], compute=c["compute"], checkpointing=c["ckpt"], device="cpu",
@@ -730,6 +757,8 @@ T5_CASES = {
     "v1.0 fp32 ckpt": dict(v10=True, ckpt=True),
     "v1.1 bf16": dict(compute="bf16"),
     "v1.1 bf16 ckpt": dict(compute="bf16", ckpt=True),
+    "v1.1 fp32 ckpt 1 of 4": dict(ckpt=1),  # the first encoder block
+    "v1.1 bf16 ckpt 3 of 4": dict(compute="bf16", ckpt=3),  # the encoder's two and the first decoder block
     "v1.0 bf16 ckpt": dict(v10=True, compute="bf16", ckpt=True),
     "v1.1 fp32 q,v": dict(targets=("q", "v")),
     "v1.1 fp32 dropout": dict(dropout=0.1, lora_dropout=0.05, rows=2),  # the recipe's (and FLAN-T5's) dropout
@@ -753,7 +782,7 @@ def test_t5_step_peak_within_20_percent(case):
     model = build_t5(hf, torch.bfloat16 if c["compute"] == "bf16" else torch.float32, c["targets"],
                      lora_dropout=c["lora_dropout"])
     if c["ckpt"]:
-        assert enable_checkpointing(model) == 4  # T5's block_types: T5Block, in both stacks
+        assert enable_checkpointing(model, c["ckpt"]) == (4 if c["ckpt"] is True else c["ckpt"])  # T5Block, both stacks
     batch = seq2seq_batch(c["rows"], c["src"], c["tgt"], c["vocab"])
     measured = measured_step(model, seq2seq, batch, autocast=c["compute"] == "bf16")
     run = RunShape(rows=c["rows"], seq=c["src"], target_seq=c["tgt"], compute=c["compute"], lora_targets=c["targets"],

@@ -73,8 +73,10 @@ def fresh_model():
     return freeze_embeddings(TinyLM(dropout=0.2, seed=3))
 
 
-def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path, setting):
+@pytest.mark.parametrize("checkpointing", [False, 1])  # 1: the first of TinyLM's two blocks checkpointed
+def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path, setting, checkpointing):
     examples, evals, kw = setting
+    kw = {**kw, "checkpointing": checkpointing}
     cfg = cfg_for(tmp_path / "straight", **kw)
     straight = fresh_model()
     train(straight, sft, examples, collate, cfg, eval_examples=evals, log=quiet)
@@ -102,9 +104,10 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
     assert torch.equal(torch.rand(4), after_straight)
 
 
-def test_checkpoint_is_safetensors_and_json_only(tmp_path, setting):
+@pytest.mark.parametrize("checkpointing", [False, 1])  # the same files whichever blocks are checkpointed
+def test_checkpoint_is_safetensors_and_json_only(tmp_path, setting, checkpointing):
     examples, _, kw = setting
-    cfg = cfg_for(tmp_path, **{**kw, "epochs": 0.4})  # 2 steps
+    cfg = cfg_for(tmp_path, **{**kw, "epochs": 0.4, "checkpointing": checkpointing})  # 2 steps
     model = fresh_model()
     train(model, sft, examples, collate, cfg, log=quiet)
     folder = Path(cfg.out) / "checkpoint"

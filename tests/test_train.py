@@ -308,6 +308,24 @@ def test_non_reentrant_checkpointing_gives_the_same_grads_with_frozen_embeddings
         assert ref[n].abs().sum() > 0
 
 
+def test_checkpointing_the_first_n_blocks_gives_the_same_grads():
+    """checkpointing=1 of TinyLM's 2 blocks: only block 0 wrapped; the grads equal the unchecked run's."""
+    batch = collate(make_examples(4, seed=7))
+    plain = freeze_embeddings(TinyLM())
+    wrapped = freeze_embeddings(TinyLM())
+    wrapped.load_state_dict(plain.state_dict())
+    assert enable_checkpointing(wrapped, 1) == 1 and enable_checkpointing(wrapped, 1) == 0
+    assert [getattr(b, "_minitrain_checkpointed", False) for b in wrapped.model.layers] == [True, False]
+    ref, got = _grads(plain, batch), _grads(wrapped, batch)
+    assert ref.keys() == got.keys() and len(ref) > 8
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-6, atol=1e-7)
+        assert ref[n].abs().sum() > 0
+    assert enable_checkpointing(wrapped, True) == 1  # the rest, once
+    with pytest.raises(UserError, match="^checkpointing=3: the model has 2 blocks — give 0 to 2"):
+        enable_checkpointing(TinyLM(), 3)
+
+
 def test_reentrant_checkpointing_loses_the_gradients_there():
     """Field report 004: the block input does not require grad (frozen embeddings), so reentrant
     checkpointing returns an output with no graph and the trainable tensors inside get nothing."""
@@ -326,13 +344,16 @@ def test_reentrant_checkpointing_loses_the_gradients_there():
 
 def test_checkpointing_in_the_loop_trains_identically(tmp_path):
     examples = make_examples(16, seed=8)
-    states = []
-    for flag in (False, True):
+    states, said = [], []
+    for flag in (False, True, 1):
         model = freeze_embeddings(TinyLM())
         train(model, sft, examples, collate, cfg_for(tmp_path / str(flag), batch_size=4, max_steps=3,
-                                                      checkpointing=flag), log=quiet)
+                                                      checkpointing=flag), log=said.append)
         states.append(trainable_state(model))
-    assert max_rel_diff(states[1], states[0]) <= 1e-6
+    assert max_rel_diff(states[1], states[0]) <= 1e-6 and max_rel_diff(states[2], states[0]) <= 1e-6
+    assert [m for m in said if m.startswith("activation checkpointing")] == [
+        "activation checkpointing (non-reentrant) on 2 blocks",
+        "activation checkpointing (non-reentrant) on the first 1 of 2 blocks"]
 
 
 # ----------------------------------------------------------------------------- non-finite steps
@@ -433,9 +454,10 @@ def _real_llama_grads(folder, wrap) -> dict[str, torch.Tensor]:
     return _grads(model, collate_causal(make_examples(3, seed=13), pad_id=0))
 
 
-def test_checkpointing_a_real_llama_with_lora_gives_the_same_grads(hf_causal):
+@pytest.mark.parametrize("setting,wrapped", [(True, 2), (1, 1)])
+def test_checkpointing_a_real_llama_with_lora_gives_the_same_grads(hf_causal, setting, wrapped):
     def checkpointed(model):
-        assert enable_checkpointing(model) == 2
+        assert enable_checkpointing(model, setting) == wrapped
 
     folder = hf_causal("llama_ckpt")
     grads = [_real_llama_grads(folder, lambda m: None), _real_llama_grads(folder, checkpointed)]

@@ -114,6 +114,11 @@ def plan_device(cfg, given: str | None) -> str:
     return "cpu" if str(getattr(cfg, "device", "auto")).startswith("cpu") else "cuda"
 
 
+def checkpointing_text(k: int, blocks: int) -> str:
+    """`checkpointing on`, `off`, or `on the first 3 of 32 blocks`."""
+    return f"checkpointing {'off' if not k else 'on' if k == blocks else f'on the first {k} of {blocks} blocks'}"
+
+
 def row(name: str, nbytes: int, formula: str = "", indent: int = 2) -> str:
     return f"{' ' * indent}{name:<44}{fmt_bytes(nbytes):>12}   {formula}"
 
@@ -132,7 +137,7 @@ def render(cfg, path: str, overrides: list[str], opts: dict) -> tuple[str, bool]
              + ("full fine-tuning: every weight trains, fp32 master weights, " if run.full else
                 f"base {run.quantize if run.quantize != 'none' else run.compute}, LoRA {run.rank_text} on "
                 f"{','.join(run.lora_targets)}, ")
-             + f"checkpointing {'on' if run.checkpointing else 'off'}"
+             + checkpointing_text(run.checkpointed(model.blocks), model.blocks)
              + (f", {'KTO' if run.reference_rows else 'DPO'} reference: {run.dpo_reference}"
                 if run.dpo_reference not in (None, "none") else "")
              + (", no reference (orpo / cpo / simpo: one forward per pair)" if run.dpo_reference == "none" else ""),

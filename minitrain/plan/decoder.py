@@ -102,6 +102,11 @@ class ModelShape:
                 "mlp.down_proj": (F, D)}
 
     @property
+    def blocks(self) -> int:
+        """The repeated blocks (`model.block_types` instances) that `checkpointing` counts."""
+        return self.num_hidden_layers
+
+    @property
     def q_width(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -343,13 +348,17 @@ def _full_grads(model: ModelShape, run: RunShape) -> dict[str, list[Term]]:
     """Full fine-tuning: which fp32 gradients exist at each moment. The loop zeroes them with
     set_to_none, so none live through the forward: the head's (and final norm's) appear in the
     loss backward, one block's more at the first block's backward, all of them at the AdamW step."""
-    D, V = model.hidden_size, model.vocab_size
-    head = V * D + D
-    block = sum(i * o for i, o in model.linears().values()) + 2 * D
-    return {"loss backward": [Term("gradients: head, final norm", head * 4, f"{head:,} x 4 B")],
-            "last block backward": [Term("gradients: head, final norm, one block", (head + block) * 4,
-                                         f"{head + block:,} x 4 B")],
+    return {"loss backward": [_grads_of(model, 0)], "last block backward": [_grads_of(model, 1)],
             "optimizer step": [Term("gradients", sum(model.all_tensors()) * 4, "every weight's, fp32")]}
+
+
+def _grads_of(model: ModelShape, blocks: int) -> Term:
+    """Full fine-tuning: the fp32 gradients of the head, the final norm and the last `blocks` blocks."""
+    D, V = model.hidden_size, model.vocab_size
+    n = V * D + D + blocks * (sum(i * o for i, o in model.linears().values()) + 2 * D)
+    which = {0: "", 1: ", one block"}.get(blocks, f", {blocks} blocks")
+    return Term(f"gradients: head, final norm{which}",
+                n * 4, f"{n:,} x 4 B")
 
 
 def _block_backward(model: ModelShape, run: RunShape) -> list[Term]:
@@ -537,21 +546,26 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     msaved = _model_saved(model, run)
     lfwd, lbwd, n = (logits_terms if run.teacher is None else _kd_logits)(model, run)
     res = 4 if run.full else s  # full fine-tuning: the fp32 embedding makes the residual stream fp32
-    if run.checkpointing:
-        kept = [Term(f"block inputs x {L} (checkpointing)", L * N * D * res, f"{L} x N x D x {res}")]
-        fwd = _block_forward(model, run)
-        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in bwd) else bwd
-        grads_moment = kept + [Term("one block recomputed", per_block, "block_saved")] + worst
-    else:
-        kept = [Term(f"saved activations x {L} blocks", L * per_block, f"{L} x {per_block / N:,.0f} B per token")]
-        grads_moment = kept + bwd
+    k = run.checkpointed(L)  # the first k blocks keep only their input; the other L - k their saved tensors
+    inputs = [Term(f"block inputs x {k} (checkpointing)", k * N * D * res, f"{k} x N x D x {res}")] if k else []
+    kept = inputs + ([Term(f"saved activations x {L - k} blocks", (L - k) * per_block,
+                           f"{L - k} x {per_block / N:,.0f} B per token")] if k < L else [])
     copies = _weight_copies(model, run, L, head=True)  # the forward's: with checkpointing too (autocast's cache)
-    blocks_copies = _weight_copies(model, run, 1 if run.checkpointing else L, head=False)  # a recompute: its own
+    front = [t for t in msaved if "final norm" not in t.name]
     moments = {
         "end of forward (loss forward)": msaved + kept + lfwd + copies,
         "loss backward": msaved + kept + lbwd + copies,
-        "last block backward": [t for t in msaved if "final norm" not in t.name] + grads_moment + blocks_copies,
     }
+    if k < L:  # the last block kept its activations: its backward runs with everything kept
+        moments["last block backward"] = front + kept + bwd + _weight_copies(model, run, L - k, head=False)
+    if k:  # block k-1, the last checkpointed one, recomputed (the blocks after it are done and freed)
+        fwd = _block_forward(model, run)
+        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in bwd) else bwd
+        name = "last block backward" if k == L else "last checkpointed block backward (recomputed)"
+        moments[name] = (front + inputs + [Term("one block recomputed", per_block, "block_saved")] + worst
+                         + _weight_copies(model, run, 1, head=False))  # a recompute: its own
+        if run.full and k < L:  # the gradients of the blocks after it and of this one, set_to_none until then
+            moments[name].append(_grads_of(model, L - k + 1))
     if run.full:
         for name, grads in _full_grads(model, run).items():
             moments[name] = moments.get(name, []) + grads

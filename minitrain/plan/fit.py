@@ -8,9 +8,10 @@ compared with the device's free memory. When it does not fit:
 
 - `memory_check=true` (default): stop with one `error: memory: ...` line and the plan's
   suggestions (checkpointing, quantize, micro-batch, precompute_ref), each with its new figure;
-- `auto_fit=true`: choose activation checkpointing, then the largest micro-batch that fits,
-  keeping the global batch (`batch_size x grad_accum`) through accumulation, and say what was
-  chosen; stop as above if nothing fits;
+- `auto_fit=true`: choose activation checkpointing on the fewest blocks that fit (the first N:
+  the least recompute), else on every block and the largest micro-batch that fits, keeping the
+  global batch (`batch_size x grad_accum`) through accumulation, and say what was chosen; stop as
+  above if nothing fits;
 - `memory_check=false`: no check.
 
 `gpu_mem=12GiB` plans against that size instead of the free memory the GPU reports, and makes the
@@ -28,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from minitrain.config import parse_bytes
+from minitrain.config import checkpointed_blocks, parse_bytes
 from minitrain.errors import UserError
 from minitrain.plan.predict import predict, run_shape, shape_from_hf, suggestions
 from minitrain.plan.run_shape import RESERVE_CONTEXT, RESERVE_SLACK, Plan, RunShape, fmt_bytes
@@ -44,6 +45,7 @@ def _plan(cfg: Any) -> tuple[Any, RunShape, Plan] | None:
         return None  # unreadable or not modelled: loading reports a bad folder with its own message
     from minitrain import distributed
 
+    checkpointed_blocks(cfg.checkpointing, model.blocks)  # checkpointing=N beyond the model: said, not skipped
     run = run_shape(cfg, device="cuda", world=distributed.world_size())  # under torchrun: this rank's share
     try:
         return model, run, predict(model, run)
@@ -92,12 +94,14 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
             f"slack) fits: {where} {fmt_bytes(free)}")
         return cfg
     if getattr(cfg, "auto_fit", False):
-        for candidate in _fits_in_order(cfg):
+        for candidate in _fits_in_order(cfg, model.blocks):
             got = _plan(candidate)
             if got and needed(got[2].peak) <= free:
                 changed = " ".join(f"{k}={str(getattr(candidate, k)).lower()}"
                                    for k in ("checkpointing", "batch_size", "grad_accum")
                                    if getattr(candidate, k) != getattr(cfg, k))
+                if not isinstance(candidate.checkpointing, bool):
+                    changed += f" (the first {candidate.checkpointing} of {model.blocks} blocks)"
                 log(f"auto_fit: {changed} (global batch {candidate.batch_size * candidate.grad_accum} kept): planned "
                     f"peak {fmt_bytes(got[2].peak)}, {fmt_bytes(needed(got[2].peak))} needed of {where} "
                     f"{fmt_bytes(free)} (was {fmt_bytes(needed(plan.peak))})")
@@ -112,14 +116,18 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
                     f"memory_check=false skips this check (python tools/plan.py shows the plan)")
 
 
-def _fits_in_order(cfg: Any):
-    """auto_fit's candidates, least change first: checkpointing on, then ever smaller micro-batches
-    (divisors of batch_size, at least one row per rank) with grad_accum raised so batch_size x
-    grad_accum stays the same."""
+def _fits_in_order(cfg: Any, blocks: int):
+    """auto_fit's candidates, least change first: checkpointing on the first N of the model's `blocks`
+    blocks, N from one more than the run has up (the fewest that fit: the least recompute), then on
+    every block, then ever smaller micro-batches (divisors of batch_size, at least one row per rank)
+    with grad_accum raised so batch_size x grad_accum stays the same."""
     from minitrain import distributed
 
+    have = checkpointed_blocks(cfg.checkpointing, blocks)
+    for n in range(have + 1, blocks):
+        yield dataclasses.replace(cfg, checkpointing=n)
     ck = dataclasses.replace(cfg, checkpointing=True)
-    if not cfg.checkpointing:
+    if have < blocks:
         yield ck
     for b in range(cfg.batch_size - 1, distributed.world_size() - 1, -1):
         if cfg.batch_size % b == 0:

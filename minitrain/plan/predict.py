@@ -32,8 +32,9 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   it), and under bf16 autocast each linear keeps a bf16 copy of its weight (autocast's cast cache,
   held for backward) and a bf16 copy of its fp32 input.
 - activations: what autograd keeps for backward in `models/llama.py` + `minitrain/adapters/lora.py`, per
-  block and per token (read off the autograd graph; see `block_saved`), the per-block inputs
-  only under checkpointing plus one block recomputed, and the loss's chunked logits
+  block and per token (read off the autograd graph; see `block_saved`), only the block inputs of the
+  checkpointed blocks (all, or the first N with `checkpointing=N`) plus one block recomputed, and
+  the loss's chunked logits
   (`minitrain.objectives.losses.LOGITS_PER_CHUNK` logits per chunk, never the full `B x T x V`).
 - transients at the peak moment: the logits chunk in forward / backward, one block's backward
   working set, a dequantized 4-bit weight in bitsandbytes' backward, a dequantized ternary weight
@@ -155,7 +156,7 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     ternary_scale=getattr(cfg, "ternary_scale", "tensor"), lrc_rank=float(getattr(cfg, "lrc_rank", 0)),
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets), lora_dropout=float(cfg.lora_dropout),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
-                    checkpointing=bool(cfg.checkpointing), targets=targets, mask=True, dpo_reference=ref,
+                    checkpointing=cfg.checkpointing, targets=targets, mask=True, dpo_reference=ref,
                     reference_rows=2 * rows if is_kto else None, device=device,
                     full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0,
                     teacher=teacher_shape(cfg), teacher_quantize=getattr(cfg, "teacher_quantize", "none"),
@@ -195,7 +196,7 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
         add("quantize=nf4", replace(run, quantize="nf4"))
     elif run.quantize == "int8":
         add("quantize=nf4", replace(run, quantize="nf4"))
-    if not run.checkpointing:
+    if run.checkpointed(model.blocks) < model.blocks:
         add("checkpointing=true", replace(run, checkpointing=True))
     if run.compute == "fp32":
         add("precision=bf16", replace(run, compute="bf16"))

@@ -57,7 +57,7 @@ class RunShape:
     adapter_dtype: str = "fp32"
     lora_dropout: float = 0.0
     modules_to_save: tuple[str, ...] = ()
-    checkpointing: bool = False
+    checkpointing: int | bool = False  # true: every block, N: the first N blocks (`checkpointed`)
     targets: int | None = None
     mask: bool = True
     dpo_reference: str | None = None  # None: not DPO | base | snapshot | precomputed | none (orpo, cpo, simpo)
@@ -95,6 +95,12 @@ class RunShape:
         if not self.lrc_rank:
             return f"r={self.lora_r}"
         return f"lrc_rank={self.lrc_rank:g}" + (" of each linear's full rank" if self.lrc_rank < 1 else "")
+
+    def checkpointed(self, blocks: int) -> int:
+        """How many of a model's `blocks` blocks run checkpointed (the first ones; `checkpointing`)."""
+        from minitrain.config import checkpointed_blocks
+
+        return checkpointed_blocks(self.checkpointing, blocks)
 
     @property
     def tokens(self) -> int:

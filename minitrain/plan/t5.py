@@ -67,6 +67,11 @@ class T5Shape:
         return self.d_model
 
     @property
+    def blocks(self) -> int:
+        """The repeated blocks that `checkpointing` counts: the encoder's, then the decoder's."""
+        return self.num_layers + self.num_decoder_layers
+
+    @property
     def inner(self) -> int:
         return self.num_heads * self.d_kv
 
@@ -317,29 +322,36 @@ class T5Shape:
         msaved = self._model_saved(run)
         lfwd, lbwd, _ = logits_terms(self, replace(run, seq=run.target_seq or run.seq))
         batch = [t for t in msaved if t.name.startswith("batch")]
-        if run.checkpointing:
-            enc_kept = [Term(f"encoder block inputs x {Le} (checkpointing)", Le * enc_n * D * s,
-                             f"{Le} x N_src x D x {s}"), self._bias(run, False)]
-            dec_kept = [Term(f"decoder block inputs x {Ld} (checkpointing)", Ld * dec_n * D * s,
-                             f"{Ld} x N_tgt x D x {s}")]
-            if not any(t.name.startswith("encoder output") for t in msaved):
-                dec_kept.append(Term("encoder output (decoder blocks' input)", enc_n * D * s, "N_src x D x s"))
-            dec_kept.append(self._bias(run, True))
-            dec_moment, enc_moment = self._recomputed(run, dec, True), self._recomputed(run, enc, False)
-        else:
-            enc_kept = [Term(f"saved activations x {Le} encoder blocks", Le * enc_b,
-                             f"{Le} x {enc_b / enc_n:,.0f} B per source token")]
-            dec_kept = [Term(f"saved activations x {Ld} decoder blocks", Ld * dec_b,
-                             f"{Ld} x {dec_b / dec_n:,.0f} B per target token")]
-            dec_moment, enc_moment = self._block_backward(run, True), self._block_backward(run, False)
+        # checkpointing's first k blocks in module order: the encoder's, then the decoder's
+        k = run.checkpointed(Le + Ld)
+        ke, kd = min(k, Le), max(0, k - Le)
+        enc_in = [Term(f"encoder block inputs x {ke} (checkpointing)", ke * enc_n * D * s,
+                       f"{ke} x N_src x D x {s}"), self._bias(run, False)] if ke else []
+        dec_in = [Term(f"decoder block inputs x {kd} (checkpointing)", kd * dec_n * D * s,
+                       f"{kd} x N_tgt x D x {s}")] if kd else []
+        if kd and not any(t.name.startswith("encoder output") for t in msaved):
+            dec_in.append(Term("encoder output (decoder blocks' input)", enc_n * D * s, "N_src x D x s"))
+        dec_in += [self._bias(run, True)] if kd else []
+        enc_kept = enc_in + ([Term(f"saved activations x {Le - ke} encoder blocks", (Le - ke) * enc_b,
+                                   f"{Le - ke} x {enc_b / enc_n:,.0f} B per source token")] if ke < Le else [])
+        dec_kept = dec_in + ([Term(f"saved activations x {Ld - kd} decoder blocks", (Ld - kd) * dec_b,
+                                   f"{Ld - kd} x {dec_b / dec_n:,.0f} B per target token")] if kd < Ld else [])
         enc_grad = Term("grad of the encoder output (summed over cross-attentions)", enc_n * D * s, "N_src x D x s")
+        front = [t for t in msaved if not t.name.startswith("decoder final")]
         moments = {
             "end of forward (loss forward)": msaved + enc_kept + dec_kept + lfwd,
             "loss backward": msaved + enc_kept + dec_kept + lbwd,
-            "last decoder block backward": [t for t in msaved if not t.name.startswith("decoder final")]
-                                           + enc_kept + dec_kept + dec_moment + [enc_grad],
-            "last encoder block backward": batch + enc_kept + enc_moment + [enc_grad],
+            "last decoder block backward": front + enc_kept + dec_kept + [enc_grad]
+            + (self._recomputed(run, dec, True) if kd == Ld else self._block_backward(run, True)),
+            "last encoder block backward": batch + enc_kept + [enc_grad]
+            + (self._recomputed(run, enc, False) if ke == Le else self._block_backward(run, False)),
         }
+        if 0 < kd < Ld:  # the last checkpointed decoder block recomputed, the decoder blocks after it freed
+            moments["last checkpointed decoder block backward"] = (front + enc_kept + dec_in + [enc_grad]
+                                                                   + self._recomputed(run, dec, True))
+        if 0 < ke < Le:  # the same in the encoder, the decoder done
+            moments["last checkpointed encoder block backward"] = (batch + enc_in + [enc_grad]
+                                                                   + self._recomputed(run, enc, False))
         notes = []
         if self.dropout_rate > 0 or run.lora_dropout > 0:
             notes.append(f"dropout_rate={self.dropout_rate}, lora_dropout={run.lora_dropout}: dropout masks counted "

@@ -1,8 +1,8 @@
 """Rows of several sequences through FlexAttention (`packed_attention="flex"`, `models.llama.Documents`).
 
 Forward only: torch's FlexAttention has no backward on a CPU (tests/test_cuda.py checks forward and
-backward under torch.compile on a GPU). References: the dense-mask SDPA path the collators' `block_mask`
-drives, and each sequence run alone; both in fp32. Every decoder family: LLaMA with GQA and a sliding
+backward under torch.compile on a GPU). References: each sequence run alone (after its row's shared
+prefix), with no mask at all, and the dense-mask SDPA path; fp32. Every decoder family: LLaMA with GQA and a sliding
 window shorter than the sequences (Mistral), Qwen2 mixing full and windowed layers, Gemma 2 (score
 soft-cap as flex's score_mod), Gemma 3, Phi-3 with a window. Layouts: SFT packing, DPO's shared prompt,
 GRPO's shared-prompt layout.
@@ -56,24 +56,27 @@ def examples(lengths=LENGTHS, seed=1) -> list[dict]:
     return out
 
 
-def hidden(model, batch, kind: str, dense: bool = True) -> torch.Tensor:
-    """The model's hidden states of a batch of rows of several sequences, through `kind`; without
-    `dense`, from the document ids alone."""
+def hidden(model, batch, kind: str, dense: bool = False) -> torch.Tensor:
+    """The model's hidden states of rows of several sequences through `kind`, from the document ids
+    (with `dense`: the 4-D bool mask those ids make, `document_mask`, given as attention_mask)."""
     model.packed_attention = kind
+    mask = document_mask(batch["document_ids"], batch["position_ids"], None) if dense else None
     with torch.no_grad():
-        return model(batch["input_ids"], batch["block_mask"] if dense else None, position_ids=batch["position_ids"],
-                     document_ids=batch["document_ids"])
+        return model(batch["input_ids"], mask, position_ids=batch["position_ids"], document_ids=batch["document_ids"])
 
 
 def alone(model, batch) -> torch.Tensor:
-    """Each packed sequence run by itself, its hidden states put back where the row holds it (0 on padding)."""
+    """Each sequence of each row run by itself (a row's shared prefix, document 0, then the sequence's
+    tokens, in row order), its hidden states put back where the row holds it (0 on padding). What the
+    layout means, computed with no mask at all."""
     out = torch.zeros(*batch["input_ids"].shape, model.config.hidden_size)
-    seq = batch["sequence_ids"]
-    for i in range(int(seq.max()) + 1):
-        where = (seq == i).nonzero()
-        b, cols = int(where[0, 0]), where[:, 1]
-        with torch.no_grad():
-            out[b, cols] = model(batch["input_ids"][b, cols][None])[0]
+    for b, docs in enumerate(batch["document_ids"]):
+        for d in docs.unique().tolist():
+            if d < 1:
+                continue
+            cols = ((docs == d) | (docs == 0)).nonzero().squeeze(1)
+            with torch.no_grad():
+                out[b, cols] = model(batch["input_ids"][b, cols][None])[0]
     return out
 
 
@@ -89,11 +92,11 @@ def test_packed_rows_flex_equal_dense_mask_and_each_sequence_alone(name):
     torch.testing.assert_close(sdpa[real], ref[real], **TOL)
     torch.testing.assert_close(flex[real], ref[real], **TOL)
     torch.testing.assert_close(flex[real], sdpa[real], **TOL)
-    # the SDPA path from the ids alone (`document_mask`) is the collator's mask
-    torch.testing.assert_close(hidden(model, batch, "sdpa", dense=False)[real], sdpa[real], atol=0, rtol=0)
+    # a caller's 4-D mask (the contract's other spelling) is the same attention
+    torch.testing.assert_close(hidden(model, batch, "sdpa", dense=True)[real], sdpa[real], atol=0, rtol=0)
     # and a loss through the engine's objective (causal_hidden passes the ids)
-    model.packed_attention = "sdpa"
     with torch.no_grad():
+        model.packed_attention = "sdpa"
         loss_sdpa, n_sdpa, _ = sft(model, batch)
         model.packed_attention = "flex"
         loss_flex, n_flex, _ = sft(model, batch)
@@ -103,14 +106,13 @@ def test_packed_rows_flex_equal_dense_mask_and_each_sequence_alone(name):
 
 def test_a_leaking_block_mask_fails_the_comparison():
     """The parity above can fail: documents merged into one per row (every token sees the earlier
-    sequences of its row), or the causal rule dropped, move the hidden states far off the reference."""
+    sequences of its row), or a window one wider than the model's, move the hidden states far off."""
     model = build("mistral_gqa_window")
     batch = collate_packed_causal(examples(), pad_id=0, max_len=14)
     real = batch["attention_mask"].bool()
     ref = alone(model, batch)
     leaking = {**batch, "document_ids": batch["document_ids"].clamp(max=1)}  # 1 on every real token
     assert (hidden(model, leaking, "flex")[real] - ref[real]).abs().max() > 1e-2
-    # a window one wider than the model's also shows
     model.model.windows = [4] * len(model.model.windows)
     assert (hidden(model, batch, "flex")[real] - ref[real]).abs().max() > 1e-2
 
@@ -126,10 +128,11 @@ def test_gemma2_score_cap_bites_in_flex():
     assert (hidden(model, batch, "flex")[real] - capped[real]).abs().max() > 1e-2
 
 
-def test_shared_prompt_layouts_flex_equal_dense_mask():
-    """DPO's [prefix, chosen, rejected] rows and GRPO's [prompt, completions] rows: the collators'
-    `document_ids` describe their `block_mask` (on every real query), and flex equals SDPA there."""
-    model = build("qwen2_mixed_window")
+@pytest.mark.parametrize("name", ["qwen2_mixed_window", "gemma2_capped"])
+def test_shared_prompt_layouts_flex_equal_dense_mask_and_each_sequence_alone(name):
+    """DPO's [prefix, chosen, rejected] rows and GRPO's [prompt, completions] rows (document 0 the
+    shared prefix): flex, SDPA and each answer run after its prompt alone agree on every real token."""
+    model = build(name)
     g = torch.Generator().manual_seed(2)
 
     def ids(n):
@@ -153,13 +156,14 @@ def test_shared_prompt_layouts_flex_equal_dense_mask():
     assert layout is not None
     flat = torch.cat([prompt_ids, completion_ids], 1).reshape(-1)
     grpo = {"input_ids": flat[layout["rows"]], "position_ids": layout["position_ids"],
-            "block_mask": layout["block_mask"], "document_ids": layout["document_ids"]}
+            "document_ids": layout["document_ids"]}
 
     for batch in (dpo, grpo):
         real = batch["document_ids"] >= 0
-        rule = document_mask(batch["document_ids"], batch["position_ids"], None)[:, 0]
-        torch.testing.assert_close(rule[real], batch["block_mask"][:, 0][real], atol=0, rtol=0)
-        torch.testing.assert_close(hidden(model, batch, "flex")[real], hidden(model, batch, "sdpa")[real], **TOL)
+        assert (real.sum(1) < real.shape[1]).any()  # some padding
+        ref = alone(model, batch)
+        torch.testing.assert_close(hidden(model, batch, "sdpa")[real], ref[real], **TOL)
+        torch.testing.assert_close(hidden(model, batch, "flex")[real], ref[real], **TOL)
 
 
 def test_attention_setting_on_cpu():
@@ -176,6 +180,8 @@ def test_attention_setting_on_cpu():
     with pytest.raises(ValueError, match="packed_attention='nope'"):
         model.packed_attention = "nope"
     model.packed_attention = "flex"
-    with pytest.raises(ValueError, match="needs document_ids"):
+    with pytest.raises(ValueError, match="needs document_ids"):  # a 4-D mask alone says no documents
         model(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 1, 4, 4, dtype=torch.bool),
               position_ids=torch.arange(4)[None])
+    assert resolve_attention("auto", model, torch.device("cuda"), compiled=True) == "flex"
+    assert resolve_attention("auto", model, torch.device("cuda"), compiled=False) == "sdpa"

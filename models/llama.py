@@ -1,8 +1,9 @@
 """LLaMA 2 / 3 / 3.1 / 3.2, Mistral v0.1-v0.3, Qwen2 / Qwen2.5 and Qwen3 in one file, importing only torch.
 
 Read top to bottom: config, RMSNorm, rotary embeddings (every rope_scaling type these
-checkpoints use), attention (GQA, sliding window, KV cache), MLP (SwiGLU), decoder block, model,
-generation. Module names are Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so HF
+checkpoints use), KV cache and masks (a padded batch without its padding: `Ragged`; rows of several
+sequences by document ids, dense or through FlexAttention: `Documents`), attention (GQA, sliding
+window), MLP (SwiGLU), decoder block, model, generation. Module names are Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so HF
 safetensors load key-for-key, and the maths is HF's (rotate-half RoPE, RMSNorm in fp32), so the
 same weights give the same logits.
 

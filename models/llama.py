@@ -753,8 +753,10 @@ class Documents:
     """Rows of several sequences given to the layers in place of a dense mask, for FlexAttention:
     the `BlockMask` of `document_mask_mod` (`build`, once per forward and window, shared by the
     layers). FlexAttention visits only the (128 x 128) blocks where some key is visible, so the
-    blocks of other documents, above the diagonal and of padding cost nothing, and no (T, T) mask
-    exists; SDPA with an explicit mask computes every block and on CUDA cannot use its flash kernels.
+    blocks of other documents, above the diagonal and of padding cost nothing, and the layers read
+    no (T, T) mask; SDPA with an explicit mask computes every block and on CUDA cannot use its flash
+    kernels. (torch's eager `create_block_mask` evaluates the rule into a transient (B, 1, T, T) bool
+    on the device to find the blocks: once per forward and window, on the device, then freed.)
 
     On CUDA it is fast under torch.compile (the engine compiles each block); eager it runs an
     unfused reference. On a CPU, torch's FlexAttention has a forward only (inputs that require
@@ -1077,7 +1079,7 @@ class LlamaModel(nn.Module):
 
         `packed_attention` (set by the engine; "sdpa" by default) picks how: "sdpa" runs the dense
         mask (the caller's, else `document_mask` of the ids); "flex" builds one FlexAttention
-        `BlockMask` per window from the ids (`Documents`) and never a (T, T) mask. A forward that
+        `BlockMask` per window from the ids (`Documents`), which the layers read instead. A forward that
         captures attention probabilities (distillation) keeps the dense mask."""
         if cache is not None or position_ids is None:
             raise ValueError("a 4-D attention_mask or document_ids need position_ids and no KV cache")

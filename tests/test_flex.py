@@ -20,6 +20,7 @@ from minitrain.errors import UserError
 from minitrain.objectives.dpo import collate_shared_prompt
 from minitrain.objectives.grpo import shared_prompt_layout
 from minitrain.objectives.sft import sft
+from minitrain.train import compile_blocks
 from models.llama import document_mask
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -185,3 +186,25 @@ def test_attention_setting_on_cpu():
               position_ids=torch.arange(4)[None])
     assert resolve_attention("auto", model, torch.device("cuda"), compiled=True) == "flex"
     assert resolve_attention("auto", model, torch.device("cuda"), compiled=False) == "sdpa"
+
+
+def test_compiled_blocks_take_each_batchs_block_mask_without_recompiling():
+    """Each forward builds new `Documents` (a new mask_mod closing over new ids): compiled blocks take
+    them as inputs, not as constants, so a new batch of the same shape runs the graphs already built,
+    with its own layout (values equal each sequence alone). Dynamo with the aot_eager backend (no C++
+    build; forward only, as on any CPU); tests/test_cuda.py runs inductor's kernels with a backward."""
+    torch._dynamo.reset()
+    model = build("qwen2_mixed_window")  # two windows: two block masks a forward
+    compile_blocks(model, backend="aot_eager")
+    first = collate_packed_causal(examples(seed=1), pad_id=0, max_len=14)
+    second = collate_packed_causal(examples((6, 9, 3, 7, 5, 2), seed=5), pad_id=0, max_len=14)
+    assert first["input_ids"].shape == second["input_ids"].shape
+    assert not torch.equal(first["document_ids"], second["document_ids"])
+    hidden(model, first, "flex")
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = hidden(model, second, "flex")
+    finally:
+        torch._dynamo.reset()
+    real = second["attention_mask"].bool()
+    torch.testing.assert_close(out[real], alone(model, second)[real], **TOL)

@@ -98,13 +98,15 @@ def resolve_attention(attention: str, model: Any, device: torch.device, compiled
 
 def set_attention(cfg: Any, model: Any, device: torch.device, log: Any = None) -> None:
     """`resolve_attention(cfg.attention, ...)` set as the model's `packed_attention` (when it has one);
-    logs when that is flex. Idempotent: the recipes' `load_model` and `train` both call it."""
-    kind = resolve_attention(getattr(cfg, "attention", "auto"), model, device,
-                             compiled=bool(getattr(cfg, "compile", False)) and device.type == "cuda")
+    logs when that is flex. `train` calls it for the model it trains (and compiles); the recipes'
+    `load_model` only resolves, to refuse a bad value before anything is written."""
+    compiled = bool(getattr(cfg, "compile", False)) and device.type == "cuda"
+    kind = resolve_attention(getattr(cfg, "attention", "auto"), model, device, compiled)
     if hasattr(model, "packed_attention") and model.packed_attention != kind:
         model.packed_attention = kind
         if log is not None and kind == "flex":
-            log("attention: FlexAttention for rows of several sequences (block masks from document ids)")
+            log("attention: FlexAttention for rows of several sequences (block masks from document ids)"
+                + ("" if compiled else "; notice: without compile=true it runs unfused, slower than sdpa"))
 
 
 def _has_flex() -> bool:

@@ -15,7 +15,8 @@ import torch
 
 import models
 from minitrain.data.packing import collate_packed_causal
-from minitrain.device import resolve_attention
+from minitrain.config import TrainConfig
+from minitrain.device import resolve_attention, set_attention
 from minitrain.errors import UserError
 from minitrain.objectives.dpo import collate_shared_prompt
 from minitrain.objectives.grpo import shared_prompt_layout
@@ -186,6 +187,11 @@ def test_attention_setting_on_cpu():
               position_ids=torch.arange(4)[None])
     assert resolve_attention("auto", model, torch.device("cuda"), compiled=True) == "flex"
     assert resolve_attention("auto", model, torch.device("cuda"), compiled=False) == "sdpa"
+    # what train() does with the config: the model's switch follows `attention=`
+    set_attention(TrainConfig(), model, cpu)
+    assert model.packed_attention == "sdpa"
+    with pytest.raises(UserError, match="attention=flex"):
+        set_attention(TrainConfig(attention="flex"), model, cpu)
 
 
 def test_compiled_blocks_take_each_batchs_block_mask_without_recompiling():
@@ -208,3 +214,19 @@ def test_compiled_blocks_take_each_batchs_block_mask_without_recompiling():
         torch._dynamo.reset()
     real = second["attention_mask"].bool()
     torch.testing.assert_close(out[real], alone(model, second)[real], **TOL)
+
+
+def test_the_gpu_bench_builds_packed_batches_and_skips_without_cuda(capsys):
+    """tools/packed_attention_bench.py (SDPA against flex on a GPU): its batches are packed rows, and
+    without CUDA it says so and exits 0."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "packed_attention_bench.py"
+    spec = importlib.util.spec_from_file_location("packed_attention_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (batch,) = bench.batches(1, rows=2, seq=64, vocab=128)
+    assert batch["input_ids"].shape[1] <= 64 and int(batch["document_ids"].max()) > batch["input_ids"].shape[0]
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 0 and capsys.readouterr().out.startswith("skipped: no CUDA device")

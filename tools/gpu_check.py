@@ -5,7 +5,8 @@
 
 1. the CUDA tests (`tests/test_cuda.py`): bf16 autocast close to fp32, per-block `torch.compile`
    with non-reentrant checkpointing giving eager's gradients, nf4 / int8 QLoRA equal to peft +
-   bitsandbytes on CUDA;
+   bitsandbytes on CUDA, packed rows through compiled FlexAttention equal to the padded batch
+   (loss and gradients; the speed comparison is `tools/packed_attention_bench.py`);
 2. QLoRA DPO on a Mistral-7B shape (random weights, nf4, seq 1024, checkpointing, one pair):
    `torch.cuda.max_memory_allocated` against `minitrain.plan`'s prediction (target <= 8 GB),
    through `tools/bench.py --gpu-dpo-7b`;

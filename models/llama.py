@@ -3,9 +3,9 @@
 Read top to bottom: config, RMSNorm, rotary embeddings (every rope_scaling type these
 checkpoints use), KV cache and masks (a padded batch without its padding: `Ragged`; rows of several
 sequences by document ids, dense or through FlexAttention: `Documents`), attention (GQA, sliding
-window), MLP (SwiGLU), decoder block, model, generation. Module names are Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so HF
-safetensors load key-for-key, and the maths is HF's (rotate-half RoPE, RMSNorm in fp32), so the
-same weights give the same logits.
+window), MLP (SwiGLU), decoder block, model, generation. Module names are Hugging Face's
+(`model.layers.0.self_attn.q_proj`, ...) so HF safetensors load key-for-key, and the maths is HF's
+(rotate-half RoPE, RMSNorm in fp32), so the same weights give the same logits.
 
 The model returns hidden states after the final norm, never logits: callers apply
 `model.output_projection` to the slices they need (see docs/contracts.md).
@@ -780,6 +780,10 @@ class Documents:
         `scale` default 1/sqrt(hd); `cap`: scores soft-capped, `cap * tanh(s / cap)` (Gemma 2)."""
         from torch.nn.attention.flex_attention import flex_attention
 
+        device = q.device.type
+        if torch.is_autocast_enabled(device):  # as SDPA under autocast: q, k, v in its dtype (an fp32 residual
+            dtype = torch.get_autocast_dtype(device)  # stream rotates q / k in fp32; older torch's flex has
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # no autocast rule, and wants one dtype)
         score_mod = None
         if cap is not None:
             def score_mod(score, b, h, q_idx, kv_idx):  # applied to the scaled scores, before the mask

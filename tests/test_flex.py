@@ -230,3 +230,16 @@ def test_the_gpu_bench_builds_packed_batches_and_skips_without_cuda(capsys):
     assert batch["input_ids"].shape[1] <= 64 and int(batch["document_ids"].max()) > batch["input_ids"].shape[0]
     if not torch.cuda.is_available():
         assert bench.main([]) == 0 and capsys.readouterr().out.startswith("skipped: no CUDA device")
+
+
+def test_flex_under_bf16_autocast_follows_sdpa():
+    """Under autocast an fp32 residual stream rotates q / k in fp32 while v comes out of its linear in
+    bf16: flex gets them in the autocast dtype, as SDPA does, and stays within bf16 rounding of it."""
+    model = build("gemma2_capped")
+    batch = collate_packed_causal(examples(), pad_id=0, max_len=14)
+    real = batch["attention_mask"].bool()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sdpa = hidden(model, batch, "sdpa").float()
+        flex = hidden(model, batch, "flex").float()
+    torch.testing.assert_close(flex[real], sdpa[real], atol=5e-2, rtol=5e-2)
+    assert (flex[real] - hidden(model, batch, "flex")[real]).abs().max() > 1e-4  # autocast did round

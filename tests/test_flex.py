@@ -2,10 +2,10 @@
 
 Forward only: torch's FlexAttention has no backward on a CPU (tests/test_cuda.py checks forward and
 backward under torch.compile on a GPU). References: each sequence run alone (after its row's shared
-prefix), with no mask at all, and the dense-mask SDPA path; fp32. Every decoder family: LLaMA with GQA and a sliding
-window shorter than the sequences (Mistral), Qwen2 mixing full and windowed layers, Gemma 2 (score
-soft-cap as flex's score_mod), Gemma 3, Phi-3 with a window. Layouts: SFT packing, DPO's shared prompt,
-GRPO's shared-prompt layout.
+prefix), with no mask at all, and the dense-mask SDPA path; fp32. Every decoder family: LLaMA with
+GQA and a sliding window shorter than the sequences (Mistral), Qwen2 mixing full and windowed
+layers, Gemma 2 (score soft-cap as flex's score_mod), Gemma 3, Phi-3 with a window. Layouts: SFT
+packing, DPO's shared prompt, GRPO's shared-prompt layout.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import models
-from minitrain.data.packing import collate_packed_causal
 from minitrain.config import TrainConfig
+from minitrain.data.packing import collate_packed_causal
 from minitrain.device import resolve_attention, set_attention
 from minitrain.errors import UserError
 from minitrain.objectives.dpo import collate_shared_prompt

@@ -69,3 +69,51 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[torch.dtype
         # loss SUMs give per-token gradients ~count times a mean's, so start lower than torch's 2**16
         return torch.float16, torch.amp.GradScaler(device.type, init_scale=2.0**10)
     raise UserError(f"precision: unknown value {precision!r} — use auto, bf16, fp32 or fp16")
+
+
+def resolve_attention(attention: str, model: Any, device: torch.device, compiled: bool) -> str:
+    """What `attention` (auto | sdpa | flex) means for `model` on `device`: "sdpa" or "flex", the value
+    of the model's `packed_attention` (docs/contracts.md), which only rows of several sequences use
+    (packing, DPO's shared prompt, GRPO's shared-prompt layout); padded batches are not affected.
+
+    auto: flex on CUDA when the blocks are compiled (`compiled`; eager FlexAttention is an unfused
+    reference, slower than SDPA) and the model has the path, else sdpa. flex elsewhere is a
+    UserError: torch's FlexAttention has no backward on a CPU, and a family without
+    `packed_attention` (T5) has no FlexAttention path."""
+    has = hasattr(model, "packed_attention")
+    if attention == "auto":
+        return "flex" if has and compiled and device.type == "cuda" and _has_flex() else "sdpa"
+    if attention == "flex":
+        if not has:
+            raise UserError("attention=flex: this model family has no FlexAttention path (the decoder-only "
+                            "families have one) — use attention=sdpa")
+        if device.type != "cuda":
+            raise UserError(f"attention=flex: torch's FlexAttention has no backward on {device.type}, so it cannot "
+                            f"train there — use attention=auto or sdpa (flex is for CUDA)")
+        if not _has_flex():
+            raise UserError(f"attention=flex: torch {torch.__version__} has no FlexAttention — use torch>=2.5 "
+                            f"or attention=sdpa")
+    return attention
+
+
+def set_attention(cfg: Any, model: Any, device: torch.device, log: Any = None) -> None:
+    """`resolve_attention(cfg.attention, ...)` set as the model's `packed_attention` (when it has one);
+    logs when that is flex. `train` calls it for the model it trains (and compiles); the recipes'
+    `load_model` only resolves, to refuse a bad value before anything is written."""
+    compiled = bool(getattr(cfg, "compile", False)) and device.type == "cuda"
+    kind = resolve_attention(getattr(cfg, "attention", "auto"), model, device, compiled)
+    if hasattr(model, "packed_attention") and model.packed_attention != kind:
+        model.packed_attention = kind
+        if log is not None and kind == "flex":
+            log("attention: FlexAttention for rows of several sequences (block masks from document ids)"
+                + ("" if compiled else "; notice: without compile=true it runs unfused, slower than sdpa"))
+
+
+def _has_flex() -> bool:
+    """Whether this torch has `torch.nn.attention.flex_attention` (found, not imported: it imports dynamo)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    except ModuleNotFoundError:
+        return False

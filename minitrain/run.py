@@ -49,7 +49,7 @@ from minitrain.data.files import data_sources
 from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_source, mixture, read_preference, read_prompts,
                                     read_seq2seq, read_sft, read_unpaired)
 from minitrain.data.store_build import default_cache, open_or_build
-from minitrain.device import base_dtype, pick_device
+from minitrain.device import base_dtype, pick_device, resolve_attention
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
 from minitrain.progress import log
@@ -317,6 +317,9 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
             replace_linears(model, cfg.quantize, dtype)
     else:
         model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)
+    # `attention=` refused here, before anything is written; `train` sets it on the model it compiles
+    # (not on a model that only runs eagerly, as distillation's teacher: eager FlexAttention is slow)
+    resolve_attention(getattr(cfg, "attention", "auto"), model, device, compiled=False)
     emb = getattr(model, "input_embeddings", None)
     if isinstance(emb, nn.Embedding) and tok.vocab_size > emb.num_embeddings:
         raise UserError(f"{folder}: the tokenizer has {tok.vocab_size} ids but the model's embedding has "

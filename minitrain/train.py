@@ -43,7 +43,7 @@ from minitrain.audit import preflight
 from minitrain.config import checkpointed_blocks
 from minitrain.data.batcher import Batcher
 from minitrain.data.collate import IGNORE_INDEX
-from minitrain.device import resolve_precision
+from minitrain.device import resolve_precision, set_attention
 from minitrain.ema import EMA, attach
 from minitrain.errors import UserError
 from minitrain.optim import AdamW
@@ -178,6 +178,7 @@ def train(
     named = _trainable(model, trainable)
     params = [p for _, p in named]
     amp_dtype, scaler = resolve_precision(cfg.precision, device)
+    set_attention(cfg, model, device, log)  # rows of several sequences: sdpa or flex (`attention=`)
 
     # ---- size the run in optimizer steps (rule 1) and say so before step 1
     total_steps, warmup_steps, micro_per_epoch = resolve_steps(

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from models.llama import (
     Captured,
+    Documents,
     IGNORED_FIELDS as LLAMA_IGNORED,
     KVCache,
     LlamaForCausalLM,
@@ -50,6 +51,7 @@ from models.llama import (
     forward_unpadded,
     generate,
     repeat_kv,
+    row_masks,
     sdpa,
     unpadded_lengths,
 )
@@ -309,7 +311,8 @@ class GemmaAttention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, D) -> (B, T, D). `mask` (B, 1, T, S) bool, or None for plain causal.
         `return_probs`: also the attention probabilities (B, H, T, S) fp32 (`gemma_attention_probs`).
-        A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, hd)."""
+        A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, hd). A `Documents`
+        mask: rows of several sequences through FlexAttention (the score cap as its `score_mod`)."""
         q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, hd)
         k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))  # (B, T, Hkv, hd)
         if hasattr(self, "q_norm"):  # Gemma 3
@@ -323,6 +326,9 @@ class GemmaAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
+        if isinstance(mask, Documents):  # FlexAttention: the shared heads read in place
+            y = mask.attend(q, k, v, self.scaling, self.cap)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         n_rep = self.n_heads // self.n_kv
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
         probs = None
@@ -435,6 +441,7 @@ class GemmaModel(nn.Module):
             self.rotary["sliding_attention"] = RotaryEmbedding(local)
         else:
             self.rotary["sliding_attention"] = self.rotary["full_attention"]
+        self.packed_attention = "sdpa"  # rows of several sequences: "sdpa" or "flex" (`models.llama.row_masks`)
 
     def forward(
         self,
@@ -444,12 +451,23 @@ class GemmaModel(nn.Module):
         cache: KVCache | None = None,
         hidden_layers: Collection[int] = (),
         attention_layers: Collection[int] = (),
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D) after the final norm (same contract as LLaMA, the
-        captured layers of `hidden_layers` / `attention_layers` included)."""
+        captured layers of `hidden_layers` / `attention_layers` and rows of several sequences, a 4-D
+        mask and / or `document_ids`, included)."""
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, D)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # the factor rounded as HF
+        if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
+            if cache is not None or position_ids is None:
+                raise ValueError("a 4-D attention_mask or document_ids need position_ids and no KV cache")
+            pos = position_ids.to(x.device)
+            flex = self.packed_attention == "flex" and not (hidden_layers or attention_layers)
+            masks = row_masks(attention_mask, pos, document_ids, set(self.windows), flex)
+            rope = {kind: r(pos, dtype=x.dtype) for kind, r in self.rotary.items()}
+            return self._layers(x, [rope[kind] for kind in self.config.layer_types],
+                                [masks[w] for w in self.windows], None, hidden_layers, attention_layers)
         valid = (
             torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
             if attention_mask is None
@@ -469,16 +487,19 @@ class GemmaModel(nn.Module):
             w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
             for w in set(self.windows)
         }
-        if hidden_layers or attention_layers:
-            out = capture_layers(self.layers, self.norm, x, tables, [masks[w] for w in self.windows], cache,
-                                 hidden_layers, attention_layers)
-        else:
-            for layer, (cos, sin), w in zip(self.layers, tables, self.windows):
-                x = layer(x, cos, sin, masks[w], cache)
-            out = self.norm(x)
+        out = self._layers(x, tables, [masks[w] for w in self.windows], cache, hidden_layers, attention_layers)
         if cache is not None:
             cache.end(T)
         return out
+
+    def _layers(self, x: torch.Tensor, tables: list, masks: list, cache: KVCache | None,
+                hidden_layers: Collection[int], attention_layers: Collection[int]) -> torch.Tensor | Captured:
+        """The layer loop: layer i gets `tables[i]` (cos, sin) and `masks[i]`; a `Captured` when asked."""
+        if hidden_layers or attention_layers:
+            return capture_layers(self.layers, self.norm, x, tables, masks, cache, hidden_layers, attention_layers)
+        for layer, (cos, sin), mask in zip(self.layers, tables, masks):
+            x = layer(x, cos, sin, mask, cache)
+        return self.norm(x)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -1,10 +1,11 @@
 """LLaMA 2 / 3 / 3.1 / 3.2, Mistral v0.1-v0.3, Qwen2 / Qwen2.5 and Qwen3 in one file, importing only torch.
 
 Read top to bottom: config, RMSNorm, rotary embeddings (every rope_scaling type these
-checkpoints use), attention (GQA, sliding window, KV cache), MLP (SwiGLU), decoder block, model,
-generation. Module names are Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so HF
-safetensors load key-for-key, and the maths is HF's (rotate-half RoPE, RMSNorm in fp32), so the
-same weights give the same logits.
+checkpoints use), KV cache and masks (a padded batch without its padding: `Ragged`; rows of several
+sequences by document ids, dense or through FlexAttention: `Documents`), attention (GQA, sliding
+window), MLP (SwiGLU), decoder block, model, generation. Module names are Hugging Face's
+(`model.layers.0.self_attn.q_proj`, ...) so HF safetensors load key-for-key, and the maths is HF's
+(rotate-half RoPE, RMSNorm in fp32), so the same weights give the same logits.
 
 The model returns hidden states after the final norm, never logits: callers apply
 `model.output_projection` to the slices they need (see docs/contracts.md).
@@ -709,6 +710,108 @@ def ragged_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
 
 
 # --------------------------------------------------------------------------------------------
+# Rows of several sequences: document ids, their dense mask, FlexAttention
+# --------------------------------------------------------------------------------------------
+
+# how rows of several sequences attend (the model's `packed_attention`): a dense bool mask through
+# SDPA, or FlexAttention with a block mask built from the rows' document ids
+PACKED_ATTENTION = ("sdpa", "flex")
+
+
+def document_mask_mod(document_ids: torch.Tensor, position_ids: torch.Tensor,
+                      window: int | None) -> Callable[..., torch.Tensor]:
+    """The attention rule of rows of several sequences, as FlexAttention's `mask_mod(b, h, q, k)`.
+
+    document_ids (B, T) long: -1 padding; 0 the row's shared prefix (DPO's prompt in the shared-
+    prompt layout, GRPO's prompt), which every document of the row also sees; 1, 2, ...: documents
+    (packed examples, DPO's chosen / rejected answers, GRPO's completions), each seeing itself and
+    the prefix. Key k is visible from query q when k <= q, q is real, k is in q's document or in
+    the prefix and (with `window`) their positions (B, T) are less than `window` apart, as in each
+    sequence alone; every position also sees itself, so a padding row is never empty (no NaN).
+    Only indexing and comparisons: on broadcast index grids it gives the dense mask (`document_mask`).
+    """
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        dq, dk = document_ids[b, q], document_ids[b, k]
+        allowed = (k <= q) & (dq >= 0) & ((dk == dq) | (dk == 0))
+        if window is not None:
+            allowed = allowed & (position_ids[b, q] - position_ids[b, k] < window)
+        return allowed | (q == k)
+
+    return mask_mod
+
+
+def document_mask(document_ids: torch.Tensor, position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """`document_mask_mod` as a dense bool (B, 1, T, T) mask, True = may attend (the SDPA path)."""
+    B, T = document_ids.shape
+    i = torch.arange(T, device=document_ids.device)
+    b = torch.arange(B, device=document_ids.device)[:, None, None]
+    return document_mask_mod(document_ids, position_ids, window)(b, 0, i[None, :, None], i[None, None, :])[:, None]
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Rows of several sequences given to the layers in place of a dense mask, for FlexAttention:
+    the `BlockMask` of `document_mask_mod` (`build`, once per forward and window, shared by the
+    layers). FlexAttention visits only the (128 x 128) blocks where some key is visible, so the
+    blocks of other documents, above the diagonal and of padding cost nothing, and the layers read
+    no (T, T) mask; SDPA with an explicit mask computes every block and on CUDA cannot use its flash
+    kernels. (torch's eager `create_block_mask` evaluates the rule into a transient (B, 1, T, T) bool
+    on the device to find the blocks: once per forward and window, on the device, then freed.)
+
+    On CUDA it is fast under torch.compile (the engine compiles each block); eager it runs an
+    unfused reference. On a CPU, torch's FlexAttention has a forward only (inputs that require
+    grad are refused), so training there uses the dense mask. `torch.nn.attention.flex_attention`
+    imports torch._dynamo: it is imported here, when a `Documents` is built, never at import time.
+    """
+
+    block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
+
+    @classmethod
+    def build(cls, document_ids: torch.Tensor, position_ids: torch.Tensor, window: int | None) -> "Documents":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        B, T = document_ids.shape
+        mask_mod = document_mask_mod(document_ids, position_ids, window)
+        return cls(create_block_mask(mask_mod, B, None, T, T, device=document_ids.device))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               cap: float | None = None) -> torch.Tensor:
+        """q (B, H, T, hd), k / v (B, Hkv, T, hd) -> (B, H, T, hd); the shared heads read in place.
+        `scale` default 1/sqrt(hd); `cap`: scores soft-capped, `cap * tanh(s / cap)` (Gemma 2)."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        device = q.device.type
+        if torch.is_autocast_enabled(device):  # as SDPA under autocast: q, k, v in its dtype (an fp32 residual
+            dtype = torch.get_autocast_dtype(device)  # stream rotates q / k in fp32; older torch's flex has
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # no autocast rule, and wants one dtype)
+        score_mod = None
+        if cap is not None:
+            def score_mod(score, b, h, q_idx, kv_idx):  # applied to the scaled scores, before the mask
+                return cap * torch.tanh(score / cap)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=self.block_mask, scale=scale,
+                              enable_gqa=q.shape[1] != k.shape[1])
+
+
+def row_masks(mask: torch.Tensor | None, position_ids: torch.Tensor, document_ids: torch.Tensor | None,
+              windows: Iterable[int | None], flex: bool) -> dict[int | None, "torch.Tensor | Documents"]:
+    """What the layers of each distinct window get for rows of several sequences: a `Documents`
+    (`flex`, from `document_ids`), else a dense bool (B, 1, T, T): the caller's 4-D `mask`, or
+    `document_mask` of `document_ids` without one, narrowed to the window on positions."""
+    if document_ids is not None:
+        document_ids = document_ids.to(position_ids.device)
+    if flex:
+        if document_ids is None:
+            raise ValueError("packed_attention='flex' needs document_ids (B, T) — a dense 4-D mask does not say "
+                             "which sequence each token is in; pass the collator's document_ids")
+        return {w: Documents.build(document_ids, position_ids, w) for w in windows}
+    if mask is None:
+        return {w: document_mask(document_ids, position_ids, w) for w in windows}
+    mask = mask.to(device=position_ids.device, dtype=torch.bool)
+    apart = position_ids[:, None, :, None] - position_ids[:, None, None, :]  # (B, 1, T, T)
+    return {w: mask if w is None else mask & (apart < w) for w in windows}
+
+
+# --------------------------------------------------------------------------------------------
 # Attention, MLP, block
 # --------------------------------------------------------------------------------------------
 
@@ -778,7 +881,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding).
         `return_probs`: also the attention probabilities (B, H, T, S) fp32 (see `attention_probs`).
-        A `Ragged` mask: x (N, D) holds the batch's real tokens end to end, cos / sin (N, hd)."""
+        A `Ragged` mask: x (N, D) holds the batch's real tokens end to end, cos / sin (N, hd).
+        A `Documents` mask: rows of several sequences through FlexAttention."""
         q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, hd)
         k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))  # (B, T, Hkv, hd)
         if hasattr(self, "q_norm"):  # Qwen3: per-head norms
@@ -794,7 +898,9 @@ class LlamaAttention(nn.Module):
         n_rep = self.n_heads // self.n_kv
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
-        if cache is not None and not return_probs:  # decoding: SDPA reads the shared heads in place
+        if isinstance(mask, Documents):  # FlexAttention reads the shared heads in place
+            y, probs = mask.attend(q, k, v), None
+        elif cache is not None and not return_probs:  # decoding: SDPA reads the shared heads in place
             y, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1), None
         else:
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
@@ -897,6 +1003,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.windows = config.layer_windows()  # per layer: its sliding window or None
+        self.packed_attention = "sdpa"  # how rows of several sequences attend (`_forward_block_mask`)
 
     def forward(
         self,
@@ -906,6 +1013,7 @@ class LlamaModel(nn.Module):
         cache: KVCache | None = None,
         hidden_layers: Collection[int] = (),
         attention_layers: Collection[int] = (),
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D) after the final norm.
 
@@ -913,7 +1021,8 @@ class LlamaModel(nn.Module):
         tokens only (the cache remembers earlier ones). position_ids default to the count of real
         tokens before each one (mask cumsum - 1), so left-padded rows start at position 0.
         Or a bool (B, 1, T, T) mask, True = may attend, with position_ids given: several sequences
-        in one row (packing, DPO's shared prompt; see `_forward_block_mask`).
+        in one row (packing, DPO's shared prompt; see `_forward_block_mask`), and / or the same layout
+        as `document_ids` (B, T) (`document_mask_mod`), which the FlexAttention path needs.
 
         `hidden_layers` / `attention_layers` (layer indices; distillation): return a `Captured`
         with those layers' outputs and attention probabilities. Only the named layers write their
@@ -922,8 +1031,8 @@ class LlamaModel(nn.Module):
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, D)
         capture = (hidden_layers, attention_layers)
-        if attention_mask is not None and attention_mask.dim() == 4:  # the caller's own (B, 1, T, T) mask
-            return self._forward_block_mask(x, attention_mask, position_ids, cache, capture)
+        if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
+            return self._forward_block_mask(x, attention_mask, position_ids, document_ids, cache, capture)
         valid = (
             torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
             if attention_mask is None
@@ -964,23 +1073,28 @@ class LlamaModel(nn.Module):
         return capture_layers(self.layers, self.norm, x, [(cos, sin)] * len(self.layers), masks, cache,
                               hidden_layers, attention_layers)
 
-    def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor | None,
-                            cache: KVCache | None, capture: tuple = ((), ())) -> torch.Tensor | Captured:
-        """Several sequences in one row (packed rows, DPO's [prompt, chosen, rejected]): the caller
-        gives the bool mask (B, 1, T, T), True = may attend, and each token's position_ids (B, T);
-        a sliding window applies to positions, so it stays inside each sequence."""
+    def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                            document_ids: torch.Tensor | None, cache: KVCache | None,
+                            capture: tuple = ((), ())) -> torch.Tensor | Captured:
+        """Several sequences in one row (packed rows, DPO's [prompt, chosen, rejected], GRPO's [prompt,
+        completions]): the caller gives each token's position_ids (B, T) and the layout, as a bool mask
+        (B, 1, T, T), True = may attend, and / or as `document_ids` (B, T). Each layer's sliding
+        window applies to positions, so it stays inside each sequence.
+
+        `packed_attention` (set by the engine; "sdpa" by default) picks how: "sdpa" runs the dense
+        mask (the caller's, else `document_mask` of the ids); "flex" builds one FlexAttention
+        `BlockMask` per window from the ids (`Documents`), which the layers read instead. A forward that
+        captures attention probabilities (distillation) keeps the dense mask."""
         if cache is not None or position_ids is None:
-            raise ValueError("a 4-D attention_mask needs position_ids and no KV cache")
-        mask = mask.to(device=x.device, dtype=torch.bool)
-        window = self.config.sliding_window
-        if window is not None:
-            pos = position_ids.to(x.device)
-            mask = mask & ((pos[:, None, :, None] - pos[:, None, None, :]) < window)
-        cos, sin = self.rotary(position_ids.to(x.device), dtype=x.dtype)  # (B, T, hd)
+            raise ValueError("a 4-D attention_mask or document_ids need position_ids and no KV cache")
+        pos = position_ids.to(x.device)
+        flex = self.packed_attention == "flex" and not any(capture)
+        masks = row_masks(mask, pos, document_ids, set(self.windows), flex)
+        cos, sin = self.rotary(pos, dtype=x.dtype)  # (B, T, hd)
         if any(capture):
-            return self._capture(x, cos, sin, [mask] * len(self.layers), None, *capture)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            return self._capture(x, cos, sin, [masks[w] for w in self.windows], None, *capture)
+        for layer, w in zip(self.layers, self.windows):
+            x = layer(x, cos, sin, masks[w])
         return self.norm(x)
 
 
@@ -1007,12 +1121,28 @@ class LlamaForCausalLM(nn.Module):
         cache: KVCache | None = None,
         hidden_layers: Collection[int] = (),
         attention_layers: Collection[int] = (),
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D); logits are `self.output_projection(hidden)`.
-        With `hidden_layers` / `attention_layers`: a `Captured` (see `LlamaModel.forward`)."""
+        With `hidden_layers` / `attention_layers`: a `Captured`; `document_ids`: rows of several
+        sequences (see `LlamaModel.forward`)."""
+        rows = {} if document_ids is None else {"document_ids": document_ids}
         if not hidden_layers and not attention_layers:  # a family's body that captures nothing may take 4
-            return self.model(input_ids, attention_mask, position_ids, cache)
-        return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers)
+            return self.model(input_ids, attention_mask, position_ids, cache, **rows)
+        return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, **rows)
+
+    @property
+    def packed_attention(self) -> str:
+        """How rows of several sequences attend: "sdpa" (a dense bool mask, the default) or "flex"
+        (FlexAttention with a block mask of the rows' `document_ids`; for CUDA under torch.compile,
+        forward-only on a CPU). The engine sets it (`attention=` in the config); see `Documents`."""
+        return self.model.packed_attention
+
+    @packed_attention.setter
+    def packed_attention(self, kind: str) -> None:
+        if kind not in PACKED_ATTENTION:
+            raise ValueError(f"packed_attention={kind!r} — use one of {PACKED_ATTENTION}")
+        self.model.packed_attention = kind
 
     @property
     def captures_layers(self) -> bool:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from models.llama import (
     IGNORED_FIELDS,
     Captured,
+    Documents,
     KVCache,
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -41,6 +42,7 @@ from models.llama import (
     forward_unpadded,
     generate,
     repeat_kv,
+    row_masks,
     unpadded_lengths,
 )
 
@@ -199,7 +201,8 @@ class Phi3Attention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding).
         `return_probs`: also the attention probabilities (B, H, T, S) fp32 (`models.llama.attend`).
-        A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, rd)."""
+        A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, rd). A `Documents`
+        mask: rows of several sequences through FlexAttention."""
         hd = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         if isinstance(mask, Ragged):  # (N, heads, hd): RoPE per token, attention per sequence
@@ -213,9 +216,12 @@ class Phi3Attention(nn.Module):
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
-        n_rep = self.n_heads // self.n_kv
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-        y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
+        if isinstance(mask, Documents):  # FlexAttention: the shared heads read in place
+            y, probs = mask.attend(q, k, v), None
+        else:
+            n_rep = self.n_heads // self.n_kv
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
+            y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
         y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * hd))
         return (y, probs) if return_probs else y
 
@@ -257,6 +263,7 @@ class Phi3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         spec = RopeSpec(config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
         self.rotary = RotaryEmbedding(spec)
+        self.packed_attention = "sdpa"  # rows of several sequences: "sdpa" or "flex" (`models.llama.row_masks`)
 
     def forward(
         self,
@@ -266,11 +273,21 @@ class Phi3Model(nn.Module):
         cache: KVCache | None = None,
         hidden_layers: Collection[int] = (),
         attention_layers: Collection[int] = (),
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D) after the final norm (same contract as LLaMA, the
-        captured layers of `hidden_layers` / `attention_layers` included)."""
+        captured layers of `hidden_layers` / `attention_layers` and rows of several sequences, a 4-D
+        mask and / or `document_ids`, included)."""
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, D)
+        w = self.config.sliding_window
+        if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
+            if cache is not None or position_ids is None:
+                raise ValueError("a 4-D attention_mask or document_ids need position_ids and no KV cache")
+            pos = position_ids.to(x.device)
+            flex = self.packed_attention == "flex" and not (hidden_layers or attention_layers)
+            mask = row_masks(attention_mask, pos, document_ids, (w,), flex)[w]
+            return self._layers(x, self.rotary(pos, dtype=x.dtype), mask, None, hidden_layers, attention_layers)
         valid = (
             torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
             if attention_mask is None
@@ -280,7 +297,6 @@ class Phi3Model(nn.Module):
         key_valid = cache.begin(valid) if cache is not None else valid  # (B, S)
         if position_ids is None:
             position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
-        w = self.config.sliding_window
         padded = attention_mask is not None and not bool(valid.all())
         cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, rd)
         lengths = None if hidden_layers or attention_layers else unpadded_lengths(valid, padded, cache)
@@ -288,17 +304,21 @@ class Phi3Model(nn.Module):
             return forward_unpadded(x, valid, lengths, ((layer, (cos, sin), w) for layer in self.layers), self.norm)
         plain = cache is None and not padded and (w is None or T <= w)
         mask = None if plain else attention_mask_4d(key_valid, start, w)  # (B, 1, T, S)
-        L = len(self.layers)
-        if hidden_layers or attention_layers:
-            out = capture_layers(self.layers, self.norm, x, [(cos, sin)] * L, [mask] * L, cache, hidden_layers,
-                                 attention_layers)
-        else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, mask, cache)
-            out = self.norm(x)
+        out = self._layers(x, (cos, sin), mask, cache, hidden_layers, attention_layers)
         if cache is not None:
             cache.end(T)
         return out
+
+    def _layers(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], mask, cache: KVCache | None,
+                hidden_layers: Collection[int], attention_layers: Collection[int]) -> torch.Tensor | Captured:
+        """The layer loop, every layer with the same (cos, sin) and mask; a `Captured` when asked."""
+        L = len(self.layers)
+        if hidden_layers or attention_layers:
+            return capture_layers(self.layers, self.norm, x, [tables] * L, [mask] * L, cache, hidden_layers,
+                                  attention_layers)
+        for layer in self.layers:
+            x = layer(x, *tables, mask, cache)
+        return self.norm(x)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -13,6 +13,7 @@ from minitrain.data.collate import collate_preference
 from minitrain.objectives.dpo import collate_shared_prompt, make_dpo_objective
 from minitrain.objectives.reference import BaseReference, sequence_logps
 from minitrain.weights import load_pretrained
+from models.llama import document_mask
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -94,8 +95,10 @@ def test_rejected_tokens_never_see_the_chosen_ones():
     assert b["position_ids"][0].tolist() == [0, 1, 2, 3, 2]
     assert b["chosen_targets"][0].tolist() == [7, 8, 9, -100, -100]
     assert b["rejected_targets"][0].tolist() == [7, 5, -100, -100, -100]
-    m = b["block_mask"][0, 0].int().tolist()
+    assert b["document_ids"].tolist() == [[0, 0, 1, 1, 2], [0, 1, 2, -1, -1]]
+    masks = document_mask(b["document_ids"], b["position_ids"], None)  # the model's mask of these ids
+    m = masks[0, 0].int().tolist()
     assert m[4] == [1, 1, 0, 0, 1]  # the rejected token sees the prefix and itself only
     assert m[3] == [1, 1, 1, 1, 0]
-    pad = b["block_mask"][1, 0].int().tolist()
-    assert b["attention_mask"][1].tolist() == [1, 1, 1, 0, 0] and pad[4] == [1, 1, 1, 0, 1]
+    pad = masks[1, 0].int().tolist()
+    assert b["attention_mask"][1].tolist() == [1, 1, 1, 0, 0] and pad[2] == [1, 0, 1, 0, 0] and pad[4] == [0, 0, 0, 0, 1]

@@ -4,9 +4,9 @@ The Batcher still chooses which examples form a micro-batch (so the data order, 
 an exact resume are those of the unpacked run); the collator only lays them out differently:
 first-fit decreasing into rows of at most `max_len` tokens, as long as the fewest token positions
 need (`pack`: never more than the padded batch). In each row every sequence keeps its
-own positions (from 0) and attends only to itself: a block-diagonal mask that the model gives to
-its attention (`models.llama`: `attention_mask` 4-D with `position_ids`; `models.t5`: the encoder,
-decoder and cross-attention masks).
+own positions (from 0) and attends only to itself (causal models: `document_ids` with `position_ids`,
+from which the model builds its block-diagonal mask, dense for SDPA or FlexAttention's block mask;
+`models.t5`: the encoder, decoder and cross-attention masks as dense bool tensors).
 
 - causal SFT (`collate_packed_causal`): the first label of each example is set to -100 (it is
   never a target: a causal model predicts token t + 1 from t), so the objective's usual one-step
@@ -129,12 +129,20 @@ def block_mask(q_seq: torch.Tensor, k_seq: torch.Tensor | None = None, causal: b
     return allowed[:, None]
 
 
+def document_ids(seq: torch.Tensor) -> torch.Tensor:
+    """(B, T) sequence ids (-1 = padding) -> the model's `document_ids` (B, T): sequence i is document
+    i + 1 (document 0 is a row's shared prefix, which packed rows do not have), padding -1: each
+    token attends causally to its own sequence (docs/contracts.md, `models.llama.document_mask_mod`)."""
+    return torch.where(seq >= 0, seq + 1, -1)
+
+
 def collate_packed_causal(examples: Sequence[dict], pad_id: int, max_len: int) -> dict[str, Any]:
     """Causal examples packed into rows of at most `max_len` (see the module docstring).
 
     Keys: `input_ids`, `labels`, `attention_mask` (B, T: 1 on real tokens), `position_ids` (B, T),
-    `block_mask` (B, 1, T, T) bool, `sequence_ids` (B, T: the example's index, -1 on padding),
-    `num_sequences`, `segment_lengths` (B, K) (0-padded).
+    `document_ids` (B, T: the model's layout of the rows, `document_ids`), `sequence_ids` (B, T: the
+    example's index, -1 on padding), `num_sequences`, `segment_lengths` (B, K) (0-padded). No (T, T)
+    mask: the model derives the one its attention needs from `document_ids`.
     """
     ids = [ex["input_ids"] for ex in examples]
     rows = pack([len(x) for x in ids], max_len)
@@ -142,7 +150,7 @@ def collate_packed_causal(examples: Sequence[dict], pad_id: int, max_len: int) -
     labels = lay_out([ex["labels"] for ex in examples], rows, IGNORE_INDEX)[0]
     labels[pos == 0] = IGNORE_INDEX  # never a target; keeps the shift inside the example
     return {"input_ids": input_ids, "labels": labels, "attention_mask": (seq >= 0).long(), "position_ids": pos,
-            "block_mask": block_mask(seq), "sequence_ids": seq, "num_sequences": len(ids),
+            "document_ids": document_ids(seq), "sequence_ids": seq, "num_sequences": len(ids),
             "segment_lengths": segment_lengths(ids, rows)}
 
 

@@ -248,7 +248,8 @@ def collate_shared_prompt(examples: Sequence[dict], pad_id: int) -> dict[str, An
     that follow the prefix (as in their own sequence) and attend to the prefix and to themselves,
     never to the chosen tokens; a causal model therefore gives every token the hidden state it
     has in the two-sequence form. Keys: `input_ids`, `position_ids`, `attention_mask` (P, T) of
-    real tokens, `block_mask` (P, 1, T, T) bool (True = may attend; padding keys are seen by themselves only),
+    real tokens, the model's `document_ids` (P, T) (0 the prefix, seen by both answers, 1 chosen,
+    2 rejected, -1 padding: rejected never sees chosen),
     `chosen_targets` / `rejected_targets` (P, T): the token each position predicts for that
     answer, -100 elsewhere (already shifted: the last prefix position predicts both first answer
     tokens), and `num_pairs`.
@@ -269,13 +270,9 @@ def collate_shared_prompt(examples: Sequence[dict], pad_id: int) -> dict[str, An
     def pad(xs: list[list[int]], value: int) -> torch.Tensor:
         return torch.tensor([x + [value] * (T - len(x)) for x in xs], dtype=torch.long)
 
-    seg = pad(segs, 3)  # 0 prefix, 1 chosen, 2 rejected, 3 padding
-    idx = torch.arange(T)
-    allowed = (idx[None, :] <= idx[:, None])[None] & (seg[:, None, :] != 3)  # (P, T, T) causal, real keys
-    allowed &= ~((seg[:, :, None] == 2) & (seg[:, None, :] == 1))  # rejected never sees chosen
-    allowed |= torch.eye(T, dtype=torch.bool)[None]  # every query sees itself (no empty row)
-    return {"input_ids": pad(rows, pad_id), "position_ids": pad(pos, 0), "attention_mask": (seg != 3).long(),
-            "block_mask": allowed[:, None], "chosen_targets": pad(c_tg, IGNORE_INDEX),
+    seg = pad(segs, -1)  # 0 prefix, 1 chosen, 2 rejected, -1 padding
+    return {"input_ids": pad(rows, pad_id), "position_ids": pad(pos, 0), "attention_mask": (seg >= 0).long(),
+            "document_ids": seg, "chosen_targets": pad(c_tg, IGNORE_INDEX),
             "rejected_targets": pad(r_tg, IGNORE_INDEX), "num_pairs": len(examples)}
 
 

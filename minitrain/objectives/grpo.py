@@ -144,7 +144,8 @@ def shared_prompt_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, co
     each completion's real tokens, each at the positions that follow the prompt and attending to the
     prompt and to itself only (a causal model gives every token the hidden state it has in its own
     row). Returns `rows` (B, T) indices into [prompt_ids | completion_ids] flattened (N, P + C),
-    `position_ids` and `block_mask` (B, 1, T, T), and `predicts` (N, C): the flat (B * T) position
+    `position_ids`, the model's `document_ids` (B, T) (0 the prompt, seen by every completion, j + 1
+    completion j, -1 padding), and `predicts` (N, C): the flat (B * T) position
     whose hidden state predicts each completion token. None when the rows' prompts differ, or when
     the layout costs more than the padded batch: positions x 7 `width` (the multiply-adds of a
     block's linears per position, over those of one attention entry, for an MLP ~3.5x as wide) plus
@@ -180,12 +181,7 @@ def shared_prompt_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, co
         pos.append(q + [0] * (T - len(q)))
         seg.append(sg + [-1] * (T - len(sg)))
     rows, pos, seg, predicts = (torch.tensor(x, dtype=torch.long) for x in (rows, pos, seg, predicts))
-    idx = torch.arange(T)
-    causal = idx[None, :] <= idx[:, None]  # (T, T)
-    same = seg[:, :, None] == seg[:, None, :]
-    allowed = causal[None] & (same | (seg[:, None, :] == 0)) & (seg[:, :, None] >= 0) & (seg[:, None, :] >= 0)
-    allowed |= torch.eye(T, dtype=torch.bool)[None]  # every query sees itself (padding rows: no empty row)
-    return {"rows": rows, "position_ids": pos, "block_mask": allowed[:, None], "predicts": predicts}
+    return {"rows": rows, "position_ids": pos, "document_ids": seg, "predicts": predicts}
 
 
 def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -204,8 +200,8 @@ def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     layout = shared_prompt_layout(prompt_ids, prompt_mask, completion_mask, group, width)
     if layout is not None:
         dev = ids.device
-        shared = model(ids.reshape(-1)[layout["rows"].to(dev)], layout["block_mask"].to(dev),
-                       position_ids=layout["position_ids"].to(dev))  # (B, T, D)
+        shared = model(ids.reshape(-1)[layout["rows"].to(dev)], position_ids=layout["position_ids"].to(dev),
+                       document_ids=layout["document_ids"].to(dev))  # (B, T, D)
         hidden = shared.flatten(0, 1)[layout["predicts"].to(dev)]  # (N, C, D)
     else:
         mask = torch.cat([prompt_mask, completion_mask], dim=1)

@@ -45,9 +45,10 @@ def causal_token_logprobs(
 
 def causal_hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Hidden states (B, T, D) of a causal batch: padded rows, or rows of several sequences (packed,
-    DPO's shared prompt) with their `block_mask` and `position_ids`."""
-    if "block_mask" in batch:
-        return model(batch["input_ids"], batch["block_mask"], position_ids=batch["position_ids"])
+    DPO's shared prompt) with their `document_ids` and `position_ids` (the model builds the mask its
+    `packed_attention` needs: a dense one for SDPA, or FlexAttention's block mask)."""
+    if "document_ids" in batch:
+        return model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"])
     return model(batch["input_ids"], batch.get("attention_mask"))
 
 

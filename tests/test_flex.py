@@ -216,22 +216,6 @@ def test_compiled_blocks_take_each_batchs_block_mask_without_recompiling():
     torch.testing.assert_close(out[real], alone(model, second)[real], **TOL)
 
 
-def test_the_gpu_bench_builds_packed_batches_and_skips_without_cuda(capsys):
-    """tools/packed_attention_bench.py (SDPA against flex on a GPU): its batches are packed rows, and
-    without CUDA it says so and exits 0."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "packed_attention_bench.py"
-    spec = importlib.util.spec_from_file_location("packed_attention_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    (batch,) = bench.batches(1, rows=2, seq=64, vocab=128)
-    assert batch["input_ids"].shape[1] <= 64 and int(batch["document_ids"].max()) > batch["input_ids"].shape[0]
-    if not torch.cuda.is_available():
-        assert bench.main([]) == 0 and capsys.readouterr().out.startswith("skipped: no CUDA device")
-
-
 def test_flex_under_bf16_autocast_follows_sdpa():
     """Under autocast an fp32 residual stream rotates q / k in fp32 while v comes out of its linear in
     bf16: flex gets them in the autocast dtype, as SDPA does, and stays within bf16 rounding of it."""

@@ -18,8 +18,8 @@ Parts (each side of each comparison in its own process, so that its peak memory 
    stack on the same shape and batch (transformers + peft with gradient checkpointing and torch's fused
    AdamW; the same with Liger kernels when `liger-kernel` is installed, the bench extra);
 4. `packed`: the same shape on rows of mixed lengths (64 .. `--sft-seq`): minitrain's padded batch,
-   minitrain's packed rows (`packing=true`, FlexAttention), transformers + peft's padded batch;
-   tokens/s counts real tokens;
+   minitrain's packed rows (`packing=true`) through SDPA with a dense mask and through FlexAttention
+   (`attention=sdpa|flex`), transformers + peft's padded batch; tokens/s counts real tokens;
 5. `qlora`: the 8B shape with an nf4 base: minitrain against transformers + bitsandbytes + peft;
 6. `grpo`: GRPO on a Qwen2.5-1.5B shape: the sampler's tokens/s against transformers' `generate`
    (same weights, batch, KV cache; greedy, no eos), and one GRPO step's time split into generation and
@@ -74,7 +74,8 @@ SFT_VARIANTS = {
 HF_VARIANTS = {"peft": "transformers + peft", "liger": "transformers + peft + Liger kernels",
                "mixed": "transformers + peft, padded batch", "nf4": "transformers + bitsandbytes nf4 + peft"}
 PACKED_VARIANTS = {"padded": ("minitrain, padded batch", {}),
-                   "packed": ("minitrain, packed rows (FlexAttention)", {"packing": True, "attention": "flex"})}
+                   "packed_sdpa": ("minitrain, packed rows, SDPA with a dense mask", {"packing": True, "attention": "sdpa"}),
+                   "packed": ("minitrain, packed rows, FlexAttention", {"packing": True, "attention": "flex"})}
 
 
 def shape(a: argparse.Namespace, hf: dict) -> dict:
@@ -154,6 +155,8 @@ def child_mt_sft(a: argparse.Namespace) -> dict:
                 lora_r=16, lora_alpha=32.0, lora_targets=TARGETS, gpu_mem=f"{total}B",
                 quantize="nf4" if a.variant == "nf4" else "none")
     packing = keys.pop("packing", False)
+    if keys.get("attention") == "flex" and dev.type != "cuda":
+        return {"error": "FlexAttention trains only on CUDA (no backward on a CPU)", "optional": True}
     tc = TrainConfig(**{**base, **keys})
     tc = check(tc, log=print)  # auto_fit picks checkpointing; the others are only checked (memory_check)
     torch.manual_seed(0)
@@ -366,6 +369,15 @@ def _log(a: argparse.Namespace, name: str) -> Path | None:
 
 
 def _child(name: str, a: argparse.Namespace, timeout: int, variant: str = "") -> dict:
+    """One side of a comparison in its own process (its peak memory its own): the child's JSON line, or
+    the error; under `--tiny`, in this process (nothing to measure, only the code to run)."""
+    if a.tiny:
+        t0 = time.perf_counter()
+        try:
+            return {**CHILDREN[name](argparse.Namespace(**{**vars(a), "child": name, "variant": variant})),
+                    "seconds": time.perf_counter() - t0}
+        except Exception as e:  # noqa: BLE001 - reported in the section, as a child's exit would be
+            return {"error": f"{type(e).__name__}: {e}"[:600], "seconds": time.perf_counter() - t0}
     args = [str(Path(__file__).resolve()), "--child", name, "--variant", variant, "--sft-steps", str(a.sft_steps),
             "--sft-rows", str(a.sft_rows), "--sft-seq", str(a.sft_seq)] + (["--tiny"] if a.tiny else [])
     rc, out, secs = _sub(args, timeout, _log(a, f"{name}-{variant}" if variant else name))
@@ -495,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.child:
         sys.path.insert(0, str(ROOT))
-        print(json.dumps({"mt_sft": child_mt_sft, "hf_sft": child_hf_sft, "grpo": child_grpo}[a.child](a)))
+        print(json.dumps(CHILDREN[a.child](a)))
         return 0
     results: dict = {"torch": torch.__version__, "argv": "".join(" " + x for x in argv)}
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
@@ -546,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print("failed: " + ", ".join(failed), file=sys.stderr)
     return 1 if failed else 0
+
+
+CHILDREN = {"mt_sft": child_mt_sft, "hf_sft": child_hf_sft, "grpo": child_grpo}
 
 
 def failures(results: dict) -> list[str]:

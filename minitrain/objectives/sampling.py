@@ -18,7 +18,8 @@ transformers' `generate`, tests/test_families.py). Draws come from torch's RNG o
 (`generator`, default the global one that the training checkpoint saves and restores, so a resumed
 run samples the same completions). No autograd; dropout is switched off but the model stays in
 training mode (quantized kernels depend on the mode, see `minitrain.objectives.reference.dropout_off`),
-with its adapters on: the completions are the policy's.
+with its adapters on: the completions are the policy's. On a CPU, fp32 LoRA layers decode with a merged
+copy of their weight (`minitrain.adapters.lora.merged_for_decoding`: one product instead of three).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from minitrain.adapters.lora import merged_for_decoding
 from minitrain.objectives.reference import dropout_off
 
 
@@ -78,7 +80,7 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     # length, which would recompile the blocks over and over; the training forward stays compiled.
     # (set_stance imports torch._dynamo, about 65 MiB: only when something compiled has imported it.)
     eager = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else contextlib.nullcontext()
-    with dropout_off(model), eager:
+    with dropout_off(model), eager, merged_for_decoding(model):  # (a CPU's fp32 LoRA: one product a layer)
         cache = new_cache(prompt_ids.shape[1] + max_new_tokens)
         if hasattr(cache, "repeat_rows"):  # each prompt prefilled once, its cache then repeated G times
             hidden = model(prompt_ids, prompt_mask.long(), cache=cache)[:, -1].repeat_interleave(G, dim=0)  # (N, D)

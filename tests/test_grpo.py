@@ -465,7 +465,8 @@ def test_lora_layers_decode_with_a_merged_copy_and_sample_as_peft(hf_causal):
             one = ours(x)
             assert n == len(lora_layers(ours)) == 7 * ours.config.num_hidden_layers
             q, h = ours.model.layers[0].self_attn.q_proj, torch.randn(3, 7, 64)
-            assert torch.equal(q(h), torch.nn.functional.linear(h, q.weight + q.delta_weight(), q.bias))  # one product
+            torch.testing.assert_close(q.decoding_weight, q.weight + q.delta_weight(), rtol=0, atol=1e-6)
+            assert torch.equal(q(h), torch.nn.functional.linear(h, q.decoding_weight, q.bias))  # one product
     assert not torch.equal(one, three)  # (the copy was used) ...
     torch.testing.assert_close(one, three, rtol=0, atol=1e-5)  # ... and is the same layer to float rounding
     with merged_for_decoding(ours):

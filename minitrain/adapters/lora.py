@@ -690,11 +690,11 @@ def merged_for_decoding(model: nn.Module) -> Iterator[int]:
     count. Quantized bases, gated adapters (ARD), merged or disabled layers keep their own forward.
     The copy rounds differently from the three products (float rounding: a step's logits agree to
     ~1e-7), which a draw notices only on an exact tie."""
-    layers = [m for _, m in lora_layers(model) if _decodes_merged(m)]
+    layers = [] if torch.is_autocast_enabled("cpu") else [m for _, m in lora_layers(model) if _decodes_merged(m)]
     try:
         with torch.no_grad():
-            for m in layers:
-                m.decoding_weight = m.weight + m.delta_weight()
+            for m in layers:  # W + scaling * (B @ A), (out, in)
+                m.decoding_weight = torch.addmm(m.weight, m.lora_B.weight, m.lora_A.weight, alpha=m.scaling)
         yield len(layers)
     finally:
         for m in layers:
@@ -704,9 +704,8 @@ def merged_for_decoding(model: nn.Module) -> Iterator[int]:
 def _decodes_merged(m: LoRALinear) -> bool:
     drop = m.lora_dropout
     return (type(m).base_forward is LoRALinear.base_forward and type(m.lora_A) is nn.Linear
-            and not (m.merged or m.disabled) and not (drop.training and getattr(drop, "p", 0.0))
-            and m.weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            and m.weight.dtype == m.lora_A.weight.dtype == m.lora_B.weight.dtype == torch.float32)
+            and not (m.merged or m.disabled) and not (isinstance(drop, nn.Dropout) and drop.training and drop.p > 0)
+            and m.weight.device.type == "cpu" and m.weight.dtype == m.lora_A.weight.dtype == m.lora_B.weight.dtype == torch.float32)
 
 
 # ----------------------------------------------------------------------------- report

@@ -703,9 +703,10 @@ def merged_for_decoding(model: nn.Module) -> Iterator[int]:
 
 def _decodes_merged(m: LoRALinear) -> bool:
     drop = m.lora_dropout
+    dropping = isinstance(drop, nn.Dropout) and drop.training and drop.p > 0
     return (type(m).base_forward is LoRALinear.base_forward and type(m.lora_A) is nn.Linear
-            and not (m.merged or m.disabled) and not (isinstance(drop, nn.Dropout) and drop.training and drop.p > 0)
-            and m.weight.device.type == "cpu" and m.weight.dtype == m.lora_A.weight.dtype == m.lora_B.weight.dtype == torch.float32)
+            and not (m.merged or m.disabled or dropping) and m.weight.device.type == "cpu"
+            and m.weight.dtype == m.lora_A.weight.dtype == m.lora_B.weight.dtype == torch.float32)
 
 
 # ----------------------------------------------------------------------------- report

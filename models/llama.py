@@ -491,16 +491,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, to: torch.dty
     form (a + (-b) is a - b in IEEE arithmetic). With `to` (the input's dtype), the rotation back
     instead, which is the gradient: g * cos + (u2, -u1) for u = g * sin, each product cast to `to`
     before the sum, as autograd does for a bf16 input under fp32 tables."""
-    h = x.shape[-1] // 2
-    (x1, x2), (s1, s2) = x.split(h, dim=-1), sin.split(h, dim=-1)
+    # halves by `chunk`, a method of C++ (`split` goes through a Python wrapper: a decoding step is
+    # short enough for that to show)
+    (x1, x2), (s1, s2) = x.chunk(2, dim=-1), sin.chunk(2, dim=-1)
     if to is None:
         y = x * cos
-        y1, y2 = y.split(h, dim=-1)
+        y1, y2 = y.chunk(2, dim=-1)
         y1.sub_(x2 * s1)
         y2.add_(x1 * s2)
         return y
     y = (x * cos).to(to)
-    y1, y2 = y.split(h, dim=-1)
+    y1, y2 = y.chunk(2, dim=-1)
     y1.add_((x2 * s2).to(to))
     y2.sub_((x1 * s1).to(to))
     return y

@@ -420,3 +420,59 @@ def test_finished_rows_leave_the_batch_and_change_no_completion(hf_causal):
     assert calls and calls[0] < 12  # the batch shrank
     assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and torch.equal(a.truncated, b.truncated)
     assert bool(a.truncated.any()) and not bool(a.truncated.all())  # some ended, some ran to the limit
+
+
+def test_lora_layers_decode_with_a_merged_copy_and_sample_as_peft(hf_causal):
+    """On a CPU the sampler runs each fp32 LoRA layer as one product with `W + scaling * B @ A`
+    (`merged_for_decoding`): greedy completions equal transformers + peft's `generate` with the same
+    adapter; inside, a no-graph forward equals the three-product one to float rounding while a forward
+    with a graph still takes the three products (gradients reach A and B); a bf16 base is left alone;
+    the copies are gone afterwards."""
+    import peft
+    import transformers
+
+    from minitrain.adapters.lora import LoRAConfig, LoRALinear, apply_lora, lora_layers, merged_for_decoding
+    from minitrain.objectives.sampling import sample
+
+    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
+    ours = load_pretrained(folder, models.from_hf_config).train()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    apply_lora(ours, LoRAConfig(r=4, alpha=8, targets=tuple(targets)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    g = torch.Generator().manual_seed(3)
+    hf_layers = dict(hf.base_model.model.named_modules())
+    with torch.no_grad():  # a trained-looking adapter (B != 0), the same tensors on both sides
+        for name, m in lora_layers(ours):
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.3)
+            twin = hf_layers[name]
+            twin.lora_A["default"].weight.copy_(m.lora_A.weight)
+            twin.lora_B["default"].weight.copy_(m.lora_B.weight)
+    prompt_ids = torch.tensor([[0, 0, 1, 17, 23, 5], [1, 40, 41, 42, 43, 44]])
+    prompt_mask = (prompt_ids != 0).long()
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=10, do_sample=False,
+                      pad_token_id=0)[:, 6:]
+    got = sample(ours, prompt_ids, prompt_mask, new_cache=models.family(ours).KVCache, num_generations=2,
+                 max_new_tokens=10, greedy=True, eos_ids=[], pad_id=0)
+    assert torch.equal(got.ids, ref.repeat_interleave(2, 0))
+    assert all(m.decoding_weight is None for _, m in lora_layers(ours))
+
+    x = torch.randint(3, 100, (3, 7))
+    with torch.no_grad():
+        three = ours(x)
+        with merged_for_decoding(ours) as n:
+            one = ours(x)
+            assert n == len(lora_layers(ours)) == 7 * ours.config.num_hidden_layers
+            q, h = ours.model.layers[0].self_attn.q_proj, torch.randn(3, 7, 64)
+            torch.testing.assert_close(q.decoding_weight, q.weight + q.delta_weight(), rtol=0, atol=1e-6)
+            assert torch.equal(q(h), torch.nn.functional.linear(h, q.decoding_weight, q.bias))  # one product
+    assert not torch.equal(one, three)  # (the copy was used) ...
+    torch.testing.assert_close(one, three, rtol=0, atol=1e-5)  # ... and is the same layer to float rounding
+    with merged_for_decoding(ours):
+        ours(x).sum().backward()  # a graph: the three products
+    assert all(m.lora_A.weight.grad is not None and m.lora_A.weight.grad.abs().sum() > 0 for _, m in lora_layers(ours))
+
+    half = LoRALinear(torch.nn.Linear(8, 4).to(torch.bfloat16), r=2, alpha=4)
+    with merged_for_decoding(torch.nn.Sequential(half)) as n:
+        assert n == 0 and half.decoding_weight is None

@@ -247,6 +247,8 @@ class LoRALinear(nn.Module):
     Subclasses replace only `base_forward`, `dequantized_weight` and `_store_weight`.
     """
 
+    decoding_weight: torch.Tensor | None = None  # W + scaling * B @ A while `merged_for_decoding` holds
+
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0,
                  rslora: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -293,6 +295,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged or self.disabled:
             return self.base_forward(x)
+        if self.decoding_weight is not None and not torch.is_grad_enabled():  # inside `merged_for_decoding`
+            return F.linear(x, self.decoding_weight, self.bias)
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # (rows, in): the base output below is then no view
         out = self.base_forward(x)  # (rows, out) in the base output dtype
@@ -670,6 +674,39 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
             mod._parameters[key] = p
         for m, was in before:
             m.disabled = was
+
+
+@contextlib.contextmanager
+def merged_for_decoding(model: nn.Module) -> Iterator[int]:
+    """Decoding without a graph (a sampler's rollout): each LoRA layer that can runs as ONE product with
+    a merged copy `W + scaling * B @ A`, made here once, instead of three (the base, A, then B). Yields
+    how many layers took a copy; they are dropped on exit, and the base weight is never written.
+
+    Only on a CPU, for fp32 float bases with fp32 adapters, no dropout, outside autocast: there a
+    decoding step's products are a few rows each and each costs its fixed overhead, so the adapter's
+    two extra products (and their casts and scaling) were a fifth of a GRPO rollout on the demo model;
+    fp32 keeps the update (a bf16 copy would round most of it away); and a CPU run has the memory for
+    the copies (one of each adapted weight, for the rollout), which a CUDA run's memory plan does not
+    count. Quantized bases, gated adapters (ARD), merged or disabled layers keep their own forward.
+    The copy rounds differently from the three products (float rounding: a step's logits agree to
+    ~1e-7), which a draw notices only on an exact tie."""
+    layers = [] if torch.is_autocast_enabled("cpu") else [m for _, m in lora_layers(model) if _decodes_merged(m)]
+    try:
+        with torch.no_grad():
+            for m in layers:  # W + scaling * (B @ A), (out, in)
+                m.decoding_weight = torch.addmm(m.weight, m.lora_B.weight, m.lora_A.weight, alpha=m.scaling)
+        yield len(layers)
+    finally:
+        for m in layers:
+            m.decoding_weight = None
+
+
+def _decodes_merged(m: LoRALinear) -> bool:
+    drop = m.lora_dropout
+    dropping = isinstance(drop, nn.Dropout) and drop.training and drop.p > 0
+    return (type(m).base_forward is LoRALinear.base_forward and type(m.lora_A) is nn.Linear
+            and not (m.merged or m.disabled or dropping) and m.weight.device.type == "cpu"
+            and m.weight.dtype == m.lora_A.weight.dtype == m.lora_B.weight.dtype == torch.float32)
 
 
 # ----------------------------------------------------------------------------- report

@@ -18,7 +18,8 @@ transformers' `generate`, tests/test_families.py). Draws come from torch's RNG o
 (`generator`, default the global one that the training checkpoint saves and restores, so a resumed
 run samples the same completions). No autograd; dropout is switched off but the model stays in
 training mode (quantized kernels depend on the mode, see `minitrain.objectives.reference.dropout_off`),
-with its adapters on: the completions are the policy's.
+with its adapters on: the completions are the policy's. On a CPU, fp32 LoRA layers decode with a merged
+copy of their weight (`minitrain.adapters.lora.merged_for_decoding`: one product instead of three).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from minitrain.adapters.lora import merged_for_decoding
 from minitrain.objectives.reference import dropout_off
 
 
@@ -78,7 +80,7 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     # length, which would recompile the blocks over and over; the training forward stays compiled.
     # (set_stance imports torch._dynamo, about 65 MiB: only when something compiled has imported it.)
     eager = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else contextlib.nullcontext()
-    with dropout_off(model), eager:
+    with dropout_off(model), eager, merged_for_decoding(model):  # (a CPU's fp32 LoRA: one product a layer)
         cache = new_cache(prompt_ids.shape[1] + max_new_tokens)
         if hasattr(cache, "repeat_rows"):  # each prompt prefilled once, its cache then repeated G times
             hidden = model(prompt_ids, prompt_mask.long(), cache=cache)[:, -1].repeat_interleave(G, dim=0)  # (N, D)
@@ -87,27 +89,33 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
             hidden = model(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0).long(),
                            cache=cache)[:, -1]
         step_mask = torch.ones(N, 1, dtype=torch.long, device=device)
-        rows = torch.arange(N, device=device)  # the output row of each row still decoded
+        # per row still decoded (n,): its output row, whether it has ended, the tokens it kept; `done` and
+        # `length` learn them when rows leave the batch and at the end (a step's bookkeeping: few ops)
+        rows = torch.arange(N, device=device)
+        ended = torch.zeros(N, dtype=torch.bool, device=device)
+        kept = torch.zeros(N, dtype=torch.long, device=device)
         for t in range(max_new_tokens):
             logits = model.output_projection(hidden).float()  # (n, V)
             if greedy:
                 token = logits.argmax(-1)
             else:
-                probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+                probs = filter_logits(logits if temperature == 1.0 else logits / temperature, top_k, top_p).softmax(-1)
                 token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (n,)
-            live = ~done[rows]
-            token = torch.where(live, token, torch.full_like(token, pad_id))
+            token = token.masked_fill(ended, pad_id)  # rows that have ended get padding
             out[rows, t] = token
-            length[rows] += live.long()
-            ended = ~live | torch.isin(token, eos)
-            done[rows] = ended
+            kept += ~ended  # this token counts where the row had not ended before it (an eos counts)
+            ended |= torch.isin(token, eos)
             n_done = int(ended.sum())
-            if n_done == rows.numel() or t == max_new_tokens - 1:
+            last = n_done == rows.numel() or t == max_new_tokens - 1
+            shrink = 2 * n_done >= rows.numel() and hasattr(cache, "keep_rows")  # drop the finished half
+            if last or shrink:
+                length[rows], done[rows] = kept, ended
+            if last:
                 break
-            if 2 * n_done >= rows.numel() and hasattr(cache, "keep_rows"):  # drop the finished half and their cache
+            if shrink:
                 keep = (~ended).nonzero().squeeze(1)
                 cache.keep_rows(keep)
-                rows, token, step_mask = rows[keep], token[keep], step_mask[keep]
+                rows, token, step_mask, ended, kept = (x[keep] for x in (rows, token, step_mask, ended, kept))
             hidden = model(token[:, None], step_mask, cache=cache)[:, -1]
     C = int(length.max()) if N else 0
     keep = torch.arange(C, device=device)[None] < length[:, None]

@@ -124,6 +124,18 @@ def _random_model(hf: dict, dev, nf4: bool = False):
     return model
 
 
+def _add_lora(model) -> None:
+    """LoRA r=16 on all seven linears, the rest frozen, the adapters in fp32 (minitrain.run.attach_adapters)."""
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+
+    cfg = LoRAConfig(r=16, alpha=32, targets=TARGETS)
+    apply_lora(model, cfg)
+    freeze_for_adapters(model, cfg)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+
+
 def _peak(dev) -> int | None:
     import torch
 
@@ -134,7 +146,6 @@ def child_mt_sft(a: argparse.Namespace) -> dict:
     """minitrain's LoRA SFT step on the 8B shape with `--variant`'s keys: tokens/s, MFU, peak memory."""
     import torch
 
-    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.config import TrainConfig
     from minitrain.data.collate import collate_causal
     from minitrain.data.packing import collate_packed_causal
@@ -161,12 +172,7 @@ def child_mt_sft(a: argparse.Namespace) -> dict:
     tc = check(tc, log=print)  # auto_fit picks checkpointing; the others are only checked (memory_check)
     torch.manual_seed(0)
     model = _random_model(hf, dev, nf4=a.variant == "nf4")
-    cfg = LoRAConfig(r=16, alpha=32, targets=TARGETS)
-    apply_lora(model, cfg)
-    freeze_for_adapters(model, cfg)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()  # fp32 adapters (minitrain.run.attach_adapters)
+    _add_lora(model)
     mixed = a.variant in PACKED_VARIANTS
     rows = _rows(a.sft_rows * a.sft_steps * (3 if mixed else 1), a.sft_seq, hf["vocab_size"], mixed)
     collate = ((lambda ex: collate_packed_causal(ex, 0, a.sft_seq)) if packing else (lambda ex: collate_causal(ex, 0)))
@@ -256,7 +262,6 @@ def child_grpo(a: argparse.Namespace) -> dict:
     import torch
 
     import models
-    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.objectives.grpo import completion_logps, grpo_loss
     from minitrain.objectives.sampling import sample
 
@@ -282,12 +287,7 @@ def child_grpo(a: argparse.Namespace) -> dict:
 
     cache = models.family(ours).KVCache
     result: dict = {"batch": B, "prompt": P, "new_tokens": n, **_against_generate(ours, hf, ids, mask, n, cache, timed)}
-    lcfg = LoRAConfig(r=16, alpha=32, targets=TARGETS)
-    apply_lora(ours, lcfg)
-    freeze_for_adapters(ours, lcfg)
-    for p in ours.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
+    _add_lora(ours)
     prompts, pmask = ids[: B // G], mask[: B // G]
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

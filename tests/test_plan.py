@@ -806,3 +806,30 @@ def test_plan_tool_on_the_t5_recipe(tmp_path):
                      "checkpointing=true", "--all")
     assert short.returncode == 0 and "512 source + 64 target tokens" in short.stdout
     assert "decoder block inputs x 8 (checkpointing)" in short.stdout
+
+
+def test_packed_rows_through_flexattention_plan_no_dense_mask():
+    """attention=flex (or auto on CUDA with compile) reads a block mask, not the (T, T) one: the plan of
+    packed rows / DPO's shared prompt leaves the dense mask's terms out there, and keeps them with sdpa,
+    on a CPU (where auto is sdpa) and for GRPO's layout (chosen per batch)."""
+    from minitrain.config import SFTConfig
+    from minitrain.objectives.dpo import DPOConfig
+    from minitrain.objectives.grpo import GRPOConfig
+
+    ms = ModelShape.from_hf(dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8))
+
+    def mask_bytes(cfg, device="cuda"):
+        plan = predict(ms, run_shape(cfg, device=device))
+        return sum(t.bytes for terms in plan.moments.values() for t in terms if "attention mask" in t.name)
+
+    packed = SFTConfig(packing=True, compile=True, max_len=2048, batch_size=2)
+    assert mask_bytes(packed) == 0 and mask_bytes(replace(packed, compile=False, attention="flex")) == 0
+    assert mask_bytes(replace(packed, attention="sdpa")) > 0
+    assert mask_bytes(replace(packed, compile=False)) > 0  # auto without compile: sdpa
+    assert mask_bytes(packed, device="cpu") > 0
+    assert mask_bytes(replace(packed, packing=False)) > 0  # a padded batch: its padding mask
+    assert mask_bytes(DPOConfig(shared_prompt=True, compile=True, max_len=2048)) == 0
+    assert mask_bytes(GRPOConfig(compile=True, max_len=2048)) > 0
+    less = predict(ms, run_shape(packed)).peak
+    assert less < predict(ms, run_shape(replace(packed, attention="sdpa"))).peak

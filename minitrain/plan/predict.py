@@ -156,13 +156,24 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     ternary_scale=getattr(cfg, "ternary_scale", "tensor"), lrc_rank=float(getattr(cfg, "lrc_rank", 0)),
                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets), lora_dropout=float(cfg.lora_dropout),
                     modules_to_save=tuple(getattr(cfg, "modules_to_save", ())),
-                    checkpointing=cfg.checkpointing, targets=targets, mask=True, dpo_reference=ref,
+                    checkpointing=cfg.checkpointing, targets=targets, mask=not _flex_rows(cfg, device),
+                    dpo_reference=ref,
                     reference_rows=2 * rows if is_kto else None, device=device,
                     full=getattr(cfg, "finetune", "lora") == "full", ema=getattr(cfg, "ema_decay", 0.0) > 0,
                     teacher=teacher_shape(cfg), teacher_quantize=getattr(cfg, "teacher_quantize", "none"),
                     kd_top_k=getattr(cfg, "top_k", 0) if getattr(cfg, "teacher", "") else 0, kd_features=feats,
                     kd_attention=attns, sample_rows=rows if generations else 0, world=world,
                     parallel=getattr(cfg, "parallel", "ddp"))
+
+
+def _flex_rows(cfg: Any, device: str) -> bool:
+    """Whether the run's rows of several sequences (packing, DPO's shared prompt) go through FlexAttention
+    (`attention=flex`, or auto on CUDA with compile: `minitrain.device.resolve_attention`'s rule), whose
+    layers read a block mask of (T / 128)^2 entries, not the dense (T, T) one. GRPO's layout is chosen per
+    batch, so a GRPO run keeps the dense mask in its plan (the larger)."""
+    several = getattr(cfg, "packing", False) or getattr(cfg, "shared_prompt", False)
+    attention = getattr(cfg, "attention", "auto")
+    return several and (attention == "flex" or (attention == "auto" and device == "cuda" and getattr(cfg, "compile", False)))
 
 
 def teacher_shape(cfg: Any) -> "ModelShape | None":

@@ -94,6 +94,10 @@ def test_auto_fit_checkpoints_the_fewest_blocks_that_fit_before_all_or_a_smaller
     assert plan_tool_fits(got, budget) and not plan_tool_fits(dataclasses.replace(cfg, checkpointing=n - 1), budget)
     assert len(said) == 1 and said[0].startswith(f"auto_fit: checkpointing={n} (the first {n} of {blocks} blocks) "
                                                  f"(global batch {cfg.batch_size * cfg.grad_accum} kept)"), said
+    with pytest.raises(UserError) as e:  # without auto_fit: the same N is the first thing the error suggests
+        fit.check(dataclasses.replace(cfg, auto_fit=False), log=lambda _: None)
+    assert f"— try checkpointing={n} (the first {n} of {blocks} blocks) -> " in str(e.value)
+    assert str(e.value).split("— try ")[1].split(";")[0].endswith("(fits)")
 
 
 def test_checkpointing_beyond_the_models_blocks_is_one_error_naming_the_key(tmp_path):

@@ -107,6 +107,8 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
                     f"{fmt_bytes(free)} (was {fmt_bytes(needed(plan.peak))})")
                 return candidate
     tips = sorted(suggestions(model, run, cfg.batch_size, cfg.grad_accum), key=lambda t: t[2])
+    fewest = None if getattr(cfg, "auto_fit", False) else _fewest_checkpointed(cfg, model.blocks, free)
+    tips = ([fewest] if fewest else []) + tips  # the least recompute that fits first
     shown = "; ".join(f"{keys} -> {fmt_bytes(needed(peak))}{' (fits)' if needed(peak) <= free else ''}"
                       for keys, _, peak in tips)
     tried = "auto_fit found no checkpointing / micro-batch that fits; " if getattr(cfg, "auto_fit", False) else ""
@@ -114,6 +116,17 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
                     f"context and slack) but {where} {fmt_bytes(free)} — {tried}try {shown or 'a smaller model'}"
                     f"{'' if tried else '; or auto_fit=true to choose checkpointing and the micro-batch'}; "
                     f"memory_check=false skips this check (python tools/plan.py shows the plan)")
+
+
+def _fewest_checkpointed(cfg: Any, blocks: int, free: int) -> tuple[str, int, int] | None:
+    """The suggestion (keys, 0, peak) of checkpointing on the fewest of the model's `blocks` blocks that
+    fits in `free` (more than the run has, fewer than all: `checkpointing=true` is a tip of its own);
+    None when no such N fits."""
+    for n in range(checkpointed_blocks(cfg.checkpointing, blocks) + 1, blocks):
+        got = _plan(dataclasses.replace(cfg, checkpointing=n))
+        if got and needed(got[2].peak) <= free:
+            return f"checkpointing={n} (the first {n} of {blocks} blocks)", 0, got[2].peak
+    return None
 
 
 def _fits_in_order(cfg: Any, blocks: int):

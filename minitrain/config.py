@@ -118,7 +118,8 @@ class TrainConfig:
     attention: str = doc("auto", "how rows of several sequences attend (packing=true, DPO's shared_prompt, GRPO's "
                                  "shared prompt; padded batches are not affected): sdpa = a dense (B, 1, T, T) mask "
                                  "through SDPA; flex = FlexAttention with a block mask of the rows' document ids (only "
-                                 "the blocks that attend are computed; CUDA only: it has no backward on a CPU); auto = flex on CUDA with compile=true, else sdpa",
+                                 "the blocks that attend are computed; CUDA only: it has no backward on a CPU); "
+                                 "auto = flex on CUDA with compile=true, else sdpa",
                          choices=("auto", "sdpa", "flex"))
     parallel: str = doc("ddp", "under torchrun: ddp (each rank holds the model, gradients summed) or fsdp "
                                "(FSDP2 shards blocks, gradients and optimizer state); fsdp needs torchrun",

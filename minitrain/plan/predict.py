@@ -173,7 +173,8 @@ def _flex_rows(cfg: Any, device: str) -> bool:
     batch, so a GRPO run keeps the dense mask in its plan (the larger)."""
     several = getattr(cfg, "packing", False) or getattr(cfg, "shared_prompt", False)
     attention = getattr(cfg, "attention", "auto")
-    return several and (attention == "flex" or (attention == "auto" and device == "cuda" and getattr(cfg, "compile", False)))
+    auto_flex = attention == "auto" and device == "cuda" and getattr(cfg, "compile", False)
+    return several and (attention == "flex" or auto_flex)
 
 
 def teacher_shape(cfg: Any) -> "ModelShape | None":

@@ -324,7 +324,9 @@ def train(
                 mine = idx[rank::world]  # this rank's share of the global micro-batch
                 empty = not mine  # a short last batch left this rank nothing: one example at weight 0
                 cpu_batch = collate([train_examples[i] for i in (mine or idx[:1])])
-                if not empty:
+                if empty:
+                    cpu_batch["placeholder"] = True  # for objectives that gather across ranks (GRPO's batch std)
+                else:
                     tokens += _input_tokens(cpu_batch)  # counted on the host copy: no device sync
                     flops += flop_counter.batch(cpu_batch)
                 batch = _to_device(cpu_batch, device)

@@ -141,6 +141,26 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path, case):
     assert max_abs_diff({n: saved.whole(n) for n in saved.shapes}, want) <= 1e-5
 
 
+def placeholder_worker(rank: int, out: str) -> None:
+    seen = []
+
+    def objective(model, batch):  # sft, noting whether the loop marked the batch as a placeholder
+        seen.append(bool(batch.get("placeholder", False)))
+        return sft(model, batch)
+
+    train(lora_model(), objective, TRAIN, collate, config(Path(out) / "run", max_steps=3), log=quiet)
+    Path(f"{out}/seen{rank}.json").write_text(json.dumps(seen))
+
+
+def test_a_rank_left_without_examples_gets_a_batch_marked_placeholder(tmp_path):
+    """The last micro-batch of TRAIN holds 1 example: rank 1 runs one at weight 0, marked `placeholder`
+    (for objectives that gather across ranks: GRPO's batch std), and no other batch is."""
+    launch(tmp_path, "placeholder_worker", str(tmp_path))
+    seen = [json.loads((tmp_path / f"seen{r}.json").read_text()) for r in (0, 1)]
+    assert len(seen[0]) == len(seen[1]) >= 6  # 3 steps x grad_accum 2, and the audit's before step 1
+    assert not any(seen[0]) and sum(seen[1]) == 1 and seen[1][-1]  # the 6th micro-batch, the last run
+
+
 # ----------------------------------------------------------------------------- stop on one rank, resume at 2
 
 

@@ -191,6 +191,31 @@ def test_batch_scaling_under_torchrun_uses_every_ranks_rewards(tmp_path):
     assert not torch.allclose(own, ref[0::2].reshape(-1))  # one rank's share alone would scale otherwise
 
 
+def placeholder_worker(rank: int, out: str) -> None:
+    """Rank 0 holds every group of REWARDS; rank 1 has no prompt left (a short last batch) and runs the
+    loop's weight-0 placeholder: the first group again, not counted."""
+    import json
+    from pathlib import Path
+
+    rows = torch.tensor(REWARDS) if rank == 0 else torch.tensor(REWARDS[:2])
+    adv, _, _ = group_advantages(rows, torch.tensor([1.0, 0.5]), 2, "batch", counted=rank == 0)
+    Path(out, f"adv{rank}.json").write_text(json.dumps(adv.tolist()))
+
+
+def test_batch_scaling_leaves_a_placeholder_ranks_rewards_out(tmp_path):
+    """A rank that a short last batch leaves without prompts runs one at weight 0: its rewards are not
+    in the batch's std, so the other rank's advantages are TRL's over the real batch alone."""
+    import json
+
+    from test_distributed import launch
+
+    launch(tmp_path, "placeholder_worker", str(tmp_path), module="test_grpo")
+    ref, _ = trl_advantages(torch.tensor(REWARDS), torch.tensor([1.0, 0.5]), 2, "batch")
+    torch.testing.assert_close(torch.tensor(json.loads((tmp_path / "adv0.json").read_text())), ref)
+    counted, _ = trl_advantages(torch.tensor(REWARDS + REWARDS[:2]), torch.tensor([1.0, 0.5]), 2, "batch")
+    assert not torch.allclose(counted[:len(REWARDS)], ref)  # counting the placeholder would change them
+
+
 def test_memory_plan_counts_the_samplers_kv_cache(hf_causal):
     """The plan's GRPO sampling moment: its KV cache term equals the bytes the sampler's cache holds."""
     import json

@@ -98,7 +98,7 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 
 def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                     scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scale_rewards: str, counted: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(advantages (N,), rewards (N,), std_is_zero (N,)) from rewards_per_func (N, F): NaN where a
     function does not apply to a completion; rows in groups of `num_generations` consecutive ones.
 
@@ -106,14 +106,16 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     is NaN: left out of its group's mean and std, advantage 0); minus the group mean; divided by
     the group's std (`group`), the whole batch's (`batch`) plus 1e-4, or by nothing (`none`).
     Under torchrun the batch is every rank's rows (TRL gathers them too): with `batch`, every rank
-    calls this at the same point (a collective)."""
+    calls this at the same point (a collective); a rank whose rows are a placeholder (`counted`
+    False: the loop's weight-0 batch when a short last batch leaves it no prompt) adds none."""
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     rewards = (rewards_per_func * weights[None]).nansum(dim=1)
     rewards[unscorable] = torch.nan
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":  # over the global batch: each rank's rewards, gathered
-        every = torch.tensor([x for part in distributed.gather_objects(rewards.tolist()) for x in part])
+        mine = rewards.tolist() if counted else []
+        every = torch.tensor([x for part in distributed.gather_objects(mine) for x in part])
         std = nanstd(every).expand_as(rewards) if every.numel() > 1 else torch.zeros_like(rewards)
     else:
         std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
@@ -348,7 +350,8 @@ class GRPOObjective:
         columns = {k: [v for v in vs for _ in range(G)] for k, vs in batch["columns"].items()}
         rows = [r for r in batch["rows"] for _ in range(G)]
         per_func = score(self.rewards, prompts, completions, ids, columns, rows)  # (N, F)
-        advantages, rewards, zero_std = group_advantages(per_func, self.weights, G, cfg.scale_rewards)
+        advantages, rewards, zero_std = group_advantages(per_func, self.weights, G, cfg.scale_rewards,
+                                                         counted=not batch.get("placeholder", False))
         mask = comp.mask
         if cfg.mask_truncated_completions:
             mask = mask * (~comp.truncated)[:, None].long()

@@ -408,6 +408,8 @@ def train(
             counters["tokens_seen"] += tokens
 
             # ---- log, evaluate, save
+            if world > 1:  # the objective's metrics over every rank's micro-batches, not rank 0's share
+                metric_sums, metric_counts = _merge_metrics(distributed.gather_objects((metric_sums, metric_counts)))
             dt = time.perf_counter() - t0
             row = {"step": step, "loss": loss_total / total, "lr": lr, "grad_norm": grad_norm,
                    "tokens": tokens, "target_tokens": int(total), "tokens_per_s": tokens / dt,
@@ -836,6 +838,19 @@ def _input_tokens(batch: dict[str, Any]) -> int:
         return int(sum(int(m.sum()) for m in masks))
     ids = batch.get("input_ids")
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+
+def _merge_metrics(parts: list[tuple[dict[str, float], dict[str, int]]]) -> tuple[dict[str, float], dict[str, int]]:
+    """Every rank's (metric sums, micro-batch counts) summed key by key: a logged metric is then the mean
+    of every micro-batch's value on every rank (a rank's share of a micro-batch counting as one; a
+    placeholder batch adds nothing)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for rank_sums, rank_counts in parts:
+        for k, v in rank_sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+            counts[k] = counts.get(k, 0) + rank_counts[k]
+    return sums, counts
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

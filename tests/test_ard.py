@@ -412,7 +412,7 @@ def test_recipe_smoke(hf_causal, tmp_path, ranks):
     assert [r["step"] for r in metrics] == [1, 2]
     for r in metrics:
         assert r["kl"] > 0 and math.isfinite(r["nll"]) and r["kl_per_token"] > 0
-        if ranks == 1:  # (under torchrun `loss` is the whole batch's, the objective's metrics rank 0's share)
+        if ranks == 1:  # (under torchrun `loss` is the whole batch's per token, the metrics the mean of the ranks')
             assert r["loss"] == pytest.approx(r["nll"] + r["kl_per_token"], rel=1e-5)
     ard = [json.loads(x) for x in (out / "ard.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ard] == [1, 2] and all(0 <= r["ece"] <= 1 for r in ard)

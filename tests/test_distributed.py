@@ -161,6 +161,29 @@ def test_a_rank_left_without_examples_gets_a_batch_marked_placeholder(tmp_path):
     assert not any(seen[0]) and sum(seen[1]) == 1 and seen[1][-1]  # the 6th micro-batch, the last run
 
 
+def with_example_metric(model, batch):
+    """sft, with a metric that is a mean over the micro-batch's examples: each example's first token id."""
+    loss, count, metrics = sft(model, batch)
+    return loss, count, {**metrics, "first_id": float(batch["input_ids"][:, 0].float().mean())}
+
+
+def metrics_worker(rank: int, out: str) -> None:
+    train(lora_model(), with_example_metric, TRAIN[:16], collate, config(Path(out) / "run"), log=quiet)
+
+
+def test_logged_metrics_are_every_ranks_not_rank_0s_share(tmp_path):
+    """An objective's metrics under 2 ranks are the mean over both ranks' micro-batches: with even splits
+    they equal one process's on the whole batch (before: rank 0's half alone)."""
+    ref_cfg = config(tmp_path / "one")
+    train(lora_model(), with_example_metric, TRAIN[:16], collate, ref_cfg, log=quiet)
+    launch(tmp_path, "metrics_worker", str(tmp_path / "two"))
+    got, want = rows(tmp_path / "two" / "run"), rows(Path(ref_cfg.out))
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert g["first_id"] == pytest.approx(w["first_id"], rel=1e-6)
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- stop on one rank, resume at 2
 
 

@@ -64,10 +64,14 @@ def test_tiny_check_runs_its_parts_on_the_cpu(tmp_path):
     for _, keys in gpu_check.SFT_VARIANTS.values():
         TrainConfig(**keys)  # each variant's keys are TrainConfig's
     target = tmp_path / "B.md"
+    gpu_check.write_section(target, "### GPU check, the first call of a split run")  # --append keeps it
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--tiny", "--write", str(target),
-                        "--parts", "dpo,packed,qlora,grpo"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+                        "--parts", "dpo,packed,qlora,grpo", "--append"], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     text = target.read_text()
+    assert text.count(gpu_check.BEGIN) == 1 and text.count("### GPU check, ") == 2
+    assert text.index("the first call of a split run") < text.index("on CPU (--tiny")
     assert "on CPU (--tiny: the figures mean nothing)" in text
     for label in [v[0] for k, v in gpu_check.PACKED_VARIANTS.items() if k != "packed"]:  # flex: no backward on a CPU
         row = next(ln for ln in text.splitlines() if ln.startswith(f"| {label}"))

@@ -1,7 +1,7 @@
 """Everything only a GPU can show, in one command:
 
-    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo] [--write BENCHMARKS.md] [--logs DIR]
-                              [--sft-steps 8] [--sft-rows 4] [--sft-seq 1024] [--skip-hf]
+    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo] [--write BENCHMARKS.md] [--append]
+                              [--logs DIR] [--sft-steps 8] [--sft-rows 4] [--sft-seq 1024] [--skip-hf]
     python tools/gpu_check.py --tiny [--write FILE]   # every part on tiny shapes (on the CPU without a GPU)
 
 Parts (each side of each comparison in its own process, so that its peak memory is its own):
@@ -31,8 +31,18 @@ for both stacks) and peak allocated memory go to a dated section between `<!-- g
 `--logs DIR` keeps each part's whole output. Without CUDA it prints `skipped: ...`, writes nothing and
 exits 0, unless `--tiny`: then the same code runs on tiny shapes on the CPU (no compile, no Liger), which
 CI runs to keep this script working between GPU sessions (`tests/test_gpu_check.py`); its figures mean
-nothing. Expected time with every part: 6-9 minutes on one H100 (an estimate: the parts added on 27 Nov
-have not run on a GPU yet; the 26 Nov three-part check took 2.5 minutes on an H200).
+nothing.
+
+Time: the 26 Nov check (the CUDA tests, one DPO run, one SFT run a side) took 2.5 minutes on an H200,
+about 30 s a child process. With every part there are 15 children and a longer test file: about 10-12
+minutes, an estimate (the parts added on 27 Nov have not run on a GPU yet), more than one 10-minute
+command allows. Split it in two calls of about 5-6 minutes each:
+
+    python tools/gpu_check.py --parts tests,dpo,sft,grpo --logs gpu_logs
+    python tools/gpu_check.py --parts packed,qlora --append --logs gpu_logs
+
+The section is written after every part, so a run cut short keeps what finished; `--append` keeps
+the sections already between the markers (the first call's) and adds its own below them.
 """
 
 from __future__ import annotations
@@ -463,6 +473,14 @@ def render(results: dict, when: str, device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def between_markers(path: Path) -> str:
+    """The text between the gpu markers of `path` (stripped; empty when it has none)."""
+    text = path.read_text() if path.exists() else ""
+    if BEGIN not in text or END not in text:
+        return ""
+    return text.partition(BEGIN)[2].partition(END)[0].strip()
+
+
 def write_section(path: Path, section: str) -> None:
     """Replace the text between the gpu markers (appended with them when absent)."""
     text = path.read_text() if path.exists() else ""
@@ -485,6 +503,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="minitrain's runs only")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, on the CPU without CUDA: checks this script")
     p.add_argument("--logs", help="a folder where each part's whole output is kept")
+    p.add_argument("--append", action="store_true",
+                   help="keep the sections already between the markers and add this run's below them "
+                        "(the second call of a check split in two)")
     p.add_argument("--child", choices=("mt_sft", "hf_sft", "grpo"), help=argparse.SUPPRESS)
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -513,12 +534,25 @@ def main(argv: list[str] | None = None) -> int:
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     results["git"] = git.stdout.strip() or "?"
     big = 1 if a.tiny else 4  # timeouts, scaled down for the tiny shapes
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (--tiny: the figures mean nothing)"
+    target = Path(a.write) if a.write and not (a.tiny and a.write == str(ROOT / "BENCHMARKS.md")) else None
+    kept = between_markers(target) if target and a.append else ""
+
+    def publish() -> str:
+        """Render what has run so far and write it (after every part: a run cut short keeps what finished)."""
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        section = render(results, when, f"{where} ({platform.node()})")
+        if target:
+            write_section(target, f"{kept}\n\n{section}" if kept else section)
+        return section
+
     if "tests" in a.parts and not a.tiny:
         rc, out, secs = _sub(["-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "tests/test_cuda.py"],
                              300, _log(a, "tests"))
         summary = next((x for x in reversed(out.splitlines()) if re.search(r"passed|failed|error", x)), out[-300:])
         results["tests"] = {"rc": rc, "summary": f"{summary.strip()} ({secs:.0f} s)"}
         print("tests:", results["tests"]["summary"], flush=True)
+        publish()
     if "dpo" in a.parts:
         for key, extra in (("dpo", []), ("dpo_compile", ["--compile"]))[:2 if torch.cuda.is_available() else 1]:
             with tempfile.TemporaryDirectory() as tmp:
@@ -529,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[key] = (json.loads(done.read_text()) if rc == 0 and done.exists()
                                 else {"error": f"exit {rc}: {out[-400:]}"})
             print(f"{key}:", json.dumps(results[key])[:400], flush=True)
+        publish()
     for part, mt, hf in (("sft", list(SFT_VARIANTS), ["peft", "liger"]), ("packed", list(PACKED_VARIANTS), ["mixed"]),
                          ("qlora", ["nf4"], ["nf4"])):
         if part not in a.parts:
@@ -544,16 +579,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results[part]["hf_" + v] = _child("hf_sft", a, 90 * big, v)
             print(f"{part} hf {v}:", results[part]["hf_" + v], flush=True)
+        publish()
     if "grpo" in a.parts:
         results["grpo"] = _child("grpo", a, 90 * big)
         print("grpo:", results["grpo"], flush=True)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (--tiny: the figures mean nothing)"
-    section = render(results, when, f"{where} ({platform.node()})")
-    print(section)
-    if a.write and not (a.tiny and a.write == str(ROOT / "BENCHMARKS.md")):
-        write_section(Path(a.write), section)
-        print(f"written to {a.write}")
+    print(publish())
+    if target:
+        print(f"written to {target}")
     failed = failures(results)
     if failed:
         print("failed: " + ", ".join(failed), file=sys.stderr)

@@ -408,7 +408,9 @@ def train(
             counters["tokens_seen"] += tokens
 
             # ---- log, evaluate, save
-            if world > 1:  # the objective's metrics over every rank's micro-batches, not rank 0's share
+            evaluating = bool(eval_examples) and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps)
+            written = step % cfg.log_every == 0 or step == total_steps or evaluating  # the row leaves the process
+            if world > 1 and written:  # the objective's metrics over every rank's micro-batches, not rank 0's share
                 metric_sums, metric_counts = _merge_metrics(distributed.gather_objects((metric_sums, metric_counts)))
             dt = time.perf_counter() - t0
             row = {"step": step, "loss": loss_total / total, "lr": lr, "grad_norm": grad_norm,
@@ -420,9 +422,8 @@ def train(
                    **({"mfu": flops / dt / world / peak_flops} if peak_flops else {}),
                    **{k: v / metric_counts[k] for k, v in metric_sums.items()}}
             summary["loss"] = row["loss"]
-            stop_early = evaluated = False
-            if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
-                evaluated = True  # one held-out pass: the objective's own when it has one (DPO), else the generic
+            stop_early = False
+            if evaluating:  # one held-out pass: the objective's own when it has one (DPO), else the generic
                 with ema.applied() if ema is not None else contextlib.nullcontext():  # the EMA is what is evaluated
                     if hasattr(objective, "evaluate"):
                         held_out = objective.evaluate(model, eval_examples, collate, cfg.batch_size, amp_dtype)
@@ -437,7 +438,7 @@ def train(
                         row.update(extra)
                 fsdp.reshard(model)  # the shards back in the model's place: the checkpoint and the save read them
                 summary.update({k: v for k, v in row.items() if k.startswith("eval/")})
-            if metrics_f and (step % cfg.log_every == 0 or step == total_steps or evaluated):
+            if metrics_f and written:
                 metrics_f.write(json.dumps(row) + "\n")
                 metrics_f.flush()
                 if sink:

@@ -93,7 +93,7 @@ def shape(a: argparse.Namespace, hf: dict) -> dict:
     return {**hf, **TINY} if a.tiny else hf
 
 
-def device(a: argparse.Namespace):
+def device():
     import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -163,9 +163,9 @@ def child_mt_sft(a: argparse.Namespace) -> dict:
     from minitrain.plan.fit import check
     from minitrain.train import train
 
-    dev = device(a)
+    dev = device()
     hf = shape(a, LLAMA3_8B)
-    keys = {**SFT_VARIANTS, **PACKED_VARIANTS, "nf4": ("", {"checkpointing": True})}[a.variant][1]
+    keys = dict({**SFT_VARIANTS, **PACKED_VARIANTS, "nf4": ("", {"checkpointing": True})}[a.variant][1])  # a copy
     out = Path(tempfile.mkdtemp(prefix="minitrain_gpu_sft_"))
     (out / "model").mkdir()
     (out / "model" / "config.json").write_text(json.dumps(hf))  # what the plan reads (auto_fit)
@@ -205,7 +205,7 @@ def child_hf_sft(a: argparse.Namespace) -> dict:
 
     from minitrain.plan.flops import FlopCounter, device_peak_flops
 
-    dev = device(a)
+    dev = device()
     hf = shape(a, LLAMA3_8B)
     torch.manual_seed(0)
     if a.variant == "liger":
@@ -275,7 +275,7 @@ def child_grpo(a: argparse.Namespace) -> dict:
     from minitrain.objectives.grpo import completion_logps, grpo_loss
     from minitrain.objectives.sampling import sample
 
-    dev = device(a)
+    dev = device()
     hf = shape(a, QWEN2_1_5B)
     B, P, n, G = (8, 16, 12, 4) if a.tiny else (64, 128, 256, 8)
     torch.manual_seed(0)

@@ -94,21 +94,23 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
             f"slack) fits: {where} {fmt_bytes(free)}")
         return cfg
     if getattr(cfg, "auto_fit", False):
-        for candidate in _fits_in_order(cfg, model.blocks):
-            got = _plan(candidate)
-            if got and needed(got[2].peak) <= free:
-                changed = " ".join(f"{k}={str(getattr(candidate, k)).lower()}"
-                                   for k in ("checkpointing", "batch_size", "grad_accum")
-                                   if getattr(candidate, k) != getattr(cfg, k))
-                if not isinstance(candidate.checkpointing, bool):
-                    changed += f" (the first {candidate.checkpointing} of {model.blocks} blocks)"
-                log(f"auto_fit: {changed} (global batch {candidate.batch_size * candidate.grad_accum} kept): planned "
-                    f"peak {fmt_bytes(got[2].peak)}, {fmt_bytes(needed(got[2].peak))} needed of {where} "
-                    f"{fmt_bytes(free)} (was {fmt_bytes(needed(plan.peak))})")
-                return candidate
+        found = _first_that_fits(_fits_in_order(cfg, model.blocks), free)
+        if found:
+            candidate, fitted = found
+            changed = " ".join(f"{k}={str(getattr(candidate, k)).lower()}"
+                               for k in ("checkpointing", "batch_size", "grad_accum")
+                               if getattr(candidate, k) != getattr(cfg, k))
+            if not isinstance(candidate.checkpointing, bool):
+                changed += f" (the first {candidate.checkpointing} of {model.blocks} blocks)"
+            log(f"auto_fit: {changed} (global batch {candidate.batch_size * candidate.grad_accum} kept): planned "
+                f"peak {fmt_bytes(fitted.peak)}, {fmt_bytes(needed(fitted.peak))} needed of {where} "
+                f"{fmt_bytes(free)} (was {fmt_bytes(needed(plan.peak))})")
+            return candidate
     tips = sorted(suggestions(model, run, cfg.batch_size, cfg.grad_accum), key=lambda t: t[2])
-    fewest = None if getattr(cfg, "auto_fit", False) else _fewest_checkpointed(cfg, model.blocks, free)
-    tips = ([fewest] if fewest else []) + tips  # the least recompute that fits first
+    fewest = None if getattr(cfg, "auto_fit", False) else _first_that_fits(_partial(cfg, model.blocks), free)
+    if fewest:  # the least recompute that fits, first
+        n = fewest[0].checkpointing
+        tips.insert(0, (f"checkpointing={n} (the first {n} of {model.blocks} blocks)", 0, fewest[1].peak))
     shown = "; ".join(f"{keys} -> {fmt_bytes(needed(peak))}{' (fits)' if needed(peak) <= free else ''}"
                       for keys, _, peak in tips)
     tried = "auto_fit found no checkpointing / micro-batch that fits; " if getattr(cfg, "auto_fit", False) else ""
@@ -118,15 +120,20 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
                     f"memory_check=false skips this check (python tools/plan.py shows the plan)")
 
 
-def _fewest_checkpointed(cfg: Any, blocks: int, free: int) -> tuple[str, int, int] | None:
-    """The suggestion (keys, 0, peak) of checkpointing on the fewest of the model's `blocks` blocks that
-    fits in `free` (more than the run has, fewer than all: `checkpointing=true` is a tip of its own);
-    None when no such N fits."""
-    for n in range(checkpointed_blocks(cfg.checkpointing, blocks) + 1, blocks):
-        got = _plan(dataclasses.replace(cfg, checkpointing=n))
+def _first_that_fits(candidates, free: int) -> tuple[Any, Plan] | None:
+    """The first config of `candidates` whose planned needs fit in `free`, with its plan; else None."""
+    for candidate in candidates:
+        got = _plan(candidate)
         if got and needed(got[2].peak) <= free:
-            return f"checkpointing={n} (the first {n} of {blocks} blocks)", 0, got[2].peak
+            return candidate, got[2]
     return None
+
+
+def _partial(cfg: Any, blocks: int):
+    """`cfg` with checkpointing on the first N of the model's `blocks` blocks, N from one more than
+    the run has up to all but one (fewest first: the least recompute)."""
+    for n in range(checkpointed_blocks(cfg.checkpointing, blocks) + 1, blocks):
+        yield dataclasses.replace(cfg, checkpointing=n)
 
 
 def _fits_in_order(cfg: Any, blocks: int):
@@ -136,11 +143,9 @@ def _fits_in_order(cfg: Any, blocks: int):
     with grad_accum raised so batch_size x grad_accum stays the same."""
     from minitrain import distributed
 
-    have = checkpointed_blocks(cfg.checkpointing, blocks)
-    for n in range(have + 1, blocks):
-        yield dataclasses.replace(cfg, checkpointing=n)
+    yield from _partial(cfg, blocks)
     ck = dataclasses.replace(cfg, checkpointing=True)
-    if have < blocks:
+    if checkpointed_blocks(cfg.checkpointing, blocks) < blocks:
         yield ck
     for b in range(cfg.batch_size - 1, distributed.world_size() - 1, -1):
         if cfg.batch_size % b == 0:

@@ -232,3 +232,30 @@ def test_one_gpu_fsdp_qlora_equals_plain_qlora(tiny_model, tmp_path):
     want, got = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("plain", "fsdp"))
     assert max_abs_diff(got, want) <= 1e-5
     assert max(float(t.abs().max()) for k, t in got.items() if "lora_B" in k) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_flex_attention_head_dims_forward_and_backward(head_dim):
+    """Whether FlexAttention (compiled, as the engine runs it) takes a head dim, bf16, and gives SDPA's
+    output and input gradients with the dense mask of the same packed rows (two documents, GQA,
+    a window of 48). Head dim 96 is Phi-3's, 256 Gemma's."""
+    from models.llama import Documents, document_mask
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T = 2, 4, 2, 256
+    doc = torch.cat([torch.zeros(B, 100, dtype=torch.long), torch.ones(B, T - 100, dtype=torch.long)], 1).cuda()
+    pos = torch.cat([torch.arange(100), torch.arange(T - 100)]).expand(B, T).cuda()
+    q, k, v = (torch.randn(B, h, T, head_dim, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+               for h in (H, Hkv, Hkv))
+    docs = Documents.build(doc, pos, 48)
+    attend = torch.compile(lambda q, k, v: docs.attend(q, k, v))
+    out = attend(q, k, v)
+    out.float().square().sum().backward()
+    flex = [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    mask = document_mask(doc, pos, 48)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    ref.float().square().sum().backward()
+    for a, b in zip(flex, [ref.detach().float()] + [t.grad.float() for t in (q, k, v)]):
+        assert (a - b).norm() / b.norm() < 2e-2, head_dim

@@ -20,7 +20,9 @@ Ctrl-C exits 130. Training stopped by SIGINT / SIGTERM (`minitrain.train.Interru
 command that resumes it and exits 130 / 143. Anything else is our bug and keeps its traceback.
 
 Under `torchrun --nproc_per_node N -m minitrain ...` the process group is joined here, once,
-before the recipe runs (`minitrain.distributed.init`); rank 0 alone prints these lines.
+before the recipe runs (`minitrain.distributed.init`); rank 0 alone prints these lines. A rank
+whose collective fails because another rank died or stopped answering (within `dist_timeout`)
+exits 1 after one `error:` line from the lowest such rank (`minitrain.distributed.report_failure`).
 """
 
 from __future__ import annotations
@@ -88,10 +90,19 @@ def run_cli(argv: list[str]) -> int:
         if _rank() == 0:
             resume = getattr(e, "resume_line", None)  # minitrain.train.Interrupted: a checkpoint was saved
             print(resume(_resume_command(argv)) if resume else "interrupted", file=sys.stderr)
+        together = getattr(e, "exit_code", 130) == 0  # stop_after: every rank stopped after the same step
         return getattr(e, "exit_code", 130)
     except BrokenPipeError:  # `... --help | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as e:  # under torchrun: a collective that another rank left unanswered
+        distributed = sys.modules.get("minitrain.distributed")
+        if distributed is None or not distributed.is_peer_failure(e):
+            raise
+        line = distributed.report_failure(e)  # the lowest rank that saw it says it, once
+        if line:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        return 1
     finally:
         warnings.showwarning = shown_before
         if "minitrain.distributed" in sys.modules:  # (imported, with torch, only once a recipe runs)

@@ -124,7 +124,12 @@ class TrainConfig:
     parallel: str = doc("ddp", "under torchrun: ddp (each rank holds the model, gradients summed) or fsdp "
                                "(FSDP2 shards blocks, gradients and optimizer state); fsdp needs torchrun",
                         choices=("ddp", "fsdp"))
+    dist_timeout: float = doc(600, "under torchrun: seconds a rank waits in a collective for the others before the "
+                                   "run stops with one line naming the rank that stopped answering (a dead or "
+                                   "stuck peer ends the run, never a hang)", gt=0)
     save_every: int = doc(0, "save a resumable checkpoint every N optimizer steps (0: only at the end)", ge=0)
+    stop_after: int = doc(0, "stop after this many optimizer steps of this launch, with a checkpoint (a job with a "
+                             "time limit continues with resume=true); 0: run to the end", ge=0)
     eval_every: int = doc(0, "evaluate every N optimizer steps (0: only at the end)", ge=0)
     log_every: int = doc(1, "write metrics every N optimizer steps", ge=1)
     report_to: str = doc("none", "a metrics sink beside metrics.jsonl: tensorboard writes out/tensorboard/ "

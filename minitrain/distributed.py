@@ -28,12 +28,28 @@ Rank 0 alone writes logs, metrics.jsonl, config.json and the adapter or model; a
 fails there is raised on every rank (`main_only`), so no rank is left waiting in a collective.
 A checkpoint is written by every rank (its RNG state; under fsdp its rows of each tensor) into one
 folder that rank 0 completes and swaps in (`minitrain.checkpoint`).
+
+Every rank makes the same collectives in the same order. Inside `main_only` rank 0 runs alone, so
+a collective there (one of this module's, or torch's under `MINITRAIN_TRACE_COLLECTIVES`) is refused
+as a bug, and a nested `main_only` is a plain call. A dead, stuck or drifted peer ends the run
+within `dist_timeout` seconds (the process group's timeout): each rank that sees a collective fail
+leaves a word in torchrun's store, and the lowest of them prints one line naming the rank that
+stopped answering and where each was (`report_failure`).
+
+`MINITRAIN_TRACE_COLLECTIVES=DIR` (a debugging aid, read by `init`): each rank writes every
+collective it makes, torch's own included (FSDP2's all-gathers, DTensor's), one line each with the
+minitrain line that made it, to `DIR/collectives.rank<R>.txt`; the files of a run's ranks must be
+equal (`tests/test_collectives.py`).
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -43,6 +59,9 @@ from minitrain.errors import UserError
 
 T = TypeVar("T")
 BUCKET_BYTES = 64 * 2**20  # gradients are all-reduced in flat buckets of about this size
+TRACE_ENV = "MINITRAIN_TRACE_COLLECTIVES"
+FAILED_KEY = "minitrain/failed/"  # + rank: where that rank saw a collective fail (torchrun's store)
+_alone = False  # True on rank 0 while `main_only` runs its function: no collective may start there
 
 
 # ----------------------------------------------------------------------------- where am I
@@ -118,7 +137,10 @@ def init(cfg: Any) -> None:
             raise UserError(f"torchrun: {procs} processes on this machine, {gpus} GPU{'s' if gpus != 1 else ''} — "
                             f"use --nproc_per_node {gpus} or fewer (or device=cpu)")
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+    timeout = datetime.timedelta(seconds=float(getattr(cfg, "dist_timeout", 600)))
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout)
+    if os.environ.get(TRACE_ENV):
+        trace_collectives(Path(os.environ[TRACE_ENV]))
 
 
 def shutdown(finished: bool = False) -> None:
@@ -141,14 +163,19 @@ def main_only(fn: Callable[[], T]) -> T | None:
     Returns fn's result on rank 0 and None elsewhere. Other exceptions (our bugs) stay on rank
     0, whose exit makes torchrun stop the others.
     """
-    if world_size() == 1:
+    global _alone
+    if world_size() == 1 or _alone:  # nested: rank 0 is alone already, the outer call shares the error
         return fn()
     result, message = None, None
     if rank() == 0:
+        _alone = True
         try:
             result = fn()
         except UserError as e:
             message = e.message
+        finally:
+            _alone = False
+    _collective("main_only")
     box = [message]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
@@ -162,6 +189,7 @@ def gather_objects(obj: Any) -> list[Any]:
     """`obj` of every rank, in rank order (one process: `[obj]`)."""
     if world_size() == 1:
         return [obj]
+    _collective("gather_objects")
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -184,6 +212,7 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is true on any rank."""
     if world_size() == 1:
         return flag
+    _collective("any_rank")
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
@@ -193,6 +222,7 @@ def broadcast_tensors(tensors: list[torch.Tensor]) -> None:
     """Copy rank 0's values into every rank's `tensors` (same start everywhere, as DDP does)."""
     if world_size() == 1:
         return
+    _collective("broadcast_tensors")
     with torch.no_grad():
         for t in tensors:
             dist.broadcast(t.data, src=0)
@@ -202,6 +232,7 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
     """Sum each tensor over ranks in place, flattened into buckets of one dtype (fewer, larger messages)."""
     if world_size() == 1 or not tensors:
         return
+    _collective("all_reduce_sum")
     bucket: list[torch.Tensor] = []
     size = 0
 
@@ -222,6 +253,141 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
         bucket.append(t)
         size += t.numel() * t.element_size()
     flush()
+
+
+class CollectiveInMainOnly(RuntimeError):
+    """A collective started inside `main_only`, where rank 0 runs alone: the other ranks would wait
+    for it forever (or pair it with their next one). A bug in minitrain, never a user's mistake."""
+
+
+def _collective(name: str) -> None:
+    if _alone:
+        raise CollectiveInMainOnly(f"{name} inside distributed.main_only (at {_caller()}): rank 0 alone would make "
+                                   f"this collective and every other rank would wait for it")
+
+
+def _ours(filename: str) -> str | None:
+    """`minitrain/train.py`, `objectives/grpo.py`, `recipes/sft_llama.py` for a file of ours (None else)."""
+    path = Path(filename)
+    if path.parent.name in ("minitrain", "models", "recipes") or path.parent.parent.name == "minitrain":
+        return f"{path.parent.name}/{path.name}"
+    return None
+
+
+def _caller() -> str:
+    """The innermost line of ours on the stack outside this module (`minitrain/train.py:352`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = _ours(frame.f_code.co_filename)
+        if name and name != "minitrain/distributed.py":
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+# ----------------------------------------------------------------------------- tracing and failures
+
+
+_TRACED = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+           "gather", "gather_object", "scatter", "scatter_object_list", "reduce_scatter", "reduce_scatter_tensor",
+           "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "broadcast_object_list",
+           "all_gather_single", "reduce_scatter_single", "send", "recv", "isend", "irecv")
+_FUNCTIONAL = ("all_gather_tensor", "all_reduce", "reduce_scatter_tensor", "broadcast", "all_to_all_single",
+               "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce_coalesced")
+
+
+def trace_collectives(folder: Path) -> Path:
+    """Wrap torch.distributed's collectives (and its functional ones, which DTensor uses) so that each
+    call writes `NAME  minitrain/file.py:line` to `folder/collectives.rank<R>.txt` (a collective's own
+    inner collectives are not written again), and so that one started inside `main_only` raises
+    `CollectiveInMainOnly`. A debugging aid (`MINITRAIN_TRACE_COLLECTIVES=DIR`): it rebinds torch's
+    functions for the life of the process."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"collectives.rank{rank()}.txt"
+    sink = open(path, "w", buffering=1, encoding="utf-8")
+    depth = [0]
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                _collective(name)
+                sink.write(f"{name}  {_caller()}\n")
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        traced._minitrain_traced = True  # type: ignore[attr-defined]
+        return traced
+
+    for modules, names, prefix in (((dist, c10d), _TRACED, ""), ((funcol,), _FUNCTIONAL, "functional.")):
+        for name in names:
+            original = getattr(modules[0], name, None)
+            if original is None or getattr(original, "_minitrain_traced", False):
+                continue
+            traced = wrap(prefix + name, original)
+            for module in modules:
+                if getattr(module, name, None) is original:
+                    setattr(module, name, traced)
+    return path
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether `e` is a collective that failed because another rank died, stopped answering (the
+    process group's timeout) or made another collective: gloo's and NCCL's errors."""
+    if not active() or world_size() == 1:
+        return False
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in (
+        "gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
+
+
+def report_failure(e: BaseException, grace: float = 5.0) -> str | None:
+    """After a failed collective (`is_peer_failure`): leave this rank's word in torchrun's store, wait
+    up to `grace` seconds for the other ranks' words, and return the one line to print if this rank
+    is the lowest that saw the failure (else None): the ranks that stopped answering (no word: dead
+    or stuck) and where each rank that answered was."""
+    where = _failure_site(e)
+    me, world = rank(), world_size()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{FAILED_KEY}{me}", where)
+        keys = [f"{FAILED_KEY}{r}" for r in range(world)]
+        end = time.monotonic() + grace
+        while not store.check(keys) and time.monotonic() < end:
+            time.sleep(0.1)
+        words = {r: store.get(k).decode() for r, k in enumerate(keys) if store.check([k])}
+    except Exception:  # noqa: BLE001 - the store went with a dead launcher: say what this rank knows
+        words = {me: where}
+    if min(words) != me:
+        return None
+    silent = [r for r in range(world) if r not in words]
+    seen = "; ".join(f"rank {r} in {w}" for r, w in sorted(words.items()))
+    reason = " ".join(str(e).split())[:160]
+    if silent:
+        who = ", ".join(map(str, silent))
+        return (f"rank{'s' if len(silent) > 1 else ''} {who} stopped answering (dead, killed or stuck: no word from "
+                f"{'them' if len(silent) > 1 else 'it'}); {seen} ({reason}) — see rank {silent[0]}'s own output "
+                f"above; a run with a checkpoint continues with resume=true")
+    return (f"the ranks' collectives failed: {seen} ({reason}) — if they stopped in different places the "
+            f"ranks drifted apart, a bug in minitrain: please report this line")
+
+
+def _failure_site(e: BaseException) -> str:
+    """The innermost line of ours in `e`'s traceback, outside this module where there is one."""
+    site, tb = "?", e.__traceback__
+    while tb is not None:
+        name = _ours(tb.tb_frame.f_code.co_filename)
+        if name and (name != "minitrain/distributed.py" or site == "?"):
+            site = f"{name}:{tb.tb_lineno} ({tb.tb_frame.f_code.co_name})"
+        tb = tb.tb_next
+    return site
 
 
 # ----------------------------------------------------------------------------- FSDP2's tensors (minitrain.fsdp shards)

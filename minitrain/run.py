@@ -67,7 +67,8 @@ EMA_SUFFIX = "_ema"  # ema_decay: the moving average beside them, adapter_ema/ o
 # what a run writes into `out` (besides config.json); a folder holding one of these has trained
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR, MODEL_DIR, *(d + EMA_SUFFIX for d in (ADAPTER_DIR, MODEL_DIR)))
 # keys that say where / how to start, not what the run is
-NOT_THE_RUN = ("out", "resume", "overwrite", "extend", "trained_format", "data_cache", "data_workers")
+NOT_THE_RUN = ("out", "resume", "overwrite", "extend", "trained_format", "data_cache", "data_workers",
+               "dist_timeout", "stop_after")
 # config.json's one entry that is not a key: how the run rendered its rows (`trained_format`), which
 # tools/generate.py follows so that a model is queried in the format it was trained in
 READERS = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired,

@@ -61,23 +61,25 @@ RESUME_KEYS = ("batch_size", "grad_accum", "seed", "lr", "schedule", "min_lr_rat
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped by SIGINT / SIGTERM: the step in progress was finished and a checkpoint saved.
+    """Training stopped before its end with a checkpoint saved: by SIGINT / SIGTERM (the step in
+    progress finished), or after `stop_after` steps of this launch (`signum` None).
 
     A KeyboardInterrupt, so it passes through `except Exception` like Ctrl-C does; the CLI prints
-    it with the command to resume and exits with `exit_code` (130 for SIGINT, 143 for SIGTERM).
+    it with the command to resume and exits with `exit_code` (130 for SIGINT, 143 for SIGTERM, 0
+    for stop_after: the launch did what it was asked).
     """
 
-    def __init__(self, signum: int, step: int, folder: Path):
+    def __init__(self, signum: int | None, step: int, folder: Path, total: int = 0):
         self.signum, self.step, self.folder = signum, step, folder
-        self.exit_code = 128 + signum
-        self.signal_name = signal.Signals(signum).name
-        super().__init__(f"stopped at step {step} by {self.signal_name}; checkpoint saved in {folder} "
-                         f"— resume with resume=true")
+        self.exit_code = 128 + signum if signum is not None else 0
+        self.signal_name = signal.Signals(signum).name if signum is not None else "stop_after"
+        self.why = (f"by {self.signal_name}" if signum is not None
+                    else f"of {total} (stop_after)")
+        super().__init__(f"stopped at step {step} {self.why}; checkpoint saved in {folder} — resume with resume=true")
 
     def resume_line(self, command: str) -> str:
         """The message with the whole command to resume (`command` ends in `resume=true`)."""
-        return (f"stopped at step {self.step} by {self.signal_name}; checkpoint saved in {self.folder} "
-                f"— resume with: {command}")
+        return f"stopped at step {self.step} {self.why}; checkpoint saved in {self.folder} — resume with: {command}"
 
 
 def train(
@@ -288,6 +290,7 @@ def train(
                      kind=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
 
     saved_at = step if cfg.resume else -1
+    started_at = step  # stop_after counts the steps of this launch
 
     def save_checkpoint() -> None:  # every rank calls it and writes its own files (its part under fsdp)
         nonlocal saved_at
@@ -452,6 +455,10 @@ def train(
                 if saved_at != step:
                     save_checkpoint()
                 raise Interrupted(signal.SIGINT if sigint else signal.SIGTERM, step, out / ckpt.NAME)
+            if getattr(cfg, "stop_after", 0) and step - started_at >= cfg.stop_after and step < total_steps:
+                if saved_at != step:
+                    save_checkpoint()
+                raise Interrupted(None, step, out / ckpt.NAME, total_steps)
             if stop_early:
                 summary["stopped_early"] = step
                 log(f"step {step}: stopping early (eval_fn asked to), {total_steps - step} steps not run")

@@ -80,3 +80,12 @@ def tiny_model(hf_causal, tmp_path_factory) -> Path:
     shutil.copytree(hf_causal("dist_llama"), d)
     make_bpe_tokenizer(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def recipe_inputs(hf_causal, tmp_path_factory) -> dict[str, Path]:
+    """Tiny inputs for every recipe (`tests/_recipes.py`: models, data, a reward; `args_for` builds
+    each recipe's command line over them)."""
+    from _recipes import make_recipe_inputs
+
+    return make_recipe_inputs(tmp_path_factory.mktemp("recipe_inputs"), hf_causal)

@@ -267,11 +267,17 @@ def _collective(name: str) -> None:
 
 
 def _ours(filename: str) -> str | None:
-    """`minitrain/train.py`, `objectives/grpo.py`, `recipes/sft_llama.py` for a file of ours (None else)."""
+    """How a line of ours is named: `minitrain/train.py`, `objectives/grpo.py`, `recipes/sft_llama.py`,
+    or a user's recipe file (`my_sft.py`: code outside Python's and the packages' folders); None for
+    Python's, torch's and other libraries' files."""
     path = Path(filename)
     if path.parent.name in ("minitrain", "models", "recipes") or path.parent.parent.name == "minitrain":
         return f"{path.parent.name}/{path.name}"
-    return None
+    if not path.is_absolute() or "site-packages" in path.parts or "dist-packages" in path.parts:
+        return None
+    if any(path.is_relative_to(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}):
+        return None
+    return path.name
 
 
 def _caller() -> str:

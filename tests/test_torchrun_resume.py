@@ -8,8 +8,9 @@ equal, over whole runs with evaluation, checkpoints, resume and the final save.
   2 fsdp ranks, resumed with `resume=true` at 1 -> 2 (ddp, fsdp), 2 -> 2, 2 -> 1 and 2 -> 4 ranks,
   equals the uninterrupted one-process run (adapter to 1e-5, each step's loss to 1e-5 relative: other
   world sizes sum in another order). One uninterrupted run and three cut runs serve every chain.
-- A SIGKILL of one rank in the middle of a checkpoint's save: the run ends within `dist_timeout`, and
-  the resume (from the last complete checkpoint) equals the uninterrupted run.
+- A SIGKILL of one rank in mid-run ends the run (never a hang), and the resume equals the uninterrupted
+  run; so does the resume of a checkpoint whose save was cut short (a temporary folder of parts left
+  beside it, or a save killed between its two renames).
 - Every other recipe (DPO, KTO, GRPO, distillation, T5, ARD, LRC), in each mode it supports: cut at 2
   ranks, resumed at 2 ranks for one step (2 -> 2), then in one process (2 -> 1), equal to its
   uninterrupted run. GRPO's completions are equal at 2 -> 2; at 2 -> 1 the rank that sampled the second
@@ -52,6 +53,12 @@ def _env(trace: Path | None) -> dict[str, str]:
     if trace is not None:
         env["MINITRAIN_TRACE_COLLECTIVES"] = str(trace)
     return env
+
+
+def keys(args: list[str], *extra: str) -> list[str]:
+    """`args` with the `key=value` settings of `extra` added, or replacing the same key's."""
+    names = {e.partition("=")[0] for e in extra}
+    return [a for a in args if a.partition("=")[0] not in names] + list(extra)
 
 
 def command(world: int, args: list[str]) -> list[str]:
@@ -138,7 +145,7 @@ class SFT:
             out = self.root / name
             if start is not None:
                 shutil.copytree(start, out)
-            launch(world, [*self.args, f"out={out}", *extra])
+            launch(world, keys(self.args, f"out={out}", *extra))
             self.made[name] = out
         return self.made[name]
 
@@ -168,31 +175,48 @@ def test_sft_resumed_at_another_world_size_or_mode_equals_the_uninterrupted_run(
     assert [r["step"] for r in evals] == [0, 2, 4]  # the rows after the checkpoint written again, once
 
 
-def test_sigkill_of_one_rank_during_a_save_ends_the_run_and_the_resume_equals_the_uninterrupted_run(sft):
-    """save_every=1; rank 1 is SIGKILLed the moment the step-3 checkpoint's temporary folder appears:
-    the run ends (torchrun stops the other rank; a collective with the dead rank fails within
-    dist_timeout), the cut-short save leaves the step-2 checkpoint (or step 3's, if it was complete)
-    intact, and resume=true ends where the uninterrupted run ends."""
+def test_sigkill_of_one_rank_ends_the_run_and_the_resume_equals_the_uninterrupted_run(sft):
+    """30 steps, save_every=1; rank 1 is SIGKILLed in mid-run, once step 2 is logged (the step-1 checkpoint is
+    complete, step 2's may be in its save): the run ends (torchrun stops the other rank; a collective
+    with the dead rank fails at once, or within dist_timeout), no adapter is written, and
+    resume=true on 2 ranks ends where the uninterrupted run ends."""
     out = sft.root / "killed"
-    args = [*sft.args, f"out={out}", "save_every=1", "dist_timeout=20"]
+    longer = ["max_steps=30", "eval_every=0"]  # long enough to be killed in
+    args = keys(sft.args, f"out={out}", *longer, "save_every=1", "dist_timeout=20")
     p = subprocess.Popen(command(2, args), cwd=REPO, env=_env(None), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     ranks = worker_pids(p.pid, 2)
-    seen, end = set(), time.monotonic() + 300
-    while time.monotonic() < end and p.poll() is None:
-        seen |= {x.name for x in out.glob("checkpoint.tmp-*")} if out.is_dir() else set()
-        if len(seen) >= 3:  # the third save (step 3) is being written
-            os.kill(ranks[1], signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    assert len(seen) >= 3, "the third checkpoint save was never seen"
+    end = time.monotonic() + 300
+    while time.monotonic() < end and p.poll() is None and not (
+            (out / "metrics.jsonl").is_file() and len(rows(out)) >= 2):
+        time.sleep(0.01)
+    os.kill(ranks[1], signal.SIGKILL)
     killed = time.monotonic()
-    _, err = p.communicate(timeout=120)
+    p.communicate(timeout=120)
     assert p.returncode != 0 and time.monotonic() - killed < 20 + 30  # dist_timeout + torchrun's own grace
     assert not (out / "adapter").exists()
-    resumed = launch(2, [*args, "resume=true"])
+    resumed = launch(2, keys(args, "resume=true"))
     assert "resumed from" in resumed.stdout
+    assert_equal_runs(out, sft.run("straight30", 1, *longer))
+
+
+@pytest.mark.parametrize("state", ["writing parts", "between renames"])
+def test_a_checkpoint_whose_save_was_cut_short_resumes_from_the_last_complete_one(sft, state):
+    """What a save killed in mid-write leaves, made from the 2-rank fsdp cut (per-rank parts): a
+    temporary folder with some parts and no state.json beside the complete checkpoint ("writing
+    parts"), or, killed between the save's two renames, no `checkpoint/` but the previous one as
+    `checkpoint.old-*` ("between renames"). Resumed on 2 fsdp ranks: the uninterrupted run's result."""
+    out = sft.root / f"cut-short-{state.replace(' ', '-')}"
+    shutil.copytree(sft.cut(2, "fsdp"), out)
+    partial = out / "checkpoint.tmp-99998"
+    partial.mkdir()
+    shutil.copy(out / "checkpoint" / "weights.rank0.safetensors", partial)
+    if state == "between renames":
+        (out / "checkpoint").rename(out / "checkpoint.old-99999")
+    p = launch(2, keys(sft.args, f"out={out}", "parallel=fsdp", "resume=true"))
+    assert ("resuming from checkpoint.old-99999 (step 2)" in p.stdout) == (state == "between renames")
     assert_equal_runs(out, sft.straight())
+    assert not partial.exists()  # the next save removed what the killed one left
 
 
 # ----------------------------------------------------------------------------- every other recipe
@@ -212,20 +236,20 @@ RECIPES = {  # recipe: (modes it supports under torchrun, extra keys, metrics co
 @pytest.mark.parametrize("recipe,mode", [(r, m) for r, (modes, _, _) in RECIPES.items() for m in modes])
 def test_every_recipe_resumed_2_to_2_then_2_to_1_equals_its_uninterrupted_run(recipe_inputs, tmp_path, recipe, mode):
     modes, extra, keys = RECIPES[recipe]
-    base = [a for a in args_for(recipe, recipe_inputs) if not a.startswith("out=")]
-    base += ["max_steps=3", "save_every=1", "batch_size=4", "precision=fp32", "warmup=0", "dist_timeout=60", *extra]
+    base = keys(args_for(recipe, recipe_inputs), "max_steps=3", "save_every=1", "batch_size=4", "precision=fp32",
+                "warmup=0", "dist_timeout=60", *extra)
     straight, cut = tmp_path / "straight", tmp_path / "cut"
-    launch(2, [*base, f"out={straight}", f"parallel={mode}"])
-    launch(2, [*base, f"out={cut}", f"parallel={mode}", "stop_after=1"])
-    launch(2, [*base, f"out={cut}", f"parallel={mode}", "stop_after=1", "resume=true"])  # 2 -> 2, to step 2
+    launch(2, keys(base, f"out={straight}", f"parallel={mode}"))
+    launch(2, keys(base, f"out={cut}", f"parallel={mode}", "stop_after=1"))
+    launch(2, keys(base, f"out={cut}", f"parallel={mode}", "stop_after=1", "resume=true"))  # 2 -> 2, to step 2
     if recipe == "grpo_qwen.py":  # the same ranks draw the same completions
         step2 = lambda out: [r for r in rows(out, "completions.jsonl") if r["step"] == 2]  # noqa: E731
         assert step2(cut) == step2(straight) != []
-        launch(1, [*base, f"out={cut}", "resume=true"])  # 2 -> 1: rank 1's sampling generator is gone
+        launch(1, keys(base, f"out={cut}", "resume=true"))  # 2 -> 1: rank 1's sampling generator is gone
         assert [r["step"] for r in rows(cut)] == [1, 2, 3]
         assert [r["loss"] for r in rows(cut)][:2] == pytest.approx([r["loss"] for r in rows(straight)][:2], rel=1e-5)
         return
-    launch(1, [*base, f"out={cut}", "resume=true"])  # 2 -> 1, to the end
+    launch(1, keys(base, f"out={cut}", "resume=true"))  # 2 -> 1, to the end
     assert_equal_runs(cut, straight, keys=keys)
 
 
@@ -260,7 +284,7 @@ def test_a_planted_rank_0_collective_is_caught(tiny_model, tmp_path, plant):
         assert "CollectiveInMainOnly: gather_objects inside distributed.main_only" in p.stderr
     else:
         parted = same_collectives(trace, 2)
-        assert parted is not None and "rank 0 made barrier  recipes/planted.py" in parted, parted
+        assert parted is not None and "rank 0 made barrier  planted.py:" in parted, parted
 
 
 # ----------------------------------------------------------------------------- fail fast, never hang
@@ -270,7 +294,7 @@ def test_a_stuck_rank_is_named_by_rank_0_within_dist_timeout(sft):
     """Rank 1 stopped (SIGSTOP) in mid-run: rank 0's next collective waits dist_timeout (5 s), then
     rank 0 prints one line naming rank 1 and exits; the run ends once rank 1 can be stopped."""
     out = sft.root / "stuck"
-    args = [*sft.args, f"out={out}", "max_steps=200", "save_every=0", "eval_every=0", "dist_timeout=5"]
+    args = keys(sft.args, f"out={out}", "max_steps=200", "save_every=0", "eval_every=0", "dist_timeout=5")
     p = subprocess.Popen(command(2, args), cwd=REPO, env=_env(None), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     ranks = worker_pids(p.pid, 2)

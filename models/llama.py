@@ -683,7 +683,9 @@ def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, lengths: tuple[int, .
         if id(cos) not in tables:
             tables[id(cos)] = cos.flatten(0, 1)[real], sin.flatten(0, 1)[real]
         h = layer(h, *tables[id(cos)], Ragged(lengths, window))
-    return h.new_zeros(B * T, D).index_copy(0, real, norm(h)).view(B, T, D)
+    out = h.new_zeros(B, T, D)  # written through a (B * T, D) view, so the result is no view (FSDP2 warns of one)
+    out.view(B * T, D).index_copy_(0, real, norm(h))
+    return out
 
 
 # Below this many positions per row, `Ragged`'s loop over sequences costs more than the padding it

@@ -280,7 +280,8 @@ def child_hf_sft(a: argparse.Namespace) -> dict:
 def child_grpo(a: argparse.Namespace) -> dict:
     """GRPO's sampler against transformers' `generate` on a Qwen2.5-1.5B shape (base weights, greedy,
     no eos), then one GRPO step's time split: sampling G completions per prompt with the adapters on,
-    and the policy's forward, loss and backward on them."""
+    and the policy's forward, loss and backward on them (no checkpointing: the step's peak is mostly
+    that forward's activations, 59.59 GB on 28 Nov, not its logits, which are chunked)."""
     import torch
 
     import models
@@ -479,7 +480,7 @@ def render(results: dict, when: str, device: str) -> str:
                       f"- GRPO step ({g['completions']} completions of {g['new_tokens']} tokens, LoRA r=16): generation "
                       f"{g['step_generation_s']:.2f} s, training (forward, loss, backward) {g['step_training_s']:.2f} s "
                       f"({100 * g['step_generation_s'] / (g['step_generation_s'] + g['step_training_s']):.0f}% generating); "
-                      f"peak {_gb(g.get('step_peak_allocated_bytes'))}"]
+                      f"peak {_gb(g.get('step_peak_allocated_bytes'))} (the policy without checkpointing)"]
         else:
             lines += ["", f"- GRPO: {g.get('error', 'not run')}"]
     return "\n".join(lines) + "\n"

@@ -45,7 +45,8 @@ def test_section_is_written_between_markers_and_replaced(tmp_path):
     assert "| minitrain, checkpointing as the plan fits it to 24 GB (checkpointing=12) | 9000 | 41.0% | 30.00 GB | 1.50x | 0.75x |" in section
     assert "exit 1: out of memory" in section and "liger-kernel is not installed" in section
     assert "3000 tokens/s, transformers `generate` 2000 (1.50x); rows with equal tokens 60/64" in section
-    assert "generation 3.00 s, training (forward, loss, backward) 1.00 s (75% generating)" in section
+    assert ("generation 3.00 s (5461 tokens/s with the adapters, sampling at temperature 1), training (forward, loss, "
+            "backward) 1.00 s (75% generating)") in section
     assert gpu_check.failures(results) == ["sft ckpt"]  # the optional side that is not installed is no failure
     md = tmp_path / "B.md"
     md.write_text("# Benchmarks\n\nkeep me\n")

@@ -478,7 +478,8 @@ def render(results: dict, when: str, device: str) -> str:
                           f"{g['generate_tokens_per_s']:.0f} ({g['sampler_tokens_per_s'] / g['generate_tokens_per_s']:.2f}x); "
                           f"rows with equal tokens {g['equal_rows']}/{g['batch']}",
                       f"- GRPO step ({g['completions']} completions of {g['new_tokens']} tokens, LoRA r=16): generation "
-                      f"{g['step_generation_s']:.2f} s, training (forward, loss, backward) {g['step_training_s']:.2f} s "
+                      f"{g['step_generation_s']:.2f} s ({g['completions'] * g['new_tokens'] / g['step_generation_s']:.0f} "
+                      f"tokens/s with the adapters, sampling at temperature 1), training (forward, loss, backward) {g['step_training_s']:.2f} s "
                       f"({100 * g['step_generation_s'] / (g['step_generation_s'] + g['step_training_s']):.0f}% generating); "
                       f"peak {_gb(g.get('step_peak_allocated_bytes'))} (the policy without checkpointing)"]
         else:

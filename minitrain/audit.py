@@ -39,6 +39,7 @@ from torch import nn
 
 from minitrain import distributed
 from minitrain.adapters.lora import LoRALinear, logical_numel
+from minitrain.device import eager
 from minitrain.errors import UserError
 
 Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
@@ -288,7 +289,9 @@ def audit(
     saved_grads = {n: p.grad for n, p in trainable}
     loss_value: float | None = None
     statuses: dict[str, TensorAudit] = {}
-    with torch.random.fork_rng(devices=_cuda_devices(model)):
+    # eager, compiled blocks too: its hooks, removed before the backward, would make a block compiled
+    # under its checkpoint (a quantized one, minitrain.train.compile_blocks) recompute another graph
+    with torch.random.fork_rng(devices=_cuda_devices(model)), eager():
         try:
             for _, p in trainable:
                 p.grad = None

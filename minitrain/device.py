@@ -4,12 +4,15 @@ dtype and loss scaler of its `precision`.
     pick_device(cfg.device)                   auto: the GPU when there is one, else the CPU
     base_dtype(cfg.precision, device)         bf16 on a bf16 GPU, else fp32 (frozen weights)
     resolve_precision(cfg.precision, device)  (autocast dtype or None, GradScaler or None)
+    with eager(): ...                         compiled functions run eagerly inside
 
 How many threads a CPU run uses is `minitrain.cpu`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 import torch
@@ -117,3 +120,12 @@ def _has_flex() -> bool:
         return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
     except ModuleNotFoundError:
         return False
+
+
+def eager() -> contextlib.AbstractContextManager:
+    """A context in which compiled functions (the blocks of compile=true) run eagerly, for passes that
+    must not compile: decoding steps (a new cache length each) and the gradient-path audit.
+    `torch.compiler.set_stance` imports torch._dynamo (about 65 MiB): a no-op until something has."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")

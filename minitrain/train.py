@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from minitrain import checkpoint as ckpt, distributed, fsdp
+from minitrain.adapters.lora import quant_kind
 from minitrain.audit import preflight
 from minitrain.config import checkpointed_blocks
 from minitrain.data.batcher import Batcher
@@ -595,12 +596,13 @@ def enable_checkpointing(model: nn.Module, setting: int | bool = True) -> int:
     n = 0
     for m in blocks[:checkpointed_blocks(setting, len(blocks))]:
         if not getattr(m, "_minitrain_checkpointed", False):
-            inner = m.forward
+            m._minitrain_block_forward = m.forward  # what the checkpoint runs (compile_blocks may compile it)
 
-            def forward(*args, _inner=inner, **kwargs):
+            def forward(*args, _m=m, **kwargs):
+                inner = _m._minitrain_block_forward
                 if torch.is_grad_enabled():
-                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-                return _inner(*args, **kwargs)
+                    return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+                return inner(*args, **kwargs)
 
             m.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
             m._minitrain_checkpointed = True
@@ -632,6 +634,12 @@ def compile_blocks(model: nn.Module, **options) -> int:
     steps (seen on an H200, BENCHMARKS.md), after which dynamo quietly runs every new variant
     eagerly; the limit is raised to `RECOMPILE_LIMIT` (never lowered). `options` go to
     `torch.compile` (the tests use `backend="eager"`).
+
+    A checkpointed block (`enable_checkpointing`, called first) is compiled with its checkpoint
+    inside the graph, except one with a quantized base (bitsandbytes nf4 / int8, ternary): its
+    products run in autograd Functions, whose outputs torch 2.11's compiled checkpointing does not
+    recompute but saves (QLoRA 8B at 2.05x the plan's peak on an H200, BENCHMARKS.md). There the
+    checkpoint stays outside, in eager, and only the block's own forward is compiled.
     """
     import torch._dynamo
 
@@ -640,7 +648,10 @@ def compile_blocks(model: nn.Module, **options) -> int:
     setattr(config, key, max(getattr(config, key), RECOMPILE_LIMIT))
     blocks = [m for m in model.modules() if isinstance(m, tuple(model.block_types))]
     for m in blocks:
-        m.compile(**options)
+        if getattr(m, "_minitrain_checkpointed", False) and any(quant_kind(p) for p in m.parameters()):
+            m._minitrain_block_forward = torch.compile(m._minitrain_block_forward, **options)
+        else:
+            m.compile(**options)
     return len(blocks)
 
 

@@ -42,10 +42,11 @@ def test_section_is_written_between_markers_and_replaced(tmp_path):
     section = gpu_check.render(results, "2026-11-24 20:00 UTC", "NVIDIA H100 80GB HBM3")
     assert "### GPU check, 2026-11-24 20:00 UTC on NVIDIA H100" in section
     assert "5.60 GB max allocated" in section and "target <= 8 GB: met" in section
-    assert "| minitrain, checkpointing as the plan fits it (checkpointing=12) | 9000 | 41.0% | 30.00 GB | 1.50x | 0.75x |" in section
+    assert "| minitrain, checkpointing as the plan fits it to 24 GB (checkpointing=12) | 9000 | 41.0% | 30.00 GB | 1.50x | 0.75x |" in section
     assert "exit 1: out of memory" in section and "liger-kernel is not installed" in section
     assert "3000 tokens/s, transformers `generate` 2000 (1.50x); rows with equal tokens 60/64" in section
-    assert "generation 3.00 s, training (forward, loss, backward) 1.00 s (75% generating)" in section
+    assert ("generation 3.00 s (5461 tokens/s with the adapters, sampling at temperature 1), training (forward, loss, "
+            "backward) 1.00 s (75% generating)") in section
     assert gpu_check.failures(results) == ["sft ckpt"]  # the optional side that is not installed is no failure
     md = tmp_path / "B.md"
     md.write_text("# Benchmarks\n\nkeep me\n")

@@ -411,6 +411,39 @@ def test_the_shared_prompt_layout_gives_each_rows_log_probs_and_gradients(hf_cau
     assert shared_prompt_layout(prompt_ids, prompt_mask, long_mask, G, model.config.hidden_size) is None
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_completion_logps_never_holds_the_whole_logits(hf_causal, temperature):
+    """The policy's completion log-probs score B x C tokens over the vocabulary a chunk at a time
+    (minitrain.objectives.losses; a tempered head through checkpointed chunks): the peak of its
+    forward and backward stays below one fp32 (B, C, V) logits tensor. (The 28 Nov H200 notes
+    suspected that tensor behind the GRPO step's 59.59 GB: it was the activations of a forward
+    without checkpointing, BENCHMARKS.md.)"""
+    from minitrain.plan.measure import measure_peak_allocated
+
+    V, B, P, C = 32768, 8, 8, 128
+    model = load_pretrained(hf_causal("grpo_wide_vocab", model_type="qwen2", num_key_value_heads=2, vocab_size=V),
+                            models.from_hf_config)
+    model.train()
+    for n, p in model.named_parameters():
+        p.requires_grad_(".layers." in n)  # the blocks train, the head is frozen (as under LoRA)
+    g = torch.Generator().manual_seed(0)
+    prompt_ids, completion_ids = torch.randint(3, V, (B, P), generator=g), torch.randint(3, V, (B, C), generator=g)
+
+    def step() -> torch.Tensor:
+        logps, _ = completion_logps(model, prompt_ids, torch.ones_like(prompt_ids), completion_ids,
+                                    torch.ones_like(completion_ids), temperature)
+        logps.sum().backward()
+        return logps.detach()
+
+    peak, logps = measure_peak_allocated(step)
+    assert peak < B * C * V * 4, (peak, B * C * V * 4)
+    with torch.no_grad():  # the unchunked formula
+        hidden = model(torch.cat([prompt_ids, completion_ids], 1), torch.ones(B, P + C, dtype=torch.long))
+        logits = model.output_projection(hidden[:, P - 1 : -1]).float() / temperature  # (B, C, V)
+        ref = torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(logps, ref, atol=1e-6, rtol=1e-6)
+
+
 def test_finished_rows_leave_the_batch_and_change_no_completion(hf_causal):
     """Once half the rows decoded have ended, they leave the batch with their cache slots
     (`KVCache.keep_rows`): greedy completions, masks and truncation equal those of the batch kept whole."""

@@ -13,8 +13,10 @@ Parts (each side of each comparison in its own process, so that its peak memory 
    peak memory against `minitrain.plan`'s prediction (target <= 8 GB), eager and with per-block compile
    (`tools/bench.py --gpu-dpo-7b [--compile]`);
 3. `sft`: LoRA SFT on a Llama-3-8B shape (random bf16 weights, r=16 on all seven linears, `--sft-rows` x
-   `--sft-seq` tokens a step) through `minitrain.train.train`, one lever at a time (`SFT_VARIANTS`: the
-   plan's choice of checkpointing, checkpointing on every block, none, eager blocks), beside the HF
+   `--sft-seq` tokens a step) through `minitrain.train.train`, one lever at a time (`SFT_VARIANTS`:
+   checkpointing as the plan fits it to a 24 GB card, `checkpointing=N` between none and every block (on
+   the GPU's own memory, 80 GB or more, the plan would checkpoint nothing: the `none` row again),
+   checkpointing on every block, none, eager blocks), beside the HF
    stack on the same shape and batch (transformers + peft with gradient checkpointing and torch's fused
    AdamW; the same with Liger kernels when `liger-kernel` is installed, the bench extra);
 4. `packed`: the same shape on rows of mixed lengths (64 .. `--sft-seq`): minitrain's padded batch,
@@ -33,16 +35,23 @@ exits 0, unless `--tiny`: then the same code runs on tiny shapes on the CPU (no 
 CI runs to keep this script working between GPU sessions (`tests/test_gpu_check.py`); its figures mean
 nothing.
 
-Time: the 26 Nov check (the CUDA tests, one DPO run, one SFT run a side) took 2.5 minutes on an H200,
-about 30 s a child process. With every part there are 15 children and a longer test file: about 10-12
-minutes, an estimate (the parts added on 27 Nov have not run on a GPU yet), more than one 10-minute
-command allows. Split it in two calls of about 5-6 minutes each:
+Time, measured on an H200 on 28 Nov (the machine's start, about 30 s, aside): `sft` 379 s (its first
+child 164 s with inductor's cache cold; a later child with the same keys 76 s), `grpo` 139 s, the CUDA
+tests more than 190 s (cut there), minitrain's nf4 child 47 s. Not measured yet, estimated: `dpo` about
+2 minutes (the eager child 30 s on 26 Nov; the compiled one compiles), `packed` about 7 (four children;
+the first compiles with a cold cache, FlexAttention compiles kernels of its own), HF's nf4 child about 3
+(it saves and reloads the 8B checkpoint). Every part: about 25 minutes, more than one 15-minute lease.
+Run it in calls of under 10 minutes each, the parts that have never run on a GPU first:
 
-    python tools/gpu_check.py --parts tests,dpo,sft,grpo --logs gpu_logs
-    python tools/gpu_check.py --parts packed,qlora --append --logs gpu_logs
+    python tools/gpu_check.py --parts tests,dpo --logs gpu_logs            # about 6 min
+    python tools/gpu_check.py --parts packed --append --logs gpu_logs      # about 7 min
+    python tools/gpu_check.py --parts qlora --append --logs gpu_logs       # about 4 min
+    python tools/gpu_check.py --parts sft --append --logs gpu_logs         # 6.5 min on 28 Nov
+    python tools/gpu_check.py --parts grpo --append --logs gpu_logs        # 2.5 min on 28 Nov
 
-The section is written after every part, so a run cut short keeps what finished; `--append` keeps
-the sections already between the markers (the first call's) and adds its own below them.
+A lease holds the first two; the next lease goes on where it stopped. The section is written after
+every part, so a call cut short keeps what finished; `--append` keeps the sections already between the
+markers (the earlier calls') and adds its own below them.
 """
 
 from __future__ import annotations
@@ -76,7 +85,10 @@ GB = 1e9
 
 # one lever at a time: TrainConfig keys over the base (bf16, per-block compile on CUDA)
 SFT_VARIANTS = {
-    "plan": ("minitrain, checkpointing as the plan fits it", {"checkpointing": False, "auto_fit": True}),
+    # fitted to a 24 GB card's budget: checkpointing=N, between the two rows below (on the GPU's own 80 GB
+    # or more the plan checkpoints nothing: the "none" row again)
+    "plan": ("minitrain, checkpointing as the plan fits it to 24 GB", {"checkpointing": False, "auto_fit": True,
+                                                                       "gpu_mem": "24GB"}),
     "ckpt": ("minitrain, checkpointing every block", {"checkpointing": True}),
     "none": ("minitrain, no checkpointing", {"checkpointing": False, "memory_check": False}),
     "eager": ("minitrain, every block checkpointed, eager (no compile)", {"checkpointing": True, "compile": False}),
@@ -268,7 +280,8 @@ def child_hf_sft(a: argparse.Namespace) -> dict:
 def child_grpo(a: argparse.Namespace) -> dict:
     """GRPO's sampler against transformers' `generate` on a Qwen2.5-1.5B shape (base weights, greedy,
     no eos), then one GRPO step's time split: sampling G completions per prompt with the adapters on,
-    and the policy's forward, loss and backward on them."""
+    and the policy's forward, loss and backward on them (no checkpointing: the step's peak is mostly
+    that forward's activations, 59.59 GB on 28 Nov, not its logits, which are chunked)."""
     import torch
 
     import models
@@ -465,9 +478,10 @@ def render(results: dict, when: str, device: str) -> str:
                           f"{g['generate_tokens_per_s']:.0f} ({g['sampler_tokens_per_s'] / g['generate_tokens_per_s']:.2f}x); "
                           f"rows with equal tokens {g['equal_rows']}/{g['batch']}",
                       f"- GRPO step ({g['completions']} completions of {g['new_tokens']} tokens, LoRA r=16): generation "
-                      f"{g['step_generation_s']:.2f} s, training (forward, loss, backward) {g['step_training_s']:.2f} s "
+                      f"{g['step_generation_s']:.2f} s ({g['completions'] * g['new_tokens'] / g['step_generation_s']:.0f} "
+                      f"tokens/s with the adapters, sampling at temperature 1), training (forward, loss, backward) {g['step_training_s']:.2f} s "
                       f"({100 * g['step_generation_s'] / (g['step_generation_s'] + g['step_training_s']):.0f}% generating); "
-                      f"peak {_gb(g.get('step_peak_allocated_bytes'))}"]
+                      f"peak {_gb(g.get('step_peak_allocated_bytes'))} (the policy without checkpointing)"]
         else:
             lines += ["", f"- GRPO: {g.get('error', 'not run')}"]
     return "\n".join(lines) + "\n"

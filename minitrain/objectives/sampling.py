@@ -24,8 +24,6 @@ copy of their weight (`minitrain.adapters.lora.merged_for_decoding`: one product
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -33,6 +31,7 @@ import torch
 from torch import nn
 
 from minitrain.adapters.lora import merged_for_decoding
+from minitrain.device import eager
 from minitrain.objectives.reference import dropout_off
 
 
@@ -78,9 +77,7 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     length = torch.zeros(N, dtype=torch.long, device=device)  # tokens kept per row (eos included)
     # eager even where the blocks are compiled (compile=true): each decoding step has a new cache
     # length, which would recompile the blocks over and over; the training forward stays compiled.
-    # (set_stance imports torch._dynamo, about 65 MiB: only when something compiled has imported it.)
-    eager = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else contextlib.nullcontext()
-    with dropout_off(model), eager, merged_for_decoding(model):  # (a CPU's fp32 LoRA: one product a layer)
+    with dropout_off(model), eager(), merged_for_decoding(model):  # (a CPU's fp32 LoRA: one product a layer)
         cache = new_cache(prompt_ids.shape[1] + max_new_tokens)
         if hasattr(cache, "repeat_rows"):  # each prompt prefilled once, its cache then repeated G times
             hidden = model(prompt_ids, prompt_mask.long(), cache=cache)[:, -1].repeat_interleave(G, dim=0)  # (N, D)

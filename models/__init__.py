@@ -1,9 +1,10 @@
 """Hand-written model families that load HF safetensors key-for-key.
 
-Each family file (llama.py: LLaMA / Mistral / Qwen2 / Qwen3; gemma.py: Gemma 2 / Gemma 3 text;
-phi3.py: Phi-3; t5.py) imports only torch (gemma.py and phi3.py also reuse llama.py's rotary,
-cache and generation code) and each exposes `config_from_hf(d)`.
-`from_hf_config` picks the family from a `config.json` dict.
+layers.py is the floor the decoder families share (norms, RoPE, attention with windows / soft caps /
+sinks, gated MLPs, the expert block, masks, the KV cache, the body's forward, generation). Each family
+file (llama.py: LLaMA / Mistral / Qwen2 / Qwen3; gemma.py: Gemma 2 / Gemma 3 text; phi3.py: Phi-3;
+t5.py) imports only torch and that floor, holds what is particular to it, and exposes
+`config_from_hf(d)`. `from_hf_config` picks the family from a `config.json` dict.
 """
 
 from __future__ import annotations

@@ -965,6 +965,194 @@ class GatedMLP(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
+# Mixture of experts: router, experts, the sparse block
+# --------------------------------------------------------------------------------------------
+
+
+class Router(nn.Module):
+    """Top-k routing of each token to K of E experts (HF's `mlp.gate`; gpt-oss's `mlp.router`).
+
+    `scoring="softmax"` (Qwen-MoE, Mixtral): a softmax over all E logits in fp32, the K largest,
+    renormalised to sum to one when `norm_topk_prob` (Mixtral always: a softmax over its top K);
+    the weights are cast back to the logits' dtype when `cast_back` (Qwen), kept fp32 otherwise
+    (Mixtral). `scoring="topk_softmax"` (gpt-oss): the K largest logits, then a softmax over them.
+    forward: x (N, D) -> (logits (N, E), weights (N, K), indices (N, K)), as transformers' routers
+    return them. Not an `nn.Linear`, so a LoRA target list never wraps it (train it whole, or not).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, scoring: str = "softmax",
+                 norm_topk_prob: bool = False, cast_back: bool = True, bias: bool = False) -> None:
+        super().__init__()
+        if scoring not in ("softmax", "topk_softmax"):
+            raise ValueError(f"router scoring {scoring!r} — use 'softmax' or 'topk_softmax'")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"config.json: num_experts_per_tok={top_k} — use 1..num_experts ({num_experts})")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_experts))
+        self.top_k, self.scoring, self.norm_topk_prob, self.cast_back = top_k, scoring, norm_topk_prob, cast_back
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, getattr(self, "bias", None))  # (N, E)
+        if self.scoring == "topk_softmax":
+            top, indices = torch.topk(logits, self.top_k, dim=-1)  # (N, K)
+            return logits, top.softmax(dim=-1, dtype=top.dtype), indices
+        probs = logits.float().softmax(dim=-1)  # (N, E) fp32
+        top, indices = torch.topk(probs, self.top_k, dim=-1)  # (N, K)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, (top.to(logits.dtype) if self.cast_back else top), indices
+
+    def extra_repr(self) -> str:
+        E, D = self.weight.shape
+        return f"{D} -> {E} experts, top {self.top_k}, {self.scoring}{', renormalised' if self.norm_topk_prob else ''}"
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None,
+                   bias: torch.Tensor | None = None, in_out: bool = False) -> torch.Tensor:
+    """One grouped product: rows of x (M, in) sorted by expert, `counts[e]` rows for expert e, each
+    group times its expert's matrix -> (M, out).
+
+    weight (E, out, in) (`F.linear`'s layout, Qwen / Mixtral) or, with `in_out`, (E, in, out)
+    (gpt-oss); bias (E, out) or None. On CUDA with bf16 operands whose sizes suit it,
+    `torch._grouped_mm` runs every group in one kernel (no host sync); elsewhere a loop over the
+    experts that received rows (`sizes`: counts as a list, one host sync per layer, made once by the
+    caller), each an ordinary matmul: a loop over at most E experts, never over tokens."""
+    w = weight if in_out else weight.transpose(1, 2)  # (E, in, out)
+    if sizes is None and x.is_cuda and _grouped_mm_fits(x, w):
+        y = torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))  # (M, out)
+        if bias is not None:
+            y = y + bias.to(y.dtype).repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        return y
+    if sizes is None:
+        sizes = counts.tolist()
+    outs = []
+    biases = bias.unbind(0) if bias is not None else [None] * len(sizes)
+    # `unbind`, not w[e]: its backward is one stack, where each index's would fill a zero tensor the
+    # size of every expert's weights
+    for n, xe, we, be in zip(sizes, x.split(sizes), weight.unbind(0), biases):
+        if n:
+            if in_out:
+                outs.append(xe @ we + be if be is not None else xe @ we)
+            else:
+                outs.append(F.linear(xe, we, be))
+    if not outs:
+        return x.new_zeros(0, w.shape[-1])
+    return torch.cat(outs)
+
+
+def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes these operands: this torch has it, both bf16, the inner and
+    outer sizes multiples of 8 (16-byte rows)."""
+    return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype == torch.bfloat16
+            and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0)
+
+
+class Experts(nn.Module):
+    """E gated MLPs as 3-D parameters under transformers 5's names: `gate_up_proj` and `down_proj`.
+
+    Layout "out_in" (Qwen-MoE, Mixtral): gate_up_proj (E, 2F, D), [gate | up] along the output, and
+    down_proj (E, D, F); the Hub's files hold one matrix per expert and projection, which the loader
+    fills in (`checkpoint_parts`). Layout "in_out" (gpt-oss): gate_up_proj (E, D, 2F) with gate and up
+    interleaved (even / odd columns), down_proj (E, F, D), and biases `gate_up_proj_bias` (E, 2F),
+    `down_proj_bias` (E, D). The gate: `act(gate) * up` ("silu": SwiGLU), or gpt-oss's clamped
+    SwiGLU, `(clamp(up, -l, l) + 1) * g * sigmoid(alpha g)` with g = clamp(gate, max=l), when
+    `swiglu_limit` is set.
+
+    forward(x (N, D), indices (N, K), weights (N, K)) -> (N, D): dropless; the N K (token, expert)
+    pairs sorted by expert, one grouped product per projection (`grouped_linear`), each pair's
+    output times its routing weight, summed back into its token.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, layout: str = "out_in",
+                 act: str = "silu", bias: bool = False, swiglu_limit: float | None = None,
+                 swiglu_alpha: float | None = None) -> None:
+        super().__init__()
+        E, D, F_ = num_experts, hidden_size, intermediate_size
+        if layout not in ("out_in", "in_out"):
+            raise ValueError(f"expert layout {layout!r} — use 'out_in' or 'in_out'")
+        self.in_out = layout == "in_out"
+        self.num_experts, self.intermediate_size = E, F_
+        self.gate_up_proj = nn.Parameter(torch.empty((E, D, 2 * F_) if self.in_out else (E, 2 * F_, D)))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * F_))
+        self.down_proj = nn.Parameter(torch.empty((E, F_, D) if self.in_out else (E, D, F_)))
+        if bias:
+            self.down_proj_bias = nn.Parameter(torch.empty(E, D))
+        self.act = activation(act)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+
+    def gate(self, h: torch.Tensor) -> torch.Tensor:
+        """(M, 2F) from the first product -> (M, F): the gated activation."""
+        if self.swiglu_limit is None:
+            gate, up = h.chunk(2, dim=-1)
+            return self.act(gate) * up
+        limit = self.swiglu_limit
+        gate, up = h[..., ::2], h[..., 1::2]  # interleaved (gpt-oss)
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+
+    def project(self, name: str, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
+        """The grouped product of projection `name` ("gate_up_proj" / "down_proj") over rows sorted by
+        expert; an adapter on the experts replaces this method's result with its own sum."""
+        return grouped_linear(x, getattr(self, name), counts, sizes, getattr(self, f"{name}_bias", None), self.in_out)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        N, K = indices.shape
+        flat = indices.flatten()  # (N K,) the expert of each (token, slot) pair
+        order = flat.argsort(stable=True)  # pairs sorted by expert, tokens in order inside each
+        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        token = order // K  # (N K,) the token of each sorted pair
+        grouped = x.is_cuda and _grouped_mm_fits(x, self.gate_up_proj)
+        sizes = None if grouped else counts.tolist()  # the CPU loop's group sizes: one host sync
+        h = self.project("gate_up_proj", x[token], counts, sizes)  # (N K, 2F)
+        y = self.project("down_proj", self.gate(h), counts, sizes)  # (N K, D)
+        y = y * weights.flatten()[order, None]
+        return x.new_zeros(N, x.shape[-1]).index_add_(0, token, y.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts} experts, intermediate {self.intermediate_size}, {'in_out' if self.in_out else 'out_in'}"
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a mixture-of-experts layer: a router (`router_name`: HF's `gate`, gpt-oss's
+    `router`), the experts, and optionally a shared expert every token goes through, scaled by
+    sigmoid(`shared_expert_gate`(x)) (Qwen2-MoE).
+
+    x (..., D) -> (..., D). Each forward keeps its routing in `self.routing` (the router's logits
+    (N, E) and top-k indices (N, K), N the tokens it saw) when `record_routing` is set: the
+    load-balancing loss and the expert-load metrics read it."""
+
+    def __init__(self, router: Router, experts: Experts, *, router_name: str = "gate",
+                 shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None) -> None:
+        super().__init__()
+        self.router_name = router_name
+        self.add_module(router_name, router)
+        self.experts = experts
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = shared_expert_gate
+        self.record_routing = False
+        self.routing: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def router(self) -> Router:
+        return getattr(self, self.router_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])  # (N, D)
+        logits, weights, indices = self.router(h)
+        if self.record_routing:
+            self.routing = (logits, indices)
+        y = self.experts(h, indices, weights)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return y.reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
 # Block
 # --------------------------------------------------------------------------------------------
 

@@ -170,7 +170,8 @@ class MoeConfig:
             raise ValueError(f"config.json: decoder_sparse_step={self.decoder_sparse_step} — use a positive int")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
-            raise ValueError(f"config.json: mlp_only_layers {bad} are not layers 0..{self.num_hidden_layers - 1}")
+            raise ValueError(f"config.json: mlp_only_layers {bad} are not layers of this model — use indices "
+                             f"0..{self.num_hidden_layers - 1}")
         if self.model_type != "mixtral" and self.moe_intermediate_size is None:
             raise ValueError("config.json: moe_intermediate_size is missing — each expert's intermediate size")
         if self.model_type == "qwen2_moe" and self.shared_expert_intermediate_size is None:

@@ -1,0 +1,249 @@
+"""Qwen3-MoE, Qwen2-MoE and Mixtral (`models/moe.py` over the floor's expert block) against transformers.
+
+Each variant is a tiny random checkpoint saved by transformers 5 (`conftest.save_hf_causal`: 2 layers,
+hidden 64, 4-8 experts), which writes the Hub's layout (one tensor per expert and projection;
+Mixtral's `block_sparse_moe.experts.N.w1`), and a copy in transformers 5's in-memory layout (fused 3-D
+`mlp.experts.gate_up_proj` / `down_proj`), which transformers loads too. Both load through our loader
+(`minitrain.weights.load_pretrained`, the path every recipe takes) and are compared with transformers'
+model: logits on a padded batch (<= 1e-4 relative), each layer's top-k expert choices, greedy
+generation, gradients of every parameter, the state-dict keys, `to_hf` + our saved folder loading
+back in transformers. `initializer_range=0.2` gives router logits of a few units, so the top-k
+choices are not near-ties that float rounding could flip.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from test_llama import make_batch, prompts
+
+import models
+from minitrain.errors import UserError
+from minitrain.weights import load_pretrained, save_pretrained
+
+MOE_VARIANTS: dict[str, dict] = {
+    # renormalised top-2 of 8; layer 1 dense (mlp_only_layers)
+    "qwen3_moe": dict(model_type="qwen3_moe", num_key_value_heads=2, head_dim=16, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                      initializer_range=0.2),
+    # top-3 of 6 not renormalised; layer 0 dense by decoder_sparse_step=2; q/k/v/o biases
+    "qwen3_moe_step": dict(model_type="qwen3_moe", num_key_value_heads=2, head_dim=16, num_experts=6,
+                           num_experts_per_tok=3, moe_intermediate_size=32, decoder_sparse_step=2,
+                           attention_bias=True, initializer_range=0.2),
+    # the shared expert and its sigmoid gate, q/k/v biases
+    "qwen2_moe": dict(model_type="qwen2_moe", num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48, initializer_range=0.2),
+    # top-2 of 4 with a window shorter than the batch
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=48, sliding_window=5, initializer_range=0.2),
+}
+
+
+def hub_checkpoint(hf_causal, name: str) -> Path:
+    """What transformers 5's `save_pretrained` writes: the Hub's per-expert layout."""
+    return hf_causal(f"moe_{name}", **MOE_VARIANTS[name])
+
+
+@pytest.fixture(scope="session")
+def fused_checkpoints(hf_causal, tmp_path_factory):
+    """The same weights in transformers 5's in-memory layout (fused 3-D experts), saved once."""
+    cache: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            src = hub_checkpoint(hf_causal, name)
+            dst = tmp_path_factory.mktemp(f"fused_{name}")
+            shutil.copy(src / "config.json", dst / "config.json")
+            sd = load_hf(src).state_dict()
+            save_file({k: v.contiguous() for k, v in sd.items()}, dst / "model.safetensors", metadata={"format": "pt"})
+            cache[name] = dst
+        return cache[name]
+
+    return make
+
+
+def checkpoint(hf_causal, fused_checkpoints, name: str, layout: str) -> Path:
+    return hub_checkpoint(hf_causal, name) if layout == "hub" else fused_checkpoints(name)
+
+
+def load_ours(folder: Path) -> torch.nn.Module:
+    return load_pretrained(folder, models.from_hf_config).eval()
+
+
+def load_hf(folder: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def logits_of(model, ids, mask=None):
+    with torch.no_grad():
+        out = model(ids, mask) if not hasattr(model, "generation_config") else model(input_ids=ids, attention_mask=mask)
+        return out.logits if hasattr(out, "logits") else model.output_projection(out)
+
+
+def test_hub_layout_is_what_transformers_saves(hf_causal, fused_checkpoints):
+    """transformers 5 writes one tensor per expert; the fused copy holds the 3-D names, and our
+    model's keys are those (so a fused checkpoint and peft's `target_parameters` match key for key)."""
+    hub = load_file(hub_checkpoint(hf_causal, "mixtral") / "model.safetensors")
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in hub
+    assert not any("gate_up_proj" in k for k in hub)
+    fused = load_file(fused_checkpoints("qwen3_moe") / "model.safetensors")
+    assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)  # (E, 2F, D)
+
+
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+@pytest.mark.parametrize("name", list(MOE_VARIANTS))
+def test_logits_and_router_choices_match_transformers(hf_causal, fused_checkpoints, name, layout):
+    """Padded batches (left, right, none) give transformers' logits within 1e-4 relative, and every
+    sparse layer picks the same top-k experts for every real token (T = 12, padded: every position
+    is routed, as in transformers; at T = 40 with no padding)."""
+    folder = checkpoint(hf_causal, fused_checkpoints, name, layout)
+    ours, hf = load_ours(folder), load_hf(folder)
+    for padding in ("none", "left", "right"):
+        ids, mask = make_batch(padding)
+        a, b = logits_of(ours, ids, mask), logits_of(hf, ids, mask)
+        real = mask.bool()
+        assert (a - b)[real].abs().max() <= 1e-4 * b[real].abs().max(), padding
+    for padding, T in (("none", 40), ("left", 12)):
+        ids, mask = make_batch(padding)
+        ids, mask = ids[:, :T], mask[:, :T]
+        got, want = [], []
+        hooks = [m.register_forward_hook(lambda m, i, o: got.append(o[2])) for m in ours.modules()
+                 if type(m).__name__ == "Router"]
+        hooks += [m.register_forward_hook(lambda m, i, o: want.append(o[2])) for m in hf.modules()
+                  if type(m).__name__.endswith("TopKRouter")]
+        logits_of(ours, ids, mask), logits_of(hf, ids, mask)
+        for h in hooks:
+            h.remove()
+        assert len(got) == len(want) == sum(models.config_from_hf(json.loads((folder / "config.json").read_text()))
+                                            .sparse_layers())
+        real = mask.bool().flatten()  # a padding position's hidden state (and routing) carries no meaning
+        for g, w in zip(got, want):  # (B T, K): the same set per real token (the order of equal weights may differ)
+            assert torch.equal(g[real].sort(-1).values, w[real].sort(-1).values)
+
+
+@pytest.mark.parametrize("name", list(MOE_VARIANTS))
+def test_greedy_generate_matches_transformers(hf_causal, name):
+    folder = hub_checkpoint(hf_causal, name)
+    ours, hf = load_ours(folder), load_hf(folder)
+    hf.generation_config.eos_token_id = None
+    ids, mask = prompts()
+    ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = models.family(ours).generate(ours, ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_gradients_match_transformers(hf_causal, name):
+    """Every parameter's gradient (the experts' 3-D tensors, routers, shared expert) equals
+    transformers' under the same loss: our names are transformers 5's in-memory names."""
+    folder = hub_checkpoint(hf_causal, name)
+    ours, hf = load_ours(folder).train(), load_hf(folder).train()
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    ids, mask = make_batch("right")  # (left: a real label would be predicted from a padding position)
+    labels = ids.masked_fill(mask == 0, -100)
+    hf(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    logits = ours.output_projection(ours(ids, mask))
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()
+    theirs = dict(hf.named_parameters())
+    for n, p in ours.named_parameters():
+        assert p.grad is not None, n
+        ref = theirs[n].grad
+        assert (p.grad - ref).abs().max() <= 1e-4 * ref.abs().max() + 1e-7, n
+
+
+@pytest.mark.parametrize("name", list(MOE_VARIANTS))
+def test_state_dict_keys_are_transformers_keys(hf_causal, name):
+    folder = hub_checkpoint(hf_causal, name)
+    with torch.device("meta"):
+        ours = models.from_hf_config(json.loads((folder / "config.json").read_text()))
+    hf = load_hf(folder)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in hf.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_saved_folder_and_config_load_in_transformers(hf_causal, tmp_path, name):
+    """`to_hf` round-trips, and our `save_pretrained` (fused experts) loads in transformers with our logits."""
+    folder = hub_checkpoint(hf_causal, name)
+    ours = load_ours(folder)
+    cfg = models.config_from_hf(json.loads((folder / "config.json").read_text()))
+    d = json.loads(json.dumps(cfg.to_hf()))
+    assert models.config_from_hf(d) == cfg
+    save_pretrained(ours, tmp_path / "out", d)
+    ids, mask = make_batch("left")
+    a, b = logits_of(ours, ids, mask), logits_of(load_hf(tmp_path / "out"), ids, mask)
+    assert (a - b)[mask.bool()].abs().max() <= 1e-4 * b[mask.bool()].abs().max()
+    assert (logits_of(load_ours(tmp_path / "out"), ids, mask) - a).abs().max() == 0
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    sd = load_file(src / "model.safetensors")
+    edit(sd)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_a_missing_expert_is_one_line(hf_causal, tmp_path):
+    folder = hub_checkpoint(hf_causal, "qwen3_moe")
+    bad = _rewrite(folder, tmp_path / "bad", lambda sd: sd.pop("model.layers.0.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(UserError, match=r"missing keys \[model\.layers\.0\.mlp\.experts\.5\.up_proj\.weight\]"):
+        load_ours(bad)
+
+
+def test_both_layouts_of_one_weight_are_refused(hf_causal, fused_checkpoints, tmp_path):
+    folder = hub_checkpoint(hf_causal, "qwen2_moe")
+    fused = load_file(fused_checkpoints("qwen2_moe") / "model.safetensors")
+    key = "model.layers.1.mlp.experts.down_proj"
+    bad = _rewrite(folder, tmp_path / "bad", lambda sd: sd.__setitem__(key, fused[key]))
+    with pytest.raises(UserError, match="unexpected keys .*down_proj \\(and its parts\\)"):
+        load_ours(bad)
+
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"model_type": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "shared_expert_intermediate_size": 8},
+     "shared_expert_intermediate_size"),
+    ({"model_type": "mixtral", "norm_topk_prob": True}, "norm_topk_prob"),
+    ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "qkv_bias": True}, "qkv_bias"),
+    ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 5},
+     "num_experts_per_tok"),
+    ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "mlp_only_layers": [7]}, "mlp_only_layers"),
+    ({"model_type": "mixtral", "num_experts": 4, "num_local_experts": 8}, "disagree"),
+])
+def test_moe_configs_we_cannot_honour_are_value_errors(config, named):
+    with pytest.raises(ValueError, match=named) as e:
+        models.from_hf_config({**BASE, **config})
+    assert str(e.value).startswith("config.json: ") and " — " in str(e.value)
+
+
+def test_grouped_linear_equals_a_loop_over_experts():
+    """The floor's grouped product (rows sorted by expert, empty experts skipped) against each
+    expert's own matmul, both layouts, with biases, forward and backward."""
+    from models.layers import grouped_linear
+
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(9, 6, requires_grad=True)
+    for in_out in (False, True):
+        w = torch.randn(4, *((6, 7) if in_out else (7, 6)), requires_grad=True)
+        b = torch.randn(4, 7, requires_grad=True)
+        got = grouped_linear(x, w, counts, None, b, in_out)
+        rows = torch.repeat_interleave(torch.arange(4), counts)
+        want = torch.stack([x[i] @ (w[e] if in_out else w[e].T) + b[e] for i, e in enumerate(rows.tolist())])
+        torch.testing.assert_close(got, want)
+        g = torch.randn_like(got)
+        grads = torch.autograd.grad(got, (x, w, b), g)
+        torch.testing.assert_close(grads, torch.autograd.grad(want, (x, w, b), g))
+        assert grads[1][1].abs().sum() == 0  # the expert without rows gets no gradient

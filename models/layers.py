@@ -257,6 +257,20 @@ class _RMSNorm(torch.autograd.Function):
         return u.mul_(r).addcmul_(x32, c).to(x.dtype), None, None
 
 
+class RMSNormCastLast(nn.Module):
+    """gpt-oss's RMSNorm: (weight * x / rms(x)) in fp32, cast back last (LLaMA's casts before the weight;
+    the two differ only when the activations are narrower than fp32)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
 class OffsetRMSNorm(nn.Module):
     """Gemma's norm: x / rms(x) * (1 + weight), all in fp32, cast back at the end (HF's Gemma order;
     the weights start at 0)."""
@@ -1137,13 +1151,14 @@ class SparseMoeBlock(nn.Module):
         self.routing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
-    def router(self) -> Router:
+    def top_k_router(self) -> Router:
+        """The router, whichever HF name it has."""
         return getattr(self, self.router_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])  # (N, D)
-        logits, weights, indices = self.router(h)
+        logits, weights, indices = self.top_k_router(h)
         if self.record_routing:
             self.routing = (logits, indices)
         y = self.experts(h, indices, weights)
@@ -1161,12 +1176,13 @@ class PreNormBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). The unit the engine checkpoints and
     compiles. A family subclasses it to build its own `self_attn` and `mlp` under HF's names."""
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 norm: Callable[[int, float], nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = norm(hidden_size, eps)
+        self.post_attention_layernorm = norm(hidden_size, eps)
 
     def forward(
         self,

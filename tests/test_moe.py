@@ -42,7 +42,16 @@ MOE_VARIANTS: dict[str, dict] = {
     # top-2 of 4 with a window shorter than the batch
     "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                     intermediate_size=48, sliding_window=5, initializer_range=0.2),
+    # sinks, sliding / full layers (window 5), YaRN past its 16 original positions, router and expert
+    # biases, a SwiGLU clamp (1.0) small enough to bite
+    "gpt_oss": dict(model_type="gpt_oss", num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=32, sliding_window=5, swiglu_limit=1.0,
+                    max_position_embeddings=512, initializer_range=0.2,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
 }
+# transformers saves gpt-oss's experts fused already: one layout
+LAYOUTS = [(name, layout) for name in MOE_VARIANTS for layout in ("hub", "fused") if name != "gpt_oss" or layout == "hub"]
 
 
 def hub_checkpoint(hf_causal, name: str) -> Path:
@@ -96,8 +105,7 @@ def test_hub_layout_is_what_transformers_saves(hf_causal, fused_checkpoints):
     assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)  # (E, 2F, D)
 
 
-@pytest.mark.parametrize("layout", ["hub", "fused"])
-@pytest.mark.parametrize("name", list(MOE_VARIANTS))
+@pytest.mark.parametrize("name, layout", LAYOUTS)
 def test_logits_and_router_choices_match_transformers(hf_causal, fused_checkpoints, name, layout):
     """Padded batches (left, right, none) give transformers' logits within 1e-4 relative, and every
     sparse layer picks the same top-k experts for every real token (T = 12, padded: every position
@@ -138,7 +146,7 @@ def test_greedy_generate_matches_transformers(hf_causal, name):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_gradients_match_transformers(hf_causal, name):
     """Every parameter's gradient (the experts' 3-D tensors, routers, shared expert) equals
     transformers' under the same loss: our names are transformers 5's in-memory names."""
@@ -167,7 +175,7 @@ def test_state_dict_keys_are_transformers_keys(hf_causal, name):
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in hf.state_dict().items()}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_saved_folder_and_config_load_in_transformers(hf_causal, tmp_path, name):
     """`to_hf` round-trips, and our `save_pretrained` (fused experts) loads in transformers with our logits."""
     folder = hub_checkpoint(hf_causal, name)
@@ -221,6 +229,8 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
      "num_experts_per_tok"),
     ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "mlp_only_layers": [7]}, "mlp_only_layers"),
     ({"model_type": "mixtral", "num_experts": 4, "num_local_experts": 8}, "disagree"),
+    ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method"),
+    ({"model_type": "gpt_oss", "router_jitter_noise": 0.1}, "router_jitter_noise"),
 ])
 def test_moe_configs_we_cannot_honour_are_value_errors(config, named):
     with pytest.raises(ValueError, match=named) as e:
@@ -247,3 +257,51 @@ def test_grouped_linear_equals_a_loop_over_experts():
         grads = torch.autograd.grad(got, (x, w, b), g)
         torch.testing.assert_close(grads, torch.autograd.grad(want, (x, w, b), g))
         assert grads[1][1].abs().sum() == 0  # the expert without rows gets no gradient
+
+
+# ------------------------------------------------------------------------------------ MXFP4
+
+
+@pytest.fixture(scope="session")
+def mxfp4_checkpoint(hf_causal, tmp_path_factory) -> Path:
+    """The gpt-oss variant with its experts in MXFP4 by the format's rules: per expert and output row,
+    groups of 32 inputs as 16 bytes of two E2M1 codes (low nibble first) and one uint8 power of two
+    (+ 127); `quantization_config.quant_method: mxfp4`, as the released checkpoints."""
+    src = hub_checkpoint(hf_causal, "gpt_oss")
+    dst = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    sd = load_file(src / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, n_in, n_out = sd.pop(k).shape  # ours: (E, in, out); the file: rows are outputs
+        sd[f"{k}_blocks"] = torch.randint(0, 256, (E, n_out, n_in // 32, 16), generator=g, dtype=torch.uint8)
+        sd[f"{k}_scales"] = torch.randint(121, 128, (E, n_out, n_in // 32), generator=g, dtype=torch.uint8)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_mxfp4_experts_dequantize_as_transformers(mxfp4_checkpoint):
+    """Our dequantization at load equals transformers' (`convert_moe_packed_tensors`) bit for bit, and
+    transformers' model on the same MXFP4 folder (which it dequantizes on a CPU) gives our logits."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ours = load_ours(mxfp4_checkpoint)
+    sd = load_file(mxfp4_checkpoint / "model.safetensors")
+    for i in range(2):
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            want = convert_moe_packed_tensors(sd[f"{key}_blocks"], sd[f"{key}_scales"], dtype=torch.float32)
+            assert torch.equal(ours.get_parameter(key), want), key
+    hf = load_hf(mxfp4_checkpoint)
+    ids, mask = make_batch("left")
+    a, b = logits_of(ours, ids, mask), logits_of(hf, ids, mask)
+    assert (a - b)[mask.bool()].abs().max() <= 1e-4 * b[mask.bool()].abs().max()
+
+
+def test_mxfp4_without_its_scales_is_one_line(mxfp4_checkpoint, tmp_path):
+    bad = _rewrite(mxfp4_checkpoint, tmp_path / "bad", lambda sd: sd.pop("model.layers.1.mlp.experts.down_proj_scales"))
+    with pytest.raises(UserError, match=r"missing keys \[model\.layers\.1\.mlp\.experts\.down_proj_scales\]"):
+        load_ours(bad)

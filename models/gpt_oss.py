@@ -36,14 +36,14 @@ import torch.nn as nn
 from models.layers import (
     IGNORED_FIELDS,
     Attention,
-    CausalLM,
     DecoderBody,
     Experts,
     KVCache,
+    MoeCausalLM,
     PreNormBlock,
     RMSNormCastLast,
-    Router,
     RotaryEmbedding,
+    Router,
     SparseMoeBlock,
     check_fields,
     check_heads,
@@ -238,7 +238,7 @@ class GptOssModel(DecoderBody):
         self.windows = config.layer_windows()
 
 
-class GptOssForCausalLM(CausalLM):
+class GptOssForCausalLM(MoeCausalLM):
     """The causal LM: `model` + `lm_head`; forward returns hidden states, not logits."""
 
     block_types = (GptOssDecoderLayer,)

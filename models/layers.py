@@ -1134,9 +1134,9 @@ class SparseMoeBlock(nn.Module):
     `router`), the experts, and optionally a shared expert every token goes through, scaled by
     sigmoid(`shared_expert_gate`(x)) (Qwen2-MoE).
 
-    x (..., D) -> (..., D). Each forward keeps its routing in `self.routing` (the router's logits
-    (N, E) and top-k indices (N, K), N the tokens it saw) when `record_routing` is set: the
-    load-balancing loss and the expert-load metrics read it."""
+    x (..., D) -> (..., D). A forward in training mode keeps its routing in `self.routing` (the
+    router's logits (N, E) and top-k indices (N, K), N the rows it saw) for the load-balancing loss
+    and the expert-load metrics (`MoeCausalLM.router_aux_loss`, which clears it)."""
 
     def __init__(self, router: Router, experts: Experts, *, router_name: str = "gate",
                  shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None) -> None:
@@ -1147,7 +1147,6 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None:
             self.shared_expert = shared_expert
             self.shared_expert_gate = shared_expert_gate
-        self.record_routing = False
         self.routing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -1159,7 +1158,7 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])  # (N, D)
         logits, weights, indices = self.top_k_router(h)
-        if self.record_routing:
+        if self.training:
             self.routing = (logits, indices)
         y = self.experts(h, indices, weights)
         if hasattr(self, "shared_expert"):
@@ -1436,6 +1435,67 @@ class CausalLM(nn.Module):
             self.lm_head.weight = resized(self.lm_head.weight)
         self.lm_head.out_features = n
         self.config.vocab_size = n
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                        token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The router's load-balancing loss as transformers computes it (`load_balancing_loss_func`, the
+    Switch Transformer's): E * sum_e f_e P_e, where over every layer's rows (the real tokens when
+    `token_mask` (N,) is given) f_e is the share of top-k choices that went to expert e, times K, and
+    P_e the mean router probability of e. router_logits: one (N, E) per sparse layer -> a scalar fp32
+    (K when choices and probabilities are uniform)."""
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in router_logits:
+        probs = logits.float().softmax(-1)  # (N, E)
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # (N, K)
+        w = torch.ones(probs.shape[0], device=device) if token_mask is None else token_mask.float().to(device)
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen.flatten(), w.repeat_interleave(top_k))
+        probs_sum = probs_sum + (probs * w[:, None]).sum(0)
+        rows = rows + w.sum()
+    return (counts / rows * (probs_sum / rows)).sum() * num_experts
+
+
+class MoeCausalLM(CausalLM):
+    """A causal LM whose MLPs are (some of them) `SparseMoeBlock`s: the load-balancing loss and the
+    expert-load metrics of its last training forward (`router_aux_loss`)."""
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """The sparse blocks, in layer order."""
+        return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+
+    def router_aux_loss(self, token_mask: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor | None, dict[str, float]] | None:
+        """What the last training forward's routing adds to the loss and logs, then forgets it (None:
+        no training forward since). token_mask (B, T): the real tokens (1 / True), as the forward's
+        attention_mask; rows the model ran without their padding (a CPU's unpadded path) are all real.
+
+        Returns (the term to add to the mean loss: `router_aux_loss_coef` x `load_balancing_loss` when
+        the config's `output_router_logits` turns it on, as transformers trains, else None; metrics:
+        `aux_loss` (logged either way) and `expert_load/<layer>`, the share of that layer's real
+        (token, expert) choices that went to its busiest expert (1 / E when balanced))."""
+        blocks = [(i, b) for i, b in enumerate(self.model.layers) if isinstance(b.mlp, SparseMoeBlock)
+                  and b.mlp.routing is not None]
+        if not blocks:
+            return None
+        routings = [b.mlp.routing for _, b in blocks]
+        for _, b in blocks:
+            b.mlp.routing = None
+        n = routings[0][0].shape[0]
+        mask = None
+        if token_mask is not None and token_mask.numel() == n and not bool(token_mask.all()):
+            mask = token_mask.reshape(-1).bool().to(routings[0][0].device)
+        E, K = routings[0][0].shape[1], routings[0][1].shape[1]
+        aux = load_balancing_loss([logits for logits, _ in routings], E, K, mask)
+        metrics = {"aux_loss": float(aux.detach())}
+        for (i, _), (_, chosen) in zip(blocks, routings):
+            chosen = chosen if mask is None else chosen[mask]
+            load = torch.bincount(chosen.flatten(), minlength=E)
+            metrics[f"expert_load/{i}"] = float(load.max()) / max(1, chosen.numel())
+        term = self.config.router_aux_loss_coef * aux if self.config.output_router_logits else None
+        return term, metrics
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,15 +36,15 @@ import torch.nn as nn
 from models.layers import (
     IGNORED_FIELDS,
     Attention,
-    CausalLM,
     DecoderBody,
     Experts,
     GatedMLP,
     KVCache,
+    MoeCausalLM,
     PreNormBlock,
     RMSNorm,
-    Router,
     RotaryEmbedding,
+    Router,
     SparseMoeBlock,
     check_fields,
     check_heads,
@@ -334,7 +334,7 @@ class MoeModel(DecoderBody):
         self.windows = config.layer_windows()
 
 
-class MoeForCausalLM(CausalLM):
+class MoeForCausalLM(MoeCausalLM):
     """The causal LM: `model` + `lm_head`; forward returns hidden states, not logits."""
 
     block_types = (MoeDecoderLayer,)

@@ -305,3 +305,52 @@ def test_mxfp4_without_its_scales_is_one_line(mxfp4_checkpoint, tmp_path):
     bad = _rewrite(mxfp4_checkpoint, tmp_path / "bad", lambda sd: sd.pop("model.layers.1.mlp.experts.down_proj_scales"))
     with pytest.raises(UserError, match=r"missing keys \[model\.layers\.1\.mlp\.experts\.down_proj_scales\]"):
         load_ours(bad)
+
+
+# ------------------------------------------------------------------------------ router aux loss
+
+
+@pytest.mark.parametrize("T", [24, 40])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
+def test_load_balancing_loss_matches_transformers(hf_causal, tmp_path, name, T):
+    """With `output_router_logits` on (the checkpoint's config), the SFT objective's loss per token is
+    transformers' training loss (cross-entropy + router_aux_loss_coef x its `aux_loss`), and the logged
+    `aux_loss` is transformers' `aux_loss`, on a right-padded batch: routed with its padding (T = 24)
+    and without it (T = 40, the unpadded CPU path), the padding left out of the loss either way."""
+    from minitrain.objectives.sft import sft
+
+    folder = tmp_path / "model"
+    shutil.copytree(hub_checkpoint(hf_causal, name), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
+                                                    "router_aux_loss_coef": 0.5}))
+    ours, hf = load_ours(folder).train(), load_hf(folder).train()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (2, T), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    loss_sum, count, metrics = sft(ours, {"input_ids": ids, "attention_mask": mask, "labels": labels})
+    ref = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(metrics["aux_loss"] - float(ref.aux_loss.detach())) <= 1e-5
+    assert abs(float(loss_sum / count) - float(ref.loss.detach())) <= 1e-5
+    assert float(ref.aux_loss.detach()) * 0.5 > 1e-2  # the term is not negligible next to the cross-entropy
+    E = ours.config.num_local_experts if name == "gpt_oss" else ours.config.num_experts
+    loads = {k: v for k, v in metrics.items() if k.startswith("expert_load/")}
+    assert loads and all(1 / E <= v <= 1 for v in loads.values())
+    assert ours.router_aux_loss(mask) is None  # read once: the routing is cleared
+
+
+def test_aux_loss_off_by_default_is_logged_not_added(hf_causal):
+    """transformers' default (`output_router_logits: false`): the loss is the cross-entropy alone, and
+    `aux_loss` is still logged; an eval-mode forward keeps no routing."""
+    from minitrain.objectives.sft import sft
+
+    ours = load_ours(hub_checkpoint(hf_causal, "qwen3_moe")).train()
+    ids, mask = make_batch("right")
+    labels = ids.masked_fill(mask == 0, -100)
+    loss_sum, count, metrics = sft(ours, {"input_ids": ids, "attention_mask": mask, "labels": labels})
+    ref = load_hf(hub_checkpoint(hf_causal, "qwen3_moe"))(input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(float(loss_sum / count) - float(ref.loss.detach())) <= 1e-5 and metrics["aux_loss"] > 0
+    ours.eval()
+    assert sft(ours, {"input_ids": ids, "attention_mask": mask, "labels": labels})[2] == {}

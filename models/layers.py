@@ -1095,6 +1095,12 @@ class Experts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(E, D))
         self.act = activation(act)
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        # projection name -> a module `(x, counts, sizes, grouped_linear) -> (M, out)` added to that grouped
+        # product (or None for nothing): an adapter's per-expert low-rank update (minitrain.adapters.lora_experts)
+        self.deltas = nn.ModuleDict()
+
+    # the 3-D parameters an adapter may target, each one grouped product
+    expert_projections = ("gate_up_proj", "down_proj")
 
     def gate(self, h: torch.Tensor) -> torch.Tensor:
         """(M, 2F) from the first product -> (M, F): the gated activation."""
@@ -1109,8 +1115,10 @@ class Experts(nn.Module):
 
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         """The grouped product of projection `name` ("gate_up_proj" / "down_proj") over rows sorted by
-        expert; an adapter on the experts replaces this method's result with its own sum."""
-        return grouped_linear(x, getattr(self, name), counts, sizes, getattr(self, f"{name}_bias", None), self.in_out)
+        expert, plus `deltas[name]`'s term when an adapter put one there."""
+        y = grouped_linear(x, getattr(self, name), counts, sizes, getattr(self, f"{name}_bias", None), self.in_out)
+        delta = self.deltas[name](x, counts, sizes, grouped_linear) if name in self.deltas else None
+        return y if delta is None else y + delta
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         N, K = indices.shape

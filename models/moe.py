@@ -341,6 +341,15 @@ class MoeForCausalLM(MoeCausalLM):
 
     def __init__(self, config: MoeConfig) -> None:
         super().__init__(config, MoeModel(config))
+        # HF's per-expert names (v4, the Hub's files) -> the fused expert parameter they are part of: a
+        # LoRA target list written with them adapts the experts, as peft 0.21 maps them for Qwen3-MoE and
+        # Mixtral (and then a dense linear of such a name has no form peft loads, so it stays unadapted);
+        # Qwen2-MoE's names stay its dense and shared-expert linears', as in peft
+        self.expert_aliases = {
+            "qwen3_moe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+            "mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate_proj": "gate_up_proj",
+                        "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+        }.get(config.model_type, {})
 
     def checkpoint_parts(self) -> dict[str, tuple[str, tuple]]:
         """Checkpoint keys that fill part of one of this model's parameters (the Hub's per-expert

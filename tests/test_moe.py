@@ -354,3 +354,150 @@ def test_aux_loss_off_by_default_is_logged_not_added(hf_causal):
     assert abs(float(loss_sum / count) - float(ref.loss.detach())) <= 1e-5 and metrics["aux_loss"] > 0
     ours.eval()
     assert sft(ours, {"input_ids": ids, "attention_mask": mask, "labels": labels})[2] == {}
+
+
+# ------------------------------------------------------------------------------ LoRA on the experts
+
+# what each family's adapter targets: the recipes' default names (Qwen3-MoE: they reach the experts, as in
+# peft), peft's target_parameters paths, all-linear; Qwen2-MoE: `down_proj` adapts the shared expert too
+LORA_TARGETS = {
+    "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ("q_proj", "down_proj", "experts.gate_up_proj", "experts.down_proj"),
+    "mixtral": ("q_proj", "mlp.experts.down_proj"),
+    "gpt_oss": "all-linear",
+}
+PEFT_TARGETS = {  # (target_modules, target_parameters) of a peft-made adapter
+    "qwen3_moe": (["q_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "qwen2_moe": (["v_proj", "down_proj"], ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]),
+    "mixtral": (["o_proj"], ["mlp.experts.gate_up_proj"]),
+    "gpt_oss": (["q_proj"], ["experts.gate_up_proj", "experts.down_proj"]),
+}
+TOKENS = torch.tensor([[1, 5, 9, 33, 70, 2, 17, 40, 41, 42], [1, 100, 3, 3, 8, 64, 127, 5, 6, 7]])
+
+
+def _randomise_lora(model, seed: int = 1) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("name", list(LORA_TARGETS))
+def test_expert_adapters_round_trip_through_peft(hf_causal, tmp_path, name):
+    """Ours -> peft's `target_parameters` on transformers' model, and a peft-made one -> ours: equal
+    logits with the adapter on and off; each expert has its own pair."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, disable_adapters, freeze_for_adapters
+    from minitrain.adapters.lora_experts import expert_adapters
+    from minitrain.adapters.peft_format import load_adapter, save_adapter
+
+    folder = hub_checkpoint(hf_causal, name)
+    ours = load_ours(folder)
+    cfg = LoRAConfig(r=2, alpha=4, targets=LORA_TARGETS[name])
+    apply_lora(ours, cfg)
+    freeze_for_adapters(ours, cfg)
+    adapters = expert_adapters(ours)
+    assert adapters and all(d.lora_A.weight.shape[:2] == (d.num_experts, 2) for _, d in adapters)
+    _randomise_lora(ours)
+    save_adapter(ours, tmp_path / "ours", cfg)
+    ref = peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "ours").eval()
+    base = logits_of(load_hf(folder), TOKENS)
+    assert (logits_of(ref, TOKENS) - base).abs().max() > 1e-2  # the adapter changes the output
+    torch.testing.assert_close(logits_of(ours, TOKENS), logits_of(ref, TOKENS), rtol=0, atol=1e-5)
+    with disable_adapters(ours):
+        torch.testing.assert_close(logits_of(ours, TOKENS), base, rtol=0, atol=1e-5)
+
+    modules, params = PEFT_TARGETS[name]
+    torch.manual_seed(2)
+    theirs = peft.get_peft_model(load_hf(folder), peft.LoraConfig(
+        r=2, lora_alpha=8, target_modules=modules, target_parameters=params, init_lora_weights=False)).eval()
+    theirs.save_pretrained(tmp_path / "peft")
+    back = load_ours(folder)
+    load_adapter(back, tmp_path / "peft")
+    torch.testing.assert_close(logits_of(back, TOKENS), logits_of(theirs, TOKENS), rtol=0, atol=1e-5)
+    with disable_adapters(back), theirs.disable_adapter():
+        torch.testing.assert_close(logits_of(back, TOKENS), logits_of(theirs, TOKENS), rtol=0, atol=1e-5)
+
+
+def test_expert_lora_report_and_refusals(hf_causal):
+    """The trainable report counts the experts' share and names the dense linears left unadapted (a
+    Qwen3-MoE mlp_only layer: peft reads its names as the experts'); a list that reaches no expert says
+    so; half of a fused expert projection, and expert targets on a dense model, are one-line errors."""
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters, trainable_report
+
+    ours = load_ours(hub_checkpoint(hf_causal, "qwen3_moe"))
+    cfg = LoRAConfig(r=2, targets=LORA_TARGETS["qwen3_moe"])
+    apply_lora(ours, cfg)
+    freeze_for_adapters(ours, cfg)
+    report = trainable_report(ours)
+    assert "and 2 expert weights (16 experts' pairs: " in report
+    assert "left unadapted: 3 dense linears (down_proj, gate_proj, up_proj: model.layers.1.mlp.gate_proj" in report
+
+    attention_only = load_ours(hub_checkpoint(hf_causal, "qwen2_moe"))
+    apply_lora(attention_only, LoRAConfig(r=2, targets=("q_proj", "v_proj")))
+    freeze_for_adapters(attention_only)
+    assert "experts: none adapted" in trainable_report(attention_only)
+
+    with pytest.raises(UserError, match="also name up_proj"):
+        apply_lora(load_ours(hub_checkpoint(hf_causal, "qwen3_moe")), LoRAConfig(r=2, targets=("q_proj", "gate_proj")))
+    dense = load_ours(hf_causal("moe_dense_llama"))
+    with pytest.raises(UserError, match="'experts.down_proj' matches no module"):
+        apply_lora(dense, LoRAConfig(r=2, targets=("q_proj", "experts.down_proj")))
+
+
+def test_merged_expert_adapter_equals_the_adapter(hf_causal, tmp_path):
+    """`merge` folds each expert's update into the 3-D weight; `merged_state_dict` (tools/merge.py) saves
+    the same weights, which transformers loads to our adapter's logits."""
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.merge import merge, merged_state_dict, unmerge
+
+    folder = hub_checkpoint(hf_causal, "qwen2_moe")
+    ours = load_ours(folder)
+    apply_lora(ours, LoRAConfig(r=2, targets=LORA_TARGETS["qwen2_moe"]))
+    _randomise_lora(ours)
+    want = logits_of(ours, TOKENS)
+    sd = merged_state_dict(ours)
+    assert not any("lora_" in k or "deltas" in k for k in sd)
+    merge(ours)
+    torch.testing.assert_close(logits_of(ours, TOKENS), want, rtol=1e-5, atol=1e-5)
+    unmerge(ours)
+    torch.testing.assert_close(logits_of(ours, TOKENS), want, rtol=1e-5, atol=1e-5)
+    (tmp_path / "m").mkdir()
+    shutil.copy(folder / "config.json", tmp_path / "m" / "config.json")
+    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    torch.testing.assert_close(logits_of(load_hf(tmp_path / "m"), TOKENS), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sft_cli_on_qwen3_moe_trains_the_experts(hf_causal, tmp_path, capsys):
+    """`python -m minitrain recipes/sft_llama.py` on a tiny Qwen3-MoE with the recipe's default targets:
+    the report counts the experts, the audit passes, aux_loss and the expert loads are logged, and the
+    saved adapter loads through peft onto transformers' model with our logits."""
+    peft = pytest.importorskip("peft")
+    from _tok import corpus, make_bpe_tokenizer
+
+    from minitrain.adapters.peft_format import load_adapter
+    from minitrain.cli import run_cli
+
+    model = tmp_path / "model"
+    shutil.copytree(hub_checkpoint(hf_causal, "qwen3_moe"), model)
+    make_bpe_tokenizer(model)
+    lines = corpus(20, seed=3)
+    rows = [{"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]} for i in range(6)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keys = {"model": model, "data": tmp_path / "sft.jsonl", "eval_data": "", "out": tmp_path / "out", "max_steps": 2,
+            "batch_size": 2, "grad_accum": 1, "lora_r": 4, "lora_alpha": 8, "max_len": 64, "log_every": 1}
+    repo = Path(__file__).resolve().parents[1]
+    code = run_cli([str(repo / "recipes" / "sft_llama.py")] + [f"{k}={v}" for k, v in keys.items()])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    text = out + err
+    assert "expert weights (16 experts' pairs" in text and "left unadapted: 3 dense linears" in text
+    assert "audit: healthy" in text
+    last = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and last["aux_loss"] > 0 and 0 < last["expert_load/0"] <= 1
+    adapter = tmp_path / "out" / "adapter"
+    ours = load_ours(model)
+    load_adapter(ours, adapter)
+    ref = peft.PeftModel.from_pretrained(load_hf(model), adapter).eval()
+    torch.testing.assert_close(logits_of(ours, TOKENS), logits_of(ref, TOKENS), rtol=0, atol=1e-5)

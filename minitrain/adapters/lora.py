@@ -672,7 +672,7 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
     if st is None and not layers and not lora_experts.expert_adapters(model):
         raise UserError("disable_adapters: the model has no adapters, so there is no base model to fall back to "
                         "— apply_lora / load_adapter first, or use a separate reference model")
-    merged = [n for n, m in layers if m.merged]
+    merged = [n for n, m in layers if m.merged] + [n for n, d in lora_experts.expert_adapters(model) if d.merged]
     if merged:
         raise UserError(f"disable_adapters: {merged[0]} is merged, so its base weight already holds the update "
                         f"— call unmerge(model) first")

@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
 
 from models.layers import (
     IGNORED_FIELDS,
@@ -42,7 +41,6 @@ from models.layers import (
     MoeCausalLM,
     PreNormBlock,
     RMSNormCastLast,
-    RotaryEmbedding,
     Router,
     SparseMoeBlock,
     check_fields,
@@ -230,12 +228,7 @@ class GptOssModel(DecoderBody):
 
     def __init__(self, config: GptOssConfig) -> None:
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNormCastLast(config.hidden_size, config.rms_norm_eps)
-        self.rotary = {"rope": RotaryEmbedding(config)}
-        self.rope_kinds = ["rope"] * config.num_hidden_layers
-        self.windows = config.layer_windows()
+        self.build(GptOssDecoderLayer, RMSNormCastLast)
 
 
 class GptOssForCausalLM(MoeCausalLM):

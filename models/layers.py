@@ -1262,6 +1262,20 @@ class DecoderBody(nn.Module):
         self.config = config
         self.packed_attention = "sdpa"  # how rows of several sequences attend (`_forward_block_mask`)
 
+    def build(self, block: Callable[[Any, int], nn.Module], norm: Callable[[int, float], nn.Module] = RMSNorm,
+              rope: Any = None) -> None:
+        """The usual layout (HF's names): `embed_tokens`, `layers` of `block(config, i)`, a final `norm`,
+        one RoPE for every layer (`rope`: what `RotaryEmbedding` reads, by default the config) and the
+        config's `layer_windows()`."""
+        c = self.config
+        # no padding_idx: with pad == eos (LLaMA 3 recipes) that row is a real token and must train
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(block(c, i) for i in range(c.num_hidden_layers))
+        self.norm = norm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = {"rope": RotaryEmbedding(rope if rope is not None else c)}
+        self.rope_kinds = ["rope"] * c.num_hidden_layers
+        self.windows = c.layer_windows()  # per layer: its sliding window or None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, T) -> the residual stream's first values (B, T, D)."""
         return self.embed_tokens(input_ids)

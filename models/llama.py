@@ -25,8 +25,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch.nn as nn
-
 from models.layers import (
     IGNORED_FIELDS,
     Attention,
@@ -36,7 +34,6 @@ from models.layers import (
     KVCache,
     PreNormBlock,
     RMSNorm,
-    RotaryEmbedding,
     check_fields,
     check_heads,
     check_layer_types,
@@ -223,13 +220,7 @@ class LlamaModel(DecoderBody):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
-        # no padding_idx: with pad == eos (LLaMA 3 recipes) that row is a real token and must train
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = {"rope": RotaryEmbedding(config)}
-        self.rope_kinds = ["rope"] * config.num_hidden_layers
-        self.windows = config.layer_windows()  # per layer: its sliding window or None
+        self.build(LlamaDecoderLayer)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -43,7 +43,6 @@ from models.layers import (
     MoeCausalLM,
     PreNormBlock,
     RMSNorm,
-    RotaryEmbedding,
     Router,
     SparseMoeBlock,
     check_fields,
@@ -326,12 +325,7 @@ class MoeModel(DecoderBody):
 
     def __init__(self, config: MoeConfig) -> None:
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = {"rope": RotaryEmbedding(config)}
-        self.rope_kinds = ["rope"] * config.num_hidden_layers
-        self.windows = config.layer_windows()
+        self.build(MoeDecoderLayer)
 
 
 class MoeForCausalLM(MoeCausalLM):

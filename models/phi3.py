@@ -33,7 +33,6 @@ from models.layers import (
     PreNormBlock,
     RMSNorm,
     RopeSpec,
-    RotaryEmbedding,
     apply_partial_rotary,
     check_fields,
     check_heads,
@@ -102,6 +101,10 @@ class Phi3Config:
                     f"config.json: rope_scaling {key} has {n} entries — longrope needs one per rotated frequency, "
                     f"head_dim/2 = {self.rotary_dim // 2}"
                 )
+
+    def layer_windows(self) -> list[int | None]:
+        """The sliding window of each layer: the same on every layer, as transformers applies it."""
+        return [self.sliding_window] * self.num_hidden_layers
 
     @property
     def head_dim(self) -> int:
@@ -185,13 +188,8 @@ class Phi3Model(DecoderBody):
 
     def __init__(self, config: Phi3Config) -> None:
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Phi3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        spec = RopeSpec(config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
-        self.rotary = {"rope": RotaryEmbedding(spec)}
-        self.rope_kinds = ["rope"] * config.num_hidden_layers
-        self.windows = [config.sliding_window] * config.num_hidden_layers
+        self.build(Phi3DecoderLayer, rope=RopeSpec(config.rotary_dim, config.rope_theta, config.rope_scaling,
+                                                   config.max_position_embeddings))
 
 
 class Phi3ForCausalLM(CausalLM):

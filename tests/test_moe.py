@@ -501,3 +501,14 @@ def test_sft_cli_on_qwen3_moe_trains_the_experts(hf_causal, tmp_path, capsys):
     load_adapter(ours, adapter)
     ref = peft.PeftModel.from_pretrained(load_hf(model), adapter).eval()
     torch.testing.assert_close(logits_of(ours, TOKENS), logits_of(ref, TOKENS), rtol=0, atol=1e-5)
+
+
+def test_quantize_on_an_moe_model_is_one_line(hf_causal, mxfp4_checkpoint):
+    """quantize= reaches only linear layers; on an MoE (gpt-oss's MXFP4 experts included) the experts
+    would stay unquantized, so it is refused before anything loads, not half applied."""
+    pytest.importorskip("bitsandbytes")
+    from minitrain.adapters.quant import quantize_hook
+
+    for folder in (hub_checkpoint(hf_causal, "qwen3_moe"), mxfp4_checkpoint):
+        with pytest.raises(UserError, match="quantize=nf4: this mixture-of-experts model .* — drop quantize="):
+            load_pretrained(folder, models.from_hf_config, tensor_hook=quantize_hook("nf4", torch.float32))

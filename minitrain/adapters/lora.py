@@ -561,7 +561,9 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig, *, every_target: bool = True) -> list[str]:
-    """Swap every target linear for a `LoRALinear` in place; returns the wrapped module names.
+    """Swap every target linear for a `LoRALinear` in place, and put an `ExpertLoRA` on every targeted
+    expert parameter of a mixture-of-experts model (`minitrain.adapters.lora_experts`); returns the
+    wrapped module names, then the adapted expert parameters' paths.
 
     Base parameters are not frozen here: call `freeze_for_adapters(model, cfg)` next. Applying a
     second time, or to a model that already has LoRA layers, is a `UserError` (rule 4), and so is a

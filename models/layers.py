@@ -1004,6 +1004,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         if bias:
             self.bias = nn.Parameter(torch.empty(num_experts))
+        self.in_features, self.out_features = hidden_size, num_experts  # as a Linear's (a FLOP count reads them)
         self.top_k, self.scoring, self.norm_topk_prob, self.cast_back = top_k, scoring, norm_topk_prob, cast_back
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1152,6 +1153,7 @@ class SparseMoeBlock(nn.Module):
         self.router_name = router_name
         self.add_module(router_name, router)
         self.experts = experts
+        experts.top_k = router.top_k  # the rows each token sends through the experts (a FLOP count reads it)
         if shared_expert is not None:
             self.shared_expert = shared_expert
             self.shared_expert_gate = shared_expert_gate

@@ -512,3 +512,37 @@ def test_quantize_on_an_moe_model_is_one_line(hf_causal, mxfp4_checkpoint):
     for folder in (hub_checkpoint(hf_causal, "qwen3_moe"), mxfp4_checkpoint):
         with pytest.raises(UserError, match="quantize=nf4: this mixture-of-experts model .* — drop quantize="):
             load_pretrained(folder, models.from_hf_config, tensor_hook=quantize_hook("nf4", torch.float32))
+
+
+def test_aux_loss_and_trained_router_under_checkpointing(hf_causal, tmp_path):
+    """Activation checkpointing of every block (the routing a block keeps escapes its checkpointed
+    forward) gives the same aux_loss and the same gradients, the router trained whole
+    (`modules_to_save=gate`) and LoRA on everything else."""
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.objectives.sft import sft
+    from minitrain.train import enable_checkpointing
+
+    folder = tmp_path / "model"
+    shutil.copytree(hub_checkpoint(hf_causal, "qwen3_moe"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    ids, mask = make_batch("right")
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    runs = []
+    for checkpointed in (False, True):
+        model = load_ours(folder).train()
+        torch.manual_seed(5)
+        cfg = LoRAConfig(r=2, targets="all-linear", modules_to_save=("gate",))
+        apply_lora(model, cfg)
+        freeze_for_adapters(model, cfg)
+        _randomise_lora(model)
+        if checkpointed:
+            assert enable_checkpointing(model, True) == 2
+        loss_sum, count, metrics = sft(model, batch)
+        (loss_sum / count).backward()
+        runs.append((metrics["aux_loss"], {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (aux, plain), (aux_ck, ck) = runs
+    assert aux == aux_ck and plain.keys() == ck.keys()
+    assert float(plain["model.layers.0.mlp.gate.weight"].abs().max()) > 0
+    for n in plain:
+        assert torch.equal(plain[n], ck[n]), n

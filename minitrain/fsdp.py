@@ -40,8 +40,9 @@ from torch import nn
 from minitrain import distributed
 from minitrain.adapters.lora import applied
 from minitrain.errors import UserError
-from minitrain.weights import (Headers, begin_folder, io_error_reason, is_weight_file, plan_shard_files, read_tensor,
-                               stored_dtype, swap_folder, write_index_and_config)
+from minitrain.weights import (Headers, begin_folder, checkpoint_conversions, checkpoint_parts, io_error_reason,
+                               is_weight_file, plan_shard_files, read_tensor, stored_dtype, swap_folder,
+                               write_index_and_config)
 
 _PENDING = "_minitrain_pending_weights"
 
@@ -58,6 +59,11 @@ class Pending:
 
 def defer_weights(model: nn.Module, folder: Path, headers: Headers, dtype: torch.dtype, device: torch.device) -> None:
     """Leave `model` on meta, its floating parameters in `dtype`; `prepare` reads each rank's rows."""
+    converted = set(checkpoint_parts(model)) | {k for keys, _ in checkpoint_conversions(model).values() for k in keys}
+    if any(k in converted for header, _ in headers.values() for k in header):
+        raise UserError(f"{folder}: parallel=fsdp reads whole tensors by rows, and this checkpoint stores the "
+                        "experts in another form (one tensor per expert, or MXFP4) — use parallel=ddp, or save the "
+                        "model once with minitrain (fused experts in a float dtype) and shard that")
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)  # meta to meta: no memory

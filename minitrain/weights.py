@@ -212,6 +212,10 @@ def load_pretrained(
     device = torch.device(device)
     total = sum(len(h) for h, _ in headers.values())
     loaded: set[str] = set()
+    parts = checkpoint_parts(model)
+    conversions = checkpoint_conversions(model)
+    inputs = {k: param for param, (keys, _) in conversions.items() for k in keys}  # checkpoint key -> parameter
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # parameter -> the inputs read so far
     with tqdm(total=total, desc=f"loading {folder.name}", unit="tensor", leave=False, disable=None if total > 64 else True) as bar:
         for path, (header, data_start) in headers.items():
             with open(path, "rb") as f:
@@ -221,7 +225,18 @@ def load_pretrained(
                     if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                         t = t.to(dtype)  # rebinding t frees the uncast buffer: one extra tensor at most
                     t = t.to(device)
-                    if not (tensor_hook is not None and tensor_hook(model, key, t)):
+                    if key in parts:  # one expert's matrix of a fused parameter (the Hub's layout)
+                        _assign_part(model, *parts[key], t)
+                    elif key in inputs:  # e.g. MXFP4 blocks / scales: converted once all are read
+                        param = inputs[key]
+                        got = waiting.setdefault(param, {})
+                        got[key] = t
+                        keys, convert = conversions[param]
+                        if len(got) == len(keys):
+                            del waiting[param]
+                            _assign_converted(model, folder, param, convert(*(got[k] for k in keys)), dtype)
+                            del got
+                    elif not (tensor_hook is not None and tensor_hook(model, key, t)):
                         _assign(model, key, t)
                     loaded.add(key)
                     del t
@@ -284,11 +299,47 @@ def _build_on_meta(build: Callable[[dict[str, Any]], nn.Module], config: dict, c
     return model
 
 
+def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, tuple]]:
+    """The model's `checkpoint_parts()` (docs/contracts.md), or {}: checkpoint keys that each fill a part
+    of one parameter (an MoE's per-expert matrices of its fused expert weights) -> (parameter key, index)."""
+    return model.checkpoint_parts() if hasattr(model, "checkpoint_parts") else {}
+
+
+def checkpoint_conversions(model: nn.Module) -> dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]]:
+    """The model's `checkpoint_conversions()` (docs/contracts.md), or {}: parameters a checkpoint stores
+    in another form (gpt-oss's MXFP4 experts) -> (the checkpoint keys, the function of them that gives it)."""
+    return model.checkpoint_conversions() if hasattr(model, "checkpoint_conversions") else {}
+
+
+def _assign_converted(model: nn.Module, folder: Path, key: str, t: torch.Tensor, dtype: torch.dtype | None) -> None:
+    """Place a parameter a conversion computed, cast to the load's dtype; a wrong shape is a UserError."""
+    want = model.get_parameter(key).shape
+    if t.shape != want:
+        raise UserError(f"{folder}: {key} converts to shape {tuple(t.shape)}, the model needs {tuple(want)} — "
+                        "check that config.json belongs to these weights")
+    _assign(model, key, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+
+
+def _assign_part(model: nn.Module, key: str, index: tuple, t: torch.Tensor) -> None:
+    """Copy `t` into `index` of the parameter `key`, which the first of its parts allocates (frozen,
+    in `t`'s dtype and device; its other parts were checked to be in the checkpoint)."""
+    owner, _, leaf = key.rpartition(".")
+    module = model.get_submodule(owner)
+    p = module._parameters[leaf]
+    if p.is_meta:
+        p = nn.Parameter(torch.empty(p.shape, dtype=t.dtype, device=t.device), requires_grad=False)
+        setattr(module, leaf, p)
+    with torch.no_grad():
+        p[index].copy_(t)
+
+
 def _check_against_model(model: nn.Module, folder: Path, headers: dict[Path, tuple[dict, int]]) -> None:
     """Compare checkpoint keys and shapes (from headers) to the meta model; one UserError listing all problems.
 
     Weights the model ties (e.g. `lm_head.weight` to the input embedding) count as present when
     any of their names is in the checkpoint, so a tied checkpoint without `lm_head.weight` is fine.
+    A parameter the model fills from parts (`checkpoint_parts`) is present when every part is, and
+    a part that is there names the others that are not (a checkpoint with an expert missing).
     """
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # on meta: only makes the tied names one Parameter, so we can see the groups
@@ -301,19 +352,37 @@ def _check_against_model(model: nn.Module, folder: Path, headers: dict[Path, tup
                 duplicated.append(f"{key} (in {ckpt[key][1].name} and {path.name})")
             ckpt[key] = (info["shape"], path, info["dtype"])
 
-    unexpected = [k for k in ckpt if k not in expected] + duplicated
+    parts = checkpoint_parts(model)
+    of_param: dict[str, list[str]] = {}  # parameter -> its part keys
+    for part, (param, _) in parts.items():
+        of_param.setdefault(param, []).append(part)
+    conversions = checkpoint_conversions(model)
+    inputs = {k for keys, _ in conversions.values() for k in keys}
+    unexpected = [k for k in ckpt if k not in expected and k not in parts and k not in inputs] + duplicated
+    unexpected += [f"{k} (and its parts)" for k in of_param if k in ckpt and any(p in ckpt for p in of_param[k])]
     mismatched = [
         f"{k}: checkpoint {tuple(ckpt[k][0])} vs model {tuple(t.shape)}"
         for k, t in expected.items()
         if k in ckpt and list(t.shape) != list(ckpt[k][0])
     ]
+    mismatched += [f"{k}: checkpoint {tuple(ckpt[k][0])} vs model {tuple(expected[param][index].shape)}"
+                   for k, (param, index) in parts.items()
+                   if k in ckpt and list(expected[param][index].shape) != list(ckpt[k][0])]
     # a float weight stored as integers (an int64 cast, a quantized export) would fail mid-matmul
     mistyped = [f"{k}: checkpoint {ckpt[k][2]}, the model needs a float" for k, t in expected.items()
                 if k in ckpt and t.dtype.is_floating_point and not _DTYPES[ckpt[k][2]].is_floating_point]
     names_of: dict[int, list[str]] = {}
     for k, t in expected.items():
         names_of.setdefault(id(t), []).append(k)
-    missing = [k for names in names_of.values() if not any(n in ckpt for n in names) for k in names]
+    missing = [k for names in names_of.values()
+               if not any(n in ckpt or n in of_param or n in conversions for n in names) for k in names]
+    for param, (keys, _) in conversions.items():  # whole, or every input of its conversion
+        if param not in ckpt:
+            missing += [k for k in keys if k not in ckpt]
+    for param, keys in of_param.items():  # whole, or every part
+        if param not in ckpt:
+            there = [k for k in keys if k in ckpt]
+            missing += [k for k in keys if k not in ckpt] if there else [param]
     _raise_if_problems(folder, missing, unexpected, mismatched, mistyped)
 
 

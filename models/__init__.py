@@ -1,9 +1,10 @@
 """Hand-written model families that load HF safetensors key-for-key.
 
-Each family file (llama.py: LLaMA / Mistral / Qwen2 / Qwen3; gemma.py: Gemma 2 / Gemma 3 text;
-phi3.py: Phi-3; t5.py) imports only torch (gemma.py and phi3.py also reuse llama.py's rotary,
-cache and generation code) and each exposes `config_from_hf(d)`.
-`from_hf_config` picks the family from a `config.json` dict.
+layers.py is the floor the decoder families share (norms, RoPE, attention with windows / soft caps /
+sinks, gated MLPs, the expert block, masks, the KV cache, the body's forward, generation). Each family
+file (llama.py: LLaMA / Mistral / Qwen2 / Qwen3; gemma.py: Gemma 2 / Gemma 3 text; phi3.py: Phi-3;
+moe.py: Qwen3-MoE / Qwen2-MoE / Mixtral; gpt_oss.py: gpt-oss; t5.py) imports only torch and that floor, holds what is
+particular to it, and exposes `config_from_hf(d)`. `from_hf_config` picks the family from a `config.json` dict.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "gemma2": ("gemma", "GemmaForCausalLM"),
     "gemma3_text": ("gemma", "GemmaForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen3_moe": ("moe", "MoeForCausalLM"),
+    "qwen2_moe": ("moe", "MoeForCausalLM"),
+    "mixtral": ("moe", "MoeForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
     "t5": ("t5", "T5ForConditionalGeneration"),
 }
 SUPPORTED = tuple(FAMILIES)

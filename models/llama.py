@@ -1,11 +1,11 @@
-"""LLaMA 2 / 3 / 3.1 / 3.2, Mistral v0.1-v0.3, Qwen2 / Qwen2.5 and Qwen3 in one file, importing only torch.
+"""LLaMA 2 / 3 / 3.1 / 3.2, Mistral v0.1-v0.3, Qwen2 / Qwen2.5 and Qwen3 in one file, over the shared
+floor (`models/layers.py`, which needs nothing but torch).
 
-Read top to bottom: config, RMSNorm, rotary embeddings (every rope_scaling type these
-checkpoints use), KV cache and masks (a padded batch without its padding: `Ragged`; rows of several
-sequences by document ids, dense or through FlexAttention: `Documents`), attention (GQA, sliding
-window), MLP (SwiGLU), decoder block, model, generation. Module names are Hugging Face's
-(`model.layers.0.self_attn.q_proj`, ...) so HF safetensors load key-for-key, and the maths is HF's
-(rotate-half RoPE, RMSNorm in fp32), so the same weights give the same logits.
+Read top to bottom: config, attention, block, model. Norms, rotary embeddings (every rope_scaling type
+these checkpoints use), the KV cache, masks, the body's forward (padding, the unpadded CPU path, rows
+of several sequences), the causal-LM wrapper and `generate` are the floor's. Module names are Hugging
+Face's (`model.layers.0.self_attn.q_proj`, ...) so HF safetensors load key-for-key, and the maths is
+HF's (rotate-half RoPE, RMSNorm in fp32), so the same weights give the same logits.
 
 The model returns hidden states after the final norm, never logits: callers apply
 `model.output_projection` to the slices they need (see docs/contracts.md).
@@ -22,72 +22,33 @@ Hkv key/value heads, hd head_dim, V vocab_size.
 
 from __future__ import annotations
 
-import inspect
-import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from models.layers import (
+    IGNORED_FIELDS,
+    Attention,
+    CausalLM,
+    DecoderBody,
+    GatedMLP,
+    KVCache,
+    PreNormBlock,
+    RMSNorm,
+    check_fields,
+    check_heads,
+    check_layer_types,
+    drop_ignored,
+    generate,
+    normalize_rope_scaling,
+    read_rope,
+    require_zero,
+)
+
+__all__ = ["LlamaConfig", "LlamaForCausalLM", "KVCache", "generate", "config_from_hf", "IGNORED_FIELDS"]
 
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
-
-# config.json fields that do not change the forward maths (bookkeeping, generation defaults,
-# init settings that only matter when training from scratch).
-IGNORED_FIELDS: tuple[str, ...] = (
-    "_name_or_path",
-    "architectures",
-    "transformers_version",
-    "torch_dtype",
-    "dtype",
-    "use_cache",
-    "initializer_range",
-    "tokenizer_class",
-    "max_sequence_length",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-    "id2label",
-    "label2id",
-    "max_length",
-    "min_length",
-    "do_sample",
-    "temperature",
-    "top_p",
-    "top_k",
-    "num_beams",
-    "repetition_penalty",
-)
-
-# Keys each supported rope type may carry (besides rope_type/type/rope_theta), with HF's meaning.
-ROPE_KEYS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": (
-        "factor",
-        "original_max_position_embeddings",
-        "attention_factor",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
-    ),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "longrope": ("short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings"),
-}
-ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-    "longrope": ("short_factor", "long_factor"),
-}
-
 # HF's class defaults for fields a config.json may leave out (they differ between the families).
 _QWEN_DEFAULTS = {"max_position_embeddings": 32768, "num_key_value_heads": None, "sliding_window": 4096,
                   "use_sliding_window": False, "max_window_layers": 28, "bos_token_id": None, "eos_token_id": None}
@@ -109,46 +70,6 @@ _FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
     "attention_bias": ("llama", "qwen3"),
     "mlp_bias": ("llama",),
 }
-
-
-def _normalize_rope_scaling(
-    rope_scaling: dict[str, Any] | None, max_position_embeddings: int
-) -> dict[str, Any] | None:
-    """`rope_scaling` with `rope_type` spelled out and HF's defaults filled; None for plain RoPE.
-
-    Accepts the old `{"type": ...}` spelling. Unknown types or keys are ValueErrors: a RoPE we
-    only half understand gives a model that loads fine and is quietly wrong at every position.
-    """
-    if not rope_scaling:
-        return None
-    r = dict(rope_scaling)
-    rope_type = r.pop("rope_type", None) or r.pop("type", None) or "default"
-    r.pop("type", None)
-    r.pop("rope_theta", None)  # carried by LlamaConfig.rope_theta
-    partial = r.pop("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise ValueError(
-            f"config.json: rope partial_rotary_factor={partial} is not supported — "
-            "LLaMA/Mistral rotate the whole head (partial_rotary_factor 1.0)"
-        )
-    if rope_type not in ROPE_KEYS:
-        raise ValueError(
-            f"config.json: rope_type {rope_type!r} is not supported — supported: {', '.join(ROPE_KEYS)}"
-        )
-    unknown = sorted(set(r) - set(ROPE_KEYS[rope_type]))
-    if unknown:
-        raise ValueError(
-            f"config.json: rope_scaling key(s) {unknown} are not understood for rope_type {rope_type!r} — "
-            f"supported keys: {list(ROPE_KEYS[rope_type]) or 'none'}"
-        )
-    missing = [k for k in ROPE_REQUIRED.get(rope_type, ()) if k not in r]
-    if missing:
-        raise ValueError(f"config.json: rope_scaling of type {rope_type!r} is missing {missing} — add them")
-    if rope_type == "default":
-        return None
-    if rope_type in ("yarn", "llama3", "longrope"):
-        r.setdefault("original_max_position_embeddings", max_position_embeddings)
-    return {"rope_type": rope_type, **r}
 
 
 @dataclass
@@ -196,11 +117,7 @@ class LlamaConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads} — fix the config"
-            )
+        check_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.head_dim % 2:
             raise ValueError(f"config.json: head_dim={self.head_dim} is odd — rotary embeddings need an even head_dim")
         if self.hidden_act != "silu":
@@ -224,13 +141,8 @@ class LlamaConfig:
                 for i in range(self.num_hidden_layers)
             ]
         if self.layer_types is not None:
-            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
-            if bad or len(self.layer_types) != self.num_hidden_layers:
-                raise ValueError(
-                    f"config.json: layer_types must list 'sliding_attention' / 'full_attention' once per layer "
-                    f"({self.num_hidden_layers}) — got {len(self.layer_types)} entries{f', unknown {bad}' if bad else ''}"
-                )
-        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+            check_layer_types(self.layer_types, self.num_hidden_layers)
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
     def layer_windows(self) -> list[int | None]:
         """The sliding window of each layer (None: full causal attention)."""
@@ -250,53 +162,19 @@ class LlamaConfig:
         model_type = d.pop("model_type", None)
         if model_type not in _DEFAULTS:
             raise ValueError(f"config.json: model_type {model_type!r} is not one of this file's families — use one of {FAMILIES}")
-        for name in IGNORED_FIELDS:
-            d.pop(name, None)
-
+        drop_ignored(d, IGNORED_FIELDS)
         tp = d.pop("pretraining_tp", 1)
         if tp not in (None, 1):
             raise ValueError(
                 f"config.json: pretraining_tp={tp} is not supported — set it to 1 (it only reorders the maths "
                 "of a tensor-parallel run and changes results)"
             )
-        dropout = d.pop("attention_dropout", 0.0)
-        if dropout not in (None, 0, 0.0):
-            raise ValueError(f"config.json: attention_dropout={dropout} is not supported — set it to 0.0")
-
-        # RoPE: `rope_scaling` (old) and `rope_parameters` (v5) are two spellings of the same dict;
-        # v5 also moves rope_theta inside it.
-        scaling = d.pop("rope_scaling", None)
-        params = d.pop("rope_parameters", None)
-        theta = d.pop("rope_theta", None)
-        if params:
-            if scaling and _normalize_rope_scaling(scaling, 0) != _normalize_rope_scaling(params, 0):
-                raise ValueError("config.json: rope_scaling and rope_parameters disagree — keep only one of them")
-            inner_theta = params.get("rope_theta")
-            if theta is not None and inner_theta is not None and float(theta) != float(inner_theta):
-                raise ValueError(
-                    f"config.json: rope_theta={theta} and rope_parameters.rope_theta={inner_theta} disagree — keep one"
-                )
-            theta = inner_theta if inner_theta is not None else theta
-            scaling = scaling or params
-
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ValueError(f"config.json: missing {missing} — this does not look like a {model_type} config")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"config.json: field(s) {unknown} are not understood by minitrain's {model_type} model and may "
-                "change its maths — remove them if harmless, or this checkpoint needs a different model"
-            )
+        require_zero(d, "attention_dropout")
+        theta, scaling = read_rope(d)
+        check_fields(d, cls, model_type)
         kw = {**_DEFAULTS[model_type], **d}  # an explicit null num_key_value_heads means "= heads"
-        return cls(
-            **kw,
-            rope_theta=float(theta) if theta is not None else 10000.0,
-            rope_scaling=scaling,
-            model_type=model_type,
-        )
+        return cls(**kw, rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling,
+                   model_type=model_type)
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict transformers loads (old `rope_theta`/`rope_scaling` spelling,
@@ -311,969 +189,49 @@ class LlamaConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# RMSNorm
+# Attention, block, model
 # --------------------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, with the statistics in fp32 and the result cast back like HF."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # a frozen weight in eager mode: `_RMSNorm`, the same forward with a backward of its own
-        # (torch.compile fuses the written-out form anyway)
-        if self.weight.requires_grad or not x.requires_grad or torch.compiler.is_compiling():
-            return _rms_norm(x, self.weight, self.eps)[0]
-        return _RMSNorm.apply(x, self.weight, self.eps)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's RMSNorm, op for op -> (the output, the fp32 `1 / rms(x)` (..., 1))."""
-    x32 = x.float()
-    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    # HF multiplies after the cast back, so an fp32 weight on a bf16 input gives fp32 (as HF)
-    return weight * (x32 * r).to(x.dtype), r
-
-
-class _RMSNorm(torch.autograd.Function):
-    """RMSNorm under a frozen weight, saving x and 1 / rms(x) only. With u = g * w and r = 1 / rms(x)
-    the gradient is `r u - x r^3 mean(u x)`: four passes over x where autograd's graph of the
-    written-out form makes nine (the pow, mean and product nodes' own products, copies and sums)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, r = _rms_norm(x, weight, eps)
-        ctx.save_for_backward(x, weight, r)
-        return y
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        x, weight, r = ctx.saved_tensors
-        u = (g * weight).to(x.dtype).float()  # rounded to x's dtype first, as autograd's cast back does
-        x32 = x.float()
-        c = torch.linalg.vecdot(u, x32).unsqueeze(-1).mul_(r.pow(3)).div_(-x.shape[-1])  # -r^3 mean(u x)
-        return u.mul_(r).addcmul_(x32, c).to(x.dtype), None, None
-
-
-# --------------------------------------------------------------------------------------------
-# Rotary embeddings
-# --------------------------------------------------------------------------------------------
-
-
-def rope_inv_freq(config: LlamaConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (hd/2,) fp32 on CPU and the cos/sin scale, per HF's rope formulas.
-
-    `seq_len` (max position + 1 in the batch) only matters for `dynamic`, whose base grows once
-    the sequence is longer than `max_position_embeddings`.
-    """
-    dim = config.head_dim
-    base = config.rope_theta
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # (hd/2,)
-    r = config.rope_scaling or {"rope_type": "default"}
-    kind = r["rope_type"]
-
-    if kind == "default":
-        return 1.0 / (base**exponents), 1.0
-
-    if kind == "linear":  # positions / factor == frequencies / factor
-        return 1.0 / (base**exponents) / r["factor"], 1.0
-
-    if kind == "dynamic":  # NTK-aware: raise the base once past the trained length
-        factor, max_pos = r["factor"], config.max_position_embeddings
-        seq_len = max(seq_len or max_pos, max_pos)
-        base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / (base**exponents), 1.0
-
-    if kind == "llama3":  # keep high frequencies, divide low ones by factor, blend in between
-        inv_freq = 1.0 / (base**exponents)
-        factor, low, high = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
-        old_len = r["original_max_position_embeddings"]
-        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled), 1.0
-
-    if kind == "yarn":  # interpolate low frequencies, extrapolate high ones, ramp in between
-        old_len = r["original_max_position_embeddings"]
-        factor = r["factor"] if r["factor"] is not None else config.max_position_embeddings / old_len
-
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        attention_factor = r.get("attention_factor")
-        if attention_factor is None:
-            if r.get("mscale") and r.get("mscale_all_dim"):
-                attention_factor = mscale(factor, r["mscale"]) / mscale(factor, r["mscale_all_dim"])
-            else:
-                attention_factor = mscale(factor)
-        beta_fast = r.get("beta_fast") or 32
-        beta_slow = r.get("beta_slow") or 1
-
-        def correction_dim(n_rotations: float) -> float:  # the dim that turns n times in old_len
-            return (dim * math.log(old_len / (n_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if r.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001  # avoid a division by zero in the ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-        extrapolation = 1.0 - ramp  # 1: keep the original frequency, 0: interpolate
-        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-        return inv_freq, float(attention_factor)
-
-    if kind == "longrope":  # Phi-3: per-frequency divisors, the long set once past the trained length
-        old_len = r["original_max_position_embeddings"]
-        factor = r.get("factor") or config.max_position_embeddings / old_len
-        attention_factor = r.get("attention_factor")
-        if attention_factor is None:
-            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
-        ext = r["long_factor"] if seq_len and seq_len > old_len else r["short_factor"]
-        if len(ext) != dim // 2:
-            raise ValueError(f"config.json: rope_scaling factors have {len(ext)} entries — RoPE needs head_dim/2 = {dim // 2}")
-        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**exponents), float(attention_factor)
-
-    raise ValueError(f"config.json: rope_type {kind!r} is not supported")  # from_hf already refused it
-
-
-class RotaryEmbedding:
-    """cos/sin tables for given position ids. A plain object, not an nn.Module: nothing is
-    registered, so the model builds on the meta device and the loader never sees a buffer.
-    Inverse frequencies are cached per device in a dict (dynamic RoPE past the trained length is
-    recomputed per call, as its base depends on the length)."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        self.config = config
-        self._cache: dict[tuple, tuple[torch.Tensor, float]] = {}  # (device[, long]) -> table
-
-    def inv_freq(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-        device = position_ids.device
-        r = self.config.rope_scaling
-        key: tuple = (device,)
-        if r is not None and r["rope_type"] in ("dynamic", "longrope"):
-            seq_len = int(position_ids.max()) + 1  # HF: the longest position in the batch
-            if r["rope_type"] == "dynamic" and seq_len > self.config.max_position_embeddings:
-                inv_freq, scale = rope_inv_freq(self.config, seq_len)
-                return inv_freq.to(device), scale
-            if r["rope_type"] == "longrope":  # two tables: short and long factors
-                key = (device, seq_len > r["original_max_position_embeddings"])
-                seq_len = seq_len if key[1] else None
-        if key not in self._cache:
-            inv_freq, scale = rope_inv_freq(self.config, seq_len if len(key) > 1 else None)
-            self._cache[key] = (inv_freq.to(device), scale)
-        return self._cache[key]
-
-    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (B, T) -> cos, sin (B, T, hd) in `dtype` (the residual stream's, as HF)."""
-        inv_freq, scale = self.inv_freq(position_ids)
-        freqs = position_ids[..., None].float() * inv_freq  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd): rotate-half layout
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the last dim: HF's RoPE layout (not interleaved pairs)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, to: torch.dtype | None = None) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in three passes over x, the same bits as that written-out
-    form (a + (-b) is a - b in IEEE arithmetic). With `to` (the input's dtype), the rotation back
-    instead, which is the gradient: g * cos + (u2, -u1) for u = g * sin, each product cast to `to`
-    before the sum, as autograd does for a bf16 input under fp32 tables."""
-    # halves by `chunk`, a method of C++ (`split` goes through a Python wrapper: a decoding step is
-    # short enough for that to show)
-    (x1, x2), (s1, s2) = x.chunk(2, dim=-1), sin.chunk(2, dim=-1)
-    if to is None:
-        y = x * cos
-        y1, y2 = y.chunk(2, dim=-1)
-        y1.sub_(x2 * s1)
-        y2.add_(x1 * s2)
-        return y
-    y = (x * cos).to(to)
-    y1, y2 = y.chunk(2, dim=-1)
-    y1.add_((x2 * s2).to(to))
-    y2.sub_((x1 * s1).to(to))
-    return y
-
-
-class _Rotary(torch.autograd.Function):
-    """RoPE with a backward of its own, `_rotate` both ways, saving only cos / sin. Autograd's
-    graph of the written-out form makes the rotated halves, their concatenation and a sum of two
-    full-size products in each direction; this makes the products and sums in place."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        ctx.dtype = x.dtype
-        return _rotate(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return _rotate(g, cos, sin, to=ctx.dtype), None, None
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, hd), cos/sin (B, T, hd) -> rotated x, `x * cos + rotate_half(x) * sin`
-    (as HF, to the bit). Also x (N, heads, hd) with cos/sin (N, hd): an unpadded batch."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
-    # Written out under torch.compile, which fuses it anyway: with `_Rotary` in the per-block graph,
-    # torch 2.11 (CUDA) held 1.30 GB more at the peak of LoRA SFT on a Llama-3-8B shape (H100,
-    # BENCHMARKS.md). And for tables that require grad, which ours never do.
-    if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:
-        return x * cos + rotate_half(x) * sin
-    if not torch.is_grad_enabled():  # (generation: no graph, so no autograd.Function call to pay for)
-        return _rotate(x, cos, sin)
-    return _Rotary.apply(x, cos, sin)
-
-
-# --------------------------------------------------------------------------------------------
-# KV cache and attention masks
-# --------------------------------------------------------------------------------------------
-
-
-class KVCache:
-    """Keys and values of every layer for incremental decoding, preallocated to `max_len` slots.
-
-    Layout: `keys[i]`, `values[i]`: (B, Hkv, max_len, hd) for layer i, after RoPE; slots
-    `[0, length)` are filled. `mask`: (B, max_len) bool, True where the slot holds a real token
-    (False for padding). Tensors are allocated on the first write, with the dtype and device of
-    the keys that layer produces. One forward call appends T slots to every layer, then
-    `length += T`.
-    """
-
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
-        self.length = 0
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self.mask: torch.Tensor | None = None
-
-    def begin(self, valid: torch.Tensor) -> torch.Tensor:
-        """Record the new tokens' mask (B, T); return the mask of all keys so far (B, length+T)."""
-        B, T = valid.shape
-        if self.length + T > self.max_len:
-            raise ValueError(f"KVCache: {self.length} + {T} tokens exceed max_len={self.max_len} — make it larger")
-        if self.mask is None:
-            self.mask = torch.zeros(B, self.max_len, dtype=torch.bool, device=valid.device)
-        self.mask[:, self.length : self.length + T] = valid
-        return self.mask[:, : self.length + T]
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, Hkv, T, hd) at the current slots; return all keys/values (B, Hkv, S, hd)."""
-        B, Hkv, T, hd = k.shape
-        if layer not in self.keys:
-            self.keys[layer] = k.new_zeros(B, Hkv, self.max_len, hd)
-            self.values[layer] = v.new_zeros(B, Hkv, self.max_len, hd)
-        end = self.length + T
-        self.keys[layer][:, :, self.length : end] = k
-        self.values[layer][:, :, self.length : end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-    def end(self, n_new: int) -> None:
-        self.length += n_new
-
-    def keep_rows(self, index: torch.Tensor) -> None:
-        """Keep only the rows `index` (1-D, in that order): decoding goes on without finished rows."""
-        for store in (self.keys, self.values):
-            for layer, t in store.items():
-                store[layer] = t.index_select(0, index)
-        if self.mask is not None:
-            self.mask = self.mask.index_select(0, index)
-
-    def repeat_rows(self, n: int) -> None:
-        """Each row's slots repeated n times in its place (row i -> rows i*n .. i*n+n-1): a prompt
-        prefilled once, then continued n ways (GRPO's G completions of one prompt)."""
-        for store in (self.keys, self.values):
-            for layer, t in store.items():
-                store[layer] = t.repeat_interleave(n, dim=0)
-        if self.mask is not None:
-            self.mask = self.mask.repeat_interleave(n, dim=0)
-
-
-def attention_mask_4d(key_valid: torch.Tensor, q_start: int, sliding_window: int | None) -> torch.Tensor:
-    """Boolean SDPA mask (B, 1, T, S), True = may attend: causal, not padding, inside the window.
-
-    key_valid (B, S): which key slots hold real tokens; the T queries sit at slots
-    [q_start, S). Each query also sees itself, so a padding query's row is never empty
-    (an all-False row makes SDPA return NaN, which would poison sums over the batch);
-    padding outputs are garbage either way and never reach real tokens.
-    """
-    S = key_valid.shape[1]
-    device = key_valid.device
-    if q_start == S - 1 and sliding_window is None:  # one new token (decoding): every real key, and itself
-        allowed = key_valid.clone()
-        allowed[:, -1] = True
-        return allowed[:, None, None]  # (B, 1, 1, S)
-    q_idx = torch.arange(q_start, S, device=device)[:, None]  # (T, 1)
-    kv_idx = torch.arange(S, device=device)[None, :]  # (1, S)
-    allowed = kv_idx <= q_idx  # (T, S) causal
-    if sliding_window is not None:
-        allowed = allowed & (kv_idx > q_idx - sliding_window)
-    allowed = allowed[None] & key_valid[:, None, :]  # (B, T, S)
-    allowed = allowed | (kv_idx == q_idx)[None]
-    return allowed[:, None]  # (B, 1, T, S)
-
-
-@dataclass(frozen=True)
-class Ragged:
-    """An unpadded batch's layout, given to the layers in place of a mask: the batch's sequences
-    laid end to end as the rows of one (N, ...) tensor, sequence i at rows [sum(lengths[:i]),
-    sum(lengths[:i + 1])). Each attends causally to itself only, inside `window` when set.
-
-    The LLaMA, Gemma and Phi-3 models use it on a CPU for a padded batch (`unpadded_lengths`,
-    `forward_unpadded`): the linears, norms, RoPE and MLP then see the N real tokens instead of
-    B x T positions (a quarter of the bench's SFT positions are padding), and attention runs per
-    sequence with SDPA's causal kernel, which skips the blocks above the diagonal that an explicit
-    mask makes it compute. Real tokens get the padded batch's values (to float rounding); padding
-    positions come out as zeros. Not on CUDA: there a Python loop over sequences would defeat the
-    per-block compile (a graph per set of lengths), and padding is what length grouping removes.
-    """
-
-    lengths: tuple[int, ...]
-    window: int | None = None
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        """q (N, H, hd), k / v (N, Hkv, hd) -> (N, H, hd): attention over each sequence alone.
-        `attention(q, k, v, mask)` on (1, H, n, hd) tensors, mask None (causal) or bool (1, 1, n, n)
-        (a window shorter than the sequence); default SDPA."""
-        attention = attention or sdpa
-        n_rep, out = q.shape[1] // k.shape[1], []
-        # `split`, not slices: its backward is one concatenation, where each slice's would fill a
-        # zero tensor the size of the whole batch and add into it
-        for n, qs, ks, vs in zip(self.lengths, *(t.split(self.lengths) for t in (q, k, v))):
-            qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # (1, heads, n, hd)
-            ks, vs = repeat_kv(ks, n_rep), repeat_kv(vs, n_rep)
-            mask = None  # causal, unless a window is shorter than the sequence
-            if self.window is not None and n > self.window:
-                mask = attention_mask_4d(torch.ones(1, n, dtype=torch.bool, device=q.device), 0, self.window)
-            out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
-        return torch.cat(out)
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-         scale: float | None = None) -> torch.Tensor:
-    """SDPA with a bool mask (True = may attend), or causal when the mask is None."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
-
-
-def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, lengths: tuple[int, ...],
-                     layers: Iterable[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], int | None]],
-                     norm: nn.Module) -> torch.Tensor:
-    """A padded batch's layer loop without its padding (see `Ragged`): x (B, T, D) the embedded
-    batch, `layers` (layer, (cos, sin) (B, T, hd), window) in order -> hidden (B, T, D) after
-    `norm`, zeros at the padding. Each layer gets x (N, D), its tables (N, hd) and a `Ragged`."""
-    B, T, D = x.shape
-    real = valid.flatten().nonzero().squeeze(1)  # (N,) row-major: each row's tokens in order
-    h = x.flatten(0, 1)[real]  # (N, D)
-    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each distinct table gathered once
-    for layer, (cos, sin), window in layers:
-        if id(cos) not in tables:
-            tables[id(cos)] = cos.flatten(0, 1)[real], sin.flatten(0, 1)[real]
-        h = layer(h, *tables[id(cos)], Ragged(lengths, window))
-    out = h.new_zeros(B, T, D)  # written through a (B * T, D) view, so the result is no view (FSDP2 warns of one)
-    out.view(B * T, D).index_copy_(0, real, norm(h))
-    return out
-
-
-# Below this many positions per row, `Ragged`'s loop over sequences costs more than the padding it
-# skips (a GRPO batch of 32 rows x 26 positions, 29% padding: 44 ms CPU for forward + backward
-# unpadded, 36 ms padded; 16 x 64: level; 4 x 384: 62 against 99).
-RAGGED_MIN_LENGTH = 32
-
-
-def unpadded_lengths(valid: torch.Tensor, padded: bool, cache: "KVCache | None") -> tuple[int, ...] | None:
-    """The `Ragged` lengths when a forward runs without its padding: a padded batch on a CPU of rows
-    of at least `RAGGED_MIN_LENGTH` positions, no KV cache, each row's real tokens one run
-    (`ragged_lengths`); else None (the padded path)."""
-    if not padded or cache is not None or valid.device.type != "cpu" or valid.shape[1] < RAGGED_MIN_LENGTH:
-        return None
-    return ragged_lengths(valid)
-
-
-def ragged_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
-    """valid (B, T) bool -> each row's count of real tokens (empty rows left out), or None when
-    some row's real tokens are not one contiguous run (left or right padding, or both, are)."""
-    changes = (valid[:, 1:] != valid[:, :-1]).sum(1)
-    if bool(((changes > 2) | ((changes == 2) & valid[:, 0])).any()):
-        return None
-    return tuple(n for n in valid.sum(1).tolist() if n)
-
-
-# --------------------------------------------------------------------------------------------
-# Rows of several sequences: document ids, their dense mask, FlexAttention
-# --------------------------------------------------------------------------------------------
-
-# how rows of several sequences attend (the model's `packed_attention`): a dense bool mask through
-# SDPA, or FlexAttention with a block mask built from the rows' document ids
-PACKED_ATTENTION = ("sdpa", "flex")
-
-
-def document_mask_mod(document_ids: torch.Tensor, position_ids: torch.Tensor,
-                      window: int | None) -> Callable[..., torch.Tensor]:
-    """The attention rule of rows of several sequences, as FlexAttention's `mask_mod(b, h, q, k)`.
-
-    document_ids (B, T) long: -1 padding; 0 the row's shared prefix (DPO's prompt in the shared-
-    prompt layout, GRPO's prompt), which every document of the row also sees; 1, 2, ...: documents
-    (packed examples, DPO's chosen / rejected answers, GRPO's completions), each seeing itself and
-    the prefix. Key k is visible from query q when k <= q, q is real, k is in q's document or in
-    the prefix and (with `window`) their positions (B, T) are less than `window` apart, as in each
-    sequence alone; every position also sees itself, so a padding row is never empty (no NaN).
-    Only indexing and comparisons: on broadcast index grids it gives the dense mask (`document_mask`).
-    """
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        dq, dk = document_ids[b, q], document_ids[b, k]
-        allowed = (k <= q) & (dq >= 0) & ((dk == dq) | (dk == 0))
-        if window is not None:
-            allowed = allowed & (position_ids[b, q] - position_ids[b, k] < window)
-        return allowed | (q == k)
-
-    return mask_mod
-
-
-def document_mask(document_ids: torch.Tensor, position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
-    """`document_mask_mod` as a dense bool (B, 1, T, T) mask, True = may attend (the SDPA path)."""
-    B, T = document_ids.shape
-    i = torch.arange(T, device=document_ids.device)
-    b = torch.arange(B, device=document_ids.device)[:, None, None]
-    return document_mask_mod(document_ids, position_ids, window)(b, 0, i[None, :, None], i[None, None, :])[:, None]
-
-
-@dataclass(frozen=True)
-class Documents:
-    """Rows of several sequences given to the layers in place of a dense mask, for FlexAttention:
-    the `BlockMask` of `document_mask_mod` (`build`, once per forward and window, shared by the
-    layers). FlexAttention visits only the (128 x 128) blocks where some key is visible, so the
-    blocks of other documents, above the diagonal and of padding cost nothing, and the layers read
-    no (T, T) mask; SDPA with an explicit mask computes every block and on CUDA cannot use its flash
-    kernels. (torch's eager `create_block_mask` evaluates the rule into a transient (B, 1, T, T) bool
-    on the device to find the blocks: once per forward and window, on the device, then freed.)
-
-    On CUDA it is fast under torch.compile (the engine compiles each block); eager it runs an
-    unfused reference. On a CPU, torch's FlexAttention has a forward only (inputs that require
-    grad are refused), so training there uses the dense mask. `torch.nn.attention.flex_attention`
-    imports torch._dynamo: it is imported here, when a `Documents` is built, never at import time.
-    """
-
-    block_mask: Any  # torch.nn.attention.flex_attention.BlockMask
-
-    @classmethod
-    def build(cls, document_ids: torch.Tensor, position_ids: torch.Tensor, window: int | None) -> "Documents":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        B, T = document_ids.shape
-        mask_mod = document_mask_mod(document_ids, position_ids, window)
-        return cls(create_block_mask(mask_mod, B, None, T, T, device=document_ids.device))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               cap: float | None = None) -> torch.Tensor:
-        """q (B, H, T, hd), k / v (B, Hkv, T, hd) -> (B, H, T, hd); the shared heads read in place.
-        `scale` default 1/sqrt(hd); `cap`: scores soft-capped, `cap * tanh(s / cap)` (Gemma 2)."""
-        from torch.nn.attention.flex_attention import flex_attention
-
-        device = q.device.type
-        if torch.is_autocast_enabled(device):  # as SDPA under autocast: q, k, v in its dtype (an fp32 residual
-            dtype = torch.get_autocast_dtype(device)  # stream rotates q / k in fp32; older torch's flex has
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # no autocast rule, and wants one dtype)
-        score_mod = None
-        if cap is not None:
-            def score_mod(score, b, h, q_idx, kv_idx):  # applied to the scaled scores, before the mask
-                return cap * torch.tanh(score / cap)
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=self.block_mask, scale=scale,
-                              enable_gqa=q.shape[1] != k.shape[1])
-
-
-def row_masks(mask: torch.Tensor | None, position_ids: torch.Tensor, document_ids: torch.Tensor | None,
-              windows: Iterable[int | None], flex: bool) -> dict[int | None, "torch.Tensor | Documents"]:
-    """What the layers of each distinct window get for rows of several sequences: a `Documents`
-    (`flex`, from `document_ids`), else a dense bool (B, 1, T, T): the caller's 4-D `mask`, or
-    `document_mask` of `document_ids` without one, narrowed to the window on positions."""
-    if document_ids is not None:
-        document_ids = document_ids.to(position_ids.device)
-    if flex:
-        if document_ids is None:
-            raise ValueError("packed_attention='flex' needs document_ids (B, T) — a dense 4-D mask does not say "
-                             "which sequence each token is in; pass the collator's document_ids")
-        return {w: Documents.build(document_ids, position_ids, w) for w in windows}
-    if mask is None:
-        return {w: document_mask(document_ids, position_ids, w) for w in windows}
-    mask = mask.to(device=position_ids.device, dtype=torch.bool)
-    apart = position_ids[:, None, :, None] - position_ids[:, None, None, :]  # (B, 1, T, T)
-    return {w: mask if w is None else mask & (apart < w) for w in windows}
-
-
-# --------------------------------------------------------------------------------------------
-# Attention, MLP, block
-# --------------------------------------------------------------------------------------------
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, Hkv, S, hd) -> (B, Hkv * n_rep, S, hd): query head h reads key/value head h // n_rep."""
-    if n_rep == 1:
-        return x
-    B, Hkv, S, hd = x.shape
-    return x[:, :, None].expand(B, Hkv, n_rep, S, hd).reshape(B, Hkv * n_rep, S, hd)
-
-
-def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hd)) over the allowed keys: q (B, H, T, hd), k (B, H, S, hd), `mask`
-    a bool (B, 1, T, S) (True = may attend) or None (causal) -> (B, H, T, S), fp32 (HF's eager
-    attention, whose softmax is fp32 too). Only for layers whose probabilities are asked for:
-    it holds the (T, S) scores that SDPA never materialises."""
-    scores = torch.matmul(q, k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])  # (B, H, T, S)
-    if mask is None:  # causal, the T queries being the last T of the S keys
-        T, S = scores.shape[-2:]
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(attention output (B, H, T, hd), None) through SDPA (scale 1/sqrt(hd), as in HF; `mask`
-    None: causal); with `return_probs`, written out so that the probabilities exist (attention
-    transfer): (output, `attention_probs` (B, H, T, S) fp32). q (B, H, T, hd), k / v (B, H, S, hd)."""
-    if not return_probs:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None), None
-    probs = attention_probs(q, k, mask)
-    return torch.matmul(probs.to(v.dtype), v), probs
-
-
-class LlamaAttention(nn.Module):
-    """Grouped-query attention with RoPE, unfused q/k/v projections (HF names, LoRA-swappable).
-
-    Qwen2: biases on q/k/v (not o); `attention_bias` (LLaMA, Qwen3): biases on q/k/v/o.
-    Qwen3: `q_norm` / `k_norm`, an RMSNorm over each head's hd features, before RoPE.
-    """
+class LlamaAttention(Attention):
+    """The floor's grouped-query attention with this file's fields: Qwen2's biases on q/k/v (not o);
+    `attention_bias` (LLaMA, Qwen3) on q/k/v/o; Qwen3's `q_norm` / `k_norm`, an RMSNorm over each
+    head's hd features, before RoPE."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        D, hd = config.hidden_size, config.head_dim
-        qkv_bias = config.attention_bias or config.model_type == "qwen2"
-        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(D, self.n_kv * hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(D, self.n_kv * hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=config.attention_bias)
-        if config.model_type == "qwen3":
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-        return_probs: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding).
-        `return_probs`: also the attention probabilities (B, H, T, S) fp32 (see `attention_probs`).
-        A `Ragged` mask: x (N, D) holds the batch's real tokens end to end, cos / sin (N, hd).
-        A `Documents` mask: rows of several sequences through FlexAttention."""
-        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, hd)
-        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))  # (B, T, Hkv, hd)
-        if hasattr(self, "q_norm"):  # Qwen3: per-head norms
-            q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(mask, Ragged):  # (N, H, hd): RoPE per token, then attention per sequence
-            v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            return self.o_proj(mask.attend(q, k, v).flatten(1))
-        B, T, _ = x.shape
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
-        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        n_rep = self.n_heads // self.n_kv
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
-        if isinstance(mask, Documents):  # FlexAttention reads the shared heads in place
-            y, probs = mask.attend(q, k, v), None
-        elif cache is not None and not return_probs:  # decoding: SDPA reads the shared heads in place
-            y, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_rep > 1), None
-        else:
-            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-            y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
-        y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-        return (y, probs) if return_probs else y
+        qk_norm = (lambda hd: RMSNorm(hd, config.rms_norm_eps)) if config.model_type == "qwen3" else None
+        super().__init__(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                         layer_idx, qkv_bias=config.attention_bias or config.model_type == "qwen2",
+                         o_bias=config.attention_bias, qk_norm=qk_norm)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); biases when `mlp_bias`."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        D, F_, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(D, F_, bias=bias)
-        self.up_proj = nn.Linear(D, F_, bias=bias)
-        self.down_proj = nn.Linear(F_, D, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). The unit the engine checkpoints
+class LlamaDecoderLayer(PreNormBlock):
+    """Pre-norm block: x + attn(norm(x)), then + SwiGLU(norm(x)). The unit the engine checkpoints
     and compiles."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-        return_attention: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, D) -> (B, T, D); `return_attention`: and the attention probabilities (B, H, T, S)."""
-        if return_attention:
-            a, probs = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, return_probs=True)
-            x = x + a
-            return x + self.mlp(self.post_attention_layernorm(x)), probs
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(LlamaAttention(config, layer_idx),
+                         GatedMLP(config.hidden_size, config.intermediate_size, "silu", config.mlp_bias),
+                         config.hidden_size, config.rms_norm_eps)
 
 
-# --------------------------------------------------------------------------------------------
-# Model
-# --------------------------------------------------------------------------------------------
-
-
-class Captured(NamedTuple):
-    """What a forward with `hidden_layers` / `attention_layers` returns (distillation's features).
-
-    hidden: (B, T, D) after the final norm, as the plain forward returns it; hidden_states:
-    {layer i: the output of decoder layer i (B, T, D), the residual stream before any final norm};
-    attentions: {layer i: its attention probabilities (B, H, T, S) fp32, padding and future keys 0}.
-    """
-
-    hidden: torch.Tensor
-    hidden_states: dict[int, torch.Tensor]
-    attentions: dict[int, torch.Tensor]
-
-
-def capture_layers(layers: Sequence[nn.Module], norm: nn.Module, x: torch.Tensor,
-                   tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence[torch.Tensor | None],
-                   cache: "KVCache | None", hidden_layers: Collection[int],
-                   attention_layers: Collection[int]) -> Captured:
-    """A layer loop that keeps the named layers' outputs and attention probabilities (a `Captured`):
-    layer i gets x, `tables[i]` (its cos, sin), `masks[i]` and the cache; the layers named in
-    `attention_layers` are called with `return_attention=True` and return (x, probabilities)."""
-    for i in (*hidden_layers, *attention_layers):
-        if not 0 <= i < len(layers):
-            raise ValueError(f"layer {i} does not exist: the model has layers 0..{len(layers) - 1}")
-    hidden_states, attentions = {}, {}
-    for i, (layer, (cos, sin), mask) in enumerate(zip(layers, tables, masks)):
-        if i in attention_layers:
-            x, attentions[i] = layer(x, cos, sin, mask, cache, return_attention=True)
-        else:
-            x = layer(x, cos, sin, mask, cache)
-        if i in hidden_layers:
-            hidden_states[i] = x
-    return Captured(norm(x), hidden_states, attentions)
-
-
-class LlamaModel(nn.Module):
-    """Embeddings, decoder layers, final norm (HF's `model.` prefix)."""
+class LlamaModel(DecoderBody):
+    """Embeddings, decoder layers, final norm (HF's `model.` prefix); the floor's forward."""
 
     def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        # no padding_idx: with pad == eos (LLaMA 3 recipes) that row is a real token and must train
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
-        self.windows = config.layer_windows()  # per layer: its sliding window or None
-        self.packed_attention = "sdpa"  # how rows of several sequences attend (`_forward_block_mask`)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        hidden_layers: Collection[int] = (),
-        attention_layers: Collection[int] = (),
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | Captured:
-        """input_ids (B, T) -> hidden (B, T, D) after the final norm.
-
-        attention_mask (B, T): 1 for real tokens, 0 for padding (left or right), for the T new
-        tokens only (the cache remembers earlier ones). position_ids default to the count of real
-        tokens before each one (mask cumsum - 1), so left-padded rows start at position 0.
-        Or a bool (B, 1, T, T) mask, True = may attend, with position_ids given: several sequences
-        in one row (packing, DPO's shared prompt; see `_forward_block_mask`), and / or the same layout
-        as `document_ids` (B, T) (`document_mask_mod`), which the FlexAttention path needs.
-
-        `hidden_layers` / `attention_layers` (layer indices; distillation): return a `Captured`
-        with those layers' outputs and attention probabilities. Only the named layers write their
-        attention out (`attention_probs`); every other layer keeps SDPA.
-        """
-        B, T = input_ids.shape
-        x = self.embed_tokens(input_ids)  # (B, T, D)
-        capture = (hidden_layers, attention_layers)
-        if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
-            return self._forward_block_mask(x, attention_mask, position_ids, document_ids, cache, capture)
-        valid = (
-            torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-            if attention_mask is None
-            else attention_mask.to(device=input_ids.device).bool()
-        )
-        start = cache.length if cache is not None else 0
-        key_valid = cache.begin(valid) if cache is not None else valid  # (B, S)
-        if position_ids is None:
-            position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
-
-        # one mask per distinct window (Qwen mixes full and sliding layers); None lets SDPA use its
-        # causal kernels (flash on CUDA); otherwise an explicit bool mask (B, 1, T, S)
-        padded = attention_mask is not None and not bool(valid.all())
-        lengths = None if hidden_layers or attention_layers else unpadded_lengths(valid, padded, cache)
-        if lengths:
-            tables = self.rotary(position_ids, dtype=x.dtype)
-            steps = ((layer, tables, w) for layer, w in zip(self.layers, self.windows))
-            return forward_unpadded(x, valid, lengths, steps, self.norm)
-        masks = {
-            w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
-            for w in set(self.windows)
-        }
-
-        cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, hd)
-        if hidden_layers or attention_layers:
-            out = self._capture(x, cos, sin, [masks[w] for w in self.windows], cache, *capture)
-        else:
-            for layer, w in zip(self.layers, self.windows):
-                x = layer(x, cos, sin, masks[w], cache)
-            out = self.norm(x)
-        if cache is not None:
-            cache.end(T)
-        return out
-
-    def _capture(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: list[torch.Tensor | None],
-                 cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]) -> Captured:
-        """The layer loop of `forward`, keeping the named layers' outputs and attention probabilities."""
-        return capture_layers(self.layers, self.norm, x, [(cos, sin)] * len(self.layers), masks, cache,
-                              hidden_layers, attention_layers)
-
-    def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                            document_ids: torch.Tensor | None, cache: KVCache | None,
-                            capture: tuple = ((), ())) -> torch.Tensor | Captured:
-        """Several sequences in one row (packed rows, DPO's [prompt, chosen, rejected], GRPO's [prompt,
-        completions]): the caller gives each token's position_ids (B, T) and the layout, as a bool mask
-        (B, 1, T, T), True = may attend, and / or as `document_ids` (B, T). Each layer's sliding
-        window applies to positions, so it stays inside each sequence.
-
-        `packed_attention` (set by the engine; "sdpa" by default) picks how: "sdpa" runs the dense
-        mask (the caller's, else `document_mask` of the ids); "flex" builds one FlexAttention
-        `BlockMask` per window from the ids (`Documents`), which the layers read instead. A forward that
-        captures attention probabilities (distillation) keeps the dense mask."""
-        if cache is not None or position_ids is None:
-            raise ValueError("a 4-D attention_mask or document_ids need position_ids and no KV cache")
-        pos = position_ids.to(x.device)
-        flex = self.packed_attention == "flex" and not any(capture)
-        masks = row_masks(mask, pos, document_ids, set(self.windows), flex)
-        cos, sin = self.rotary(pos, dtype=x.dtype)  # (B, T, hd)
-        if any(capture):
-            return self._capture(x, cos, sin, [masks[w] for w in self.windows], None, *capture)
-        for layer, w in zip(self.layers, self.windows):
-            x = layer(x, cos, sin, masks[w])
-        return self.norm(x)
+        super().__init__(config)
+        self.build(LlamaDecoderLayer)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """The causal LM: `model` (body) + `lm_head`. forward returns hidden states, not logits."""
 
     block_types = (LlamaDecoderLayer,)
     # derived tables that older transformers versions saved as weights: skipped by the loader
     ignore_checkpoint_keys = (r"\.rotary_emb\.inv_freq$",)
-    is_encoder_decoder = False
 
     def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        hidden_layers: Collection[int] = (),
-        attention_layers: Collection[int] = (),
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | Captured:
-        """input_ids (B, T) -> hidden (B, T, D); logits are `self.output_projection(hidden)`.
-        With `hidden_layers` / `attention_layers`: a `Captured`; `document_ids`: rows of several
-        sequences (see `LlamaModel.forward`)."""
-        rows = {} if document_ids is None else {"document_ids": document_ids}
-        if not hidden_layers and not attention_layers:  # a family's body that captures nothing may take 4
-            return self.model(input_ids, attention_mask, position_ids, cache, **rows)
-        return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, **rows)
-
-    @property
-    def packed_attention(self) -> str:
-        """How rows of several sequences attend: "sdpa" (a dense bool mask, the default) or "flex"
-        (FlexAttention with a block mask of the rows' `document_ids`; for CUDA under torch.compile,
-        forward-only on a CPU). The engine sets it (`attention=` in the config); see `Documents`."""
-        return self.model.packed_attention
-
-    @packed_attention.setter
-    def packed_attention(self, kind: str) -> None:
-        if kind not in PACKED_ATTENTION:
-            raise ValueError(f"packed_attention={kind!r} — use one of {PACKED_ATTENTION}")
-        self.model.packed_attention = kind
-
-    @property
-    def captures_layers(self) -> bool:
-        """Whether forward takes `hidden_layers` / `attention_layers`: LLaMA's body does; a family
-        that inherits this class with a body of its own may not (docs/contracts.md)."""
-        return "hidden_layers" in inspect.signature(self.model.forward).parameters
-
-    def tie_weights(self) -> None:
-        """Make lm_head share the input embedding's Parameter when the config ties them."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    @property
-    def output_projection(self) -> nn.Module:
-        return self.lm_head
-
-    def resize_token_embeddings(self, n: int) -> None:
-        """Resize embedding and head to n rows; old rows are kept, new rows are the mean of the old
-        ones (a neutral start for added special tokens). Records `config.vocab_size = n`."""
-
-        def resized(w: torch.Tensor) -> nn.Parameter:
-            old = w.shape[0]
-            new = w.new_empty(n, w.shape[1])
-            new[: min(old, n)] = w[: min(old, n)].detach()
-            if n > old:
-                new[old:] = w.detach().float().mean(0).to(w.dtype)
-            return nn.Parameter(new, requires_grad=w.requires_grad)
-
-        emb = self.model.embed_tokens
-        emb.weight = resized(emb.weight)
-        emb.num_embeddings = n
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = emb.weight
-        else:
-            self.lm_head.weight = resized(self.lm_head.weight)
-        self.lm_head.out_features = n
-        self.config.vocab_size = n
-
-
-# --------------------------------------------------------------------------------------------
-# Generation
-# --------------------------------------------------------------------------------------------
-
-
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filtering: keep the smallest set of tokens whose probability sum reaches top_p
-    (at least one), set the rest to -inf. logits (B, V) -> (B, V)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=False)  # (B, V) ascending
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop_sorted = cum <= (1 - top_p)  # the low-probability tail
-    drop_sorted[:, -1] = False  # always keep the most likely token
-    drop = drop_sorted.scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-@torch.no_grad()
-def generate(
-    model: LlamaForCausalLM,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int = 32,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
-) -> torch.Tensor:
-    """Continue each row of input_ids (B, T); returns (B, T + n) with n <= max_new_tokens.
-
-    Greedy by default; `do_sample` draws from softmax(logits / temperature) after top-p, with a
-    torch.Generator seeded by `seed` (reproducible) or torch's global RNG when seed is None.
-    Batches must be left-padded (attention_mask 0 on the left). A row that produced an EOS gets
-    `pad_token_id` afterwards; generation stops early once every row has finished.
-    `eos_token_id=None` means the config's EOS (an int or a list); pass [] to never stop early.
-    The model runs in eval mode (adapter dropout off) and is put back as it was.
-    """
-    cfg = model.config
-    B, T = input_ids.shape
-    device = input_ids.device
-    eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
-    eos_list = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    eos_ids = torch.tensor(eos_list, dtype=torch.long, device=device)
-    if pad_token_id is None:
-        pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device).long()
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValueError("generate: attention_mask has padding after real tokens — left-pad prompts for generation")
-    if do_sample and temperature <= 0:
-        raise ValueError(f"generate: temperature={temperature} — use a positive temperature, or do_sample=False")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"generate: top_p={top_p} — use a value in (0, 1]")
-    generator = None
-    if do_sample and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-
-    was_training = model.training
-    model.eval()
-    try:
-        cache = KVCache(T + max_new_tokens)
-        hidden = model(input_ids, mask, cache=cache)  # (B, T, D)
-        unfinished = torch.ones(B, dtype=torch.bool, device=device)
-        step_mask = torch.ones(B, 1, dtype=torch.long, device=device)
-        new_tokens = []
-        for step in range(max_new_tokens):
-            logits = model.output_projection(hidden[:, -1]).float()  # (B, V)
-            if do_sample:
-                probs = top_p_filter(logits / temperature, top_p).softmax(-1)
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
-            else:
-                token = logits.argmax(-1)  # (B,)
-            token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
-            new_tokens.append(token)
-            unfinished = unfinished & ~torch.isin(token, eos_ids)
-            if step == max_new_tokens - 1 or not bool(unfinished.any()):
-                break
-            hidden = model(token[:, None], step_mask, cache=cache)  # (B, 1, D)
-    finally:
-        model.train(was_training)
-    if not new_tokens:
-        return input_ids
-    return torch.cat([input_ids, torch.stack(new_tokens, 1)], dim=1)
+        super().__init__(config, LlamaModel(config))
 
 
 def config_from_hf(d: dict[str, Any]) -> LlamaConfig:

@@ -11,39 +11,35 @@ RoPE: plain, or `longrope` (the `su` of the first Phi-3 128k configs): one divis
 `long_factor` beyond, and cos/sin scaled by sqrt(1 + ln(factor) / ln(original length)).
 `partial_rotary_factor` < 1 rotates only the first part of each head. `sliding_window` (Phi-3
 mini 4k: 2047) applies to every layer, as in transformers. Rotary tables, masks, the KV cache,
-RMSNorm, `generate` and the captured layers of distillation are LLaMA's (imported from
-models/llama.py, which needs nothing but torch).
+RMSNorm, the attention's forward, the block, the body's forward, `generate` and the captured layers of
+distillation are the floor's (models/layers.py, which needs nothing but torch).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Collection
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.llama import (
+from models.layers import (
     IGNORED_FIELDS,
-    Captured,
-    Documents,
+    Attention,
+    CausalLM,
+    DecoderBody,
     KVCache,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
+    PreNormBlock,
     RMSNorm,
-    RotaryEmbedding,
-    Ragged,
-    _normalize_rope_scaling,
-    apply_rotary,
-    attend,
-    attention_mask_4d,
-    capture_layers,
-    forward_unpadded,
+    RopeSpec,
+    apply_partial_rotary,
+    check_fields,
+    check_heads,
+    drop_ignored,
     generate,
-    repeat_kv,
-    row_masks,
-    unpadded_lengths,
+    normalize_rope_scaling,
+    require_zero,
 )
 
 __all__ = ["Phi3Config", "Phi3ForCausalLM", "KVCache", "generate", "config_from_hf"]
@@ -76,11 +72,7 @@ class Phi3Config:
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads} — fix the config"
-            )
+        check_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.hidden_act != "silu":
             raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported — Phi-3 uses 'silu'")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
@@ -101,7 +93,7 @@ class Phi3Config:
             )
         if r.get("rope_type") == "longrope":
             r.setdefault("original_max_position_embeddings", self.original_max_position_embeddings)
-        self.rope_scaling = _normalize_rope_scaling(r, self.max_position_embeddings)
+        self.rope_scaling = normalize_rope_scaling(r, self.max_position_embeddings)
         for key in ("short_factor", "long_factor"):
             n = len((self.rope_scaling or {}).get(key, [0] * (self.rotary_dim // 2)))
             if n != self.rotary_dim // 2:
@@ -109,6 +101,10 @@ class Phi3Config:
                     f"config.json: rope_scaling {key} has {n} entries — longrope needs one per rotated frequency, "
                     f"head_dim/2 = {self.rotary_dim // 2}"
                 )
+
+    def layer_windows(self) -> list[int | None]:
+        """The sliding window of each layer: the same on every layer, as transformers applies it."""
+        return [self.sliding_window] * self.num_hidden_layers
 
     @property
     def head_dim(self) -> int:
@@ -124,13 +120,8 @@ class Phi3Config:
         d = dict(d)
         if d.pop("model_type", None) != "phi3":
             raise ValueError("config.json: model_type is not 'phi3'")
-        for name in IGNORED_FIELDS:
-            d.pop(name, None)
-        d.pop("auto_map", None)  # remote-code class names of the original upload
-        for name in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
-            p = d.pop(name, 0.0)
-            if p not in (None, 0, 0.0):
-                raise ValueError(f"config.json: {name}={p} is not supported — set it to 0.0")
+        drop_ignored(d, (*IGNORED_FIELDS, "auto_map"))  # auto_map: remote-code class names of the original upload
+        require_zero(d, "attention_dropout", "resid_pdrop", "embd_pdrop")
         params = dict(d.pop("rope_parameters", None) or {})
         if "rope_theta" in params:
             d["rope_theta"] = params.pop("rope_theta")
@@ -138,16 +129,7 @@ class Phi3Config:
             d.setdefault("partial_rotary_factor", params.pop("partial_rotary_factor"))
         if params.get("rope_type", params.get("type", "default")) != "default":
             d["rope_scaling"] = d.get("rope_scaling") or params
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise ValueError(f"config.json: missing {missing} — this does not look like a Phi-3 config")
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(
-                f"config.json: field(s) {unknown} are not understood by minitrain's phi3 model and may change its "
-                "maths — remove them if harmless, or this checkpoint needs a different model"
-            )
+        check_fields(d, cls, "phi3", "Phi-3")
         if "rope_theta" in d:
             d["rope_theta"] = float(d["rope_theta"])
         return cls(**d)
@@ -160,70 +142,22 @@ class Phi3Config:
         return d
 
 
-@dataclass
-class RopeSpec:
-    """What `models.llama.RotaryEmbedding` reads of a config: the rotated dims and their RoPE."""
+class Phi3Attention(Attention):
+    """The floor's grouped-query attention with one fused `qkv_proj` ([q | k | v] along the output)
+    and RoPE on the first `rotary_dim` features of each head."""
 
-    head_dim: int
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, hd), cos/sin (B, T, rd) with rd <= hd: rotate the first rd dims, keep the rest.
-    Also x (N, heads, hd) with cos/sin (N, rd): an unpadded batch."""
-    rd = cos.shape[-1]
-    return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
-
-
-class Phi3Attention(nn.Module):
-    """GQA with RoPE from one fused `qkv_proj` ([q | k | v] along the output)."""
+    rotate = staticmethod(apply_partial_rotary)
 
     def __init__(self, config: Phi3Config, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.head_dim = hd = config.head_dim
-        D = config.hidden_size
-        self.qkv_proj = nn.Linear(D, (self.n_heads + 2 * self.n_kv) * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=False)
+        H, Hkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        qkv_proj = nn.Linear(config.hidden_size, (H + 2 * Hkv) * hd, bias=False)
+        super().__init__(config.hidden_size, H, Hkv, hd, layer_idx, projections={"qkv_proj": qkv_proj})
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-        return_probs: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, D) -> (B, T, D). `mask` None means plain causal attention (no padding).
-        `return_probs`: also the attention probabilities (B, H, T, S) fp32 (`models.llama.attend`).
-        A `Ragged` mask: x (N, D), the batch's real tokens end to end, cos / sin (N, rd). A `Documents`
-        mask: rows of several sequences through FlexAttention."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (..., D) -> q (..., H, hd), k and v (..., Hkv, hd), split from the fused projection."""
         hd = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
-        if isinstance(mask, Ragged):  # (N, heads, hd): RoPE per token, attention per sequence
-            q, k, v = (t.unflatten(-1, (-1, hd)) for t in (q, k, v))  # (N, heads, hd)
-            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-            return self.o_proj(mask.attend(q, k, v).flatten(1))
-        B, T, _ = x.shape
-        q = q.view(B, T, self.n_heads, hd).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(B, T, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = v.view(B, T, self.n_kv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
-        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
-        if isinstance(mask, Documents):  # FlexAttention: the shared heads read in place
-            y, probs = mask.attend(q, k, v), None
-        else:
-            n_rep = self.n_heads // self.n_kv
-            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-            y, probs = attend(q, k, v, mask, return_probs)  # (B, H, T, hd)
-        y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * hd))
-        return (y, probs) if return_probs else y
+        return q.unflatten(-1, (-1, hd)), k.unflatten(-1, (-1, hd)), v.unflatten(-1, (-1, hd))
 
 
 class Phi3MLP(nn.Module):
@@ -240,103 +174,34 @@ class Phi3MLP(nn.Module):
         return self.down_proj(up * F.silu(gate))
 
 
-class Phi3DecoderLayer(LlamaDecoderLayer):
-    """Pre-norm block, LLaMA's forward: x + attn(norm(x)), then + mlp(norm(x)), over Phi-3's fused
+class Phi3DecoderLayer(PreNormBlock):
+    """Pre-norm block, the floor's forward: x + attn(norm(x)), then + mlp(norm(x)), over Phi-3's fused
     attention and MLP."""
 
     def __init__(self, config: Phi3Config, layer_idx: int) -> None:
-        nn.Module.__init__(self)
-        self.self_attn = Phi3Attention(config, layer_idx)
-        self.mlp = Phi3MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(Phi3Attention(config, layer_idx), Phi3MLP(config), config.hidden_size, config.rms_norm_eps)
 
 
-class Phi3Model(nn.Module):
-    """Embeddings, decoder layers, final norm (HF's `model.` prefix)."""
+class Phi3Model(DecoderBody):
+    """Embeddings, decoder layers, final norm (HF's `model.` prefix); the floor's forward, every
+    layer with the same RoPE and window."""
 
     def __init__(self, config: Phi3Config) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Phi3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        spec = RopeSpec(config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
-        self.rotary = RotaryEmbedding(spec)
-        self.packed_attention = "sdpa"  # rows of several sequences: "sdpa" or "flex" (`models.llama.row_masks`)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        hidden_layers: Collection[int] = (),
-        attention_layers: Collection[int] = (),
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | Captured:
-        """input_ids (B, T) -> hidden (B, T, D) after the final norm (same contract as LLaMA, the
-        captured layers of `hidden_layers` / `attention_layers` and rows of several sequences, a 4-D
-        mask and / or `document_ids`, included)."""
-        B, T = input_ids.shape
-        x = self.embed_tokens(input_ids)  # (B, T, D)
-        w = self.config.sliding_window
-        if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
-            if cache is not None or position_ids is None:
-                raise ValueError("a 4-D attention_mask or document_ids need position_ids and no KV cache")
-            pos = position_ids.to(x.device)
-            flex = self.packed_attention == "flex" and not (hidden_layers or attention_layers)
-            mask = row_masks(attention_mask, pos, document_ids, (w,), flex)[w]
-            return self._layers(x, self.rotary(pos, dtype=x.dtype), mask, None, hidden_layers, attention_layers)
-        valid = (
-            torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-            if attention_mask is None
-            else attention_mask.to(device=input_ids.device).bool()
-        )
-        start = cache.length if cache is not None else 0
-        key_valid = cache.begin(valid) if cache is not None else valid  # (B, S)
-        if position_ids is None:
-            position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
-        padded = attention_mask is not None and not bool(valid.all())
-        cos, sin = self.rotary(position_ids, dtype=x.dtype)  # (B, T, rd)
-        lengths = None if hidden_layers or attention_layers else unpadded_lengths(valid, padded, cache)
-        if lengths:
-            return forward_unpadded(x, valid, lengths, ((layer, (cos, sin), w) for layer in self.layers), self.norm)
-        plain = cache is None and not padded and (w is None or T <= w)
-        mask = None if plain else attention_mask_4d(key_valid, start, w)  # (B, 1, T, S)
-        out = self._layers(x, (cos, sin), mask, cache, hidden_layers, attention_layers)
-        if cache is not None:
-            cache.end(T)
-        return out
-
-    def _layers(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], mask, cache: KVCache | None,
-                hidden_layers: Collection[int], attention_layers: Collection[int]) -> torch.Tensor | Captured:
-        """The layer loop, every layer with the same (cos, sin) and mask; a `Captured` when asked."""
-        L = len(self.layers)
-        if hidden_layers or attention_layers:
-            return capture_layers(self.layers, self.norm, x, [tables] * L, [mask] * L, cache, hidden_layers,
-                                  attention_layers)
-        for layer in self.layers:
-            x = layer(x, *tables, mask, cache)
-        return self.norm(x)
+        super().__init__(config)
+        self.build(Phi3DecoderLayer, rope=RopeSpec(config.rotary_dim, config.rope_theta, config.rope_scaling,
+                                                   config.max_position_embeddings))
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """`model` + `lm_head`; forward returns hidden states. Tying, `input_embeddings`,
-    `output_projection` and `resize_token_embeddings` are LLaMA's."""
+class Phi3ForCausalLM(CausalLM):
+    """`model` + `lm_head`; forward returns hidden states."""
 
     block_types = (Phi3DecoderLayer,)
-    ignore_checkpoint_keys = ()
     # fused linear -> the unfused names it holds: LoRA target lists written for LLaMA (q_proj, ...,
     # up_proj) adapt these modules, and one naming part of a fused linear is refused
     fused_linears = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config: Phi3Config) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = Phi3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+        super().__init__(config, Phi3Model(config))
 
 
 def config_from_hf(d: dict[str, Any]) -> Phi3Config:

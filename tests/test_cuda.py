@@ -239,7 +239,7 @@ def test_flex_attention_head_dims_forward_and_backward(head_dim):
     """Whether FlexAttention (compiled, as the engine runs it) takes a head dim, bf16, and gives SDPA's
     output and input gradients with the dense mask of the same packed rows (two documents, GQA,
     a window of 48). Head dim 96 is Phi-3's, 256 Gemma's."""
-    from models.llama import Documents, document_mask
+    from models.layers import Documents, document_mask
 
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, T = 2, 4, 2, 256

@@ -1,4 +1,4 @@
-"""Rows of several sequences through FlexAttention (`packed_attention="flex"`, `models.llama.Documents`).
+"""Rows of several sequences through FlexAttention (`packed_attention="flex"`, `models.layers.Documents`).
 
 Forward only: torch's FlexAttention has no backward on a CPU (tests/test_cuda.py checks forward and
 backward under torch.compile on a GPU). References: each sequence run alone (after its row's shared
@@ -22,7 +22,7 @@ from minitrain.objectives.dpo import collate_shared_prompt
 from minitrain.objectives.grpo import shared_prompt_layout
 from minitrain.objectives.sft import sft
 from minitrain.train import compile_blocks
-from models.llama import document_mask
+from models.layers import document_mask
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0)

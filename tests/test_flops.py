@@ -64,3 +64,27 @@ def test_metrics_rows_carry_flops_per_s_and_no_mfu_on_cpu(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["flops_per_s"] > 0 and "mfu" not in r for r in lines)
     assert device_peak_flops("cpu") is None
+
+
+def test_moe_flops_count_the_active_experts():
+    """A mixture-of-experts model with LoRA on its experts (every token through its top-k experts,
+    each expert its own pair) and the router: the count equals torch's matmul FLOPs, as for a dense one."""
+    from models.moe import MoeConfig, MoeForCausalLM
+
+    torch.manual_seed(0)
+    m = MoeForCausalLM(MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, model_type="qwen3_moe"))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    cfg = LoRAConfig(r=4, alpha=8, targets=ALL, modules_to_save=("embed_tokens",))
+    apply_lora(m, cfg)
+    freeze_for_adapters(m, cfg)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: ADDMM_}) as fc:
+        loss, _, _ = sft(m.train(), batch)
+        loss.backward()
+    torch_mm = sum(fc.get_flop_counts()["Global"].values())
+    counter = FlopCounter.of(m)
+    assert counter.batch(batch) == torch_mm + 12 * counter.attn_width * 2 * (10 * 11 / 2)

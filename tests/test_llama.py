@@ -17,6 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from models import layers as fl
 from models import llama as ml
 
 T = 24  # long enough for windows, RoPE scaling and dynamic NTK (max_position_embeddings 16) to matter
@@ -153,7 +154,7 @@ def test_attention_mask_4d_matches_its_definition():
     key_valid = torch.rand(3, 11, generator=g) > 0.3
     key_valid[0, :4] = False  # left padding
     for q_start, window in [(0, None), (0, 3), (6, None), (6, 4), (10, 2)]:
-        got = ml.attention_mask_4d(key_valid, q_start, window)
+        got = fl.attention_mask_4d(key_valid, q_start, window)
         assert got.shape == (3, 1, 11 - q_start, 11)
         for b in range(3):
             for t, i in enumerate(range(q_start, 11)):
@@ -346,7 +347,7 @@ def check_padded_batch_equals_each_row_alone(model, padding: str) -> None:
     states and every parameter's gradient must equal those of each row run alone, with no padding
     at all (the definition of what padding must not change); padding positions come out as 0."""
     model.train()
-    T = ml.RAGGED_MIN_LENGTH + 4  # (shorter rows take the padded path)
+    T = fl.RAGGED_MIN_LENGTH + 4  # (shorter rows take the padded path)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (3, T), generator=g)
     mask = torch.ones(3, T, dtype=torch.long)
@@ -361,7 +362,7 @@ def check_padded_batch_equals_each_row_alone(model, padding: str) -> None:
         loss.backward()
         return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}  # not lm_head
 
-    assert ml.ragged_lengths(mask.bool()) == tuple(mask.sum(1).tolist())
+    assert fl.ragged_lengths(mask.bool()) == tuple(mask.sum(1).tolist())
     h = model(ids, mask)
     batched = grads((h * weights * mask[..., None]).sum())
     assert (h[mask == 0] == 0).all()
@@ -385,19 +386,19 @@ def test_padded_batch_equals_each_row_alone(hf_causal, name, padding):
 
 def test_short_rows_take_the_padded_path():
     """Under `RAGGED_MIN_LENGTH` positions the per-sequence loop costs more than the padding it skips."""
-    valid = torch.ones(4, ml.RAGGED_MIN_LENGTH, dtype=torch.bool)
+    valid = torch.ones(4, fl.RAGGED_MIN_LENGTH, dtype=torch.bool)
     valid[0, :3] = False
-    assert ml.unpadded_lengths(valid, True, None) == (ml.RAGGED_MIN_LENGTH - 3,) + (ml.RAGGED_MIN_LENGTH,) * 3
-    assert ml.unpadded_lengths(valid[:, 1:], True, None) is None
+    assert fl.unpadded_lengths(valid, True, None) == (fl.RAGGED_MIN_LENGTH - 3,) + (fl.RAGGED_MIN_LENGTH,) * 3
+    assert fl.unpadded_lengths(valid[:, 1:], True, None) is None
     from minitrain.plan.decoder import ModelShape
 
-    assert ModelShape.UNPADS_FROM == ml.RAGGED_MIN_LENGTH  # the memory plan counts the same padding
+    assert ModelShape.UNPADS_FROM == fl.RAGGED_MIN_LENGTH  # the memory plan counts the same padding
 
 
 def test_ragged_lengths_refuses_a_hole():
     mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 0], [0, 0, 0, 0]]).bool()
-    assert ml.ragged_lengths(mask) is None  # row 0 has a hole: the padded path serves it
-    assert ml.ragged_lengths(mask[1:]) == (2,)  # an empty row drops out
+    assert fl.ragged_lengths(mask) is None  # row 0 has a hole: the padded path serves it
+    assert fl.ragged_lengths(mask[1:]) == (2,)  # an empty row drops out
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
@@ -411,8 +412,8 @@ def test_rotary_is_the_written_out_form_to_the_bit(dtypes):
     angles = torch.randn(2, T, 32, generator=g) * 10
     table = torch.cat([angles, angles], -1)
     cos, sin = table.cos().to(table_dtype), table.sin().to(table_dtype)
-    ours = ml.apply_rotary(x, cos, sin)
-    hf = x * cos[:, None] + ml.rotate_half(x) * sin[:, None]
+    ours = fl.apply_rotary(x, cos, sin)
+    hf = x * cos[:, None] + fl.rotate_half(x) * sin[:, None]
     up = torch.randn(hf.shape, generator=g).to(hf.dtype)
     assert torch.equal(ours, hf)
     assert torch.equal(torch.autograd.grad(ours, x, up)[0], torch.autograd.grad(hf, x, up)[0])
@@ -431,10 +432,10 @@ def test_compiled_rotary_is_the_written_out_form():
     torch._dynamo.reset()
     x = torch.randn(1, 2, 5, 8, requires_grad=True)
     table = torch.randn(1, 5, 8)
-    ours = torch.compile(ml.apply_rotary, backend=backend, fullgraph=True)(x, table.cos(), table.sin())
+    ours = torch.compile(fl.apply_rotary, backend=backend, fullgraph=True)(x, table.cos(), table.sin())
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes}
     assert not any("autograd_function_apply" in op for op in ops), ops
-    torch.testing.assert_close(ours, ml.apply_rotary(x, table.cos(), table.sin()), rtol=0, atol=0)
+    torch.testing.assert_close(ours, fl.apply_rotary(x, table.cos(), table.sin()), rtol=0, atol=0)
     torch._dynamo.reset()
 
 
@@ -521,9 +522,9 @@ def test_top_p_filter_matches_transformers_warper():
     logits = torch.randn(4, 50, generator=g) * 3
     for top_p in (1e-9, 0.05, 0.5, 0.9, 0.999):
         ref = transformers.TopPLogitsWarper(top_p)(None, logits.clone())
-        assert torch.equal(ml.top_p_filter(logits, top_p), ref)
+        assert torch.equal(fl.top_p_filter(logits, top_p), ref)
     # a vanishing top_p keeps exactly the most likely token (sampling becomes greedy)
-    kept = torch.isfinite(ml.top_p_filter(logits, 1e-9))
+    kept = torch.isfinite(fl.top_p_filter(logits, 1e-9))
     assert torch.equal(kept, torch.nn.functional.one_hot(logits.argmax(-1), 50).bool())
 
 

@@ -13,7 +13,7 @@ from minitrain.data.collate import collate_preference
 from minitrain.objectives.dpo import collate_shared_prompt, make_dpo_objective
 from minitrain.objectives.reference import BaseReference, sequence_logps
 from minitrain.weights import load_pretrained
-from models.llama import document_mask
+from models.layers import document_mask
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -28,8 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minitrain.plan.measure import measure_peak_allocated  # noqa: E402
-from models.gemma import capped_attention  # noqa: E402
-from models.llama import repeat_kv  # noqa: E402
+from models.layers import capped_attention, repeat_kv  # noqa: E402
 
 HEADS, KV, HD, CAP = 8, 4, 256, 50.0
 

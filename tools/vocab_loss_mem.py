@@ -47,7 +47,7 @@ def child(side: str, case: str, tokens: int) -> dict:
 
     from minitrain.objectives.losses import chunked_cross_entropy_sum, shift_labels
     from minitrain.plan.measure import measure_peak_allocated
-    from models.gemma import SoftcappedLinear
+    from models.layers import SoftcappedLinear
 
     torch.manual_seed(0)
     V, D, cap = CASES[case]

@@ -3,6 +3,8 @@
 Modules, in reading order:
     lora         LoRA layers on any base linear (float, nf4, int8, ternary): applied once, only
                  float tensors trainable, switched off for a reference (`disable_adapters`)
+    lora_experts LoRA on a mixture-of-experts model's experts: each expert its own low-rank pair,
+                 grouped like the experts' products; peft's `target_parameters` layout
     peft_format  adapters saved and loaded in PEFT's format
     merge        adapters folded into their base weights, the rounding error reported
     quant        quantized bases: each base linear quantized as its weight streams in (bitsandbytes

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from minitrain.adapters.ternary import dequantize_ternary, is_ternary, store_ternary, ternary_linear
 from minitrain.errors import UserError
+from minitrain.adapters import lora_experts
 from minitrain.weights import skip_init
 
 ALL_LINEAR = "all-linear"
@@ -103,6 +104,9 @@ class Applied:
     # modules_to_save: (parameter name, the live Parameter, a frozen copy of its base value).
     # The copy is what `disable_adapters` puts back, so a DPO reference really is the base model.
     saved: list[tuple[str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    experts: tuple[str, ...] = ()  # MoE: the 3-D expert parameters with an `ExpertLoRA` (module.param paths)
+    # MoE: linears the targets name but that stay unadapted (peft would save them onto the experts)
+    unadapted: tuple[str, ...] = ()
 
 
 def applied(model: nn.Module) -> Applied | None:
@@ -119,6 +123,8 @@ def adapter_signature(model: nn.Module) -> dict[str, Any] | None:
     c = st.config
     sig = {"r": c.r, "alpha": float(c.alpha), "rslora": c.rslora, "targets": minimal_targets(model, st.wrapped),
            "modules_to_save": list(c.modules_to_save)}
+    if st.experts:
+        sig["expert_parameters"] = list(st.experts)
     if c.rank_pattern:
         sig["rank_pattern"] = dict(c.rank_pattern)
     return sig
@@ -555,7 +561,9 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig, *, every_target: bool = True) -> list[str]:
-    """Swap every target linear for a `LoRALinear` in place; returns the wrapped module names.
+    """Swap every target linear for a `LoRALinear` in place, and put an `ExpertLoRA` on every targeted
+    expert parameter of a mixture-of-experts model (`minitrain.adapters.lora_experts`); returns the
+    wrapped module names, then the adapted expert parameters' paths.
 
     Base parameters are not frozen here: call `freeze_for_adapters(model, cfg)` next. Applying a
     second time, or to a model that already has LoRA layers, is a `UserError` (rule 4), and so is a
@@ -566,8 +574,16 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, every_target: bool = True) 
         raise UserError("apply_lora: the model already has LoRA adapters — adapters are applied once (rule 4); "
                         "to continue a saved adapter use load_adapter(model, folder, trainable=True), "
                         "to start a new one build the base model again")
-    names = target_names(model, cfg.targets, strict=every_target) if cfg.targets else []
-    if not names and cfg.targets:
+    experts, linear_targets, never = lora_experts.split_targets(model, cfg.targets) if cfg.targets else ([], (), set())
+    names = target_names(model, linear_targets, strict=every_target) if linear_targets else []
+    unadapted = [n for n, m in model.named_modules() if n and _is_wrappable(m) and n.rsplit(".", 1)[-1] in never
+                 and _selected(n, cfg.targets)]
+    names = [n for n in names if n not in unadapted]
+    if not names and not experts and unadapted:
+        raise UserError(f"targets={cfg.targets!r}: select only {', '.join(sorted({n.rsplit('.', 1)[-1] for n in unadapted}))} "
+                        f"linears, which on this mixture-of-experts model name the experts in peft's format, so an "
+                        f"adapter on them could not be saved — target the attention (q_proj, ...) or the experts")
+    if not names and not experts and cfg.targets:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_wrappable(m)})
         first = cfg.targets if isinstance(cfg.targets, str) else cfg.targets[0]
         raise UserError(f"targets={cfg.targets!r}: match no module of the model — {_did_you_mean(model, first)}its "
@@ -578,8 +594,18 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, every_target: bool = True) 
                         "name modules to adapt, e.g. targets=['q_proj', 'v_proj'] (or 'all-linear')")
     for n in names:
         _set_module(model, n, _wrap(model.get_submodule(n), cfg, cfg.rank_for(n)))
-    setattr(model, _STATE_ATTR, Applied(cfg, tuple(names), saved))
-    return names
+    lora_experts.attach(model, experts, cfg.r, cfg.alpha, cfg.rslora, cfg.dtype, cfg.rank_for)
+    setattr(model, _STATE_ATTR, Applied(cfg, tuple(names), saved, tuple(experts), tuple(unadapted)))
+    return names + experts
+
+
+def _selected(name: str, targets: Sequence[str] | str) -> bool:
+    """Whether `targets` (a list of suffixes, a regular expression or "all-linear") select module `name`."""
+    if targets == ALL_LINEAR:
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name_matches(name, t) for t in targets)
 
 
 def _resolve_modules_to_save(model: nn.Module, cfg: LoRAConfig, wrapped: list[str]):
@@ -645,10 +671,10 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
     """
     st = applied(model)
     layers = lora_layers(model)
-    if st is None and not layers:
+    if st is None and not layers and not lora_experts.expert_adapters(model):
         raise UserError("disable_adapters: the model has no adapters, so there is no base model to fall back to "
                         "— apply_lora / load_adapter first, or use a separate reference model")
-    merged = [n for n, m in layers if m.merged]
+    merged = [n for n, m in layers if m.merged] + [n for n, d in lora_experts.expert_adapters(model) if d.merged]
     if merged:
         raise UserError(f"disable_adapters: {merged[0]} is merged, so its base weight already holds the update "
                         f"— call unmerge(model) first")
@@ -662,11 +688,11 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
     if missing:
         raise UserError(f"disable_adapters: {missing[0]} was replaced after apply_lora (e.g. a resize), so "
                         f"its base value is lost — resize before apply_lora / load_adapter")
-    before = [(m, m.disabled) for _, m in layers]
+    before = [(m, m.disabled) for _, m in layers + lora_experts.expert_adapters(model)]
     try:
         for mod, key, p in swapped:
             mod._parameters[key] = original[id(p)]
-        for _, m in layers:
+        for m, _ in before:
             m.disabled = True
         yield model
     finally:
@@ -749,12 +775,26 @@ def trainable_report(model: nn.Module) -> str:
     pct = lambda k: 100.0 * k / max(total, 1)  # noqa: E731
     layers = lora_layers(model)
     lines = [f"trainable: {trainable:,} of {total:,} parameters ({pct(trainable):.2f}%)"]
+    experts = lora_experts.expert_adapters(model)
     for kind, k in kinds.items():
         note = ""
-        if kind == "lora_A/lora_B" and layers:
-            rs = sorted({m.r for _, m in layers})
+        if kind == "lora_A/lora_B" and (layers or experts):
+            rs = sorted({m.r for _, m in layers} | {m.r for _, m in experts})
             note = f"  in {len(layers)} layers, r={','.join(map(str, rs))}"
+            if experts:
+                k_exp = sum(logical_numel(p) for _, m in experts for p in m.parameters() if p.requires_grad)
+                note = (f"  in {len(layers)} linear layers and {len(experts)} expert weights "
+                        f"({sum(m.num_experts for _, m in experts)} experts' pairs: {k_exp:,}, {pct(k_exp):.2f}%), "
+                        f"r={','.join(map(str, rs))}")
         lines.append(f"  {kind:<14} {k:>14,}  ({pct(k):.2f}%){note}")
+    if lora_experts.expert_parameters(model) and st is not None and not experts and (st.wrapped or st.saved):
+        lines.append("  experts: none adapted — the targets reach no expert (name experts.gate_up_proj / "
+                     "experts.down_proj, or all-linear)")
+    if st is not None and st.unadapted:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in st.unadapted})
+        lines.append(f"  left unadapted: {len(st.unadapted)} dense linears ({', '.join(leaves)}: "
+                     f"{', '.join(st.unadapted[:3])}{', ...' if len(st.unadapted) > 3 else ''}) — on this model "
+                     f"peft reads these names as the experts', so an adapter on them would not load there")
     if full:
         k_full = trainable - kinds["lora_A/lora_B"]
         lines.append(f"WARNING: fully training {', '.join(full)}: {k_full:,} parameters = {pct(k_full):.1f}% "

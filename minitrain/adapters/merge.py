@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from minitrain.adapters.lora import LoRALinear, MergeError, loaded_bnb, lora_layers, quant_kind
+from minitrain.adapters.lora_experts import expert_adapters
 from minitrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -69,20 +70,41 @@ def merge(model: nn.Module) -> MergeReport:
     silently dropped.
     """
     layers = lora_layers(model)
-    if not layers:
+    experts = expert_adapters(model)
+    if not layers and not experts:
         raise UserError("merge: the model has no LoRA layers — apply_lora or load_adapter first")
     _check_untied(model, layers)
-    report = MergeReport([m.merge(n) for n, m in layers])
+    report = MergeReport([m.merge(n) for n, m in layers] + [_merge_experts(model, n, d, +1) for n, d in experts])
     _log_report("merge", report)
     return report
+
+
+def _merge_experts(model: nn.Module, path: str, d: nn.Module, sign: int) -> MergeError:
+    """Add (sign +1) or take out (-1) an expert adapter's update in its 3-D base parameter."""
+    if d.merged == (sign > 0):
+        raise UserError(f"{path}: {'already' if sign > 0 else 'not'} merged — "
+                        f"{'call unmerge(model) first' if sign > 0 else 'nothing to unmerge'}")
+    w = model.get_parameter(path)
+    if not w.dtype.is_floating_point:
+        raise UserError(f"{path}: a {w.dtype} expert weight cannot take an update — merge onto a float base")
+    delta = d.delta_weight().to(w.device)
+    target = w.detach().float() + sign * delta
+    with torch.no_grad():
+        w.copy_(target)
+    err = w.detach().float() - target
+    en, tn, dn = err.norm().item(), target.norm().item(), delta.norm().item()
+    d.merged = sign > 0
+    return MergeError(name=path, max_abs=err.abs().max().item() if err.numel() else 0.0, rel=en / tn if tn else 0.0,
+                      rel_update=en / dn if dn else 0.0, quantized=False)
 
 
 def unmerge(model: nn.Module) -> MergeReport:
     """Undo `merge`: subtract every update from its base weight (a quantized base rounds again)."""
     layers = lora_layers(model)
-    if not layers:
+    experts = expert_adapters(model)
+    if not layers and not experts:
         raise UserError("unmerge: the model has no LoRA layers — nothing to unmerge")
-    report = MergeReport([m.unmerge(n) for n, m in layers])
+    report = MergeReport([m.unmerge(n) for n, m in layers] + [_merge_experts(model, n, d, -1) for n, d in experts])
     _log_report("unmerge", report)
     return report
 
@@ -125,6 +147,12 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
             w = _dequantize_bnb(m)
             base_dtype = torch.float32
         out[f"{n}.weight"] = w.to(base_dtype)
+    for path, d in expert_adapters(model):  # the experts' 3-D weights with their update, no adapter keys
+        owner = path.rpartition(".")[0]
+        for key in [k for k in out if k.startswith(f"{owner}.deltas.")]:
+            del out[key]
+        w = model.get_parameter(path)
+        out[path] = (w.detach().float() + (0 if d.merged else d.delta_weight().to(w.device))).to(w.dtype)
     if dtype is not None:
         out = {k: (v.to(dtype) if v.dtype.is_floating_point else v) for k, v in out.items()}
     return out

@@ -20,6 +20,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from minitrain.adapters import lora_experts
 from minitrain.adapters.lora import (LoRAConfig, applied, apply_lora, freeze_for_adapters, lora_layers, minimal_targets,
                                      name_matches, output_head, target_names)
 from minitrain.errors import UserError
@@ -41,7 +42,6 @@ _PEFT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "layers_to_transform": (None, []),
     "layer_replication": (None, []),
     "exclude_modules": (None, [], ""),
-    "target_parameters": (None, []),
     "trainable_token_indices": (None, [], {}),
     "use_qalora": (False, None),
     "alora_invocation_tokens": (None,),
@@ -75,6 +75,8 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
             tensors[f"{PEFT_PREFIX}{name}"] = state.get(name, p).detach().contiguous().cpu()
     for n, p, _ in st.saved:
         tensors[f"{PEFT_PREFIX}{n}"] = state.get(n, p).detach().contiguous().cpu()
+    expert_tensors, target_parameters = lora_experts.peft_tensors(model, PEFT_PREFIX, state)
+    tensors.update(expert_tensors)
     emb = getattr(model, "input_embeddings", None)
     if base_model_name_or_path is None and getattr(model, "source_dir", None) is not None:
         base_model_name_or_path = str(model.source_dir)
@@ -85,7 +87,8 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
         "lora_alpha": c.alpha,
         "lora_dropout": c.dropout,
         "use_rslora": c.rslora,
-        "target_modules": minimal_targets(model, st.wrapped),
+        "target_modules": minimal_targets(model, st.wrapped) if st.wrapped else [],
+        **({"target_parameters": target_parameters} if target_parameters else {}),
         "bias": "none",
         "modules_to_save": list(c.modules_to_save) or None,
         **({"rank_pattern": dict(c.rank_pattern)} if c.rank_pattern else {}),
@@ -170,9 +173,13 @@ def _config_from_peft(config: dict[str, Any], where: Path) -> LoRAConfig:
         if config.get(k) is None:
             raise UserError(f"{where}: missing {k!r} — not a complete LoRA adapter config")
     targets = config["target_modules"]
+    params = list(config.get("target_parameters") or [])
+    if params and isinstance(targets, str):
+        raise UserError(f"{where}: target_modules as a regular expression together with target_parameters is "
+                        f"not supported — list the target modules")
     return LoRAConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]),
                       dropout=float(config.get("lora_dropout") or 0.0),
-                      targets=targets if isinstance(targets, str) else tuple(targets),
+                      targets=targets if isinstance(targets, str) else tuple(targets) + tuple(params),
                       rslora=bool(config.get("use_rslora", False)),
                       modules_to_save=tuple(config.get("modules_to_save") or ()),
                       rank_pattern=_rank_pattern(config.get("rank_pattern"), where))
@@ -212,6 +219,8 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool
                         f"model's input embedding has {emb.num_embeddings} — add the same special tokens and call "
                         f"model.resize_token_embeddings({vocab}) before load_adapter")
 
+    expert_paths, expert_tensors = lora_experts.from_peft(model, tensors, config.get("target_parameters") or [],
+                                                          str(wpath))
     st = applied(model)
     if st is not None:
         c = st.config
@@ -221,9 +230,24 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike, *, trainable: bool
                             f"than {folder} (r={cfg.r}, alpha={cfg.alpha}) — adapters are applied once (rule 4); "
                             f"load it onto a fresh base model")
         wrapped = list(st.wrapped)
+        if sorted(st.experts) != sorted(expert_paths):
+            raise UserError(f"load_adapter: the model's expert adapters ({len(st.experts)}) are not the ones in "
+                            f"{folder} ({len(expert_paths)}) — load it onto a fresh base model")
     else:
-        wrapped = target_names(model, cfg.targets)
+        _, linear_targets, never = lora_experts.split_targets(model, cfg.targets)
+        wrapped = [n for n in (target_names(model, linear_targets) if linear_targets else [])
+                   if n.rsplit(".", 1)[-1] not in never]
+        chosen = lora_experts.split_targets(model, cfg.targets)[0]
+        if sorted(chosen) != sorted(expert_paths):
+            raise UserError(f"{wpath}: the config selects {len(chosen)} expert parameters but the file adapts "
+                            f"{len(expert_paths)} — the file and adapter_config.json do not belong together")
     _check_adapter_tensors(model, cfg, wrapped, tensors, wpath)
+    for key, t in expert_tensors.items():
+        path = key.replace(".deltas.", ".").removesuffix(".lora_A.weight")
+        if key.endswith(".lora_A.weight") and t.shape[1] != cfg.rank_for(path):
+            raise UserError(f"{wpath}: the expert adapter of {path} has rank {t.shape[1]}, the config says "
+                            f"r={cfg.rank_for(path)} — the file and adapter_config.json do not belong together")
+    tensors.update(expert_tensors)
 
     if st is None:
         apply_lora(model, cfg, every_target=False)

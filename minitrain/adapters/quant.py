@@ -87,7 +87,15 @@ def quantize_hook(
     def skipped(name: str) -> bool:
         return any(name == s or name.endswith("." + s) for s in skip)
 
+    checked: list[bool] = []
+
     def hook(model: nn.Module, key: str, tensor: torch.Tensor) -> bool:
+        if not checked:  # once, at the first tensor: before anything is quantized or written
+            checked.append(True)
+            if any(hasattr(m, "expert_projections") for m in model.modules()):
+                raise UserError(f"quantize={kind}: this mixture-of-experts model holds most of its weights in its "
+                                f"experts' 3-D tensors, which minitrain cannot quantize yet (only linear layers), so "
+                                f"the base would stay near full size — drop quantize= (LoRA on the float base)")
         owner, _, leaf = key.rpartition(".")
         if leaf != "weight" or not owner or skipped(owner) or not tensor.is_floating_point():
             return False

@@ -132,7 +132,7 @@ def block_mask(q_seq: torch.Tensor, k_seq: torch.Tensor | None = None, causal: b
 def document_ids(seq: torch.Tensor) -> torch.Tensor:
     """(B, T) sequence ids (-1 = padding) -> the model's `document_ids` (B, T): sequence i is document
     i + 1 (document 0 is a row's shared prefix, which packed rows do not have), padding -1: each
-    token attends causally to its own sequence (docs/contracts.md, `models.llama.document_mask_mod`)."""
+    token attends causally to its own sequence (docs/contracts.md, `models.layers.document_mask_mod`)."""
     return torch.where(seq >= 0, seq + 1, -1)
 
 

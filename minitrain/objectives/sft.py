@@ -63,7 +63,27 @@ def sft(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     A packed batch (`minitrain.data.packing`) brings its block mask and per-example positions."""
     hidden = causal_hidden(model, batch)  # (B, T, D)
     loss_sum, count = chunked_cross_entropy_sum(hidden, model.output_projection, shift_labels(batch["labels"]))
-    return loss_sum, count, {}
+    return router_aux(model, batch, loss_sum, count)
+
+
+def router_aux(model: nn.Module, batch: dict[str, torch.Tensor], loss_sum: torch.Tensor, count: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """A mixture-of-experts model's routing terms after its forward on `batch` (the model's optional
+    `router_aux_loss`, docs/contracts.md): the load-balancing loss joins the loss when the model's config
+    turns it on, as `count` x the term, so that after the window's division by its token count it adds
+    the term per token, as transformers adds it to its mean loss; `aux_loss` and the expert loads are
+    logged either way. Any other model: (loss_sum, count, {})."""
+    aux = getattr(model, "router_aux_loss", None)
+    if aux is None:
+        return loss_sum, count, {}
+    real = batch["document_ids"] >= 0 if "document_ids" in batch else batch.get("attention_mask")
+    out = aux(real)
+    if out is None:  # an eval-mode forward routes without keeping it
+        return loss_sum, count, {}
+    term, metrics = out
+    if term is not None:
+        loss_sum = loss_sum + term * count
+    return loss_sum, count, metrics
 
 
 def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tensor:

@@ -60,7 +60,7 @@ class ModelShape:
     NORMS: ClassVar[int] = 2  # RMSNorms per block
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {}  # fused linear -> the unfused names (Phi-3)
     UNPADS_ON_CPU: ClassVar[bool] = True  # LLaMA, Gemma, Phi-3 run a padded batch unpadded on a CPU (T5 does not)
-    UNPADS_FROM: ClassVar[int] = 32  # ... rows of at least this many positions (models.llama.RAGGED_MIN_LENGTH)
+    UNPADS_FROM: ClassVar[int] = 32  # ... rows of at least this many positions (models.layers.RAGGED_MIN_LENGTH)
 
     @classmethod
     def _dims(cls, d: dict[str, Any], where: str, defaults: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,8 @@ work). Per token, for a linear layer of `in x out`:
   gradient of its weight only when the weight trains. A frozen base linear: `4 in out`; a trained
   one: `6 in out`;
 - a LoRA adapter of rank r on it (A: `in x r`, B: `r x out`, both trained): `6 r (in + out)`;
+- mixture-of-experts: the active parameters, each token's `top_k` experts (a projection of `in x out`
+  per expert K times, its per-expert adapter too), the router a linear `D x E`;
 - attention, per layer: `2 x 2 x W` per visible (query, key) pair for `QK^T` and `AV` (W = the
   query width, heads x head_dim), times 3 with the backward (q, k and v are all activations).
   Pairs are counted from the batch: a causal row of n real tokens has `n (n + 1) / 2`; a packed
@@ -59,6 +61,25 @@ def device_peak_flops(device: torch.device | str) -> float | None:
     return next((peak for key, peak in PEAK_BF16 if key in name), None)
 
 
+def _expert_cost(m: nn.Module) -> tuple[float, list[nn.Module]]:
+    """Per-token FLOPs of a mixture-of-experts experts module (the active parameters: each token goes
+    through `top_k` experts, one row per expert): each 3-D projection of `in x out` per expert counts
+    as a linear, K times, and its per-expert adapter (`deltas`) as a LoRA of its rank; -> (FLOPs, the
+    adapter modules, counted here)."""
+    k = getattr(m, "top_k", 1)
+    cost, adapters = 0.0, []
+    for p in m.expert_projections:
+        w = getattr(m, p)
+        fin, fout = (w.shape[1], w.shape[2]) if getattr(m, "in_out", False) else (w.shape[2], w.shape[1])
+        cost += k * (6 if w.requires_grad else 4) * fin * fout
+        d = m.deltas[p] if p in getattr(m, "deltas", {}) else None
+        if d is not None:
+            adapters.append(d)
+            if not getattr(d, "merged", False) and not getattr(d, "disabled", False):
+                cost += k * 6 * d.r * (fin + fout)
+    return cost, adapters
+
+
 @dataclass
 class FlopCounter:
     """Per-token FLOPs of a model's parts, read once from its modules (see the module docstring)."""
@@ -76,6 +97,11 @@ class FlopCounter:
         inner = set()  # the adapters' own A / B linears, counted with their LoRA layer
         for name, m in model.named_modules():
             if id(m) in inner:
+                continue
+            if hasattr(m, "expert_projections"):  # MoE experts: each token's K rows, their adapters with them
+                cost, adapters = _expert_cost(m)
+                body += cost
+                inner.update(id(x) for d in adapters for x in d.modules())
                 continue
             a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
             fin, fout = getattr(m, "in_features", None), getattr(m, "out_features", None)

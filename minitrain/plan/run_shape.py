@@ -37,7 +37,7 @@ class RunShape:
     the plain-causal path builds none. real_tokens: the batch's non-padding tokens (None: rows x
     seq, the worst case). On a CPU the decoder-only families run a padded batch of rows of at least
     `UNPADS_FROM` positions without its padding
-    (`models.llama.Ragged`): their per-token terms then count the real tokens and, without a
+    (`models.layers.Ragged`): their per-token terms then count the real tokens and, without a
     window shorter than seq, no mask is built (`predict` applies this; T5 ignores it). teacher:
     distillation's teacher (`distill_terms`), run frozen in the compute dtype (or
     `teacher_quantize`). world, parallel: under torchrun the plan is rank 0's

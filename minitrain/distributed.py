@@ -49,6 +49,8 @@ import functools
 import os
 import sys
 import time
+import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -175,7 +177,6 @@ def main_only(fn: Callable[[], T]) -> T | None:
             message = e.message
         finally:
             _alone = False
-    _collective("main_only")
     box = [message]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
@@ -280,15 +281,20 @@ def _ours(filename: str) -> str | None:
     return path.name
 
 
+def _site(frames: Iterable[tuple[Any, int]], function: bool = False) -> str:
+    """The innermost line of ours among `frames` ((code, line), outermost first), outside this
+    module where there is one: `minitrain/train.py:352` (`function`: with ` (train)`)."""
+    site = "?"
+    for code, line in frames:
+        name = _ours(code.co_filename)
+        if name and (name != "minitrain/distributed.py" or site == "?"):
+            site = f"{name}:{line}" + (f" ({code.co_name})" if function else "")
+    return site
+
+
 def _caller() -> str:
-    """The innermost line of ours on the stack outside this module (`minitrain/train.py:352`)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = _ours(frame.f_code.co_filename)
-        if name and name != "minitrain/distributed.py":
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
+    """The innermost line of ours on the stack, outside this module."""
+    return _site(reversed([(f.f_code, line) for f, line in traceback.walk_stack(sys._getframe(1))]))
 
 
 # ----------------------------------------------------------------------------- tracing and failures
@@ -386,14 +392,8 @@ def report_failure(e: BaseException, grace: float = 5.0) -> str | None:
 
 
 def _failure_site(e: BaseException) -> str:
-    """The innermost line of ours in `e`'s traceback, outside this module where there is one."""
-    site, tb = "?", e.__traceback__
-    while tb is not None:
-        name = _ours(tb.tb_frame.f_code.co_filename)
-        if name and (name != "minitrain/distributed.py" or site == "?"):
-            site = f"{name}:{tb.tb_lineno} ({tb.tb_frame.f_code.co_name})"
-        tb = tb.tb_next
-    return site
+    """The innermost line of ours in `e`'s traceback, with its function."""
+    return _site(((f.f_code, line) for f, line in traceback.walk_tb(e.__traceback__)), function=True)
 
 
 # ----------------------------------------------------------------------------- FSDP2's tensors (minitrain.fsdp shards)

@@ -567,7 +567,8 @@ def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str,
     else:
         examples = open_or_build(default_cache() if cache == "auto" else cache, sources, kind, read, tok, options,
                                  workers=getattr(cfg, "data_workers", 0), weights=weights,
-                                 keep_days=getattr(cfg, "data_cache_days", 0))
+                                 keep_days=getattr(cfg, "data_cache_days", 0),
+                                 verify=bool(getattr(cfg, "resume", False)))
         counts = examples.header["per_source"]
     return examples, counts
 

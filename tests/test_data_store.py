@@ -55,10 +55,11 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(store_build, "FLUSH", 7)  # and several writes
 
 
-def build(cache, data, tok, kind="sft", workers=2, keep_days=0, **options):
+def build(cache, data, tok, kind="sft", workers=2, keep_days=0, verify=False, **options):
     options.setdefault("max_len", 40)
     sources = data if isinstance(data, list) else [str(data)]
-    return open_or_build(cache, sources, kind, READERS[kind], tok, options, workers=workers, keep_days=keep_days)
+    return open_or_build(cache, sources, kind, READERS[kind], tok, options, workers=workers, keep_days=keep_days,
+                         verify=verify)
 
 
 def assert_same(store, ref):
@@ -254,7 +255,7 @@ def test_reused_until_something_that_made_it_changes(tmp_path, tok, capsys):
     assert len(build(tmp_path / "c", path, tok)) == len(SFT_ROWS["prompt_completion"]) - 1
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header", "missing"])
+@pytest.mark.parametrize("damage", ["truncate", "header", "missing", "flipped"])
 def test_damaged_store_is_detected_and_rebuilt_with_a_note(tmp_path, tok, capsys, damage):
     path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["messages"])
     ref = read_sft(path, tok, max_len=40)
@@ -266,13 +267,51 @@ def test_damaged_store_is_detected_and_rebuilt_with_a_note(tmp_path, tok, capsys
         header = json.loads((folder / "header.json").read_text())
         header["n"] -= 1
         (folder / "header.json").write_text(json.dumps(header))
-    else:
+    elif damage == "missing":
         (folder / "labels.off").unlink()
+    else:  # one byte flipped inside the ids (a bad disk, a bad copy): the size and the header stay right
+        flip_byte(ids, 5)
     capsys.readouterr()
     store = build(tmp_path / "c", path, tok)
     out = capsys.readouterr().out
     assert f"note: data_cache: {folder}: damaged" in out and "rebuilding" in out, out
     assert store.folder == folder and list(store) == list(ref)
+
+
+def flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_store_past_the_size_checked_at_open_is_checked_on_resume(tmp_path, tok, capsys, monkeypatch):
+    """Above `VERIFY_BYTES` a plain open skips the arrays' checksums (and says so); `verify=True`
+    (what `resume=true` passes) reads them, finds the flipped byte and rebuilds."""
+    monkeypatch.setattr(store_build, "VERIFY_BYTES", 0)
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS["messages"])
+    ref = list(read_sft(path, tok, max_len=40))
+    folder = build(tmp_path / "c", path, tok).folder
+    flip_byte(folder / "labels.ids", 9)
+    capsys.readouterr()
+    assert list(build(tmp_path / "c", path, tok)) != ref  # unchecked: the damage reads through
+    assert "are not checked at start (resume=true checks them" in capsys.readouterr().out
+    assert list(build(tmp_path / "c", path, tok, verify=True)) == ref
+    out = capsys.readouterr().out
+    assert f"{folder}: damaged (labels.ids: its bytes do not match the checksum written at build)" in out, out
+
+
+def test_resume_passes_verify_to_the_store(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from minitrain import run
+
+    seen = []
+    monkeypatch.setattr(run, "open_or_build", lambda *a, **kw: seen.append(kw["verify"]) or SimpleNamespace(
+        header={"per_source": [1]}))
+    for resume in (False, True):
+        cfg = SimpleNamespace(data_cache=str(tmp_path), resume=resume)
+        run.read_data(cfg, str(tmp_path / "d.jsonl"), "sft", None, {})
+    assert seen == [False, True]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -578,6 +617,13 @@ def test_minitrain_cache_lists_and_clears(tmp_path, tok, capsys):
     assert out[0].startswith(f"2 token stores in {cache}")
     assert a.folder.name in out[1] and "2 examples (sft)" in out[1] and "(40 days ago)" in out[1]  # oldest first
     assert b.folder.name in out[2] and f"{len(b)} examples" in out[2] and str(tmp_path / "b.jsonl") in out[2]
+    assert run_cli(["cache", "verify", "--dir", str(cache)]) == 0
+    assert capsys.readouterr().out.endswith(f"2 of 2 token stores in {cache} read back as built\n")
+    flip_byte(b.folder / "input_ids.ids", 3)
+    assert run_cli(["cache", "verify", "--dir", str(cache)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert f"DAMAGED  {b.folder.name}: input_ids.ids: its bytes do not match" in "\n".join(out), out
+    assert out[-1] == f"1 of 2 token stores in {cache} read back as built; 1 damaged: the next run that uses one rebuilds it"
     assert run_cli(["cache", "clear", "--days", "30", "--dir", str(cache)]) == 0
     assert "removed 1 token store" in capsys.readouterr().out
     assert not a.folder.exists() and b.folder.exists()

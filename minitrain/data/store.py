@@ -2,8 +2,9 @@
 
 A store is a folder:
 
-    header.json        what made it (`fingerprint`), the example count, the keys, each file's size,
-                       the readers' counts (truncated, skipped, ...) and a checksum of the header itself
+    header.json        what made it (`fingerprint`), the example count, the keys, each file's size and
+                       SHA-256 (`sums`, written at build), the readers' counts (truncated, skipped, ...)
+                       and a checksum of the header itself
     <key>.ids          int32, every example's `<key>` list one after the other (ids, labels: -100 kept)
     <key>.off          int64, n + 1 offsets into `<key>.ids`
     <key>.val          int64, one number per example (KTO's `label`, `prompt_len`)
@@ -17,7 +18,10 @@ from the mapped arrays, so nothing is held per example but what the memory map p
 `open_or_build(...)` finds the store of a fingerprint in the cache folder or builds it: a lock file
 makes one process build while the others wait; the build writes into a temporary folder beside the
 store, fsyncs, and renames it into place, so a kill or a second run never leaves a half store that
-is later read. A store whose header checksum or file sizes do not match is rebuilt, with a note.
+is later read. A store whose header checksum or file sizes do not match is rebuilt, with a note; so
+is one whose arrays do not match their checksums (`TokenStore.verify`: a byte flipped on disk), which
+a run checks when it opens a store of at most `VERIFY_BYTES`, and always on `resume=true`
+(`minitrain cache verify` checks every store of a cache folder).
 The build itself (workers over row chunks, merged in order) is `minitrain.data.store_build`.
 """
 
@@ -33,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2  # 2: a SHA-256 per array (`sums`)
+VERIFY_BYTES = 2 << 30  # a run checks the arrays of a store up to this size at open (about 1 s)
 HEADER = "header.json"
 ID_DTYPE = np.int32
 COUNTS = ("truncated", "skipped", "bos_in_text", "identical")
@@ -47,6 +52,12 @@ class Damaged(Exception):
 def header_checksum(header: dict[str, Any]) -> str:
     body = {k: v for k, v in header.items() if k != "checksum"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def file_sum(path: Path) -> str:
+    """The SHA-256 of a file's bytes (an array of the store), read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class TokenStore(Sequence):
@@ -68,6 +79,7 @@ class TokenStore(Sequence):
                 got = path.stat().st_size if path.is_file() else "missing"
                 raise Damaged(f"{name}: {got} bytes, the header says {size}")
         self.header = header
+        self.array_bytes = sum(header["files"].values())
         self.n = int(header["n"])
         self.path = header["path"]
         for k in COUNTS:
@@ -83,6 +95,13 @@ class TokenStore(Sequence):
 
     def __len__(self) -> int:
         return self.n
+
+    def verify(self) -> None:
+        """Raise `Damaged` when an array's bytes differ from the SHA-256 its build wrote (a byte flipped
+        on disk keeps the size, so only this finds it). Reads every array once: about 1 s per 2 GiB."""
+        for name, want in self.header["sums"].items():
+            if file_sum(self.folder / name) != want:
+                raise Damaged(f"{name}: its bytes do not match the checksum written at build")
 
     def __getitem__(self, i):
         if isinstance(i, slice):

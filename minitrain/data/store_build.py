@@ -42,9 +42,11 @@ from minitrain.data.store import (
     COUNTS,
     HEADER,
     ID_DTYPE,
+    VERIFY_BYTES,
     VERSION,
     Damaged,
     TokenStore,
+    file_sum,
     fsync_folder,
     header_checksum,
 )
@@ -398,8 +400,9 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
             shapes = shapes or {}
             shapes[k] = shapes.get(k, 0) + v
     files = {f.name: f.stat().st_size for f in tmp.iterdir()}
+    sums = {name: file_sum(tmp / name) for name in files}
     header = {"version": VERSION, "n": n, "path": ",".join(sources), "lists": lists, "values": values, "order": order,
-              "files": files, "counts": counts, "shapes": shapes, "per_source": per_source, "fingerprint": fp}
+              "files": files, "sums": sums, "counts": counts, "shapes": shapes, "per_source": per_source, "fingerprint": fp}
     header["checksum"] = header_checksum(header)
     (tmp / HEADER).write_text(json.dumps(header, indent=1, default=str), encoding="utf-8")
     fsync_folder(tmp)
@@ -416,15 +419,17 @@ def _read(path: Path, dtype) -> np.ndarray:
 
 def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callable, tok: Any,
                   options: dict[str, Any], *, split: str | None = None, workers: int = 0,
-                  weights: list[float] | None = None, keep_days: float = 0) -> TokenStore:
+                  weights: list[float] | None = None, keep_days: float = 0, verify: bool = False) -> TokenStore:
     """The token store of these sources and settings, from `cache` or built into it (module doc).
-    Opening it records its use; after a build, the stores of `cache` unused for `keep_days` days are
-    removed (`minitrain.data.store_cache`; 0: none)."""
+    A store found in the cache has its arrays checked against their checksums when `verify` is true or
+    they hold at most `VERIFY_BYTES` (a larger one unchecked is said in a note). Opening it records its
+    use; after a build, the stores of `cache` unused for `keep_days` days are removed
+    (`minitrain.data.store_cache`; 0: none)."""
     cache = Path(cache)
     fp = fingerprint(sources, kind, tok, {**options, "split": split}, weights)
     folder = cache / store_name(sources, kind, fp)
     try:
-        return _opened(folder)
+        return _opened(folder, verify)
     except (Damaged, FileNotFoundError):
         pass
     try:
@@ -441,7 +446,7 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
             fcntl.flock(lock, fcntl.LOCK_EX)
         if folder.exists():
             try:
-                return _opened(folder)
+                return _opened(folder, verify)
             except Damaged as e:
                 log(f"note: data_cache: {folder}: damaged ({e}) — rebuilding it")
                 shutil.rmtree(folder, ignore_errors=True)
@@ -464,7 +469,7 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        store = _opened(folder)
+        store = _opened(folder, None)  # just built and fsynced: its sums were computed from these bytes
         log(f"data: token store built in {time.perf_counter() - t0:.1f} s with {workers} worker"
             f"{'s' if workers > 1 else ''}: {folder}")
     gone = store_cache.evict(cache, keep_days, keep=folder)  # after the lock: evict takes each store's own
@@ -474,7 +479,13 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
     return store
 
 
-def _opened(folder: Path) -> TokenStore:
+def _opened(folder: Path, verify: bool | None = False) -> TokenStore:
+    """The store in `folder`, its use recorded; its arrays checked as `open_or_build` says (None: never)."""
     store = TokenStore(folder)
+    if verify or (verify is not None and store.array_bytes <= VERIFY_BYTES):
+        store.verify()
+    elif verify is not None:
+        log(f"note: data_cache: {folder}: its arrays ({store.array_bytes / 2**30:,.1f} GiB) are not checked at "
+            f"start (resume=true checks them; `minitrain cache verify` checks every store)")
     store_cache.touch(folder)
     return store

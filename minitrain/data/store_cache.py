@@ -5,7 +5,8 @@ Every run that opens a store touches its `last_used` file (`touch`). A store who
 longer used (another `max_len`, a changed file, a new tokenizer) would otherwise stay forever, so after
 each build the stores of the same folder that no run opened for `data_cache_days` days are removed
 (`evict`); so are the temporary folders of builds killed that long ago. `minitrain cache` lists a
-folder's stores with their sizes and last use, `minitrain cache clear [--days N]` removes them by hand
+folder's stores with their sizes and last use, `minitrain cache clear [--days N]` removes them by hand,
+`minitrain cache verify` reads every store's arrays against the checksums written at their build
 (`main`).
 
 A store is removed under its build lock (`.<name>.lock`; one being built is skipped) and first renamed
@@ -120,9 +121,9 @@ def _remove_older(cache: Path, cutoff: float, keep: Path | None = None) -> list[
 
 # --------------------------------------------------------------------------- `minitrain cache`
 
-USAGE = ("usage: minitrain cache [--dir DIR]  |  minitrain cache clear [--days N] [--dir DIR] — list the token "
-         "stores of data_cache (default ~/.cache/minitrain/data), or remove them (with --days: only those unused "
-         "for N days)")
+USAGE = ("usage: minitrain cache [--dir DIR]  |  minitrain cache clear [--days N] [--dir DIR]  |  minitrain cache "
+         "verify [--dir DIR] — list the token stores of data_cache (default ~/.cache/minitrain/data), remove them "
+         "(with --days: only those unused for N days), or check their arrays against their checksums")
 
 
 def _size(n: float) -> str:
@@ -133,11 +134,27 @@ def _size(n: float) -> str:
     return f"{n:,.1f} TiB"
 
 
+def _verify(found: list[StoreInfo], cache: Path) -> int:
+    from minitrain.data.store import Damaged, TokenStore
+
+    bad = 0
+    for s in found:
+        try:
+            TokenStore(s.folder).verify()
+            print(f"  ok       {s.folder.name}  {_size(s.size)}", flush=True)
+        except Damaged as e:
+            bad += 1
+            print(f"  DAMAGED  {s.folder.name}: {e}", flush=True)
+    print(f"{len(found) - bad} of {len(found)} token store{'' if len(found) == 1 else 's'} in {cache} read back as "
+          f"built" + (f"; {bad} damaged: the next run that uses one rebuilds it" if bad else ""))
+    return 1 if bad else 0
+
+
 def _parse(args: list[str], default: Path) -> tuple[str, Path, float | None]:
     command = "list"
     if args and not args[0].startswith("-"):
         command, args = args[0], args[1:]
-    if command not in ("list", "clear"):
+    if command not in ("list", "clear", "verify"):
         raise UserError(f"cache {command}: not a cache command — {USAGE}")
     opts: dict[str, str] = {}
     while args:
@@ -157,10 +174,13 @@ def _parse(args: list[str], default: Path) -> tuple[str, Path, float | None]:
 
 
 def main(args: list[str], default: Path) -> int:
-    """`minitrain cache [list] [--dir DIR]` and `minitrain cache clear [--days N] [--dir DIR]`."""
+    """`minitrain cache [list] [--dir DIR]`, `minitrain cache clear [--days N] [--dir DIR]` and
+    `minitrain cache verify [--dir DIR]` (exit 1 when a store is damaged)."""
     command, cache, days = _parse(list(args), default)
     found = stores(cache)
     now = time.time()
+    if command == "verify":
+        return _verify(found, cache)
     if command == "list":
         if not found:
             print(f"no token stores in {cache}")

@@ -49,8 +49,8 @@ from types import ModuleType
 from typing import Any, Callable, NamedTuple
 
 from minitrain import bundled
-from minitrain.config import (conforms, example, field_types, format_value, shown, type_name, union_members,
-                              unwrap_optional, validate)
+from minitrain.config import (check_paths, conforms, example, field_types, format_value, shown, type_name,
+                              union_members, unwrap_optional, validate)
 from minitrain.errors import UserError
 
 USAGE = ("usage: python -m minitrain RECIPE [key=value ...] [--help] — RECIPE is a recipe file (my_sft.py) "
@@ -159,6 +159,8 @@ def _main(argv: list[str]) -> int:
         from minitrain.data.store_build import default_cache
 
         return store_cache.main(argv[1:], default_cache())
+    if argv[0] == "config" and not Path(argv[0]).exists():  # a run file of a recipe's keys
+        return _config_template(argv[1:])
     path, args = argv[0], argv[1:]
     if not path.endswith(".py") and ("=" in path or path.startswith("-")):
         raise UserError(f"{path}: the first argument must be the recipe file — "
@@ -168,7 +170,10 @@ def _main(argv: list[str]) -> int:
 
         print(f"minitrain {__version__}")
         return 0
-    recipe = load_recipe(_recipe_path(path))
+    path = _recipe_path(path)
+    if not any(a in ("-h", "--help") for a in args):
+        early_check(path, args)  # a mistyped key, a bad value or a missing file: answered before torch loads
+    recipe = load_recipe(path)
     if any(a in ("-h", "--help") for a in args):
         print(recipe_help(recipe))
         return 0
@@ -361,13 +366,172 @@ REAL_RUN_KEYS = ("model", "data", "eval_data")
 
 def resolve_config(recipe: Recipe, args: list[str]) -> tuple[Any, dict[str, Any]]:
     """(the run's config, the demo settings it took or {}): the recipe's `config`, its `demo`
-    settings when the command names none of `REAL_RUN_KEYS`, then the command's `key=value`s."""
+    settings when neither the run file nor the command names one of `REAL_RUN_KEYS`, then the run
+    file's keys (`config=run.yaml`), then the command's `key=value`s."""
+    files = [a for a in args if a.partition("=")[0].strip() == RUN_FILE_KEY]
+    args = [a for a in args if a not in files]
+    if len(files) > 1:
+        raise UserError(f"{RUN_FILE_KEY}: given {len(files)} times — pass one run file (keys on the command line "
+                        f"override it)")
+    from_file = read_run_file(files[0].partition("=")[2], recipe.config, recipe.path) if files else {}
     demo = getattr(recipe.module, "demo", None) or {}
-    named = {a.partition("=")[0].strip() for a in args}
+    named = {a.partition("=")[0].strip() for a in args} | set(from_file)
     if named & set(REAL_RUN_KEYS):
         demo = {}
     base = dataclasses.replace(copy.deepcopy(recipe.config), **demo) if demo else recipe.config
-    return apply_overrides(base, args, where=recipe.path), demo
+    given = {a.partition("=")[0].strip() for a in args}
+    base = dataclasses.replace(base, **{k: v for k, v in from_file.items() if k not in given})
+    config = apply_overrides(base, args, where=recipe.path)
+    if isinstance(getattr(config, "model", None), str) and config.model.endswith("config.json") \
+            and Path(config.model).is_file():  # model=.../config.json: its folder
+        config = dataclasses.replace(config, model=str(Path(config.model).parent))
+    return config, demo
+
+
+# ----------------------------------------------------------------------------- before the heavy imports
+
+# modules a recipe's config may come from that import no torch: `early_check` runs only these imports
+LIGHT_MODULES = ("__future__", "dataclasses", "typing", "pathlib", "functools", "json", "re", "shlex",
+                 "minitrain.config", "minitrain.objectives.configs", "minitrain.errors", "minitrain.bundled")
+
+
+def early_check(path: str, args: list[str]) -> None:
+    """Check the command's keys and values (and the run file's), then the files and folders they name,
+    against the recipe's config read without the recipe's heavy imports: its imports from
+    `LIGHT_MODULES`, its classes, functions and assignments only. A recipe whose config needs more
+    (a config class from a module that imports torch) is checked after its full import instead."""
+    module = _light_module(path)
+    if module is None:
+        return
+    try:
+        config, _ = resolve_config(Recipe(path, module, module.config, lambda c: None), args)
+        validate(config)
+        check_paths(config)
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 -- what the light read lacks: the full import checks the same again
+        return
+    finally:
+        sys.modules.pop(module.__name__, None)
+
+
+def _light_module(path: str) -> ModuleType | None:
+    p = Path(path)
+    try:
+        tree = ast.parse(p.read_text(encoding="utf-8"), str(p))
+    except (OSError, SyntaxError, ValueError):
+        return None  # load_recipe says what is wrong with it
+    module = ModuleType("minitrain_recipe_early_" + re.sub(r"\W", "_", p.stem))
+    module.__file__ = str(p)
+    sys.modules[module.__name__] = module  # the config dataclass's string annotations resolve through it
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            keep = node.level == 0 and node.module in LIGHT_MODULES
+        elif isinstance(node, ast.Import):
+            keep = all(a.name in LIGHT_MODULES for a in node.names)
+        else:
+            keep = isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.Assign, ast.AnnAssign))
+        if keep:
+            try:
+                exec(compile(ast.Module(body=[node], type_ignores=[]), str(p), "exec"), module.__dict__)  # noqa: S102
+            except Exception:  # noqa: BLE001 -- a name from a heavy import: whatever needs it is not read early
+                pass
+    config = getattr(module, "config", None)
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        sys.modules.pop(module.__name__, None)
+        return None
+    return module
+
+
+# ----------------------------------------------------------------------------- run files
+
+RUN_FILE_KEY = "config"
+
+
+def read_run_file(path: str, config: Any, where: str) -> dict[str, Any]:
+    """The keys of run file `path` (YAML or JSON: a mapping of the recipe's keys), each typed as the
+    field it names; UserError naming the file and line of a bad one."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{RUN_FILE_KEY}={path}: no such run file — write one with: minitrain config "
+                        f"{where} > run.yaml")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise UserError(f"{RUN_FILE_KEY}={path}: reading YAML needs PyYAML — pip install 'minitrain[yaml]', "
+                            f"or write the run file as JSON (run.json)") from None
+        try:
+            root = yaml.compose(text)
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            raise UserError(f"{path}:{mark.line + 1 if mark else 1}: not YAML ({getattr(e, 'problem', e)}) — "
+                            f"fix the file") from None
+        lines = {k.value: k.start_mark.line + 1 for k, _ in root.value} if isinstance(root, yaml.MappingNode) else {}
+    elif p.suffix == ".json":
+        try:
+            values = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"{path}:{getattr(e, 'lineno', 1)}: not JSON ({getattr(e, 'msg', e)}) — fix the file") \
+                from None
+        lines = {k: text[:m.start()].count("\n") + 1 for k in (values if isinstance(values, dict) else {})
+                 for m in [re.search(rf'"{re.escape(k)}"\s*:', text)] if m}
+    else:
+        raise UserError(f"{RUN_FILE_KEY}={path}: a run file is YAML (.yaml, .yml) or JSON (.json)")
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: holds a {type(values).__name__}, not key: value lines — e.g. lr: 2e-4")
+    types_ = field_types(type(config))
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        at = f"{path}:{lines.get(key, 1)}"
+        key = str(key)
+        if key not in types_:
+            raise UserError(f"{at}: unknown key {_quoted(key)} for {where} — {_did_you_mean(key, str(value), types_)}"
+                            f"valid keys: {', '.join(types_)}")
+        out[key] = _file_value(value, types_[key], config, key, at)
+    return out
+
+
+def _file_value(value: Any, tp: Any, config: Any, key: str, at: str) -> Any:
+    """A run file's value as field type `tp`: text parsed as on the command line, numbers and lists
+    taken as they are (an int where a float goes widened)."""
+    try:
+        if isinstance(value, str):
+            return parse_value(value, tp)
+        if unwrap_optional(tp)[0] is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if unwrap_optional(tp)[0] in (tuple,) or typing.get_origin(unwrap_optional(tp)[0]) is tuple:
+            value = tuple(value) if isinstance(value, list) else value
+        if not conforms(value, tp) and isinstance(value, (int, float)):  # `weights: 1` as `weights=1`: [1.0]
+            return parse_value(format_value(value), tp)
+        if not conforms(value, tp):
+            raise _Bad(type_name(tp))
+        return value
+    except _Bad as e:
+        raise UserError(f"{at}: {key}: expected {e} — e.g. {key}: {_example(config, key)}") from None
+
+
+def _config_template(args: list[str]) -> int:
+    """`minitrain config RECIPE`: every key of the recipe with its value, its help as a comment above it
+    (YAML; each value written as JSON, which YAML reads)."""
+    if len(args) != 1 or args[0].startswith("-"):
+        raise UserError("usage: minitrain config RECIPE > run.yaml — writes every key of the recipe with its "
+                        "default; run it with: minitrain RECIPE config=run.yaml [key=value ...]")
+    recipe = load_recipe(_recipe_path(args[0]))
+    print(f"# run file for {recipe.path}: minitrain {recipe.path} config=run.yaml [key=value ...]")
+    print("# (keys given on the command line override these; delete the keys you keep at their default)")
+    for f in dataclasses.fields(recipe.config):
+        text = f.metadata.get("help", "")
+        limits = _limits(f)
+        text = f"{text} [{limits}]" if limits and text else text or (f"[{limits}]" if limits else "")
+        for line in textwrap.wrap(text, width=96):
+            print(f"# {line}")
+        print(f"{f.name}: {json.dumps(getattr(recipe.config, f.name))}")
+    return 0
 
 
 def _recipes_in(folder: Path) -> str:

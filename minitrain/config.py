@@ -20,6 +20,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from minitrain.errors import UserError
@@ -342,6 +343,30 @@ def shown(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+def check_model_folder(folder: Any, key: str = "model") -> None:
+    """One line for a `model=` (or `teacher=`) that is not set or names no folder."""
+    if not folder:
+        raise UserError(f"{key}: not set — pass {key}=path/to/hf_model_folder (config.json, *.safetensors, tokenizer)")
+    if not Path(folder).is_dir():
+        raise UserError(f"{folder}: no such model folder — pass {key}=path/to/hf_model_folder "
+                        f"(config.json, *.safetensors, tokenizer)")
+
+
+def check_paths(cfg: Any) -> None:
+    """The folders and files a run reads, checked before anything heavy is imported (`minitrain.cli`):
+    `model` / `teacher` folders, `data` / `eval_data` sources. The loaders check them again, deeper."""
+    from minitrain.data.files import data_sources, missing_data
+
+    for key in ("model", "teacher"):  # (not set: the recipe says so, with its own advice)
+        if getattr(cfg, key, ""):
+            check_model_folder(getattr(cfg, key), key)
+    for key in ("data", "eval_data"):
+        value = getattr(cfg, key, "")
+        for source in data_sources(value) if value else ():
+            if not Path(source).exists():
+                raise UserError(missing_data(source))
 
 
 def validate(cfg: Any) -> None:

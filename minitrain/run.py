@@ -42,7 +42,7 @@ from minitrain.adapters.lora import (LoRAConfig, adapter_signature, apply_lora, 
                                      trainable_report)
 from minitrain.adapters.peft_format import load_adapter, save_adapter
 from minitrain.audit import preflight
-from minitrain.config import to_dict, to_json
+from minitrain.config import check_model_folder, to_dict, to_json
 from minitrain.data.collate import collate_causal
 from minitrain.data.packing import collate_packed_causal
 from minitrain.data.files import data_sources
@@ -256,12 +256,8 @@ def _write_text(out: Path, name: str, text: str) -> None:
 
 def load_tokenizer(cfg: Any) -> Tokenizer:
     """The tokenizer of folder `cfg.model` (light: read before the weights, so a bad data row costs seconds)."""
-    if not cfg.model:
-        raise UserError("model: not set — pass model=path/to/hf_model_folder (config.json, *.safetensors, tokenizer)")
+    check_model_folder(cfg.model)
     folder = Path(cfg.model)
-    if not folder.is_dir():
-        raise UserError(f"{folder}: no such model folder — pass model=path/to/hf_model_folder "
-                        f"(config.json, *.safetensors, tokenizer)")
     tok = Tokenizer.from_folder(folder, chat_format=None if cfg.chat_format == "auto" else cfg.chat_format)
     if getattr(cfg, "chat_template", ""):  # the user's template replaces the checkpoint's (and a detected format)
         tok.chat_template = resolve_template(cfg.chat_template, str(folder), tok.special_id)

@@ -33,7 +33,8 @@ import models
 from minitrain import distributed, ema
 from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
-from minitrain.objectives.distill import (PROJECTIONS, PROJECTIONS_FILE, DistillConfig, attach_projections,
+from minitrain.objectives.configs import DistillConfig
+from minitrain.objectives.distill import (PROJECTIONS, PROJECTIONS_FILE, attach_projections,
                                           captures_layers, check_ids_shared, check_same_tokenizer,
                                           make_distill_objective, map_layers, save_projections, shared_vocab,
                                           take_projections)

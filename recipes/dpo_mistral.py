@@ -55,7 +55,8 @@ from minitrain.bundled import demo_dir
 from minitrain.device import resolve_precision
 from minitrain.errors import UserError
 from minitrain.objectives.dpo import collate_with_reference
-from minitrain.objectives.preference import REFERENCE_FREE, PreferenceConfig, make_pair_objective
+from minitrain.objectives.configs import REFERENCE_FREE, PreferenceConfig
+from minitrain.objectives.preference import make_pair_objective
 from minitrain.objectives.reference import make_reference, precompute_reference
 from minitrain.progress import log
 from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,

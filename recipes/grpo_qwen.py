@@ -44,7 +44,8 @@ import models
 from minitrain import checkpoint as ckpt, distributed
 from minitrain.bundled import demo_dir
 from minitrain.errors import UserError
-from minitrain.objectives.grpo import GRPOConfig, GRPOObjective, collate_prompts
+from minitrain.objectives.configs import GRPOConfig
+from minitrain.objectives.grpo import GRPOObjective, collate_prompts
 from minitrain.objectives.reference import make_reference
 from minitrain.objectives.rewards import load_rewards
 from minitrain.progress import log

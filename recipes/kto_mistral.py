@@ -31,7 +31,8 @@ import models
 from minitrain.bundled import demo_dir
 from minitrain.device import resolve_precision
 from minitrain.errors import UserError
-from minitrain.objectives.kto import KTOConfig, KTOObjective, add_kl_rows, collate_kto, precompute_kto_reference
+from minitrain.objectives.configs import KTOConfig
+from minitrain.objectives.kto import KTOObjective, add_kl_rows, collate_kto, precompute_kto_reference
 from minitrain.objectives.reference import make_reference
 from minitrain.progress import log
 from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,

@@ -91,7 +91,9 @@ def assert_one_error(code: int, err: str, *needles: str) -> None:
 # ----------------------------------------------------------------------------- typed overrides
 
 
-def test_overrides_typed_for_every_field_type(capsys, recipe):
+def test_overrides_typed_for_every_field_type(capsys, recipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "some" / "folder").mkdir(parents=True)  # the command checks that model= names a folder
     code, out, err = cli(
         capsys, recipe,
         "max_steps=7", "lr=3e-3", "checkpointing=yes", "compile=0", "model=some/folder",
@@ -547,3 +549,87 @@ def test_error_examples_suggest_a_useful_value(capsys, recipe):
                          ("chat_template_kwargs=x", 'chat_template_kwargs={"enable_thinking": false}')):
         code, _, err = cli(capsys, recipe, arg)
         assert_one_error(code, err, f"— e.g. {example}")
+
+
+# ----------------------------------------------------------------------------- run files, early checks
+
+BUNDLED = ["sft_llama", "sft_mistral", "dpo_mistral", "kto_mistral", "grpo_qwen", "distill_llama", "lora_t5",
+           "ard_lora_llama", "lrc_llama"]
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (["lerning_rate=1"], "unknown key 'lerning_rate'"),
+    (["model=/no/such/model", "data=x.jsonl"], "/no/such/model: no such model folder"),
+    (["data=/no/such/data.jsonl"], "/no/such/data.jsonl: no such file — check the data path"),
+    (["lr=fast"], "lr=fast: expected a float"),
+])
+def test_a_mistake_is_answered_before_torch_is_imported(tmp_path, mistake, says):
+    """Every recipe minitrain ships: a mistyped key, a missing model or data file and a bad value are
+    answered from the recipe's config alone, before torch (the seconds of a start) is imported."""
+    model = tmp_path / "m"
+    model.mkdir()
+    probe = ("import sys, json; from minitrain.cli import run_cli\n"
+             "codes = [run_cli(a) for a in json.loads(sys.argv[1])]\n"
+             "print('CODES', codes, 'torch' in sys.modules)\n")
+    runs = [[r, *([] if any(a.startswith("model=") for a in mistake) else [f"model={model}"]),
+             *([f"teacher={model}"] if r == "distill_llama" else []), *mistake] for r in BUNDLED]
+    r = subprocess.run([sys.executable, "-c", probe, json.dumps(runs)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert f"CODES {[2] * len(BUNDLED)} False" in r.stdout, (r.stdout, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == len(BUNDLED) and all(says in e for e in errors), r.stderr
+
+
+def test_minitrain_config_writes_a_run_file_that_reads_back_as_the_recipe(tmp_path):
+    """`minitrain config RECIPE > run.yaml` (through the command): every key with its value and its
+    help as a comment; read back as a run file it gives the recipe's own config."""
+    r = subprocess.run([sys.executable, "-m", "minitrain", "config", "dpo_mistral"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "run.yaml").write_text(r.stdout)
+    recipe = load_recipe(str(REPO / "recipes" / "dpo_mistral.py"))
+    assert "# preference loss: DPO's sigmoid" in r.stdout and "\nbeta: 0.1\n" in r.stdout
+    from minitrain.cli import read_run_file
+
+    values = read_run_file(str(tmp_path / "run.yaml"), recipe.config, recipe.path)
+    assert values == {f.name: getattr(recipe.config, f.name) for f in dataclasses.fields(recipe.config)}
+
+
+def test_a_run_file_sets_keys_and_the_command_line_overrides_it(capsys, recipe, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("# my run\nlr: 2e-4\nmax_steps: 9\ncounts: [7, 8]\nmode: slow\n"
+                                       "weights: 1\ndims: [3, 4]\nmaybe_int: null\n")
+    code, out, err = cli(capsys, recipe, "config=run.yaml", "max_steps=3")
+    assert code == 0, err
+    c = ran_config(out)
+    assert (c["lr"], c["max_steps"], c["counts"], c["mode"], c["dims"]) == (2e-4, 3, [7, 8], "slow", [3, 4])
+    (tmp_path / "run.json").write_text('{\n  "lr": 0.5,\n  "epochs": 2\n}\n')
+    code, out, err = cli(capsys, recipe, "config=run.json")
+    assert code == 0, err
+    assert (ran_config(out)["lr"], ran_config(out)["epochs"]) == (0.5, 2)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("lr: 1e-4\nlerning_rate: 3\n", "run.yaml:2: unknown key 'lerning_rate' for"),
+    ("lr: 1e-4\n\nmax_steps: many\n", "run.yaml:3: max_steps: expected an int — e.g. max_steps: "),
+    ("mode: medium\n", "mode: expected one of fast | slow"),
+    ("- lr\n- 3\n", "run.yaml: holds a list, not key: value lines"),
+    ("lr: [1\n", "run.yaml:2: not YAML"),
+])
+def test_a_bad_run_file_is_one_line_naming_its_file_and_line(capsys, recipe, tmp_path, text, says):
+    (tmp_path / "run.yaml").write_text(text)
+    code, out, err = cli(capsys, recipe, f"config={tmp_path / 'run.yaml'}")
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert "RUN " not in out
+
+
+def test_a_run_file_naming_the_model_turns_the_demo_off_and_config_json_means_its_folder(tmp_path, monkeypatch):
+    from minitrain.cli import resolve_config
+
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(str(REPO / "recipes" / "dpo_mistral.py"))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "run.yaml").write_text("model: m/config.json\n")
+    config, demo = resolve_config(recipe, ["config=run.yaml"])
+    assert demo == {} and config.model == "m" and config.data == recipe.config.data

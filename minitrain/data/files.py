@@ -61,7 +61,7 @@ def read_rows(path: str | Path, split: str | None = None, pick: Pick | None = No
         yield from _read_folder(p, split, pick)
         return
     if not p.exists():
-        raise UserError(f"{p}: no such file — check the data path")
+        raise UserError(missing_data(p))
     if split is not None:
         raise UserError(f"{p}: a file has no splits (split={split!r}) — pass the datasets folder, or drop the split")
     fmt = sniff(p)
@@ -79,6 +79,10 @@ def read_rows(path: str | Path, split: str | None = None, pick: Pick | None = No
         raise UserError(f"{p}: empty file (no JSON rows) — add one JSON object per line")
     if not any_row:
         raise UserError(f"{p}: no rows ({describe(fmt)} file) — add rows, or check the path")
+
+
+def missing_data(path: str | Path) -> str:
+    return f"{path}: no such file — check the data path"
 
 
 def data_sources(data: str) -> list[str]:

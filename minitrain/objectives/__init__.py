@@ -4,6 +4,7 @@ An objective sums its loss over its units (target tokens, pairs, rows) and says 
 were; the loop divides by the whole window's count (rule 2) and knows nothing else about it.
 
 Modules, in reading order:
+    configs     each method's run config (KTO, DPO, preference, GRPO, distillation); imports no torch
     losses      token losses from hidden states in chunks: `B x T x V` logits never exist
     sft         SFT and seq2seq cross-entropy, and the causal log-prob helpers the others share
     reference   a preference pair's two answers scored in one forward, and the reference they are

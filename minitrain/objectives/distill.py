@@ -77,52 +77,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from minitrain import distributed, progress
-from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.errors import UserError
+from minitrain.objectives.configs import TERMS, DistillConfig
 from minitrain.objectives.losses import _vocab_size, chunked_cross_entropy_sum, default_chunk, shift_labels
 from minitrain.text.tokenizer import Tokenizer
 
-TERMS = ("kd", "ce", "feature", "attention")  # the loss terms, each with a `<term>_weight`
 PROJECTIONS = "distill_projections"  # the student's submodule holding the feature projections
 PROJECTIONS_FILE = "distill_projections.safetensors"  # where they are saved, beside the adapter or model
-
-
-@dataclass
-class DistillConfig(TrainConfig):
-    """A distillation run: `TrainConfig` (the student is `model`) plus the teacher and the KD mix."""
-
-    teacher: str = doc("", "HF-format teacher model folder (same tokenizer as the student)")
-    teacher_quantize: str = doc("none", "quantize the teacher's linears as they load (nf4, int8: bitsandbytes)",
-                                choices=("none", "nf4", "int8"))
-    temperature: float = doc(2.0, "softening temperature T of both distributions (the KL is scaled by T^2)", gt=0)
-    kd_weight: float = doc(0.5, "weight of the KD term (per target token)", ge=0)
-    ce_weight: float = doc(0.5, "weight of the student's cross-entropy on the labels (per target token)", ge=0)
-    top_k: int = doc(0, "subset KD over the teacher's top-k tokens per position (0: the full vocabulary)", ge=0)
-    feature_weight: float = doc(0.0, "weight of feature matching on the mapped layers' hidden states (per target "
-                                     "token)", ge=0)
-    feature_loss: str = doc("mse", "feature distance: mse (mean over the teacher's width) or cosine (1 - cos)",
-                            choices=("mse", "cosine"))
-    feature_layers: list[int] = doc([], "student layers whose hidden states are matched (negative: from the end; "
-                                        "empty: every layer)")
-    attention_weight: float = doc(0.0, "weight of attention transfer, KL(teacher || student) of the mapped "
-                                       "layers' attention distributions (per target token)", ge=0)
-    attention_layers: list[int] = doc([-1], "student layers whose attention is transferred (only these write "
-                                            "their attention out)")
-    layer_map: list[str] = doc([], "student:teacher layer pairs overriding the uniform rule (teacher layer "
-                                   "ceil((i+1)*Lt/Ls)-1 for student layer i), e.g. 0:1,1:3")
-    balance_steps: int = doc(20, "after this many steps, say once if a term's share of the loss is off its "
-                                 "weight's share by more than balance_factor (0: no check)", ge=0)
-    balance_factor: float = doc(4.0, "how far (x or 1/x) a term's share may be from its weight's share before "
-                                     "it is reported", gt=1)
-
-    def check(self) -> None:
-        super().check()
-        if not any(getattr(self, f"{t}_weight") > 0 for t in TERMS):
-            raise UserError("kd_weight, ce_weight, feature_weight and attention_weight are all 0: the loss would be "
-                            "zero — give at least one a positive weight, e.g. kd_weight=0.5 ce_weight=0.5")
-        if not self.teacher:
-            raise UserError("teacher: not set — pass teacher=path/to/hf_teacher_folder (same tokenizer as model=)")
 
 
 # ----------------------------------------------------------------------------- the per-token losses

@@ -30,52 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from minitrain import distributed
-from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.data.packing import collate_packed_pairs
 from minitrain.errors import UserError
+from minitrain.objectives.configs import DPO_LOSS_TYPES, DPOConfig
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
                                             num_pairs, reference_logps, sequence_logps)
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+LOSS_TYPES = DPO_LOSS_TYPES
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
-
-
-@dataclass
-class DPOConfig(TrainConfig):
-    """A DPO run: `TrainConfig` plus the preference-loss keys (names and defaults as TRL's DPOConfig)."""
-
-    beta: float = doc(0.1, "how far the policy may move from the reference (higher: less); IPO's tau", gt=0)
-    loss_type: str = doc("sigmoid", "preference loss", choices=LOSS_TYPES)
-    label_smoothing: float = doc(0.0, "probability a preference label is flipped: sigmoid (cDPO) and robust only",
-                                 ge=0, lt=0.5)
-    sft_weight: float = doc(0.0, "weight of an NLL term on the chosen answers (per-token mean per pair; RPO)", ge=0)
-    precompute_ref: bool = doc(False, "compute the reference log-probs once before training, cached in out/ref_logps")
-    ref_batch_size: int = doc(0, "pairs per batch when precomputing the reference (0: 2 x batch_size)", ge=0)
-    drop_identical_pairs: bool = doc(False, "drop pairs whose chosen and rejected are the same tokens (counted); "
-                                            "else such a pair is an error naming its line")
-    shared_prompt: bool = doc(False, "one row [prompt, chosen, rejected] per pair: the prompt's forward and "
-                                     "backward run once (exact; faster when prompts are long)")
-    packing: bool = doc(False, "pack each micro-batch's chosen and rejected sequences into rows of up to max_len "
-                               "tokens (positions restart, attention stays inside each sequence; same loss)")
-
-    def check(self) -> None:
-        super().check()
-        self.check_layout()
-        if self.finetune == "full":
-            raise UserError(f"finetune=full: loss_type={self.loss_type}'s reference is the base model, which "
-                            f"minitrain gets by disabling the adapters — use finetune=lora (or a reference-free "
-                            f"loss_type: orpo, cpo, simpo)")
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
-            raise UserError(f"label_smoothing={self.label_smoothing}: has no meaning for loss_type={self.loss_type} "
-                            f"— use loss_type=sigmoid or robust, or label_smoothing=0")
-
-    def check_layout(self) -> None:
-        """How pairs are laid out in rows: shared_prompt or packing, not both."""
-        if self.packing and self.shared_prompt:
-            raise UserError("packing=true: does not combine with shared_prompt=true — use shared_prompt for long "
-                            "prompts, packing for short pairs of varied length")
 
 
 # ----------------------------------------------------------------------------- the loss

@@ -35,55 +35,15 @@ import torch
 from torch import nn
 
 from minitrain import distributed
-from minitrain.config import TrainConfig, doc
 from minitrain.errors import UserError
+from minitrain.objectives.configs import GRPO_LOSS_TYPES, GRPOConfig
 from minitrain.objectives.losses import chunked_token_logprobs, default_chunk
 from minitrain.objectives.reference import dropout_off
 from minitrain.objectives.rewards import score
 from minitrain.objectives.sampling import sample
 
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
+LOSS_TYPES = GRPO_LOSS_TYPES
 STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
-
-
-@dataclass
-class GRPOConfig(TrainConfig):
-    """A GRPO run: `TrainConfig` plus generation and loss keys (names and defaults as TRL's GRPOConfig).
-
-    `batch_size` counts prompts per micro-batch; each gets `num_generations` completions."""
-
-    rewards: str = doc("", "reward functions: path/to/file.py:fn[,fn2...] (TRL's signature fn(prompts, "
-                           "completions, **columns) -> list of float | None); empty: the recipe's own")
-    reward_weights: list[float] = doc([], "one weight per reward function (empty: all 1)")
-    num_generations: int = doc(8, "completions sampled per prompt (the group)", ge=2)
-    max_completion_length: int = doc(256, "new tokens per completion at most", ge=1)
-    temperature: float = doc(1.0, "sampling temperature (the log-probs are of logits / temperature, as TRL)", gt=0)
-    top_p: float = doc(1.0, "nucleus sampling: keep the smallest set of tokens of probability >= top_p", gt=0, le=1)
-    top_k: int = doc(0, "sample among the k most likely tokens only (0: all)", ge=0)
-    loss_type: str = doc("dapo", "how token losses are averaged (TRL's loss_type)", choices=LOSS_TYPES)
-    scale_rewards: str = doc("group", "advantages divided by the group's std, the batch's, or not at all",
-                             choices=SCALE_REWARDS)
-    epsilon: float = doc(0.2, "lower clip of the ratio: 1 - epsilon", gt=0, lt=1)
-    epsilon_high: float = doc(0.0, "upper clip of the ratio: 1 + epsilon_high (0: epsilon)", ge=0)
-    beta: float = doc(0.0, "weight of the KL term against the reference (0: no reference is run)", ge=0)
-    use_bias_correction_kl: bool = doc(True, "multiply the KL term by the ratio (TRL's default: an unbiased "
-                                             "reverse-KL gradient)")
-    num_iterations: int = doc(1, "optimizer steps on each generation (old log-probs kept from the first)", ge=1)
-    mask_truncated_completions: bool = doc(False, "completions cut at max_completion_length take no loss")
-    log_completions_every: int = doc(10, "write a sample of prompts, completions and rewards to "
-                                         "out/completions.jsonl every this many steps (0: never)", ge=0)
-
-    def check(self) -> None:
-        super().check()
-        if self.max_len <= self.max_completion_length:
-            raise UserError(f"max_len={self.max_len}: must exceed max_completion_length={self.max_completion_length} "
-                            f"(max_len counts prompt + completion) — raise max_len")
-        if self.parallel == "fsdp":
-            raise UserError("parallel=fsdp: GRPO samples with the whole model on each rank — use parallel=ddp")
-        if self.beta and self.finetune == "full":
-            raise UserError(f"beta={self.beta}: the reference is the model with its adapter switched off, which "
-                            f"finetune=full has none of — use finetune=lora, or beta=0")
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -38,34 +38,13 @@ import torch
 from torch import nn
 
 from minitrain import distributed
-from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
-from minitrain.errors import UserError
+from minitrain.objectives.configs import KTOConfig
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
                                             num_pairs, precompute_reference, reference_logps)
 from minitrain.objectives.sft import causal_token_logprobs
 
 METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
-
-
-@dataclass
-class KTOConfig(TrainConfig):
-    """A KTO run: `TrainConfig` plus KTO's keys (names and defaults as TRL's KTOConfig)."""
-
-    beta: float = doc(0.1, "how far the policy may move from the reference (higher: less)", gt=0)
-    desirable_weight: float = doc(1.0, "weight of the desirable (label true) rows' losses", gt=0)
-    undesirable_weight: float = doc(1.0, "weight of the undesirable (label false) rows' losses", gt=0)
-    precompute_ref: bool = doc(False, "compute the reference log-probs once before training, cached in out/ref_logps")
-    ref_batch_size: int = doc(0, "rows per batch when precomputing the reference (0: 2 x batch_size)", ge=0)
-
-    def check(self) -> None:
-        super().check()
-        if self.finetune == "full":
-            raise UserError("finetune=full: KTO's reference is the base model, which minitrain gets by disabling the "
-                            "adapters — use finetune=lora")
-        if self.batch_size < 2:
-            raise UserError("batch_size=1: KTO estimates its KL reference point from mismatched prompt-completion "
-                            "pairs within a batch, which needs at least 2 rows — use batch_size=2 or more")
 
 
 # ----------------------------------------------------------------------------- the loss

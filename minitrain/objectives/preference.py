@@ -37,58 +37,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minitrain.config import doc
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.packing import per_sequence, sequence_ids
 from minitrain.errors import UserError
-from minitrain.objectives.dpo import LOSS_TYPES, DPOConfig, evaluate_dpo, make_dpo_objective
+from minitrain.objectives.configs import REFERENCE_FREE, PreferenceConfig
+from minitrain.objectives.dpo import evaluate_dpo, make_dpo_objective
 from minitrain.objectives.losses import shift_labels
 from minitrain.objectives.reference import num_pairs
 from minitrain.objectives.sft import batch_token_logprobs
 
-REFERENCE_FREE = ("orpo", "cpo", "simpo")
-METHOD_SFT_WEIGHT = {"orpo": 1.0, "cpo": 1.0}  # each method's NLL weight when `sft_weight` is unset (others: 0)
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected", "nll_loss")
 ORPO_METRICS = PAIR_METRICS + ("log_odds_ratio", "log_odds_chosen")
-
-
-@dataclass
-class PreferenceConfig(DPOConfig):
-    """A preference run on pairs: DPO's keys, `loss_type` also orpo | cpo | simpo, and SimPO's margin."""
-
-    loss_type: str = doc("sigmoid", "preference loss: DPO's sigmoid | ipo | hinge | robust (a reference forward "
-                                    "per pair), or orpo | cpo | simpo (no reference)",
-                         choices=LOSS_TYPES + REFERENCE_FREE)
-    simpo_gamma: float = doc(0.5, "SimPO's target reward margin (loss_type=simpo; TRL's default)", ge=0)
-    sft_weight: float | None = doc(None, "weight of an NLL term on the chosen answers (per-token mean per pair); "
-                                         "unset: the method's own, 1 for orpo and cpo (ORPO as published, TRL's "
-                                         "cpo_alpha), 0 for the DPO losses and simpo", ge=0)
-
-    def check(self) -> None:
-        if self.sft_weight is None:  # resolved here, so out/config.json records the weight the run used
-            self.sft_weight = METHOD_SFT_WEIGHT.get(self.loss_type, 0.0)
-        if self.loss_type in REFERENCE_FREE:
-            if self.precompute_ref:
-                raise UserError(f"precompute_ref=true: loss_type={self.loss_type} uses no reference model — "
-                                f"drop precompute_ref, or use a DPO loss_type (sigmoid, ipo, hinge, robust)")
-            if self.loss_type == "orpo" and not self.sft_weight:
-                raise UserError("sft_weight=0: ORPO is NLL + beta x odds ratio, so it needs the NLL term — "
-                                "use sft_weight=1 (ORPO as published), or loss_type=simpo for a loss without one")
-            if self.label_smoothing and self.loss_type == "orpo":
-                raise UserError(f"label_smoothing={self.label_smoothing}: has no meaning for loss_type=orpo "
-                                f"— use label_smoothing=0")
-            self.check_layout()
-            if self.shared_prompt:
-                raise UserError(f"shared_prompt=true: loss_type={self.loss_type} is scored on [chosen; rejected] rows "
-                                f"only — drop shared_prompt (packing=true also saves padding)")
-            self.check_train()
-            return
-        super().check()
-
-    def check_train(self) -> None:
-        """The `TrainConfig` rules alone (DPO's own rule on label_smoothing does not apply)."""
-        super(DPOConfig, self).check()
 
 
 # ----------------------------------------------------------------------------- the losses

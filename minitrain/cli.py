@@ -171,7 +171,13 @@ def _main(argv: list[str]) -> int:
         print(f"minitrain {__version__}")
         return 0
     path = _recipe_path(path)
-    if not any(a in ("-h", "--help") for a in args):
+    if any(a in ("-h", "--help") for a in args):
+        light = _light_module(path)  # the help from the recipe's config alone, when it can be read so
+        if light is not None:
+            print(recipe_help(Recipe(path, light, light.config, lambda c: None)))
+            sys.modules.pop(light.__name__, None)
+            return 0
+    else:
         early_check(path, args)  # a mistyped key, a bad value or a missing file: answered before torch loads
     recipe = load_recipe(path)
     if any(a in ("-h", "--help") for a in args):
@@ -421,7 +427,7 @@ def _light_module(path: str) -> ModuleType | None:
         tree = ast.parse(p.read_text(encoding="utf-8"), str(p))
     except (OSError, SyntaxError, ValueError):
         return None  # load_recipe says what is wrong with it
-    module = ModuleType("minitrain_recipe_early_" + re.sub(r"\W", "_", p.stem))
+    module = ModuleType("minitrain_recipe_early_" + re.sub(r"\W", "_", p.stem), ast.get_docstring(tree))
     module.__file__ = str(p)
     sys.modules[module.__name__] = module  # the config dataclass's string annotations resolve through it
     for node in tree.body:

@@ -1,4 +1,5 @@
-"""`python -m minitrain RECIPE.py key=value ...` (and `--version`, `--help`)."""
+"""`python -m minitrain RECIPE.py key=value ...` (and `--version`, `--help`), and `minitrain COMMAND ...`: the
+programs of `minitrain/commands/` (merge, generate, plan, audit, export, evaluate, plot)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"minitrain {__version__}")
         return 0
-    from minitrain.cli import run_cli
+    from minitrain.cli import ENGINE_COMMANDS, run_cli
 
+    if argv and argv[0] in ENGINE_COMMANDS and not os.path.isfile(argv[0]):  # `minitrain merge ...`
+        import importlib
+
+        return importlib.import_module(f"minitrain.commands.{argv[0]}").main(argv[1:]) or 0
     return run_cli(argv)
 
 

@@ -21,7 +21,7 @@ base (or disabled) whose layers it lists. A gradient that is exactly zero with n
 can move (a LoRA B frozen at zero, a loss that reaches the tensors only through `* 0`) is a
 problem: no verdict with such a tensor is "healthy". `preflight` is what the training loop runs
 before step 1 (recipes run it in `run.prepare_out_dir`, before `out` is written);
-`tools/audit.py` prints the same report for any recipe.
+`minitrain audit` prints the same report for any recipe.
 """
 
 from __future__ import annotations

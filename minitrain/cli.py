@@ -53,8 +53,33 @@ from minitrain.config import (check_paths, conforms, example, field_types, forma
                               union_members, unwrap_optional, validate)
 from minitrain.errors import UserError
 
-USAGE = ("usage: python -m minitrain RECIPE [key=value ...] [--help] — RECIPE is a recipe file (my_sft.py) "
-         "or the name of one minitrain ships (`minitrain ls` lists them); `minitrain cp NAME my_recipe.py` copies one")
+USAGE = ("usage: minitrain RECIPE [key=value ...] [--help] — RECIPE is a recipe file (my_sft.py) "
+         "or the name of one minitrain ships (`minitrain ls` lists them); `minitrain cp NAME my_recipe.py` copies one; "
+         "`minitrain --help` lists the other commands")
+# the subcommands: name -> what it does; those of `minitrain/commands/` are run by `minitrain.__main__`
+COMMANDS = {
+    "ls": "list the recipes minitrain ships, with their purpose",
+    "cp": "cp NAME [DEST]: copy a shipped recipe to edit",
+    "config": "config RECIPE > run.yaml: every key of a recipe with its default and help (a run file)",
+    "cache": "cache [list|clear [--days N]|verify] [--dir DIR]: the token stores of data_cache",
+    "merge": "merge --model DIR --adapter DIR --out DIR: fold a LoRA adapter into its base (an HF folder)",
+    "generate": "generate --model DIR [--adapter DIR] [--prompt TEXT]: try a model on a prompt",
+    "plan": "plan RECIPE [key=value ...] [--gpu-mem 24GiB]: predicted peak GPU memory, and what makes it fit",
+    "audit": "audit RECIPE [key=value ...]: does every trainable tensor get gradient from the loss?",
+    "export": "export --model DIR [--adapter DIR] --out F.gguf: one GGUF file for llama.cpp (the export extra)",
+    "evaluate": "evaluate --model minitrain --model_args pretrained=DIR,adapter=DIR --tasks T: lm-eval (the eval extra)",
+    "plot": "plot RUN [RUN ...] --metric loss --out curves.png: training curves (the plot extra)",
+}
+ENGINE_COMMANDS = ("merge", "generate", "plan", "audit", "export", "evaluate", "plot")  # minitrain/commands/
+
+
+def help_text() -> str:
+    """`minitrain --help`: how to run a recipe, and every subcommand."""
+    lines = [USAGE, "", "commands (each takes --help):"]
+    lines += [f"  minitrain {text}" if text.startswith(name) else f"  minitrain {name}: {text}"
+              for name, text in COMMANDS.items()]
+    lines += ["", "Run `minitrain RECIPE --help` to list a recipe's keys."]
+    return "\n".join(lines)
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
 
@@ -147,19 +172,18 @@ def main_quietly(main: Callable[..., int | None], *args: Any) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
-        print("\nRun `python -m minitrain RECIPE --help` to list a recipe's keys.")
+        print(help_text())
         return 0
     if not argv:
         raise UserError(f"no recipe given — {USAGE}")
-    if argv[0] in ("ls", "cp") and not Path(argv[0]).exists():
+    if argv[0] in ("ls", "cp") and not Path(argv[0]).is_file():
         return _ls_cp(argv)
-    if argv[0] == "cache" and not Path(argv[0]).exists():  # the token stores of data_cache
+    if argv[0] == "cache" and not Path(argv[0]).is_file():  # the token stores of data_cache
         from minitrain.data import store_cache
         from minitrain.data.store_build import default_cache
 
         return store_cache.main(argv[1:], default_cache())
-    if argv[0] == "config" and not Path(argv[0]).exists():  # a run file of a recipe's keys
+    if argv[0] == "config" and not Path(argv[0]).is_file():  # a run file of a recipe's keys
         return _config_template(argv[1:])
     path, args = argv[0], argv[1:]
     if not path.endswith(".py") and ("=" in path or path.startswith("-")):
@@ -170,7 +194,7 @@ def _main(argv: list[str]) -> int:
 
         print(f"minitrain {__version__}")
         return 0
-    path = _recipe_path(path)
+    path = recipe_path(path)
     if any(a in ("-h", "--help") for a in args):
         light = _light_module(path)  # the help from the recipe's config alone, when it can be read so
         if light is not None:
@@ -217,7 +241,7 @@ def _ls_cp(argv: list[str]) -> int:
     return 0
 
 
-def _recipe_path(given: str) -> str:
+def recipe_path(given: str) -> str:
     """The recipe file a command names: a path that exists, else the recipe minitrain ships under
     that name (`sft_llama`, `sft_llama.py`, or `recipes/sft_llama.py` typed outside our clone)."""
     p = Path(given)
@@ -388,9 +412,11 @@ def resolve_config(recipe: Recipe, args: list[str]) -> tuple[Any, dict[str, Any]
     given = {a.partition("=")[0].strip() for a in args}
     base = dataclasses.replace(base, **{k: v for k, v in from_file.items() if k not in given})
     config = apply_overrides(base, args, where=recipe.path)
-    if isinstance(getattr(config, "model", None), str) and config.model.endswith("config.json") \
-            and Path(config.model).is_file():  # model=.../config.json: its folder
-        config = dataclasses.replace(config, model=str(Path(config.model).parent))
+    model = getattr(config, "model", None)
+    if isinstance(model, str) and model.endswith("config.json") and Path(model).is_file():  # .../config.json: its folder
+        config = dataclasses.replace(config, model=str(Path(model).parent))
+    elif model == "demo" and not (Path(model) / "config.json").is_file():  # the built-in demo model
+        config = dataclasses.replace(config, model=str(bundled.demo_dir() / "model"))
     return config, demo
 
 
@@ -527,7 +553,7 @@ def _config_template(args: list[str]) -> int:
     if len(args) != 1 or args[0].startswith("-"):
         raise UserError("usage: minitrain config RECIPE > run.yaml — writes every key of the recipe with its "
                         "default; run it with: minitrain RECIPE config=run.yaml [key=value ...]")
-    recipe = load_recipe(_recipe_path(args[0]))
+    recipe = load_recipe(recipe_path(args[0]))
     print(f"# run file for {recipe.path}: minitrain {recipe.path} config=run.yaml [key=value ...]")
     print("# (keys given on the command line override these; delete the keys you keep at their default)")
     for f in dataclasses.fields(recipe.config):

@@ -1,7 +1,7 @@
 """The steps every training recipe takes, as plain functions a recipe calls in order.
 
     check_out_dir(cfg)             refuse a folder holding another run, before minutes of loading
-    -- a recipe's `setup(cfg) -> Job` does the next four, writing nothing (tools/audit.py uses it) --
+    -- a recipe's `setup(cfg) -> Job` does the next four, writing nothing (minitrain audit uses it) --
     load_tokenizer(cfg)            the tokenizer alone (light)
     load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval): before the weights, so a
                                    bad row costs seconds, not minutes of loading
@@ -70,7 +70,7 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoint", ADAPTER_DIR, MODEL_DIR, *(d + EMA_
 NOT_THE_RUN = ("out", "resume", "overwrite", "extend", "trained_format", "data_cache", "data_workers",
                "dist_timeout", "stop_after")
 # config.json's one entry that is not a key: how the run rendered its rows (`trained_format`), which
-# tools/generate.py follows so that a model is queried in the format it was trained in
+# minitrain generate follows so that a model is queried in the format it was trained in
 READERS = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preference, "unpaired": read_unpaired,
            "prompts": read_prompts}
 
@@ -79,7 +79,7 @@ READERS = {"sft": read_sft, "seq2seq": read_seq2seq, "preference": read_preferen
 class Job:
     """What a recipe's `setup(cfg)` assembles and its `run(cfg)` trains: everything `train()` needs.
 
-    `tools/audit.py` and `tools/plan.py` call `setup` to inspect a recipe without training it.
+    `minitrain audit` and `minitrain plan` call `setup` to inspect a recipe without training it.
     """
 
     model: nn.Module

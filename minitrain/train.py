@@ -540,7 +540,7 @@ def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg
 
 def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list[dict]], dict],
                  cfg: Any, log: Callable[[str], None] = print) -> tuple[dict[str, Any], AdamW, torch.dtype | None]:
-    """What `train()` would audit before step 1, for `tools/audit.py`: the audit batch, the
+    """What `train()` would audit before step 1, for `minitrain audit`: the audit batch, the
     optimizer `train()` would build, the autocast dtype; checkpointing applied and FSDP2 sharding done
     as the run would (`parallel=fsdp`: the audit runs on the shards)."""
     device = fsdp.device_of(model)

@@ -101,7 +101,7 @@ demo = dict(
     sft_weight=1.0,  # demo: pure DPO pushes the chosen log-probs down too and garbles generation
 )
 
-# for a 12 GB GPU: fits by tools/plan.py (tests/test_advertised.py checks every advertised command)
+# for a 12 GB GPU: fits by minitrain plan (tests/test_advertised.py checks every advertised command)
 REAL_CHECKPOINT = ("python -m minitrain recipes/dpo_mistral.py model=/path/to/Mistral-7B-Instruct-v0.2 "
                    "data=prefs.jsonl eval_data=prefs_eval.jsonl quantize=nf4 out=runs/dpo")
 

@@ -31,7 +31,7 @@ to its size, then load the adapter. The new rows only train if you also pass
 
 Writes out/config.json, metrics.jsonl, predictions/step_NNNNNNN.jsonl (every evaluation's outputs
 with per-example scores), checkpoint/ (resume=true), adapter/ (last step) and best_adapter/
-(PEFT format, with the tokenizer). Compare runs: `python tools/plot.py runs/a runs/b --metric
+(PEFT format, with the tokenizer). Compare runs: `minitrain plot runs/a runs/b --metric
 loss,eval/rougeL --out curves.png`. `--help` lists every key.
 """
 

@@ -12,7 +12,7 @@ that rank; unset: lora_r); `lrc_calibration=8` weights the error by the inputs o
 micro-batches (activation-aware); `lrc_iters=5` runs LoftQ's alternation (the base is
 re-quantized too). Works with `checkpointing=true` and `compile=true` as is (non-reentrant; no
 input-requires-grad hack; embeddings stay frozen). The saved adapter belongs on this same
-quantized base (`tools/merge.py --quantize ternary` folds it into the dequantized base). Data rows are as for SFT (`{"prompt","completion"}`, `{"messages"}`, `{"text"}`).
+quantized base (`minitrain merge --quantize ternary` folds it into the dequantized base). Data rows are as for SFT (`{"prompt","completion"}`, `{"messages"}`, `{"text"}`).
 
 Field report 004's setup on a Qwen3 checkpoint:
 

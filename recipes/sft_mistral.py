@@ -62,7 +62,7 @@ demo = dict(
     checkpointing=False,
 )
 
-# for a 12 GB GPU: fits by tools/plan.py (tests/test_advertised.py checks every advertised command)
+# for a 12 GB GPU: fits by minitrain plan (tests/test_advertised.py checks every advertised command)
 REAL_CHECKPOINT = ("python -m minitrain recipes/sft_mistral.py model=/path/to/Mistral-7B-Instruct-v0.2 "
                    "data=chats.jsonl quantize=nf4 out=runs/sft")
 

@@ -2,7 +2,7 @@
 
 A command is advertised for a checkpoint when it passes `model=/path/to/<checkpoint>`; it must
 state its budget ("12 GB", in a `#` comment on the command or in the text just before it), and
-`tools/plan.py` (the project's own planner, reading only `config.json`) must say it fits, planned
+`minitrain plan` (the project's own planner, reading only `config.json`) must say it fits, planned
 on the real `config.json` of the checkpoint it names (tests/fixtures/configs/). Recipe files
 advertise in their docstring and in a `REAL_CHECKPOINT` constant (what the demo prints).
 """
@@ -10,7 +10,7 @@ advertise in their docstring and in a `REAL_CHECKPOINT` constant (what the demo 
 from __future__ import annotations
 
 import ast
-import importlib.util
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -24,9 +24,7 @@ BUDGET = re.compile(r"(\d+) GB")
 
 
 def _plan_tool():
-    spec = importlib.util.spec_from_file_location("plan_tool", ROOT / "tools" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("minitrain.commands.plan")
     return module
 
 

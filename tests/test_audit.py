@@ -247,7 +247,7 @@ def test_train_runs_the_preflight_and_stops_a_broken_run(lora_model, tmp_path):
 
 
 def test_tools_audit_cli_exit_codes(hf_causal, tmp_path):
-    """`python tools/audit.py RECIPE.py key=value`: table + verdict, exit 0 healthy, 1 broken, 2 bad input."""
+    """`minitrain audit RECIPE.py key=value`: table + verdict, exit 0 healthy, 1 broken, 2 bad input."""
     import json
     import os
     import shutil
@@ -268,7 +268,7 @@ def test_tools_audit_cli_exit_codes(hf_causal, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(repo)}
 
     def audit_cli(*args):
-        return subprocess.run([sys.executable, str(repo / "tools" / "audit.py"), str(repo / "recipes" / "sft_llama.py"),
+        return subprocess.run([sys.executable, "-m", "minitrain", "audit", str(repo / "recipes" / "sft_llama.py"),
                                f"model={model}", f"data={data}", "out=" + str(tmp_path / "out"), "batch_size=2", *args],
                               capture_output=True, text=True, env=env, cwd=tmp_path)
 
@@ -298,7 +298,7 @@ def setup(config):
 def run(config):
     raise SystemExit("audit only")
 """)
-    b = subprocess.run([sys.executable, str(repo / "tools" / "audit.py"), str(broken), f"model={model}", f"data={data}",
+    b = subprocess.run([sys.executable, "-m", "minitrain", "audit", str(broken), f"model={model}", f"data={data}",
                         "batch_size=2"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert b.returncode == 1, b.stderr
     assert "unreachable" in b.stdout and "model.layers.1" in b.stdout and "no_grad" in b.stdout

@@ -1,4 +1,4 @@
-"""Every recipe in `recipes/`: `tools/audit.py` audits it (healthy on a tiny model), and it reads its
+"""Every recipe in `recipes/`: `minitrain audit` audits it (healthy on a tiny model), and it reads its
 data before its weights.
 
 The README promises the audit for any recipe; a recipe without `setup(config)` (lora_t5 had
@@ -9,7 +9,7 @@ add its command line to `args_for`: the test refuses a recipe it does not know.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib
 import io
 from pathlib import Path
 
@@ -27,9 +27,7 @@ def inputs(recipe_inputs) -> dict[str, Path]:
 
 
 def audit_tool():
-    spec = importlib.util.spec_from_file_location("tools_audit", REPO / "tools" / "audit.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("minitrain.commands.audit")
     return module
 
 

@@ -633,13 +633,15 @@ def test_a_run_file_naming_the_model_turns_the_demo_off_and_config_json_means_it
     (tmp_path / "run.yaml").write_text("model: m/config.json\n")
     config, demo = resolve_config(recipe, ["config=run.yaml"])
     assert demo == {} and config.model == "m" and config.data == recipe.config.data
+    config, demo = resolve_config(recipe, ["model=demo", "data=mine.jsonl"])  # the built-in model, your data
+    assert demo == {} and Path(config.model) == REPO / "demo" / "model" and config.data == "mine.jsonl"
 
 
 def test_help_is_read_from_the_config_alone_and_says_what_the_full_import_says(tmp_path):
-    from minitrain.cli import Recipe, _light_module, _recipe_path, recipe_help
+    from minitrain.cli import Recipe, _light_module, recipe_path, recipe_help
 
     for name in BUNDLED:
-        path = _recipe_path(name)
+        path = recipe_path(name)
         light = _light_module(path)
         assert light is not None, name
         assert recipe_help(Recipe(path, light, light.config, print)) == recipe_help(load_recipe(path)), name

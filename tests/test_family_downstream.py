@@ -1,6 +1,6 @@
 """Everything downstream of loading, per family (issue 15): QLoRA nf4 / int8 trains a step through
 the SFT recipe, and on Gemma 2 and Phi-3 our QLoRA model equals transformers + bitsandbytes + PEFT
-on the same quantized weights (logits and the adapters' gradients); `tools/merge.py` gives a
+on the same quantized weights (logits and the adapters' gradients); `minitrain merge` gives a
 folder whose logits (ours and transformers') equal the adapter model's; the gradient-path audit
 is healthy; and 2 DDP ranks over gloo (`python -m torch.distributed.run`) equal one process.
 """
@@ -121,11 +121,9 @@ def test_qlora_equals_peft_and_bitsandbytes(hf_causal, tmp_path, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_merge_gives_the_adapter_models_logits(hf_causal, tmp_path, name):
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("tools_merge", REPO / "tools" / "merge.py")
-    merge = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(merge)
+    merge = importlib.import_module("minitrain.commands.merge")
     folder = family_checkpoint(hf_causal, name)
     adapted = load_pretrained(folder, models.from_hf_config).eval()
     save_adapter(adapted, tmp_path / "adapter", random_adapter(adapted), base_model_name_or_path=str(folder))

@@ -1,4 +1,4 @@
-"""tools/export_gguf.py: GGUF files for llama.cpp, checked against llama.cpp itself.
+"""minitrain export: GGUF files for llama.cpp, checked against llama.cpp itself.
 
 Without llama.cpp (CI): the file's adapter fold against peft's `merge_and_unload`, the metadata
 llama.cpp reads (bos / eos / add_bos as transformers' tokenizer has them, the chat template), and
@@ -92,11 +92,9 @@ def family(tmp_path_factory):
 
 
 def tool():
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("export_gguf", REPO / "tools" / "export_gguf.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("minitrain.commands.export")
     return mod
 
 

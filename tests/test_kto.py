@@ -372,7 +372,7 @@ def test_config_refuses_a_batch_of_one():
 
 
 def test_plan_counts_ktos_grad_rows_and_its_double_reference_forward():
-    """tools/plan.py's model of KTO: batch_size rows with a graph; the reference forward scores the
+    """minitrain plan's model of KTO: batch_size rows with a graph; the reference forward scores the
     rows and their KL rows (2 x batch_size), so its one-block term is twice the 1-row-per-example one."""
     from dataclasses import replace
 

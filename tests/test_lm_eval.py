@@ -1,4 +1,4 @@
-"""tools/evaluate.py (lm-evaluation-harness 0.4, `--model minitrain`) against lm-eval's own `hf` backend.
+"""minitrain evaluate (lm-evaluation-harness 0.4, `--model minitrain`) against lm-eval's own `hf` backend.
 
 A tiny LLaMA saved by transformers (max_position_embeddings=64, so contexts are truncated and texts
 span several rolling windows) and a PEFT adapter saved by peft (random B, so it changes the
@@ -10,7 +10,7 @@ equal to 1e-4 and greedy generations identical.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -114,10 +114,8 @@ def test_loglikelihoods_and_generations_equal_lm_evals_hf_backend(setup, tool):
 
 @pytest.fixture(scope="module")
 def tool():
-    """tools/evaluate.py under a name of its own (`evaluate` is also Hugging Face's package, which lm-eval imports)."""
-    spec = importlib.util.spec_from_file_location("minitrain_evaluate_tool", REPO / "tools" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """minitrain evaluate under a name of its own (`evaluate` is also Hugging Face's package, which lm-eval imports)."""
+    module = importlib.import_module("minitrain.commands.evaluate")
     return module
 
 

@@ -447,7 +447,7 @@ def test_expert_lora_report_and_refusals(hf_causal):
 
 
 def test_merged_expert_adapter_equals_the_adapter(hf_causal, tmp_path):
-    """`merge` folds each expert's update into the 3-D weight; `merged_state_dict` (tools/merge.py) saves
+    """`merge` folds each expert's update into the 3-D weight; `merged_state_dict` (minitrain merge) saves
     the same weights, which transformers loads to our adapter's logits."""
     from minitrain.adapters.lora import LoRAConfig, apply_lora
     from minitrain.adapters.merge import merge, merged_state_dict, unmerge

@@ -99,3 +99,37 @@ def test_a_recipe_path_typed_outside_the_clone(installed, tmp_path):
     assert p.stdout.startswith("note: no recipes/sft_llama.py here: running minitrain's own sft_llama")
     p = _run(installed, "-m", "minitrain", "sft_lama", cwd=tmp_path)
     assert p.returncode == 2 and "did you mean sft_llama?" in p.stderr and p.stderr.count("\n") == 1
+
+
+def test_every_command_from_an_installed_wheel(installed, tmp_path):
+    """Each command of `minitrain --help`, run from the wheel in an empty folder on what a DPO demo run
+    leaves there: no tools/ folder is needed for any of them."""
+    from minitrain.cli import COMMANDS
+
+    minitrain = str(installed.parent / "minitrain")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        p = subprocess.run([minitrain, *args], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"},
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"minitrain {' '.join(args)}:\n{p.stdout[-1500:]}{p.stderr[-1500:]}"
+        return p
+
+    listed = run("--help").stdout
+    assert all(f"  minitrain {name}" in listed for name in COMMANDS), listed
+    demo = Path(_run(installed, "-c", "from minitrain.bundled import demo_dir; print(demo_dir())",
+                     cwd=tmp_path).stdout.strip())
+    assert "\nbeta: 0.1\n" in run("config", "dpo_mistral").stdout
+    (tmp_path / "run.yaml").write_text("max_steps: 2\neval_every: 0\n")  # a run file of the demo's settings
+    run("dpo_mistral", "config=run.yaml", "out=dpo", f"data_cache={tmp_path / 'cache'}")
+    assert json.loads((tmp_path / "dpo" / "config.json").read_text())["max_steps"] == 2
+    run("merge", "--model", str(demo / "model"), "--adapter", "dpo/adapter", "--out", "merged")
+    assert (tmp_path / "merged" / "config.json").is_file()
+    assert run("generate", "--model", "merged", "--prompt", "Hello", "--max-new-tokens", "4").stdout.strip()
+    assert "plan: dpo_mistral" in run("plan", "dpo_mistral", "--device", "cpu").stdout
+    assert "audit: healthy" in run("audit", "dpo_mistral", "max_steps=1").stdout
+    run("plot", "dpo", "--out", "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "read back as built" in run("cache", "verify", "--dir", "cache").stdout
+    assert "usage: minitrain evaluate" in run("evaluate", "--help").stdout
+    assert "usage: minitrain export" in run("export", "--help").stdout  # (the demo's tokenizer has no GGUF form yet)

@@ -1,4 +1,4 @@
-"""The memory plan (`minitrain.plan`, `tools/plan.py`) against what the CPU can measure.
+"""The memory plan (`minitrain.plan`, `minitrain plan`) against what the CPU can measure.
 
 - persistent terms are exact: weights (fp32, bf16, nf4 with and without double quantization,
   int8), adapters, gradients and AdamW state are counted tensor by tensor and must equal the plan
@@ -512,11 +512,11 @@ def test_parse_and_format_bytes():
     assert fmt_bytes(3 * 2**30) == "3.00 GiB" and fmt_bytes(512) == "512 B"
 
 
-# ----------------------------------------------------------------------------- tools/plan.py
+# ----------------------------------------------------------------------------- minitrain plan
 
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "minitrain", "plan", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
 
 

@@ -1,4 +1,4 @@
-"""The per-rank memory plan under torchrun (`minitrain.plan.sharded`, `tools/plan.py --world N`).
+"""The per-rank memory plan under torchrun (`minitrain.plan.sharded`, `minitrain plan --world N`).
 
 - the arithmetic, against sums worked out by hand from the shapes of a small LLaMA (FSDP2 shards
   dim 0 of every parameter into ceil(rows / N)-row pieces: small tensors round up), for
@@ -9,7 +9,7 @@
   whole peak (those + the peak bytes allocated during a steady-state step, measured as
   tests/test_plan.py does with `minitrain.plan.measure`) is within 20% of the plan's, LoRA and full
   fine-tuning. The per-rank RSS table at a few hundred MB is `tools/plan_ranks.py` (BENCHMARKS.md);
-- `tools/plan.py --world N --parallel fsdp` prints rank 0's plan; a world the batch cannot feed is one line, exit 2.
+- `minitrain plan --world N --parallel fsdp` prints rank 0's plan; a world the batch cannot feed is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_fsdp_world_one_copies_the_block_and_the_tool_plans_a_rank(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(
         model_type="llama", vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4)))
-    cmd = [sys.executable, str(ROOT / "tools" / "plan.py"), str(ROOT / "recipes" / "sft_llama.py"),
+    cmd = [sys.executable, "-m", "minitrain", "plan", str(ROOT / "recipes" / "sft_llama.py"),
            f"model={tmp_path}", "data=x.jsonl", "batch_size=4"]
     out = subprocess.run(cmd + ["--world", "4", "--parallel", "fsdp", "--device", "cpu"], capture_output=True,
                          text=True)

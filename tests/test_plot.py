@@ -1,8 +1,8 @@
-"""tools/plot.py: a real PNG of several runs, run names from config.json, EMA by hand, one-line errors."""
+"""minitrain plot: a real PNG of several runs, run names from config.json, EMA by hand, one-line errors."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -15,14 +15,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOOL = REPO / "tools" / "plot.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("minitrain_tools_plot", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("minitrain.commands.plot")
     return mod
 
 
@@ -59,7 +56,7 @@ def png_chunks(data: bytes) -> dict[bytes, bytes]:
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "minitrain", "plot", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True)
 
 

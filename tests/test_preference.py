@@ -274,7 +274,7 @@ def test_config_refusals_are_one_line():
 
 
 def test_plan_knows_the_reference_free_methods_forwards():
-    """tools/plan.py's model: orpo / cpo / simpo forward 2 x pairs rows with a graph and no reference
+    """minitrain plan's model: orpo / cpo / simpo forward 2 x pairs rows with a graph and no reference
     forward at all (DPO's `sigmoid` with the same keys has one: its peak can only be higher)."""
     from minitrain.plan.decoder import ModelShape
     from minitrain.plan.predict import predict, run_shape

@@ -1,7 +1,7 @@
 """The seed run of issue 15 (field report 004's low-rank correction was on Qwen3-0.6B).
 
 - a Qwen3-0.6B-shaped `config.json` (vocab 151936, tied head, q/k norms, head_dim 128 != hidden /
-  heads) plans with `tools/plan.py`: its parameters counted as transformers builds that config;
+  heads) plans with `minitrain plan`: its parameters counted as transformers builds that config;
 - its tiny random-weight sibling (the same particulars at toy sizes, saved by transformers, with a
   Qwen-shaped tokenizer) trains through `recipes/lrc.py` and `recipes/sft.py` and through their old
   names `recipes/lrc_llama.py` / `recipes/sft_llama.py`, which run the same code: equal losses.
@@ -40,7 +40,7 @@ def test_qwen3_0_6b_plans(tmp_path):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**QWEN3_0_6B))
     assert shape_from_hf(QWEN3_0_6B).num_params() == sum(p.numel() for p in hf.parameters())  # 596,049,920
     for recipe in ("lrc.py", "sft.py"):
-        out = subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), str(ROOT / "recipes" / recipe),
+        out = subprocess.run([sys.executable, "-m", "minitrain", "plan", str(ROOT / "recipes" / recipe),
                               f"model={tmp_path}", "batch_size=1", "max_len=1024", "checkpointing=true",
                               "--gpu-mem", "12GiB"], capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert out.returncode == 0, out.stderr

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from minitrain.cli import ENGINE_COMMANDS
+
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = sorted(p.stem for p in (REPO / "tools").glob("*.py"))
 
@@ -53,6 +55,9 @@ def test_every_tool_starts_from_a_folder_with_models_minitrain_recipes(tmp_path)
     for tool in TOOLS:
         p = _run([REPO / "tools" / f"{tool}.py", "--help"], cwd)
         assert p.returncode == 0, f"tools/{tool}.py --help from a shadowing folder:\n{p.stderr}"
-    p = _run([REPO / "tools" / "plan.py", REPO / "recipes" / "sft_llama.py", "model=models/tiny",
+    for name in ENGINE_COMMANDS:
+        p = _run(["-m", "minitrain", name, "--help"], cwd)
+        assert p.returncode == 0, f"minitrain {name} --help from a shadowing folder:\n{p.stderr}"
+    p = _run(["-m", "minitrain", "plan", REPO / "recipes" / "sft_llama.py", "model=models/tiny",
               "--device", "cpu"], cwd)
     assert p.returncode == 0, p.stderr

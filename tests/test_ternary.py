@@ -251,7 +251,7 @@ def test_merge_tool_folds_an_adapter_into_the_dequantized_ternary_base(folder, t
     save_adapter(model, tmp_path / "adapter")
     args = ["--model", str(folder), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged"),
             "--quantize", "ternary", "--ternary-scale", "channel"]
-    p = subprocess.run([sys.executable, str(REPO / "tools" / "merge.py"), *args], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "minitrain", "merge", *args], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 0, p.stderr
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()

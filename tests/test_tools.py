@@ -1,5 +1,5 @@
-"""tools/merge.py (merged folder loads in transformers with the adapted model's logits) and
-tools/generate.py (base + adapter, one prompt or stdin)."""
+"""minitrain merge (merged folder loads in transformers with the adapted model's logits) and
+minitrain generate (base + adapter, one prompt or stdin)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from minitrain.cli import ENGINE_COMMANDS
 import torch
 
 import models
@@ -48,7 +50,7 @@ def test_merge_gives_an_hf_folder_with_the_adapted_logits(adapter, tmp_path):
     from minitrain.adapters.peft_format import load_adapter
 
     out = tmp_path / "merged"
-    p = _run("tools/merge.py", "--model", str(DEMO), "--adapter", str(adapter), "--out", str(out), "--dtype", "float32")
+    p = _run("-m", "minitrain", "merge", "--model", str(DEMO), "--adapter", str(adapter), "--out", str(out), "--dtype", "float32")
     assert p.returncode == 0, p.stderr
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     ours = load_pretrained(DEMO, models.from_hf_config)
@@ -65,18 +67,18 @@ def test_merge_gives_an_hf_folder_with_the_adapted_logits(adapter, tmp_path):
 
 
 def test_merge_bad_input_is_one_line(tmp_path):
-    p = _run("tools/merge.py", "--model", str(tmp_path / "nope"), "--adapter", str(tmp_path), "--out", str(tmp_path / "o"))
+    p = _run("-m", "minitrain", "merge", "--model", str(tmp_path / "nope"), "--adapter", str(tmp_path), "--out", str(tmp_path / "o"))
     assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 
 
 def test_generate_one_prompt_and_stdin_agree(adapter):
     prompt = "Note: Ana, 34, has asthma, takes salbutamol. Summarise."
-    one = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(adapter), "--prompt", prompt,
+    one = _run("-m", "minitrain", "generate", "--model", str(DEMO), "--adapter", str(adapter), "--prompt", prompt,
                "--max-new-tokens", "12")
     assert one.returncode == 0, one.stderr
     assert one.stdout.strip()
-    piped = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(adapter), "--max-new-tokens", "12",
+    piped = _run("-m", "minitrain", "generate", "--model", str(DEMO), "--adapter", str(adapter), "--max-new-tokens", "12",
                  stdin=prompt + "\n")
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout.strip() == one.stdout.strip()  # greedy: the same answer either way
@@ -93,12 +95,14 @@ def _closed_pipe_run(args: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("cmd", [
     *[[f"tools/{t.name}", "--help"] for t in sorted((REPO / "tools").glob("*.py"))],
-    ["tools/plan.py", "recipes/sft_mistral.py", "--all"],
+    *[["-m", "minitrain", name, "--help"] for name in ENGINE_COMMANDS],
+    ["-m", "minitrain", "plan", "recipes/sft_mistral.py", "--all"],
+    ["-m", "minitrain", "--help"],
     ["-m", "minitrain", "recipes/sft_llama.py", "--help"],
     ["-m", "minitrain", "--version"],
 ], ids=lambda c: " ".join(c))
 def test_a_closed_pipe_ends_every_tool_and_the_cli_quietly(cmd):
-    """`python tools/plan.py ... | head`: no BrokenPipeError traceback, no 'Exception ignored', exit 0."""
+    """`minitrain plan ... | head`: no BrokenPipeError traceback, no 'Exception ignored', exit 0."""
     p = _closed_pipe_run([sys.executable, *cmd])
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
     assert p.returncode == 0, p.stderr
@@ -108,16 +112,14 @@ def test_generate_raw_prompt_on_a_tokenizer_without_bos(tmp_path):
     """Qwen's tokenizer has no bos: a raw prompt is encoded as the training rows begin (bos only
     where the tokenizer adds one), not refused for a missing bos."""
     import argparse
-    import importlib.util
+    import importlib
 
     from _tok import make_qwen_tokenizer
 
     from minitrain.text.tokenizer import Tokenizer
     from models.llama import generate
 
-    spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = importlib.import_module("minitrain.commands.generate")
     tok = Tokenizer.from_folder(make_qwen_tokenizer(tmp_path / "qwen"))
     assert tok.bos_id is None and tok.vocab_size <= 320
     model = load_pretrained(DEMO, models.from_hf_config).eval()
@@ -133,7 +135,7 @@ def test_generate_raw_prompt_on_a_tokenizer_without_bos(tmp_path):
 def test_generate_queries_in_the_format_the_run_trained(tmp_path, mode):
     """Prompt / completion strings on a model with a chat template: trained as plain text by default,
     through the template with prompt_completion=chat; the log says which, out/config.json records it,
-    and tools/generate.py follows it unless told otherwise."""
+    and minitrain generate follows it unless told otherwise."""
     rows = tmp_path / "pc.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"Note: Ana, {30 + i}, has asthma. Summarise.",
                                         "completion": f" Ana, {30 + i}, asthma."}) + "\n" for i in range(8)))
@@ -149,13 +151,13 @@ def test_generate_queries_in_the_format_the_run_trained(tmp_path, mode):
     trained = json.loads((out / "config.json").read_text())["trained_format"]
     assert trained["prompts"] == mode and trained["rows"]["pair" if mode == "raw" else "pair_chat"] == 8
     prompt = "Note: Ben, 41, has gout. Summarise."
-    auto = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
+    auto = _run("-m", "minitrain", "generate", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
                 "--max-new-tokens", "6")
     assert auto.returncode == 0, auto.stderr
     assert auto.stderr.startswith("note: prompts sent as " + ("plain text" if mode == "raw" else "the chat template"))
-    chosen = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
+    chosen = _run("-m", "minitrain", "generate", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
                   "--max-new-tokens", "6", "--format", mode)
-    other = _run("tools/generate.py", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
+    other = _run("-m", "minitrain", "generate", "--model", str(DEMO), "--adapter", str(out / "adapter"), "--prompt", prompt,
                  "--max-new-tokens", "6", "--format", {"raw": "chat", "chat": "raw"}[mode])
     assert auto.stdout == chosen.stdout != other.stdout
 
@@ -207,7 +209,7 @@ def test_merge_keeps_the_base_dtype_and_notes_a_quantized_run(adapter, tmp_path)
     shutil.copytree(adapter, run / "adapter")
     for dtype, want in (("auto", "BF16"), ("float32", "F32")):
         out = tmp_path / f"merged_{dtype}"
-        p = _run("tools/merge.py", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(out),
+        p = _run("-m", "minitrain", "merge", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(out),
                  "--dtype", dtype)
         assert p.returncode == 0, p.stderr
         assert {i["dtype"] for i in read_header(out / "model.safetensors")[0].values()} == {want}
@@ -216,10 +218,10 @@ def test_merge_keeps_the_base_dtype_and_notes_a_quantized_run(adapter, tmp_path)
         tmp_path / "merged_auto" / "model.safetensors").stat().st_size
 
     (run / "config.json").write_text(json.dumps({"quantize": "nf4"}))  # what a QLoRA run writes beside its adapter
-    p = _run("tools/merge.py", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(tmp_path / "q"))
+    p = _run("-m", "minitrain", "merge", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(tmp_path / "q"))
     assert p.returncode == 0 and p.stderr.startswith("note: the adapter was trained on a nf4 base")
     (run / "config.json").write_text(json.dumps({"quantize": "nf4", "lrc_rank": 0.15}))  # an LRC run
-    p = _run("tools/merge.py", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(tmp_path / "l"))
+    p = _run("-m", "minitrain", "merge", "--model", str(base), "--adapter", str(run / "adapter"), "--out", str(tmp_path / "l"))
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "pass --quantize nf4" in p.stderr
     assert not (tmp_path / "l").exists()
 

@@ -1,4 +1,4 @@
-"""The memory plan of one rank (`tools/plan.py --world N`) against each rank's measured peak, on the CPU.
+"""The memory plan of one rank (`minitrain plan --world N`) against each rank's measured peak, on the CPU.
 
     python tools/plan_ranks.py [--ranks 1,2,4] [--modes full,lora] [--parallel fsdp] [--hidden 1024]
                                [--layers 6] [--vocab 16000] [--seq 128] [--batch 4] [--write BENCHMARKS.md]
@@ -161,7 +161,7 @@ def case_args(folder: Path, out: Path, mode: str, a: argparse.Namespace) -> list
 
 
 def plan_peak(recipe: str, args: list[str], world: int) -> tuple[int, str]:
-    """(rank 0's planned peak in bytes, its moment): `tools/plan.py --device cpu --world N`'s figure."""
+    """(rank 0's planned peak in bytes, its moment): `minitrain plan --device cpu --world N`'s figure."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tools"))
     from plan import load_config, read_model_config
@@ -245,7 +245,7 @@ def render(a: argparse.Namespace, hf: dict, size: int, rows: list[dict], argv: l
              f"{a.steps} steps, fp32, gloo, one thread per rank). Measured: each rank's peak RSS of the training "
              f"phase above its RSS before loading, file-backed pages (the mapped checkpoint, code) left out; after "
              f"loading: the anonymous memory gained by the time the loop builds its optimizer. Planned: "
-             f"`tools/plan.py --device cpu --world N` (rank 0's share, the largest).", "",
+             f"`minitrain plan --device cpu --world N` (rank 0's share, the largest).", "",
              "| run | ranks | rank | planned peak (rank 0) | measured peak | planned / measured | after loading | "
              "planned peak moment |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:

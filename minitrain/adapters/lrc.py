@@ -48,7 +48,7 @@ whose block input does not require grad (tests/test_lrc.py checks the gradients 
 An adapter made this way corrects *this* quantized base: load it onto the same base quantized the
 same way (and, with `iters > 1`, re-quantized by `init_lrc` again, which is deterministic), not
 onto the full-precision model, where it would add the quantization error instead of removing it
-(`tools/merge.py --quantize <format>` folds it into the dequantized base, a float model).
+(`minitrain merge --quantize <format>` folds it into the dequantized base, a float model).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the rounding error reported instead of lost.
 On a quantized base a merge dequantizes, adds and requantizes: the error of each layer is
 measured against the exact fp32 target and logged (a warning when the base is quantized or over
 1% of an update is lost). `merged_state_dict` gives the HF-layout weights with every adapter
-folded in, without changing the model: what `tools/merge.py` and a full fine-tune's export write.
+folded in, without changing the model: what `minitrain merge` and a full fine-tune's export write.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def replace_linears(model: nn.Module, kind: str, compute_dtype: torch.dtype, ski
 
 def _not_merged(self, *args) -> None:
     raise UserError("merge: the base is sharded by parallel=fsdp — merge the saved adapter afterwards "
-                    "(python tools/merge.py)")
+                    "(minitrain merge)")
 
 
 class LoRALinearNF4Rows(LoRALinear):

@@ -12,7 +12,7 @@ same rolling windows and the same greedy decoding, cut at the first stop string.
 
 The model is any of ours (hidden states + `output_projection`), with an adapter or a quantized base
 as loaded; `generate` is its family's `generate(model, ids, mask, max_new_tokens=...)` (the engine
-never imports `models/`: `tools/evaluate.py` passes it in, loads the checkpoint and registers the
+never imports `models/`: `minitrain evaluate` passes it in, loads the checkpoint and registers the
 class with lm-eval under the name `minitrain`). Needs the `eval` extra (`lm_eval`), imported here.
 """
 

@@ -7,5 +7,5 @@ Modules, in reading order:
                 special tokens, bos / eos / add_bos, the chat template
 
 Both write with the `gguf` package (llama.cpp's own Python writer, the `export` extra).
-`tools/export_gguf.py` loads the model, folds an adapter in (`minitrain.adapters.merge`) and calls them.
+`minitrain export` loads the model, folds an adapter in (`minitrain.adapters.merge`) and calls them.
 """

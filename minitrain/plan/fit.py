@@ -3,7 +3,7 @@
     check(cfg) -> cfg     the CLI calls it after the config is resolved, before the recipe runs
 
 On CUDA, the run's peak is planned from the model's `config.json` and the run's keys with
-`minitrain.plan` (the model `tools/plan.py` prints; a CUDA context and allocator slack on top) and
+`minitrain.plan` (the model `minitrain plan` prints; a CUDA context and allocator slack on top) and
 compared with the device's free memory. When it does not fit:
 
 - `memory_check=true` (default): stop with one `error: memory: ...` line and the plan's
@@ -117,7 +117,7 @@ def check(cfg: Any, log: Callable[[str], None] = print) -> Any:
     raise UserError(f"memory: the plan needs {fmt_bytes(needed(plan.peak))} (peak {fmt_bytes(plan.peak)} + CUDA "
                     f"context and slack) but {where} {fmt_bytes(free)} — {tried}try {shown or 'a smaller model'}"
                     f"{'' if tried else '; or auto_fit=true to choose checkpointing and the micro-batch'}; "
-                    f"memory_check=false skips this check (python tools/plan.py shows the plan)")
+                    f"memory_check=false skips this check (minitrain plan shows the plan)")
 
 
 def _first_that_fits(candidates, free: int) -> tuple[Any, Plan] | None:

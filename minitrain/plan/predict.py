@@ -9,7 +9,7 @@ micro-batch, lengths, dtype, quantization, adapter, checkpointing, DPO reference
 reads it from a recipe's config). `predict(model, run)` returns a `Plan`:
 every term in bytes with the formula it comes from, and the peak. The family-specific parts
 (weights, trainable tensors, the activation moments) are methods of the shape, so `predict` reads
-the same for every family. `tools/plan.py` prints it for a recipe; `tests/test_plan.py` checks it
+the same for every family. `minitrain plan` prints it for a recipe; `tests/test_plan.py` checks it
 against peaks measured on the CPU.
 
 What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16, 4 for fp32):

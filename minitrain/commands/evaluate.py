@@ -1,10 +1,10 @@
 """Score a model (and an adapter) on lm-evaluation-harness tasks, with minitrain's own model code.
 
-    python tools/evaluate.py --model minitrain --model_args pretrained=path/to/base,adapter=runs/sft/adapter \\
+    minitrain evaluate --model minitrain --model_args pretrained=path/to/base,adapter=runs/sft/adapter \\
         --tasks my_task --include_path my_tasks/ [--limit 100] [--num_fewshot 0] [--batch_size 8] \\
         [--output_path results.json]
 
-The flags are lm-eval's own (`lm_eval --model hf ...` becomes `python tools/evaluate.py --model
+The flags are lm-eval's own (`lm_eval --model hf ...` becomes `minitrain evaluate --model
 minitrain ...`): lm-eval 0.4 finds model classes only in its own package, so this script registers
 ours under the name `minitrain` (`MinitrainLM`, lm-eval's `TemplateLM` over
 `minitrain.evaluate.harness.HarnessLM`) and calls lm-eval's `simple_evaluate`. From Python, after this
@@ -26,13 +26,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-import torch  # noqa: E402
+import torch
 
-import models  # noqa: E402
-from minitrain.checkpoint import check_adapter_base  # noqa: E402
-from minitrain.errors import UserError  # noqa: E402
+import models
+from minitrain.checkpoint import check_adapter_base
+from minitrain.errors import UserError
 
 LOCAL_BUILDERS = ("json", "csv", "parquet", "arrow", "text")  # `datasets` builders that read local files
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,7 +168,7 @@ def evaluate(model_args: str, tasks: list[str], *, include_path: str | None = No
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="minitrain evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="minitrain", help="minitrain (the only model class this script runs)")
     p.add_argument("--model_args", required=True, help="pretrained=DIR[,adapter=DIR,quantize=,dtype=,device=]")
     p.add_argument("--tasks", required=True, help="comma-separated task names (or YAML task files)")
@@ -200,8 +199,3 @@ def main(argv: list[str]) -> int:
         print(f"results: {args.output_path}")
     return 0
 
-
-if __name__ == "__main__":
-    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
-
-    sys.exit(main_quietly(main, sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Export a model (with an adapter folded in) as one GGUF file for llama.cpp and the apps built on it.
 
-    python tools/export_gguf.py --model path/to/Qwen3-0.6B --adapter runs/sft/adapter --out sft.gguf --type q8_0
-    python tools/export_gguf.py --model demo/model --out demo.gguf                # f16, no adapter
+    minitrain export --model path/to/Qwen3-0.6B --adapter runs/sft/adapter --out sft.gguf --type q8_0
+    minitrain export --model demo/model --out demo.gguf                # f16, no adapter
 
 Families: LLaMA, Mistral, Qwen2 / 2.5, Qwen3, Gemma 2, Gemma 3 (text) and Phi-3. The base is loaded
 in fp32 and the adapter folded in there (W + scaling * B @ A, `minitrain.adapters.merge`), then the
@@ -9,7 +9,7 @@ weights are renamed, re-laid-out and stored as llama.cpp expects them (`minitrai
 in `--type` f16 (default), bf16, q8_0 or f32, with the tokenizer (the adapter folder's if it was saved
 with it, else the base's) and its chat template (`minitrain.export.gguf_vocab`). An adapter trained on
 a quantized base by low-rank correction (recipes/lrc.py) is folded into that base: pass the run's
-`--quantize` (without it such an adapter is refused, as tools/merge.py refuses it). Written to a temporary name and renamed. Needs the `export` extra (pip install
+`--quantize` (without it such an adapter is refused, as minitrain merge refuses it). Written to a temporary name and renamed. Needs the `export` extra (pip install
 'minitrain[export]'). Then: `llama-cli -m sft.gguf`, or llama-cpp-python's `Llama(model_path=...)`.
 """
 
@@ -19,24 +19,13 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
-
-import models  # noqa: E402
-from minitrain.errors import UserError  # noqa: E402
+import models
+from minitrain.commands import merge as merge_command
+from minitrain.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
-
-def _merge_tool():
-    """tools/merge.py, whose check of the run beside an adapter (LRC, QLoRA) applies here too."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("minitrain_merge_tool", Path(__file__).with_name("merge.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def export(model_dir: str, out: str, adapter_dir: str | None = None, kind: str = "f16", quantize: str = "none",
@@ -66,7 +55,7 @@ def export(model_dir: str, out: str, adapter_dir: str | None = None, kind: str =
             raise UserError(f"--adapter {adapter_dir}: no adapter_config.json — pass a PEFT-format adapter folder "
                             f"(a run's out/adapter)")
         check_adapter_base(adapter_dir, model_dir)
-        note = _merge_tool().check_run(adapter_dir, quantize)  # an LRC adapter needs its base's format
+        note = merge_command.check_run(adapter_dir, quantize)  # an LRC adapter needs its base's format
         if note:
             print(note)
     if not Path(out).parent.is_dir():
@@ -92,7 +81,7 @@ def export(model_dir: str, out: str, adapter_dir: str | None = None, kind: str =
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="minitrain export", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="the base: an HF-format folder")
     p.add_argument("--adapter", default=None, help="a PEFT-format adapter folder to fold in (a run's out/adapter)")
     p.add_argument("--out", required=True, help="the .gguf file to write")
@@ -109,8 +98,3 @@ def main(argv: list[str]) -> int:
     print(f"GGUF ({args.type}): {path}")
     return 0
 
-
-if __name__ == "__main__":
-    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
-
-    sys.exit(main_quietly(main, sys.argv[1:]))

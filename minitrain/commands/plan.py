@@ -1,6 +1,6 @@
 """Predict a recipe's peak GPU memory before running it, and what to change to make it fit.
 
-    python tools/plan.py RECIPE.py key=value ... [--gpu-mem 12GiB] [--seq N] [--targets N] [--device cuda|cpu] [--all]
+    minitrain plan RECIPE.py key=value ... [--gpu-mem 12GiB] [--seq N] [--targets N] [--device cuda|cpu] [--all]
                          [--world N] [--parallel ddp|fsdp]
 
 The recipe's config is loaded exactly as `python -m minitrain RECIPE.py key=value ...` would
@@ -23,16 +23,13 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from minitrain.config import parse_bytes
-from minitrain.errors import UserError  # noqa: E402
+from minitrain.errors import UserError
 from minitrain.plan.predict import predict, run_shape, shape_from_hf, suggestions
 from minitrain.plan.run_shape import RESERVE_CONTEXT, RESERVE_SLACK, fmt_bytes
 
-USAGE = ("usage: python tools/plan.py RECIPE.py [key=value ...] [--gpu-mem 12GiB] [--seq N] [--targets N] "
+USAGE = ("usage: minitrain plan RECIPE [key=value ...] [--gpu-mem 12GiB] [--seq N] [--targets N] "
          "[--device cuda|cpu] [--all] [--world N] [--parallel ddp|fsdp]")
 OPTIONS = {"--gpu-mem": str, "--seq": int, "--targets": int, "--device": str, "--world": int, "--parallel": str}
 
@@ -63,8 +60,8 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], dict]:
         else:
             rest.append(a)
         i += 1
-    if not rest or not rest[0].endswith(".py"):
-        raise UserError(f"no recipe file given — {USAGE}")
+    if not rest or "=" in rest[0] or rest[0].startswith("-"):
+        raise UserError(f"no recipe given — {USAGE}")
     if opts["--device"] not in (None, "cuda", "cpu"):
         raise UserError(f"--device {opts['--device']}: use cuda or cpu")
     if opts["--world"] < 1:
@@ -80,10 +77,10 @@ def load_config(path: str, overrides: list[str], opts: dict | None = None):
     import dataclasses
 
     from minitrain import distributed
-    from minitrain.cli import load_recipe, resolve_config
+    from minitrain.cli import load_recipe, recipe_path, resolve_config
     from minitrain.config import validate
 
-    cfg, _ = resolve_config(load_recipe(path), overrides)
+    cfg, _ = resolve_config(load_recipe(recipe_path(path)), overrides)
     validate(cfg)
     opts = opts or {}
     if opts.get("--parallel"):
@@ -203,8 +200,3 @@ def main(argv: list[str]) -> int:
     print(text)
     return 0 if fits else 1
 
-
-if __name__ == "__main__":
-    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
-
-    sys.exit(main_quietly(main, sys.argv[1:]))

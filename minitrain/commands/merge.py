@@ -1,7 +1,7 @@
 """Merge a LoRA adapter into its base and save an HF-format folder (transformers loads it).
 
-    python tools/merge.py --model demo/model --adapter runs/dpo_mistral/adapter --out merged/
-    python tools/merge.py --model path/to/Mistral-7B --adapter runs/x/adapter --out merged/ --dtype float32
+    minitrain merge --model demo/model --adapter runs/dpo_mistral/adapter --out merged/
+    minitrain merge --model path/to/Mistral-7B --adapter runs/x/adapter --out merged/ --dtype float32
 
 The base is loaded in float (never quantized: merging into 4-bit weights would round the update
 away), the adapter is folded in (W + scaling * B @ A) in fp32, and saved in the base's own dtype
@@ -20,7 +20,7 @@ what it was), and a QLoRA adapter (trained on an nf4 / int8 base) gets a note: m
 full-precision base it computes a little differently from the trained model, which saw rounded
 weights; `--quantize nf4` merges into the dequantized base the run trained on instead.
 
-    python tools/merge.py --model path/to/qwen3 --adapter runs/lrc/adapter --out merged/ --quantize ternary
+    minitrain merge --model path/to/qwen3 --adapter runs/lrc/adapter --out merged/ --quantize ternary
 """
 
 from __future__ import annotations
@@ -31,15 +31,14 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-import torch  # noqa: E402
+import torch
 
-import models  # noqa: E402
-from minitrain.adapters.merge import merged_state_dict  # noqa: E402
-from minitrain.adapters.peft_format import load_adapter  # noqa: E402
-from minitrain.errors import UserError  # noqa: E402
-from minitrain.weights import (SIDE_FILES, checkpoint_files, load_pretrained, read_header,  # noqa: E402
+import models
+from minitrain.adapters.merge import merged_state_dict
+from minitrain.adapters.peft_format import load_adapter
+from minitrain.errors import UserError
+from minitrain.weights import (SIDE_FILES, checkpoint_files, load_pretrained, read_header,
                                save_pretrained)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,7 +107,7 @@ def merge(model_dir: str, adapter_dir: str, out: str, dtype: str = "auto", quant
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="minitrain merge", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="the base: an HF-format folder")
     p.add_argument("--adapter", required=True, help="a PEFT-format adapter folder (minitrain's out/adapter)")
     p.add_argument("--out", required=True, help="folder to write the merged model into")
@@ -130,8 +129,3 @@ def main(argv: list[str]) -> int:
     print(f"merged model (HF format, {json.loads((folder / 'config.json').read_text())['torch_dtype']}): {folder}")
     return 0
 
-
-if __name__ == "__main__":
-    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
-
-    sys.exit(main_quietly(main, sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Gradient-path audit for any recipe: does every trainable tensor get gradient from the loss?
 
-    python tools/audit.py recipes/sft_llama.py model=path/to/llama data=train.jsonl [key=value ...]
-    python tools/audit.py recipes/dpo_mistral.py --json
+    minitrain audit recipes/sft_llama.py model=path/to/llama data=train.jsonl [key=value ...]
+    minitrain audit recipes/dpo_mistral.py --json
 
 Builds the recipe's job exactly as a run would (its `setup(config)`: model, adapters, data),
 then runs ONE forward and backward on a 32-token slice of the shortest example of the data (no optimizer step, nothing
@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from minitrain.audit import audit  # noqa: E402
-from minitrain.cli import load_recipe, resolve_config  # noqa: E402
-from minitrain.config import validate  # noqa: E402
-from minitrain.errors import UserError  # noqa: E402
-from minitrain.train import audit_inputs  # noqa: E402
+from minitrain.audit import audit
+from minitrain.cli import load_recipe, recipe_path, resolve_config
+from minitrain.config import validate
+from minitrain.errors import UserError
+from minitrain.train import audit_inputs
 
 
 def main(argv: list[str]) -> int:
@@ -35,7 +32,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0 if args else 2
     try:
-        recipe = load_recipe(args[0])
+        recipe = load_recipe(recipe_path(args[0]))
         config, _ = resolve_config(recipe, args[1:])  # a recipe's demo settings only without model / data
         validate(config)
         setup = getattr(recipe.module, "setup", None)
@@ -53,8 +50,3 @@ def main(argv: list[str]) -> int:
     print(report.to_json() if as_json else report.table())
     return 0 if report.ok else 1
 
-
-if __name__ == "__main__":
-    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
-
-    sys.exit(main_quietly(main, sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Training curves of one or more runs on one figure: a PNG to put in a report or a thesis.
 
-    python tools/plot.py runs/flan-t5-small runs/flan-t5-base runs/t5-base --metric loss --out curves.png
-    python tools/plot.py runs/a runs/b --metric loss,eval/rougeL --metric lr --smooth 0.9 --out curves.png
+    minitrain plot runs/flan-t5-small runs/flan-t5-base runs/t5-base --metric loss --out curves.png
+    minitrain plot runs/a runs/b --metric loss,eval/rougeL --metric lr --smooth 0.9 --out curves.png
 
 Each metric (`--metric`, repeatable or comma-separated; default `loss`) gets its own subplot,
 stacked, sharing the x axis: the optimizer step. Any key of the runs' `metrics.jsonl` can be
@@ -24,9 +24,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from minitrain.errors import UserError  # noqa: E402
+from minitrain.errors import UserError
 
 DPI = 150
 WIDTH_IN, HEIGHT_PER_METRIC_IN = 8.0, 3.0
@@ -154,7 +153,7 @@ def plot(runs: Sequence[Path], metrics: Sequence[str], out: Path, *, labels: Seq
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tools/plot.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="minitrain plot", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="run folders (each with metrics.jsonl, config.json)")
     p.add_argument("--metric", action="append", help="metric(s) to plot, comma-separated or repeated (default: loss)")
@@ -173,8 +172,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {out}")
     return 0
 
-
-if __name__ == "__main__":
-    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
-
-    sys.exit(main_quietly(main))

@@ -1,8 +1,8 @@
 """Try a model (and an adapter) on a prompt: greedy or sampled, LLaMA / Mistral or T5.
 
-    python tools/generate.py --model demo/model --adapter runs/dpo_mistral/adapter --prompt "Summarise: ..."
-    python tools/generate.py --model demo/model --adapter runs/dpo_mistral/adapter      # interactive
-    python tools/generate.py --model path/to/flan-t5 --adapter runs/t5/adapter --prompt "..." --num-beams 4
+    minitrain generate --model demo/model --adapter runs/dpo_mistral/adapter --prompt "Summarise: ..."
+    minitrain generate --model demo/model --adapter runs/dpo_mistral/adapter      # interactive
+    minitrain generate --model path/to/flan-t5 --adapter runs/t5/adapter --prompt "..." --num-beams 4
 
 Causal models get the prompt in the format the run trained with (`--format auto`): the run's
 `out/config.json` beside the adapter says whether its prompt strings went through the chat template
@@ -19,16 +19,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-import torch  # noqa: E402
+import torch
 
-import models  # noqa: E402
-from minitrain.adapters.peft_format import load_adapter  # noqa: E402
-from minitrain.errors import UserError  # noqa: E402
-from minitrain.text.chat_template import resolve_template  # noqa: E402
-from minitrain.text.tokenizer import Tokenizer  # noqa: E402
-from minitrain.weights import load_pretrained  # noqa: E402
+import models
+from minitrain.adapters.peft_format import load_adapter
+from minitrain.errors import UserError
+from minitrain.text.chat_template import resolve_template
+from minitrain.text.tokenizer import Tokenizer
+from minitrain.weights import load_pretrained
 
 
 def run_format(adapter_dir: str | None, tok: Tokenizer) -> tuple[str | None, str]:
@@ -89,7 +88,7 @@ def complete(model: torch.nn.Module, tok: Tokenizer, prompt: str, args: argparse
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="minitrain generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="the base: an HF-format folder")
     p.add_argument("--adapter", default=None, help="a PEFT-format adapter folder (optional)")
     p.add_argument("--prompt", default=None, help="one prompt; without it, read prompts from stdin")
@@ -128,8 +127,3 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    from minitrain.cli import main_quietly  # a closed pipe (`| head`) ends it quietly
-
-    sys.exit(main_quietly(main, sys.argv[1:]))

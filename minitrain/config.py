@@ -133,8 +133,10 @@ class TrainConfig:
                              "time limit continues with resume=true); 0: run to the end", ge=0)
     eval_every: int = doc(0, "evaluate every N optimizer steps (0: only at the end)", ge=0)
     log_every: int = doc(1, "write metrics every N optimizer steps", ge=1)
-    report_to: str = doc("none", "a metrics sink beside metrics.jsonl: tensorboard writes out/tensorboard/ "
-                                 "(needs the tensorboard extra)", choices=("none", "tensorboard"))
+    report_to: list[str] = doc([], "experiment trackers beside metrics.jsonl, comma-separated: tensorboard "
+                                   "(out/tensorboard/), wandb, trackio, mlflow (each its extra; settings by their own "
+                                   "environment variables: WANDB_PROJECT, MLFLOW_TRACKING_URI, ...); none",
+                               example=["tensorboard"])
     resume: bool = doc(False, "continue exactly from out/checkpoint")
     extend: bool = doc(False, "with resume: continue a run (finished or not) to a new max_steps / epochs; the "
                               "steps after the checkpoint take the LR of a schedule sized for the new total "
@@ -170,10 +172,10 @@ class TrainConfig:
 
     def check(self) -> None:
         """Rules across fields (per-field bounds and choices are checked by `validate`)."""
-        if self.report_to != "none":
-            from minitrain.progress import check_sink
+        if self.report_to:
+            from minitrain.trackers import check
 
-            check_sink(self.report_to)
+            check(self.report_to)
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise UserError(f"device={shown(self.device)}: not a device — use auto, cpu, cuda or cuda:N")
         if self.gpu_mem:

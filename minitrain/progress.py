@@ -1,4 +1,4 @@
-"""What the training loop shows while it runs, and where else its metrics go.
+"""What the training loop shows while it runs (trackers, where else its metrics go: `minitrain.trackers`).
 
 `Progress`: on a terminal a tqdm bar; when stdout or stderr is not a terminal (a log file, nohup,
 a cluster job) no bar frames, which would fill the log with carriage-return redraws, but one plain
@@ -7,10 +7,6 @@ line at every tenth of the run and at least every `every_s` seconds:
     progress: step 20/100 (20%) | loss 0.6512 | lr 1.80e-03 | 1,234 tok/s | 3s elapsed, ~12s left
 
 `log(...)`: a line every run prints (print, flushed; under torchrun rank 0 alone).
-
-`TensorBoard`: `report_to=tensorboard` writes every metrics.jsonl row as scalars into
-`out/tensorboard/` (the `tensorboard` extra: `pip install -e ".[tensorboard]"`), readable by
-`tensorboard --logdir out/tensorboard`. metrics.jsonl stays the record; this is a second sink.
 """
 
 from __future__ import annotations
@@ -71,42 +67,3 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-# ----------------------------------------------------------------------------- metric sinks
-
-SINKS = ("none", "tensorboard")
-
-
-def check_sink(report_to: str) -> None:
-    """Refuse a sink whose package is missing, before anything loads."""
-    if report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("report_to=tensorboard: the tensorboard package is not installed — "
-                        "pip install -e \".[tensorboard]\", or report_to=none (metrics.jsonl is always written)")
-
-
-class TensorBoard:
-    """Scalars of each metrics row into `folder` (TensorBoard event files), from `start_step` on.
-
-    On a resume, events after the checkpoint's step are purged (as metrics.jsonl is truncated),
-    so the curves hold each step once."""
-
-    def __init__(self, folder: Path, start_step: int):
-        check_sink("tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(folder), purge_step=start_step + 1 if start_step else None)
-
-    def write(self, row: dict[str, Any]) -> None:
-        step = int(row["step"])
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                self.writer.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def open_sink(report_to: str, out: Path, start_step: int) -> TensorBoard | None:
-    """The sink `report_to` names, writing under `out` (None for `none`)."""
-    return TensorBoard(out / "tensorboard", start_step) if report_to == "tensorboard" else None

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from minitrain import checkpoint as ckpt, distributed, fsdp
 from minitrain.adapters.lora import quant_kind
 from minitrain.audit import preflight
-from minitrain.config import checkpointed_blocks
+from minitrain.config import checkpointed_blocks, to_dict
 from minitrain.data.batcher import Batcher
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.device import resolve_precision, set_attention
@@ -50,7 +50,8 @@ from minitrain.errors import UserError
 from minitrain.optim import AdamW
 from minitrain.plan.fit import planned_peak_mb
 from minitrain.plan.flops import FlopCounter, device_peak_flops
-from minitrain.progress import Progress, open_sink
+from minitrain.progress import Progress
+from minitrain.trackers import Trackers
 from minitrain.schedule import lr_at, resolve_steps
 
 Objective = Callable[[nn.Module, dict], tuple[torch.Tensor, Any, dict]]
@@ -262,6 +263,7 @@ def train(
     counters = {"skipped_steps": 0, "bad_in_row": 0, "micro_batches": 0, "tokens_seen": 0}
     step = 0
     made_from = ckpt.made_from(model)  # base model, tokenizer, adapter: a resume must match them
+    tracker_ids: dict[str, str] = {}  # report_to's run ids: a resume continues those runs
     if cfg.resume:
         saved = ckpt.read_state(out)
         ckpt.check_made_from(saved.get("made_from"), made_from, ckpt.find(out))
@@ -277,7 +279,7 @@ def train(
         state = ckpt.load(out, named, optimizer)  # weights, optimizer state and RNG, in place
         if ema is not None:
             ckpt.load_ema(out, list(zip(ema.names, ema.tensors)))  # (each rank its own rows)
-        step, counters = state["step"], state["counters"]
+        step, counters, tracker_ids = state["step"], state["counters"], state.get("trackers", {})
         batcher.load_state_dict(state["batcher"])
         distributed.main_only(lambda: ckpt.truncate_log(out / "metrics.jsonl", step))
         log(f"resumed from {ckpt.find(out)} at step {step}/{total_steps}")
@@ -297,13 +299,15 @@ def train(
         nonlocal saved_at
         ckpt.save(out, named, optimizer, {"step": step, "run": run_info, "made_from": made_from,
                                            "counters": counters, "batcher": batcher.state_dict(),
+                                           "trackers": sink.ids() if sink else {},
                                            "schedule": {"next_step": step + 1, "total_steps": total_steps,
                                                         "warmup_steps": warmup_steps}},
                   ema=ema.state_dict() if ema is not None else None)
         saved_at = step
 
     metrics_f = open(out / "metrics.jsonl", "a", buffering=1) if rank == 0 else None  # line-buffered
-    sink = open_sink(getattr(cfg, "report_to", "none"), out, step) if rank == 0 else None  # e.g. tensorboard
+    sink = (Trackers(getattr(cfg, "report_to", []), out, to_dict(cfg), step, tracker_ids, log)  # wandb, mlflow, ...
+            if rank == 0 else None)
     progress = Progress(total_steps, step, log, enabled=rank == 0)  # a bar on a terminal, plain lines in a log
     stream = _micro_batches(batcher)
     summary: dict[str, Any] = {"loss": None}

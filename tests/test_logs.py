@@ -1,5 +1,5 @@
-"""Logs people keep (issue 14, item 7): plain progress lines when stdout is not a terminal, and
-`report_to=tensorboard` event files that TensorBoard's own reader gives back equal to metrics.jsonl."""
+"""Logs people keep (issue 14, item 7): plain progress lines when stdout is not a terminal (the
+trackers of `report_to`, TensorBoard among them: tests/test_trackers.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from minitrain.errors import UserError
 from minitrain.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,32 +47,3 @@ def test_a_terminal_gets_the_bar_and_no_lines():
     progress.close()
     Progress(10, 0, said.append, tty=False).update(1, row)  # step 1 is the first tenth
     assert said and said[0].startswith("progress: step 1/10 (10%)")
-
-
-def test_tensorboard_event_files_read_back_equal_to_metrics_jsonl(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    p = sft("max_steps=4", "out=run", "report_to=tensorboard", "eval_data=" + str(DEMO / "sft_train.jsonl"),
-            "eval_every=2", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    for key in ("loss", "lr", "grad_norm", "tokens", "eval/loss"):
-        events = acc.Scalars(key)
-        expected = [(r["step"], r[key]) for r in rows if key in r]
-        assert [e.step for e in events] == [s for s, _ in expected], key
-        assert [e.value for e in events] == pytest.approx([v for _, v in expected], rel=1e-6), key  # float32
-
-
-def test_report_to_tensorboard_without_the_package_is_one_line(monkeypatch):
-    import importlib.util
-
-    from minitrain.config import TrainConfig, validate
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    with pytest.raises(UserError) as e:
-        validate(TrainConfig(report_to="tensorboard"))
-    assert str(e.value).startswith("report_to=tensorboard: the tensorboard package is not installed — pip install")

@@ -54,6 +54,9 @@ FAMILIES = {
     "gemma3": (dict(model_type="gemma3_text", head_dim=16, num_key_value_heads=2, sliding_window=5,
                     query_pre_attn_scalar=16, num_hidden_layers=3), make_gemma_tokenizer, 420),
     "phi3": (dict(model_type="phi3", num_key_value_heads=2), make_phi3_tokenizer, 411),
+    # LLaMA with biases on the attention and MLP projections: llama.cpp's llama loader reads them
+    "llama_bias": (dict(model_type="llama", num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+                   lambda d: make_sp_tokenizer(d, 400, byte_fallback=True), 400),
     # RoPE scalings llama.cpp takes as tensors; original context 16, so a longer prompt uses them
     "llama3_rope": (dict(model_type="llama", num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=True,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -65,7 +68,7 @@ FAMILIES = {
                                          "long_factor": [1.0 + 0.5 * i for i in range(8)]}),
                       make_phi3_tokenizer, 411),
 }
-PARITY = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+PARITY = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_bias"]
 STRINGS = ["Hello world", " leading space", "  two spaces", "tabs\tand\nnewlines\n\n", "ünïcödé façade naïve",
            "日本語のテキスト", "emoji 🦙🚀 ok", "numbers 12345 3.14", "the word of the day", "punctuation!?... (yes)",
            "MiXeD CaSe", "a", " ", "trailing space ", "line\r\nbreak", "end.", "x" * 30, "über straße"]
@@ -185,6 +188,28 @@ def test_refusals_are_one_line_and_write_nothing(family, tmp_path, capsys, chang
     code, err = export(capsys, "--model", folder, "--out", tmp_path / "x.gguf", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_phi3_with_a_window_shorter_than_its_context_is_refused(family, tmp_path, capsys):
+    """Phi-3-mini-4k (sliding_window 2047 of 4096): llama.cpp runs Phi's attention over the whole
+    context, so the file would compute another model past the window."""
+    folder = tmp_path / "p"
+    shutil.copytree(family("phi3"), folder)
+    cfg = {**json.loads((folder / "config.json").read_text()), "sliding_window": 8, "max_position_embeddings": 256}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code, err = export(capsys, "--model", folder, "--out", tmp_path / "x.gguf")
+    assert code == 2 and "sliding_window=8 — llama.cpp's phi3 attends to the whole context" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x.gguf").exists()
+
+
+def test_llama_biases_are_written_where_llama_cpp_reads_them(family, tmp_path, capsys):
+    from gguf import GGUFReader
+
+    code, err = export(capsys, "--model", family("llama_bias"), "--out", tmp_path / "b.gguf")
+    assert code == 0, err
+    names = {t.name for t in GGUFReader(str(tmp_path / "b.gguf")).tensors}
+    for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        assert f"blk.0.{part}.bias" in names, (part, sorted(names))
 
 
 def test_gemma_refusals(family, tmp_path, capsys):

@@ -13,8 +13,10 @@ What changes on the way (as llama.cpp's own converter does it, convert_hf_to_ggu
   factors `rope_factors_long` / `rope_factors_short`.
 
 `check_exportable(config)` refuses, in one line, what llama.cpp would run differently from the
-checkpoint: another family, a RoPE scaling it does not take, Mistral's sliding window on the
-`llama` architecture, a Gemma query scale other than the one llama.cpp computes. Types: f32; f16
+checkpoint: another family, a RoPE scaling it does not take, a sliding window shorter than the context
+on the `llama` architecture (Mistral) or on `phi3` (Phi-3-mini-4k: llama.cpp disables Phi's window), a
+Gemma query scale other than the one llama.cpp computes. LLaMA's `attention_bias` / `mlp_bias` are
+written as the optional bias tensors llama.cpp's llama loader reads (q / k biases permuted with their rows). Types: f32; f16
 and bf16 (1-D tensors, norms and biases, stay f32 as llama.cpp keeps them); q8_0 (blocks of 32
 along a row with one f16 scale; a tensor whose rows are not a multiple of 32 is written f16).
 """
@@ -92,8 +94,11 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
         if window and window < config.get("max_position_embeddings", 0):
             raise UserError(f"config.json: sliding_window={window} — llama.cpp's llama architecture attends to the "
                             f"whole context, so beyond {window} tokens it would not compute this model; not exported")
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise UserError(f"config.json: {kind} with attention_bias / mlp_bias — not exported")
+    window = config.get("sliding_window")
+    if fam.arch == "phi3" and window and window < config.get("max_position_embeddings", 0):
+        raise UserError(f"config.json: sliding_window={window} — llama.cpp's phi3 attends to the whole context (its "
+                        f"sliding window is disabled), so beyond {window} tokens it would not compute this model; "
+                        f"not exported")
     if kind == "qwen2" and config.get("use_sliding_window"):
         raise UserError("config.json: use_sliding_window=true — llama.cpp's qwen2 attends to the whole context; "
                         "not exported")
@@ -208,9 +213,9 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], f
         t = t.detach().float().cpu()
         if fam.norm_plus_one and key.endswith("norm.weight"):
             t = t + 1
-        if fam.permute_qk and key.endswith("self_attn.q_proj.weight"):
-            t = permute_qk(t, heads)
-        elif fam.permute_qk and key.endswith("self_attn.k_proj.weight"):
+        if fam.permute_qk and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            t = permute_qk(t, heads)  # (LLaMA's attention_bias: the biases follow their rows)
+        elif fam.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             t = permute_qk(t, kv)
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:

@@ -39,8 +39,6 @@ def _read(path: Path) -> dict[str, Any]:
 def add_vocab(writer: Any, folder: str | Path, vocab_size: int) -> str:
     """Write the tokenizer of `folder` into `writer` (a `gguf.GGUFWriter`); returns which shape it
     was ("sentencepiece" or "bpe"). `vocab_size`: the model's embedding rows (config.json)."""
-    import gguf
-
     folder = Path(folder)
     if (folder / "tokenizer.model").is_file():
         tokens, scores, types, space = _sentencepiece(folder, vocab_size)
@@ -50,7 +48,7 @@ def add_vocab(writer: Any, folder: str | Path, vocab_size: int) -> str:
         writer.add_token_scores(scores)
         writer.add_token_types(types)
         writer.add_add_space_prefix(space)
-        _specials(gguf.SpecialVocab(folder, n_vocab=len(tokens)), folder).add_to_gguf(writer, quiet=True)
+        _specials(_special_vocab(folder, len(tokens)), folder).add_to_gguf(writer, quiet=True)
         return "sentencepiece"
     if (folder / "tokenizer.json").is_file():
         tokens, types, pre = _byte_level_bpe(folder, vocab_size)
@@ -58,11 +56,28 @@ def add_vocab(writer: Any, folder: str | Path, vocab_size: int) -> str:
         writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens))
-        _specials(special, folder).add_to_gguf(writer, quiet=True)
+        _specials(_special_vocab(folder, len(tokens), load_merges=True), folder).add_to_gguf(writer, quiet=True)
         return "bpe"
     raise UserError(f"{folder}: no tokenizer.model or tokenizer.json — the GGUF file needs the tokenizer saved "
                     f"with the model")
+
+
+def _special_vocab(folder: Path, n_vocab: int, load_merges: bool = False) -> Any:
+    """`gguf.SpecialVocab` of `folder`, its logger held at ERROR meanwhile: it warns "Unknown separator
+    token ... in TemplateProcessing<pair>" for a post-processor's pair template (BERT-style separators),
+    which says nothing about this file: whether bos / eos are added is set by `_specials` from our own
+    `Tokenizer`, and a pair of sequences is never encoded for a causal model."""
+    import logging
+
+    import gguf
+
+    logger = logging.getLogger("gguf.vocab")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return gguf.SpecialVocab(folder, load_merges=load_merges, n_vocab=n_vocab)
+    finally:
+        logger.setLevel(level)
 
 
 def _specials(special: Any, folder: Path) -> Any:

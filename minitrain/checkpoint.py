@@ -55,6 +55,7 @@ from minitrain import distributed
 from minitrain.adapters.lora import adapter_signature
 from minitrain.errors import UserError
 from minitrain.weights import begin_folder, io_error_reason, swap_folder
+from minitrain.progress import strict_json
 
 if TYPE_CHECKING:
     from minitrain.optim import AdamW
@@ -412,7 +413,7 @@ def truncate_log(path: str | os.PathLike, step: int) -> list[dict[str, Any]]:
         return []
     keep = [row for row in map(json.loads, filter(str.strip, path.read_text().splitlines())) if row["step"] <= step]
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
+    tmp.write_text("".join(strict_json(row) + "\n" for row in keep))
     os.replace(tmp, path)
     return keep
 

@@ -7,21 +7,22 @@ line at every tenth of the run and at least every `every_s` seconds:
     progress: step 20/100 (20%) | loss 0.6512 | lr 1.80e-03 | 1,234 tok/s | 3s elapsed, ~12s left
 
 `log(...)`: a line every run prints (print, flushed; under torchrun rank 0 alone).
+
+`strict_json(row)`: one line of a run's JSON files (metrics.jsonl, eval.jsonl, completions.jsonl,
+predictions): strict JSON, a NaN or an infinity written as null, so any JSON reader takes it.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from tqdm import tqdm
 
 from minitrain import distributed
-from minitrain.errors import UserError
 
 
 def log(*args: Any, **kwargs: Any) -> None:
@@ -67,3 +68,18 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(row: Any, **kw: Any) -> str:
+    """`json.dumps` of `row` as strict JSON: NaN and infinities (never valid JSON) become null."""
+    return json.dumps(_finite(row), allow_nan=False, **kw)

@@ -52,7 +52,7 @@ from minitrain.data.store_build import default_cache, open_or_build
 from minitrain.device import base_dtype, pick_device, resolve_attention
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
-from minitrain.progress import log
+from minitrain.progress import log, strict_json
 from minitrain.schedule import resolve_steps
 from minitrain.text.chat_template import CARRIED, TEMPLATE_FILE, resolve_template
 from minitrain.text.tokenizer import Tokenizer
@@ -599,7 +599,7 @@ def eval_log(out: Path, then: Callable[[nn.Module, int, dict], dict] | None = No
 
         def write() -> None:
             with open(out / EVAL_LOG, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, **values}) + "\n")
+                f.write(strict_json({"step": step, **values}) + "\n")
         distributed.main_only(write)
         return extra
     return record
@@ -641,7 +641,7 @@ def evaluate_only(cfg: Any, job: Job, eval_fn: Callable | None = None) -> dict[s
     distributed.main_only(lambda: _write_text(out, CONFIG_FILE, to_json(cfg)))  # check_out_dir(cfg) has passed (the recipe)
     row = evaluate_once(job.model, job.objective, job.eval_examples, job.collate, cfg, eval_fn=eval_fn, log=log)
     values = {k: v for k, v in row.items() if k.startswith("eval/")}
-    distributed.main_only(lambda: _write_text(out, EVAL_LOG, json.dumps({"step": 0, **values}) + "\n"))
+    distributed.main_only(lambda: _write_text(out, EVAL_LOG, strict_json({"step": 0, **values}) + "\n"))
     log(f"eval: {out / EVAL_LOG} | config: {out / CONFIG_FILE}")
     return {"step": 0, "total_steps": 0, **values, "out_dir": str(out)}
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import random
@@ -50,7 +49,7 @@ from minitrain.errors import UserError
 from minitrain.optim import AdamW
 from minitrain.plan.fit import planned_peak_mb
 from minitrain.plan.flops import FlopCounter, device_peak_flops
-from minitrain.progress import Progress
+from minitrain.progress import Progress, strict_json
 from minitrain.trackers import Trackers
 from minitrain.schedule import lr_at, resolve_steps
 
@@ -447,7 +446,7 @@ def train(
                 fsdp.reshard(model)  # the shards back in the model's place: the checkpoint and the save read them
                 summary.update({k: v for k, v in row.items() if k.startswith("eval/")})
             if metrics_f and written:
-                metrics_f.write(json.dumps(row) + "\n")
+                metrics_f.write(strict_json(row) + "\n")
                 metrics_f.flush()
                 if sink:
                     sink.write(row)

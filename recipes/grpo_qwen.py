@@ -36,7 +36,6 @@ tools/make_grpo_demo.py): a tiny LLaMA asked for the last digit of a sum, which 
 from __future__ import annotations
 
 import functools
-import json
 import re
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from minitrain.objectives.configs import GRPOConfig
 from minitrain.objectives.grpo import GRPOObjective, collate_prompts
 from minitrain.objectives.reference import make_reference
 from minitrain.objectives.rewards import load_rewards
-from minitrain.progress import log
+from minitrain.progress import log, strict_json
 from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
                            prepare_out_dir)
 from minitrain.train import train
@@ -179,4 +178,4 @@ def run(config: GRPOConfig) -> dict:
 
 def _append(path: Path, row: dict) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(strict_json(row) + "\n")

@@ -89,3 +89,34 @@ def recipe_inputs(hf_causal, tmp_path_factory) -> dict[str, Path]:
     from _recipes import make_recipe_inputs
 
     return make_recipe_inputs(tmp_path_factory.mktemp("recipe_inputs"), hf_causal)
+
+
+RUN_JSON_FILES = ("metrics.jsonl", "eval.jsonl", "completions.jsonl")  # and predictions/step_*.jsonl
+
+
+def non_strict_json(folder: Path) -> list[str]:
+    """`file:line` of every line of a run's JSON files under `folder` that strict JSON refuses (NaN,
+    Infinity: Python's json writes them by default, other readers do not take them)."""
+    import json
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    bad = []
+    for f in folder.rglob("*.jsonl"):
+        if f.name in RUN_JSON_FILES or f.parent.name == "predictions":
+            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+                try:
+                    json.loads(line, parse_constant=refuse)
+                except ValueError as e:
+                    bad.append(f"{f}:{i}: {e}")
+    return bad
+
+
+@pytest.fixture(scope="session", autouse=True)
+def every_runs_json_files_are_strict(tmp_path_factory):
+    """After the session: every metrics / eval / completions / predictions file that any test's run
+    wrote (all under pytest's temporary folders) holds strict JSON, NaN and infinities as null."""
+    yield
+    bad = non_strict_json(tmp_path_factory.getbasetemp())
+    assert not bad, "run files that are not strict JSON:\n" + "\n".join(bad[:20])

@@ -86,6 +86,14 @@ def not_a_number(prompts, completions, **kw):
 
 def nan(prompts, completions, **kw):
     return [math.nan] * len(completions)
+
+
+def a_string(prompts, completions, **kw):
+    return "1.0,0.0"
+
+
+def never_applies(prompts, completions, **kw):
+    return [None] * len(completions)
 '''
 
 SMALL = ["batch_size=2", "num_generations=2", "max_completion_length=4", "max_len=24",
@@ -101,6 +109,9 @@ SMALL = ["batch_size=2", "num_generations=2", "max_completion_length=4", "max_le
     ("{tmp}/bad.py:too_few", r"bad\.py:\d+: reward too_few returned 1 values for 2 completions"),
     ("{tmp}/bad.py:not_a_number", r"reward not_a_number returned str '1' for the completion of .*train\.jsonl:\d+"),
     ("{tmp}/bad.py:nan", r"reward nan returned nan for the completion of .*train\.jsonl:\d+ — return a finite"),
+    ("{tmp}/bad.py:a_string", r"bad\.py:\d+: reward a_string returned a str, not a list — return one float"),
+    ("{tmp}/bad.py:never_applies", r"rewards: never_applies returned None for all \d+ completions of the batch of "
+                                   r".*train\.jsonl:\d+.* — nothing to learn from"),
 ])
 def test_bad_rewards_are_one_line_exit_2_nothing_written(tmp_path, capsys, spec, message):
     import re

@@ -47,3 +47,18 @@ def test_a_terminal_gets_the_bar_and_no_lines():
     progress.close()
     Progress(10, 0, said.append, tty=False).update(1, row)  # step 1 is the first tenth
     assert said and said[0].startswith("progress: step 1/10 (10%)")
+
+
+def test_run_files_are_strict_json_and_the_session_check_finds_a_nan(tmp_path):
+    """`strict_json` writes NaN / inf as null; the session-wide check (conftest) would catch a file
+    written the old way."""
+    from conftest import non_strict_json
+
+    from minitrain.progress import strict_json
+
+    line = strict_json({"step": 1, "reward": float("nan"), "kl": [1.0, float("inf")], "x": {"y": -float("inf")}})
+    assert json.loads(line) == {"step": 1, "reward": None, "kl": [1.0, None], "x": {"y": None}}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(line + "\n" + json.dumps({"step": 2, "reward": float("nan")}) + "\n")
+    assert [b.split(": ", 1)[0] for b in non_strict_json(tmp_path)] == [f"{tmp_path / 'run' / 'metrics.jsonl'}:2"]
+    (tmp_path / "run" / "metrics.jsonl").unlink()

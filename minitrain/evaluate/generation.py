@@ -36,7 +36,7 @@ from torch import nn
 
 from minitrain import distributed
 from minitrain.evaluate import rouge
-from minitrain.progress import log as log_rank0
+from minitrain.progress import log as log_rank0, strict_json
 from minitrain.text.tokenizer import Tokenizer
 
 Generate = Callable[..., torch.Tensor]
@@ -198,7 +198,7 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.write_text("".join(strict_json(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -11,7 +11,6 @@ division by the token count the per-token loss is `mean NLL + beta * KL / N` (be
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,6 +24,7 @@ from minitrain.data.collate import IGNORE_INDEX
 from minitrain.errors import UserError
 from minitrain.objectives.losses import default_chunk, shift_labels
 from minitrain.objectives.sft import sft
+from minitrain.progress import strict_json
 
 
 # ----------------------------------------------------------------------------- the objective
@@ -172,7 +172,7 @@ class PriorSchedule:
         row["alpha"] = prior_state(model)
         if distributed.rank() == 0:  # (under torchrun every rank re-estimates the same prior)
             with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(strict_json(row) + "\n")
         return row
 
     def attach(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -26,7 +26,6 @@ step; minitrain uses the window's, rule 2).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from minitrain.objectives.losses import chunked_token_logprobs, default_chunk
 from minitrain.objectives.reference import dropout_off
 from minitrain.objectives.rewards import score
 from minitrain.objectives.sampling import sample
+from minitrain.progress import strict_json
 
 LOSS_TYPES = GRPO_LOSS_TYPES
 STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
@@ -389,7 +389,7 @@ class GRPOObjective:
             def write() -> None:
                 with open(self.out / "completions.jsonl", "a") as f:
                     for s in r["sample"][: 2 * self.cfg.num_generations]:
-                        f.write(json.dumps({"step": step, **s}, default=str) + "\n")
+                        f.write(strict_json({"step": step, **s}, default=str) + "\n")
             distributed.main_only(write)
 
     def audit_objective(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, float, dict]:

@@ -10,8 +10,9 @@ data row as a keyword list). None means the function does not apply to that comp
 convention: left out of the weighted sum; a completion no function scores gets advantage 0).
 
 Every mistake in a user's reward is one line (docs/design.md rule 9): a missing file or function,
-an exception (the user's `file:line` where it was raised, and the data row), a wrong number of
-values, a value that is not a number, or NaN / infinity.
+an exception (the user's `file:line` where it was raised, and the data row), a string (or another
+non-list) where a list of values belongs, a wrong number of values, a value that is not a number,
+NaN / infinity, or None for every completion of a batch from every function (nothing to learn).
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ def score(rewards: list[tuple[str, Reward]], prompts: list, completions: list, c
             at = f" on the completion of {rows[row]}" if row is not None else ""
             raise UserError(f"{_user_line(e, _file(fn))}: reward {name} raised {type(e).__name__}: {e}{at} — fix the "
                             f"function (or return None for rows it does not apply to)") from None
+        if isinstance(values, (str, bytes, dict)):  # (list() of these would count characters or keys)
+            raise UserError(f"{where}: reward {name} returned a {type(values).__name__}, not a list — return one "
+                            f"float (or None) per completion")
         try:
             values = list(values)
         except TypeError:
@@ -131,6 +135,11 @@ def score(rewards: list[tuple[str, Reward]], prompts: list, completions: list, c
                 raise UserError(f"{where}: reward {name} returned {v} for the completion of {rows[n]} — return a "
                                 f"finite float (or None where it does not apply)")
             out[n, j] = v
+    if N and out.isnan().all():  # nothing scored: every advantage 0, a step that learns nothing
+        names = ", ".join(name for name, _ in rewards)
+        raise UserError(f"rewards: {names} returned None for all {N} completions of the batch of {rows[0]}"
+                        f"{' ...' if len(set(rows)) > 1 else ''} — nothing to learn from; return a float for the "
+                        f"completions a reward applies to (None only where it does not)")
     return out
 
 

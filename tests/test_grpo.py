@@ -58,29 +58,47 @@ def trainer(hf_causal, tmp_path_factory):
     return t, folder
 
 
-TRL_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+def trl_metric_names(loss_type: str, beta: float) -> list[str]:
+    """The metrics TRL 1.x's `_compute_loss` logs for this loss type (beside the rewards')."""
+    names = ["entropy", *(("kl",) if beta else ())]
+    if loss_type == "cispo":
+        return names + ["cispo_clip_ratio"]
+    if loss_type == "vespo":
+        return names + ["vespo/phi_seq_mean"]
+    if loss_type == "sapo":
+        return names
+    return names + ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
 
 
-def trl_loss_and_grads(trainer, inputs, loss_type, beta, epsilon, epsilon_high):
+def trl_loss_and_grads(trainer, inputs, loss_type, beta, epsilon, epsilon_high, level="token", delta=None):
     import collections
 
     trainer.loss_type, trainer.beta = loss_type, beta
     trainer.epsilon_low, trainer.epsilon_high = epsilon, epsilon_high
+    trainer.importance_sampling_level, trainer.args.delta = level, delta
     trainer.current_gradient_accumulation_steps = 1
     trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
     trainer.model.zero_grad(set_to_none=True)
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    metrics = {k: trainer._metrics["train"][k][-1] for k in (*TRL_METRICS, *(("kl",) if beta else ()))}
+    metrics = {k: trainer._metrics["train"][k][-1] for k in trl_metric_names(loss_type, beta)}
     return float(loss), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, metrics
 
 
-CASES = [(lt, beta, old, eps_high) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")
+# (loss_type, beta, old log-probs off the current ones, epsilon_high, importance_sampling_level, delta)
+CASES = [(lt, beta, old, eps_high, "token", None) for lt in ("grpo", "bnpo", "dr_grpo", "dapo")
          for beta, old, eps_high in ((0.0, False, None), (0.04, True, 0.28))]
+CASES += [("luspo", 0.04, True, 0.28, "sequence", None),  # GSPO's sequence ratio; LUSPO's per-completion sum
+          ("dapo", 0.0, True, None, "sequence", None),  # GSPO
+          ("dapo", 0.0, True, 0.28, "token", 1.5),  # two-sided clipping
+          ("cispo", 0.04, True, 1.3, "token", None),  # capped ratio (max 1.3: some tokens are capped)
+          ("sapo", 0.0, True, None, "token", None),
+          ("sapo", 0.04, True, None, "sequence", None),
+          ("vespo", 0.0, True, None, "token", None)]
 
 
-@pytest.mark.parametrize("loss_type,beta,old,eps_high", CASES)
-def test_loss_and_gradients_equal_trl(trainer, loss_type, beta, old, eps_high):
+@pytest.mark.parametrize("loss_type,beta,old,eps_high,level,delta", CASES)
+def test_loss_and_gradients_equal_trl(trainer, loss_type, beta, old, eps_high, level, delta):
     t, folder = trainer
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch_tensors()
     advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])
@@ -101,7 +119,8 @@ def test_loss_and_gradients_equal_trl(trainer, loss_type, beta, old, eps_high):
         inputs["old_per_token_logps"] = old_logps
     if beta:
         inputs["ref_per_token_logps"] = ref_logps
-    expected, expected_grads, expected_metrics = trl_loss_and_grads(t, inputs, loss_type, beta, 0.2, eps_high or 0.2)
+    expected, expected_grads, expected_metrics = trl_loss_and_grads(t, inputs, loss_type, beta, 0.2,
+                                                                    eps_high or 0.2, level, delta)
 
     for p in ours.parameters():
         p.requires_grad_(True)
@@ -111,17 +130,18 @@ def test_loss_and_gradients_equal_trl(trainer, loss_type, beta, old, eps_high):
                                   entropy=True, group=2)
     loss_sum, count, stats = grpo_loss(logps, advantages, completion_mask, old_logps=old_logps, ref_logps=ref_logps,
                                        loss_type=loss_type, epsilon=0.2, epsilon_high=eps_high or 0.0, beta=beta,
-                                       max_completion_length=MAX_COMPLETION)
+                                       max_completion_length=MAX_COMPLETION, importance_sampling_level=level,
+                                       delta=delta)
     loss = loss_sum / count
     loss.backward()
     assert float(loss) == pytest.approx(expected, abs=1e-5, rel=1e-5)
     n = float(stats["tokens"])
-    low, high = float(stats["low_clipped"]) / n, float(stats["high_clipped"]) / n
-    ours_metrics = {"entropy": float(ent.sum()) / n, "clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
-                    "clip_ratio/region_mean": low + high, **({"kl": float(stats["kl_sum"]) / n} if beta else {})}
+    ours_metrics = {"entropy": float(ent.sum()) / n, **{k: float(a) / float(u) for k, (a, u) in stats["means"].items()}}
     assert ours_metrics == pytest.approx(expected_metrics, abs=1e-5, rel=1e-5)
-    if old:
-        assert low > 0 and high > 0  # both sides of the clip are exercised
+    if old and level == "token" and "clip_ratio/low_mean" in ours_metrics:
+        assert ours_metrics["clip_ratio/low_mean"] > 0 and ours_metrics["clip_ratio/high_mean"] > 0  # both clipped
+    if loss_type == "cispo":
+        assert 0 < ours_metrics["cispo_clip_ratio"] < 1  # the cap binds on some tokens, not all
     grads = {n: p.grad for n, p in ours.named_parameters()}
     assert set(expected_grads) <= set(grads)
     for n, ref in expected_grads.items():

@@ -16,7 +16,7 @@ from minitrain.errors import UserError
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")  # a reference forward per pair
 REFERENCE_FREE = ("orpo", "cpo", "simpo")
 METHOD_SFT_WEIGHT = {"orpo": 1.0, "cpo": 1.0}  # each method's NLL weight when `sft_weight` is unset (others: 0)
-GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 TERMS = ("kd", "ce", "feature", "attention")  # distillation's loss terms, each with a `<term>_weight`
 
@@ -129,11 +129,23 @@ class GRPOConfig(TrainConfig):
     temperature: float = doc(1.0, "sampling temperature (the log-probs are of logits / temperature, as TRL)", gt=0)
     top_p: float = doc(1.0, "nucleus sampling: keep the smallest set of tokens of probability >= top_p", gt=0, le=1)
     top_k: int = doc(0, "sample among the k most likely tokens only (0: all)", ge=0)
-    loss_type: str = doc("dapo", "how token losses are averaged (TRL's loss_type)", choices=GRPO_LOSS_TYPES)
+    loss_type: str = doc("dapo", "TRL's loss_type: how the ratio enters (clipped: dapo, grpo, bnpo, dr_grpo, luspo; "
+                                 "cispo, sapo, vespo) and how token losses are averaged", choices=GRPO_LOSS_TYPES)
     scale_rewards: str = doc("group", "advantages divided by the group's std, the batch's, or not at all",
                              choices=SCALE_REWARDS)
     epsilon: float = doc(0.2, "lower clip of the ratio: 1 - epsilon", gt=0, lt=1)
-    epsilon_high: float = doc(0.0, "upper clip of the ratio: 1 + epsilon_high (0: epsilon)", ge=0)
+    epsilon_high: float = doc(0.0, "upper clip of the ratio: 1 + epsilon_high (0: epsilon); cispo: the cap of "
+                                   "the ratio itself (ScaleRL recommends 5.0)", ge=0)
+    importance_sampling_level: str = doc("token", "the importance ratio per token, or per sequence (GSPO: the mean "
+                                                  "log-ratio of the completion)", choices=("token", "sequence"))
+    delta: float | None = doc(None, "two-sided clipping: cap the unclipped ratio at delta too (clipped losses; "
+                                    "none: off)", gt=1)
+    sapo_temperature_pos: float = doc(1.0, "sapo: the gate's temperature for positive advantages", gt=0)
+    sapo_temperature_neg: float = doc(1.05, "sapo: the gate's temperature for non-positive advantages", gt=0)
+    vespo_k_pos: float = doc(2.0, "vespo: the gamma weight's power for non-negative advantages")
+    vespo_lambda_pos: float = doc(3.0, "vespo: the gamma weight's decay for non-negative advantages")
+    vespo_k_neg: float = doc(3.0, "vespo: the gamma weight's power for negative advantages")
+    vespo_lambda_neg: float = doc(2.0, "vespo: the gamma weight's decay for negative advantages")
     beta: float = doc(0.0, "weight of the KL term against the reference (0: no reference is run)", ge=0)
     use_bias_correction_kl: bool = doc(True, "multiply the KL term by the ratio (TRL's default: an unbiased "
                                              "reverse-KL gradient)")

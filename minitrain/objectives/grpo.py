@@ -192,8 +192,11 @@ def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
 def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
               old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
               loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
-              beta: float = 0.0, max_completion_length: int | None = None, bias_correction_kl: bool = True
-              ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+              beta: float = 0.0, max_completion_length: int | None = None, bias_correction_kl: bool = True,
+              importance_sampling_level: str = "token", delta: float | None = None,
+              sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+              vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+              ) -> tuple[torch.Tensor, float, dict[str, Any]]:
     """(loss_sum, count, stats) of TRL's GRPO loss on one micro-batch.
 
     logps (B, C) the policy's completion log-probs (with a graph), advantages (B,), mask (B, C)
@@ -201,17 +204,59 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     `logps` detached, one step per generation); ref_logps (B, C) the reference's (needed when
     beta > 0; `bias_correction_kl`: the KL term times the ratio, TRL's `use_bias_correction_kl`).
     The loss is `loss_sum / count` (count summed over the window by the loop).
-    stats: sums over tokens for the metrics (`kl_sum`, `low_clipped`, ...) and `tokens`."""
+
+    The importance weight is per token, or per sequence (`importance_sampling_level="sequence"`:
+    GSPO, the exp of the mean log-ratio over the completion). The policy term by `loss_type`:
+    grpo / bnpo / dr_grpo / dapo / luspo clip the weight to [1 - epsilon, 1 + epsilon_high] (`delta`:
+    the unclipped side capped too); cispo weighs the log-prob by the weight capped at `epsilon_high`,
+    detached; sapo replaces the clip by a sigmoid gate of temperature (`sapo_temperatures`: for
+    positive, non-positive advantages); vespo weighs the log-prob by a gamma function of the sequence
+    weight (`vespo`: k and lambda for non-negative, negative advantages; detached). The sum over
+    tokens is divided as TRL divides each: per completion then per batch (grpo, sapo), per token
+    (bnpo, dapo, cispo, vespo), by B x max_completion_length (dr_grpo), per completion's sum (luspo).
+    stats: `tokens`, and `means`: metric name -> (sum, units) as TRL averages it (`kl`, the clip
+    ratios, `cispo_clip_ratio`, `vespo/phi_seq_mean`)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"grpo_loss: loss_type {loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"grpo_loss: importance_sampling_level {importance_sampling_level!r}: token or sequence")
     epsilon_high = epsilon if epsilon_high is None or epsilon_high == 0 else epsilon_high
     mask = mask.to(logps.dtype)
+    B = logps.shape[0]
     old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)  # (B, C)
+    log_ratio = logps - old  # (B, C)
+    if importance_sampling_level == "sequence":
+        log_weight = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]  # (B, 1)
+    else:
+        log_weight = log_ratio
+    ratio = torch.exp(log_weight)  # (B, C) or (B, 1)
     A = advantages[:, None]
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * A, clipped * A)
-    stats: dict[str, torch.Tensor] = {}
+
+    def mean_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # TRL's global_masked_mean, as (sum, units)
+        x = x.detach().to(mask.dtype)
+        if x.shape[1] == 1:  # one value per sequence
+            return x.sum(), torch.tensor(float(B))
+        return (x * mask).sum(), mask.sum()
+
+    means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
+        means["cispo_clip_ratio"] = mean_of((ratio > epsilon_high) & (A > 0))
+    elif loss_type == "sapo":
+        t = torch.where(A > 0, sapo_temperatures[0], sapo_temperatures[1])
+        per_token = -torch.sigmoid(t * (ratio - 1)) * 4 / t * A
+    elif loss_type == "vespo":
+        phi = _vespo_weights(A, log_ratio, mask, *vespo)
+        per_token = -phi * A * logps
+        means["vespo/phi_seq_mean"] = mean_of(phi)
+    else:  # grpo, bnpo, dr_grpo, dapo, luspo: the clipped ratio
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+        capped = torch.clamp(ratio, max=delta) if delta is not None else ratio
+        per_token = -torch.min(capped * A, clipped * A)
+        low = (ratio < 1 - epsilon) & (A < 0)
+        high = (ratio > 1 + epsilon_high) & (A > 0)
+        means.update({"clip_ratio/low_mean": mean_of(low), "clip_ratio/high_mean": mean_of(high),
+                      "clip_ratio/region_mean": mean_of(low | high)})
     if beta:
         if ref_logps is None:
             raise ValueError("grpo_loss: beta > 0 needs ref_logps")
@@ -220,24 +265,42 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
         if bias_correction_kl:  # TRL's default: x ratio, the unbiased reverse-KL gradient (DeepSeek-V3.2)
             kl = kl * ratio
         per_token = per_token + beta * kl
-        stats["kl_sum"] = (kl.detach() * mask).sum()
-    B = logps.shape[0]
-    if loss_type == "grpo":
-        loss_sum = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
-        count = float(B)
+        means["kl"] = mean_of(kl)
+    masked = per_token * mask  # (a per-sequence term counts once per completion token, as in TRL)
+    if loss_type in ("grpo", "sapo"):
+        loss_sum, count = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), float(B)
     elif loss_type == "dr_grpo":
         if not max_completion_length:
             raise ValueError("grpo_loss: dr_grpo needs max_completion_length")
-        loss_sum = (per_token * mask).sum()
-        count = float(B * max_completion_length)
-    else:  # bnpo, dapo: per completion token
-        loss_sum = (per_token * mask).sum()
-        count = float(mask.sum())
-    r = ratio.detach()
-    low = ((r < 1 - epsilon) & (A < 0)).to(mask.dtype) * mask
-    high = ((r > 1 + epsilon_high) & (A > 0)).to(mask.dtype) * mask
-    stats.update(tokens=mask.sum(), low_clipped=low.sum(), high_clipped=high.sum())
-    return loss_sum, count, stats
+        loss_sum, count = masked.sum(), float(B * max_completion_length)
+    elif loss_type == "luspo":
+        loss_sum, count = masked.sum(), float(B)
+    else:  # bnpo, dapo, cispo, vespo: per completion token
+        loss_sum, count = masked.sum(), float(mask.sum())
+    return loss_sum, count, {"tokens": mask.sum(), "means": means}
+
+
+@torch.no_grad()
+def _vespo_weights(A: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, k_pos: float, lambda_pos: float,
+                   k_neg: float, lambda_neg: float) -> torch.Tensor:
+    """VESPO's gamma weight of each sequence (B, 1), phi(w) = e^lambda w^k e^(-lambda w) with w the
+    sequence's importance ratio (the sum of its clamped token log-ratios), in log space as TRL
+    computes it; a gradient scale only."""
+    floor = math.log(1e-8)
+    log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True), floor, 20.0)
+    nonneg = A >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def loss_settings(cfg: Any) -> dict[str, Any]:
+    """`grpo_loss`'s keyword arguments from a run's config (TRL's GRPOConfig names)."""
+    return dict(loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                max_completion_length=cfg.max_completion_length, bias_correction_kl=cfg.use_bias_correction_kl,
+                importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
+                sapo_temperatures=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
+                vespo=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg))
 
 
 # ----------------------------------------------------------------------------- the objective
@@ -348,17 +411,11 @@ class GRPOObjective:
     def loss(self, model: nn.Module, r: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:
         cfg = self.cfg
         logps, ent = self._logps(model, r, entropy=True)
-        loss_sum, count, st = grpo_loss(logps, r["advantages"], r["completion_mask"], old_logps=r["old_logps"],
-                                        ref_logps=r["ref_logps"], loss_type=cfg.loss_type, epsilon=cfg.epsilon,
-                                        epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                        max_completion_length=cfg.max_completion_length,
-                                        bias_correction_kl=cfg.use_bias_correction_kl)
+        loss_sum, count, st = grpo_loss(logps, r["advantages"], r["completion_mask"], **loss_settings(cfg),
+                                        old_logps=r["old_logps"], ref_logps=r["ref_logps"])
         tokens = max(float(st["tokens"]), 1.0)
-        low, high = float(st["low_clipped"]) / tokens, float(st["high_clipped"]) / tokens
-        metrics = {**r["metrics"], "entropy": float(ent.sum()) / tokens, "clip_ratio/low_mean": low,
-                   "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high}
-        if cfg.beta:
-            metrics["kl"] = float(st["kl_sum"]) / tokens
+        metrics = {**r["metrics"], "entropy": float(ent.sum()) / tokens,
+                   **{k: float(a) / max(float(n), 1.0) for k, (a, n) in st["means"].items()}}
         return loss_sum, count, metrics
 
     def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:

@@ -283,6 +283,19 @@ def one_space_more_after_specials(ours: list[int], theirs: list[int], specials: 
 
 @pytest.mark.parametrize("name", PARITY)
 def test_llama_cpp_parity(family, tmp_path, capsys, name):
+    llama_cpp_parity(family(name), tmp_path, capsys, name, STRINGS)
+
+
+def test_the_demo_exports_and_llama_cpp_runs_it(tmp_path, capsys):
+    """The built-in demo's tokenizer.json is a Metaspace BPE without tokenizer.model: it exports as
+    llama.cpp's sentencepiece vocabulary (scores from the merge ranks), checked on the demo's own rows
+    (it has no byte pieces, so text outside its 320 pieces is not llama.cpp's to encode)."""
+    rows = [json.loads(line) for line in (REPO / "demo" / "sft_train.jsonl").read_text().splitlines()[:6]]
+    strings = [m["content"] for r in rows for m in r.get("messages", [])] or [r["prompt"] for r in rows]
+    llama_cpp_parity(REPO / "demo" / "model", tmp_path, capsys, "demo", strings[:12])
+
+
+def llama_cpp_parity(folder: Path, tmp_path: Path, capsys, name: str, strings: list[str]) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
 
@@ -290,7 +303,6 @@ def test_llama_cpp_parity(family, tmp_path, capsys, name):
     from minitrain.text.tokenizer import Tokenizer
     from minitrain.weights import load_pretrained
 
-    folder = family(name)
     tok = Tokenizer.from_folder(folder)
     model = load_pretrained(folder, models.from_hf_config, dtype=torch.float32).eval()
     files = {}
@@ -301,7 +313,7 @@ def test_llama_cpp_parity(family, tmp_path, capsys, name):
     llm = llama_cpp.Llama(model_path=str(files["f16"]), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
     # tokenization: 18 plain strings and 2 with special tokens inside
     specials = [s for s in tok.special_strings() if s]
-    strings = STRINGS + [f"{specials[0]} after special", f"before {specials[-1]} mid"]
+    strings = strings + [f"{specials[0]} after special", f"before {specials[-1]} mid"]
     special_ids = {tok.token_to_id(s) for s in specials}
     sp_with_prefix = fields(files["f16"]).get("tokenizer.ggml.add_space_prefix", False)
     for s in strings:

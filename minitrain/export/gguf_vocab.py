@@ -50,6 +50,16 @@ def add_vocab(writer: Any, folder: str | Path, vocab_size: int) -> str:
         writer.add_add_space_prefix(space)
         _specials(_special_vocab(folder, len(tokens)), folder).add_to_gguf(writer, quiet=True)
         return "sentencepiece"
+    if (folder / "tokenizer.json").is_file() and _metaspace(_read(folder / "tokenizer.json")):
+        tokens, scores, types, space = _metaspace_bpe(folder, vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(space)
+        _specials(_special_vocab(folder, len(tokens)), folder).add_to_gguf(writer, quiet=True)
+        return "sentencepiece-style bpe"
     if (folder / "tokenizer.json").is_file():
         tokens, types, pre = _byte_level_bpe(folder, vocab_size)
         writer.add_tokenizer_model("gpt2")
@@ -123,6 +133,54 @@ def _sentencepiece(folder: Path, vocab_size: int) -> tuple[list[bytes], list[flo
         tokens[i], scores[i] = (text if special else text.replace("\u2581", " ")).encode("utf-8"), -1000.0
     space = sp.EncodeAsPieces("a")[:1] == ["\u2581a"] or sp.EncodeAsPieces("a")[:1] == ["\u2581"]
     return tokens, scores, types, space
+
+
+def _metaspace(data: dict[str, Any]) -> bool:
+    """A BPE tokenizer.json in sentencepiece's manner: spaces as U+2581 by a Metaspace pre-tokenizer,
+    not byte-level (the built-in demo's; LLaMA / Mistral converted without their tokenizer.model)."""
+    pre = data.get("pre_tokenizer") or {}
+    kinds = [p.get("type") for p in (pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre])]
+    return (data.get("model") or {}).get("type") == "BPE" and "Metaspace" in kinds and "ByteLevel" not in kinds
+
+
+def _metaspace_bpe(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float], list[int], bool]:
+    """A Metaspace BPE tokenizer.json as llama.cpp's sentencepiece (`llama`) vocabulary: pieces by id,
+    each piece's score minus the rank of the merge that makes it (sentencepiece's BPE merges the
+    adjacent pair whose union scores highest, which is BPE's lowest-rank-first), token types, and
+    whether a space is put before the text (Metaspace's prepend scheme). Without byte pieces
+    (<0x00> ... <0xFF>) llama.cpp cannot encode a character outside the vocabulary: said in a note."""
+    import sys
+
+    from gguf import TokenType
+
+    path = folder / "tokenizer.json"
+    data = _read(path)
+    model = data["model"]
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {t["id"]: t for t in data.get("added_tokens", [])}
+    n = max([vocab_size, *(i + 1 for i in vocab.values()), *(i + 1 for i in added)])
+    tokens = [f"[PAD{i}]".encode() for i in range(n)]
+    scores, types = [-10000.0] * n, [int(TokenType.UNUSED)] * n
+    for text, i in vocab.items():
+        tokens[i], scores[i], types[i] = text.encode("utf-8"), 0.0, int(TokenType.NORMAL)
+    made: set[str] = set()
+    for rank, merge in enumerate(model.get("merges", [])):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if left + right in vocab and left + right not in made:  # the first (lowest-rank) merge that makes it
+            made.add(left + right)
+            scores[vocab[left + right]] = -float(rank + 1)
+    unk = model.get("unk_token")
+    for i, t in added.items():
+        tokens[i], scores[i] = t["content"].encode("utf-8"), -1000.0
+        types[i] = int(TokenType.UNKNOWN if t["content"] == unk else TokenType.CONTROL if t.get("special")
+                       else TokenType.USER_DEFINED)
+    pre = data.get("pre_tokenizer") or {}
+    meta = next(p for p in (pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre])
+                if p.get("type") == "Metaspace")
+    if not any(t.startswith(b"<0x") and len(t) == 6 for t in tokens):
+        print(f"note: {path}: no byte pieces (<0x00> ... <0xFF>): llama.cpp stops on a character outside its "
+              f"{len(vocab)} pieces", file=sys.stderr)
+    return tokens, scores, types, meta.get("prepend_scheme", "always") != "never" and meta.get("add_prefix_space", True)
 
 
 def _byte_level_bpe(folder: Path, vocab_size: int) -> tuple[list[str], list[int], str]:

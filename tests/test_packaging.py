@@ -132,4 +132,5 @@ def test_every_command_from_an_installed_wheel(installed, tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "read back as built" in run("cache", "verify", "--dir", "cache").stdout
     assert "usage: minitrain evaluate" in run("evaluate", "--help").stdout
-    assert "usage: minitrain export" in run("export", "--help").stdout  # (the demo's tokenizer has no GGUF form yet)
+    run("export", "--model", str(demo / "model"), "--adapter", "dpo/adapter", "--out", "dpo.gguf")
+    assert (tmp_path / "dpo.gguf").read_bytes()[:4] == b"GGUF"

@@ -40,8 +40,10 @@ def add_vocab(writer: Any, folder: str | Path, vocab_size: int) -> str:
     """Write the tokenizer of `folder` into `writer` (a `gguf.GGUFWriter`); returns which shape it
     was ("sentencepiece" or "bpe"). `vocab_size`: the model's embedding rows (config.json)."""
     folder = Path(folder)
-    if (folder / "tokenizer.model").is_file():
-        tokens, scores, types, space = _sentencepiece(folder, vocab_size)
+    metaspace = (folder / "tokenizer.json").is_file() and _metaspace(_read(folder / "tokenizer.json"))
+    if (folder / "tokenizer.model").is_file() or metaspace:  # llama.cpp's sentencepiece (`llama`) vocabulary
+        read = _sentencepiece if (folder / "tokenizer.model").is_file() else _metaspace_bpe
+        tokens, scores, types, space = read(folder, vocab_size)
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
@@ -49,17 +51,7 @@ def add_vocab(writer: Any, folder: str | Path, vocab_size: int) -> str:
         writer.add_token_types(types)
         writer.add_add_space_prefix(space)
         _specials(_special_vocab(folder, len(tokens)), folder).add_to_gguf(writer, quiet=True)
-        return "sentencepiece"
-    if (folder / "tokenizer.json").is_file() and _metaspace(_read(folder / "tokenizer.json")):
-        tokens, scores, types, space = _metaspace_bpe(folder, vocab_size)
-        writer.add_tokenizer_model("llama")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_scores(scores)
-        writer.add_token_types(types)
-        writer.add_add_space_prefix(space)
-        _specials(_special_vocab(folder, len(tokens)), folder).add_to_gguf(writer, quiet=True)
-        return "sentencepiece-style bpe"
+        return "sentencepiece" if read is _sentencepiece else "sentencepiece-style bpe"
     if (folder / "tokenizer.json").is_file():
         tokens, types, pre = _byte_level_bpe(folder, vocab_size)
         writer.add_tokenizer_model("gpt2")

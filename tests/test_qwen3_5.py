@@ -1,0 +1,245 @@
+"""Qwen3.5 dense (`models/qwen3_5.py`: Gated DeltaNet + gated attention) against transformers.
+
+A tiny random `qwen3_5_text` checkpoint saved by transformers 5 (`conftest.save_hf_causal`: 4 layers,
+three DeltaNet and one attention layer, hidden 64, GVA 2 q/k heads -> 4 v heads, a quarter of each
+attention head rotated) loads through our loader and is compared with transformers' torch path:
+logits on padded batches over several chunks (<= 1e-4 relative), every parameter's gradient, greedy
+generation (our cache: convolution window + recurrent state for DeltaNet layers, K / V for the
+attention layer), GRPO's sampler. State per sequence: a packed row equals each sequence alone, a
+left-padded row equals the row without its padding, rows with a shared prefix equal [prefix; sequence]
+alone; the chunked rule equals transformers' token-by-token recurrence restarted at each sequence.
+`initializer_range=0.15` makes the DeltaNet layers matter without fp32 rounding reaching 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from test_llama import prompts
+
+import models
+from minitrain.objectives.sampling import sample
+from minitrain.weights import load_pretrained, save_pretrained
+from models.qwen3_5 import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+QWEN35 = dict(model_type="qwen3_5_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              initializer_range=0.15)
+
+
+@pytest.fixture(scope="session")
+def folder(hf_causal):
+    return hf_causal("qwen3_5", **QWEN35)
+
+
+def load_ours(folder, chunk_size: int = 64):
+    model = load_pretrained(folder, models.from_hf_config).eval()
+    for m in model.modules():
+        if hasattr(m, "chunk_size"):
+            m.chunk_size = chunk_size
+    return model
+
+
+def load_hf(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def batch(T: int, padding: str, n_pad: int = 37, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    if padding == "left":
+        mask[1, :n_pad] = 0
+    elif padding == "right":
+        mask[1, -n_pad:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def positions(mask):
+    """Our default positions (real tokens counted from 0), given to transformers, whose default is arange."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def hidden(model, ids, mask=None, **kw):
+    with torch.no_grad():
+        return model(ids, mask, **kw)
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("chunk_size", [64, 16])
+def test_logits_match_transformers(folder, chunk_size):
+    """150 tokens (three of transformers' 64-token chunks; ten of ours at 16), padded left, right, not at
+    all: the real tokens' logits within 1e-4 relative (the CPU runs a padded batch without its padding)."""
+    ours, hf = load_ours(folder, chunk_size), load_hf(folder)
+    for padding in ("none", "left", "right"):
+        ids, mask = batch(150, padding)
+        a = ours.output_projection(hidden(ours, ids, mask))
+        with torch.no_grad():
+            b = hf(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+        real = mask.bool()
+        assert rel(a[real], b[real]) <= 1e-4, padding
+
+
+def test_gradients_match_transformers(folder):
+    """Every parameter's gradient (A_log, dt_bias, the convolution, the gated norm, the attention's
+    gate half of q_proj) equals transformers' under the same loss, over 100 tokens in chunks of 16."""
+    ours, hf = load_ours(folder, 16).train(), load_hf(folder).train()
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    ids, mask = batch(100, "right", n_pad=17)
+    labels = ids.masked_fill(mask == 0, -100)
+    hf(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    logits = ours.output_projection(ours(ids, mask))
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()
+    theirs = dict(hf.named_parameters())
+    assert set(theirs) == {n for n, _ in ours.named_parameters()}
+    for n, p in ours.named_parameters():
+        ref = theirs[n].grad
+        assert (p.grad - ref).abs().max() <= 1e-4 * ref.abs().max() + 1e-9, n
+
+
+def test_state_dict_keys_are_transformers_keys(folder):
+    with torch.device("meta"):
+        ours = models.from_hf_config(json.loads((folder / "config.json").read_text()))
+    hf = load_hf(folder)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in hf.state_dict().items()}
+
+
+def test_greedy_generate_and_the_sampler_match_transformers(folder):
+    """Greedy `generate` (prefill of left-padded prompts, then one token a step through the cache) equals
+    transformers'; GRPO's sampler (the prompt prefilled once, its cache repeated G = 2 times, finished
+    rows dropped from the cache) gives each row that continuation."""
+    ours, hf = load_ours(folder), load_hf(folder)
+    hf.generation_config.eos_token_id = None
+    ids, mask = prompts()  # row 1: 7 pads then 5 real tokens
+    ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = models.family(ours).generate(ours, ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(out, ref)
+    eos = int(ref[0, 12 + 2])  # row 0 ends at its third token: its two copies leave the batch (keep_rows)
+    comp = sample(ours, ids, mask, new_cache=models.family(ours).KVCache, num_generations=2, max_new_tokens=12,
+                  greedy=True, eos_ids=[eos], pad_id=0)
+    assert torch.equal(comp.ids[0, :3], ref[0, 12:15]) and torch.equal(comp.ids[1, :3], ref[0, 12:15])
+    assert int(comp.mask[0].sum()) == 3
+    n = int(comp.mask[2].sum())  # row 1 runs on: the same tokens as transformers' until its own eos, if any
+    assert torch.equal(comp.ids[2, :n], ref[1, 12:12 + n]) and torch.equal(comp.ids[3], comp.ids[2])
+    assert n == 12 or int(ref[1, 12 + n - 1]) == eos
+
+
+def test_chunked_rule_restarts_equal_transformers_recurrence():
+    """The chunked rule over a row of three sequences (and the state carried in) equals transformers'
+    token-by-token recurrence run on each sequence alone, for chunks that cut sequences and that hold
+    several; so does our recurrent form."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule as reference
+
+    torch.manual_seed(0)
+    T, Hk, H, dk, dv = 90, 2, 4, 8, 6
+    q, k = torch.randn(1, T, Hk, dk), torch.randn(1, T, Hk, dk)
+    v, g, beta = torch.randn(1, T, H, dv), -2 * torch.rand(1, T, H), torch.rand(1, T, H)
+    state = torch.randn(1, H, dk, dv)
+    cuts = [0, 23, 64, 90]
+    segments = torch.zeros(1, T, dtype=torch.long)
+    for i, c in enumerate(cuts[1:-1]):
+        segments[:, c:] = i + 1
+    want, final = [], None
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        part = [t[:, a:b] for t in (q, k, v, g, beta)]
+        o, final = reference(*part, initial_state=state if i == 0 else None, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+        want.append(o)
+    want = torch.cat(want, 1)
+    for C in (5, 16, 64):
+        got, S = chunk_gated_delta_rule(q, k, v, g, beta, segments, state, chunk_size=C)
+        assert rel(got, want) <= 1e-5 and rel(S, final) <= 1e-5, C
+    got, S = recurrent_gated_delta_rule(*(t[:, 64:] for t in (q, k, v, g, beta)))
+    assert rel(got, want[:, 64:]) <= 1e-5 and rel(S, final) <= 1e-5
+
+
+def test_packed_and_padded_rows_equal_each_sequence_alone(folder):
+    """A packed row (three documents and padding, `document_ids` / `position_ids`) gives each document
+    the hidden states it has alone; a left-padded row gives those of the row without its padding, on
+    the CPU's unpadded path (T >= 32) and the padded one (T < 32). A state or convolution window that
+    leaked one token across a boundary would change the next sequence's first tokens (by 0.77 relative, dropping the
+    restart at the second document; fp32 rounding between layouts: 1e-5)."""
+    ours = load_ours(folder, 16)
+    g = torch.Generator().manual_seed(3)
+    lengths = [40, 53, 27]
+    seqs = [torch.randint(3, 128, (1, n), generator=g) for n in lengths]
+    row = torch.cat([*seqs, torch.zeros(1, 8, dtype=torch.long)], 1)
+    docs = torch.cat([torch.full((1, n), i + 1) for i, n in enumerate(lengths)] + [torch.full((1, 8), -1)], 1)
+    pos = torch.cat([torch.arange(n)[None] for n in lengths] + [torch.zeros(1, 8, dtype=torch.long)], 1)
+    packed = hidden(ours, row, position_ids=pos, document_ids=docs)
+    start = 0
+    for s, n in zip(seqs, lengths):
+        assert rel(packed[:, start:start + n], hidden(ours, s)) <= 1e-4
+        start += n
+    for T, n_pad in ((100, 37), (20, 6)):
+        ids, mask = batch(T, "left", n_pad=n_pad, seed=4)
+        padded = hidden(ours, ids, mask)
+        assert rel(padded[1, n_pad:], hidden(ours, ids[1:, n_pad:])[0]) <= 1e-4, T
+        assert rel(padded[0], hidden(ours, ids[:1])[0]) <= 1e-4, T
+
+
+def test_a_shared_prefix_row_equals_each_sequence_after_the_prefix(folder):
+    """DPO's shared prompt / GRPO's group layout (document 0 the prefix, seen by every document): each
+    document gets the hidden states of [prefix; document] run alone, the prefix those of itself alone."""
+    ours = load_ours(folder, 16)
+    g = torch.Generator().manual_seed(5)
+    prefix, a, b = (torch.randint(3, 128, (1, n), generator=g) for n in (30, 25, 41))
+    row = torch.cat([prefix, a, b, torch.zeros(1, 4, dtype=torch.long)], 1)
+    docs = torch.tensor([[0] * 30 + [1] * 25 + [2] * 41 + [-1] * 4])
+    pos = torch.tensor([list(range(30)) + list(range(30, 55)) + list(range(30, 71)) + [0] * 4])
+    shared = hidden(ours, row, position_ids=pos, document_ids=docs)
+    with_a, with_b = hidden(ours, torch.cat([prefix, a], 1)), hidden(ours, torch.cat([prefix, b], 1))
+    assert rel(shared[:, :30], with_a[:, :30]) <= 1e-4
+    assert rel(shared[:, 30:55], with_a[:, 30:]) <= 1e-4
+    assert rel(shared[:, 55:96], with_b[:, 30:]) <= 1e-4
+
+
+def test_saved_folder_and_config_load_in_transformers(folder, tmp_path):
+    """`to_hf` round-trips; our `save_pretrained` loads in transformers with our logits; a checkpoint
+    with the multi-token-prediction head (`mtp.*`) loads, the head left out."""
+    ours = load_ours(folder)
+    cfg = models.config_from_hf(json.loads((folder / "config.json").read_text()))
+    d = json.loads(json.dumps(cfg.to_hf()))
+    assert models.config_from_hf(d) == cfg
+    save_pretrained(ours, tmp_path / "out", d)
+    ids, mask = batch(40, "left", n_pad=9)
+    a = ours.output_projection(hidden(ours, ids, mask))
+    with torch.no_grad():
+        b = load_hf(tmp_path / "out")(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+    assert rel(a[mask.bool()], b[mask.bool()]) <= 1e-4
+    shutil.copytree(folder, tmp_path / "mtp")
+    sd = load_file(folder / "model.safetensors")
+    sd["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(sd, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(ours.output_projection(hidden(load_ours(tmp_path / "mtp"), ids, mask)), a)
+
+
+BASE = dict(model_type="qwen3_5_text", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"linear_num_key_heads": 3, "linear_num_value_heads": 4}, "linear_num_value_heads"),
+    ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+    ({"linear_key_head_dim": "128"}, "linear_key_head_dim"),
+    ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"linear_attention_kind": "kda"}, "linear_attention_kind"),
+    ({"attn_output_gate": False}, "attn_output_gate"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
+     "partial_rotary_factor"),
+])
+def test_configs_we_cannot_honour_are_value_errors(config, named):
+    with pytest.raises(ValueError, match=named) as e:
+        models.from_hf_config({**BASE, **config})
+    assert str(e.value).startswith("config.json: ") and " — " in str(e.value)

@@ -23,10 +23,13 @@ from safetensors.torch import load_file, save_file
 from test_llama import prompts
 
 import models
+from pathlib import Path
+
 from minitrain.objectives.sampling import sample
 from minitrain.weights import load_pretrained, save_pretrained
 from models.qwen3_5 import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
+REPO = Path(__file__).resolve().parents[1]
 QWEN35 = dict(model_type="qwen3_5_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
               linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
               initializer_range=0.15)
@@ -243,3 +246,90 @@ def test_configs_we_cannot_honour_are_value_errors(config, named):
     with pytest.raises(ValueError, match=named) as e:
         models.from_hf_config({**BASE, **config})
     assert str(e.value).startswith("config.json: ") and " — " in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------
+# Through the CLI
+# --------------------------------------------------------------------------------------------
+
+# the recipes' default list adapts the attention layer's q/k/v/o and every MLP; a DeltaNet layer's
+# projections are adapted when named (its A_log, dt_bias and convolution are no Linear: never adapted)
+DELTANET_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,out_proj"
+
+
+@pytest.fixture(scope="module")
+def cli_model(folder, tmp_path_factory):
+    from _tok import make_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("q35_cli") / "model"
+    shutil.copytree(folder, d)
+    make_bpe_tokenizer(d)
+    return d
+
+
+def test_lora_sft_through_the_cli_loads_in_peft(cli_model, tmp_path, capsys):
+    """`recipes/sft_llama.py` with LoRA on the DeltaNet projections too: the run passes its preflight
+    audit, trains 2 steps with finite losses, the decay parameters stay frozen (the adapter holds LoRA
+    A / B only), and PEFT puts the saved adapter on transformers' model with our logits."""
+    peft = pytest.importorskip("peft")
+    from _tok import corpus
+    from test_families_cli import run
+
+    from minitrain.adapters.peft_format import load_adapter
+
+    lines = corpus(20, seed=3)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                            for i in range(8)))
+    run(capsys, "sft_llama.py", cli_model, data, tmp_path / "sft", lora_targets=DELTANET_TARGETS, max_len=80)
+    adapter = tmp_path / "sft" / "adapter"
+    saved = set(json.loads((adapter / "adapter_config.json").read_text())["target_modules"])
+    assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj"} <= saved
+    keys = load_file(adapter / "adapter_model.safetensors")
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)
+    assert any(".linear_attn.in_proj_qkv." in k for k in keys) and not any("A_log" in k or "dt_bias" in k for k in keys)
+    ours = load_pretrained(cli_model, models.from_hf_config).eval()
+    load_adapter(ours, adapter)
+    ref = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(cli_model), adapter).eval()
+    ids = torch.randint(3, 128, (1, 90), generator=torch.Generator().manual_seed(0))
+    a = ours.output_projection(hidden(ours, ids))
+    with torch.no_grad():
+        b = ref(input_ids=ids).logits
+    assert rel(a, b) <= 1e-4
+
+
+def test_a_linear_attention_config_we_do_not_understand_is_one_line(cli_model, tmp_path, capsys):
+    """Through the CLI: exit 2, one `error:` line naming the field, nothing written."""
+    from minitrain.cli import run_cli
+
+    bad = tmp_path / "bad"
+    shutil.copytree(cli_model, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "linear_num_key_heads": 3}))
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "a b", "completion": " c d"}) + "\n")
+    keys = {"model": bad, "data": data, "eval_data": "", "out": tmp_path / "out", "max_steps": 1}
+    code = run_cli([str(REPO / "recipes" / "sft_llama.py")] + [f"{k}={v}" for k, v in keys.items()])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "linear_num_value_heads" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_flex_attention_on_packed_rows_equals_sdpa(folder):
+    """`attention=flex` applies to Qwen3.5: the attention layers read the block mask, the DeltaNet layers
+    find the sequence starts from its rule; packed rows and a shared prefix give SDPA's hidden states
+    (forward only: a CPU's FlexAttention has no backward, which the engine refuses with one line)."""
+    ours = load_ours(folder, 16)
+    g = torch.Generator().manual_seed(6)
+    row = torch.randint(3, 128, (1, 60), generator=g)
+    for docs in ([1] * 20 + [2] * 32 + [-1] * 8, [0] * 20 + [1] * 32 + [2] * 8):
+        docs = torch.tensor([docs])
+        pos = torch.tensor([list(range(20)) + list(range(32)) + [0] * 8])
+        if docs[0, 0] == 0:
+            pos = torch.tensor([list(range(52)) + list(range(20, 28))])
+        want = hidden(ours, row, position_ids=pos, document_ids=docs)
+        ours.packed_attention = "flex"
+        got = hidden(ours, row, position_ids=pos, document_ids=docs)
+        ours.packed_attention = "sdpa"
+        real = docs[0] >= 0
+        assert rel(got[:, real], want[:, real]) <= 1e-5

@@ -28,6 +28,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "mixtral": ("moe", "MoeForCausalLM"),
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
     "qwen3_5_text": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
     "t5": ("t5", "T5ForConditionalGeneration"),
 }
 SUPPORTED = tuple(FAMILIES)

@@ -59,7 +59,7 @@ from models.layers import (
     require_zero,
 )
 
-__all__ = ["Qwen3_5Config", "Qwen3_5ForCausalLM", "KVCache", "generate", "config_from_hf",
+__all__ = ["Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "KVCache", "generate", "config_from_hf",
            "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 # --------------------------------------------------------------------------------------------
@@ -111,6 +111,8 @@ class Qwen3_5Config:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     model_type: str = "qwen3_5_text"
+    # a multimodal checkpoint's config.json without its text_config (model_type "qwen3_5"), for `to_hf`
+    multimodal: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_heads(self.num_attention_heads, self.num_key_value_heads)
@@ -168,6 +170,8 @@ class Qwen3_5Config:
             raise ValueError(f"config.json: model_type {model_type!r} is not 'qwen3_5_text'")
         drop_ignored(d, IGNORED_FIELDS)
         require_zero(d, "attention_dropout")
+        if "multimodal" in d:  # ours (what from_multimodal keeps), never a config.json field
+            raise ValueError("config.json: field 'multimodal' is not understood — remove it")
         theta, scaling = read_rope(d)
         scaling = dict(scaling or {})
         for key in _MROPE_KEYS:
@@ -182,15 +186,34 @@ class Qwen3_5Config:
         return cls(**d, rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling or None,
                    model_type=model_type)
 
+    @classmethod
+    def from_multimodal(cls, d: dict[str, Any]) -> "Qwen3_5Config":
+        """A multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`, model_type "qwen3_5"): its language
+        model's config (`text_config`; the outer `tie_word_embeddings` is the one transformers honours),
+        the rest kept for `to_hf`. The vision tower is not built."""
+        text = d.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("config.json: a multimodal qwen3_5 config without a text_config — restore the "
+                             "checkpoint's config.json")
+        cfg = cls.from_hf({**text, "model_type": "qwen3_5_text", "tie_word_embeddings": d.get("tie_word_embeddings", False)})
+        cfg.model_type = "qwen3_5"
+        cfg.multimodal = {k: v for k, v in d.items() if k != "text_config"}
+        return cfg
+
     def to_hf(self) -> dict[str, Any]:
-        """The `config.json` dict transformers loads (v5's `rope_parameters`)."""
+        """The `config.json` dict transformers loads (v5's `rope_parameters`); a multimodal checkpoint's
+        whole config, the text model's inside `text_config`."""
         d = asdict(self)
         d["architectures"] = ["Qwen3_5ForCausalLM"]
         d["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": d.pop("rope_theta"),
                                 "partial_rotary_factor": d.pop("partial_rotary_factor")}
         d.pop("rope_scaling")
         d.pop("full_attention_interval")  # layer_types says it
-        return d
+        outer = d.pop("multimodal")
+        if outer is None:
+            return d
+        d.pop("architectures")
+        return {**outer, "tie_word_embeddings": d["tie_word_embeddings"], "text_config": {**d, "model_type": "qwen3_5_text"}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,6 +562,45 @@ class Qwen3_5ForCausalLM(CausalLM):
         super().__init__(config, Qwen3_5Model(config))
 
 
+class LanguageModel(nn.Module):
+    """A multimodal checkpoint's `model.`: the text model as `model.language_model` (its keys in the
+    checkpoint, and in the adapters peft writes on transformers' multimodal class); the vision tower
+    (`model.visual.*`) is neither built nor read."""
+
+    def __init__(self, config: Qwen3_5Config) -> None:
+        super().__init__()
+        self.language_model = Qwen3_5Model(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                hidden_layers: Collection[int] = (), attention_layers: Collection[int] = (),
+                document_ids: torch.Tensor | None = None):
+        return self.language_model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
+                                   document_ids)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.language_model.embed_tokens
+
+    @property
+    def packed_attention(self) -> str:
+        return self.language_model.packed_attention
+
+    @packed_attention.setter
+    def packed_attention(self, kind: str) -> None:
+        self.language_model.packed_attention = kind
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The language model of a multimodal Qwen3.5 checkpoint under the multimodal class's names
+    (`model.language_model.*`, `lm_head`): trained and saved as text, its towers left out."""
+
+    ignore_checkpoint_keys = (r"^mtp\.", r"^model\.visual\.")
+
+    def __init__(self, config: Qwen3_5Config) -> None:
+        CausalLM.__init__(self, config, LanguageModel(config))
+
+
 def config_from_hf(d: dict[str, Any]) -> Qwen3_5Config:
-    """The registry's entry point (models/__init__.py): `Qwen3_5Config.from_hf`."""
-    return Qwen3_5Config.from_hf(d)
+    """The registry's entry point (models/__init__.py): `Qwen3_5Config.from_hf`, or `from_multimodal`."""
+    return Qwen3_5Config.from_multimodal(d) if d.get("model_type") == "qwen3_5" else Qwen3_5Config.from_hf(d)

@@ -333,3 +333,82 @@ def test_flex_attention_on_packed_rows_equals_sdpa(folder):
         ours.packed_attention = "sdpa"
         real = docs[0] >= 0
         assert rel(got[:, real], want[:, real]) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# The multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def multimodal(tmp_path_factory):
+    """A tiny `Qwen3_5ForConditionalGeneration` saved by transformers: a one-block vision tower beside the
+    language model of `QWEN35`, norms perturbed as `save_hf_causal` does."""
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                **{k: v for k, v in QWEN35.items() if k not in ("model_type", "num_hidden_layers")},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=120, video_token_id=121,
+                                     vision_start_token_id=122, vision_end_token_id=123)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("qwen3_5_multimodal")
+    model.save_pretrained(d)
+    return d
+
+
+def load_multimodal(folder):
+    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_multimodal_checkpoint_loads_its_language_model_only(multimodal, monkeypatch):
+    """Text logits equal the multimodal class's (left padding); the vision tower's tensors are never read
+    (the loader reads the language model's and lm_head only); `to_hf` gives back the multimodal config."""
+    import minitrain.weights as weights
+
+    read = []
+    real_read = weights.read_tensor
+    monkeypatch.setattr(weights, "read_tensor", lambda *a: read.append(a[-1]) or real_read(*a))
+    ours = load_ours(multimodal)
+    names = set(ours.state_dict())
+    assert all(k.startswith(("model.language_model.", "lm_head.")) for k in names)
+    assert len(read) == len(names)  # one read per parameter of ours: none of the tower's
+    ids, mask = batch(90, "left", n_pad=9)
+    a = ours.output_projection(hidden(ours, ids, mask))
+    with torch.no_grad():
+        b = load_multimodal(multimodal)(input_ids=ids, attention_mask=mask).logits
+    assert rel(a[mask.bool()], b[mask.bool()]) <= 1e-4
+    config = json.loads((multimodal / "config.json").read_text())
+    cfg = models.config_from_hf(config)
+    assert cfg.model_type == "qwen3_5" and models.config_from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+    assert cfg.to_hf()["vision_config"] == config["vision_config"]
+
+
+def test_multimodal_lora_adapter_loads_in_peft_on_the_multimodal_class(multimodal, tmp_path):
+    """A LoRA adapter trained on the language model (attention, MLP and DeltaNet projections) has the keys
+    peft writes on transformers' multimodal class: `PeftModel.from_pretrained` on
+    `AutoModelForImageTextToText` loads it with our text logits."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+
+    ours = load_ours(multimodal)
+    cfg = LoRAConfig(r=4, alpha=8, targets=tuple(DELTANET_TARGETS.split(",")))
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    save_adapter(ours, tmp_path / "adapter", cfg)
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" in keys
+    ref = peft.PeftModel.from_pretrained(load_multimodal(multimodal), tmp_path / "adapter").eval()
+    ids, mask = batch(70, "none")
+    with torch.no_grad():
+        b = ref(input_ids=ids, attention_mask=mask).logits
+    assert rel(ours.output_projection(hidden(ours.eval(), ids, mask)), b) <= 1e-4

@@ -286,10 +286,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     keep = last.exp() if carry_last is None else last.exp() * carry_last  # (B, H, n, 1)
     S = state.float() if state is not None else q.new_zeros(B, H, dk, dv)
     out = []
-    for c in range(n):
-        u = u0[:, :, c] - w[:, :, c] @ S  # (B, H, C, dv)
-        out.append(qdec[:, :, c] @ S + attn[:, :, c] @ u)
-        S = S * keep[:, :, c, :, None] + kend[:, :, c].transpose(-1, -2) @ u
+    # per chunk by `unbind`, not c-indexing: its backward is one stack, where each index's would fill a
+    # zero tensor of the whole sequence's size and add into it
+    for u0_c, w_c, q_c, a_c, k_c, keep_c in zip(*(t.unbind(2) for t in (u0, w, qdec, attn, kend, keep[..., None]))):
+        u = u0_c - w_c @ S  # (B, H, C, dv)
+        out.append(q_c @ S + a_c @ u)
+        S = S * keep_c + k_c.transpose(-1, -2) @ u
     o = torch.stack(out, 2).reshape(B, H, n * C, dv)[:, :, :T]
     return o.transpose(1, 2).to(dtype), S
 

@@ -495,6 +495,16 @@ class Qwen3_5DecoderLayer(nn.Module):
         return (x, probs) if return_attention else x
 
 
+def _check_no_shared_prefix(mask: torch.Tensor) -> None:
+    """A caller's 4-D mask (B, 1, T, T) where a token that does not see the token before it sees earlier
+    ones: a sequence that continues a shared prefix, which a recurrent state cannot branch to."""
+    starts = segment_starts(mask.bool(), mask.shape[-1])
+    b, t = starts.nonzero(as_tuple=True)
+    if len(t) and bool((mask[b, 0, t].sum(-1) > 1).any()):
+        raise ValueError("rows whose sequences share a prefix, given as a 4-D mask, cannot run through linear-attention "
+                         "layers — pass document_ids (0 the prefix) with position_ids: each sequence then runs after it")
+
+
 class Qwen3_5Model(DecoderBody):
     """Embeddings, decoder layers, final norm (HF's `model.` prefix); the floor's forward, with the
     DeltaNet layers given where sequences start instead of a mask."""
@@ -506,19 +516,9 @@ class Qwen3_5Model(DecoderBody):
     def _layers(self, x: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence,
                 cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]):
         starts = segment_starts(masks[0], x.shape[1])  # one mask for every layer (no windows)
-        if starts is not None and not isinstance(masks[0], Documents):
-            self._check_no_shared_prefix(masks[0], starts)
         masks = [starts if t == "linear_attention" else m for t, m in zip(self.config.layer_types, masks)]
         return super()._layers(x, tables, masks, cache, hidden_layers, attention_layers)
 
-    @staticmethod
-    def _check_no_shared_prefix(mask: torch.Tensor, starts: torch.Tensor) -> None:
-        """A dense mask where a sequence starts after a prefix it sees (and that another sequence saw):
-        the recurrent state cannot branch inside one row."""
-        b, t = starts.nonzero(as_tuple=True)
-        if len(t) and bool((mask[b, 0, t].sum(-1) > 1).any()):
-            raise ValueError("rows whose sequences share a prefix (a 4-D mask) cannot run through linear-attention "
-                             "layers — pass document_ids (0 the prefix), which run each sequence with the prefix")
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                             document_ids: torch.Tensor | None, cache: KVCache | None,
@@ -527,6 +527,8 @@ class Qwen3_5Model(DecoderBody):
         GRPO's prompt) runs as one row per document, [prefix; document], since a recurrent state cannot
         branch inside a row; each token's hidden state is that of its first copy (the prefix's: from its
         first document's row). Without a shared prefix, as the floor (restarts at each document)."""
+        if document_ids is None and mask is not None and position_ids is not None:
+            _check_no_shared_prefix(mask)
         if document_ids is None or position_ids is None or cache is not None or not bool((document_ids == 0).any()):
             return super()._forward_block_mask(x, mask, position_ids, document_ids, cache, hidden_layers,
                                                attention_layers)

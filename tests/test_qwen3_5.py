@@ -189,6 +189,8 @@ def test_packed_and_padded_rows_equal_each_sequence_alone(folder):
         padded = hidden(ours, ids, mask)
         assert rel(padded[1, n_pad:], hidden(ours, ids[1:, n_pad:])[0]) <= 1e-4, T
         assert rel(padded[0], hidden(ours, ids[:1])[0]) <= 1e-4, T
+    ids, mask = batch(20, "right", n_pad=6, seed=4)  # the padded path with padding after the tokens
+    assert rel(hidden(ours, ids, mask)[1, :14], hidden(ours, ids[1:, :14])[0]) <= 1e-4
 
 
 def test_a_shared_prefix_row_equals_each_sequence_after_the_prefix(folder):
@@ -205,6 +207,18 @@ def test_a_shared_prefix_row_equals_each_sequence_after_the_prefix(folder):
     assert rel(shared[:, :30], with_a[:, :30]) <= 1e-4
     assert rel(shared[:, 30:55], with_a[:, 30:]) <= 1e-4
     assert rel(shared[:, 55:96], with_b[:, 30:]) <= 1e-4
+
+
+def test_a_shared_prefix_as_a_4d_mask_is_refused(folder):
+    """Without document_ids, a dense mask whose second sequence sees the first one's prefix cannot say
+    where the state should branch from: a ValueError that says to pass document_ids."""
+    ours = load_ours(folder)
+    from models.layers import document_mask
+
+    docs = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3])
+    pos = torch.tensor([list(range(9)) + list(range(5, 8))])
+    with pytest.raises(ValueError, match="document_ids"):
+        hidden(ours, torch.randint(3, 128, (1, 12)), document_mask(docs, pos, None), position_ids=pos)
 
 
 def test_saved_folder_and_config_load_in_transformers(folder, tmp_path):
@@ -412,3 +426,28 @@ def test_multimodal_lora_adapter_loads_in_peft_on_the_multimodal_class(multimoda
     with torch.no_grad():
         b = ref(input_ids=ids, attention_mask=mask).logits
     assert rel(ours.output_projection(hidden(ours.eval(), ids, mask)), b) <= 1e-4
+
+
+def test_dpo_shared_prompt_and_packed_sft_through_the_cli(cli_model, tmp_path, capsys):
+    """DPO's shared-prompt rows ([prompt, chosen, rejected], the prompt seen by both answers) run each
+    answer after the prompt: step 1's metrics equal those of `[chosen; rejected]` rows. SFT with
+    `packing=true` (documents restart the state) trains with the padded run's first-step loss."""
+    from _tok import corpus
+    from test_families_cli import run
+
+    lines = corpus(40, seed=3)
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": lines[i], "chosen": " " + lines[i + 10],
+                                         "rejected": " " + lines[i + 20]}) + "\n" for i in range(8)))
+    two = run(capsys, "dpo_mistral.py", cli_model, prefs, tmp_path / "two")
+    shared = run(capsys, "dpo_mistral.py", cli_model, prefs, tmp_path / "shared", shared_prompt="true")
+    keys = [k for k in two[0] if k in ("loss", "grad_norm") or k.startswith(("logps/", "rewards/"))]
+    assert "logps/chosen" in keys and "grad_norm" in keys
+    for key in keys:
+        assert shared[0][key] == pytest.approx(two[0][key], rel=1e-4, abs=1e-6), key
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                           for i in range(8)))
+    padded = run(capsys, "sft_llama.py", cli_model, sft, tmp_path / "padded")
+    packed = run(capsys, "sft_llama.py", cli_model, sft, tmp_path / "packed", packing="true")
+    assert packed[0]["loss"] == pytest.approx(padded[0]["loss"], rel=1e-4)

@@ -559,8 +559,9 @@ class Qwen3_5ForCausalLM(CausalLM):
     """The causal LM: `model` + `lm_head`; forward returns hidden states, not logits."""
 
     block_types = (Qwen3_5DecoderLayer,)
-    # the multi-token-prediction head (mtp.*): not part of the causal LM's forward
-    ignore_checkpoint_keys = (r"^mtp\.",)
+    # the multi-token-prediction head (mtp.*): not part of the causal LM's forward, never read at load;
+    # a saved model (full fine-tuning, tools/merge.py) carries it over as it was
+    ignore_checkpoint_keys = carry_checkpoint_keys = (r"^mtp\.",)
 
     def __init__(self, config: Qwen3_5Config) -> None:
         super().__init__(config, Qwen3_5Model(config))
@@ -597,9 +598,10 @@ class LanguageModel(nn.Module):
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The language model of a multimodal Qwen3.5 checkpoint under the multimodal class's names
-    (`model.language_model.*`, `lm_head`): trained and saved as text, its towers left out."""
+    (`model.language_model.*`, `lm_head`). A save (full fine-tuning, tools/merge.py) writes the towers and
+    the `mtp.*` head back as they were read from the source folder (`carry_checkpoint_keys`)."""
 
-    ignore_checkpoint_keys = (r"^mtp\.", r"^model\.visual\.")
+    ignore_checkpoint_keys = carry_checkpoint_keys = (r"^mtp\.", r"^model\.visual\.")
 
     def __init__(self, config: Qwen3_5Config) -> None:
         CausalLM.__init__(self, config, LanguageModel(config))

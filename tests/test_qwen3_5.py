@@ -451,3 +451,36 @@ def test_dpo_shared_prompt_and_packed_sft_through_the_cli(cli_model, tmp_path, c
     padded = run(capsys, "sft_llama.py", cli_model, sft, tmp_path / "padded")
     packed = run(capsys, "sft_llama.py", cli_model, sft, tmp_path / "packed", packing="true")
     assert packed[0]["loss"] == pytest.approx(padded[0]["loss"], rel=1e-4)
+
+
+def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, tmp_path, capsys):
+    """`finetune=full` through the CLI on the multimodal folder: the written folder holds every vision
+    tower tensor bit-identical to the input, a trained language model, and loads in transformers as
+    the multimodal class with our text logits."""
+    from _tok import corpus, make_bpe_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(multimodal, model)
+    make_bpe_tokenizer(model)
+    lines = corpus(20, seed=3)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                            for i in range(8)))
+    from minitrain.cli import run_cli
+
+    keys = {"model": model, "data": data, "eval_data": "", "out": tmp_path / "out", "max_steps": 2, "batch_size": 2,
+            "max_len": 64, "finetune": "full", "lr": 1e-3}
+    assert run_cli([str(REPO / "recipes" / "sft_llama.py")] + [f"{k}={v}" for k, v in keys.items()]) == 0, \
+        capsys.readouterr().err
+    written = next(p.parent for p in (tmp_path / "out").rglob("model.safetensors"))
+    before, after = load_file(model / "model.safetensors"), load_file(written / "model.safetensors")
+    assert set(after) == set(before)
+    towers = [k for k in before if k.startswith("model.visual.")]
+    assert towers and all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in towers)
+    assert not torch.equal(after["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+                           before["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])
+    ids, mask = batch(40, "none")
+    with torch.no_grad():
+        b = load_multimodal(written)(input_ids=ids, attention_mask=mask).logits
+    ours = load_ours(written)
+    assert rel(ours.output_projection(hidden(ours, ids, mask)), b) <= 1e-4

@@ -231,6 +231,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return [t.transpose(1, 2).float() for t in (q, k, v, g, beta)]
 
 
+@torch.compiler.disable  # a Python loop over T / C chunks: a graph per length; the block around it compiles
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            segments: torch.Tensor | None = None, state: torch.Tensor | None = None,
                            chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,6 +297,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return o.transpose(1, 2).to(dtype), S
 
 
+@torch.compiler.disable
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                                state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule one token at a time (decoding): the same arguments and results as

@@ -8,7 +8,11 @@ generation (our cache: convolution window + recurrent state for DeltaNet layers,
 attention layer), GRPO's sampler. State per sequence: a packed row equals each sequence alone, a
 left-padded row equals the row without its padding, rows with a shared prefix equal [prefix; sequence]
 alone; the chunked rule equals transformers' token-by-token recurrence restarted at each sequence.
-`initializer_range=0.15` makes the DeltaNet layers matter without fp32 rounding reaching 1e-4.
+Through the engine: LoRA SFT, DPO (shared prompt), packed SFT, GRPO and full fine-tuning from the CLI,
+activation checkpointing and compiled blocks; the multimodal checkpoint's language model (logits, peft
+on the multimodal class, tools/merge.py and full fine-tuning writing the towers back bit for bit).
+`initializer_range=0.15` makes the DeltaNet layers matter without fp32 rounding reaching 1e-4 (measured:
+logits 6e-5 at worst, gradients 5.5e-5; a one-token state leak across a boundary: 0.77).
 """
 
 from __future__ import annotations

@@ -467,12 +467,13 @@ def save_pretrained(
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder}: exists and is not a folder — choose another output path")
     tensors = _tensors_to_save(model, state_dict)
-    files = plan_shard_files(tensors, dtype, max_shard_bytes)
+    carried = carried_tensors(model)
+    files = plan_shard_files({**tensors, **carried}, dtype, max_shard_bytes)
 
     def fill(tmp: Path) -> None:
         weight_map, total_size = {}, 0
         for fname, keys in files:
-            part = {k: _prepare(tensors[k], dtype) for k in keys}
+            part = {k: carried[k] if k in carried else _prepare(tensors[k], dtype) for k in keys}
             save_file(part, tmp / fname, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(keys, fname))
             total_size += sum(t.numel() * t.element_size() for t in part.values())
@@ -485,6 +486,22 @@ def save_pretrained(
         raise UserError(f"{folder}: cannot write the weights: {io_error_reason(e)} — free space or choose a "
                         f"writable folder, then save again") from e
     return folder
+
+
+def carried_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors a model does not use but a save of it keeps (a multimodal checkpoint's
+    towers, a multi-token-prediction head): the keys its `carry_checkpoint_keys` regexes match (docs/
+    contracts.md), read as stored from the folder it was loaded from (`source_dir`), bit for bit."""
+    patterns = [re.compile(p) for p in getattr(model, "carry_checkpoint_keys", ())]
+    source = getattr(model, "source_dir", None)
+    out: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(source) if patterns and source is not None else ():
+        header, data_start = read_header(path)
+        with open(path, "rb") as f:
+            for key, info in header.items():
+                if any(p.search(key) for p in patterns):
+                    out[key] = read_tensor(f, path, data_start, info)
+    return out
 
 
 def _tensors_to_save(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

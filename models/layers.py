@@ -484,7 +484,9 @@ class KVCache:
     `[0, length)` are filled. `mask`: (B, max_len) bool, True where the slot holds a real token
     (False for padding). Tensors are allocated on the first write, with the dtype and device of
     the keys that layer produces. One forward call appends T slots to every layer, then
-    `length += T`.
+    `length += T`. `states[i]`: a recurrent layer's state instead (linear attention: its convolution
+    window and recurrent state), a tuple of tensors whose first dim is the batch, which the layer
+    replaces at each call.
     """
 
     def __init__(self, max_len: int) -> None:
@@ -492,6 +494,7 @@ class KVCache:
         self.length = 0
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.states: dict[int, tuple[torch.Tensor, ...]] = {}
         self.mask: torch.Tensor | None = None
 
     def begin(self, valid: torch.Tensor) -> torch.Tensor:
@@ -523,6 +526,8 @@ class KVCache:
         for store in (self.keys, self.values):
             for layer, t in store.items():
                 store[layer] = t.index_select(0, index)
+        for layer, state in self.states.items():
+            self.states[layer] = tuple(t.index_select(0, index) for t in state)
         if self.mask is not None:
             self.mask = self.mask.index_select(0, index)
 
@@ -532,6 +537,8 @@ class KVCache:
         for store in (self.keys, self.values):
             for layer, t in store.items():
                 store[layer] = t.repeat_interleave(n, dim=0)
+        for layer, state in self.states.items():
+            self.states[layer] = tuple(t.repeat_interleave(n, dim=0) for t in state)
         if self.mask is not None:
             self.mask = self.mask.repeat_interleave(n, dim=0)
 
@@ -851,6 +858,8 @@ class Attention(nn.Module):
     over each query and key head before RoPE (`qk_norm`: Qwen3, Gemma 3); the score scale
     (`scaling`, None = 1/sqrt(hd); Gemma's `query_pre_attn_scalar ** -0.5`); soft-capped scores
     (`cap`, Gemma 2); attention sinks (`sinks`, gpt-oss: a learned logit per head, `self.sinks`).
+    An output gate (`output_gate`, Qwen3.5): q_proj yields a query and a gate per head, (hd | hd),
+    and the attention output is scaled by sigmoid(gate) before o_proj.
     A layer with a cap or sinks runs its attention written out (scores in memory: B x H x T x S),
     since SDPA cannot apply a function between the scores and the softmax; the others run SDPA.
     A family whose projections differ (Phi-3's fused `qkv_proj`) passes them as `projections`
@@ -862,14 +871,14 @@ class Attention(nn.Module):
     def __init__(self, hidden_size: int, n_heads: int, n_kv: int, head_dim: int, layer_idx: int, *,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: Callable[[int], nn.Module] | None = None,
                  scaling: float | None = None, cap: float | None = None, sinks: bool = False,
-                 projections: dict[str, nn.Module] | None = None) -> None:
+                 projections: dict[str, nn.Module] | None = None, output_gate: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
-        self.scaling, self.cap = scaling, cap
+        self.scaling, self.cap, self.output_gate = scaling, cap, output_gate
         D, hd = hidden_size, head_dim
         if projections is None:
-            self.q_proj = nn.Linear(D, n_heads * hd, bias=qkv_bias)
+            self.q_proj = nn.Linear(D, n_heads * hd * (2 if output_gate else 1), bias=qkv_bias)
             self.k_proj = nn.Linear(D, n_kv * hd, bias=qkv_bias)
             self.v_proj = nn.Linear(D, n_kv * hd, bias=qkv_bias)
         for name, module in (projections or {}).items():  # a family's own (fused) input projections
@@ -882,12 +891,17 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(n_heads))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (..., D) -> q (..., H, hd), k and v (..., Hkv, hd), the q/k norms applied."""
-        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
+        """x (..., D) -> q (..., H, hd), k and v (..., Hkv, hd), the q/k norms applied; with the
+        output gate, also the gate (..., H, hd)."""
+        q = self.q_proj(x).unflatten(-1, (self.n_heads, -1))  # (..., H, hd), or (..., H, 2 hd): query | gate
+        gate = None
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
         k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         if hasattr(self, "q_norm"):  # per-head norms (Qwen3, Gemma 3)
             q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        return (q, k, v) if gate is None else (q, k, v, gate)
 
     def forward(
         self,
@@ -902,10 +916,10 @@ class Attention(nn.Module):
         `return_probs`: also the attention probabilities (B, H, T, S) fp32. A `Ragged` mask: x (N, D)
         holds the batch's real tokens end to end, cos / sin (N, hd). A `Documents` mask: rows of
         several sequences through FlexAttention (a cap as its `score_mod`)."""
-        q, k, v = self.project(x)  # (B, T, H, hd), (B, T, Hkv, hd) x 2
+        q, k, v, *gate = self.project(x)  # (B, T, H, hd), (B, T, Hkv, hd) x 2[, the gate (B, T, H, hd)]
         if isinstance(mask, Ragged):  # (N, heads, hd): RoPE per token, then attention per sequence
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-            return self.o_proj(mask.attend(q, k, v, self._attention).flatten(1))
+            return self.o_proj(self._gated(mask.attend(q, k, v, self._attention).flatten(1), gate))
         B, T, _ = x.shape
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
@@ -929,8 +943,13 @@ class Attention(nn.Module):
             else:  # written out, so the probabilities exist (attention transfer)
                 probs = self._probs(q, k, mask)
                 y = torch.matmul(probs.to(v.dtype), v)
-        y = self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        y = self.o_proj(self._gated(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), gate))
         return (y, probs) if return_probs else y
+
+    @staticmethod
+    def _gated(y: torch.Tensor, gate: list[torch.Tensor]) -> torch.Tensor:
+        """y (..., H hd) times sigmoid(gate) when `project` gave a gate (the output gate), else y."""
+        return y * torch.sigmoid(gate[0].flatten(-2)) if gate else y
 
     def _probs(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The written-out attention probabilities (B, H, T, S) fp32 at this layer's scale, cap and sinks."""

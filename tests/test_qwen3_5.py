@@ -1,0 +1,572 @@
+"""Qwen3.5 dense (`models/qwen3_5.py`: Gated DeltaNet + gated attention) against transformers.
+
+A tiny random `qwen3_5_text` checkpoint saved by transformers 5 (`conftest.save_hf_causal`: 4 layers,
+three DeltaNet and one attention layer, hidden 64, GVA 2 q/k heads -> 4 v heads, a quarter of each
+attention head rotated) loads through our loader and is compared with transformers' torch path:
+logits on padded batches over several chunks (<= 1e-4 relative), every parameter's gradient, greedy
+generation (our cache: convolution window + recurrent state for DeltaNet layers, K / V for the
+attention layer), GRPO's sampler. State per sequence: a packed row equals each sequence alone, a
+left-padded row equals the row without its padding, rows with a shared prefix equal [prefix; sequence]
+alone; the chunked rule equals transformers' token-by-token recurrence restarted at each sequence.
+Through the engine: LoRA SFT, DPO (shared prompt), packed SFT, GRPO and full fine-tuning from the CLI,
+activation checkpointing and compiled blocks; the multimodal checkpoint's language model (logits, peft
+on the multimodal class, tools/merge.py and full fine-tuning writing the towers back bit for bit).
+`initializer_range=0.15` makes the DeltaNet layers matter without fp32 rounding reaching 1e-4 (measured:
+logits 6e-5 at worst, gradients 5.5e-5; a one-token state leak across a boundary: 0.77).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from test_llama import prompts
+
+import models
+from pathlib import Path
+
+from minitrain.objectives.sampling import sample
+from minitrain.weights import load_pretrained, save_pretrained
+from models.qwen3_5 import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN35 = dict(model_type="qwen3_5_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              initializer_range=0.15)
+
+
+@pytest.fixture(scope="session")
+def folder(hf_causal):
+    return hf_causal("qwen3_5", **QWEN35)
+
+
+def load_ours(folder, chunk_size: int = 64):
+    model = load_pretrained(folder, models.from_hf_config).eval()
+    for m in model.modules():
+        if hasattr(m, "chunk_size"):
+            m.chunk_size = chunk_size
+    return model
+
+
+def load_hf(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def batch(T: int, padding: str, n_pad: int = 37, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    if padding == "left":
+        mask[1, :n_pad] = 0
+    elif padding == "right":
+        mask[1, -n_pad:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def positions(mask):
+    """Our default positions (real tokens counted from 0), given to transformers, whose default is arange."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def hidden(model, ids, mask=None, **kw):
+    with torch.no_grad():
+        return model(ids, mask, **kw)
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("chunk_size", [64, 16])
+def test_logits_match_transformers(folder, chunk_size):
+    """150 tokens (three of transformers' 64-token chunks; ten of ours at 16), padded left, right, not at
+    all: the real tokens' logits within 1e-4 relative (the CPU runs a padded batch without its padding)."""
+    ours, hf = load_ours(folder, chunk_size), load_hf(folder)
+    for padding in ("none", "left", "right"):
+        ids, mask = batch(150, padding)
+        a = ours.output_projection(hidden(ours, ids, mask))
+        with torch.no_grad():
+            b = hf(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+        real = mask.bool()
+        assert rel(a[real], b[real]) <= 1e-4, padding
+
+
+def test_gradients_match_transformers(folder):
+    """Every parameter's gradient (A_log, dt_bias, the convolution, the gated norm, the attention's
+    gate half of q_proj) equals transformers' under the same loss, over 100 tokens in chunks of 16."""
+    ours, hf = load_ours(folder, 16).train(), load_hf(folder).train()
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    ids, mask = batch(100, "right", n_pad=17)
+    labels = ids.masked_fill(mask == 0, -100)
+    hf(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    logits = ours.output_projection(ours(ids, mask))
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()
+    theirs = dict(hf.named_parameters())
+    assert set(theirs) == {n for n, _ in ours.named_parameters()}
+    for n, p in ours.named_parameters():
+        ref = theirs[n].grad
+        assert (p.grad - ref).abs().max() <= 1e-4 * ref.abs().max() + 1e-9, n
+
+
+def test_state_dict_keys_are_transformers_keys(folder):
+    with torch.device("meta"):
+        ours = models.from_hf_config(json.loads((folder / "config.json").read_text()))
+    hf = load_hf(folder)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in hf.state_dict().items()}
+
+
+def test_greedy_generate_and_the_sampler_match_transformers(folder):
+    """Greedy `generate` (prefill of left-padded prompts, then one token a step through the cache) equals
+    transformers'; GRPO's sampler (the prompt prefilled once, its cache repeated G = 2 times, finished
+    rows dropped from the cache) gives each row that continuation."""
+    ours, hf = load_ours(folder), load_hf(folder)
+    hf.generation_config.eos_token_id = None
+    ids, mask = prompts()  # row 1: 7 pads then 5 real tokens
+    ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = models.family(ours).generate(ours, ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(out, ref)
+    eos = int(ref[0, 12 + 2])  # row 0 ends at its third token: its two copies leave the batch (keep_rows)
+    comp = sample(ours, ids, mask, new_cache=models.family(ours).KVCache, num_generations=2, max_new_tokens=12,
+                  greedy=True, eos_ids=[eos], pad_id=0)
+    assert torch.equal(comp.ids[0, :3], ref[0, 12:15]) and torch.equal(comp.ids[1, :3], ref[0, 12:15])
+    assert int(comp.mask[0].sum()) == 3
+    n = int(comp.mask[2].sum())  # row 1 runs on: the same tokens as transformers' until its own eos, if any
+    assert torch.equal(comp.ids[2, :n], ref[1, 12:12 + n]) and torch.equal(comp.ids[3], comp.ids[2])
+    assert n == 12 or int(ref[1, 12 + n - 1]) == eos
+
+
+def test_chunked_rule_restarts_equal_transformers_recurrence():
+    """The chunked rule over a row of three sequences (and the state carried in) equals transformers'
+    token-by-token recurrence run on each sequence alone, for chunks that cut sequences and that hold
+    several; so does our recurrent form."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule as reference
+
+    torch.manual_seed(0)
+    T, Hk, H, dk, dv = 90, 2, 4, 8, 6
+    q, k = torch.randn(1, T, Hk, dk), torch.randn(1, T, Hk, dk)
+    v, g, beta = torch.randn(1, T, H, dv), -2 * torch.rand(1, T, H), torch.rand(1, T, H)
+    state = torch.randn(1, H, dk, dv)
+    cuts = [0, 23, 64, 90]
+    segments = torch.zeros(1, T, dtype=torch.long)
+    for i, c in enumerate(cuts[1:-1]):
+        segments[:, c:] = i + 1
+    want, final = [], None
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        part = [t[:, a:b] for t in (q, k, v, g, beta)]
+        o, final = reference(*part, initial_state=state if i == 0 else None, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+        want.append(o)
+    want = torch.cat(want, 1)
+    for C in (5, 16, 64):
+        got, S = chunk_gated_delta_rule(q, k, v, g, beta, segments, state, chunk_size=C)
+        assert rel(got, want) <= 1e-5 and rel(S, final) <= 1e-5, C
+    got, S = recurrent_gated_delta_rule(*(t[:, 64:] for t in (q, k, v, g, beta)))
+    assert rel(got, want[:, 64:]) <= 1e-5 and rel(S, final) <= 1e-5
+
+
+def test_packed_and_padded_rows_equal_each_sequence_alone(folder):
+    """A packed row (three documents and padding, `document_ids` / `position_ids`) gives each document
+    the hidden states it has alone; a left-padded row gives those of the row without its padding, on
+    the CPU's unpadded path (T >= 32) and the padded one (T < 32). A state or convolution window that
+    leaked one token across a boundary would change the next sequence's first tokens (by 0.77 relative, dropping the
+    restart at the second document; fp32 rounding between layouts: 1e-5)."""
+    ours = load_ours(folder, 16)
+    g = torch.Generator().manual_seed(3)
+    lengths = [40, 53, 27]
+    seqs = [torch.randint(3, 128, (1, n), generator=g) for n in lengths]
+    row = torch.cat([*seqs, torch.zeros(1, 8, dtype=torch.long)], 1)
+    docs = torch.cat([torch.full((1, n), i + 1) for i, n in enumerate(lengths)] + [torch.full((1, 8), -1)], 1)
+    pos = torch.cat([torch.arange(n)[None] for n in lengths] + [torch.zeros(1, 8, dtype=torch.long)], 1)
+    packed = hidden(ours, row, position_ids=pos, document_ids=docs)
+    start = 0
+    for s, n in zip(seqs, lengths):
+        assert rel(packed[:, start:start + n], hidden(ours, s)) <= 1e-4
+        start += n
+    for T, n_pad in ((100, 37), (20, 6)):
+        ids, mask = batch(T, "left", n_pad=n_pad, seed=4)
+        padded = hidden(ours, ids, mask)
+        assert rel(padded[1, n_pad:], hidden(ours, ids[1:, n_pad:])[0]) <= 1e-4, T
+        assert rel(padded[0], hidden(ours, ids[:1])[0]) <= 1e-4, T
+    ids, mask = batch(20, "right", n_pad=6, seed=4)  # the padded path with padding after the tokens
+    assert rel(hidden(ours, ids, mask)[1, :14], hidden(ours, ids[1:, :14])[0]) <= 1e-4
+
+
+def test_a_shared_prefix_row_equals_each_sequence_after_the_prefix(folder):
+    """DPO's shared prompt / GRPO's group layout (document 0 the prefix, seen by every document): each
+    document gets the hidden states of [prefix; document] run alone, the prefix those of itself alone."""
+    ours = load_ours(folder, 16)
+    g = torch.Generator().manual_seed(5)
+    prefix, a, b = (torch.randint(3, 128, (1, n), generator=g) for n in (30, 25, 41))
+    row = torch.cat([prefix, a, b, torch.zeros(1, 4, dtype=torch.long)], 1)
+    docs = torch.tensor([[0] * 30 + [1] * 25 + [2] * 41 + [-1] * 4])
+    pos = torch.tensor([list(range(30)) + list(range(30, 55)) + list(range(30, 71)) + [0] * 4])
+    shared = hidden(ours, row, position_ids=pos, document_ids=docs)
+    with_a, with_b = hidden(ours, torch.cat([prefix, a], 1)), hidden(ours, torch.cat([prefix, b], 1))
+    assert rel(shared[:, :30], with_a[:, :30]) <= 1e-4
+    assert rel(shared[:, 30:55], with_a[:, 30:]) <= 1e-4
+    assert rel(shared[:, 55:96], with_b[:, 30:]) <= 1e-4
+
+
+def test_a_shared_prefix_as_a_4d_mask_is_refused(folder):
+    """Without document_ids, a dense mask whose second sequence sees the first one's prefix cannot say
+    where the state should branch from: a ValueError that says to pass document_ids."""
+    ours = load_ours(folder)
+    from models.layers import document_mask
+
+    docs = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3])
+    pos = torch.tensor([list(range(9)) + list(range(5, 8))])
+    with pytest.raises(ValueError, match="document_ids"):
+        hidden(ours, torch.randint(3, 128, (1, 12)), document_mask(docs, pos, None), position_ids=pos)
+
+
+def test_saved_folder_and_config_load_in_transformers(folder, tmp_path):
+    """`to_hf` round-trips; our `save_pretrained` loads in transformers with our logits; a checkpoint
+    with the multi-token-prediction head (`mtp.*`) loads, the head left out."""
+    ours = load_ours(folder)
+    cfg = models.config_from_hf(json.loads((folder / "config.json").read_text()))
+    d = json.loads(json.dumps(cfg.to_hf()))
+    assert models.config_from_hf(d) == cfg
+    save_pretrained(ours, tmp_path / "out", d)
+    ids, mask = batch(40, "left", n_pad=9)
+    a = ours.output_projection(hidden(ours, ids, mask))
+    with torch.no_grad():
+        b = load_hf(tmp_path / "out")(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+    assert rel(a[mask.bool()], b[mask.bool()]) <= 1e-4
+    shutil.copytree(folder, tmp_path / "mtp")
+    sd = load_file(folder / "model.safetensors")
+    sd["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(sd, tmp_path / "mtp" / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(ours.output_projection(hidden(load_ours(tmp_path / "mtp"), ids, mask)), a)
+
+
+BASE = dict(model_type="qwen3_5_text", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"linear_num_key_heads": 3, "linear_num_value_heads": 4}, "linear_num_value_heads"),
+    ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+    ({"linear_key_head_dim": "128"}, "linear_key_head_dim"),
+    ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"linear_attention_kind": "kda"}, "linear_attention_kind"),
+    ({"attn_output_gate": False}, "attn_output_gate"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}},
+     "partial_rotary_factor"),
+])
+def test_configs_we_cannot_honour_are_value_errors(config, named):
+    with pytest.raises(ValueError, match=named) as e:
+        models.from_hf_config({**BASE, **config})
+    assert str(e.value).startswith("config.json: ") and " — " in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------
+# Through the CLI
+# --------------------------------------------------------------------------------------------
+
+# the recipes' default list adapts the attention layer's q/k/v/o and every MLP; a DeltaNet layer's
+# projections are adapted when named (its A_log, dt_bias and convolution are no Linear: never adapted)
+DELTANET_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj_qkv,in_proj_z,out_proj"
+
+
+@pytest.fixture(scope="module")
+def cli_model(folder, tmp_path_factory):
+    from _tok import make_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("q35_cli") / "model"
+    shutil.copytree(folder, d)
+    make_bpe_tokenizer(d)
+    return d
+
+
+def test_lora_sft_through_the_cli_loads_in_peft(cli_model, tmp_path, capsys):
+    """`recipes/sft_llama.py` with LoRA on the DeltaNet projections too: the run passes its preflight
+    audit, trains 2 steps with finite losses, the decay parameters stay frozen (the adapter holds LoRA
+    A / B only), and PEFT puts the saved adapter on transformers' model with our logits."""
+    peft = pytest.importorskip("peft")
+    from _tok import corpus
+    from test_families_cli import run
+
+    from minitrain.adapters.peft_format import load_adapter
+
+    lines = corpus(20, seed=3)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                            for i in range(8)))
+    run(capsys, "sft_llama.py", cli_model, data, tmp_path / "sft", lora_targets=DELTANET_TARGETS, max_len=80)
+    adapter = tmp_path / "sft" / "adapter"
+    saved = set(json.loads((adapter / "adapter_config.json").read_text())["target_modules"])
+    assert {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj"} <= saved
+    keys = load_file(adapter / "adapter_model.safetensors")
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)
+    assert any(".linear_attn.in_proj_qkv." in k for k in keys) and not any("A_log" in k or "dt_bias" in k for k in keys)
+    ours = load_pretrained(cli_model, models.from_hf_config).eval()
+    load_adapter(ours, adapter)
+    ref = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(cli_model), adapter).eval()
+    ids = torch.randint(3, 128, (1, 90), generator=torch.Generator().manual_seed(0))
+    a = ours.output_projection(hidden(ours, ids))
+    with torch.no_grad():
+        b = ref(input_ids=ids).logits
+    assert rel(a, b) <= 1e-4
+
+
+def test_a_linear_attention_config_we_do_not_understand_is_one_line(cli_model, tmp_path, capsys):
+    """Through the CLI: exit 2, one `error:` line naming the field, nothing written."""
+    from minitrain.cli import run_cli
+
+    bad = tmp_path / "bad"
+    shutil.copytree(cli_model, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "linear_num_key_heads": 3}))
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "a b", "completion": " c d"}) + "\n")
+    keys = {"model": bad, "data": data, "eval_data": "", "out": tmp_path / "out", "max_steps": 1}
+    code = run_cli([str(REPO / "recipes" / "sft_llama.py")] + [f"{k}={v}" for k, v in keys.items()])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "linear_num_value_heads" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_flex_attention_on_packed_rows_equals_sdpa(folder):
+    """`attention=flex` applies to Qwen3.5: the attention layers read the block mask, the DeltaNet layers
+    find the sequence starts from its rule; packed rows and a shared prefix give SDPA's hidden states
+    (forward only: a CPU's FlexAttention has no backward, which the engine refuses with one line)."""
+    ours = load_ours(folder, 16)
+    g = torch.Generator().manual_seed(6)
+    row = torch.randint(3, 128, (1, 60), generator=g)
+    for docs in ([1] * 20 + [2] * 32 + [-1] * 8, [0] * 20 + [1] * 32 + [2] * 8):
+        docs = torch.tensor([docs])
+        pos = torch.tensor([list(range(20)) + list(range(32)) + [0] * 8])
+        if docs[0, 0] == 0:
+            pos = torch.tensor([list(range(52)) + list(range(20, 28))])
+        want = hidden(ours, row, position_ids=pos, document_ids=docs)
+        ours.packed_attention = "flex"
+        got = hidden(ours, row, position_ids=pos, document_ids=docs)
+        ours.packed_attention = "sdpa"
+        real = docs[0] >= 0
+        assert rel(got[:, real], want[:, real]) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# The multimodal checkpoint (Qwen3_5ForConditionalGeneration): its language model
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def multimodal(tmp_path_factory):
+    """A tiny `Qwen3_5ForConditionalGeneration` saved by transformers: a one-block vision tower beside the
+    language model of `QWEN35`, norms perturbed as `save_hf_causal` does."""
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                **{k: v for k, v in QWEN35.items() if k not in ("model_type", "num_hidden_layers")},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=120, video_token_id=121,
+                                     vision_start_token_id=122, vision_end_token_id=123)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("qwen3_5_multimodal")
+    model.save_pretrained(d)
+    return d
+
+
+def load_multimodal(folder):
+    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_multimodal_checkpoint_loads_its_language_model_only(multimodal, monkeypatch):
+    """Text logits equal the multimodal class's (left padding); the vision tower's tensors are never read
+    (the loader reads the language model's and lm_head only); `to_hf` gives back the multimodal config."""
+    import minitrain.weights as weights
+
+    read = []
+    real_read = weights.read_tensor
+    monkeypatch.setattr(weights, "read_tensor", lambda *a: read.append(a[-1]) or real_read(*a))
+    ours = load_ours(multimodal)
+    names = set(ours.state_dict())
+    assert all(k.startswith(("model.language_model.", "lm_head.")) for k in names)
+    assert len(read) == len(names)  # one read per parameter of ours: none of the tower's
+    ids, mask = batch(90, "left", n_pad=9)
+    a = ours.output_projection(hidden(ours, ids, mask))
+    with torch.no_grad():
+        b = load_multimodal(multimodal)(input_ids=ids, attention_mask=mask).logits
+    assert rel(a[mask.bool()], b[mask.bool()]) <= 1e-4
+    config = json.loads((multimodal / "config.json").read_text())
+    cfg = models.config_from_hf(config)
+    assert cfg.model_type == "qwen3_5" and models.config_from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+    assert cfg.to_hf()["vision_config"] == config["vision_config"]
+
+
+def test_multimodal_lora_adapter_loads_in_peft_on_the_multimodal_class(multimodal, tmp_path):
+    """A LoRA adapter trained on the language model (attention, MLP and DeltaNet projections) has the keys
+    peft writes on transformers' multimodal class: `PeftModel.from_pretrained` on
+    `AutoModelForImageTextToText` loads it with our text logits."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+
+    ours = load_ours(multimodal)
+    cfg = LoRAConfig(r=4, alpha=8, targets=tuple(DELTANET_TARGETS.split(",")))
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    save_adapter(ours, tmp_path / "adapter", cfg)
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" in keys
+    ref = peft.PeftModel.from_pretrained(load_multimodal(multimodal), tmp_path / "adapter").eval()
+    ids, mask = batch(70, "none")
+    with torch.no_grad():
+        b = ref(input_ids=ids, attention_mask=mask).logits
+    a = ours.output_projection(hidden(ours.eval(), ids, mask))
+    assert rel(a, b) <= 1e-4
+    # tools/merge.py folds it in: the towers come back bit for bit, transformers loads the multimodal class
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("merge_tool", REPO / "tools" / "merge.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.merge(str(multimodal), str(tmp_path / "adapter"), str(tmp_path / "merged"), dtype="float32")
+    before, after = load_file(multimodal / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(after) == set(before)
+    assert all(torch.equal(after[k], before[k]) for k in before if k.startswith("model.visual."))
+    with torch.no_grad():
+        merged = load_multimodal(tmp_path / "merged")(input_ids=ids, attention_mask=mask).logits
+    assert rel(merged, a) <= 1e-4
+
+
+def test_dpo_shared_prompt_and_packed_sft_through_the_cli(cli_model, tmp_path, capsys):
+    """DPO's shared-prompt rows ([prompt, chosen, rejected], the prompt seen by both answers) run each
+    answer after the prompt: step 1's metrics equal those of `[chosen; rejected]` rows. SFT with
+    `packing=true` (documents restart the state) trains with the padded run's first-step loss."""
+    from _tok import corpus
+    from test_families_cli import run
+
+    lines = corpus(40, seed=3)
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": lines[i], "chosen": " " + lines[i + 10],
+                                         "rejected": " " + lines[i + 20]}) + "\n" for i in range(8)))
+    two = run(capsys, "dpo_mistral.py", cli_model, prefs, tmp_path / "two")
+    shared = run(capsys, "dpo_mistral.py", cli_model, prefs, tmp_path / "shared", shared_prompt="true")
+    keys = [k for k in two[0] if k in ("loss", "grad_norm") or k.startswith(("logps/", "rewards/"))]
+    assert "logps/chosen" in keys and "grad_norm" in keys
+    for key in keys:
+        assert shared[0][key] == pytest.approx(two[0][key], rel=1e-4, abs=1e-6), key
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                           for i in range(8)))
+    padded = run(capsys, "sft_llama.py", cli_model, sft, tmp_path / "padded")
+    packed = run(capsys, "sft_llama.py", cli_model, sft, tmp_path / "packed", packing="true")
+    assert packed[0]["loss"] == pytest.approx(padded[0]["loss"], rel=1e-4)
+
+
+def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, tmp_path, capsys):
+    """`finetune=full` through the CLI on the multimodal folder: the written folder holds every vision
+    tower tensor bit-identical to the input, a trained language model, and loads in transformers as
+    the multimodal class with our text logits."""
+    from _tok import corpus, make_bpe_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(multimodal, model)
+    make_bpe_tokenizer(model)
+    lines = corpus(20, seed=3)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                            for i in range(8)))
+    from minitrain.cli import run_cli
+
+    keys = {"model": model, "data": data, "eval_data": "", "out": tmp_path / "out", "max_steps": 2, "batch_size": 2,
+            "max_len": 64, "finetune": "full", "lr": 1e-3}
+    assert run_cli([str(REPO / "recipes" / "sft_llama.py")] + [f"{k}={v}" for k, v in keys.items()]) == 0, \
+        capsys.readouterr().err
+    written = next(p.parent for p in (tmp_path / "out").rglob("model.safetensors"))
+    before, after = load_file(model / "model.safetensors"), load_file(written / "model.safetensors")
+    assert set(after) == set(before)
+    towers = [k for k in before if k.startswith("model.visual.")]
+    assert towers and all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in towers)
+    assert not torch.equal(after["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+                           before["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])
+    ids, mask = batch(40, "none")
+    with torch.no_grad():
+        b = load_multimodal(written)(input_ids=ids, attention_mask=mask).logits
+    ours = load_ours(written)
+    assert rel(ours.output_projection(hidden(ours, ids, mask)), b) <= 1e-4
+
+
+def test_activation_checkpointing_gives_the_same_gradients(folder):
+    """The engine's per-block non-reentrant checkpointing (`enable_checkpointing`) recomputes each
+    block, DeltaNet layers included, on a padded batch: the same gradients as without it."""
+    from minitrain.train import enable_checkpointing
+
+    ids, mask = batch(70, "left", n_pad=11)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for setting in (False, True):
+        model = load_ours(folder, 16).train()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        if setting:
+            assert enable_checkpointing(model, True) == 4
+        logits = model.output_projection(model(ids, mask))
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[0].items():
+        assert torch.allclose(grads[1][n], g, rtol=1e-5, atol=1e-7), n
+
+
+def test_grpo_through_the_cli(cli_model, tmp_path, capsys, monkeypatch):
+    """`recipes/grpo_qwen.py` on the demo's prompts: the sampler decodes through the hybrid cache (prompts
+    prefilled once, repeated G times) and the log-probabilities run on GRPO's shared-prompt rows; two
+    steps with finite losses."""
+    from minitrain.cli import run_cli
+    from models.qwen3_5 import Qwen3_5Model
+
+    shared = []
+    real = Qwen3_5Model._forward_block_mask
+
+    def spy(self, x, mask, position_ids, document_ids, *rest, **kw):
+        shared.append(document_ids is not None and bool((document_ids == 0).any()))
+        return real(self, x, mask, position_ids, document_ids, *rest, **kw)
+
+    monkeypatch.setattr(Qwen3_5Model, "_forward_block_mask", spy)
+    demo = REPO / "demo" / "grpo"
+    args = [f"model={cli_model}", f"data={demo / 'train.jsonl'}", f"out={tmp_path / 'out'}", "max_steps=2",
+            "batch_size=2", "num_generations=4", "max_completion_length=8", "max_len=48", "lora_r=4", "lora_alpha=8",
+            "grad_accum=1", "eval_data=", "log_every=1"]
+    assert run_cli([str(REPO / "recipes" / "grpo_qwen.py"), *args]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and all(abs(x) < 1e6 for x in losses)
+    assert any(shared)  # the group layout ran (a prompt shared by its completions)
+
+
+def test_compiled_blocks_give_the_same_gradients(folder):
+    """`compile=true` (`compile_blocks`, here with dynamo's eager backend): the DeltaNet layers' scan runs
+    outside the graph (a loop over chunks), the rest of each block inside; the same loss and gradients."""
+    from minitrain.train import compile_blocks
+
+    ids, mask = batch(70, "right", n_pad=11)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for compiled in (False, True):
+        model = load_ours(folder, 16).train()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        if compiled:
+            compile_blocks(model, backend="eager")
+        logits = model.output_projection(model(ids, mask))
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[0].items():
+        assert torch.allclose(grads[1][n], g, rtol=1e-5, atol=1e-7), n

@@ -10,7 +10,7 @@ left-padded row equals the row without its padding, rows with a shared prefix eq
 alone; the chunked rule equals transformers' token-by-token recurrence restarted at each sequence.
 Through the engine: LoRA SFT, DPO (shared prompt), packed SFT, GRPO and full fine-tuning from the CLI,
 activation checkpointing and compiled blocks; the multimodal checkpoint's language model (logits, peft
-on the multimodal class, tools/merge.py and full fine-tuning writing the towers back bit for bit).
+on the multimodal class, minitrain merge and full fine-tuning writing the towers back bit for bit).
 `initializer_range=0.15` makes the DeltaNet layers matter without fp32 rounding reaching 1e-4 (measured:
 logits 6e-5 at worst, gradients 5.5e-5; a one-token state leak across a boundary: 0.77).
 """
@@ -431,12 +431,9 @@ def test_multimodal_lora_adapter_loads_in_peft_on_the_multimodal_class(multimoda
         b = ref(input_ids=ids, attention_mask=mask).logits
     a = ours.output_projection(hidden(ours.eval(), ids, mask))
     assert rel(a, b) <= 1e-4
-    # tools/merge.py folds it in: the towers come back bit for bit, transformers loads the multimodal class
-    import importlib.util
+    # minitrain merge folds it in: the towers come back bit for bit, transformers loads the multimodal class
+    from minitrain.commands import merge as tool
 
-    spec = importlib.util.spec_from_file_location("merge_tool", REPO / "tools" / "merge.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     tool.merge(str(multimodal), str(tmp_path / "adapter"), str(tmp_path / "merged"), dtype="float32")
     before, after = load_file(multimodal / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
     assert set(after) == set(before)

@@ -310,13 +310,14 @@ def chunked_token_logprobs(
     chunk = chunk or default_chunk(head, hidden.device)
     head = distributed.gathered_call(head)  # (sharded: gathered once here; the chunks below are each rank's own)
     pieces = []
-    for start in range(0, h.shape[0], chunk):
+    # (sharded: one chunk even without targets, so that the gathered weight's backward, a collective, runs here too)
+    for start in range(0, max(h.shape[0], int(sharded)), chunk):
         h_c, y_c = h[start : start + chunk], y[start : start + chunk]  # (c, D), (c,)
         if track:  # keep only h_c and the (c,) result; recompute the (c, V) logits in backward
             pieces.append(checkpoint(_label_logprob, head, h_c, y_c, use_reentrant=False))
         else:
             pieces.append(_label_logprob(head, h_c, y_c))
-    picked = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)  # (n,)
+    picked = torch.cat(pieces)  # (n,)
     return out.to(picked.dtype).index_put((keep,), picked).reshape(labels.shape)
 
 

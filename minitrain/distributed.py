@@ -437,7 +437,7 @@ def gather_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     padded = t.new_zeros((m, *t.shape[1:]))
     padded[: t.shape[0]] = t
     out = t.new_empty((world_size() * m, *t.shape[1:]))
-    dist.all_gather_into_tensor(out, padded)
+    dist.all_gather_single(out, padded)
     return out, m
 
 

@@ -259,7 +259,7 @@ def prepare(model: nn.Module, device: torch.device, log: Callable[[str], None]) 
     blocks = shard(model, device)
     vocab = [n for n, m in model.named_modules() if m in vocab_modules(model)]
     log(f"FSDP2: fully_shard on {blocks} blocks and the root" + (f"; {' and '.join(vocab)} sharded by rows of the "
-        f"vocabulary, never gathered" if vocab else "") + f", over {distributed.world_size()} ranks")
+        f"vocabulary (each rank computes with its own rows)" if vocab else "") + f", over {distributed.world_size()} ranks")
     if load is None:
         return
     model.to_empty(device=device)

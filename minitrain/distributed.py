@@ -18,7 +18,8 @@ the whole batch, up to float summation order):
   gradient all-reduce per optimizer step rather than per micro-batch, and no 1/world averaging
   to undo, since the loss is a sum normalised by the global target count (docs/design.md rule 2).
 - `fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `model.block_types`,
-  then on the root (`minitrain.fsdp`). Parameters, gradients and optimizer state are sharded;
+  then on the root; the embeddings and the head cut by rows of the vocabulary beside it, computed
+  with by rows (`minitrain.fsdp`). Parameters, gradients and optimizer state are sharded;
   gradients are reduce-scattered as sums (divide factor 1) and divided by the same global count.
   For full fine-tuning or bases too big for one device. The model is built on meta and each rank
   reads only its rows of each weight; it stays sharded to the end, where what is saved is

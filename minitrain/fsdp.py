@@ -10,7 +10,9 @@ The path of a sharded run, as torch's own FSDP2 is meant to be used:
 2. Adapters are attached on meta as usual; the few tensors they draw at random (LoRA's A) are made
    real right there, from the run's seed, so every rank holds the same values one process would.
 3. `prepare` (from `run.prepare_out_dir` before the audit, or from `train`): `fully_shard` each block
-   of `model.block_types`, then the root (`shard`); allocate each rank's shards (`to_empty`); each
+   of `model.block_types`, then the root (`shard`), the embeddings and the head cut by rows of the
+   vocabulary beside FSDP2 and never gathered for a frozen head (`shard_vocab`: a rank of N would
+   otherwise hold them whole through every step); allocate each rank's shards (`to_empty`); each
    rank reads only the rows of dim 0 it owns from the safetensors files (FSDP2 shards dim 0 in
    `ceil(rows / N)` chunks, as `torch.chunk` does), straight into its shard. A whole tensor exists
    only for what was real before sharding (the adapters) and for `modules_to_save`'s frozen copies.

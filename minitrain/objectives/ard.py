@@ -106,8 +106,8 @@ def uncertainty_eval(model: nn.Module, examples: Sequence[dict], collate: Callab
     device = next(model.parameters()).device
     sums = torch.zeros(bins, 3, dtype=torch.float64, device=device)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
-    chunk = chunk or default_chunk(model.output_projection, device)
-    head = distributed.gathered_call(model.output_projection)  # (parallel=fsdp: gathered once, on every rank)
+    head = model.output_projection
+    chunk = chunk or default_chunk(head, device)
     try:
         for g in layers:
             g.sample = samples > 0

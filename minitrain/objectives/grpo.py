@@ -219,9 +219,8 @@ def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
             h = hidden.detach().reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (n, D)
             flat = torch.zeros(completion_mask.numel(), dtype=torch.float32, device=hidden.device)
             chunk = default_chunk(model.output_projection, hidden.device)
-            project = distributed.gathered_call(head)  # (parallel=fsdp: gathered once; the chunks are this rank's)
             for i in range(0, h.shape[0], chunk):  # (chunk, V) logits at a time
-                logp = torch.log_softmax(project(h[i : i + chunk]).float(), dim=-1)
+                logp = torch.log_softmax(head(h[i : i + chunk]).float(), dim=-1)
                 flat[keep[i : i + chunk]] = -(logp.exp() * logp).sum(-1)
             ent = flat.view(completion_mask.shape)
     return logps, ent

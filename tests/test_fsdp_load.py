@@ -80,6 +80,11 @@ def sharded_load_worker(rank: int, folder: str, out: str) -> None:
             fsdp.save_model(out / "saved", dict(model.named_parameters()), model.hf_config,
                             side_files=lambda tmp: None, dtype=torch.float32, max_shard_bytes=60_000)
             vocab_parallel_worker(model, rank, out)
+        else:  # bf16 weights: the frozen head's low-precision path (whole blocks of this rank's columns)
+            from safetensors.torch import save_file
+
+            loss, hgrad = logits_loss(model, *rank_batch(rank), frozen=True)
+            save_file({"loss": loss, "hgrad": hgrad.contiguous()}, out / f"vocab{rank}-bf16.safetensors")
 
 
 def rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +160,11 @@ def test_each_rank_reads_its_rows_and_the_shards_make_the_whole_model(split_chec
         loss, hgrad = logits_loss(whole, *rank_batch(r), frozen=True)
         assert torch.allclose(got[r]["loss"], loss, atol=1e-5) and torch.allclose(got[r]["hgrad"], hgrad, atol=1e-6)
     assert float(got[1]["loss"]) == 0.0 and float(got[0]["loss"]) > 1.0  # rank 1 had no target, and took part
+    low = load_pretrained(split_checkpoint, build, dtype=torch.bfloat16)
+    for r in (0, 1):  # bf16: the same products, rounded where one process rounds them
+        loss, hgrad = logits_loss(low, *rank_batch(r), frozen=True)
+        bf16 = load_file(tmp_path / f"vocab{r}-bf16.safetensors")
+        assert torch.allclose(bf16["loss"], loss, rtol=1e-3) and torch.allclose(bf16["hgrad"], hgrad, atol=1e-3)
     whole.output_projection.weight.requires_grad_(True)
     trained = [logits_loss(whole, *rank_batch(r), frozen=False) for r in (0, 1)]
     assert all(torch.allclose(g["trained_loss"], t[0], atol=1e-5) for g, t in zip(got, trained))

@@ -260,8 +260,8 @@ def prepare(model: nn.Module, device: torch.device, log: Callable[[str], None]) 
                 module._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     blocks = shard(model, device)
     vocab = [n for n, m in model.named_modules() if m in vocab_modules(model)]
-    log(f"FSDP2: fully_shard on {blocks} blocks and the root" + (f"; {' and '.join(vocab)} sharded by rows of the "
-        f"vocabulary (each rank computes with its own rows)" if vocab else "") + f", over {distributed.world_size()} ranks")
+    rows = f"; {' and '.join(vocab)} cut by rows of the vocabulary (each rank computes with its own)" if vocab else ""
+    log(f"FSDP2: fully_shard on {blocks} blocks and the root{rows}, over {distributed.world_size()} ranks")
     if load is None:
         return
     model.to_empty(device=device)

@@ -91,8 +91,9 @@ def rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each rank's own (ids, labels): rank 0 2 x 5 tokens, rank 1 1 x 3 with no target at all."""
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, 257, (2, 5) if rank == 0 else (1, 3), generator=g)
-    labels = torch.where(torch.rand(ids.shape, generator=g) < 0.8, ids, -100) if rank == 0 else torch.full_like(ids, -100)
-    return ids, labels
+    if rank == 1:
+        return ids, torch.full_like(ids, -100)
+    return ids, torch.where(torch.rand(ids.shape, generator=g) < 0.8, ids, -100)
 
 
 def logits_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, frozen: bool) -> tuple:
@@ -106,7 +107,9 @@ def logits_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
     if loss.requires_grad:  # (one process, no target: nothing to differentiate; a rank of a sharded head always is)
         loss.backward()
     grad = hidden.grad if frozen else model.output_projection.weight.grad
-    return loss.detach(), torch.zeros_like(hidden if frozen else model.output_projection.weight) if grad is None else grad
+    if grad is None:
+        grad = torch.zeros_like(hidden if frozen else model.output_projection.weight)
+    return loss.detach(), grad
 
 
 def vocab_parallel_worker(model: torch.nn.Module, rank: int, out: Path) -> None:

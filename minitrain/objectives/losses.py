@@ -261,8 +261,9 @@ def _sharded_frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: t
     every_y, _ = distributed.gather_rows(labels)  # (N * m,); padding rows score label 0, dropped below
     every_g = None if grad is None else torch.empty_like(every_h)
     local, start = distributed.local_rows(weight)
-    out = frozen_head_logprobs(every_h, local, None if bias is None else distributed.local_rows(bias)[0], every_y,
-                               chunk, every_g, tile, offset=start, vocab=weight.shape[0], reduce=distributed.all_reduce_)
+    bias = None if bias is None else distributed.local_rows(bias)[0]
+    out = frozen_head_logprobs(every_h, local, bias, every_y, chunk, every_g, tile, offset=start, vocab=weight.shape[0],
+                               reduce=distributed.all_reduce_)
     mine = slice(distributed.rank() * m, distributed.rank() * m + h.shape[0])
     if grad is not None:
         grad.copy_(distributed.all_reduce_(every_g)[mine])

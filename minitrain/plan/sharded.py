@@ -11,7 +11,8 @@ buckets of about `minitrain.distributed.BUCKET_BYTES` (a bucket closes once it r
 to one tensor more): one bucket's `torch.cat` copy is alive beside the gradients.
 
 fsdp (`minitrain.fsdp.shard`: `fully_shard` on each block of `model.block_types`, then
-on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2, read off `torch/distributed/fsdp/_fully_shard/`):
+on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2, read off
+`torch/distributed/fsdp/_fully_shard/`):
 
 - persistent, 1/N: FSDP2 shards dim 0 of every parameter, padded to a multiple of N, so a rank
   holds ceil(rows / N) rows of each (a norm of D values: ceil(D / N)); frozen base weights and
@@ -258,9 +259,11 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
                  "+ gloo's flat copy of it" if gloo else "")]
     if root_grads:  # the root's reduce-scatter, after every block's (its parameters resharded first)
         whole = _sum(root_grads, "padded", N)
-        block_shards = _sum(block_grads, "shard", N) * L + _sum([_grad(t, run) for t in outside if t.trainable], "shard", N)
+        vocab_shards = _sum([_grad(t, run) for t in outside if t.trainable], "shard", N)
+        block_shards = _sum(block_grads, "shard", N) * L + vocab_shards
         moments["end of backward (FSDP: the root's reduce-scatter)"] = [
-            Term("gradients: the blocks' 1/N shards", block_shards, f"{L} blocks" + (" + embeddings, head" if outside else "")),
+            Term("gradients: the blocks' 1/N shards", block_shards,
+                 f"{L} blocks" + (" + embeddings, head" if outside else "")),
             Term("gradients: the root's, whole", whole, "embeddings, head, final norm (fp32)"),
             Term("FSDP: reduce-scatter input + output", whole + whole // N, "the root's gradients, copied + 1/N")]
     peak = max(moments, key=lambda k: sum(t.bytes for t in moments[k]))
@@ -287,7 +290,8 @@ def _vocab_terms(model: ModelShape, run: RunShape, local: Plan, outside: list[Te
     fwd = local.moments.get("end of forward (loss forward)", [])
     per_token = model.hidden_size * run.s
     n = next((t.bytes // per_token for t in fwd if t.name == "loss: gathered target rows"), 0)
-    head = [t for t in outside if t.name.endswith("lm_head") or (t.name == "embed_tokens" and model.tie_word_embeddings)]
+    tied = model.tie_word_embeddings
+    head = [t for t in outside if t.name.endswith("lm_head") or (t.name == "embed_tokens" and tied)]
     trained = [t for t in head if t.trainable]
     if trained:
         whole = Term("head gathered whole (trained: for the loss)", sum(t.bytes for t in trained),

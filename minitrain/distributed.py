@@ -18,7 +18,8 @@ the whole batch, up to float summation order):
   gradient all-reduce per optimizer step rather than per micro-batch, and no 1/world averaging
   to undo, since the loss is a sum normalised by the global target count (docs/design.md rule 2).
 - `fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `model.block_types`,
-  then on the root (`minitrain.fsdp`). Parameters, gradients and optimizer state are sharded;
+  then on the root; the embeddings and the head cut by rows of the vocabulary beside it, computed
+  with by rows (`minitrain.fsdp`). Parameters, gradients and optimizer state are sharded;
   gradients are reduce-scattered as sums (divide factor 1) and divided by the same global count.
   For full fine-tuning or bases too big for one device. The model is built on meta and each rank
   reads only its rows of each weight; it stays sharded to the end, where what is saved is
@@ -418,3 +419,52 @@ def like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of a tensor sharded on dim 0 (a DTensor), the first row's index in the whole)."""
+    chunk = -(-t.shape[0] // world_size())
+    return t.to_local(), min(rank() * chunk, t.shape[0])
+
+
+def gather_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every rank's `t` (n_r, ...) in rank order, each padded with zeros to the largest n_r = m:
+    ((N * m, ...), m); rank r's rows are [r * m, r * m + n_r). Two collectives."""
+    _collective("gather_rows")
+    n = torch.tensor([t.shape[0]], device=t.device)
+    sizes = [torch.empty_like(n) for _ in range(world_size())]
+    dist.all_gather(sizes, n)
+    m = max(int(s) for s in sizes)
+    padded = t.new_zeros((m, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    out = t.new_empty((world_size() * m, *t.shape[1:]))
+    dist.all_gather_single(out, padded)
+    return out, m
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`t` summed (or its max taken, op="max") over ranks, in place; returned."""
+    _collective("all_reduce")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """The whole of `t` (itself if not sharded): gathered on every rank, a collective. Its gradient
+    (each rank's, from its own rows of data) is summed over ranks into this rank's shard, as FSDP2's
+    reduce-scatter does (`Partial`)."""
+    if not is_sharded(t):
+        return t
+    from torch.distributed.tensor import Partial
+
+    return t.full_tensor(grad_placements=[Partial()]) if t.requires_grad else t.full_tensor()
+
+
+def gathered_call(module: Any) -> Callable[..., Any]:
+    """`module`'s forward with its sharded parameters gathered once, here (every rank calls this: a
+    collective), and used by every later call, which makes none: for a loop of calls whose length
+    differs between ranks (chunks of each rank's own targets). `module` itself when nothing is sharded."""
+    whole = {n: gathered(p) for n, p in module.named_parameters() if is_sharded(p)}
+    if not whole:
+        return module
+    return lambda *args: torch.func.functional_call(module, whole, args)

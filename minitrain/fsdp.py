@@ -10,7 +10,9 @@ The path of a sharded run, as torch's own FSDP2 is meant to be used:
 2. Adapters are attached on meta as usual; the few tensors they draw at random (LoRA's A) are made
    real right there, from the run's seed, so every rank holds the same values one process would.
 3. `prepare` (from `run.prepare_out_dir` before the audit, or from `train`): `fully_shard` each block
-   of `model.block_types`, then the root (`shard`); allocate each rank's shards (`to_empty`); each
+   of `model.block_types`, then the root (`shard`), the embeddings and the head cut by rows of the
+   vocabulary beside FSDP2 and never gathered for a frozen head (`shard_vocab`: a rank of N would
+   otherwise hold them whole through every step); allocate each rank's shards (`to_empty`); each
    rank reads only the rows of dim 0 it owns from the safetensors files (FSDP2 shards dim 0 in
    `ceil(rows / N)` chunks, as `torch.chunk` does), straight into its shard. A whole tensor exists
    only for what was real before sharding (the adapters) and for `modules_to_save`'s frozen copies.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -135,7 +138,9 @@ def reshard(model: nn.Module) -> None:
 
 
 def shard(model: nn.Module, device: torch.device) -> int:
-    """`fully_shard` each block of `model.block_types`, then the root; returns the block count."""
+    """`fully_shard` each block of `model.block_types`, then the root; the embeddings and the head
+    (`vocab_modules`) are sharded by rows of the vocabulary outside FSDP2 (`shard_vocab`). Returns the
+    block count."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -147,11 +152,97 @@ def shard(model: nn.Module, device: torch.device) -> int:
               and not any(id(p) in outside for p in m.parameters())]
     for m in blocks:
         fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, ignored_params=shard_vocab(model, mesh))
     for m in [*blocks, model]:  # (per FSDP module: these setters do not recurse)
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return len(blocks)
+
+
+# ----------------------------------------------------------------------------- the vocabulary's tensors
+
+
+def vocab_modules(model: nn.Module) -> list[nn.Module]:
+    """The input embedding and the output head that `shard_vocab` shards: a plain `nn.Embedding` (no
+    padding_idx, no max_norm) and a plain `nn.Linear` head (a LoRA-wrapped or soft-capped one stays
+    with FSDP2's root); a tied pair only when both are plain (the shared weight is sharded once)."""
+    emb, head = getattr(model, "input_embeddings", None), getattr(model, "output_projection", None)
+    plain_emb = type(emb) is nn.Embedding and emb.padding_idx is None and emb.max_norm is None
+    plain_head = type(head) is nn.Linear
+    if plain_emb and plain_head and head.weight is emb.weight:
+        return [emb, head]
+    tied = isinstance(head, nn.Module) and isinstance(emb, nn.Module) and any(
+        p is q for p in head.parameters() for q in emb.parameters())
+    return [] if tied else [m for m, ok in ((emb, plain_emb), (head, plain_head)) if ok]
+
+
+def shard_vocab(model: nn.Module, mesh: Any) -> set[nn.Parameter]:
+    """Cut the parameters of `vocab_modules` by rows (dim 0: the vocabulary) into DTensors of FSDP2's
+    layout (`Shard(0)`, `torch.chunk`'s rows), and make the modules compute with the rows each rank
+    holds, so that no rank ever holds these tensors whole (FSDP2 would gather each whole on every rank
+    for each use: at 50k x 1024 in fp32, 195 MiB each, plus gloo's copy). Returns the new parameters
+    (FSDP2's `ignored_params`: they are not FSDP2's).
+
+    - the embedding (`_VocabEmbedding`): every rank looks up the ids of every rank in its rows, and
+      the sums give each rank its own rows' embeddings; a trained one gets, on its rows, the
+      gradient of every rank's ids.
+    - the head: `minitrain.objectives.losses` computes a frozen head's log-probabilities over each
+      rank's columns of the vocabulary (`frozen_head_logprobs`, `reduce=`); called as a module (a
+      trained head, sampling) it gathers its weight for that call (`distributed.gathered`: the
+      gradient summed over ranks into each rank's rows, as FSDP2 reduce-scatters), and a loop of calls
+      of each rank's own length takes it gathered once (`distributed.gathered_call`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    made: dict[int, nn.Parameter] = {}
+    for m in vocab_modules(model):
+        for name, p in list(m.named_parameters(recurse=False)):
+            if id(p) not in made:
+                start, stop = _rows(p.shape[0], None)
+                local = p.detach()[start:stop].clone()  # (a copy: the whole tensor is freed)
+                made[id(p)] = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                              shape=p.shape, stride=p.stride()),
+                                           requires_grad=p.requires_grad)
+            m._parameters[name] = made[id(p)]
+        m.forward = types.MethodType(_embedding_forward if isinstance(m, nn.Embedding) else _head_forward, m)
+    return set(made.values())
+
+
+def _embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    local, start = distributed.local_rows(self.weight)
+    return _VocabEmbedding.apply(ids, local, start)
+
+
+def _head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    bias = None if self.bias is None else distributed.gathered(self.bias)
+    return nn.functional.linear(x, distributed.gathered(self.weight), bias)
+
+
+class _VocabEmbedding(torch.autograd.Function):
+    """Embeddings of this rank's ids (..., D) from each rank's rows of the table: the ids of every
+    rank gathered, each rank fills the ones in its rows, the sums (one all-reduce of every rank's
+    rows, N x this micro-batch's embeddings) hold each id once. Backward: every rank's gradient rows
+    gathered, each rank adds those of its ids into its rows."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, local: torch.Tensor, start: int) -> torch.Tensor:
+        flat, m = distributed.gather_rows(ids.reshape(-1))  # (N * m,)
+        rel = flat - start
+        hit = ((rel >= 0) & (rel < local.shape[0])).nonzero().squeeze(1)
+        out = local.new_zeros(flat.shape[0], local.shape[1])  # (N * m, D)
+        out[hit] = local[rel[hit]]
+        distributed.all_reduce_(out)
+        r = distributed.rank()
+        ctx.save_for_backward(hit, rel[hit])
+        ctx.shape = local.shape
+        return out[r * m : r * m + ids.numel()].clone().view(*ids.shape, local.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hit, rows = ctx.saved_tensors
+        every, _ = distributed.gather_rows(grad.reshape(-1, grad.shape[-1]).contiguous())  # (N * m, D)
+        out = every.new_zeros(ctx.shape)
+        out.index_add_(0, rows, every[hit])
+        return None, out, None
 
 
 def prepare(model: nn.Module, device: torch.device, log: Callable[[str], None]) -> None:
@@ -168,7 +259,9 @@ def prepare(model: nn.Module, device: torch.device, log: Callable[[str], None]) 
                 module = model.get_submodule(owner)
                 module._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     blocks = shard(model, device)
-    log(f"FSDP2: fully_shard on {blocks} blocks and the root, over {distributed.world_size()} ranks")
+    vocab = [n for n, m in model.named_modules() if m in vocab_modules(model)]
+    rows = f"; {' and '.join(vocab)} cut by rows of the vocabulary (each rank computes with its own)" if vocab else ""
+    log(f"FSDP2: fully_shard on {blocks} blocks and the root{rows}, over {distributed.world_size()} ranks")
     if load is None:
         return
     model.to_empty(device=device)
@@ -254,14 +347,14 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
     return read
 
 
-def _rows(total: int, local: int) -> tuple[int, int]:
+def _rows(total: int, local: int | None) -> tuple[int, int]:
     """This rank's rows [start, stop) of dim 0 under FSDP2's Shard(0): chunks of ceil(total / N), as
     `torch.chunk` cuts them (the last ranks may hold fewer, or none)."""
     world, rank = distributed.world_size(), distributed.rank()
     chunk = -(-total // world)
     start = min(rank * chunk, total)
     stop = min(start + chunk, total)
-    if stop - start != local:  # FSDP2 cut it otherwise: our bug, never a wrong weight
+    if local is not None and stop - start != local:  # FSDP2 cut it otherwise: our bug, never a wrong weight
         raise RuntimeError(f"FSDP2 shard of {total} rows: rank {rank} holds {local}, expected {stop - start}")
     return start, stop
 

@@ -562,7 +562,7 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     block_types = (Qwen3_5DecoderLayer,)
     # the multi-token-prediction head (mtp.*): not part of the causal LM's forward, never read at load;
-    # a saved model (full fine-tuning, tools/merge.py) carries it over as it was
+    # a saved model (full fine-tuning, minitrain merge) carries it over as it was
     ignore_checkpoint_keys = carry_checkpoint_keys = (r"^mtp\.",)
 
     def __init__(self, config: Qwen3_5Config) -> None:
@@ -600,7 +600,7 @@ class LanguageModel(nn.Module):
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The language model of a multimodal Qwen3.5 checkpoint under the multimodal class's names
-    (`model.language_model.*`, `lm_head`). A save (full fine-tuning, tools/merge.py) writes the towers and
+    (`model.language_model.*`, `lm_head`). A save (full fine-tuning, minitrain merge) writes the towers and
     the `mtp.*` head back as they were read from the source folder (`carry_checkpoint_keys`)."""
 
     ignore_checkpoint_keys = carry_checkpoint_keys = (r"^mtp\.", r"^model\.visual\.")

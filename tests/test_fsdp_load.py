@@ -79,6 +79,60 @@ def sharded_load_worker(rank: int, folder: str, out: str) -> None:
         if dtype == torch.float32:  # the file-by-file save of the same shards
             fsdp.save_model(out / "saved", dict(model.named_parameters()), model.hf_config,
                             side_files=lambda tmp: None, dtype=torch.float32, max_shard_bytes=60_000)
+            vocab_parallel_worker(model, rank, out)
+        else:  # bf16 weights: the frozen head's low-precision path (whole blocks of this rank's columns)
+            from safetensors.torch import save_file
+
+            loss, hgrad = logits_loss(model, *rank_batch(rank), frozen=True)
+            save_file({"loss": loss, "hgrad": hgrad.contiguous()}, out / f"vocab{rank}-bf16.safetensors")
+
+
+def rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's own (ids, labels): rank 0 2 x 5 tokens, rank 1 1 x 3 with no target at all."""
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 257, (2, 5) if rank == 0 else (1, 3), generator=g)
+    if rank == 1:
+        return ids, torch.full_like(ids, -100)
+    return ids, torch.where(torch.rand(ids.shape, generator=g) < 0.8, ids, -100)
+
+
+def logits_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, frozen: bool) -> tuple:
+    """(loss sum, the gradient of the hidden states (frozen) or of the tied embedding / head (trained))."""
+    from minitrain.objectives.losses import chunked_cross_entropy_sum
+
+    hidden = model(ids)
+    if frozen:
+        hidden = hidden.detach().requires_grad_()
+    loss, _ = chunked_cross_entropy_sum(hidden, model.output_projection, labels, chunk=4)
+    if loss.requires_grad:  # (one process, no target: nothing to differentiate; a rank of a sharded head always is)
+        loss.backward()
+    grad = hidden.grad if frozen else model.output_projection.weight.grad
+    if grad is None:
+        grad = torch.zeros_like(hidden if frozen else model.output_projection.weight)
+    return loss.detach(), grad
+
+
+def vocab_parallel_worker(model: torch.nn.Module, rank: int, out: Path) -> None:
+    """The embeddings and the tied head stay this rank's rows through a forward (FSDP2 leaves its root
+    gathered after one: a root holding them would show the whole tensor here); the sharded lookup and
+    loss, frozen then trained, on each rank's own batch."""
+    from torch.distributed.tensor import DTensor
+
+    emb, head = model.get_submodule("model.embed_tokens"), model.output_projection
+    with torch.no_grad():
+        model(rank_batch(rank)[0])
+    rows = {n: [type(m.weight).__name__, m.weight.to_local().shape[0]] for n, m in (("embed", emb), ("head", head))}
+    (out / f"rows{rank}.json").write_text(json.dumps(rows))
+    ids, labels = rank_batch(rank)
+    loss, hgrad = logits_loss(model, ids, labels, frozen=True)
+    head.weight.requires_grad_(True)  # (the tied pair: the embedding's rows and the head's, one tensor)
+    trained_loss, wgrad = logits_loss(model, ids, labels, frozen=False)
+    assert isinstance(wgrad, DTensor)
+    wgrad = wgrad.full_tensor()
+    from safetensors.torch import save_file
+
+    save_file({"loss": loss, "hgrad": hgrad.contiguous(), "trained_loss": trained_loss, "wgrad": wgrad},
+              out / f"vocab{rank}.safetensors")
 
 
 def test_each_rank_reads_its_rows_and_the_shards_make_the_whole_model(split_checkpoint, tmp_path):
@@ -97,6 +151,28 @@ def test_each_rank_reads_its_rows_and_the_shards_make_the_whole_model(split_chec
         held = [int((tmp_path / f"held{r}-{dtype}.txt").read_text()) for r in (0, 1)]
         whole = sum(t.numel() * t.element_size() for k, t in want.items() if k != "lm_head.weight")
         assert all(h < 0.6 * whole for h in held) and sum(held) >= whole  # each rank holds its half (+ padding)
+
+    # the embeddings and the tied head: each rank's rows after a forward, and the sharded lookup and loss
+    # equal one process's, per rank (frozen: loss, hidden-state gradients) and summed (trained: the weight's)
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"rows{r}.json").read_text()) == {"embed": ["DTensor", 129 - r],
+                                                                          "head": ["DTensor", 129 - r]}
+    whole = load_pretrained(split_checkpoint, build, dtype=torch.float32)
+    got = [load_file(tmp_path / f"vocab{r}.safetensors") for r in (0, 1)]
+    for r in (0, 1):
+        loss, hgrad = logits_loss(whole, *rank_batch(r), frozen=True)
+        assert torch.allclose(got[r]["loss"], loss, atol=1e-5) and torch.allclose(got[r]["hgrad"], hgrad, atol=1e-6)
+    assert float(got[1]["loss"]) == 0.0 and float(got[0]["loss"]) > 1.0  # rank 1 had no target, and took part
+    low = load_pretrained(split_checkpoint, build, dtype=torch.bfloat16)
+    for r in (0, 1):  # bf16: the same products, rounded where one process rounds them
+        loss, hgrad = logits_loss(low, *rank_batch(r), frozen=True)
+        bf16 = load_file(tmp_path / f"vocab{r}-bf16.safetensors")
+        assert torch.allclose(bf16["loss"], loss, rtol=1e-3) and torch.allclose(bf16["hgrad"], hgrad, atol=1e-3)
+    whole.output_projection.weight.requires_grad_(True)
+    trained = [logits_loss(whole, *rank_batch(r), frozen=False) for r in (0, 1)]
+    assert all(torch.allclose(g["trained_loss"], t[0], atol=1e-5) for g, t in zip(got, trained))
+    summed = whole.output_projection.weight.grad  # both batches' backward accumulated (as FSDP2's reduce-scatter sums)
+    assert float(summed.abs().max()) > 1e-3 and all(torch.allclose(g["wgrad"], summed, atol=1e-6) for g in got)
 
     # fsdp.save_model from the shards == save_pretrained from the whole model: files, index, tensors
     ref = tmp_path / "ref"

@@ -1,9 +1,10 @@
 """The memory plan of one rank (`minitrain plan --world N`) against each rank's measured peak, on the CPU.
 
-    python tools/plan_ranks.py [--ranks 1,2,4] [--modes full,lora] [--parallel fsdp] [--hidden 1024]
-                               [--layers 6] [--vocab 16000] [--seq 128] [--batch 4] [--write BENCHMARKS.md]
+    python tools/plan_ranks.py [--ranks 1,2,4] [--modes full,lora] [--parallel fsdp] [--family llama|qwen2]
+                               [--hidden 1024] [--ffn 2816] [--layers 6] [--heads 16] [--kv-heads 16]
+                               [--vocab 16000] [--seq 128] [--batch 4] [--write BENCHMARKS.md]
 
-Makes a random-weight LLaMA-shaped checkpoint once in a temporary folder (transformers'
+Makes a random-weight LLaMA-shaped (or Qwen2-shaped: q/k/v biases) checkpoint once in a temporary folder (transformers'
 `save_pretrained`, a word-level tokenizer, rows of plain text longer than `--seq`, so every row is
 `--seq` tokens and every position a target: the plan's worst case), then for each mode and world
 size N runs the real command under torchrun (gloo, one thread per rank):
@@ -139,10 +140,13 @@ def make_checkpoint(folder: Path, a: argparse.Namespace) -> dict:
     from bench import make_tokenizer
 
     hf = dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-              num_attention_heads=a.heads, num_key_value_heads=a.heads, max_position_embeddings=max(2048, a.seq),
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+              num_attention_heads=a.heads, num_key_value_heads=a.kv_heads or a.heads,
+              max_position_embeddings=max(2048, a.seq), tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf)).save_pretrained(folder / "model")
+    family = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+              "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[a.family]
+    family[0](family[1](**hf)).save_pretrained(folder / "model")
     words = make_tokenizer(folder / "model", a.vocab)
     rng = random.Random(0)
     with open(folder / "train.jsonl", "w") as f:
@@ -198,10 +202,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--modes", default="full,lora", help="full, lora, qlora (an nf4 base: needs bitsandbytes)")
     ap.add_argument("--parallel", default="fsdp", choices=["fsdp", "ddp"])
+    ap.add_argument("--family", default="llama", choices=["llama", "qwen2"])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=2816)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=0, help="key / value heads (0: --heads)")
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
@@ -239,25 +245,32 @@ def main(argv: list[str]) -> int:
 
 def render(a: argparse.Namespace, hf: dict, size: int, rows: list[dict], argv: list[str]) -> str:
     mib = 2**20
-    lines = [f"Command: `python tools/plan_ranks.py {shlex.join(argv)}` (random-weight LLaMA shape: hidden "
-             f"{a.hidden}, intermediate {a.ffn}, {a.layers} layers, vocab {a.vocab}; {size / mib:.0f} MiB of fp32 "
+    params = size // 4
+    lines = [f"Command: `python tools/plan_ranks.py {shlex.join(argv)}` (random-weight "
+             f"{ {'llama': 'LLaMA', 'qwen2': 'Qwen2'}[a.family]} shape: hidden {a.hidden}, intermediate {a.ffn}, "
+             f"{a.layers} layers, {a.heads} heads ({a.kv_heads or a.heads} key / value), vocab {a.vocab}, "
+             f"{params / 1e6:.0f}M parameters; {size / mib:.0f} MiB of fp32 "
              f"safetensors; parallel={a.parallel}, global micro-batch {a.batch} rows x {a.seq} tokens, "
              f"{a.steps} steps, fp32, gloo, one thread per rank). Measured: each rank's peak RSS of the training "
              f"phase above its RSS before loading, file-backed pages (the mapped checkpoint, code) left out; after "
              f"loading: the anonymous memory gained by the time the loop builds its optimizer. Planned: "
              f"`minitrain plan --device cpu --world N` (rank 0's share, the largest).", "",
-             "| run | ranks | rank | planned peak (rank 0) | measured peak | planned / measured | after loading | "
-             "planned peak moment |", "|---|---|---|---|---|---|---|---|"]
+             "| run | ranks | rank | planned peak (rank 0) | measured peak | planned / measured | measured / one "
+             "process | after loading | planned peak moment |", "|---|---|---|---|---|---|---|---|---|"]
+    one = {row["mode"]: row["ranks"][0] for row in rows if row["world"] == 1 and "failed" not in row["ranks"][0]}
     for row in rows:
         for r in row["ranks"]:
             mode = {"full": "full fine-tune", "lora": f"LoRA r={a.lora_r} (every linear)",
                     "qlora": f"QLoRA: nf4 base, LoRA r={a.lora_r}"}[row["mode"]]
             if "failed" in r:
                 lines.append(f"| {mode} | {row['world']} | - | {row['planned'] / mib:.1f} MiB | the run failed: "
-                             f"`{r['failed']}` | | | |")
+                             f"`{r['failed']}` | | | | |")
                 continue
+            ref = one.get(row["mode"])
+            vs = (f"{r['measured'] / ref['measured']:.2f}x (loaded {r['loaded'] / ref['loaded']:.2f}x)"
+                  if ref else "-")
             lines.append(f"| {mode} | {row['world']} | {r['rank']} | {row['planned'] / mib:.1f} MiB | "
-                         f"{r['measured'] / mib:.1f} MiB | {row['planned'] / r['measured']:.3f} | "
+                         f"{r['measured'] / mib:.1f} MiB | {row['planned'] / r['measured']:.3f} | {vs} | "
                          f"{r['loaded'] / mib:.1f} MiB | {row['moment']} |")
     return "\n".join(lines)
 

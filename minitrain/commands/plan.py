@@ -13,7 +13,8 @@ its smaller loss chunk, no CUDA context) unless `--device` says otherwise. The w
 every position a target (or `--targets` per micro-batch). `--all` also prints the other candidate
 peak moments. `--world N` plans one rank of N under torchrun (rank 0: its share of the batch), with
 the recipe's `parallel=` key (ddp: the whole model on every rank; fsdp: FSDP2's 1/N shards, the gathered
-root and blocks, the reduce-scatter buffers; `minitrain.plan.sharded`) unless `--parallel` says otherwise;
+blocks and root, the embeddings and head by rows, the reduce-scatter buffers; `minitrain.plan.sharded`)
+unless `--parallel` says otherwise;
 `--gpu-mem` is then one rank's device. Exit code: 0 fits (or no --gpu-mem), 1 does not fit, 2 bad input.
 """
 

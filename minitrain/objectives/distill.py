@@ -186,13 +186,14 @@ def chunked_kd_ce(student_hidden: torch.Tensor, student_head: nn.Module, teacher
     h_s = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, keep)  # (n, D)
     h_t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, keep).detach()  # (n, Dt)
     y = flat_y.index_select(0, keep)
+    chunk = chunk or default_chunk(student_head, h_s.device)
+    track = torch.is_grad_enabled() and (h_s.requires_grad or any(p.requires_grad for p in student_head.parameters()))
+    shared = _vocab_size(student_head)  # the teacher's extra ids (if any) are dropped; None: all
+    student_head = distributed.gathered_call(student_head)  # (parallel=fsdp: gathered once, on every rank)
     if keep.numel() == 0:
         zero = student_hidden.new_zeros(0, dtype=torch.float32)
         return zero, zero
-    chunk = chunk or default_chunk(student_head, h_s.device)
-    track = torch.is_grad_enabled() and (h_s.requires_grad or any(p.requires_grad for p in student_head.parameters()))
     ces, kds = [], []
-    shared = _vocab_size(student_head)  # the teacher's extra ids (if any) are dropped; None: all
     for start in range(0, h_s.shape[0], chunk):
         sl = slice(start, start + chunk)
         u_top = idx = None

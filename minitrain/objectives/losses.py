@@ -22,11 +22,14 @@ reduced in fp32 whatever the autocast dtype (rule 8).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from minitrain import distributed
 from minitrain.data.collate import IGNORE_INDEX
 
 
@@ -141,7 +144,8 @@ def frozen_head_block(n: int, vocab: int, device: torch.device | str, low: bool,
 
 def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                          chunk: int | None = None, grad: torch.Tensor | None = None,
-                         tile: int | None = None) -> torch.Tensor:
+                         tile: int | None = None, *, offset: int = 0, vocab: int | None = None,
+                         reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> torch.Tensor:
     """log p(label) under a frozen head for rows h (n, D), labels (n,) -> (n,) fp32 (at least).
 
     With `grad` (n, D) given, also writes `(onehot - softmax) @ W` into it (the rows' gradient).
@@ -153,14 +157,23 @@ def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     the same value to float rounding), and in fp32 the softmax is never normalised in the buffer:
     the gradient is `W[label] - (sum over blocks of exp(logits) @ W) / sum of exps`, the division
     on the (rows, D) product. So two passes over the logits besides the GEMMs: `exp` and the sums.
+
+    A head sharded by rows (`parallel=fsdp`, a DTensor: `minitrain.fsdp.shard_vocab`) goes to
+    `_sharded_frozen_head_logprobs`, which calls this with this rank's rows of `weight` (the columns
+    `offset` .. of a `vocab`-wide head) and `reduce`, the sum / max over ranks of each row's label
+    logit, sum of exps and max: every rank's rows are scored over this rank's columns, and `grad`
+    gets this rank's columns' share of each row's gradient (the caller sums them over ranks).
     """
+    if distributed.is_sharded(weight):
+        return _sharded_frozen_head_logprobs(h, weight, bias, labels, chunk, grad, tile)
     n, device = h.shape[0], h.device
     acc = torch.promote_types(h.dtype, torch.float32)
     cdt = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h.dtype
     low = cdt != acc
-    V = weight.shape[0]
-    rows, cols = frozen_head_block(n, V, device, low, chunk)
-    cols = min(V, tile or cols)
+    V = weight.shape[0]  # (this rank's columns of the vocabulary when sharded)
+    rows, cols = frozen_head_block(n, vocab or V, device, low, chunk)
+    rows = max(1, rows)  # (no rows at all: a rank of a sharded head whose ranks have no targets)
+    cols = max(1, min(V, tile or cols))
     if low and cols < V:
         raise ValueError("frozen_head_logprobs: a bf16 / fp16 head needs whole-vocabulary blocks (tile = None)")
     out = torch.empty(n, dtype=acc, device=device)
@@ -187,7 +200,7 @@ def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         """(label logits, sums of exps) of the rows, with `shift` subtracted first when given; in
         fp32 also the sum over blocks of exp(logits) @ W into g. The last block stays in `buf`."""
         m = hc.shape[0]
-        picked = torch.empty(m, dtype=acc, device=device)
+        picked = torch.zeros(m, dtype=acc, device=device)  # (a label in another rank's columns: 0 here)
         total = torch.zeros(m, dtype=acc, device=device)
         x = None
         for v0, x in blocks(hc):
@@ -201,33 +214,60 @@ def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                     torch.mm(x, w[: x.shape[1]], out=g)
                 else:
                     g.addmm_(x, w[v0 : v0 + x.shape[1]])
+        if reduce is not None:
+            reduce(picked, "sum")
+            reduce(total, "sum")
         return (picked if shift is None else picked - shift), total, x
 
     with torch.autocast(device.type, enabled=False):
         for start in range(0, n, rows):
-            y = labels[start : start + rows]
+            y = labels[start : start + rows] - offset  # (this rank's columns: 0 .. V - 1)
             hc = h[start : start + rows].to(cdt)
             g = None if grad is None else grad[start : start + y.shape[0]]  # (m, D)
             picked, total, x = exp_pass(hc, y, g, None)
             if not bool(((total >= EXP_SUM_MIN) & (total < float("inf"))).all()):  # redo it shifted
                 shift = torch.stack([x.amax(dim=1) for _, x in blocks(hc)]).amax(dim=0)
+                if reduce is not None:
+                    reduce(shift, "max")
                 picked, total, x = exp_pass(hc, y, g, shift)
             out[start : start + y.shape[0]] = picked - total.log()
             if g is None:
                 continue
+            mine = ((y >= 0) & (y < V)).nonzero().squeeze(1)  # the rows whose label is in these columns
             if not low:  # W[label] - (exp @ W) / sum: the division on (m, D), not (m, V)
-                g.div_(total[:, None]).neg_().add_(w[y])
+                g.div_(total[:, None]).neg_().index_add_(0, mine, w[y[mine]].to(g.dtype))
                 continue
             # a bf16 / fp16 GEMM over the one whole-vocabulary block: onehot - softmax made in fp32
             # first, so that the label's 1 - p is not left to a cancellation after the product's rounding
             x.mul_(total.reciprocal_().neg_()[:, None])
-            x.scatter_add_(1, y[:, None], torch.ones_like(x[:, :1]))
+            x[mine, y[mine]] += 1
             lo = low_buf[: x.numel()].view_as(x).copy_(x)
             if g.dtype == cdt:
                 torch.mm(lo, w, out=g)
             else:  # fp32 rows under bf16 autocast: the product in bf16, as autocast's matmul
                 g.copy_(lo @ w)
     return out
+
+
+def _sharded_frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                  labels: torch.Tensor, chunk: int | None, grad: torch.Tensor | None,
+                                  tile: int | None) -> torch.Tensor:
+    """`frozen_head_logprobs` for a head sharded by rows of the vocabulary: every rank's rows (h, labels,
+    gathered: N x this rank's, padded) scored over this rank's columns, the sums over ranks taken per
+    block of rows, then this rank's rows kept. The head is never gathered: the logits are made from
+    the rows each rank holds, and the gradient of each row is the sum of every rank's share (one
+    all-reduce of N x (n, D)). Every rank calls it (collectives), whatever its number of targets."""
+    every_h, m = distributed.gather_rows(h)  # (N * m, D)
+    every_y, _ = distributed.gather_rows(labels)  # (N * m,); padding rows score label 0, dropped below
+    every_g = None if grad is None else torch.empty_like(every_h)
+    local, start = distributed.local_rows(weight)
+    bias = None if bias is None else distributed.local_rows(bias)[0]
+    out = frozen_head_logprobs(every_h, local, bias, every_y, chunk, every_g, tile, offset=start, vocab=weight.shape[0],
+                               reduce=distributed.all_reduce_)
+    mine = slice(distributed.rank() * m, distributed.rank() * m + h.shape[0])
+    if grad is not None:
+        grad.copy_(distributed.all_reduce_(every_g)[mine])
+    return out[mine]
 
 
 def _is_frozen_linear(head: nn.Module) -> bool:
@@ -254,7 +294,8 @@ def chunked_token_logprobs(
     flat_y = labels.reshape(-1)  # (N,)
     keep = (flat_y != IGNORE_INDEX).nonzero().squeeze(1)  # (n,) target positions only
     out = torch.zeros(flat_y.shape, dtype=torch.float32, device=hidden.device)
-    if keep.numel() == 0:
+    sharded = any(distributed.is_sharded(p) for p in head.parameters())  # every rank takes part, targets or none
+    if keep.numel() == 0 and not sharded:
         return out.reshape(labels.shape)
     h = flat_h.index_select(0, keep)  # (n, D)
     y = flat_y.index_select(0, keep)  # (n,)
@@ -268,8 +309,10 @@ def chunked_token_logprobs(
             picked = frozen_head_logprobs(h, head.weight, head.bias, y, chunk)
         return out.to(picked.dtype).index_put((keep,), picked).reshape(labels.shape)
     chunk = chunk or default_chunk(head, hidden.device)
+    head = distributed.gathered_call(head)  # (sharded: gathered once here; the chunks below are each rank's own)
     pieces = []
-    for start in range(0, h.shape[0], chunk):
+    # (sharded: one chunk even without targets, so that the gathered weight's backward, a collective, runs here too)
+    for start in range(0, max(h.shape[0], int(sharded)), chunk):
         h_c, y_c = h[start : start + chunk], y[start : start + chunk]  # (c, D), (c,)
         if track:  # keep only h_c and the (c,) result; recompute the (c, V) logits in backward
             pieces.append(checkpoint(_label_logprob, head, h_c, y_c, use_reentrant=False))

@@ -11,7 +11,8 @@ buckets of about `minitrain.distributed.BUCKET_BYTES` (a bucket closes once it r
 to one tensor more): one bucket's `torch.cat` copy is alive beside the gradients.
 
 fsdp (`minitrain.fsdp.shard`: `fully_shard` on each block of `model.block_types`, then
-on the root; torch 2.13's FSDP2, read off `torch/distributed/fsdp/_fully_shard/`):
+on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2, read off
+`torch/distributed/fsdp/_fully_shard/`):
 
 - persistent, 1/N: FSDP2 shards dim 0 of every parameter, padded to a multiple of N, so a rank
   holds ceil(rows / N) rows of each (a norm of D values: ceil(D / N)); frozen base weights and
@@ -20,7 +21,16 @@ on the root; torch 2.13's FSDP2, read off `torch/distributed/fsdp/_fully_shard/`
   stored dequantized), int8 as (out, in) int8 + (out,) fp32 scales; sharded the same way.
   The sharded gradients (one flat reduce-scatter output per block, padded) and AdamW's two moments
   (zeros_like of rank 0's shard, ceil(rows / N) rows) follow the trained tensors.
-- gathered while computing: the root (embeddings, head, final norm: what no block holds) is
+- the embeddings and the head (`minitrain.fsdp.shard_vocab`, when both are plain: no LoRA on them, no
+  soft cap; `vocab_sharded`) are not FSDP2's: cut by rows of the vocabulary the same way (rank 0's
+  ceil(V / N) rows), never gathered while the head is frozen. The lookup gathers every rank's ids
+  and sums each rank's rows' part (N x the micro-batch's embeddings, a few MiB); the loss scores
+  every rank's target rows over this rank's columns (`_vocab_terms`: the other ranks' rows and
+  their gradients, a logits block of more rows). A trained head (full fine-tuning,
+  modules_to_save) is gathered whole for the loss, from its forward to the end of its backward,
+  and its whole gradient reduce-scattered there.
+- gathered while computing: the root (what no block holds: the final norm; the embeddings and the
+  head too when they are not sharded by rows) is
   all-gathered at the start of the forward and not resharded after it (FSDP2 keeps the root
   gathered, since the backward needs it at once) until the end of the backward; its all-gather
   output is kept until the first block's copy-out, so the root is there twice for a moment. A block is
@@ -33,9 +43,9 @@ on the root; torch 2.13's FSDP2, read off `torch/distributed/fsdp/_fully_shard/`
   its own and copies it into FSDP2's output: one block more while a block is gathered.
 - gradients: a block's gradients are made whole (unsharded, fp32) by autograd, then copied into a
   reduce-scatter input of the same size, whose output is this rank's 1/N; the input is kept until
-  the next block's reduce-scatter. The root's gradients (full fine-tuning: the head's from the
-  loss backward, the embeddings' at the very end) stay whole until the end of the backward, then
-  are reduce-scattered the same way.
+  the next block's reduce-scatter. The root's gradients stay whole until the end of the backward,
+  then are reduce-scattered the same way (full fine-tuning: the final norm's; the head's and the
+  embeddings' too when they are the root's; sharded by rows, the embeddings' are made 1/N).
 - the optimizer step updates the shards: AdamW's foreach temporaries are 1/N.
 
 Not modelled under fsdp: T5 (the plan covers the decoder-only families there), the reference
@@ -99,9 +109,20 @@ def local_run(run: RunShape) -> RunShape:
                    sample_rows=per_rank(run.sample_rows, N))
 
 
+def vocab_sharded(model: ModelShape, run: RunShape) -> bool:
+    """Whether `minitrain.fsdp.shard_vocab` takes the embeddings and the head out of FSDP2's root (cut by
+    rows of the vocabulary, never gathered for a frozen head): a plain embedding and a plain head (not
+    soft-capped, no LoRA on either); a tied pair shares its fate."""
+    from minitrain.plan.decoder import matches
+
+    adapted = lambda name: any(matches(name, t) for t in run.lora_targets) if not run.full else False  # noqa: E731
+    return getattr(model, "plain_head", True) and not adapted("lm_head") and not adapted("model.embed_tokens")
+
+
 def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[Tensor]]:
     """(the root's tensors, one block's tensors), as `fully_shard` groups them: each block holds its
-    linears (in the run's format), norms, biases and adapters; the root holds the rest."""
+    linears (in the run's format), norms, biases and adapters; the root holds the rest, the embeddings
+    and the head among them (`vocab`: which of the root's are those)."""
     from minitrain.plan.decoder import adapted_linears, matches
 
     full = run.full
@@ -140,7 +161,7 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[Ten
             block += [Tensor(name + ".lora_A", (r, i), a, True), Tensor(name + ".lora_B", (o, r), a, True)]
     root = [Tensor("embed_tokens", (V, D), s, full)]
     if not model.tie_word_embeddings:
-        root.append(Tensor("lm_head", (V, D), s, full))
+        root.append(Tensor("lm_head", (V, D), s, full))  # (names: `vocab` below)
     root.append(Tensor("norm", (D,), s, full))
     if not full:
         for m in run.modules_to_save:  # a trained copy beside the frozen one
@@ -149,6 +170,11 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[Ten
             elif matches("model.norm", m):
                 root.append(Tensor(m, (D,), a, True))
     return root, block
+
+
+def vocab(root: list[Tensor]) -> list[Tensor]:
+    """The root's matrices: the embeddings, the head and a trained copy of either (modules_to_save)."""
+    return [t for t in root if len(t.shape) == 2]
 
 
 def _sum(tensors: list[Tensor], how: str, world: int = 1) -> int:
@@ -167,12 +193,14 @@ def _grad(t: Tensor, run: RunShape) -> Tensor:
 def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     """Rank 0's plan under FSDP2 from `local`, the plan of one device computing rank 0's rows."""
     N, L = run.world, model.num_hidden_layers
-    root, block = parameters(model, run)
-    trained = [t for t in root + block * L if t.trainable]
+    every_root, block = parameters(model, run)
+    outside = vocab(every_root) if vocab_sharded(model, run) else []  # minitrain's, by rows: never gathered whole
+    root = [t for t in every_root if t not in outside]  # FSDP2's root
+    trained = [t for t in every_root + block * L if t.trainable]
     grads = [_grad(t, run) for t in trained]
     root_grads = [_grad(t, run) for t in root if t.trainable]
     block_grads = [_grad(t, run) for t in block if t.trainable]
-    base = [t for t in root + block * L if not t.trainable]
+    base = [t for t in every_root + block * L if not t.trainable]
     n_train = sum(t.numel for t in trained)
     persistent = [
         Term("weights: 1/N shard (FSDP2)", _sum(base, "shard", N),
@@ -194,8 +222,9 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     root_full = _sum(root, "padded", N)
     gloo = int(run.device == "cpu" and N > 1)  # measured: gloo's all-gather fills a flat tensor of its own first
     block_full = _sum(block, "padded", N)
-    root_term = Term("FSDP: root gathered (embeddings, head, final norm)", root_full,
-                     "whole, from the forward to the end of the backward")
+    root_term = Term("FSDP: root gathered (" + ("final norm" if outside else "embeddings, head, final norm") + ")",
+                     root_full, "whole, from the forward to the end of the backward")
+    loss_terms, head_grads = _vocab_terms(model, run, local, outside)
     one = Term("FSDP: one block gathered", block_full, "the next block's all-gather output" if N > 1
                else "the block's parameters (a copy of the shard)")
     two = Term("FSDP: two blocks gathered", 2 * block_full,
@@ -215,9 +244,9 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
             moments[name] = terms
         elif name == "last block backward":
             moments.update(_backward_moments(local, terms, root_term, gathering, two, one, block_rs,
-                                             _sum(block_grads, "shard", N), N, L))
+                                             _sum(block_grads, "shard", N), N, L, head_grads))
         else:
-            moments[name] = terms + [root_term] + ([two] if name.startswith("GRPO") else [])
+            moments[name] = terms + [root_term] + loss_terms.get(name, []) + ([two] if name.startswith("GRPO") else [])
     # the last block's forward: every block's saved tensors so far, one block all-gathered
     fwd = local.moments.get("end of forward (loss forward)", [])
     kept = [t for t in fwd if not t.name.startswith("loss") and not t.name.startswith("teacher")]
@@ -230,9 +259,11 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
                  "+ gloo's flat copy of it" if gloo else "")]
     if root_grads:  # the root's reduce-scatter, after every block's (its parameters resharded first)
         whole = _sum(root_grads, "padded", N)
-        block_shards = _sum(block_grads, "shard", N) * L
+        vocab_shards = _sum([_grad(t, run) for t in outside if t.trainable], "shard", N)
+        block_shards = _sum(block_grads, "shard", N) * L + vocab_shards
         moments["end of backward (FSDP: the root's reduce-scatter)"] = [
-            Term("gradients: the blocks' 1/N shards", block_shards, f"{L} blocks"),
+            Term("gradients: the blocks' 1/N shards", block_shards,
+                 f"{L} blocks" + (" + embeddings, head" if outside else "")),
             Term("gradients: the root's, whole", whole, "embeddings, head, final norm (fp32)"),
             Term("FSDP: reduce-scatter input + output", whole + whole // N, "the root's gradients, copied + 1/N")]
     peak = max(moments, key=lambda k: sum(t.bytes for t in moments[k]))
@@ -241,8 +272,48 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     return Plan(persistent, moments, peak, notes)
 
 
+def _vocab_terms(model: ModelShape, run: RunShape, local: Plan, outside: list[Tensor]
+                 ) -> tuple[dict[str, list[Term]], list[Term] | None]:
+    """What the embeddings and the head sharded by rows (`outside`) add to the loss's moments, and the
+    head's gradients during the blocks' backward (None: the one-device plan's).
+
+    A frozen head is never gathered: every rank scores the target rows of every rank over its columns of
+    the vocabulary (`minitrain.objectives.losses._sharded_frozen_head_logprobs`): the other ranks' rows
+    and their gradients (2 x (N - 1) x n x D x s), and a logits block of up to N x n rows. A trained
+    head is gathered whole for the loss (`distributed.gathered`: from the loss forward to the end of
+    its backward), its whole gradient reduce-scattered then: the blocks' backward holds a 1/N shard."""
+    N = run.world
+    if not outside or N == 1:
+        return {}, None
+    from minitrain.objectives.losses import frozen_head_block
+
+    fwd = local.moments.get("end of forward (loss forward)", [])
+    per_token = model.hidden_size * run.s
+    n = next((t.bytes // per_token for t in fwd if t.name == "loss: gathered target rows"), 0)
+    tied = model.tie_word_embeddings
+    head = [t for t in outside if t.name.endswith("lm_head") or (t.name == "embed_tokens" and tied)]
+    trained = [t for t in head if t.trainable]
+    if trained:
+        whole = Term("head gathered whole (trained: for the loss)", sum(t.bytes for t in trained),
+                     "from the loss forward to the end of its backward")
+        grads = [Term("gradients: the head's 1/N shard", _sum([_grad(t, run) for t in trained], "shard", N),
+                      "reduce-scattered after the loss backward")]
+        grads += [t for t in local.moments.get("loss backward", []) if t.name.startswith("gradients")
+                  and t.name != "gradients: head, final norm"]
+        return {"end of forward (loss forward)": [whole], "loss backward": [whole]}, grads
+    V, s = model.vocab_size, run.s
+    one, cols = frozen_head_block(n, V, run.device, low=s < 4)
+    every, _ = frozen_head_block(N * n, V, run.device, low=s < 4)
+    extra = [Term("loss: every rank's target rows (sharded head)", 2 * (N - 1) * n * per_token,
+                  f"and their gradients: 2 x {N - 1} x n x D x s"),
+             Term("loss: logits block of every rank's rows", (every - one) * cols * (4 + (s if s < 4 else 0)),
+                  f"{every:,} rows instead of {one:,}")]
+    return {"end of forward (loss forward)": extra}, None
+
+
 def _backward_moments(local: Plan, terms: list[Term], root: Term, gathering: list[Term], two: Term, one: Term,
-                      block_rs: int, block_shard: int, N: int, L: int) -> dict[str, list[Term]]:
+                      block_rs: int, block_shard: int, N: int, L: int,
+                      head_grads: list[Term] | None = None) -> dict[str, list[Term]]:
     """The backward of block i (L - 1 first, down to 0) in three moments: its pre-backward (the block
     before it being all-gathered), its backward (two blocks gathered, its gradients whole) and its
     reduce-scatter (its parameters resharded, its saved tensors freed). From block L - 2 on, the
@@ -252,7 +323,8 @@ def _backward_moments(local: Plan, terms: list[Term], root: Term, gathering: lis
     work = [t for t in terms if t.name.startswith(("block backward", "4-bit", "ternary"))]
     full_grads = [t for t in terms if t.name.startswith("gradients")]  # full fine-tuning: head, norm, one block
     kept = [t for t in terms if t not in work and t not in full_grads]
-    head = [t for t in local.moments.get("loss backward", []) if t.name.startswith("gradients")]
+    head = head_grads if head_grads is not None else [
+        t for t in local.moments.get("loss backward", []) if t.name.startswith("gradients")]
     whole = Term("gradients: this block's, whole", block_rs, "before its reduce-scatter")
 
     def at(i: int, *, freed: bool = False) -> list[Term]:

@@ -37,7 +37,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.adapters.lora import LoRALinear, logical_numel
 from minitrain.device import eager
 from minitrain.errors import UserError

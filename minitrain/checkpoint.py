@@ -50,8 +50,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from minitrain import checkpoint_shards as shards
-from minitrain import distributed
+from minitrain.parallel import checkpoint_shards as shards
+from minitrain.parallel import distributed
 from minitrain.adapters.lora import adapter_signature
 from minitrain.errors import UserError
 from minitrain.weights import begin_folder, io_error_reason, swap_folder

@@ -20,9 +20,9 @@ Ctrl-C exits 130. Training stopped by SIGINT / SIGTERM (`minitrain.train.Interru
 command that resumes it and exits 130 / 143. Anything else is our bug and keeps its traceback.
 
 Under `torchrun --nproc_per_node N -m minitrain ...` the process group is joined here, once,
-before the recipe runs (`minitrain.distributed.init`); rank 0 alone prints these lines. A rank
+before the recipe runs (`minitrain.parallel.distributed.init`); rank 0 alone prints these lines. A rank
 whose collective fails because another rank died or stopped answering (within `dist_timeout`)
-exits 1 after one `error:` line from the lowest such rank (`minitrain.distributed.report_failure`).
+exits 1 after one `error:` line from the lowest such rank (`minitrain.parallel.distributed.report_failure`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def run_cli(argv: list[str]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # under torchrun: a collective that another rank left unanswered
-        distributed = sys.modules.get("minitrain.distributed")
+        distributed = sys.modules.get("minitrain.parallel.distributed")
         if distributed is None or not distributed.is_peer_failure(e):
             raise
         line = distributed.report_failure(e)  # the lowest rank that saw it says it, once
@@ -130,8 +130,8 @@ def run_cli(argv: list[str]) -> int:
         return 1
     finally:
         warnings.showwarning = shown_before
-        if "minitrain.distributed" in sys.modules:  # (imported, with torch, only once a recipe runs)
-            sys.modules["minitrain.distributed"].shutdown(finished=together)
+        if "minitrain.parallel.distributed" in sys.modules:  # (imported, with torch, only once a recipe runs)
+            sys.modules["minitrain.parallel.distributed"].shutdown(finished=together)
 
 
 _NOTED: set[str] = set()
@@ -212,7 +212,7 @@ def _main(argv: list[str]) -> int:
     if demo and _rank() == 0:
         print("demo: no model, data or eval_data given, so this trains the built-in demo with the recipe's demo "
               "settings (--help lists them); for your own checkpoint pass model=... data=...", flush=True)
-    from minitrain import distributed
+    from minitrain.parallel import distributed
 
     distributed.init(config)  # under torchrun: join the process group (else only checks parallel=)
     from minitrain.plan import fit
@@ -344,7 +344,7 @@ def _moved_import(path: Path, e: ImportError) -> str | None:
     None when the failed import is not of minitrain's own names."""
     if not (e.name or "").startswith("minitrain"):
         return None
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == path.resolve()]
     line = frames[-1].lineno if frames else None
     statements = [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
                   if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno == line]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.errors import UserError
 
 

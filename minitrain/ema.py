@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 
 _ATTR = "_minitrain_ema"  # where train() leaves the EMA on the model for the recipe's `finish`
 

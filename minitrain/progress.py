@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 
 
 def log(*args: Any, **kwargs: Any) -> None:

@@ -37,7 +37,8 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from minitrain import checkpoint, distributed, ema, fsdp
+from minitrain import checkpoint, ema
+from minitrain.parallel import distributed, fsdp
 from minitrain.adapters.lora import (LoRAConfig, adapter_signature, apply_lora, count_parameters, freeze_for_adapters,
                                      trainable_report)
 from minitrain.adapters.peft_format import load_adapter, save_adapter

@@ -10,7 +10,7 @@ The loop knows nothing about objectives beyond `(model, batch) -> (loss_sum, cou
 and nothing about model families beyond the contract (`block_types` for checkpointing and
 compile). See docs/design.md rules 1, 2, 6, 7, 8 for why each piece is here.
 
-Under torchrun (`minitrain.distributed`) the same function runs on every rank: each global
+Under torchrun (`minitrain.parallel.distributed`) the same function runs on every rank: each global
 micro-batch of `batch_size` examples is split across ranks, loss sums, target counts and
 gradients are summed over ranks at the optimizer step (or FSDP2 shards the model with
 `parallel=fsdp`), and rank 0 alone writes. SIGINT / SIGTERM finish the step in progress, save a
@@ -37,7 +37,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minitrain import checkpoint as ckpt, distributed, fsdp
+from minitrain import checkpoint as ckpt
+from minitrain.parallel import distributed, fsdp
 from minitrain.adapters.lora import quant_kind
 from minitrain.audit import preflight
 from minitrain.config import checkpointed_blocks, to_dict
@@ -162,7 +163,7 @@ def train(
     so the update equals one process with the whole batch. `cfg.parallel` = "ddp" (every rank
     holds the model; one bucketed gradient all-reduce per optimizer step) or "fsdp" (FSDP2
     `fully_shard` per block then the root, before the audit; a model loaded on meta reads each rank's
-    rows then (`minitrain.fsdp`); sharded gradients reduce-scattered as sums; the model stays sharded
+    rows then (`minitrain.parallel.fsdp`); sharded gradients reduce-scattered as sums; the model stays sharded
     at the end: `run.finish` gathers what it saves). Rank 0 alone logs and writes, but each rank
     writes its own checkpoint files (its RNG state; under fsdp its rows of every tensor) and a
     checkpoint resumes at another world size or mode; the objective's metrics in metrics.jsonl are rank 0's.

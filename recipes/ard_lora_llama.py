@@ -27,11 +27,11 @@ from minitrain.adapters.lora import trainable_report
 from minitrain.adapters.quant import INSTALL, require_bitsandbytes
 from minitrain.config import TrainConfig, doc
 from minitrain.data.collate import collate_causal
-from minitrain.distributed import main_only
+from minitrain.parallel.distributed import main_only
 from minitrain.errors import UserError
 from minitrain.objectives.ard import ARDObjective, PriorSchedule, dataset_target_tokens, uncertainty_eval
 from minitrain.progress import log
-from minitrain.fsdp import whole_model_only
+from minitrain.parallel.fsdp import whole_model_only
 from minitrain.run import (ADAPTER_DIR, Job, attach_adapters, check_out_dir, evaluate_only, finish, load_examples,
                            load_model, load_tokenizer, prepare_out_dir)
 from minitrain.train import build_optimizer, train

@@ -30,7 +30,8 @@ import dataclasses
 import functools
 
 import models
-from minitrain import distributed, ema
+from minitrain import ema
+from minitrain.parallel import distributed
 from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
 from minitrain.objectives.configs import DistillConfig

@@ -40,7 +40,8 @@ import re
 from pathlib import Path
 
 import models
-from minitrain import checkpoint as ckpt, distributed
+from minitrain import checkpoint as ckpt
+from minitrain.parallel import distributed
 from minitrain.bundled import demo_dir
 from minitrain.errors import UserError
 from minitrain.objectives.configs import GRPOConfig

@@ -50,7 +50,7 @@ import models
 from models.t5 import generate
 from minitrain.adapters.peft_format import adapter_vocab_size
 from minitrain.config import TrainConfig, doc
-from minitrain.distributed import main_only
+from minitrain.parallel.distributed import main_only
 from minitrain.data.collate import collate_seq2seq
 from minitrain.data.packing import collate_packed_seq2seq
 from minitrain.device import base_dtype, pick_device

@@ -32,7 +32,7 @@ from minitrain.data.collate import collate_causal
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
 from minitrain.progress import log
-from minitrain.fsdp import whole_model_only
+from minitrain.parallel.fsdp import whole_model_only
 from minitrain.run import (Job, attach_adapters, check_out_dir, evaluate_only, finish, load_examples, load_model,
                            load_tokenizer, lora_config, prepare_out_dir)
 from minitrain.train import train

@@ -188,7 +188,7 @@ def as_two_parts(ck: Path) -> None:
     """Lay a one-process checkpoint out as 2 FSDP ranks save it (each rank's rows in its own part)."""
     from safetensors.torch import load_file
 
-    from minitrain import checkpoint_shards as shards
+    from minitrain.parallel import checkpoint_shards as shards
 
     for stem in ("weights", "optimizer"):
         whole = load_file(ck / f"{stem}.safetensors")

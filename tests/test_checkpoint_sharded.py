@@ -43,8 +43,9 @@ from test_distributed import TRAIN, lora_model, max_abs_diff
 from test_train import TinyLM, cfg_for, collate, quiet, rows, trainable_state
 
 from minitrain import checkpoint as ckpt
-from minitrain import checkpoint_shards as shards
-from minitrain import distributed, ema, fsdp
+from minitrain.parallel import checkpoint_shards as shards
+from minitrain import ema
+from minitrain.parallel import distributed, fsdp
 from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft

@@ -650,3 +650,12 @@ def test_help_is_read_from_the_config_alone_and_says_what_the_full_import_says(t
              "print(code, 'torch' in sys.modules, 'keys (GRPOConfig' in out.getvalue())\n")
     r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.stdout.split() == ["0", "False", "True"], (r.stdout, r.stderr)
+
+
+def test_a_moved_import_is_named_for_a_recipe_given_by_a_relative_path(tmp_path):
+    (tmp_path / "mine.py").write_text((REPO / "tests" / "bad_inputs" / "recipes" / "old_parallel.py").read_text())
+    r = subprocess.run([sys.executable, "-m", "minitrain", "mine.py"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("error: mine.py:4: cannot import from minitrain.distributed — "
+                                                     "minitrain's modules live in subpackages now: main_only is in "
+                                                     "minitrain.parallel.distributed"), r.stderr

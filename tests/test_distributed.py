@@ -33,8 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_train import TinyLM, cfg_for, collate, freeze_embeddings, make_examples, quiet, rows, trainable_state
 
-from minitrain import checkpoint_shards as shards
-from minitrain import distributed, fsdp
+from minitrain.parallel import checkpoint_shards as shards
+from minitrain.parallel import distributed, fsdp
 from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.config import TrainConfig
 from minitrain.errors import UserError

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WINGS = ("data", "text", "adapters", "objectives", "evaluate", "plan", "export", "commands")
+WINGS = ("data", "text", "adapters", "objectives", "evaluate", "plan", "export", "commands", "parallel")
 
 
 def modules(root: Path, pkg: str = "minitrain") -> dict[str, Path]:
@@ -258,3 +258,10 @@ def test_the_design_doc_tree_shows_every_module():
     real = {str(p.relative_to(ROOT / "minitrain")) for p in (ROOT / "minitrain").rglob("*.py") if p.name != "__init__.py"}
     assert shown == real, f"docs/design.md's tree differs from minitrain/: missing {sorted(real - shown)}, " \
                           f"gone {sorted(shown - real)}"
+
+
+def test_the_top_floor_holds_at_most_18_modules():
+    """docs/design.md's floor-plan goal: a new concern joins a wing (or starts one), so the package's
+    top level stays small enough to read at a glance."""
+    top = sorted(p.name for p in (ROOT / "minitrain").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 18, f"minitrain/ holds {len(top)} top-level modules (at most 18): {top}"

@@ -1,7 +1,7 @@
 """parallel=fsdp without the whole model on any rank: the sharded load and the file-by-file save.
 
 - Each of 2 ranks (gloo, CPU) builds the model on meta, shards it and reads only its rows of each
-  tensor (`minitrain.fsdp.prepare`): gathered back, every tensor equals `load_pretrained`'s whole
+  tensor (`minitrain.parallel.fsdp.prepare`): gathered back, every tensor equals `load_pretrained`'s whole
   one bit for bit (a tied head, a vocabulary of odd rows so the two shards differ in size, a
   checkpoint in several files, fp32 read in place and bf16 through a cast), and each rank read
   about half the checkpoint's bytes.
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from test_distributed import REPO, cli_args, launch, max_abs_diff
 
-from minitrain import fsdp
+from minitrain.parallel import fsdp
 from minitrain.weights import INDEX_FILE, load_pretrained, open_pretrained, save_pretrained
 
 pytestmark = pytest.mark.slow

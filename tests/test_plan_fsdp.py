@@ -4,7 +4,7 @@
   dim 0 of every parameter into ceil(rows / N)-row pieces: small tensors round up), for
   `parallel=fsdp` (full fine-tuning and LoRA) and `parallel=ddp` (the rank's rows, the all-reduce
   bucket);
-- 2 ranks (gloo, FSDP2 applied by `minitrain.fsdp.shard`, the loop's AdamW): each rank's
+- 2 ranks (gloo, FSDP2 applied by `minitrain.parallel.fsdp.shard`, the loop's AdamW): each rank's
   parameter shards and optimizer state equal the plan's persistent terms to the byte, and its
   whole peak (those + the peak bytes allocated during a steady-state step, measured as
   tests/test_plan.py does with `minitrain.plan.measure`) is within 20% of the plan's, LoRA and full
@@ -151,7 +151,7 @@ def measured_worker(rank: int, out: str) -> None:
     import torch
 
     import models
-    from minitrain import distributed, fsdp
+    from minitrain.parallel import distributed, fsdp
     from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.objectives.sft import sft
     from minitrain.plan.measure import measure_peak_allocated
@@ -237,7 +237,7 @@ def test_two_ranks_measured_against_the_plan(tmp_path):
 def test_fit_check_plans_one_rank_under_fsdp(monkeypatch):
     """The check before loading (`minitrain.plan.fit`) now checks fsdp runs, against one rank's plan:
     full fine-tuning of Mistral-7B's config.json (fp32 master weights and AdamW: ~110 GB whole)."""
-    from minitrain import distributed
+    from minitrain.parallel import distributed
     from minitrain.cli import load_recipe, resolve_config
     from minitrain.errors import UserError
     from minitrain.plan import fit

@@ -15,7 +15,7 @@ for both. The target for minitrain is <= 1.3x (the model itself is 1.0x). With `
 minitrain load is repeated with `quantize_hook("nf4")`, whose ratio should sit far below 1.0x.
 Needs the bench/test extra (transformers, psutil). Not a test: it takes a minute and ~3 GB.
 
-`--world`: the sharded load of `parallel=fsdp` (`minitrain.fsdp`: built on meta, `fully_shard`, each
+`--world`: the sharded load of `parallel=fsdp` (`minitrain.parallel.fsdp`: built on meta, `fully_shard`, each
 rank reads its rows) in N processes started by torchrun (gloo, CPU), against the one-process load:
 each rank's peak RSS of the load minus its RSS before it (after joining the process group and the
 FSDP imports), as a ratio to the one-process figure. The goal: <= 0.6x at 2 ranks, <= 0.35x at 4.
@@ -129,7 +129,7 @@ def child_fsdp(folder: Path, dtype: str, out: Path) -> None:
     import torch.distributed.fsdp  # noqa: F401  (imported before the baseline: not the load's memory)
     import torch.distributed.tensor  # noqa: F401
 
-    from minitrain import fsdp
+    from minitrain.parallel import fsdp
     from minitrain.weights import open_pretrained
     from models import from_hf_config
 

@@ -74,10 +74,10 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], dict]:
 
 def load_config(path: str, overrides: list[str], opts: dict | None = None):
     """The recipe's config with the overrides; `--parallel` sets `parallel`, and a world the
-    batch cannot feed is refused as torchrun would (`minitrain.distributed.check`)."""
+    batch cannot feed is refused as torchrun would (`minitrain.parallel.distributed.check`)."""
     import dataclasses
 
-    from minitrain import distributed
+    from minitrain.parallel import distributed
     from minitrain.cli import load_recipe, recipe_path, resolve_config
     from minitrain.config import validate
 

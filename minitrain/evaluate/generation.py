@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.evaluate import rouge
 from minitrain.progress import log as log_rank0, strict_json
 from minitrain.text.tokenizer import Tokenizer

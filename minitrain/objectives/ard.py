@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from minitrain import checkpoint, distributed
+from minitrain import checkpoint
+from minitrain.parallel import distributed
 from minitrain.adapters.ard import ard_kl, gates, load_prior_state, prior_state, relevance, update_prior
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.errors import UserError

@@ -76,7 +76,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minitrain import distributed, progress
+from minitrain import progress
+from minitrain.parallel import distributed
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.errors import UserError
 from minitrain.objectives.configs import TERMS, DistillConfig

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.data.packing import collate_packed_pairs
 from minitrain.errors import UserError

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.errors import UserError
 from minitrain.objectives.configs import GRPO_LOSS_TYPES, GRPOConfig
 from minitrain.objectives.losses import chunked_token_logprobs, default_chunk

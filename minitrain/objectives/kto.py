@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.objectives.configs import KTOConfig
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.data.collate import IGNORE_INDEX
 
 
@@ -158,7 +158,7 @@ def frozen_head_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     the gradient is `W[label] - (sum over blocks of exp(logits) @ W) / sum of exps`, the division
     on the (rows, D) product. So two passes over the logits besides the GEMMs: `exp` and the sums.
 
-    A head sharded by rows (`parallel=fsdp`, a DTensor: `minitrain.fsdp.shard_vocab`) goes to
+    A head sharded by rows (`parallel=fsdp`, a DTensor: `minitrain.parallel.fsdp.shard_vocab`) goes to
     `_sharded_frozen_head_logprobs`, which calls this with this rank's rows of `weight` (the columns
     `offset` .. of a `vocab`-wide head) and `reduce`, the sum / max over ranks of each row's label
     logit, sum of exps and max: every rank's rows are scored over this rank's columns, and `grad`

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.adapters.lora import disable_adapters
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.packing import per_sequence

@@ -43,7 +43,7 @@ def _plan(cfg: Any) -> tuple[Any, RunShape, Plan] | None:
         model = shape_from_hf(hf, where=str(path))
     except (OSError, ValueError, UserError, TypeError, KeyError):
         return None  # unreadable or not modelled: loading reports a bad folder with its own message
-    from minitrain import distributed
+    from minitrain.parallel import distributed
 
     checkpointed_blocks(cfg.checkpointing, model.blocks)  # checkpointing=N beyond the model: said, not skipped
     run = run_shape(cfg, device="cuda", world=distributed.world_size())  # under torchrun: this rank's share
@@ -141,7 +141,7 @@ def _fits_in_order(cfg: Any, blocks: int):
     blocks, N from one more than the run has up (the fewest that fit: the least recompute), then on
     every block, then ever smaller micro-batches (divisors of batch_size, at least one row per rank)
     with grad_accum raised so batch_size x grad_accum stays the same."""
-    from minitrain import distributed
+    from minitrain.parallel import distributed
 
     yield from _partial(cfg, blocks)
     ck = dataclasses.replace(cfg, checkpointing=True)

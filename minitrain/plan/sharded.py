@@ -5,12 +5,12 @@ forwards its share of the global micro-batch (`minitrain.train`: `indices[rank::
 has the most, ceil(rows / N)); its activations are the one-device plan's at those rows. The
 planned rank is rank 0, the largest. What differs:
 
-ddp (`minitrain.distributed.all_reduce_sum`): every rank holds the whole model, adapters,
+ddp (`minitrain.parallel.distributed.all_reduce_sum`): every rank holds the whole model, adapters,
 gradients and optimizer state; at the optimizer step the gradients are summed over ranks in flat
-buckets of about `minitrain.distributed.BUCKET_BYTES` (a bucket closes once it reaches that size, so the largest is up
+buckets of about `minitrain.parallel.distributed.BUCKET_BYTES` (a bucket closes once it reaches that size, so the largest is up
 to one tensor more): one bucket's `torch.cat` copy is alive beside the gradients.
 
-fsdp (`minitrain.fsdp.shard`: `fully_shard` on each block of `model.block_types`, then
+fsdp (`minitrain.parallel.fsdp.shard`: `fully_shard` on each block of `model.block_types`, then
 on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2, read off
 `torch/distributed/fsdp/_fully_shard/`):
 
@@ -21,7 +21,7 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
   stored dequantized), int8 as (out, in) int8 + (out,) fp32 scales; sharded the same way.
   The sharded gradients (one flat reduce-scatter output per block, padded) and AdamW's two moments
   (zeros_like of rank 0's shard, ceil(rows / N) rows) follow the trained tensors.
-- the embeddings and the head (`minitrain.fsdp.shard_vocab`, when both are plain: no LoRA on them, no
+- the embeddings and the head (`minitrain.parallel.fsdp.shard_vocab`, when both are plain: no LoRA on them, no
   soft cap; `vocab_sharded`) are not FSDP2's: cut by rows of the vocabulary the same way (rank 0's
   ceil(V / N) rows), never gathered while the head is frozen. The lookup gathers every rank's ids
   and sums each rank's rows' part (N x the micro-batch's embeddings, a few MiB); the loss scores
@@ -110,7 +110,7 @@ def local_run(run: RunShape) -> RunShape:
 
 
 def vocab_sharded(model: ModelShape, run: RunShape) -> bool:
-    """Whether `minitrain.fsdp.shard_vocab` takes the embeddings and the head out of FSDP2's root (cut by
+    """Whether `minitrain.parallel.fsdp.shard_vocab` takes the embeddings and the head out of FSDP2's root (cut by
     rows of the vocabulary, never gathered for a frozen head): a plain embedding and a plain head (not
     soft-capped, no LoRA on either); a tied pair shares its fate."""
     from minitrain.plan.decoder import matches
@@ -363,7 +363,7 @@ def run_rows(run: RunShape) -> str:
 def ddp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     """Rank 0's plan under ddp: the whole model, its share of the rows, and at the step one
     all-reduce bucket's flat copy beside the gradients."""
-    from minitrain.distributed import BUCKET_BYTES
+    from minitrain.parallel.distributed import BUCKET_BYTES
 
     tensors = [n * DTYPE_BYTES[run.adapter_dtype if not run.full else "fp32"] for n in model.trainable_tensors(run)]
     largest = size = 0

@@ -40,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.adapters.lora import applied
 from minitrain.errors import UserError
 from minitrain.weights import (Headers, begin_folder, checkpoint_conversions, checkpoint_parts, io_error_reason,

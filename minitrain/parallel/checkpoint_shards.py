@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 from minitrain.errors import UserError
 
 STEMS = ("weights", "optimizer", "ema")

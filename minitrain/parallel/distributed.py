@@ -19,7 +19,7 @@ the whole batch, up to float summation order):
   to undo, since the loss is a sum normalised by the global target count (docs/design.md rule 2).
 - `fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on each block of `model.block_types`,
   then on the root; the embeddings and the head cut by rows of the vocabulary beside it, computed
-  with by rows (`minitrain.fsdp`). Parameters, gradients and optimizer state are sharded;
+  with by rows (`minitrain.parallel.fsdp`). Parameters, gradients and optimizer state are sharded;
   gradients are reduce-scattered as sums (divide factor 1) and divided by the same global count.
   For full fine-tuning or bases too big for one device. The model is built on meta and each rank
   reads only its rows of each weight; it stays sharded to the end, where what is saved is
@@ -288,7 +288,7 @@ def _site(frames: Iterable[tuple[Any, int]], function: bool = False) -> str:
     site = "?"
     for code, line in frames:
         name = _ours(code.co_filename)
-        if name and (name != "minitrain/distributed.py" or site == "?"):
+        if name and (name != "minitrain/parallel/distributed.py" or site == "?"):
             site = f"{name}:{line}" + (f" ({code.co_name})" if function else "")
     return site
 
@@ -397,7 +397,7 @@ def _failure_site(e: BaseException) -> str:
     return _site(((f.f_code, line) for f, line in traceback.walk_tb(e.__traceback__)), function=True)
 
 
-# ----------------------------------------------------------------------------- FSDP2's tensors (minitrain.fsdp shards)
+# ----------------------------------------------------------------------------- FSDP2's tensors (minitrain.parallel.fsdp shards)
 
 
 def is_sharded(t: Any) -> bool:

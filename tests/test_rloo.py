@@ -1,0 +1,132 @@
+"""RLOO against TRL's RLOOTrainer (the reference), on the same weights, prompts and fixed completions.
+
+- the loss, its clip metrics and every parameter's gradient equal `trl.RLOOTrainer._compute_loss`'s,
+  with the old log-probs equal to the current ones and off them (clipping bites), and an asymmetric clip;
+- the advantages equal TRL's lines (leave-one-out over the scored siblings, None rewards, the KL
+  penalty in the reward, normalize_advantages).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import models
+from minitrain.objectives.grpo import completion_logps
+from minitrain.objectives.rloo import rloo_advantages, rloo_loss
+from minitrain.weights import load_pretrained
+from test_grpo import MAX_COMPLETION, TEMPERATURE, batch_tensors
+
+
+@pytest.fixture(scope="module")
+def trainer(hf_causal, tmp_path_factory):
+    """A TRL RLOOTrainer on a tiny Qwen2 (a few seconds to build: once per module)."""
+    import datasets
+    import transformers
+    import trl
+    from _tok import make_bpe_tokenizer
+
+    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
+    tok_dir = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf.config.dropout = 0.0
+    args = trl.RLOOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], use_cpu=True, bf16=False,
+                          per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
+                          temperature=TEMPERATURE, disable_tqdm=True, gradient_checkpointing=False, beta=0.0)
+    ds = datasets.Dataset.from_list([{"prompt": "the a"}] * 4)
+    t = trl.RLOOTrainer(model=hf, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                        train_dataset=ds, processing_class=tok)
+    t.model.train()
+    return t, folder
+
+
+CLIP_METRICS = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+
+
+@pytest.mark.parametrize("old,eps_high", [(False, None), (True, None), (True, 0.28)])
+def test_loss_and_gradients_equal_trl(trainer, old, eps_high):
+    t, folder = trainer
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch_tensors()
+    advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])
+    ours = load_pretrained(folder, models.from_hf_config)
+    ours.train()
+    with torch.no_grad():
+        now, _ = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE)
+    # old log-probs off the current ones (the policy moved since sampling): the sequence ratios of
+    # rows 0 and 1 leave [1 - eps, 1 + eps_high] on the side their advantage clips, rows 2 and 3 stay
+    old_logps = now + torch.tensor([[-0.3], [0.3], [0.01], [-0.01]]) * completion_mask if old else None
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": advantages,
+              "old_logps": ((now if old_logps is None else old_logps) * completion_mask).sum(1)}
+    t.epsilon_low, t.epsilon_high = 0.2, eps_high or 0.2
+    t._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    t.model.zero_grad(set_to_none=True)
+    expected = t._compute_loss(t.model, inputs)
+    expected.backward()
+    expected_grads = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+    expected_metrics = {k: t._metrics["train"][k][-1] for k in ["entropy", *CLIP_METRICS]}
+
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    logps, ent = completion_logps(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, TEMPERATURE,
+                                  entropy=True, group=2)
+    loss_sum, count, stats = rloo_loss(logps, advantages, completion_mask, old_logps=old_logps, epsilon=0.2,
+                                       epsilon_high=eps_high)
+    loss = loss_sum / count
+    loss.backward()
+    assert float(loss) == pytest.approx(float(expected), abs=1e-5, rel=1e-5)
+    metrics = {"entropy": float(ent.sum()) / float(stats["tokens"]),
+               **{k: float(a) / float(n) for k, (a, n) in stats["means"].items()}}
+    assert metrics == pytest.approx(expected_metrics, abs=1e-5, rel=1e-5)
+    if old:
+        assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0  # both sides clipped
+        assert metrics["clip_ratio/region_mean"] < 1  # and some rows not
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert expected_grads and set(expected_grads) <= set(grads)
+    for n, ref in expected_grads.items():
+        torch.testing.assert_close(grads[n], ref, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def trl_rloo_advantages(rewards_per_func, weights, G, kl, beta, normalize):
+    """TRL 1.16's `RLOOTrainer._generate_and_score_completions` advantage lines, with its own `nanstd`."""
+    from trl.trainer.utils import nanstd
+
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    if beta != 0.0:
+        rewards = rewards - beta * kl
+    grouped = rewards.view(-1, G)
+    std = nanstd(grouped, dim=1)
+    counts = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = ((torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (counts - 1)).view(-1)
+    adv = rewards - baselines
+    if normalize:
+        adv = (adv - torch.nanmean(adv)) / (nanstd(adv) + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_advantages_equal_trl(beta, normalize):
+    nan = float("nan")
+    # groups of 3: all scored; one unscored (None from every function); one scored alone; equal rewards
+    rewards = torch.tensor([[1.0, 0.5], [0.0, nan], [2.0, 1.0],
+                            [3.0, 0.0], [nan, nan], [1.0, 4.0],
+                            [nan, nan], [2.5, nan], [nan, nan],
+                            [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    weights = torch.tensor([1.0, 0.5])
+    g = torch.Generator().manual_seed(0)
+    old, ref = torch.randn(12, 5, generator=g), torch.randn(12, 5, generator=g)
+    mask = (torch.rand(12, 5, generator=g) > 0.3).float()
+    kl = ((old - ref) * mask).sum(-1)  # the first-order estimate, summed over the completion's tokens
+    ours, _, zero = rloo_advantages(rewards, weights, 3, kl=kl, beta=beta, normalize=normalize)
+    expected, expected_zero = trl_rloo_advantages(rewards, weights, 3, kl, beta, normalize)
+    torch.testing.assert_close(ours, expected)
+    assert zero.tolist() == expected_zero.repeat_interleave(3).tolist()
+    assert ours[4] == 0 and ours[6:9].tolist() == [0.0, 0.0, 0.0]  # unscored, and scored without a sibling
+    if not beta and not normalize:
+        assert ours[0] == pytest.approx(1.25 - (0.0 + 2.5) / 2) and ours[9:].tolist() == [0.0, 0.0, 0.0]

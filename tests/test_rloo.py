@@ -130,3 +130,34 @@ def test_advantages_equal_trl(beta, normalize):
     assert ours[4] == 0 and ours[6:9].tolist() == [0.0, 0.0, 0.0]  # unscored, and scored without a sibling
     if not beta and not normalize:
         assert ours[0] == pytest.approx(1.25 - (0.0 + 2.5) / 2) and ours[9:].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_grpo_recipe_runs_rloo_from_the_command_line(tmp_path, capsys):
+    """`loss_type=rloo` on the GRPO recipe's demo: two steps with the KL penalty (beta, against the adapter
+    off) and normalize_advantages; metrics.jsonl has TRL's RLOO metrics and the adapter is written.
+    With scale_rewards (GRPO's) it is one line and exit 2."""
+    import json
+    from pathlib import Path
+
+    from minitrain.cli import run_cli
+
+    root = Path(__file__).resolve().parent.parent
+    recipe, demo = str(root / "recipes" / "grpo_qwen.py"), root / "demo" / "grpo"
+    args = [f"model={demo / 'model'}", f"data={demo / 'train.jsonl'}", "rewards=last_digit", "loss_type=rloo",
+            "max_steps=2", "batch_size=4", "num_generations=4", "max_completion_length=16", "max_len=48",
+            "lr=2e-3", "schedule=constant", "warmup=0", "lora_r=4", "lora_alpha=8", "checkpointing=false",
+            "grad_accum=1"]
+    out = tmp_path / "run"
+    assert run_cli([recipe, f"out={out}", *args, "beta=0.04", "normalize_advantages=true"]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 2
+    for k in ("reward", "frac_reward_zero_std", "kl", "clip_ratio/region_mean", "entropy"):
+        assert k in steps[-1], k
+    assert all(r["loss"] == r["loss"] for r in steps) and (out / "adapter").is_dir()
+
+    capsys.readouterr()
+    assert run_cli([recipe, f"out={tmp_path / 'bad'}", *args, "scale_rewards=batch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scale_rewards=batch" in err[0] and "normalize_advantages" in err[0]
+    assert not (tmp_path / "bad").exists()

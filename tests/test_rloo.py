@@ -161,3 +161,114 @@ def test_grpo_recipe_runs_rloo_from_the_command_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "scale_rewards=batch" in err[0] and "normalize_advantages" in err[0]
     assert not (tmp_path / "bad").exists()
+
+
+def _sum_mod_10(prompts, completions, completion_ids, **kw):
+    """A reward that differs within both groups of the fixed completions: no advantage is 0."""
+    return [float(sum(ids) % 10) for ids in completion_ids]
+
+
+class _InitialWeights:
+    """The reference as TRL's RLOOTrainer builds it for a full model: the policy's starting weights."""
+
+    def __init__(self, model):
+        self.init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def applied(self, model):
+        import contextlib
+
+        @contextlib.contextmanager
+        def swapped():
+            now = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(self.init)
+            try:
+                yield
+            finally:
+                model.load_state_dict(now)
+        return swapped()
+
+
+@pytest.mark.parametrize("num_iterations,beta,normalize", [(2, 0.0, True), (1, 0.05, False)])
+def test_rollout_to_loss_equals_trl(hf_causal, tmp_path, monkeypatch, num_iterations, beta, normalize):
+    """`GRPOObjective` with loss_type=rloo from the rollout to the loss, two optimizer steps, against TRL's
+    RLOOTrainer `_prepare_inputs` + `_compute_loss` on the same fixed completions (generation replaced on
+    both sides), the same SGD step in between, mask_truncated_completions on: loss and every gradient
+    equal at both steps. num_iterations=2: step 2 reuses step 1's rollout and old log-probs;
+    beta > 0: each step samples, and step 2's KL (the moved policy against the starting weights) enters
+    the rewards."""
+    import datasets
+    import transformers
+    import trl
+    from _tok import make_bpe_tokenizer
+
+    import minitrain.objectives.grpo as grpo_module
+    from minitrain.objectives.grpo import GRPOConfig, GRPOObjective
+    from minitrain.objectives.sampling import Completions
+    from minitrain.text.tokenizer import Tokenizer
+    from test_grpo import COMPLETIONS, PROMPTS
+
+    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
+    tok_dir = make_bpe_tokenizer(tmp_path / "tok")
+    ours_tok = Tokenizer.from_folder(tok_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf.config.dropout = 0.0
+    args = trl.RLOOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                          per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
+                          temperature=TEMPERATURE, disable_tqdm=True, gradient_checkpointing=False,
+                          num_iterations=num_iterations, mask_truncated_completions=True, beta=beta,
+                          normalize_advantages=normalize, epsilon_high=0.28)
+    t = trl.RLOOTrainer(model=hf, reward_funcs=_sum_mod_10, args=args,
+                        processing_class=transformers.AutoTokenizer.from_pretrained(str(tok_dir)),
+                        train_dataset=datasets.Dataset.from_list([{"prompt": "the a"}] * 4))
+    t.model.train()
+    if beta:
+        t.ref_model.eval()
+    texts = ["the a of", "to and the"]
+    ids = [c[: c.index(2) + 1] if 2 in c else c for c in COMPLETIONS]  # as generated: up to the eos
+    prompt_lists = [[x for x in p if x != 0] for p in PROMPTS for _ in range(2)]
+    decoded = [ours_tok.decode(c) for c in ids]
+    monkeypatch.setattr(t, "_generate", lambda prompts: (prompt_lists, ids, decoded))
+    t._step, t._buffered_inputs = 0, None
+    t.current_gradient_accumulation_steps = 1
+    rows = [{"prompt": p} for p in texts for _ in range(2)]
+
+    ours = load_pretrained(folder, models.from_hf_config)
+    ours.train()
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    *_, completion_ids, completion_mask = batch_tensors()
+    monkeypatch.setattr(grpo_module, "sample", lambda *a, **kw: Completions(
+        completion_ids, completion_mask, torch.tensor([2 not in c for c in COMPLETIONS])))
+    cfg = GRPOConfig(num_generations=2, max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE,
+                     loss_type="rloo", num_iterations=num_iterations, mask_truncated_completions=True, grad_accum=1,
+                     beta=beta, normalize_advantages=normalize, epsilon_high=0.28)
+    objective = GRPOObjective(cfg, [("sum_mod_10", _sum_mod_10)], ours_tok, new_cache=None, eos_ids=[2],
+                              reference=_InitialWeights(ours))
+    batch = {"prompt_ids": torch.tensor(PROMPTS), "prompt_attention_mask": torch.tensor(PROMPTS).ne(0).long(),
+             "prompts": texts, "columns": {}, "rows": ["p.jsonl:1", "p.jsonl:2"]}
+
+    lr = 0.2
+    for step in (1, 2):
+        inputs = t._prepare_inputs(rows)
+        t._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+        t.model.zero_grad(set_to_none=True)
+        expected = t._compute_loss(t.model, inputs)
+        expected.backward()
+        expected_grads = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        ours.zero_grad(set_to_none=True)
+        loss_sum, count, metrics = objective(ours, batch)
+        loss = loss_sum / count
+        loss.backward()
+        assert float(loss) == pytest.approx(float(expected), abs=1e-5, rel=1e-5), step
+        grads = {n: p.grad for n, p in ours.named_parameters()}
+        assert expected_grads and set(expected_grads) <= set(grads)
+        for n, ref in expected_grads.items():
+            torch.testing.assert_close(grads[n], ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"step {step}: {n}: {m}")
+        if beta and step == 2:
+            assert abs(metrics["kl"]) > 1e-3  # the moved policy: the penalty is in play
+        with torch.no_grad():  # the same plain SGD step on both sides
+            for model in (t.model, ours):
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.sub_(lr * p.grad)
+        t._step += 1

@@ -132,6 +132,37 @@ def test_advantages_equal_trl(beta, normalize):
         assert ours[0] == pytest.approx(1.25 - (0.0 + 2.5) / 2) and ours[9:].tolist() == [0.0, 0.0, 0.0]
 
 
+SPLIT = [[1.0, 0.5], [0.0, float("nan")], [2.0, 1.0], [2.0, 3.0], [5.0, 0.0], [3.0, 0.0], [0.0, 0.0], [4.0, 2.0]]
+
+
+def normalize_worker(rank: int, out: str) -> None:
+    """Rank r holds the groups r, r + 2, ... of SPLIT (2 completions a group), as torchrun splits prompts."""
+    import json
+    from pathlib import Path
+
+    rows = torch.tensor(SPLIT).view(-1, 2, 2)[rank::2].reshape(-1, 2)
+    adv, _, _ = rloo_advantages(rows, torch.tensor([1.0, 0.5]), 2, normalize=True)
+    Path(out, f"adv{rank}.json").write_text(json.dumps(adv.tolist()))
+
+
+def test_normalize_advantages_under_torchrun_uses_every_ranks_advantages(tmp_path):
+    """normalize_advantages with 2 ranks: each rank's advantages are TRL's over the whole batch (its
+    gathered rewards), not over the rank's own share."""
+    import json
+
+    from test_distributed import launch
+
+    launch(tmp_path, "normalize_worker", str(tmp_path), module="test_rloo")
+    ref, _ = trl_rloo_advantages(torch.tensor(SPLIT), torch.tensor([1.0, 0.5]), 2, None, 0.0, True)
+    ref = ref.view(-1, 2)
+    for rank in (0, 1):
+        got = torch.tensor(json.loads((tmp_path / f"adv{rank}.json").read_text()))
+        torch.testing.assert_close(got, ref[rank::2].reshape(-1))
+    own, _ = trl_rloo_advantages(torch.tensor(SPLIT).view(-1, 2, 2)[0::2].reshape(-1, 2), torch.tensor([1.0, 0.5]),
+                                 2, None, 0.0, True)
+    assert not torch.allclose(own, ref[0::2].reshape(-1))  # one rank's share alone would normalise otherwise
+
+
 def test_grpo_recipe_runs_rloo_from_the_command_line(tmp_path, capsys):
     """`loss_type=rloo` on the GRPO recipe's demo: two steps with the KL penalty (beta, against the adapter
     off) and normalize_advantages; metrics.jsonl has TRL's RLOO metrics and the adapter is written.

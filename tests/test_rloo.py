@@ -3,7 +3,12 @@
 - the loss, its clip metrics and every parameter's gradient equal `trl.RLOOTrainer._compute_loss`'s,
   with the old log-probs equal to the current ones and off them (clipping bites), and an asymmetric clip;
 - the advantages equal TRL's lines (leave-one-out over the scored siblings, None rewards, the KL
-  penalty in the reward, normalize_advantages).
+  penalty in the reward, normalize_advantages; under torchrun over every rank's advantages);
+- `GRPOObjective` with loss_type=rloo, from the rollout to the loss over two SGD steps, equals TRL's
+  `_prepare_inputs` + `_compute_loss` (num_iterations=2 reuse; beta > 0 with the KL in the rewards).
+  lr 0.2 there: with the unnormalised advantages (up to ~5) at lr 0.5, step 2's gradients drift by up
+  to 2e-4 on a few embedding entries, with or without beta (step 1's 1e-6 differences amplified);
+- the GRPO recipe runs it from the command line (a wrong key is one line) and the demo learns with it.
 """
 
 from __future__ import annotations
@@ -303,3 +308,17 @@ def test_rollout_to_loss_equals_trl(hf_causal, tmp_path, monkeypatch, num_iterat
                     if p.grad is not None:
                         p.sub_(lr * p.grad)
         t._step += 1
+
+
+def test_the_demo_learns_with_rloo(tmp_path):
+    """The GRPO recipe's built-in demo with loss_type=rloo (its other keys as the demo sets them): the
+    held-out reward goes from <= 0.2 before step 1 to >= 0.9 after 30 steps (measured: 0.07 -> 0.99)."""
+    import json
+    from pathlib import Path
+
+    from minitrain.cli import run_cli
+
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "grpo_qwen.py")
+    assert run_cli([recipe, f"out={tmp_path}", "loss_type=rloo"]) == 0
+    evals = {r["step"]: r["eval/reward"] for r in map(json.loads, (tmp_path / "eval.jsonl").read_text().splitlines())}
+    assert evals[0] <= 0.2 and evals[30] >= 0.9, evals

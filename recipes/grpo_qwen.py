@@ -16,7 +16,8 @@ the model's own KV cache. The reward functions are plain Python with TRL's signa
 (`answer`: a column of the rows; None: the function does not apply to that row), from
 `rewards=file.py:fn[,fn2]`, or the recipe's own (`REWARDS` below), weighted by `reward_weights`.
 The loss is TRL's GRPO (`minitrain.objectives.grpo`): `loss_type` dapo (TRL's default) | grpo |
-bnpo | dr_grpo, `scale_rewards` group | batch | none, `epsilon` / `epsilon_high`,
+bnpo | dr_grpo | ..., or `rloo` (TRL's RLOO: leave-one-out advantages, `normalize_advantages`, the KL
+in the reward; `minitrain.objectives.rloo`), `scale_rewards` group | batch | none, `epsilon` / `epsilon_high`,
 `num_iterations`, `mask_truncated_completions`, and `beta` > 0 for a KL term against the reference:
 the model with its adapter off, or, with `init_adapter=`, a frozen copy of that adapter (never a
 second model). metrics.jsonl has TRL's names (`reward`, `reward_std`, `rewards/<fn>/mean`,

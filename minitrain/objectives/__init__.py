@@ -17,4 +17,5 @@ Modules, in reading order:
     sampling    G completions per prompt in one batch through the model's KV cache (GRPO's rollout)
     rewards     reward functions (TRL's signature) from a file or a recipe, scored with one-line errors
     grpo        GRPO: group advantages, TRL's clipped loss and its variants, the rollout objective
+    rloo        RLOO: leave-one-out advantages (KL in the reward), the sequence-level clipped loss
 """

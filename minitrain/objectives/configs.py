@@ -130,9 +130,13 @@ class GRPOConfig(TrainConfig):
     top_p: float = doc(1.0, "nucleus sampling: keep the smallest set of tokens of probability >= top_p", gt=0, le=1)
     top_k: int = doc(0, "sample among the k most likely tokens only (0: all)", ge=0)
     loss_type: str = doc("dapo", "TRL's loss_type: how the ratio enters (clipped: dapo, grpo, bnpo, dr_grpo, luspo; "
-                                 "cispo, sapo, vespo) and how token losses are averaged", choices=GRPO_LOSS_TYPES)
+                                 "cispo, sapo, vespo) and how token losses are averaged; rloo: TRL's RLOOTrainer "
+                                 "(leave-one-out advantages, the KL in the reward, the clipped sequence ratio)",
+                         choices=(*GRPO_LOSS_TYPES, "rloo"))
     scale_rewards: str = doc("group", "advantages divided by the group's std, the batch's, or not at all",
                              choices=SCALE_REWARDS)
+    normalize_advantages: bool = doc(False, "loss_type=rloo: the advantages less their mean, over their std "
+                                            "(over the whole batch)")
     epsilon: float = doc(0.2, "lower clip of the ratio: 1 - epsilon", gt=0, lt=1)
     epsilon_high: float = doc(0.0, "upper clip of the ratio: 1 + epsilon_high (0: epsilon); cispo: the cap of "
                                    "the ratio itself (ScaleRL recommends 5.0)", ge=0)
@@ -161,6 +165,12 @@ class GRPOConfig(TrainConfig):
                             f"(max_len counts prompt + completion) — raise max_len")
         if self.parallel == "fsdp":
             raise UserError("parallel=fsdp: GRPO samples with the whole model on each rank — use parallel=ddp")
+        if self.loss_type == "rloo" and self.scale_rewards != "group":
+            raise UserError(f"scale_rewards={self.scale_rewards}: loss_type=rloo's advantages are leave-one-out, not "
+                            f"scaled by a std — drop scale_rewards, or use normalize_advantages=true")
+        if self.normalize_advantages and self.loss_type != "rloo":
+            raise UserError(f"normalize_advantages=true: belongs to loss_type=rloo — use scale_rewards with "
+                            f"loss_type={self.loss_type}")
         if self.beta and self.finetune == "full":
             raise UserError(f"beta={self.beta}: the reference is the model with its adapter switched off, which "
                             f"finetune=full has none of — use finetune=lora, or beta=0")

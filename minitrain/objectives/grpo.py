@@ -39,6 +39,7 @@ from minitrain.objectives.configs import GRPO_LOSS_TYPES, GRPOConfig
 from minitrain.objectives.losses import chunked_token_logprobs, default_chunk
 from minitrain.objectives.reference import dropout_off
 from minitrain.objectives.rewards import score
+from minitrain.objectives.rloo import rloo_advantages, rloo_loss
 from minitrain.objectives.sampling import sample
 from minitrain.progress import strict_json
 
@@ -373,23 +374,38 @@ class GRPOObjective:
         columns = {k: [v for v in vs for _ in range(G)] for k, vs in batch["columns"].items()}
         rows = [r for r in batch["rows"] for _ in range(G)]
         per_func = score(self.rewards, prompts, completions, ids, columns, rows)  # (N, F)
-        advantages, rewards, zero_std = group_advantages(per_func, self.weights, G, cfg.scale_rewards,
-                                                         counted=not batch.get("placeholder", False))
+        rloo = cfg.loss_type == "rloo"
+        if not rloo:
+            advantages, rewards, zero_std = group_advantages(per_func, self.weights, G, cfg.scale_rewards,
+                                                             counted=not batch.get("placeholder", False))
         mask = comp.mask
         if cfg.mask_truncated_completions:
             mask = mask * (~comp.truncated)[:, None].long()
         device = prompt_ids.device
         r = {"prompt_ids": prompt_ids.repeat_interleave(G, 0), "prompt_mask": prompt_mask.repeat_interleave(G, 0),
-             "completion_ids": comp.ids, "completion_mask": mask.to(device), "advantages": advantages.to(device),
-             "old_logps": None, "ref_logps": None}
-        if cfg.num_iterations > 1:  # the sampling policy's log-probs, for the steps that reuse this rollout
+             "completion_ids": comp.ids, "completion_mask": mask.to(device), "old_logps": None, "ref_logps": None}
+        if cfg.num_iterations > 1 or (rloo and cfg.beta):  # the sampling policy's log-probs (RLOO's KL is against them)
             with dropout_off(model):
                 r["old_logps"] = self._logps(model, r)[0]
         if cfg.beta:
             with dropout_off(model), self.reference.applied(model):
                 r["ref_logps"] = self._logps(model, r)[0]
+        extra = {}
+        if rloo:  # the KL penalty in the reward, then the leave-one-out baseline (minitrain.objectives.rloo)
+            kl = None
+            if cfg.beta:
+                per_token = (r["old_logps"] - r["ref_logps"]) * r["completion_mask"]
+                kl = per_token.sum(-1).cpu()
+                extra["kl"] = float(per_token.sum()) / max(float(r["completion_mask"].sum()), 1.0)
+            advantages, _, zero_std = rloo_advantages(per_func, self.weights, G, kl=kl, beta=cfg.beta,
+                                                      normalize=cfg.normalize_advantages,
+                                                      counted=not batch.get("placeholder", False))
+            rewards = (per_func * self.weights[None]).nansum(dim=1)  # logged without the penalty, as TRL
+            rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+        r["advantages"] = advantages.to(device)
         valid = ~torch.isnan(rewards)
         r["metrics"] = {
+            **extra,
             "reward": float(rewards[valid].mean()) if valid.any() else float("nan"),
             "reward_std": float(nanstd(rewards)) if valid.sum() > 1 else 0.0,
             **{f"rewards/{name}/mean": float(torch.nanmean(per_func[:, j]))
@@ -411,8 +427,12 @@ class GRPOObjective:
     def loss(self, model: nn.Module, r: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:
         cfg = self.cfg
         logps, ent = self._logps(model, r, entropy=True)
-        loss_sum, count, st = grpo_loss(logps, r["advantages"], r["completion_mask"], **loss_settings(cfg),
-                                        old_logps=r["old_logps"], ref_logps=r["ref_logps"])
+        if cfg.loss_type == "rloo":  # the KL is in the advantages already
+            loss_sum, count, st = rloo_loss(logps, r["advantages"], r["completion_mask"], old_logps=r["old_logps"],
+                                            epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
+        else:
+            loss_sum, count, st = grpo_loss(logps, r["advantages"], r["completion_mask"], **loss_settings(cfg),
+                                            old_logps=r["old_logps"], ref_logps=r["ref_logps"])
         tokens = max(float(st["tokens"]), 1.0)
         metrics = {**r["metrics"], "entropy": float(ent.sum()) / tokens,
                    **{k: float(a) / max(float(n), 1.0) for k, (a, n) in st["means"].items()}}

@@ -294,7 +294,7 @@ def test_a_planted_rank_0_collective_is_caught(tiny_model, tmp_path, plant):
     head, sep, rest = text.partition("\ndef run(config")
     signature, colon, body = rest.partition(":\n")
     assert sep and colon
-    recipe.write_text(f"{head}\nimport torch\nfrom minitrain import distributed\n{sep}{signature}{colon}\n    "
+    recipe.write_text(f"{head}\nimport torch\nfrom minitrain.parallel import distributed\n{sep}{signature}{colon}\n    "
                       f"{PLANTED[plant]}{body}")
     data = REPO / "tests" / "bad_inputs" / "data" / "good.jsonl"
     out, trace = tmp_path / "out", tmp_path / "trace"

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from minitrain import distributed
+from minitrain.parallel import distributed
 
 STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
 

@@ -347,7 +347,8 @@ def test_help_lists_docstring_and_fields(capsys, recipe, flag):
 
 def test_help_without_recipe(capsys):
     code, out, _ = cli(capsys, "--help")
-    assert code == 0 and "usage: python -m minitrain RECIPE [key=value ...]" in out and "minitrain ls" in out
+    assert code == 0 and "usage: minitrain RECIPE [key=value ...]" in out and "minitrain ls" in out
+    assert "  minitrain merge --model DIR" in out and "  minitrain cache [list|clear" in out  # every command
 
 
 def _python_m(*argv, cwd=REPO) -> subprocess.CompletedProcess:

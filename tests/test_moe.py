@@ -356,6 +356,42 @@ def test_aux_loss_off_by_default_is_logged_not_added(hf_causal):
     assert sft(ours, {"input_ids": ids, "attention_mask": mask, "labels": labels})[2] == {}
 
 
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
+def test_preference_objectives_add_the_aux_loss_as_trl(hf_causal, tmp_path, objective):
+    """With `output_router_logits` on, DPO / ORPO / KTO add `router_aux_loss_coef` x transformers'
+    `aux_loss` of the policy forward (DPO / ORPO: the padded [chosen; rejected] rows; KTO: the
+    completion rows, not the KL rows) to the mean loss per pair, as TRL's trainers add it; off
+    (transformers' default), the loss is the preference loss alone and `aux_loss` is still logged."""
+    from minitrain.objectives.dpo import DPOObjective
+    from minitrain.objectives.kto import KTOObjective
+    from minitrain.objectives.preference import ReferenceFreeObjective
+
+    folder = tmp_path / "model"
+    shutil.copytree(hub_checkpoint(hf_causal, "qwen3_moe"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
+                                                    "router_aux_loss_coef": 0.5}))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 128, (4, 14), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = mask[2, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :4] = -100  # the prompt
+    zeros = torch.zeros(2)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "num_pairs": 2, "ref_chosen_logps": zeros,
+             "ref_rejected_logps": zeros, "ref_logps": zeros, "ref_kl_logps": zeros, "label": torch.tensor([True, False])}
+    run = {"dpo": DPOObjective(beta=0.1), "orpo": ReferenceFreeObjective("orpo", beta=0.1), "kto": KTOObjective(beta=0.1)}[objective]
+    rows = slice(0, 2) if objective == "kto" else slice(0, 4)
+    ref = load_hf(folder).train()(input_ids=ids[rows], attention_mask=mask[rows], output_router_logits=True).aux_loss.detach()
+    ours = load_ours(folder).train()
+    on, count, metrics = run(ours, batch)
+    ours.config.output_router_logits = False
+    off, _, metrics_off = run(ours, batch)
+    assert count == 2 and abs(metrics["aux_loss"] - float(ref)) <= 1e-5 and metrics_off["aux_loss"] == metrics["aux_loss"]
+    assert float(ref) * 0.5 > 1e-2
+    assert abs(float((on - off).detach()) / 2 - 0.5 * float(ref)) <= 1e-5
+
 # ------------------------------------------------------------------------------ LoRA on the experts
 
 # what each family's adapter targets: the recipes' default names (Qwen3-MoE: they reach the experts, as in

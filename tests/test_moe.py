@@ -14,6 +14,7 @@ choices are not near-ties that float rounding could flip.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -582,3 +583,129 @@ def test_aux_loss_and_trained_router_under_checkpointing(hf_causal, tmp_path):
     assert float(plain["model.layers.0.mlp.gate.weight"].abs().max()) > 0
     for n in plain:
         assert torch.equal(plain[n], ck[n]), n
+
+
+# ------------------------------------------------------------------------------ every objective and path
+
+
+@pytest.fixture(scope="module")
+def moe_model(hf_causal, tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE with a BPE tokenizer (what a recipe needs), made once."""
+    from _tok import make_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("moe_cli") / "model"
+    shutil.copytree(hub_checkpoint(hf_causal, "qwen3_moe"), folder)
+    make_bpe_tokenizer(folder)
+    return folder
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recipe", ["dpo_mistral.py", "kto_mistral.py", "grpo_qwen.py"])
+def test_preference_and_grpo_recipes_train_the_experts(moe_model, recipe_inputs, tmp_path, capsys, recipe):
+    """Each recipe as the user runs it on the tiny Qwen3-MoE, LoRA on all linears and the experts: the
+    audit passes over the expert adapters, 2 steps with finite losses, the saved adapter carries the
+    experts (peft's `target_parameters`); DPO / KTO log the router's aux_loss and expert loads."""
+    from _recipes import args_for
+
+    from minitrain.cli import run_cli
+
+    argv = args_for(recipe, {**recipe_inputs, "llama": moe_model, "mistral": moe_model, "root": tmp_path})
+    assert run_cli(argv + ["max_steps=2", "log_every=1", "lora_targets=all-linear"]) == 0, capsys.readouterr().err
+    text = "".join(capsys.readouterr())
+    assert "audit: healthy" in text and "expert weights (16 experts' pairs" in text
+    rows = [r for r in _metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    if recipe != "grpo_qwen.py":
+        assert rows[-1]["aux_loss"] > 0 and 0 < rows[-1]["expert_load/0"] <= 1
+    config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_grpo_sampler_greedy_equals_peft_generate_on_experts(hf_causal, tmp_path):
+    """GRPO's sampler (its KV cache, the expert adapters grouped as in training) on Qwen3-MoE with a
+    trained-looking adapter on the experts and attention: greedy completions equal transformers + peft's
+    `generate` with the same adapter (loaded from our peft-format save)."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+    from minitrain.objectives.sampling import sample
+
+    folder = hub_checkpoint(hf_causal, "qwen3_moe")
+    ours = load_ours(folder).train()
+    cfg = LoRAConfig(r=2, alpha=4, targets=LORA_TARGETS["qwen3_moe"])
+    apply_lora(ours, cfg)
+    _randomise_lora(ours)
+    save_adapter(ours, tmp_path / "adapter", cfg)
+    hf = peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "adapter").eval()
+    prompt_ids = torch.tensor([[0, 0, 1, 17, 23, 5], [1, 40, 41, 42, 43, 44]])
+    prompt_mask = (prompt_ids != 0).long()
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=10, do_sample=False,
+                      pad_token_id=0)[:, 6:]
+    got = sample(ours, prompt_ids, prompt_mask, new_cache=models.family(ours).KVCache, num_generations=2,
+                 max_new_tokens=10, greedy=True, eos_ids=[], pad_id=0)
+    assert torch.equal(got.ids, ref.repeat_interleave(2, 0))
+
+
+def test_full_finetune_equals_transformers_trained_with_torch_adamw(moe_model, tmp_path, capsys):
+    """`finetune=full` on Qwen3-MoE: every tensor trains (the 3-D experts and the router too) and the
+    saved folder equals transformers' own model trained by a plain loop with torch's AdamW on the same
+    batch; transformers loads it."""
+    from test_full_finetune import argv, close_moves, hand_loop, the_batch
+
+    from minitrain.cli import run_cli
+
+    out = tmp_path / "run"
+    assert run_cli(argv(moe_model, out)) == 0, capsys.readouterr().err
+    log = capsys.readouterr().out
+    n_tensors = len(list(load_hf(moe_model).parameters()))
+    assert f"audit: healthy — {n_tensors} of {n_tensors} trainable tensors" in log
+    hf = load_hf(moe_model).train()
+    start = {k: v.clone() for k, v in hf.state_dict().items()}
+    batch = the_batch(moe_model)
+    hand_loop(hf, batch, lambda b: hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits)
+    saved = load_hf(out / "model")
+    want = hf.state_dict()
+    assert set(saved.state_dict()) == set(want)
+    assert float((want["model.layers.0.mlp.experts.gate_up_proj"] - start["model.layers.0.mlp.experts.gate_up_proj"])
+                 .abs().max()) > 1e-4
+    for k, v in saved.state_dict().items():
+        assert close_moves(v, want[k], start[k]), k
+
+
+def test_resumed_run_equals_the_uninterrupted_one(moe_model, recipe_inputs, tmp_path, capsys):
+    """SFT on Qwen3-MoE stopped after step 2 (`stop_after`) and resumed ends with the uninterrupted
+    run's metrics (aux_loss and expert loads included) and its adapter, bit for bit."""
+    from _recipes import args_for
+    from test_resume import steady
+
+    from minitrain.cli import run_cli
+
+    def run(out: Path, *extra: str) -> None:
+        argv = args_for("sft.py", {**recipe_inputs, "llama": moe_model, "root": out})
+        assert run_cli(argv + ["max_steps=4", "save_every=2", "log_every=1", "lora_dropout=0.1", *extra]) == 0, \
+            capsys.readouterr().err
+
+    run(tmp_path / "a")
+    run(tmp_path / "b", "stop_after=2")
+    assert [r["step"] for r in _metrics(tmp_path / "b" / "out") if "loss" in r] == [1, 2]
+    run(tmp_path / "b", "resume=true")
+    straight, resumed = _metrics(tmp_path / "a" / "out"), _metrics(tmp_path / "b" / "out")
+    assert steady(resumed) == steady(straight) and "aux_loss" in straight[-1]
+    a = load_file(tmp_path / "a" / "out" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "out" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_only_equals_transformers(moe_model, tmp_path, capsys):
+    """`eval_only=true` on Qwen3-MoE: the held-out loss is transformers' cross-entropy on the same ids."""
+    from test_eval_only import cli, hf_eval_loss, only_eval_written
+
+    data = Path(__file__).parent / "bad_inputs" / "data" / "good.jsonl"
+    code, out, err = cli(capsys, "sft.py", model=moe_model, data=data, eval_data=data, out=tmp_path / "e",
+                         eval_only="true", chat_format="mistral")
+    assert code == 0, err
+    assert only_eval_written(tmp_path / "e")["eval/loss"] == pytest.approx(hf_eval_loss(moe_model, data), rel=1e-5)

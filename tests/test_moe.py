@@ -479,7 +479,7 @@ def test_expert_lora_report_and_refusals(hf_causal):
     with pytest.raises(UserError, match="also name up_proj"):
         apply_lora(load_ours(hub_checkpoint(hf_causal, "qwen3_moe")), LoRAConfig(r=2, targets=("q_proj", "gate_proj")))
     dense = load_ours(hf_causal("moe_dense_llama"))
-    with pytest.raises(UserError, match="'experts.down_proj' matches no module"):
+    with pytest.raises(UserError, match="'experts.down_proj' names a mixture-of-experts parameter, but this model has no experts"):
         apply_lora(dense, LoRAConfig(r=2, targets=("q_proj", "experts.down_proj")))
 
 

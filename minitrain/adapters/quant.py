@@ -19,6 +19,7 @@ adapters (minitrain.adapters.lora) wrap these layers and train float tensors bes
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Literal
 
 import torch
@@ -36,12 +37,15 @@ def require_bitsandbytes():
 
     On a CPU with AVX512-BF16, bitsandbytes' import logs that it failed to fetch an optional kernel from
     the Hugging Face hub (the `kernels` package): it then uses its own CPU kernels, and there is nothing
-    for the user to do, so its log is held below errors while it imports."""
+    for the user to do, so its log is held below errors while it imports; so are the deprecation
+    warnings of the torch APIs it uses (`torch.jit.script_method`), which are its to act on."""
     quiet = logging.getLogger("bitsandbytes")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        import bitsandbytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import bitsandbytes
     except ImportError as e:
         raise UserError(f"quantized loading: bitsandbytes is not installed ({e}) — {INSTALL}") from None
     finally:

@@ -709,3 +709,39 @@ def test_eval_only_equals_transformers(moe_model, tmp_path, capsys):
                          eval_only="true", chat_format="mistral")
     assert code == 0, err
     assert only_eval_written(tmp_path / "e")["eval/loss"] == pytest.approx(hf_eval_loss(moe_model, data), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_shard_the_experts_and_equal_one_process(hf_causal, fused_checkpoints, tmp_path, capsys):
+    """`parallel=fsdp` over 2 gloo ranks on a fused Qwen3-MoE checkpoint: each rank reads and holds its
+    half of every tensor (the 3-D experts too), the expert adapters are drawn as one process draws them,
+    and the trained adapter equals the one-process run's. A Hub-layout checkpoint (one tensor per
+    expert) is refused with one line before anything is read."""
+    from _tok import make_bpe_tokenizer
+    from test_distributed import cli_args, max_abs_diff
+    from test_fsdp_load import size_after, torchrun
+
+    from minitrain import fsdp
+    from minitrain.cli import run_cli
+    from minitrain.weights import open_pretrained
+
+    model = tmp_path / "model"
+    shutil.copytree(fused_checkpoints("qwen3_moe"), model)
+    make_bpe_tokenizer(model)
+    keys = ["lora_targets=all-linear", "lr=1e-2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(cli_args(model, one, *keys)) == 0, capsys.readouterr().err
+    p = torchrun(cli_args(model, two, *keys, "parallel=fsdp"))
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
+    assert size_after(line, " holds ") <= 0.55 * size_after(line, " model's "), line
+    want = load_file(one / "adapter" / "adapter_model.safetensors")
+    got = load_file(two / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in got
+    assert max_abs_diff(got, want) <= 1e-5
+    assert max(float(t.abs().max()) for k, t in got.items() if "experts" in k and "lora_B" in k) > 1e-3  # trained
+
+    hub = hub_checkpoint(hf_causal, "qwen3_moe")
+    built, headers = open_pretrained(hub, models.from_hf_config)
+    with pytest.raises(UserError, match="parallel=fsdp reads whole tensors by rows, and this checkpoint stores the "
+                                        "experts in another form"):
+        fsdp.defer_weights(built, hub, headers, torch.float32, torch.device("cpu"))

@@ -358,6 +358,37 @@ def test_aux_loss_off_by_default_is_logged_not_added(hf_causal):
 
 
 
+
+def test_router_z_loss_is_st_moes_formula_and_through_the_cli(hf_causal, moe_model, recipe_inputs, tmp_path, capsys):
+    """`router_z_loss_coef`: SFT adds coef x ST-MoE's z-loss, which equals transformers' own
+    `router_z_loss_func` (Switch Transformers) over transformers' router logits of every sparse layer
+    (real tokens of an unpadded batch); logged as z_loss through the CLI; on a dense model, one line."""
+    from _recipes import args_for
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+
+    from minitrain.cli import run_cli
+    from minitrain.objectives.sft import sft
+
+    folder = hub_checkpoint(hf_causal, "mixtral")  # every layer sparse
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    ours = load_ours(folder).train()
+    plain, count, _ = sft(ours, batch)
+    ours.router_z_loss_coef = 0.5
+    with_z, _, metrics = sft(ours, batch)
+    logits = load_hf(folder)(input_ids=ids, output_router_logits=True).router_logits  # (N, E) per layer
+    want = float(router_z_loss_func(torch.cat(logits).detach()[None]))
+    assert abs(metrics["z_loss"] - want) <= 1e-5 * want and want > 1
+    assert abs(float((with_z - plain).detach()) / count - 0.5 * want) <= 1e-4
+
+    argv = args_for("sft.py", {**recipe_inputs, "llama": moe_model, "root": tmp_path})
+    assert run_cli(argv + ["max_steps=1", "router_z_loss_coef=0.001"]) == 0, capsys.readouterr().err
+    assert _metrics(tmp_path / "out")[-1]["z_loss"] > 0
+    dense = args_for("sft.py", {**recipe_inputs, "root": tmp_path / "dense"}) + ["router_z_loss_coef=0.001"]
+    assert run_cli(dense) == 2
+    assert capsys.readouterr().err.strip().endswith("is not a mixture-of-experts model (no router to regularise) "
+                                                    "— drop router_z_loss_coef")
+
 @pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
 def test_preference_objectives_add_the_aux_loss_as_trl(hf_causal, tmp_path, objective):
     """With `output_router_logits` on, DPO / ORPO / KTO add `router_aux_loss_coef` x transformers'

@@ -1118,8 +1118,14 @@ class Experts(nn.Module):
 
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         """The grouped product of projection `name` ("gate_up_proj" / "down_proj") over rows sorted by
-        expert, plus `deltas[name]`'s term when an adapter put one there."""
-        y = grouped_linear(x, getattr(self, name), counts, sizes, getattr(self, f"{name}_bias", None), self.in_out)
+        expert, plus `deltas[name]`'s term when an adapter put one there. A projection held in another
+        form (a module in the parameter's place: quantized experts) computes its product itself,
+        called `(x, counts, sizes)` (out_in layout, no bias)."""
+        w = getattr(self, name)
+        if isinstance(w, nn.Module):
+            y = w(x, counts, sizes)
+        else:
+            y = grouped_linear(x, w, counts, sizes, getattr(self, f"{name}_bias", None), self.in_out)
         delta = self.deltas[name](x, counts, sizes, grouped_linear) if name in self.deltas else None
         return y if delta is None else y + delta
 

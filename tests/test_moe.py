@@ -571,15 +571,71 @@ def test_sft_cli_on_qwen3_moe_trains_the_experts(hf_causal, tmp_path, capsys):
     torch.testing.assert_close(logits_of(ours, TOKENS), logits_of(ref, TOKENS), rtol=0, atol=1e-5)
 
 
-def test_quantize_on_an_moe_model_is_one_line(hf_causal, mxfp4_checkpoint):
-    """quantize= reaches only linear layers; on an MoE (gpt-oss's MXFP4 experts included) the experts
-    would stay unquantized, so it is refused before anything loads, not half applied."""
+def test_quantize_on_gpt_oss_experts_is_one_line(hf_causal, mxfp4_checkpoint):
+    """gpt-oss's experts (in-out layout with biases; MXFP4 in its checkpoints) are not quantized: refused
+    before anything loads, not half applied; ternary reaches linears only, so it is refused on any MoE."""
     pytest.importorskip("bitsandbytes")
     from minitrain.adapters.quant import quantize_hook
 
-    for folder in (hub_checkpoint(hf_causal, "qwen3_moe"), mxfp4_checkpoint):
-        with pytest.raises(UserError, match="quantize=nf4: this mixture-of-experts model .* — drop quantize="):
+    for folder in (hub_checkpoint(hf_causal, "gpt_oss"), mxfp4_checkpoint):
+        with pytest.raises(UserError, match="quantize=nf4: this model's experts \\(gpt-oss: .*\\) are not ones "
+                                            "minitrain quantizes — drop quantize="):
             load_pretrained(folder, models.from_hf_config, tensor_hook=quantize_hook("nf4", torch.float32))
+    with pytest.raises(UserError, match="quantize=ternary: reaches linear layers only"):
+        load_pretrained(hub_checkpoint(hf_causal, "qwen3_moe"), models.from_hf_config,
+                        tensor_hook=quantize_hook("ternary", torch.float32))
+
+
+def _bnb_expert(bnb, w: torch.Tensor, kind: str) -> torch.Tensor:
+    """One expert's (out, in) matrix quantized and dequantized by bitsandbytes alone (the reference)."""
+    f = bnb.functional
+    if kind == "nf4":
+        return f.dequantize_4bit(*f.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4"))
+    return f.int8_vectorwise_dequant(*f.int8_vectorwise_quant(w.contiguous())[:2])
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+def test_qlora_quantizes_each_expert_as_bitsandbytes(hf_causal, fused_checkpoints, kind, layout):
+    """quantize=nf4 / int8 on Qwen3-MoE, both layouts (the Hub's parts quantized once all have arrived):
+    each expert's matrix is what bitsandbytes makes of it alone, held packed (nf4: half a byte a weight);
+    nf4: the model with expert LoRA gives the logits and adapter gradients of a float model holding the
+    same dequantized weights (the experts' backward dequantizes again instead of keeping the matrices)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters, logical_numel
+    from minitrain.adapters.quant import quantize_hook
+    from minitrain.objectives.sft import sft
+
+    folder = checkpoint(hf_causal, fused_checkpoints, "qwen3_moe", layout)
+    q = load_pretrained(folder, models.from_hf_config, tensor_hook=quantize_hook(kind, torch.float32))
+    f = load_ours(folder)
+    for name in ("gate_up_proj", "down_proj"):
+        store, w = q.model.layers[0].mlp.experts.get_submodule(name), f.model.layers[0].mlp.experts.get_parameter(name)
+        assert store.weight.numel() * (2 if kind == "nf4" else 1) == w.numel() == logical_numel(store.weight)
+        for e in range(w.shape[0]):
+            assert torch.equal(store.matrix(e), _bnb_expert(bnb, w[e], kind)), (name, e)
+    if kind != "nf4":
+        return
+    with torch.no_grad():  # the float twin: every quantized weight replaced by its dequantized value
+        for n, m in q.named_modules():
+            if isinstance(m, bnb.nn.Linear4bit):
+                f.get_submodule(n).weight.copy_(bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state))
+            elif hasattr(m, "matrix"):
+                f.get_parameter(n).copy_(torch.stack([m.matrix(e) for e in range(m.shape[0])]))
+    ids, mask = make_batch("right")
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    grads = []
+    for model in (q, f):
+        cfg = LoRAConfig(r=2, targets="all-linear")
+        apply_lora(model.train(), cfg)
+        freeze_for_adapters(model, cfg)
+        _randomise_lora(model)
+        loss_sum, count, _ = sft(model, batch)
+        (loss_sum / count).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and any("experts.deltas" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6)
 
 
 def test_aux_loss_and_trained_router_under_checkpointing(hf_causal, tmp_path):
@@ -776,3 +832,25 @@ def test_fsdp_two_ranks_shard_the_experts_and_equal_one_process(hf_causal, fused
     with pytest.raises(UserError, match="parallel=fsdp reads whole tensors by rows, and this checkpoint stores the "
                                         "experts in another form"):
         fsdp.defer_weights(built, hub, headers, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_qlora_sft_cli_trains_the_experts(moe_model, recipe_inputs, tmp_path, capsys, kind):
+    """`recipes/sft.py quantize=nf4|int8` on Qwen3-MoE: the base loads quantized (the experts each expert
+    apart), the audit passes over the expert adapters, two finite steps, the saved adapter's expert
+    pairs moved off zero."""
+    pytest.importorskip("bitsandbytes")
+    from _recipes import args_for
+
+    from minitrain.cli import run_cli
+
+    argv = args_for("sft.py", {**recipe_inputs, "llama": moe_model, "root": tmp_path})
+    assert run_cli(argv + ["max_steps=2", "log_every=1", "lora_targets=all-linear", f"quantize={kind}",
+                           "lr=1e-2"]) == 0, capsys.readouterr().err
+    text = "".join(capsys.readouterr())
+    assert f"base in {kind}" in text and "audit: healthy" in text and "expert weights (16 experts' pairs" in text
+    rows = [r for r in _metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    saved = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    b = saved["base_model.model.model.layers.0.mlp.experts.lora_B.weight"]
+    assert b.dtype == torch.float32 and float(b.abs().max()) > 1e-4

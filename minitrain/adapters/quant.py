@@ -103,7 +103,7 @@ def quantize_hook(
             if leaf in getattr(experts, "expert_projections", ()):  # an MoE's experts, each matrix quantized
                 from minitrain.adapters.quant_experts import QuantizedExpertWeight
 
-                store = QuantizedExpertWeight(tensor, kind, compute_dtype)
+                store = QuantizedExpertWeight(tensor, kind, compute_dtype, bnb)
                 del experts._parameters[leaf]  # (a parameter's name takes a module only once it is free)
                 experts.add_module(leaf, store)
                 return True

@@ -17,6 +17,8 @@ The int8 product is on the dequantized weight (weight-only int8), not LLM.int8's
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -43,11 +45,9 @@ class QuantizedExpertWeight(nn.Module):
 
     requires_grad = False  # as the parameter it stands for (a FLOP count reads it)
 
-    def __init__(self, w: torch.Tensor, kind: str, compute_dtype: torch.dtype) -> None:
+    def __init__(self, w: torch.Tensor, kind: str, compute_dtype: torch.dtype, bnb: Any) -> None:
+        """`bnb`: the bitsandbytes module (`minitrain.adapters.quant.require_bitsandbytes`)."""
         super().__init__()
-        from minitrain.adapters.quant import require_bitsandbytes
-
-        bnb = require_bitsandbytes()
         self.kind, self.compute_dtype, self.shape = kind, compute_dtype, w.shape
         w = w.detach().to(compute_dtype)
         if kind == "nf4":

@@ -717,8 +717,9 @@ def test_grpo_sampler_greedy_equals_peft_generate_on_experts(hf_causal, tmp_path
     `generate` with the same adapter (loaded from our peft-format save)."""
     peft = pytest.importorskip("peft")
     from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from test_grpo import assert_sampler_greedy_equals_generate
+
     from minitrain.adapters.peft_format import save_adapter
-    from minitrain.objectives.sampling import sample
 
     folder = hub_checkpoint(hf_causal, "qwen3_moe")
     ours = load_ours(folder).train()
@@ -726,15 +727,7 @@ def test_grpo_sampler_greedy_equals_peft_generate_on_experts(hf_causal, tmp_path
     apply_lora(ours, cfg)
     _randomise_lora(ours)
     save_adapter(ours, tmp_path / "adapter", cfg)
-    hf = peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "adapter").eval()
-    prompt_ids = torch.tensor([[0, 0, 1, 17, 23, 5], [1, 40, 41, 42, 43, 44]])
-    prompt_mask = (prompt_ids != 0).long()
-    hf.generation_config.eos_token_id = None
-    ref = hf.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=10, do_sample=False,
-                      pad_token_id=0)[:, 6:]
-    got = sample(ours, prompt_ids, prompt_mask, new_cache=models.family(ours).KVCache, num_generations=2,
-                 max_new_tokens=10, greedy=True, eos_ids=[], pad_id=0)
-    assert torch.equal(got.ids, ref.repeat_interleave(2, 0))
+    assert_sampler_greedy_equals_generate(ours, peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "adapter"))
 
 
 def test_full_finetune_equals_transformers_trained_with_torch_adamw(moe_model, tmp_path, capsys):

@@ -711,19 +711,21 @@ def test_preference_and_grpo_recipes_train_the_experts(moe_model, recipe_inputs,
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def test_grpo_sampler_greedy_equals_peft_generate_on_experts(hf_causal, tmp_path):
-    """GRPO's sampler (its KV cache, the expert adapters grouped as in training) on Qwen3-MoE with a
-    trained-looking adapter on the experts and attention: greedy completions equal transformers + peft's
-    `generate` with the same adapter (loaded from our peft-format save)."""
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_grpo_sampler_greedy_equals_peft_generate_on_experts(hf_causal, tmp_path, name):
+    """GRPO's sampler (its KV cache; Mixtral's window and gpt-oss's sinks and sliding layers shorter than
+    the 16 positions; the expert adapters grouped as in training) with a trained-looking adapter on the
+    experts and attention: greedy completions equal transformers + peft's `generate` with the same
+    adapter (loaded from our peft-format save)."""
     peft = pytest.importorskip("peft")
     from minitrain.adapters.lora import LoRAConfig, apply_lora
     from test_grpo import assert_sampler_greedy_equals_generate
 
     from minitrain.adapters.peft_format import save_adapter
 
-    folder = hub_checkpoint(hf_causal, "qwen3_moe")
+    folder = hub_checkpoint(hf_causal, name)
     ours = load_ours(folder).train()
-    cfg = LoRAConfig(r=2, alpha=4, targets=LORA_TARGETS["qwen3_moe"])
+    cfg = LoRAConfig(r=2, alpha=4, targets=LORA_TARGETS[name])
     apply_lora(ours, cfg)
     _randomise_lora(ours)
     save_adapter(ours, tmp_path / "adapter", cfg)

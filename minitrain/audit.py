@@ -223,6 +223,8 @@ def _expert_tokens(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     routed: dict[str, torch.Tensor] = {}
 
     def pre(m, args, _name):
+        if len(args) < 2 or not isinstance(args[1], torch.Tensor):  # (not called as the contract says: no count)
+            return
         got = torch.bincount(args[1].detach().flatten().cpu(), minlength=m.num_experts)
         routed[_name] = routed[_name] + got if _name in routed else got
 

@@ -794,11 +794,11 @@ def test_eval_only_equals_transformers(moe_model, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_fsdp_two_ranks_shard_the_experts_and_equal_one_process(hf_causal, fused_checkpoints, tmp_path, capsys):
-    """`parallel=fsdp` over 2 gloo ranks on a fused Qwen3-MoE checkpoint: each rank reads and holds its
-    half of every tensor (the 3-D experts too), the expert adapters are drawn as one process draws them,
-    and the trained adapter equals the one-process run's. A Hub-layout checkpoint (one tensor per
-    expert) is refused with one line before anything is read."""
+def test_ddp_and_fsdp_two_ranks_equal_one_process(hf_causal, fused_checkpoints, tmp_path, capsys):
+    """2 gloo ranks on a fused Qwen3-MoE checkpoint, LoRA on the experts: `parallel=ddp` and
+    `parallel=fsdp` (each rank reads and holds its half of every tensor, the 3-D experts too; the expert
+    adapters drawn as one process draws them) train the one-process run's adapter. A Hub-layout
+    checkpoint (one tensor per expert) is refused under fsdp with one line before anything is read."""
     from _tok import make_bpe_tokenizer
     from test_distributed import cli_args, max_abs_diff
     from test_fsdp_load import size_after, torchrun
@@ -813,10 +813,12 @@ def test_fsdp_two_ranks_shard_the_experts_and_equal_one_process(hf_causal, fused
     keys = ["lora_targets=all-linear", "lr=1e-2"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert run_cli(cli_args(model, one, *keys)) == 0, capsys.readouterr().err
+    torchrun(cli_args(model, tmp_path / "ddp", *keys))
+    want = load_file(one / "adapter" / "adapter_model.safetensors")
+    assert max_abs_diff(load_file(tmp_path / "ddp" / "adapter" / "adapter_model.safetensors"), want) <= 1e-5
     p = torchrun(cli_args(model, two, *keys, "parallel=fsdp"))
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
     assert size_after(line, " holds ") <= 0.55 * size_after(line, " model's "), line
-    want = load_file(one / "adapter" / "adapter_model.safetensors")
     got = load_file(two / "adapter" / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in got
     assert max_abs_diff(got, want) <= 1e-5

@@ -1176,7 +1176,9 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])  # (N, D)
         logits, weights, indices = self.top_k_router(h)
-        if self.training:
+        # kept for the loss's routing terms; not by activation checkpointing's recompute, which runs inside
+        # the backward: its logits' graph (the block's recomputed activations) would outlive the step
+        if self.training and torch._C._current_graph_task_id() == -1:
             self.routing = (logits, indices)
         y = self.experts(h, indices, weights)
         if hasattr(self, "shared_expert"):

@@ -215,6 +215,41 @@ def _record_calls(model: nn.Module) -> Iterator[tuple[dict[str, list[_Call]], se
             h.remove()
 
 
+@contextlib.contextmanager
+def _expert_tokens(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """How many (token, expert) pairs each expert of each experts module received in the forward run
+    inside: {module name: (E,) counts} (the MoE contract: a module with `expert_projections` and
+    `num_experts`, called `(x, indices (N, K), weights)`)."""
+    routed: dict[str, torch.Tensor] = {}
+
+    def pre(m, args, _name):
+        if len(args) < 2 or not isinstance(args[1], torch.Tensor):  # (not called as the contract says: no count)
+            return
+        got = torch.bincount(args[1].detach().flatten().cpu(), minlength=m.num_experts)
+        routed[_name] = routed[_name] + got if _name in routed else got
+
+    handles = [m.register_forward_pre_hook(lambda m, args, _name=name: pre(m, args, _name))
+               for name, m in model.named_modules() if hasattr(m, "expert_projections")]
+    try:
+        yield routed
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _idle_experts(routed: dict[str, torch.Tensor]) -> list[str]:
+    """A note naming the experts that received no token of the audit batch: their slices of the expert
+    weights and adapters get no gradient from it, which is routing (each token goes to its top k),
+    not a cut path — the tensors they live in are audited whole, and another batch reaches them."""
+    idle = [(name, int((c == 0).sum()), c.numel()) for name, c in routed.items() if bool((c == 0).any())]
+    if not idle:
+        return []
+    shown = ", ".join(f"{name} {k} of {E}" for name, k, E in idle[:3]) + (f" and {len(idle) - 3} more layers"
+                                                                         if len(idle) > 3 else "")
+    return [f"experts that received no token of the audit batch (routing, not a cut path: their slices of the "
+            f"expert tensors get no gradient from this batch alone): {shown}"]
+
+
 def _reachable_leaves(loss: torch.Tensor) -> set[int]:
     """ids of the leaf tensors the autograd graph of `loss` accumulates into."""
     seen, found, stack = set(), set(), [loss.grad_fn]
@@ -295,7 +330,7 @@ def audit(
         try:
             for _, p in trainable:
                 p.grad = None
-            with _record_calls(model) as (calls, reentrant):
+            with _record_calls(model) as (calls, reentrant), _expert_tokens(model) as routed:
                 loss = _forward_loss(model, objective, batch, amp_dtype)
             loss_value = float(loss.detach().float())
             if not math.isfinite(loss_value):
@@ -331,6 +366,7 @@ def audit(
             numeric.append(f"{t.name}: non-finite gradient — check the data, the learning rate and the precision")
     stuck, warnings = _unexplained_zeros(model, statuses, len(trainable))
     problems += stuck
+    notes += _idle_experts(routed)
     return AuditReport(
         tensors=list(statuses.values()),
         problems=problems,

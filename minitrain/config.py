@@ -160,6 +160,9 @@ class TrainConfig:
     modules_to_save: list[str] = doc([], "modules to train fully (e.g. lm_head): costly, reported loudly",
                                      example=["lm_head"])
     init_adapter: str = doc("", "continue training this saved adapter folder (loaded trainable)")
+    router_z_loss_coef: float = doc(0.0, "mixture-of-experts: add this x the router z-loss (ST-MoE: the mean over "
+                                         "tokens and layers of logsumexp(router logits)^2), logged as z_loss; 0: off",
+                                    ge=0, example=0.001)
     eval_only: bool = doc(False, "train nothing: run the recipe's held-out evaluation once on the base (or "
                                  "init_adapter) and write out/eval.jsonl; needs eval_data or eval_split")
     quantize: str = doc("none", "quantize base linears as they load (nf4, int8 need bitsandbytes; ternary: "

@@ -309,6 +309,10 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     if sharded:  # built on meta; each rank reads only its rows of each tensor when FSDP2 shards it
         model, headers = open_pretrained(folder, build)
         fsdp.defer_weights(model, folder, headers, dtype, device)
+        if cfg.quantize in ("nf4", "int8") and any(hasattr(m, "expert_projections") for m in model.modules()):
+            raise UserError(f"quantize={cfg.quantize} with parallel=fsdp: the experts of a mixture-of-experts model "
+                            f"are quantized whole per expert, not as rows FSDP2 can cut — use parallel=ddp with "
+                            f"quantize=, or parallel=fsdp without it")
         if cfg.quantize in ("nf4", "int8"):  # as rows FSDP2 can cut; each rank quantizes and keeps its rows
             from minitrain.adapters.quant_rows import replace_linears
 
@@ -322,6 +326,11 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     if isinstance(emb, nn.Embedding) and tok.vocab_size > emb.num_embeddings:
         raise UserError(f"{folder}: the tokenizer has {tok.vocab_size} ids but the model's embedding has "
                         f"{emb.num_embeddings} rows — use the tokenizer saved with these weights")
+    if getattr(cfg, "router_z_loss_coef", 0.0):
+        if not hasattr(model, "router_z_loss_coef"):
+            raise UserError(f"router_z_loss_coef={cfg.router_z_loss_coef}: {folder} is not a mixture-of-experts model "
+                            f"(no router to regularise) — drop router_z_loss_coef")
+        model.router_z_loss_coef = cfg.router_z_loss_coef
     n = count_parameters(model)  # logical: an nf4 layer's packed bytes hold two weights each
     kind = model.hf_config.get("model_type", "?")
     base = cfg.quantize if cfg.quantize != "none" else str(dtype).removeprefix("torch.")

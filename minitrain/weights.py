@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -216,6 +217,7 @@ def load_pretrained(
     conversions = checkpoint_conversions(model)
     inputs = {k: param for param, (keys, _) in conversions.items() for k in keys}  # checkpoint key -> parameter
     waiting: dict[str, dict[str, torch.Tensor]] = {}  # parameter -> the inputs read so far
+    missing_parts = Counter(param for param, _ in parts.values())  # parameter -> its parts not read yet
     with tqdm(total=total, desc=f"loading {folder.name}", unit="tensor", leave=False, disable=None if total > 64 else True) as bar:
         for path, (header, data_start) in headers.items():
             with open(path, "rb") as f:
@@ -226,7 +228,11 @@ def load_pretrained(
                         t = t.to(dtype)  # rebinding t frees the uncast buffer: one extra tensor at most
                     t = t.to(device)
                     if key in parts:  # one expert's matrix of a fused parameter (the Hub's layout)
+                        param = parts[key][0]
                         _assign_part(model, *parts[key], t)
+                        missing_parts[param] -= 1
+                        if not missing_parts[param] and tensor_hook is not None:  # whole: the hook may take it
+                            tensor_hook(model, param, model.get_parameter(param).detach())
                     elif key in inputs:  # e.g. MXFP4 blocks / scales: converted once all are read
                         param = inputs[key]
                         got = waiting.setdefault(param, {})

@@ -1137,8 +1137,14 @@ class Experts(nn.Module):
 
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         """The grouped product of projection `name` ("gate_up_proj" / "down_proj") over rows sorted by
-        expert, plus `deltas[name]`'s term when an adapter put one there."""
-        y = grouped_linear(x, getattr(self, name), counts, sizes, getattr(self, f"{name}_bias", None), self.in_out)
+        expert, plus `deltas[name]`'s term when an adapter put one there. A projection held in another
+        form (a module in the parameter's place: quantized experts) computes its product itself,
+        called `(x, counts, sizes)` (out_in layout, no bias)."""
+        w = getattr(self, name)
+        if isinstance(w, nn.Module):
+            y = w(x, counts, sizes)
+        else:
+            y = grouped_linear(x, w, counts, sizes, getattr(self, f"{name}_bias", None), self.in_out)
         delta = self.deltas[name](x, counts, sizes, grouped_linear) if name in self.deltas else None
         return y if delta is None else y + delta
 
@@ -1189,7 +1195,9 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])  # (N, D)
         logits, weights, indices = self.top_k_router(h)
-        if self.training:
+        # kept for the loss's routing terms; not by activation checkpointing's recompute, which runs inside
+        # the backward: its logits' graph (the block's recomputed activations) would outlive the step
+        if self.training and torch._C._current_graph_task_id() == -1:
             self.routing = (logits, indices)
         y = self.experts(h, indices, weights)
         if hasattr(self, "shared_expert"):
@@ -1503,9 +1511,23 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
     return (counts / rows * (probs_sum / rows)).sum() * num_experts
 
 
+def router_z_loss(router_logits: Sequence[torch.Tensor], token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): the mean over every layer's rows (the real
+    tokens when `token_mask` (N,) is given) of logsumexp(router logits)^2, which keeps the logits
+    small. router_logits: one (N, E) per sparse layer -> a scalar fp32."""
+    z = torch.cat([torch.logsumexp(logits.float(), dim=-1) ** 2 for logits in router_logits])  # (layers N,)
+    if token_mask is None:
+        return z.mean()
+    w = token_mask.float().to(z.device).repeat(len(router_logits))
+    return (z * w).sum() / w.sum()
+
+
 class MoeCausalLM(CausalLM):
     """A causal LM whose MLPs are (some of them) `SparseMoeBlock`s: the load-balancing loss and the
-    expert-load metrics of its last training forward (`router_aux_loss`)."""
+    expert-load metrics of its last training forward (`router_aux_loss`). `router_z_loss_coef` (a
+    training setting, not a config.json field; 0: off) adds that times the router z-loss."""
+
+    router_z_loss_coef: float = 0.0
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         """The sparse blocks, in layer order."""
@@ -1518,9 +1540,11 @@ class MoeCausalLM(CausalLM):
         attention_mask; rows the model ran without their padding (a CPU's unpadded path) are all real.
 
         Returns (the term to add to the mean loss: `router_aux_loss_coef` x `load_balancing_loss` when
-        the config's `output_router_logits` turns it on, as transformers trains, else None; metrics:
-        `aux_loss` (logged either way) and `expert_load/<layer>`, the share of that layer's real
-        (token, expert) choices that went to its busiest expert (1 / E when balanced))."""
+        the config's `output_router_logits` turns it on, as transformers trains, plus
+        `router_z_loss_coef` x `router_z_loss` when that is set; None when neither is; metrics:
+        `aux_loss` (logged either way), `z_loss` (when its coefficient is set) and `expert_load/<layer>`,
+        the share of that layer's real (token, expert) choices that went to its busiest expert (1 / E
+        when balanced))."""
         blocks = [(i, b) for i, b in enumerate(self.model.layers) if isinstance(b.mlp, SparseMoeBlock)
                   and b.mlp.routing is not None]
         if not blocks:
@@ -1540,6 +1564,10 @@ class MoeCausalLM(CausalLM):
             load = torch.bincount(chosen.flatten(), minlength=E)
             metrics[f"expert_load/{i}"] = float(load.max()) / max(1, chosen.numel())
         term = self.config.router_aux_loss_coef * aux if self.config.output_router_logits else None
+        if self.router_z_loss_coef:
+            z = router_z_loss([logits for logits, _ in routings], mask)
+            metrics["z_loss"] = float(z.detach())
+            term = self.router_z_loss_coef * z + (0 if term is None else term)
         return term, metrics
 
 

@@ -472,3 +472,79 @@ def test_audit_runs_on_a_short_slice_of_the_shortest_example(lora_model):
     report = audit(lora_model, sft, audit_batch(rows, lambda ex: collate_causal(ex, pad_id=0), None,
                                                 torch.device("cpu")))
     assert any(t.status == UNREACHABLE for t in report.tensors if "layers.0" in t.name)
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+@pytest.fixture
+def moe_model(hf_causal):
+    """A tiny Qwen3-MoE (8 experts, top 2; layer 1 dense), LoRA on everything, the router trained whole."""
+    from test_moe import hub_checkpoint
+
+    model = load_pretrained(hub_checkpoint(hf_causal, "qwen3_moe"), models.from_hf_config)
+    cfg = LoRAConfig(r=2, alpha=4, targets="all-linear", modules_to_save=("gate",))
+    apply_lora(model, cfg)
+    freeze_for_adapters(model, cfg)
+    return model
+
+
+def _moe_batch() -> dict:
+    ids = torch.tensor([[5, 6, 7]])  # 3 tokens x top 2: at most 6 of the 8 experts receive one
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def test_moe_experts_without_a_token_are_not_dead(moe_model, hf_causal):
+    """Experts that receive no token of the audit batch get no gradient in their slices of the expert
+    tensors: the audit is healthy and names them in a note; which ones, from transformers' own router
+    on the same batch."""
+    import transformers
+    from test_moe import hub_checkpoint
+
+    report = audit(moe_model, sft, _moe_batch())
+    assert report.ok and "healthy" in report.verdict(), report.table()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hub_checkpoint(hf_causal, "qwen3_moe")).eval()
+    with torch.no_grad():
+        router = hf(input_ids=_moe_batch()["input_ids"], output_router_logits=True).router_logits[0]  # (3, 8)
+    used = set(router.topk(2, dim=-1).indices.flatten().tolist())
+    assert len(used) < 8
+    assert report.notes == [f"experts that received no token of the audit batch (routing, not a cut path: their "
+                            f"slices of the expert tensors get no gradient from this batch alone): "
+                            f"model.layers.0.mlp.experts {8 - len(used)} of 8"]
+    # the expert adapters are audited whole: reached (A zero at init, B with a gradient)
+    statuses = {t.name: t.status for t in report.tensors}
+    assert statuses["model.layers.0.mlp.experts.deltas.down_proj.lora_B.weight"] == "ok"
+    assert statuses["model.layers.0.mlp.experts.deltas.down_proj.lora_A.weight"] == ZERO_AT_INIT
+
+
+def test_moe_detached_router_is_caught(moe_model, monkeypatch):
+    """A router whose output is detached: the trained router is cut off from the loss; named."""
+    from models.layers import Router
+
+    inner = Router.forward
+    monkeypatch.setattr(Router, "forward", lambda self, x: tuple(t.detach() for t in inner(self, x)))
+    report = audit(moe_model, sft, _moe_batch())
+    assert not report.ok
+    assert {t.name for t in report.tensors if t.status == UNREACHABLE} == {"model.layers.0.mlp.gate.weight"}
+    assert "the output of model.layers.0.mlp.gate does not require grad" in report.problems[0]
+
+
+def test_moe_experts_under_no_grad_are_caught(moe_model, monkeypatch):
+    """The experts run under no_grad: every expert adapter is cut off, and the router, which reaches the
+    loss only through the experts' weighted outputs; the audit says where."""
+    from models.layers import Experts
+
+    inner = Experts.forward
+
+    def forward(self, *args):
+        with torch.no_grad():
+            return inner(self, *args)
+
+    monkeypatch.setattr(Experts, "forward", forward)
+    report = audit(moe_model, sft, _moe_batch())
+    assert not report.ok
+    dead = {t.name for t in report.tensors if t.status == UNREACHABLE}
+    assert dead == {f"model.layers.0.mlp.experts.deltas.{p}.lora_{s}.weight" for p in ("gate_up_proj", "down_proj")
+                    for s in "AB"} | {"model.layers.0.mlp.gate.weight"}
+    assert "ran with gradients disabled: a torch.no_grad() / inference_mode section inside " \
+           "model.layers.0.mlp.experts's forward" in report.problems[0]

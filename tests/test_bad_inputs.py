@@ -31,6 +31,8 @@ import torch
 from _tok import make_bpe_tokenizer
 from safetensors.torch import load_file, save_file
 
+from test_moe import mxfp4_checkpoint  # noqa: F401  (a fixture)
+
 from minitrain.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,8 +50,9 @@ BASE = {"max_steps": "1", "batch_size": "2", "grad_accum": "1", "lora_r": "4", "
 
 
 @pytest.fixture(scope="module")
-def models_dir(hf_causal, tmp_path_factory) -> Path:
-    """A good model folder (tiny HF LLaMA + BPE tokenizer, vocab 128) and broken copies of it."""
+def models_dir(hf_causal, tmp_path_factory, mxfp4_checkpoint) -> Path:  # noqa: F811
+    """A good model folder (tiny HF LLaMA + BPE tokenizer, vocab 128) and broken copies of it; a tiny
+    Qwen3-MoE and gpt-oss (MXFP4 experts) and broken copies of the MoE."""
     root = tmp_path_factory.mktemp("bad_models")
     good = root / "good"
     shutil.copytree(hf_causal("bad_inputs_llama"), good)
@@ -93,6 +96,22 @@ def models_dir(hf_causal, tmp_path_factory) -> Path:
     d = variant("other_tokenizer")  # the same weights, tokenizer files that differ
     tc = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**tc, "model_max_length": 77}))
+
+    from test_moe import hub_checkpoint
+
+    def moe(name: str, src: Path) -> Path:
+        d = root / name
+        shutil.copytree(src, d)
+        make_bpe_tokenizer(d)
+        return d
+
+    moe("gpt_oss_mxfp4", mxfp4_checkpoint)
+    d = moe("moe_unknown_field", hub_checkpoint(hf_causal, "qwen3_moe"))  # a field that would change the routing
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "moe_layer_freq": 2}))
+    d = moe("moe_missing_expert", hub_checkpoint(hf_causal, "qwen3_moe"))
+    experts = load_file(d / "model.safetensors")
+    del experts["model.layers.0.mlp.experts.5.up_proj.weight"]
+    save_file(experts, d / "model.safetensors", metadata={"format": "pt"})
 
     import models
     from minitrain.weights import load_pretrained, save_pretrained

@@ -157,3 +157,21 @@ def test_cli_parses_defaults():
     assert (a.layers, a.dim, a.vocab, a.repeats) == (4, 256, 32000, 3)
     assert a.targets == bench.ALL_LINEAR and a.threads == 1 and a.sides == ["mt", "hf"]
     assert "group_by_length=false" in bench.mt_command("sft", a, {"model": "m", "sft": "s", "dpo": "d"}, Path("o"))
+
+
+@pytest.mark.slow
+def test_moe_shape_trains_the_experts_on_both_sides(tmp_path_factory):
+    """`--experts`: a Qwen3-MoE checkpoint saved by transformers; minitrain's expert targets and peft's
+    `target_parameters` (the experts' 3-D weights) on the HF side; both runs process the same tokens."""
+    pytest.importorskip("peft")
+    a = bench.parse([*TINY, "--experts", "4", "--expert-ffn", "32", "--cache", str(tmp_path_factory.mktemp("moe"))])
+    info = bench.prepare(a)
+    config = json.loads((Path(info["model"]) / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_local_experts"] == 4 and config["num_experts_per_tok"] == 2
+    spec = bench.hf_spec("sft", a, info, Path("o"))
+    assert spec["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert spec["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert "lora_targets=q_proj,k_proj,v_proj,o_proj,experts.gate_up_proj,experts.down_proj" in \
+        bench.mt_command("sft", a, info, Path("o"))
+    mt, hf = (bench.run_one("sft", side, a, info, rep=0) for side in ("mt", "hf"))
+    assert mt["rc"] == hf["rc"] == 0 and mt["tokens_total"] == hf["tokens_total"]

@@ -101,6 +101,8 @@ def _metaspace(d: Path, specials: list[str], config: dict) -> None:
 
 
 QWEN = (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ["<think>", "</think>"])
+HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+           "<|message|>", "<|call|>"]  # gpt-oss's special tokens (o200k_harmony)
 
 
 def _family_folder(d: Path, family: str) -> Path:
@@ -116,6 +118,9 @@ def _family_folder(d: Path, family: str) -> Path:
         make_llama3_tokenizer(d)
     elif family.startswith("qwen"):
         _bytelevel(d, *QWEN, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None})
+    elif family == "gptoss":
+        _bytelevel(d, HARMONY, [], {"bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+                                    "pad_token": "<|endoftext|>"})
     elif family == "smollm2":
         _bytelevel(d, QWEN[0], [], {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
                                     "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>"})
@@ -166,6 +171,8 @@ SHAPES = {
     "gemma": (r"<start_of_turn>model\n", "<end_of_turn>"),
     "phi3": (r"<\|assistant\|>\n", "<|end|>"),
     "zephyr": (r"<\|assistant\|>\n", "</s>"),
+    # gpt-oss's harmony: a turn that more messages follow ends with <|end|>, the last one with <|return|>
+    "harmony": (r"<\|start\|>assistant", ("<|end|>", "<|return|>")),
 }
 
 
@@ -173,9 +180,9 @@ def reference_mask(ref, text: str, header: str, eot: str) -> list[bool]:
     """Targets: from the end of each assistant header through the next `eot`, in characters of
     transformers' rendering, then every token (transformers' offsets) overlapping those spans."""
     spans = []
+    ends = re.compile("|".join(re.escape(e) for e in ((eot,) if isinstance(eot, str) else eot)))
     for m in re.finditer(header, text):
-        end = text.index(eot, m.end()) + len(eot)
-        spans.append((m.end(), end))
+        spans.append((m.end(), ends.search(text, m.end()).end()))
     enc = ref(text, add_special_tokens=False, return_offsets_mapping=True)
     return [any(s < b and e > a for a, b in spans) for s, e in enc["offset_mapping"]]
 
@@ -198,6 +205,7 @@ CASES = [  # (family folder, template fixture, mask shape, chats, template kwarg
     ("phi3", "phi3", "phi3", [0, 1, 2], {}),
     ("smollm2", "smollm2", "chatml", [0, 1, 2], {}),
     ("zephyr", "zephyr", "zephyr", [0, 1, 2], {}),
+    ("gptoss", "gptoss", "harmony", [0, 1, 2], {}),  # 1: the system message becomes harmony's developer message
 ]
 
 
@@ -228,7 +236,7 @@ def test_template_ids_and_mask_equal_transformers(folder, family, template, shap
 
 @pytest.mark.parametrize("family, template", [("qwen", "qwen3_generation"), ("llama3", "llama3_generation"),
                                               ("gemma", "gemma2_generation"), ("qwen", "qwen2_5_generation"),
-                                              ("phi3", "phi3_generation")])
+                                              ("phi3", "phi3_generation"), ("gptoss", "gptoss_training")])
 def test_generation_markers_give_transformers_assistant_mask(folder, family, template):
     d = folder(family, template)
     tok = Tokenizer.from_folder(d)
@@ -476,3 +484,28 @@ def test_prompt_completion_as_chat_equals_transformers(folder, tmp_path):
     raw = read_sft(rows, tok, max_len=512)
     assert raw.shapes["pair"] == 2 and raw[0]["input_ids"] == tok.encode(pairs[0][0]) + tok.encode(
         pairs[0][1], continuation=True) + [tok.eos_id]
+
+
+THINKING = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "thinking": "Add them."},
+            {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6", "thinking": "Add again."}]
+
+
+def test_gptoss_harmony_with_its_reasoning_channel(folder):
+    """gpt-oss's own template drops the reasoning of earlier turns and writes the last turn's on the
+    analysis channel before the final one: ids as transformers'; the whole last turn (both channels)
+    and each earlier answer are targets. With TRL's training variant of the template (generation
+    markers) the mask is transformers' `return_assistant_tokens_mask`."""
+    d = folder("gptoss", "gptoss")
+    tok, ref = Tokenizer.from_folder(d), hf(d)
+    ids, mask = tok.encode_chat(THINKING)
+    assert ids == ref.apply_chat_template(THINKING, tokenize=True, return_dict=False)
+    text = ref.apply_chat_template(THINKING, tokenize=False)
+    assert "Add them." not in text and "<|channel|>analysis<|message|>Add again.<|end|>" in text
+    targets = "".join(ref.decode([i]) for i, m in zip(ids, mask) if m)
+    assert targets == ("<|channel|>final<|message|>4<|end|><|channel|>analysis<|message|>Add again.<|end|>"
+                       "<|start|>assistant<|channel|>final<|message|>6<|return|>")
+    d = folder("gptoss", "gptoss_training")
+    tok, ref = Tokenizer.from_folder(d), hf(d)
+    ids, mask = tok.encode_chat(THINKING)
+    out = ref.apply_chat_template(THINKING, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == out["input_ids"] and [int(m) for m in mask] == out["assistant_masks"]

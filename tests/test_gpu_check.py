@@ -67,7 +67,7 @@ def test_tiny_check_runs_its_parts_on_the_cpu(tmp_path):
     target = tmp_path / "B.md"
     gpu_check.write_section(target, "### GPU check, the first call of a split run")  # --append keeps it
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--tiny", "--write", str(target),
-                        "--parts", "dpo,packed,qlora,grpo", "--append"], capture_output=True, text=True, cwd=tmp_path,
+                        "--parts", "dpo,packed,qlora,grpo,moe", "--append"], capture_output=True, text=True, cwd=tmp_path,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     text = target.read_text()
@@ -78,7 +78,7 @@ def test_tiny_check_runs_its_parts_on_the_cpu(tmp_path):
         row = next(ln for ln in text.splitlines() if ln.startswith(f"| {label}"))
         assert re.match(r"\| [^|]+ \| \d+ \|", row), row  # a tokens/s figure, not an error
     for label in ("transformers + peft, padded batch", "transformers + bitsandbytes nf4 + peft",
-                  "minitrain, nf4"):
+                  "minitrain, nf4", "minitrain, grouped experts", "transformers grouped_mm experts + peft"):
         assert re.search(r"\| " + re.escape(label) + r"( \([^|]*\))? \| \d+ \|", text), label
     assert "FlexAttention trains only on CUDA" in text
     assert "rows with equal tokens 8/8" in text  # greedy: the sampler and generate agree on every row

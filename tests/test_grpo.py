@@ -500,6 +500,21 @@ def test_finished_rows_leave_the_batch_and_change_no_completion(hf_causal):
     assert bool(a.truncated.any()) and not bool(a.truncated.all())  # some ended, some ran to the limit
 
 
+def assert_sampler_greedy_equals_generate(ours, hf) -> None:
+    """The GRPO sampler's greedy completions (2 per prompt, 10 tokens, a left-padded prompt, no eos) equal
+    `hf.generate`'s (transformers, or a peft model over it)."""
+    from minitrain.objectives.sampling import sample
+
+    prompt_ids = torch.tensor([[0, 0, 1, 17, 23, 5], [1, 40, 41, 42, 43, 44]])
+    prompt_mask = (prompt_ids != 0).long()
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=10, do_sample=False,
+                      pad_token_id=0)[:, 6:]
+    got = sample(ours, prompt_ids, prompt_mask, new_cache=models.family(ours).KVCache, num_generations=2,
+                 max_new_tokens=10, greedy=True, eos_ids=[], pad_id=0)
+    assert torch.equal(got.ids, ref.repeat_interleave(2, 0))
+
+
 def test_lora_layers_decode_with_a_merged_copy_and_sample_as_peft(hf_causal):
     """On a CPU the sampler runs each fp32 LoRA layer as one product with `W + scaling * B @ A`
     (`merged_for_decoding`): greedy completions equal transformers + peft's `generate` with the same
@@ -510,7 +525,6 @@ def test_lora_layers_decode_with_a_merged_copy_and_sample_as_peft(hf_causal):
     import transformers
 
     from minitrain.adapters.lora import LoRAConfig, LoRALinear, apply_lora, lora_layers, merged_for_decoding
-    from minitrain.objectives.sampling import sample
 
     folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
     ours = load_pretrained(folder, models.from_hf_config).train()
@@ -526,14 +540,7 @@ def test_lora_layers_decode_with_a_merged_copy_and_sample_as_peft(hf_causal):
             twin = hf_layers[name]
             twin.lora_A["default"].weight.copy_(m.lora_A.weight)
             twin.lora_B["default"].weight.copy_(m.lora_B.weight)
-    prompt_ids = torch.tensor([[0, 0, 1, 17, 23, 5], [1, 40, 41, 42, 43, 44]])
-    prompt_mask = (prompt_ids != 0).long()
-    hf.generation_config.eos_token_id = None
-    ref = hf.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=10, do_sample=False,
-                      pad_token_id=0)[:, 6:]
-    got = sample(ours, prompt_ids, prompt_mask, new_cache=models.family(ours).KVCache, num_generations=2,
-                 max_new_tokens=10, greedy=True, eos_ids=[], pad_id=0)
-    assert torch.equal(got.ids, ref.repeat_interleave(2, 0))
+    assert_sampler_greedy_equals_generate(ours, hf)
     assert all(m.decoding_weight is None for _, m in lora_layers(ours))
 
     x = torch.randint(3, 100, (3, 7))

@@ -30,23 +30,28 @@ def task_yaml(name: str, data: Path, body: str) -> str:
             f"test_split: test\n{body}")
 
 
-@pytest.fixture(scope="module")
-def setup(hf_causal, tmp_path_factory) -> dict[str, Path]:
+def peft_adapter(model: Path, out: Path, seed: int, **targets) -> None:
+    """A peft LoRA (r=4) on transformers' `model` with random B (so it changes the outputs), saved to `out`."""
     import peft
     import transformers
 
-    root = tmp_path_factory.mktemp("lm_eval")
-    model = root / "model"
-    shutil.copytree(hf_causal("lm_eval_llama", max_position_embeddings=64), model)
-    make_bpe_tokenizer(model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    torch.manual_seed(1)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, **targets))
+    torch.manual_seed(seed)
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.2)
-    pm.save_pretrained(root / "adapter")
+    pm.save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def setup(hf_causal, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lm_eval")
+    model = root / "model"
+    shutil.copytree(hf_causal("lm_eval_llama", max_position_embeddings=64), model)
+    make_bpe_tokenizer(model)
+    peft_adapter(model, root / "adapter", 1, target_modules=["q_proj", "v_proj", "down_proj"])
     lines = corpus(40, seed=9)
     rows = {
         "choice": [{"question": lines[i], "choices": [" " + lines[i + 1], " " + lines[i + 2], lines[i + 3]],
@@ -111,6 +116,35 @@ def test_loglikelihoods_and_generations_equal_lm_evals_hf_backend(setup, tool):
     assert per_example(base, "mt_choice")[0][0][0][0] != pytest.approx(per_example(ours, "mt_choice")[0][0][0][0],
                                                                         abs=1e-3)
 
+
+
+def test_moe_with_an_expert_adapter_equals_lm_evals_hf_backend(setup, tool, hf_causal, tmp_path):
+    """A tiny Qwen3-MoE (max_position_embeddings=64) with a peft adapter on the attention and the experts
+    (`target_parameters`): log-likelihoods, rolling log-likelihoods and greedy generations equal lm-eval's
+    `hf` backend (transformers + peft) on the same tasks."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from test_moe import MOE_VARIANTS
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_causal("lm_eval_qwen3_moe", **{**MOE_VARIANTS["qwen3_moe"], "max_position_embeddings": 64}),
+                    model)
+    make_bpe_tokenizer(model)
+    peft_adapter(model, tmp_path / "adapter", 2, target_modules=["q_proj"],
+                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    args = f"pretrained={model},adapter={tmp_path / 'adapter'}"
+    ours = tool.evaluate(args, list(TASKS), include_path=str(setup["tasks"]), log_samples=True, batch_size=4)
+    ref = simple_evaluate(model="hf", model_args=f"pretrained={model},peft={tmp_path / 'adapter'},dtype=float32",
+                          tasks=list(TASKS), task_manager=TaskManager(include_path=str(setup["tasks"]), include_defaults=False),
+                          log_samples=True, batch_size=4, device="cpu")
+    for task in ("mt_choice", "mt_ppl"):
+        a = [x[0] for r in per_example(ours, task) for x in r]
+        b = [x[0] for r in per_example(ref, task) for x in r]
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            assert (x[0] if isinstance(x, (list, tuple)) else x) == pytest.approx(
+                y[0] if isinstance(y, (list, tuple)) else y, abs=1e-4)
+    assert per_example(ours, "mt_gen") == per_example(ref, "mt_gen")
 
 @pytest.fixture(scope="module")
 def tool():

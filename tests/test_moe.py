@@ -14,6 +14,7 @@ choices are not near-ties that float rounding could flip.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -356,6 +357,73 @@ def test_aux_loss_off_by_default_is_logged_not_added(hf_causal):
     assert sft(ours, {"input_ids": ids, "attention_mask": mask, "labels": labels})[2] == {}
 
 
+
+
+def test_router_z_loss_is_st_moes_formula_and_through_the_cli(hf_causal, moe_model, recipe_inputs, tmp_path, capsys):
+    """`router_z_loss_coef`: SFT adds coef x ST-MoE's z-loss, which equals transformers' own
+    `router_z_loss_func` (Switch Transformers) over transformers' router logits of every sparse layer
+    (real tokens of an unpadded batch); logged as z_loss through the CLI; on a dense model, one line."""
+    from _recipes import args_for
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+
+    from minitrain.cli import run_cli
+    from minitrain.objectives.sft import sft
+
+    folder = hub_checkpoint(hf_causal, "mixtral")  # every layer sparse
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    ours = load_ours(folder).train()
+    plain, count, _ = sft(ours, batch)
+    ours.router_z_loss_coef = 0.5
+    with_z, _, metrics = sft(ours, batch)
+    logits = load_hf(folder)(input_ids=ids, output_router_logits=True).router_logits  # (N, E) per layer
+    want = float(router_z_loss_func(torch.cat(logits).detach()[None]))
+    assert abs(metrics["z_loss"] - want) <= 1e-5 * want and want > 1
+    assert abs(float((with_z - plain).detach()) / count - 0.5 * want) <= 1e-4
+
+    argv = args_for("sft.py", {**recipe_inputs, "llama": moe_model, "root": tmp_path})
+    assert run_cli(argv + ["max_steps=1", "router_z_loss_coef=0.001"]) == 0, capsys.readouterr().err
+    assert _metrics(tmp_path / "out")[-1]["z_loss"] > 0
+    dense = args_for("sft.py", {**recipe_inputs, "root": tmp_path / "dense"}) + ["router_z_loss_coef=0.001"]
+    assert run_cli(dense) == 2
+    assert capsys.readouterr().err.strip().endswith("is not a mixture-of-experts model (no router to regularise) "
+                                                    "— drop router_z_loss_coef")
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
+def test_preference_objectives_add_the_aux_loss_as_trl(hf_causal, tmp_path, objective):
+    """With `output_router_logits` on, DPO / ORPO / KTO add `router_aux_loss_coef` x transformers'
+    `aux_loss` of the policy forward (DPO / ORPO: the padded [chosen; rejected] rows; KTO: the
+    completion rows, not the KL rows) to the mean loss per pair, as TRL's trainers add it; off
+    (transformers' default), the loss is the preference loss alone and `aux_loss` is still logged."""
+    from minitrain.objectives.dpo import DPOObjective
+    from minitrain.objectives.kto import KTOObjective
+    from minitrain.objectives.preference import ReferenceFreeObjective
+
+    folder = tmp_path / "model"
+    shutil.copytree(hub_checkpoint(hf_causal, "qwen3_moe"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
+                                                    "router_aux_loss_coef": 0.5}))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 128, (4, 14), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = mask[2, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :4] = -100  # the prompt
+    zeros = torch.zeros(2)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "num_pairs": 2, "ref_chosen_logps": zeros,
+             "ref_rejected_logps": zeros, "ref_logps": zeros, "ref_kl_logps": zeros, "label": torch.tensor([True, False])}
+    run = {"dpo": DPOObjective(beta=0.1), "orpo": ReferenceFreeObjective("orpo", beta=0.1), "kto": KTOObjective(beta=0.1)}[objective]
+    rows = slice(0, 2) if objective == "kto" else slice(0, 4)
+    ref = load_hf(folder).train()(input_ids=ids[rows], attention_mask=mask[rows], output_router_logits=True).aux_loss.detach()
+    ours = load_ours(folder).train()
+    on, count, metrics = run(ours, batch)
+    ours.config.output_router_logits = False
+    off, _, metrics_off = run(ours, batch)
+    assert count == 2 and abs(metrics["aux_loss"] - float(ref)) <= 1e-5 and metrics_off["aux_loss"] == metrics["aux_loss"]
+    assert float(ref) * 0.5 > 1e-2
+    assert abs(float((on - off).detach()) / 2 - 0.5 * float(ref)) <= 1e-5
+
 # ------------------------------------------------------------------------------ LoRA on the experts
 
 # what each family's adapter targets: the recipes' default names (Qwen3-MoE: they reach the experts, as in
@@ -442,7 +510,7 @@ def test_expert_lora_report_and_refusals(hf_causal):
     with pytest.raises(UserError, match="also name up_proj"):
         apply_lora(load_ours(hub_checkpoint(hf_causal, "qwen3_moe")), LoRAConfig(r=2, targets=("q_proj", "gate_proj")))
     dense = load_ours(hf_causal("moe_dense_llama"))
-    with pytest.raises(UserError, match="'experts.down_proj' matches no module"):
+    with pytest.raises(UserError, match="'experts.down_proj' names a mixture-of-experts parameter, but this model has no experts"):
         apply_lora(dense, LoRAConfig(r=2, targets=("q_proj", "experts.down_proj")))
 
 
@@ -503,15 +571,71 @@ def test_sft_cli_on_qwen3_moe_trains_the_experts(hf_causal, tmp_path, capsys):
     torch.testing.assert_close(logits_of(ours, TOKENS), logits_of(ref, TOKENS), rtol=0, atol=1e-5)
 
 
-def test_quantize_on_an_moe_model_is_one_line(hf_causal, mxfp4_checkpoint):
-    """quantize= reaches only linear layers; on an MoE (gpt-oss's MXFP4 experts included) the experts
-    would stay unquantized, so it is refused before anything loads, not half applied."""
+def test_quantize_on_gpt_oss_experts_is_one_line(hf_causal, mxfp4_checkpoint):
+    """gpt-oss's experts (in-out layout with biases; MXFP4 in its checkpoints) are not quantized: refused
+    before anything loads, not half applied; ternary reaches linears only, so it is refused on any MoE."""
     pytest.importorskip("bitsandbytes")
     from minitrain.adapters.quant import quantize_hook
 
-    for folder in (hub_checkpoint(hf_causal, "qwen3_moe"), mxfp4_checkpoint):
-        with pytest.raises(UserError, match="quantize=nf4: this mixture-of-experts model .* — drop quantize="):
+    for folder in (hub_checkpoint(hf_causal, "gpt_oss"), mxfp4_checkpoint):
+        with pytest.raises(UserError, match="quantize=nf4: this model's experts \\(gpt-oss: .*\\) are not ones "
+                                            "minitrain quantizes — drop quantize="):
             load_pretrained(folder, models.from_hf_config, tensor_hook=quantize_hook("nf4", torch.float32))
+    with pytest.raises(UserError, match="quantize=ternary: reaches linear layers only"):
+        load_pretrained(hub_checkpoint(hf_causal, "qwen3_moe"), models.from_hf_config,
+                        tensor_hook=quantize_hook("ternary", torch.float32))
+
+
+def _bnb_expert(bnb, w: torch.Tensor, kind: str) -> torch.Tensor:
+    """One expert's (out, in) matrix quantized and dequantized by bitsandbytes alone (the reference)."""
+    f = bnb.functional
+    if kind == "nf4":
+        return f.dequantize_4bit(*f.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4"))
+    return f.int8_vectorwise_dequant(*f.int8_vectorwise_quant(w.contiguous())[:2])
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+def test_qlora_quantizes_each_expert_as_bitsandbytes(hf_causal, fused_checkpoints, kind, layout):
+    """quantize=nf4 / int8 on Qwen3-MoE, both layouts (the Hub's parts quantized once all have arrived):
+    each expert's matrix is what bitsandbytes makes of it alone, held packed (nf4: half a byte a weight);
+    nf4: the model with expert LoRA gives the logits and adapter gradients of a float model holding the
+    same dequantized weights (the experts' backward dequantizes again instead of keeping the matrices)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters, logical_numel
+    from minitrain.adapters.quant import quantize_hook
+    from minitrain.objectives.sft import sft
+
+    folder = checkpoint(hf_causal, fused_checkpoints, "qwen3_moe", layout)
+    q = load_pretrained(folder, models.from_hf_config, tensor_hook=quantize_hook(kind, torch.float32))
+    f = load_ours(folder)
+    for name in ("gate_up_proj", "down_proj"):
+        store, w = q.model.layers[0].mlp.experts.get_submodule(name), f.model.layers[0].mlp.experts.get_parameter(name)
+        assert store.weight.numel() * (2 if kind == "nf4" else 1) == w.numel() == logical_numel(store.weight)
+        for e in range(w.shape[0]):
+            assert torch.equal(store.matrix(e), _bnb_expert(bnb, w[e], kind)), (name, e)
+    if kind != "nf4":
+        return
+    with torch.no_grad():  # the float twin: every quantized weight replaced by its dequantized value
+        for n, m in q.named_modules():
+            if isinstance(m, bnb.nn.Linear4bit):
+                f.get_submodule(n).weight.copy_(bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state))
+            elif hasattr(m, "matrix"):
+                f.get_parameter(n).copy_(torch.stack([m.matrix(e) for e in range(m.shape[0])]))
+    ids, mask = make_batch("right")
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    grads = []
+    for model in (q, f):
+        cfg = LoRAConfig(r=2, targets="all-linear")
+        apply_lora(model.train(), cfg)
+        freeze_for_adapters(model, cfg)
+        _randomise_lora(model)
+        loss_sum, count, _ = sft(model, batch)
+        (loss_sum / count).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and any("experts.deltas" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6)
 
 
 def test_aux_loss_and_trained_router_under_checkpointing(hf_causal, tmp_path):
@@ -540,9 +664,192 @@ def test_aux_loss_and_trained_router_under_checkpointing(hf_causal, tmp_path):
             assert enable_checkpointing(model, True) == 2
         loss_sum, count, metrics = sft(model, batch)
         (loss_sum / count).backward()
+        # the backward's recompute keeps no routing: it would hold the block's recomputed activations
+        assert all(b.routing is None for b in model.moe_blocks())
         runs.append((metrics["aux_loss"], {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
     (aux, plain), (aux_ck, ck) = runs
     assert aux == aux_ck and plain.keys() == ck.keys()
     assert float(plain["model.layers.0.mlp.gate.weight"].abs().max()) > 0
     for n in plain:
         assert torch.equal(plain[n], ck[n]), n
+
+
+# ------------------------------------------------------------------------------ every objective and path
+
+
+@pytest.fixture(scope="module")
+def moe_model(hf_causal, tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE with a BPE tokenizer (what a recipe needs), made once."""
+    from _tok import make_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("moe_cli") / "model"
+    shutil.copytree(hub_checkpoint(hf_causal, "qwen3_moe"), folder)
+    make_bpe_tokenizer(folder)
+    return folder
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recipe", ["dpo_mistral.py", "kto_mistral.py", "grpo_qwen.py"])
+def test_preference_and_grpo_recipes_train_the_experts(moe_model, recipe_inputs, tmp_path, capsys, recipe):
+    """Each recipe as the user runs it on the tiny Qwen3-MoE, LoRA on all linears and the experts: the
+    audit passes over the expert adapters, 2 steps with finite losses, the saved adapter carries the
+    experts (peft's `target_parameters`); DPO / KTO log the router's aux_loss and expert loads."""
+    from _recipes import args_for
+
+    from minitrain.cli import run_cli
+
+    argv = args_for(recipe, {**recipe_inputs, "llama": moe_model, "mistral": moe_model, "root": tmp_path})
+    assert run_cli(argv + ["max_steps=2", "log_every=1", "lora_targets=all-linear"]) == 0, capsys.readouterr().err
+    text = "".join(capsys.readouterr())
+    assert "audit: healthy" in text and "expert weights (16 experts' pairs" in text
+    rows = [r for r in _metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    if recipe != "grpo_qwen.py":
+        assert rows[-1]["aux_loss"] > 0 and 0 < rows[-1]["expert_load/0"] <= 1
+    config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_grpo_sampler_greedy_equals_peft_generate_on_experts(hf_causal, tmp_path, name):
+    """GRPO's sampler (its KV cache; Mixtral's window and gpt-oss's sinks and sliding layers shorter than
+    the 16 positions; the expert adapters grouped as in training) with a trained-looking adapter on the
+    experts and attention: greedy completions equal transformers + peft's `generate` with the same
+    adapter (loaded from our peft-format save)."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from test_grpo import assert_sampler_greedy_equals_generate
+
+    from minitrain.adapters.peft_format import save_adapter
+
+    folder = hub_checkpoint(hf_causal, name)
+    ours = load_ours(folder).train()
+    cfg = LoRAConfig(r=2, alpha=4, targets=LORA_TARGETS[name])
+    apply_lora(ours, cfg)
+    _randomise_lora(ours)
+    save_adapter(ours, tmp_path / "adapter", cfg)
+    assert_sampler_greedy_equals_generate(ours, peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "adapter"))
+
+
+def test_full_finetune_equals_transformers_trained_with_torch_adamw(moe_model, tmp_path, capsys):
+    """`finetune=full` on Qwen3-MoE: every tensor trains (the 3-D experts and the router too) and the
+    saved folder equals transformers' own model trained by a plain loop with torch's AdamW on the same
+    batch; transformers loads it."""
+    from test_full_finetune import argv, close_moves, hand_loop, the_batch
+
+    from minitrain.cli import run_cli
+
+    out = tmp_path / "run"
+    assert run_cli(argv(moe_model, out)) == 0, capsys.readouterr().err
+    log = capsys.readouterr().out
+    n_tensors = len(list(load_hf(moe_model).parameters()))
+    assert f"audit: healthy — {n_tensors} of {n_tensors} trainable tensors" in log
+    hf = load_hf(moe_model).train()
+    start = {k: v.clone() for k, v in hf.state_dict().items()}
+    batch = the_batch(moe_model)
+    hand_loop(hf, batch, lambda b: hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits)
+    saved = load_hf(out / "model")
+    want = hf.state_dict()
+    assert set(saved.state_dict()) == set(want)
+    assert float((want["model.layers.0.mlp.experts.gate_up_proj"] - start["model.layers.0.mlp.experts.gate_up_proj"])
+                 .abs().max()) > 1e-4
+    for k, v in saved.state_dict().items():
+        assert close_moves(v, want[k], start[k]), k
+
+
+def test_resumed_run_equals_the_uninterrupted_one(moe_model, recipe_inputs, tmp_path, capsys):
+    """SFT on Qwen3-MoE stopped after step 2 (`stop_after`) and resumed ends with the uninterrupted
+    run's metrics (aux_loss and expert loads included) and its adapter, bit for bit."""
+    from _recipes import args_for
+    from test_resume import steady
+
+    from minitrain.cli import run_cli
+
+    def run(out: Path, *extra: str) -> None:
+        argv = args_for("sft.py", {**recipe_inputs, "llama": moe_model, "root": out})
+        assert run_cli(argv + ["max_steps=4", "save_every=2", "log_every=1", "lora_dropout=0.1", *extra]) == 0, \
+            capsys.readouterr().err
+
+    run(tmp_path / "a")
+    run(tmp_path / "b", "stop_after=2")
+    assert [r["step"] for r in _metrics(tmp_path / "b" / "out") if "loss" in r] == [1, 2]
+    run(tmp_path / "b", "resume=true")
+    straight, resumed = _metrics(tmp_path / "a" / "out"), _metrics(tmp_path / "b" / "out")
+    assert steady(resumed) == steady(straight) and "aux_loss" in straight[-1]
+    a = load_file(tmp_path / "a" / "out" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "out" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_only_equals_transformers(moe_model, tmp_path, capsys):
+    """`eval_only=true` on Qwen3-MoE: the held-out loss is transformers' cross-entropy on the same ids."""
+    from test_eval_only import cli, hf_eval_loss, only_eval_written
+
+    data = Path(__file__).parent / "bad_inputs" / "data" / "good.jsonl"
+    code, out, err = cli(capsys, "sft.py", model=moe_model, data=data, eval_data=data, out=tmp_path / "e",
+                         eval_only="true", chat_format="mistral")
+    assert code == 0, err
+    assert only_eval_written(tmp_path / "e")["eval/loss"] == pytest.approx(hf_eval_loss(moe_model, data), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_two_ranks_equal_one_process(hf_causal, fused_checkpoints, tmp_path, capsys):
+    """2 gloo ranks on a fused Qwen3-MoE checkpoint, LoRA on the experts: `parallel=ddp` and
+    `parallel=fsdp` (each rank reads and holds its half of every tensor, the 3-D experts too; the expert
+    adapters drawn as one process draws them) train the one-process run's adapter. A Hub-layout
+    checkpoint (one tensor per expert) is refused under fsdp with one line before anything is read."""
+    from _tok import make_bpe_tokenizer
+    from test_distributed import cli_args, max_abs_diff
+    from test_fsdp_load import size_after, torchrun
+
+    from minitrain.parallel import fsdp
+    from minitrain.cli import run_cli
+    from minitrain.weights import open_pretrained
+
+    model = tmp_path / "model"
+    shutil.copytree(fused_checkpoints("qwen3_moe"), model)
+    make_bpe_tokenizer(model)
+    keys = ["lora_targets=all-linear", "lr=1e-2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(cli_args(model, one, *keys)) == 0, capsys.readouterr().err
+    torchrun(cli_args(model, tmp_path / "ddp", *keys))
+    want = load_file(one / "adapter" / "adapter_model.safetensors")
+    assert max_abs_diff(load_file(tmp_path / "ddp" / "adapter" / "adapter_model.safetensors"), want) <= 1e-5
+    p = torchrun(cli_args(model, two, *keys, "parallel=fsdp"))
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
+    assert size_after(line, " holds ") <= 0.55 * size_after(line, " model's "), line
+    got = load_file(two / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in got
+    assert max_abs_diff(got, want) <= 1e-5
+    assert max(float(t.abs().max()) for k, t in got.items() if "experts" in k and "lora_B" in k) > 1e-3  # trained
+
+    hub = hub_checkpoint(hf_causal, "qwen3_moe")
+    built, headers = open_pretrained(hub, models.from_hf_config)
+    with pytest.raises(UserError, match="parallel=fsdp reads whole tensors by rows, and this checkpoint stores the "
+                                        "experts in another form"):
+        fsdp.defer_weights(built, hub, headers, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_qlora_sft_cli_trains_the_experts(moe_model, recipe_inputs, tmp_path, capsys, kind):
+    """`recipes/sft.py quantize=nf4|int8` on Qwen3-MoE: the base loads quantized (the experts each expert
+    apart), the audit passes over the expert adapters, two finite steps, the saved adapter's expert
+    pairs moved off zero."""
+    pytest.importorskip("bitsandbytes")
+    from _recipes import args_for
+
+    from minitrain.cli import run_cli
+
+    argv = args_for("sft.py", {**recipe_inputs, "llama": moe_model, "root": tmp_path})
+    assert run_cli(argv + ["max_steps=2", "log_every=1", "lora_targets=all-linear", f"quantize={kind}",
+                           "lr=1e-2"]) == 0, capsys.readouterr().err
+    text = "".join(capsys.readouterr())
+    assert f"base in {kind}" in text and "audit: healthy" in text and "expert weights (16 experts' pairs" in text
+    rows = [r for r in _metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    saved = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+    b = saved["base_model.model.model.layers.0.mlp.experts.lora_B.weight"]
+    assert b.dtype == torch.float32 and float(b.abs().max()) > 1e-4

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import models
-from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters, logical_numel
 from minitrain.config import parse_bytes
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ModelShape, adapter_terms, block_saved, head_is_frozen, weight_terms
@@ -833,3 +833,74 @@ def test_packed_rows_through_flexattention_plan_no_dense_mask():
     assert mask_bytes(GRPOConfig(compile=True, max_len=2048)) > 0
     less = predict(ms, run_shape(packed)).peak
     assert less < predict(ms, run_shape(replace(packed, attention="sdpa"))).peak
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+# every layer sparse; Qwen3-MoE's q/k norms, Mixtral's experts of `intermediate_size`
+MOE_FAMILIES = {
+    "qwen3_moe": dict(model_type="qwen3_moe", num_key_value_heads=2, head_dim=64, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=176, norm_topk_prob=True),
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=352),
+}
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4", "int8"])
+@pytest.mark.parametrize("name", list(MOE_FAMILIES))
+def test_moe_weights_and_adapters_exact(name, quantize):
+    """Every expert in memory: the base's bytes (float, or nf4 / int8 linears and experts as the loader's
+    hook quantizes them, each expert apart) and the adapters (attention LoRA and each expert's pair, by
+    the per-expert names, by path, all-linear) counted as the model built from config.json holds them."""
+    hf = hf_config(**MOE_FAMILIES[name])
+    torch.manual_seed(0)
+    model = models.from_hf_config(hf)
+    shape = shape_from_hf(hf)
+    if quantize:
+        pytest.importorskip("bitsandbytes")
+        from minitrain.adapters.quant import quantize_hook
+
+        hook = quantize_hook(quantize, compute_dtype=torch.float32)
+        for name_, p in list(model.named_parameters()):
+            if name_ != "lm_head.weight" and (p.dim() == 3 or name_.endswith("proj.weight")):
+                assert hook(model, name_, p.data), name_
+    held = list(model.parameters()) + list(model.buffers())
+    held += [t for p in model.parameters() for t in quant_state_tensors(p)]
+    run = RunShape(rows=1, seq=8, compute="fp32", quantize=quantize or "none")
+    assert sum(t.bytes for t in shape.weight_terms(run)) == tensor_bytes(held)
+    assert shape.num_params() == sum(logical_numel(p) for p in model.parameters())
+    for targets in (ALL, ATTN + ("experts.down_proj",), ("q_proj", "mlp.experts.gate_up_proj"), ("all-linear",)):
+        built = build(hf, torch.float32, targets)
+        lora = sorted(p.numel() for p in built.parameters() if p.requires_grad)
+        assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=targets))) == lora
+
+
+MOE_CASES = {"qwen3_moe fp32": dict(), "qwen3_moe fp32 ckpt": dict(ckpt=True), "mixtral fp32": dict(),
+             "qwen3_moe fp32 attention only": dict(targets=ATTN)}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_step_peak_within_20_percent(case):
+    from minitrain.objectives.sft import sft
+
+    c = dict(ckpt=False, targets=ALL)
+    c.update(MOE_CASES[case])
+    hf = hf_config(**MOE_FAMILIES[case.split()[0]])
+    model = build(hf, torch.float32, c["targets"])
+    if c["ckpt"]:
+        enable_checkpointing(model)
+    batch = batch_of(4, 256, 2048)
+    measured = measured_step(model, sft, batch, autocast=False)
+    run = RunShape(rows=4, seq=256, compute="fp32", lora_targets=c["targets"], checkpointing=c["ckpt"],
+                   targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
+                   real_tokens=int(batch["attention_mask"].sum()))
+    plan = predict(shape_from_hf(hf), run)
+    predicted = plan.activation_peak + plan.term("gradients")
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
+
+
+def test_moe_runs_the_plan_does_not_model_are_one_line():
+    with pytest.raises(UserError, match="every layer is sparse"):
+        shape_from_hf(hf_config(**MOE_FAMILIES["qwen3_moe"], mlp_only_layers=[1]))
+    with pytest.raises(UserError, match="mixture-of-experts LoRA / QLoRA runs in one process"):
+        predict(shape_from_hf(hf_config(**MOE_FAMILIES["mixtral"])), RunShape(rows=1, seq=8, full=True))

@@ -1,6 +1,6 @@
 """Everything only a GPU can show, in one command:
 
-    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo] [--write BENCHMARKS.md] [--append]
+    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo,moe] [--write BENCHMARKS.md] [--append]
                               [--logs DIR] [--sft-steps 8] [--sft-rows 4] [--sft-seq 1024] [--skip-hf]
     python tools/gpu_check.py --tiny [--write FILE]   # every part on tiny shapes (on the CPU without a GPU)
 
@@ -25,7 +25,11 @@ Parts (each side of each comparison in its own process, so that its peak memory 
 5. `qlora`: the 8B shape with an nf4 base: minitrain against transformers + bitsandbytes + peft;
 6. `grpo`: GRPO on a Qwen2.5-1.5B shape: the sampler's tokens/s against transformers' `generate`
    (same weights, batch, KV cache; greedy, no eos), and one GRPO step's time split into generation and
-   training (policy forward, loss, backward).
+   training (policy forward, loss, backward);
+7. `moe`: LoRA SFT on a Qwen3-30B-A3B shape cut to `MOE_LAYERS` layers (128 experts, top 8, random bf16
+   weights, r=16 on the attention and every expert, checkpointing every block): minitrain's grouped
+   experts (`torch._grouped_mm`) against transformers' `grouped_mm` experts + peft (`target_parameters`);
+   MFU counts the active parameters (each token's 8 experts), the same count for both.
 
 Tokens/s, MFU (`minitrain.plan.flops`: model FLOPs / s / the device's dense bf16 peak, the same count
 for both stacks) and peak allocated memory go to a dated section between `<!-- gpu:begin -->` and
@@ -48,6 +52,7 @@ Run it in calls of under 10 minutes each, the parts that have never run on a GPU
     python tools/gpu_check.py --parts qlora --append --logs gpu_logs       # about 4 min
     python tools/gpu_check.py --parts sft --append --logs gpu_logs         # 6.5 min on 28 Nov
     python tools/gpu_check.py --parts grpo --append --logs gpu_logs        # 2.5 min on 28 Nov
+    python tools/gpu_check.py --parts moe --append --logs gpu_logs         # not run yet: about 3 min (estimate)
 
 A lease holds the first two; the next lease goes on where it stopped. The section is written after
 every part, so a call cut short keeps what finished; `--append` keeps the sections already between the
@@ -79,8 +84,16 @@ QWEN2_1_5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, inter
                   bos_token_id=151643, eos_token_id=151645)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
+MOE_LAYERS = 4  # of Qwen3-30B-A3B's 48: a few layers of the real width fit any card
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     num_hidden_layers=MOE_LAYERS, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                     bos_token_id=151643, eos_token_id=151645)
+MOE_TINY = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16)  # with TINY
+# on Qwen3-MoE, LLaMA's MLP names are the experts' (as peft 0.21 maps them): attention + every expert
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PARTS = ("tests", "dpo", "sft", "packed", "qlora", "grpo")
+PARTS = ("tests", "dpo", "sft", "packed", "qlora", "grpo", "moe")
 GB = 1e9
 
 # one lever at a time: TrainConfig keys over the base (bf16, per-block compile on CUDA)
@@ -102,7 +115,7 @@ PACKED_VARIANTS = {"padded": ("minitrain, padded batch", {}),
 
 def shape(a: argparse.Namespace, hf: dict) -> dict:
     """`hf`, or its tiny version under `--tiny` (same family, a few small layers)."""
-    return {**hf, **TINY} if a.tiny else hf
+    return {**hf, **TINY, **(MOE_TINY if "num_experts" in hf else {})} if a.tiny else hf
 
 
 def device():
@@ -176,8 +189,10 @@ def child_mt_sft(a: argparse.Namespace) -> dict:
     from minitrain.train import train
 
     dev = device()
-    hf = shape(a, LLAMA3_8B)
-    keys = dict({**SFT_VARIANTS, **PACKED_VARIANTS, "nf4": ("", {"checkpointing": True})}[a.variant][1])  # a copy
+    hf = shape(a, QWEN3_30B_A3B if a.variant == "moe" else LLAMA3_8B)
+    variants = {**SFT_VARIANTS, **PACKED_VARIANTS, "nf4": ("", {"checkpointing": True}),
+                "moe": ("", {"checkpointing": True})}
+    keys = dict(variants[a.variant][1])  # a copy
     out = Path(tempfile.mkdtemp(prefix="minitrain_gpu_sft_"))
     (out / "model").mkdir()
     (out / "model" / "config.json").write_text(json.dumps(hf))  # what the plan reads (auto_fit)
@@ -218,7 +233,7 @@ def child_hf_sft(a: argparse.Namespace) -> dict:
     from minitrain.plan.flops import FlopCounter, device_peak_flops
 
     dev = device()
-    hf = shape(a, LLAMA3_8B)
+    hf = shape(a, QWEN3_30B_A3B if a.variant == "moe" else LLAMA3_8B)
     torch.manual_seed(0)
     if a.variant == "liger":
         if dev.type != "cuda":
@@ -226,7 +241,7 @@ def child_hf_sft(a: argparse.Namespace) -> dict:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama()  # patches transformers' Llama modules before the model is built
-    cfg = transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"})
+    cfg = None if a.variant == "moe" else transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"})
     if a.variant == "nf4":  # quantized as transformers loads a checkpoint: save random weights, load in 4 bits
         folder = Path(tempfile.mkdtemp(prefix="minitrain_gpu_hf_nf4_"))
         with torch.device(dev):
@@ -237,12 +252,20 @@ def child_hf_sft(a: argparse.Namespace) -> dict:
         model = transformers.LlamaForCausalLM.from_pretrained(folder, quantization_config=q, dtype=torch.bfloat16,
                                                               device_map={"": dev.index or 0} if dev.type == "cuda"
                                                               else {"": "cpu"})
+    elif a.variant == "moe":  # transformers' grouped experts (torch._grouped_mm), LoRA on them by peft's target_parameters
+        with torch.device(dev):
+            model = transformers.Qwen3MoeForCausalLM._from_config(
+                transformers.Qwen3MoeConfig(**{k: v for k, v in hf.items() if k != "model_type"}), dtype=torch.bfloat16,
+                experts_implementation="grouped_mm")
     else:
         with torch.device(dev):
             model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
-    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    experts = dict(target_modules=TARGETS[:4], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                       **(experts if a.variant == "moe" else
+                                                          dict(target_modules=TARGETS))))
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-4, fused=dev.type == "cuda")
@@ -469,6 +492,12 @@ def render(results: dict, when: str, device: str) -> str:
     if qlora:
         lines += _table("QLoRA SFT, Llama-3-8B shape, nf4 base", [("minitrain, nf4", qlora.get("nf4", {})),
                         (HF_VARIANTS["nf4"], qlora.get("hf_nf4", {}))], qlora.get("hf_nf4"))
+    moe = results.get("moe", {})
+    if moe:
+        lines += _table(f"LoRA SFT, Qwen3-30B-A3B shape ({MOE_LAYERS} of its layers: 128 experts, top 8), bf16, "
+                        f"MFU on active parameters", [("minitrain, grouped experts", moe.get("moe", {})),
+                                                      ("transformers grouped_mm experts + peft", moe.get("hf_moe", {}))],
+                        moe.get("hf_moe"))
     g = results.get("grpo")
     if g is not None:
         if "sampler_tokens_per_s" in g:
@@ -579,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}:", json.dumps(results[key])[:400], flush=True)
         publish()
     for part, mt, hf in (("sft", list(SFT_VARIANTS), ["peft", "liger"]), ("packed", list(PACKED_VARIANTS), ["mixed"]),
-                         ("qlora", ["nf4"], ["nf4"])):
+                         ("qlora", ["nf4"], ["nf4"]), ("moe", ["moe"], ["moe"])):
         if part not in a.parts:
             continue
         results[part] = {}
@@ -613,7 +642,7 @@ def failures(results: dict) -> list[str]:
     """The parts that did not run (an optional side that is not installed or needs CUDA aside)."""
     out = ["tests"] if results.get("tests", {}).get("rc") else []
     out += [k for k in ("dpo", "dpo_compile", "grpo") if "error" in results.get(k, {})]
-    return out + [f"{part} {k}" for part in ("sft", "packed", "qlora") for k, r in results.get(part, {}).items()
+    return out + [f"{part} {k}" for part in ("sft", "packed", "qlora", "moe") for k, r in results.get(part, {}).items()
                   if "error" in r and not r.get("optional")]
 
 

@@ -10,6 +10,7 @@ Modules, in reading order:
     quant        quantized bases: each base linear quantized as its weight streams in (bitsandbytes
                  nf4 / int8, minitrain's ternary)
     quant_rows   nf4 / int8 bases as plain row-major tensors FSDP2 can shard (parallel=fsdp)
+    quant_experts an MoE's experts quantized (nf4 / int8) each expert apart, dequantized one at a time
     ternary      the ternary (BitNet b1.58) linear: 2 bits a weight, plain torch
     lrc          low-rank correction: LoRA on a quantized base that starts at its quantization error
     ard          ARD-LoRA: gated rank components under an ARD prior (its objective is

@@ -550,6 +550,9 @@ def _did_you_mean(model: nn.Module, want: str) -> str:
 def _no_module(model: nn.Module, what: str, want: str) -> str:
     """`<what> 'q_prj' matches no module of the model — did you mean 'q_proj'? ...` (linears listed)."""
     linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_wrappable(m)})
+    if ".experts." in f".{want}." and not lora_experts.expert_parameters(model):
+        return (f"{what} {want!r} names a mixture-of-experts parameter, but this model has no experts — target "
+                f"its linear layers (they end in {', '.join(linears) or '(none)'}), or all-linear")
     return (f"{what} {want!r} matches no module of the model — {_did_you_mean(model, want)}its linear layers end "
             f"in {', '.join(linears) or '(none)'}")
 

@@ -84,9 +84,11 @@ def _merge_experts(model: nn.Module, path: str, d: nn.Module, sign: int) -> Merg
     if d.merged == (sign > 0):
         raise UserError(f"{path}: {'already' if sign > 0 else 'not'} merged — "
                         f"{'call unmerge(model) first' if sign > 0 else 'nothing to unmerge'}")
-    w = model.get_parameter(path)
-    if not w.dtype.is_floating_point:
-        raise UserError(f"{path}: a {w.dtype} expert weight cannot take an update — merge onto a float base")
+    owner, _, leaf = path.rpartition(".")
+    w = getattr(model.get_submodule(owner), leaf)
+    if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
+        raise UserError(f"{path}: a quantized expert weight cannot take an update — merge onto a float base "
+                        f"(minitrain merge loads it unquantized)")
     delta = d.delta_weight().to(w.device)
     target = w.detach().float() + sign * delta
     with torch.no_grad():

@@ -19,6 +19,7 @@ adapters (minitrain.adapters.lora) wrap these layers and train float tensors bes
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Literal
 
 import torch
@@ -36,12 +37,15 @@ def require_bitsandbytes():
 
     On a CPU with AVX512-BF16, bitsandbytes' import logs that it failed to fetch an optional kernel from
     the Hugging Face hub (the `kernels` package): it then uses its own CPU kernels, and there is nothing
-    for the user to do, so its log is held below errors while it imports."""
+    for the user to do, so its log is held below errors while it imports; so are the deprecation
+    warnings of the torch APIs it uses (`torch.jit.script_method`), which are its to act on."""
     quiet = logging.getLogger("bitsandbytes")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        import bitsandbytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import bitsandbytes
     except ImportError as e:
         raise UserError(f"quantized loading: bitsandbytes is not installed ({e}) — {INSTALL}") from None
     finally:
@@ -92,11 +96,17 @@ def quantize_hook(
     def hook(model: nn.Module, key: str, tensor: torch.Tensor) -> bool:
         if not checked:  # once, at the first tensor: before anything is quantized or written
             checked.append(True)
-            if any(hasattr(m, "expert_projections") for m in model.modules()):
-                raise UserError(f"quantize={kind}: this mixture-of-experts model holds most of its weights in its "
-                                f"experts' 3-D tensors, which minitrain cannot quantize yet (only linear layers), so "
-                                f"the base would stay near full size — drop quantize= (LoRA on the float base)")
+            _check_experts(model, kind)
         owner, _, leaf = key.rpartition(".")
+        if owner and tensor.dim() == 3 and tensor.is_floating_point() and kind != "ternary":
+            experts = model.get_submodule(owner)
+            if leaf in getattr(experts, "expert_projections", ()):  # an MoE's experts, each matrix quantized
+                from minitrain.adapters.quant_experts import QuantizedExpertWeight
+
+                store = QuantizedExpertWeight(tensor, kind, compute_dtype, bnb)
+                del experts._parameters[leaf]  # (a parameter's name takes a module only once it is free)
+                experts.add_module(leaf, store)
+                return True
         if leaf != "weight" or not owner or skipped(owner) or not tensor.is_floating_point():
             return False
         module = model.get_submodule(owner)
@@ -114,6 +124,20 @@ def quantize_hook(
         return True
 
     return hook
+
+
+def _check_experts(model: nn.Module, kind: str) -> None:
+    """A mixture-of-experts model whose experts `quantize=kind` cannot take: one line, before anything loads."""
+    experts = [m for m in model.modules() if hasattr(m, "expert_projections")]
+    if not experts:
+        return
+    if kind == "ternary":
+        raise UserError("quantize=ternary: reaches linear layers only, and this mixture-of-experts model holds most of "
+                        "its weights in its experts' 3-D tensors — use quantize=nf4 or int8 (each expert quantized)")
+    if any(getattr(m, "in_out", False) or getattr(m, "gate_up_proj_bias", None) is not None for m in experts):
+        raise UserError(f"quantize={kind}: this model's experts (gpt-oss: an in-out layout with biases, stored as MXFP4 "
+                        f"in its checkpoints) are not ones minitrain quantizes — drop quantize= (LoRA on the "
+                        f"dequantized experts)")
 
 
 def _quantize_linear(bnb, old: nn.Linear, w: torch.Tensor, kind: str, compute_dtype: torch.dtype, double_quant: bool, blocksize: int) -> nn.Module:

@@ -36,6 +36,7 @@ from minitrain.errors import UserError
 from minitrain.objectives.configs import DPO_LOSS_TYPES, DPOConfig
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
                                             num_pairs, reference_logps, sequence_logps)
+from minitrain.objectives.sft import router_aux
 
 LOSS_TYPES = DPO_LOSS_TYPES
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -153,7 +154,9 @@ class DPOObjective:
         stats = self.pair_stats(model, batch)
         keys = [k for k in stats if k != "loss"]  # METRICS (+ dpo_loss, sft_nll with sft_weight)
         means = torch.stack([stats[k].mean() for k in keys]).tolist()  # one host sync
-        return stats["loss"].sum(), num_pairs(batch), dict(zip(keys, means))
+        # an MoE's load-balancing loss on the policy forward (the last one), as TRL adds it per pair
+        loss_sum, count, routing = router_aux(model, batch, stats["loss"].sum(), num_pairs(batch))
+        return loss_sum, count, {**dict(zip(keys, means)), **routing}
 
     def evaluate(self, model: nn.Module, examples: Sequence[dict], collate: Callable[[list[dict]], dict[str, Any]],
                  batch_size: int, amp_dtype: torch.dtype | None = None) -> dict[str, float]:

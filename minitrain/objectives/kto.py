@@ -42,7 +42,7 @@ from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.objectives.configs import KTOConfig
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
                                             num_pairs, precompute_reference, reference_logps)
-from minitrain.objectives.sft import causal_token_logprobs
+from minitrain.objectives.sft import causal_token_logprobs, router_aux
 
 METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
 
@@ -242,7 +242,10 @@ class KTOObjective:
 
     def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, int, dict[str, float]]:
         s = self.row_stats(model, batch)
-        return s["loss"].sum(), num_pairs(batch), metrics_from_sums(*_sums(s))
+        # an MoE's load-balancing loss on the policy forward of the completions (the last one), as TRL's
+        B = num_pairs(batch)
+        loss_sum, count, routing = router_aux(model, {"attention_mask": batch["attention_mask"][:B]}, s["loss"].sum(), B)
+        return loss_sum, count, {**metrics_from_sums(*_sums(s)), **routing}
 
     def evaluate(self, model: nn.Module, examples: Sequence[dict], collate: Callable[[list[dict]], dict[str, Any]],
                  batch_size: int, amp_dtype: torch.dtype | None = None) -> dict[str, float]:

@@ -44,7 +44,7 @@ from minitrain.objectives.configs import REFERENCE_FREE, PreferenceConfig
 from minitrain.objectives.dpo import evaluate_dpo, make_dpo_objective
 from minitrain.objectives.losses import shift_labels
 from minitrain.objectives.reference import num_pairs
-from minitrain.objectives.sft import batch_token_logprobs
+from minitrain.objectives.sft import batch_token_logprobs, router_aux
 
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected", "nll_loss")
@@ -161,7 +161,8 @@ class ReferenceFreeObjective:
     def __call__(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, int, dict[str, float]]:
         stats = self.pair_stats(model, batch)
         means = torch.stack([stats[k].mean() for k in self.metrics]).tolist()  # one host sync
-        return stats["loss"].sum(), num_pairs(batch), dict(zip(self.metrics, means))
+        loss_sum, count, routing = router_aux(model, batch, stats["loss"].sum(), num_pairs(batch))  # (an MoE's)
+        return loss_sum, count, {**dict(zip(self.metrics, means)), **routing}
 
     def evaluate(self, model: nn.Module, examples: Sequence[dict], collate: Callable[[list[dict]], dict[str, Any]],
                  batch_size: int, amp_dtype: torch.dtype | None = None) -> dict[str, float]:

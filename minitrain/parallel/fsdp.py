@@ -42,6 +42,7 @@ from torch import nn
 
 from minitrain.parallel import distributed
 from minitrain.adapters.lora import applied
+from minitrain.adapters.lora_experts import expert_adapters
 from minitrain.errors import UserError
 from minitrain.weights import (Headers, begin_folder, checkpoint_conversions, checkpoint_parts, io_error_reason,
                                is_weight_file, plan_shard_files, read_tensor, stored_dtype, swap_folder,
@@ -99,8 +100,9 @@ def draw_adapters(model: nn.Module, names: list[str], seed: int) -> None:
         if not p.is_meta and p.device != device:
             p.data = p.data.to(device)
     torch.manual_seed(seed)
+    experts = dict(expert_adapters(model))  # an MoE's: named by the expert parameter they adapt
     for name in names:
-        layer = model.get_submodule(name)
+        layer = experts[name] if name in experts else model.get_submodule(name)
         for lin in (layer.lora_A, layer.lora_B):
             lin.weight = nn.Parameter(torch.empty_like(lin.weight, device=device), requires_grad=lin.weight.requires_grad)
         layer.reset_lora()

@@ -7,6 +7,7 @@ Modules, in reading order:
     run_shape  what a micro-batch looks like to memory (`RunShape`), the `Term`s and `Plan` a
                prediction returns, bytes per dtype and per quantized weight
     decoder    the decoder-only families' terms: LLaMA / Mistral / Qwen2 / Qwen3, Gemma, Phi-3
+    moe        a mixture-of-experts checkpoint's terms (Qwen3-MoE, Mixtral): every expert in memory
     t5         T5's encoder-decoder terms
     sharded    one rank's memory under torchrun: parallel=fsdp (FSDP2's shards, gathered blocks) and ddp
     fit        the check a run makes before loading (`memory_check`, `auto_fit`, `gpu_mem`)

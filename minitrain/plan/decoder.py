@@ -25,7 +25,7 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
              "self_attn.qkv_proj": "xn", "mlp.gate_up_proj": "xn2"}
 
 
-PLANNED = "LLaMA, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3 and T5"
+PLANNED = "LLaMA, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3, Qwen3-MoE, Mixtral and T5"
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,10 @@ class ModelShape:
     def moments(self, run: "RunShape") -> tuple[dict[str, list["Term"]], list[str]]:
         return llama_moments(self, run)
 
+    def extra_block_saved(self, run: "RunShape") -> list["Term"]:
+        """What a block keeps beyond LLaMA's (`block_saved`): none here; an MoE's routing and experts."""
+        return []
+
 
 # ----------------------------------------------------------------------------- weights and adapters
 
@@ -316,7 +320,7 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     if adapted:
         r = sum(run.rank(*lin[n]) for n in adapted)
         terms.append(Term("LoRA B inputs", N * r * s, f"{len(adapted)} x r ({r:,} in all) x {s} per token"))
-    return terms
+    return terms + model.extra_block_saved(run)
 
 
 def _full_block_saved(model: ModelShape, run: RunShape) -> list[Term]:

@@ -66,6 +66,7 @@ from minitrain.errors import UserError
 from minitrain.plan.decoder import (GemmaShape, ModelShape, Phi3Shape, adapter_terms, sampling_terms,
                                     teacher_weight_terms)
 from minitrain.plan.run_shape import DTYPE_BYTES, Plan, RunShape, Term
+from minitrain.plan.moe import MoeShape
 from minitrain.plan.t5 import T5Shape
 
 
@@ -79,12 +80,17 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
         return GemmaShape.from_hf(d, where)
     if kind in Phi3Shape.FAMILIES:
         return Phi3Shape.from_hf(d, where)
+    if kind in MoeShape.FAMILIES:
+        return MoeShape.from_hf(d, where)
     return ModelShape.from_hf(d, where)
 
 
 def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
     """The memory plan of one run: persistent terms and the activation terms at each candidate peak.
-    Under torchrun (`run.world` > 1, or `parallel=fsdp`): rank 0's (`minitrain.plan.sharded`)."""
+    Under torchrun (`run.world` > 1, or `parallel=fsdp`): rank 0's (`minitrain.plan.sharded`). A shape
+    may refuse a run it does not model (`check_run`)."""
+    if hasattr(model, "check_run"):
+        model.check_run(run)
     if run.world > 1 or run.parallel == "fsdp":
         from minitrain.plan import sharded
 

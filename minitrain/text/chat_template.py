@@ -227,6 +227,7 @@ class ChatTemplate:
         self.marked = has_generation_markers(source)
         self.variables = tok.special_tokens_map()
         self._end: tuple[str | None] | None = None  # the end-of-turn string, found on first use
+        self._end_before_more: tuple[str | None] | None = None  # ... of a turn that more messages follow
         self._warned = False
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False,
@@ -313,13 +314,31 @@ class ChatTemplate:
                               stacklevel=3)
         return self._end[0]
 
+    def end_before_more(self) -> str | None:
+        """The text that ends an assistant turn that more messages follow: the first special token the
+        template writes after its content in a user / assistant / user exchange. Most templates end
+        every turn alike; gpt-oss's harmony ends the last one with `<|return|>`, the others with
+        `<|end|>`. The last turn's (`end_of_turn`) when the template writes no special token there."""
+        if self._end_before_more is None:
+            final = self.end_of_turn()
+            probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE},
+                     {"role": "user", "content": "hi"}]
+            try:
+                text, _ = self.render(probe)
+            except UserError:
+                text = ""
+            after = text[text.find(_PROBE) + len(_PROBE):] if _PROBE in text else ""
+            found = [(after.find(s), s) for s in self.tok.special_strings() if s and s in after]
+            self._end_before_more = (min(found)[1] if found and final is not None else final,)
+        return self._end_before_more[0]
+
     def _locate(self, messages: Sequence[dict], text: str, gen: bool) -> list[tuple[int, int]]:
-        end_token = self.end_of_turn()
         spans: list[tuple[int, int]] = []
         done = 0
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
+            end_token = self.end_of_turn() if i == len(messages) - 1 else self.end_before_more()
             # the conversation before message i (what its rendering shares with the rendering
             # that adds the generation prompt: Phi-3 ends a finished conversation with eos), then
             # as much of the generation prompt as the text goes on with (Qwen3 with

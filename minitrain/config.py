@@ -367,6 +367,8 @@ def check_paths(cfg: Any) -> None:
     for key in ("model", "teacher"):  # (not set: the recipe says so, with its own advice)
         if getattr(cfg, key, ""):
             check_model_folder(getattr(cfg, key), key)
+    if hasattr(cfg, "model") and not cfg.model:
+        return  # "model: not set" comes first, from the recipe
     for key in ("data", "eval_data"):
         value = getattr(cfg, key, "")
         for source in data_sources(value) if value else ():

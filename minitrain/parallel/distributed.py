@@ -288,7 +288,7 @@ def _site(frames: Iterable[tuple[Any, int]], function: bool = False) -> str:
     site = "?"
     for code, line in frames:
         name = _ours(code.co_filename)
-        if name and (name != "minitrain/parallel/distributed.py" or site == "?"):
+        if name and (name != _ours(__file__) or site == "?"):
             site = f"{name}:{line}" + (f" ({code.co_name})" if function else "")
     return site
 

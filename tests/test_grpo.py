@@ -35,9 +35,9 @@ def batch_tensors():
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
-@pytest.fixture(scope="module")
-def trainer(hf_causal, tmp_path_factory):
-    """A TRL GRPOTrainer on a tiny Qwen2 (a few seconds to build: once per module)."""
+def trl_trainer(hf_causal, tmp_path_factory, trainer_cls: str, **extra):
+    """A TRL `trainer_cls` (GRPOTrainer, RLOOTrainer) on a tiny Qwen2, with its config class of the
+    same stem and `extra` settings: the reference the loss tests compare against."""
     import datasets
     import transformers
     import trl
@@ -48,14 +48,21 @@ def trainer(hf_causal, tmp_path_factory):
     tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     hf.config.dropout = 0.0
-    args = trl.GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], use_cpu=True, bf16=False,
-                          per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
-                          temperature=TEMPERATURE, disable_tqdm=True, gradient_checkpointing=False)
+    config = getattr(trl, trainer_cls.replace("Trainer", "Config"))
+    args = config(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], use_cpu=True, bf16=False,
+                  per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
+                  temperature=TEMPERATURE, disable_tqdm=True, gradient_checkpointing=False, **extra)
     ds = datasets.Dataset.from_list([{"prompt": "the a"}] * 4)
-    t = trl.GRPOTrainer(model=hf, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                        train_dataset=ds, processing_class=tok)
+    t = getattr(trl, trainer_cls)(model=hf, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                  args=args, train_dataset=ds, processing_class=tok)
     t.model.train()
     return t, folder
+
+
+@pytest.fixture(scope="module")
+def trainer(hf_causal, tmp_path_factory):
+    """A TRL GRPOTrainer on a tiny Qwen2 (a few seconds to build: once per module)."""
+    return trl_trainer(hf_causal, tmp_path_factory, "GRPOTrainer")
 
 
 def trl_metric_names(loss_type: str, beta: float) -> list[str]:

@@ -22,30 +22,13 @@ import models
 from minitrain.objectives.grpo import completion_logps
 from minitrain.objectives.rloo import rloo_advantages, rloo_loss
 from minitrain.weights import load_pretrained
-from test_grpo import MAX_COMPLETION, TEMPERATURE, batch_tensors
+from test_grpo import MAX_COMPLETION, TEMPERATURE, batch_tensors, trl_trainer
 
 
 @pytest.fixture(scope="module")
 def trainer(hf_causal, tmp_path_factory):
     """A TRL RLOOTrainer on a tiny Qwen2 (a few seconds to build: once per module)."""
-    import datasets
-    import transformers
-    import trl
-    from _tok import make_bpe_tokenizer
-
-    folder = hf_causal("grpo_policy", model_type="qwen2", num_key_value_heads=2)
-    tok_dir = make_bpe_tokenizer(tmp_path_factory.mktemp("tok"))
-    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    hf.config.dropout = 0.0
-    args = trl.RLOOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], use_cpu=True, bf16=False,
-                          per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
-                          temperature=TEMPERATURE, disable_tqdm=True, gradient_checkpointing=False, beta=0.0)
-    ds = datasets.Dataset.from_list([{"prompt": "the a"}] * 4)
-    t = trl.RLOOTrainer(model=hf, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                        train_dataset=ds, processing_class=tok)
-    t.model.train()
-    return t, folder
+    return trl_trainer(hf_causal, tmp_path_factory, "RLOOTrainer", beta=0.0)
 
 
 CLIP_METRICS = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]

@@ -1288,6 +1288,10 @@ class DecoderBody(nn.Module):
     sequences, captured layers.
     """
 
+    # whether a padded batch on a CPU may run without its padding (`forward_unpadded`); a family whose
+    # layers take more than (x, cos, sin, mask, cache) (Gemma 4: per-layer inputs, shared keys) says no
+    unpadded = True
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
@@ -1355,7 +1359,7 @@ class DecoderBody(nn.Module):
             position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
         padded = attention_mask is not None and not bool(valid.all())
         tables = self.rope_tables(position_ids, x.dtype)  # per layer: cos, sin (B, T, hd)
-        lengths = None if hidden_layers or attention_layers else unpadded_lengths(valid, padded, cache)
+        lengths = None if hidden_layers or attention_layers or not self.unpadded else unpadded_lengths(valid, padded, cache)
         if lengths:
             return forward_unpadded(x, valid, lengths, zip(self.layers, tables, self.windows), self.norm)
         # one mask per distinct window (Qwen mixes full and sliding layers); None lets SDPA use its
@@ -1399,6 +1403,36 @@ class DecoderBody(nn.Module):
         masks = row_masks(mask, pos, document_ids, set(self.windows), flex)
         return self._layers(x, self.rope_tables(pos, x.dtype), [masks[w] for w in self.windows], None,
                             hidden_layers, attention_layers)
+
+
+class LanguageModel(nn.Module):
+    """A multimodal checkpoint's `model.`: its text body as `model.language_model` (the keys in the
+    checkpoint, and in the adapters peft writes on transformers' multimodal class). The towers beside
+    it (vision, audio, their projectors) are neither built nor read: a family's `carry_checkpoint_keys`
+    write them back as they were."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.language_model = body
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                hidden_layers: Collection[int] = (), attention_layers: Collection[int] = (),
+                document_ids: torch.Tensor | None = None):
+        return self.language_model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
+                                   document_ids)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.language_model.embed_tokens
+
+    @property
+    def packed_attention(self) -> str:
+        return self.language_model.packed_attention
+
+    @packed_attention.setter
+    def packed_attention(self, kind: str) -> None:
+        self.language_model.packed_attention = kind
 
 
 class CausalLM(nn.Module):

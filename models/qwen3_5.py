@@ -45,6 +45,7 @@ from models.layers import (
     Documents,
     GatedMLP,
     KVCache,
+    LanguageModel,
     OffsetRMSNorm,
     Ragged,
     RopeSpec,
@@ -569,35 +570,6 @@ class Qwen3_5ForCausalLM(CausalLM):
         super().__init__(config, Qwen3_5Model(config))
 
 
-class LanguageModel(nn.Module):
-    """A multimodal checkpoint's `model.`: the text model as `model.language_model` (its keys in the
-    checkpoint, and in the adapters peft writes on transformers' multimodal class); the vision tower
-    (`model.visual.*`) is neither built nor read."""
-
-    def __init__(self, config: Qwen3_5Config) -> None:
-        super().__init__()
-        self.language_model = Qwen3_5Model(config)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                hidden_layers: Collection[int] = (), attention_layers: Collection[int] = (),
-                document_ids: torch.Tensor | None = None):
-        return self.language_model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
-                                   document_ids)
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.language_model.embed_tokens
-
-    @property
-    def packed_attention(self) -> str:
-        return self.language_model.packed_attention
-
-    @packed_attention.setter
-    def packed_attention(self, kind: str) -> None:
-        self.language_model.packed_attention = kind
-
-
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The language model of a multimodal Qwen3.5 checkpoint under the multimodal class's names
     (`model.language_model.*`, `lm_head`). A save (full fine-tuning, minitrain merge) writes the towers and
@@ -606,7 +578,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     ignore_checkpoint_keys = carry_checkpoint_keys = (r"^mtp\.", r"^model\.visual\.")
 
     def __init__(self, config: Qwen3_5Config) -> None:
-        CausalLM.__init__(self, config, LanguageModel(config))
+        CausalLM.__init__(self, config, LanguageModel(Qwen3_5Model(config)))
 
 
 def config_from_hf(d: dict[str, Any]) -> Qwen3_5Config:

@@ -81,6 +81,11 @@ DEFAULT_ROPE = {
 PROPORTIONAL_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
 
 
+def default_layer_types(n: int) -> list[str]:
+    """transformers' default: five sliding layers to one global."""
+    return ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+
+
 @dataclass
 class Gemma4Config:
     """Gemma 4 text hyper-parameters under their HF `config.json` names (transformers' defaults).
@@ -139,9 +144,8 @@ class Gemma4Config:
                              "embedding model) is not supported — minitrain trains causal Gemma 4 models")
         check_heads(self.num_attention_heads, self.num_key_value_heads)
         check_heads(self.num_attention_heads, self.global_kv_heads)
-        if self.layer_types is None:  # transformers: five sliding layers to one global
-            self.layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention"
-                                for i in range(self.num_hidden_layers)]
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(self.num_hidden_layers)
         check_layer_types(self.layer_types, self.num_hidden_layers)
         self.layer_types = [*self.layer_types[:-1], "full_attention"]  # as transformers: the last layer is global
         self.rope_parameters = {t: dict(p) for t, p in (self.rope_parameters or DEFAULT_ROPE).items()}
@@ -256,8 +260,8 @@ def _global_heads(per_layer: dict, d: dict[str, Any]) -> dict[str, Any]:
     -> `global_head_dim` / `num_global_key_value_heads`; any other use of it is a ValueError."""
     entries = [dict(v) for v in per_layer.values()] if isinstance(per_layer, dict) else []
     bad = not entries or any(set(e) - {"head_dim", "num_key_value_heads"} or e != entries[0] for e in entries)
-    types = d.get("layer_types")
-    if not bad and types is not None:
+    types = d.get("layer_types") or default_layer_types(d.get("num_hidden_layers", 0))
+    if not bad:
         full = {i for i, t in enumerate([*types[:-1], "full_attention"]) if t == "full_attention"}
         bad = {int(k) for k in per_layer} != full
     if bad:
@@ -475,7 +479,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     their embedders) is neither built nor read, and a save (full fine-tuning, minitrain merge) writes it
     back as it was read from the source folder."""
 
-    ignore_checkpoint_keys = (r"^model\.(?!language_model\.)",)
+    ignore_checkpoint_keys = hf_only_modules = (r"^model\.(?!language_model\.)",)
 
     def __init__(self, config: Gemma4Config) -> None:
         super().__init__(config, multimodal=True)

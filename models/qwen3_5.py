@@ -576,6 +576,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     the `mtp.*` head back as they were read from the source folder (`carry_checkpoint_keys`)."""
 
     ignore_checkpoint_keys = carry_checkpoint_keys = (r"^mtp\.", r"^model\.visual\.")
+    hf_only_modules = (r"^model\.visual\.",)  # transformers' class builds the tower: adapters name full paths
 
     def __init__(self, config: Qwen3_5Config) -> None:
         CausalLM.__init__(self, config, LanguageModel(Qwen3_5Model(config)))

@@ -131,10 +131,12 @@ def adapter_signature(model: nn.Module) -> dict[str, Any] | None:
 
 
 def minimal_targets(model: nn.Module, wrapped: Sequence[str]) -> list[str]:
-    """Leaf names if they select exactly the wrapped modules (`q_proj`), else the full names."""
+    """Leaf names if they select exactly the wrapped modules (`q_proj`), else the full names. Full names
+    too for a model whose transformers class builds modules it does not (`hf_only_modules`: a multimodal
+    checkpoint's towers, where peft would find a vision `q_proj` by its leaf name)."""
     leaves = sorted({n.rsplit(".", 1)[-1] for n in wrapped})
     selected = {n for n, _ in model.named_modules() if n and any(name_matches(n, t) for t in leaves)}
-    return leaves if selected == set(wrapped) else sorted(wrapped)
+    return leaves if selected == set(wrapped) and not getattr(model, "hf_only_modules", ()) else sorted(wrapped)
 
 
 # ----------------------------------------------------------------------------- dtype guard

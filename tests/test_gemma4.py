@@ -1,0 +1,367 @@
+"""Gemma 4 (`models/gemma4.py`) against transformers.
+
+Tiny random checkpoints saved once per session by transformers 5 (fp32; norms and each layer's
+`layer_scalar` perturbed so that every tensor matters):
+
+- `e2b`: the E2B / E4B layout: per-layer embeddings (PLE), sliding (head dim 16, window 5) and global
+  layers (head dim 32, one kv head, `attention_k_eq_v`: no v_proj), proportional RoPE on the global
+  layers (half of the frequencies turned, base 100 so that they turn within 40 tokens), the last two
+  layers reusing the keys and values of the last earlier sliding / global layer, their MLPs
+  double-wide, the final logit soft cap;
+- `dense`: the 31B layout: no PLE, no sharing, separate v_proj, the global layers' own head dim.
+
+Compared with transformers: logits on padded batches (left, right, none), every parameter's gradient
+and a LoRA step's, greedy generation through the cache (shared keys included), the saved folder. The
+multimodal `gemma4` checkpoint (a vision and an audio tower): its language model loads alone, peft
+on `AutoModelForImageTextToText` takes our adapter, merge and full fine-tuning write the towers back
+bit for bit. Through the CLI: LoRA SFT and DPO.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from test_llama import prompts
+
+import models
+from minitrain.weights import load_pretrained, save_pretrained
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, global_head_dim=32, sliding_window=5, max_position_embeddings=256, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 100.0}}
+CONFIGS = {
+    "e2b": dict(num_hidden_layers=5, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                             "full_attention"], final_logit_softcapping=5.0, rope_parameters=ROPE),
+    "dense": dict(num_hidden_layers=3, hidden_size_per_layer_input=0, tie_word_embeddings=False,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                  rope_parameters={**ROPE, "full_attention": {**ROPE["full_attention"], "factor": 2.0}}),
+}
+
+
+def perturb(model):
+    """Random init leaves the norms at 1 and each layer's scalar at 1: move them so that they matter."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.add_(0.2 * torch.randn_like(b))
+    return model
+
+
+@pytest.fixture(scope="session")
+def g4(tmp_path_factory):
+    cache = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            cfg = transformers.AutoConfig.for_model("gemma4_text", **TEXT, **CONFIGS[name])
+            torch.manual_seed(0)
+            d = tmp_path_factory.mktemp(f"gemma4_{name}")
+            perturb(transformers.AutoModelForCausalLM.from_config(cfg)).save_pretrained(d)
+            cache[name] = d
+        return cache[name]
+
+    return make
+
+
+def load_ours(folder):
+    return load_pretrained(folder, models.from_hf_config).eval()
+
+
+def load_hf(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def batch(T: int, padding: str, n_pad: int = 9, seed: int = 0, high: int = 128):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, high, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    if padding == "left":
+        mask[1, :n_pad] = 0
+    elif padding == "right":
+        mask[1, -n_pad:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def positions(mask):
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def hidden(model, ids, mask=None, **kw):
+    with torch.no_grad():
+        return model(ids, mask, **kw)
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(g4, name):
+    """40 tokens (eight sliding windows), padded left, right, not at all: the real tokens' logits within
+    1e-5 relative (measured: 0, the same operations in the same order)."""
+    folder = g4(name)
+    ours, hf = load_ours(folder), load_hf(folder)
+    for padding in ("none", "left", "right"):
+        ids, mask = batch(40, padding)
+        a = ours.output_projection(hidden(ours, ids, mask))
+        with torch.no_grad():
+            b = hf(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+        real = mask.bool()
+        assert rel(a[real], b[real]) <= 1e-5, padding
+
+
+@pytest.mark.parametrize("change", ["proportional", "layer_scalar", "sharing", "per_layer_inputs"])
+def test_each_feature_changes_the_logits(g4, change):
+    """Not a no-op: the default RoPE on the global layers, a layer scalar of 1, a shared layer computing
+    from the other type's keys, or zero per-layer inputs each move the logits by more than 1%."""
+    from models.layers import RopeSpec, RotaryEmbedding
+
+    folder = g4("e2b")
+    ours = load_ours(folder)
+    ids, mask = batch(40, "none")
+    ref = ours.output_projection(hidden(ours, ids, mask))
+    body = ours.model
+    if change == "proportional":
+        body.rotary["full_attention"] = RotaryEmbedding(RopeSpec(32, 100.0, None, 256))
+    elif change == "layer_scalar":
+        for layer in body.layers:
+            layer.layer_scalar.fill_(1.0)
+    elif change == "sharing":  # the sliding layer 3 reads the keys of the sliding layer 0 instead of layer 2
+        body.sources = [None, None, None, 0, 1]
+    else:
+        body.embed_tokens_per_layer.weight.data.zero_()
+        body.per_layer_model_projection.weight.data.zero_()
+    assert rel(ours.output_projection(hidden(ours, ids, mask)), ref) > 1e-2
+
+
+def test_gradients_match_transformers(g4):
+    """Every parameter's gradient (the PLE tables and projections, q / k norms, the shared layers' q_proj
+    and double-wide MLPs) equals transformers' under the same loss, right padding."""
+    folder = g4("e2b")
+    ours, hf = load_ours(folder).train(), load_hf(folder).train()
+    for p in ours.parameters():
+        p.requires_grad_(True)
+    ids, mask = batch(40, "right", n_pad=7)
+    labels = ids.masked_fill(mask == 0, -100)
+    hf(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    logits = ours.output_projection(ours(ids, mask))
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()
+    theirs = dict(hf.named_parameters())
+    assert set(theirs) == {n for n, _ in ours.named_parameters()}
+    for n, p in ours.named_parameters():
+        ref = theirs[n].grad
+        assert (p.grad - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-9, n
+
+
+def test_lora_step_gradients_match_peft(g4, tmp_path):
+    """A LoRA step: our adapter (every projection, the PLE gate and projection included), saved and put on
+    transformers' model by peft, gets the same loss and the same gradient on every LoRA factor."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+
+    folder = g4("e2b")
+    ours = load_ours(folder)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "per_layer_input_gate",
+               "per_layer_projection")
+    cfg = LoRAConfig(r=4, alpha=8, targets=targets)
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    save_adapter(ours, tmp_path / "adapter", cfg)
+    ref = peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "adapter", is_trainable=True).train()
+    ours.train()
+    ids, mask = batch(40, "left", n_pad=5)
+    labels = ids.masked_fill(mask == 0, -100)
+    loss_ref = ref(input_ids=ids, attention_mask=mask, position_ids=positions(mask), labels=labels).loss
+    loss_ref.backward()
+    logits = ours.output_projection(ours(ids, mask))
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(loss_ref.detach()), rel=1e-5)
+    theirs = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+              for n, p in ref.named_parameters() if "lora_" in n}
+    mine = {n: p.grad for n, p in ours.named_parameters() if "lora_" in n}
+    assert set(mine) == set(theirs) and any("per_layer_input_gate" in n for n in mine)
+    for n, g in mine.items():
+        assert (g - theirs[n]).abs().max() <= 1e-5 * theirs[n].abs().max() + 1e-9, n
+
+
+def test_state_dict_keys_are_transformers_keys(g4):
+    """Key for key and shape for shape, `layer_scalar` buffers included; the shared layers hold no k / v."""
+    for name in CONFIGS:
+        folder = g4(name)
+        with torch.device("meta"):
+            ours = models.from_hf_config(json.loads((folder / "config.json").read_text()))
+        theirs = load_hf(folder).state_dict()
+        assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.items()}
+
+
+def test_greedy_generate_matches_transformers(g4):
+    """Greedy `generate` on left-padded prompts (prefill, then one token a step through the cache; the
+    shared layers read the keys their source layer keeps in the cache) equals transformers'."""
+    folder = g4("e2b")
+    ours, hf = load_ours(folder), load_hf(folder)
+    hf.generation_config.eos_token_id = None
+    ids, mask = prompts()  # row 1: 7 pads then 5 real tokens
+    ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = models.family(ours).generate(ours, ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_saved_folder_and_config_load_in_transformers(g4, tmp_path):
+    """`to_hf` round-trips; our `save_pretrained` loads in transformers with our logits; the published
+    spelling (`global_head_dim`, `num_global_key_value_heads`) reads as transformers 5's `per_layer_config`."""
+    for name in CONFIGS:
+        folder = g4(name)
+        ours = load_ours(folder)
+        config = json.loads((folder / "config.json").read_text())
+        cfg = models.config_from_hf(config)
+        d = json.loads(json.dumps(cfg.to_hf()))
+        assert models.config_from_hf(d) == cfg
+        published = {k: v for k, v in config.items() if k != "per_layer_config"}
+        published.update(global_head_dim=32, num_global_key_value_heads=CONFIGS[name].get("num_global_key_value_heads"))
+        assert models.config_from_hf(published) == cfg
+        save_pretrained(ours, tmp_path / name, d)
+        ids, mask = batch(30, "left", n_pad=6)
+        a = ours.output_projection(hidden(ours, ids, mask))
+        with torch.no_grad():
+            b = load_hf(tmp_path / name)(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+        assert rel(a[mask.bool()], b[mask.bool()]) <= 1e-5
+
+
+BASE = dict(model_type="gemma4_text", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32)
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}, "enable_moe_block"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
+    ({"num_hidden_layers": 3, "num_kv_shared_layers": 2,
+      "layer_types": ["sliding_attention", "full_attention", "full_attention"]}, "num_kv_shared_layers"),
+    ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "beta": 2}}}, "beta"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+      "layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+    ({"hidden_activation": "relu"}, "hidden_activation"),
+    ({"altup_num_inputs": 4}, "altup_num_inputs"),
+])
+def test_configs_we_cannot_honour_are_value_errors(config, named):
+    with pytest.raises(ValueError, match=named) as e:
+        models.from_hf_config({**BASE, **config})
+    assert str(e.value).startswith("config.json: ") and " — " in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------
+# The multimodal checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def multimodal(tmp_path_factory):
+    """A tiny `Gemma4ForConditionalGeneration` saved by transformers: one-layer vision and audio towers
+    beside a language model with PLE, a shared layer and the proportional RoPE. Its image / audio token
+    ids are 120..126: the text batches stay below them."""
+    text = dict(TEXT, num_hidden_layers=3, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+                num_kv_shared_layers=1, layer_types=["sliding_attention", "full_attention", "full_attention"],
+                final_logit_softcapping=5.0, rope_parameters=ROPE)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=16)
+    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                 output_proj_dims=32)
+    cfg = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=audio, image_token_id=120,
+                                    video_token_id=121, audio_token_id=122, boi_token_id=123, eoi_token_id=124,
+                                    boa_token_id=125, eoa_token_index=126)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("gemma4_multimodal")
+    perturb(transformers.Gemma4ForConditionalGeneration(cfg).eval()).save_pretrained(d)
+    return d
+
+
+def load_multimodal(folder):
+    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+def test_multimodal_checkpoint_loads_its_language_model_only(multimodal, monkeypatch):
+    """Text logits equal the multimodal class's (left padding); the towers' tensors are never read (one
+    read per tensor of ours); `to_hf` gives back the multimodal config."""
+    import minitrain.weights as weights
+
+    read = []
+    real_read = weights.read_tensor
+    monkeypatch.setattr(weights, "read_tensor", lambda *a: read.append(a[-1]) or real_read(*a))
+    ours = load_ours(multimodal)
+    names = set(ours.state_dict())
+    assert all(k.startswith(("model.language_model.", "lm_head.")) for k in names)
+    assert len(read) == len(names) - 1  # the tied lm_head is the embedding: no tower tensor read
+    ids, mask = batch(40, "left", high=120)
+    a = ours.output_projection(hidden(ours, ids, mask))
+    with torch.no_grad():
+        b = load_multimodal(multimodal)(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+    assert rel(a[mask.bool()], b[mask.bool()]) <= 1e-5
+    config = json.loads((multimodal / "config.json").read_text())
+    cfg = models.config_from_hf(config)
+    assert cfg.model_type == "gemma4" and models.config_from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+    assert cfg.to_hf()["vision_config"] == config["vision_config"]
+    assert cfg.to_hf()["audio_config"] == config["audio_config"]
+
+
+def test_multimodal_lora_adapter_loads_in_peft_on_the_multimodal_class(multimodal, tmp_path):
+    """A LoRA adapter on the language model has the keys peft writes on transformers' multimodal class:
+    `PeftModel.from_pretrained` on `AutoModelForImageTextToText` loads it with our text logits; minitrain
+    merge folds it in, writes every tower tensor back bit for bit, and transformers loads the result."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+    from minitrain.commands import merge as tool
+
+    ours = load_ours(multimodal)
+    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    save_adapter(ours, tmp_path / "adapter", cfg)
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert not any(k.startswith(("base_model.model.model.vision_tower", "base_model.model.model.audio_tower"))
+                   for k in keys)
+    ref = peft.PeftModel.from_pretrained(load_multimodal(multimodal), tmp_path / "adapter").eval()
+    ids, mask = batch(40, "none", high=120)
+    with torch.no_grad():
+        b = ref(input_ids=ids, attention_mask=mask).logits
+    a = ours.output_projection(hidden(ours.eval(), ids, mask))
+    assert rel(a, b) <= 1e-5
+
+    tool.merge(str(multimodal), str(tmp_path / "adapter"), str(tmp_path / "merged"), dtype="float32")
+    before, after = load_file(multimodal / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(after) == set(before)
+    towers = [k for k in before if k.startswith(TOWERS)]
+    assert towers and all(torch.equal(after[k], before[k]) for k in towers)
+    with torch.no_grad():
+        merged = load_multimodal(tmp_path / "merged")(input_ids=ids, attention_mask=mask).logits
+    assert rel(merged, a) <= 1e-5

@@ -673,13 +673,13 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[st
         if lora is not None:
             write_adapter(model, to, lora, values)
         elif sharded:  # never the whole model on one rank: one shard file at a time
-            fsdp.save_model(to, {**dict(model.named_parameters()), **(values or {})}, _model_config(model),
+            fsdp.save_model(to, {**_saved_tensors(model), **(values or {})}, _model_config(model),
                             side_files=lambda tmp: _copy_side_files(model, tmp))
         elif values is not None:
             with ema.swapped_in(model, values):
                 write(to)
         else:  # every rank gathers (a ddp run: whole already), rank 0 writes
-            tensors = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in model.named_parameters()}
+            tensors = {n: distributed.full_tensor(p.detach()).contiguous().cpu() for n, p in _saved_tensors(model).items()}
             distributed.main_only(lambda: _write_model(model, to, tensors))
 
     write(folder)
@@ -730,6 +730,15 @@ def _write_adapter(model: nn.Module, folder: Path, lora: LoRAConfig,
         raise UserError(f"{folder}: cannot write the adapter: {io_error_reason(e.__cause__)} — the "
                         f"trained checkpoint is in {out / checkpoint.NAME}: free space or make {out} writable, "
                         f"then rerun with resume=true to write the adapter") from None
+
+
+def _saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a fully fine-tuned model's folder holds: its parameters and its persistent buffers (weights a
+    checkpoint stores but nothing trains, e.g. Gemma 4's `layer_scalar`)."""
+    params = dict(model.named_parameters())
+    buffers = {f"{prefix}{'.' if prefix else ''}{name}": b for prefix, m in model.named_modules()
+               for name, b in m.named_buffers(recurse=False) if b is not None and name not in m._non_persistent_buffers_set}
+    return {**params, **buffers}
 
 
 def _write_model(model: nn.Module, folder: Path, tensors: dict[str, torch.Tensor]) -> None:

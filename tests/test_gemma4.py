@@ -365,3 +365,98 @@ def test_multimodal_lora_adapter_loads_in_peft_on_the_multimodal_class(multimoda
     with torch.no_grad():
         merged = load_multimodal(tmp_path / "merged")(input_ids=ids, attention_mask=mask).logits
     assert rel(merged, a) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Through the CLI
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli_model(g4, tmp_path_factory):
+    from _tok import make_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("gemma4_cli") / "model"
+    shutil.copytree(g4("e2b"), d)
+    make_bpe_tokenizer(d)
+    return d
+
+
+def sft_rows(tmp_path, n: int = 8) -> Path:
+    from _tok import corpus
+
+    lines = corpus(2 * n, seed=3)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                            for i in range(n)))
+    return data
+
+
+def test_lora_sft_packed_and_dpo_through_the_cli(cli_model, tmp_path, capsys):
+    """`recipes/sft.py` with LoRA (the default projections and the PLE gate / projection): the preflight
+    audit passes, 2 steps with finite losses, peft puts the adapter on transformers' model with our
+    logits; `packing=true` trains with the padded run's first-step loss; DPO's shared-prompt rows give
+    the metrics of `[chosen; rejected]` rows."""
+    peft = pytest.importorskip("peft")
+    from _tok import corpus
+    from test_families_cli import run
+
+    from minitrain.adapters.peft_format import load_adapter
+
+    data = sft_rows(tmp_path)
+    targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,per_layer_input_gate,per_layer_projection"
+    padded = run(capsys, "sft.py", cli_model, data, tmp_path / "sft", lora_targets=targets)
+    adapter = tmp_path / "sft" / "adapter"
+    keys = load_file(adapter / "adapter_model.safetensors")
+    assert any(".per_layer_input_gate.lora_A" in k for k in keys)
+    assert not any(".layers.3.self_attn.k_proj" in k for k in keys)  # a shared layer has no k_proj
+    ours = load_ours(cli_model)
+    load_adapter(ours, adapter)
+    ref = peft.PeftModel.from_pretrained(load_hf(cli_model), adapter).eval()
+    ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        b = ref(input_ids=ids).logits
+    assert rel(ours.output_projection(hidden(ours, ids)), b) <= 1e-5
+
+    packed = run(capsys, "sft.py", cli_model, data, tmp_path / "packed", lora_targets=targets, packing="true")
+    assert packed[0]["loss"] == pytest.approx(padded[0]["loss"], rel=1e-5)
+
+    lines = corpus(40, seed=3)
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": lines[i], "chosen": " " + lines[i + 10],
+                                         "rejected": " " + lines[i + 20]}) + "\n" for i in range(8)))
+    two = run(capsys, "dpo_mistral.py", cli_model, prefs, tmp_path / "two")
+    shared = run(capsys, "dpo_mistral.py", cli_model, prefs, tmp_path / "shared", shared_prompt="true")
+    keys = [k for k in two[0] if k in ("loss", "grad_norm") or k.startswith(("logps/", "rewards/"))]
+    assert "logps/chosen" in keys and "grad_norm" in keys
+    for key in keys:
+        assert shared[0][key] == pytest.approx(two[0][key], rel=1e-4, abs=1e-6), key
+
+
+def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, tmp_path, capsys):
+    """`finetune=full` through the CLI on the multimodal folder: the written folder holds every tower
+    tensor bit-identical to the input, a trained language model, and loads in transformers as the
+    multimodal class with our text logits."""
+    from _tok import make_bpe_tokenizer
+
+    from minitrain.cli import run_cli
+
+    model = tmp_path / "model"
+    shutil.copytree(multimodal, model)
+    make_bpe_tokenizer(model)
+    keys = {"model": model, "data": sft_rows(tmp_path), "eval_data": "", "out": tmp_path / "out", "max_steps": 2,
+            "batch_size": 2, "max_len": 64, "finetune": "full", "lr": 1e-3}
+    assert run_cli([str(REPO / "recipes" / "sft.py")] + [f"{k}={v}" for k, v in keys.items()]) == 0, \
+        capsys.readouterr().err
+    written = next(p.parent for p in (tmp_path / "out").rglob("model.safetensors"))
+    before, after = load_file(model / "model.safetensors"), load_file(written / "model.safetensors")
+    assert set(after) == set(before)
+    towers = [k for k in before if k.startswith(TOWERS)]
+    assert towers and all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in towers)
+    trained = "model.language_model.per_layer_model_projection.weight"
+    assert not torch.equal(after[trained], before[trained])
+    ids, mask = batch(40, "none", high=120)
+    with torch.no_grad():
+        b = load_multimodal(written)(input_ids=ids, attention_mask=mask).logits
+    ours = load_ours(written)
+    assert rel(ours.output_projection(hidden(ours, ids, mask)), b) <= 1e-5

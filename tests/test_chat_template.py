@@ -101,6 +101,8 @@ def _metaspace(d: Path, specials: list[str], config: dict) -> None:
 
 
 QWEN = (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ["<think>", "</think>"])
+GEMMA4 = ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>", "<|tool_call>",
+          "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>", "<|video|>"]
 HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
            "<|message|>", "<|call|>"]  # gpt-oss's special tokens (o200k_harmony)
 
@@ -124,6 +126,9 @@ def _family_folder(d: Path, family: str) -> Path:
     elif family == "smollm2":
         _bytelevel(d, QWEN[0], [], {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
                                     "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>"})
+    elif family == "gemma4":
+        _metaspace(d, ["<pad>", "<eos>", "<bos>", *GEMMA4], {"bos_token": "<bos>", "eos_token": "<eos>",
+                                                           "pad_token": "<pad>", "unk_token": "<unk>"})
     elif family.startswith("gemma"):
         _metaspace(d, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
                    {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"})
@@ -169,6 +174,7 @@ SHAPES = {
     "llama3": (r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n", "<|eot_id|>"),
     "chatml": (r"<\|im_start\|>assistant\n", "<|im_end|>"),
     "gemma": (r"<start_of_turn>model\n", "<end_of_turn>"),
+    "gemma4": (r"<\|turn>model\n", "<turn|>"),
     "phi3": (r"<\|assistant\|>\n", "<|end|>"),
     "zephyr": (r"<\|assistant\|>\n", "</s>"),
     # gpt-oss's harmony: a turn that more messages follow ends with <|end|>, the last one with <|return|>
@@ -202,6 +208,8 @@ CASES = [  # (family folder, template fixture, mask shape, chats, template kwarg
     ("qwen", "qwen3", "chatml", [0, 1, 2], {"enable_thinking": False}),
     ("gemma", "gemma2", "gemma", NO_SYSTEM, {}),
     ("gemma", "gemma3", "gemma", [0, 1, 2], {}),
+    ("gemma4", "gemma4", "gemma4", [0, 1, 2], {}),
+    ("gemma4", "gemma4", "gemma4", [0, 1, 2], {"enable_thinking": True}),
     ("phi3", "phi3", "phi3", [0, 1, 2], {}),
     ("smollm2", "smollm2", "chatml", [0, 1, 2], {}),
     ("zephyr", "zephyr", "zephyr", [0, 1, 2], {}),
@@ -211,6 +219,7 @@ CASES = [  # (family folder, template fixture, mask shape, chats, template kwarg
 
 @pytest.mark.parametrize("family, template, shape, chats, kwargs", CASES,
                          ids=[f"{c[1]}-{c[0]}" + ("-nothink" if c[4].get("enable_thinking") is False else "")
+                              + ("-think" if c[0] == "gemma4" and c[4].get("enable_thinking") else "")
                               for c in CASES])
 def test_template_ids_and_mask_equal_transformers(folder, family, template, shape, chats, kwargs):
     d = folder(family, template)

@@ -460,3 +460,20 @@ def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, t
         b = load_multimodal(written)(input_ids=ids, attention_mask=mask).logits
     ours = load_ours(written)
     assert rel(ours.output_projection(hidden(ours, ids, mask)), b) <= 1e-5
+
+
+def test_what_does_not_apply_yet_is_one_line(g4, tmp_path, capsys):
+    """GGUF export (llama.cpp reads Gemma 4, our writer does not write it yet: the line says so and how to
+    convert instead) and the memory plan each refuse in one line with exit 2, writing nothing."""
+    from minitrain.commands import export, plan
+
+    model = g4("e2b")
+    capsys.readouterr()
+    assert export.main(["--model", str(model), "--out", str(tmp_path / "m.gguf"), "--type", "f32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "llama.cpp reads Gemma 4" in err[0], err
+    assert not (tmp_path / "m.gguf").exists()
+    data = sft_rows(tmp_path)
+    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={model}", f"data={data}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gemma4_text" in err[0] and "memory plan" in err[0], err

@@ -54,6 +54,13 @@ FAMILIES = {
     "gemma3_text": Family("gemma3", False, True),
     "phi3": Family("phi3", False, False),
 }
+# architectures llama.cpp reads that this writer does not write yet: what to do instead
+NOT_WRITTEN = {
+    kind: "llama.cpp reads Gemma 4 (its `gemma4` architecture, in llama-cpp-python 0.3.36 too), but minitrain's "
+          "GGUF writer does not lay out its per-layer embeddings, shared keys and proportional RoPE yet — write "
+          "the model with `minitrain merge`, then convert that folder with llama.cpp's convert_hf_to_gguf.py"
+    for kind in ("gemma4_text", "gemma4")
+}
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # llama.cpp scales queries by hidden / heads there
 
 
@@ -80,6 +87,8 @@ def rope_scaling(config: Mapping[str, Any]) -> dict[str, Any]:
 def check_exportable(config: Mapping[str, Any]) -> Family:
     """The family of config.json, or a `UserError` saying what llama.cpp cannot run as the checkpoint does."""
     kind = config.get("model_type")
+    if kind in NOT_WRITTEN:
+        raise UserError(f"config.json: model_type {kind!r}: {NOT_WRITTEN[kind]}")
     if kind not in FAMILIES:
         raise UserError(f"config.json: model_type {kind!r} — GGUF export takes {', '.join(FAMILIES)}")
     fam = FAMILIES[kind]

@@ -65,9 +65,11 @@ from models.layers import (
     check_layer_types,
     drop_ignored,
     generate,
+    multimodal_to_hf,
     normalize_rope_scaling,
     repeat_kv,
     require_zero,
+    text_config_of,
 )
 
 __all__ = ["Gemma4Config", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "KVCache", "generate",
@@ -229,14 +231,7 @@ class Gemma4Config:
         """A multimodal Gemma 4 (`Gemma4ForConditionalGeneration`, model_type "gemma4"): its language model's
         config (`text_config`; the outer `tie_word_embeddings` is the one transformers honours), the rest
         kept for `to_hf`. The vision and audio towers are not built."""
-        text = d.get("text_config")
-        if not isinstance(text, dict):
-            raise ValueError("config.json: a multimodal gemma4 config without a text_config — restore the "
-                             "checkpoint's config.json")
-        cfg = cls.from_hf({**text, "model_type": "gemma4_text", "tie_word_embeddings": d.get("tie_word_embeddings", True)})
-        cfg.model_type = "gemma4"
-        cfg.multimodal = {k: v for k, v in d.items() if k != "text_config"}
-        return cfg
+        return text_config_of(d, cls.from_hf, "gemma4_text", tie_default=True)
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict transformers loads (the global heads as `per_layer_config`, which
@@ -248,11 +243,7 @@ class Gemma4Config:
         if d.pop("num_global_key_value_heads") is not None:
             heads["num_key_value_heads"] = self.num_global_key_value_heads
         d["per_layer_config"] = {str(i): dict(heads) for i, t in enumerate(self.layer_types) if t == "full_attention"}
-        outer = d.pop("multimodal")
-        if outer is None:
-            return d
-        d.pop("architectures")
-        return {**outer, "tie_word_embeddings": d["tie_word_embeddings"], "text_config": {**d, "model_type": "gemma4_text"}}
+        return multimodal_to_hf(d, d.pop("multimodal"), "gemma4_text")
 
 
 def _global_heads(per_layer: dict, d: dict[str, Any]) -> dict[str, Any]:

@@ -190,6 +190,30 @@ def read_rope(d: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     return (float(theta) if theta is not None else None), scaling
 
 
+def text_config_of(d: dict[str, Any], from_hf: Callable[[dict[str, Any]], Any], text_type: str,
+                   tie_default: bool) -> Any:
+    """A multimodal checkpoint's config.json (`*ForConditionalGeneration`) -> its language model's config:
+    `from_hf` of its `text_config` (as `text_type`; the outer `tie_word_embeddings` is the one transformers
+    honours), with the outer `model_type`, and the rest of the dict in `multimodal` for `multimodal_to_hf`."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json: a multimodal {d.get('model_type')} config without a text_config — restore "
+                         "the checkpoint's config.json")
+    cfg = from_hf({**text, "model_type": text_type, "tie_word_embeddings": d.get("tie_word_embeddings", tie_default)})
+    cfg.model_type = d["model_type"]
+    cfg.multimodal = {k: v for k, v in d.items() if k != "text_config"}
+    return cfg
+
+
+def multimodal_to_hf(text: dict[str, Any], outer: dict[str, Any] | None, text_type: str) -> dict[str, Any]:
+    """A text model's `to_hf` dict as transformers writes it: alone (`outer` None), or inside the multimodal
+    config `outer` (what `text_config_of` kept) as its `text_config`."""
+    if outer is None:
+        return text
+    text.pop("architectures", None)
+    return {**outer, "tie_word_embeddings": text["tie_word_embeddings"], "text_config": {**text, "model_type": text_type}}
+
+
 def check_heads(num_attention_heads: int, num_key_value_heads: int) -> None:
     """Grouped-query attention needs the query heads to be a multiple of the key/value heads."""
     if num_attention_heads % num_key_value_heads:

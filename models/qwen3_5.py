@@ -55,9 +55,11 @@ from models.layers import (
     check_heads,
     drop_ignored,
     generate,
+    multimodal_to_hf,
     normalize_rope_scaling,
     read_rope,
     require_zero,
+    text_config_of,
 )
 
 __all__ = ["Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "KVCache", "generate", "config_from_hf",
@@ -192,14 +194,7 @@ class Qwen3_5Config:
         """A multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`, model_type "qwen3_5"): its language
         model's config (`text_config`; the outer `tie_word_embeddings` is the one transformers honours),
         the rest kept for `to_hf`. The vision tower is not built."""
-        text = d.get("text_config")
-        if not isinstance(text, dict):
-            raise ValueError("config.json: a multimodal qwen3_5 config without a text_config — restore the "
-                             "checkpoint's config.json")
-        cfg = cls.from_hf({**text, "model_type": "qwen3_5_text", "tie_word_embeddings": d.get("tie_word_embeddings", False)})
-        cfg.model_type = "qwen3_5"
-        cfg.multimodal = {k: v for k, v in d.items() if k != "text_config"}
-        return cfg
+        return text_config_of(d, cls.from_hf, "qwen3_5_text", tie_default=False)
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict transformers loads (v5's `rope_parameters`); a multimodal checkpoint's
@@ -210,11 +205,7 @@ class Qwen3_5Config:
                                 "partial_rotary_factor": d.pop("partial_rotary_factor")}
         d.pop("rope_scaling")
         d.pop("full_attention_interval")  # layer_types says it
-        outer = d.pop("multimodal")
-        if outer is None:
-            return d
-        d.pop("architectures")
-        return {**outer, "tie_word_embeddings": d["tie_word_embeddings"], "text_config": {**d, "model_type": "qwen3_5_text"}}
+        return multimodal_to_hf(d, d.pop("multimodal"), "qwen3_5_text")
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 from test_llama import prompts
+from test_qwen3_5 import hidden, positions, rel
 
 import models
 from minitrain.weights import load_pretrained, save_pretrained
@@ -98,17 +99,23 @@ def batch(T: int, padding: str, n_pad: int = 9, seed: int = 0, high: int = 128):
     return ids, mask
 
 
-def positions(mask):
-    return (mask.cumsum(-1) - 1).clamp(min=0)
+ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def hidden(model, ids, mask=None, **kw):
+def adapted(model, folder: Path, targets):
+    """`model` with LoRA on `targets`, B drawn at random (at zero the adapter would be a no-op), saved in
+    peft's format to `folder`."""
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+
+    cfg = LoRAConfig(r=4, alpha=8, targets=tuple(targets))
+    apply_lora(model, cfg)
     with torch.no_grad():
-        return model(ids, mask, **kw)
-
-
-def rel(a, b):
-    return float((a - b).abs().max() / b.abs().max())
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    save_adapter(model, folder, cfg)
+    return model
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -173,20 +180,8 @@ def test_lora_step_gradients_match_peft(g4, tmp_path):
     """A LoRA step: our adapter (every projection, the PLE gate and projection included), saved and put on
     transformers' model by peft, gets the same loss and the same gradient on every LoRA factor."""
     peft = pytest.importorskip("peft")
-    from minitrain.adapters.lora import LoRAConfig, apply_lora
-    from minitrain.adapters.peft_format import save_adapter
-
     folder = g4("e2b")
-    ours = load_ours(folder)
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "per_layer_input_gate",
-               "per_layer_projection")
-    cfg = LoRAConfig(r=4, alpha=8, targets=targets)
-    apply_lora(ours, cfg)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    save_adapter(ours, tmp_path / "adapter", cfg)
+    ours = adapted(load_ours(folder), tmp_path / "adapter", (*ATTENTION_MLP, "per_layer_input_gate", "per_layer_projection"))
     ref = peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "adapter", is_trainable=True).train()
     ours.train()
     ids, mask = batch(40, "left", n_pad=5)
@@ -334,18 +329,9 @@ def test_multimodal_lora_adapter_loads_in_peft_on_the_multimodal_class(multimoda
     `PeftModel.from_pretrained` on `AutoModelForImageTextToText` loads it with our text logits; minitrain
     merge folds it in, writes every tower tensor back bit for bit, and transformers loads the result."""
     peft = pytest.importorskip("peft")
-    from minitrain.adapters.lora import LoRAConfig, apply_lora
-    from minitrain.adapters.peft_format import save_adapter
     from minitrain.commands import merge as tool
 
-    ours = load_ours(multimodal)
-    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-    apply_lora(ours, cfg)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    save_adapter(ours, tmp_path / "adapter", cfg)
+    ours = adapted(load_ours(multimodal), tmp_path / "adapter", ATTENTION_MLP)
     keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in keys
     assert not any(k.startswith(("base_model.model.model.vision_tower", "base_model.model.model.audio_tower"))

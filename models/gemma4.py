@@ -33,7 +33,9 @@ them off before the first layer: the floor's forward (masks, positions, cache, p
 unchanged, and each layer gets its slice and the shared keys as arguments (activation checkpointing
 then saves them as inputs). A padded CPU batch keeps its padding (`unpadded = False`).
 
-The mixture-of-experts sizes (`enable_moe_block`, Gemma 4 26B-A4B) are refused with one line.
+The mixture-of-experts size (`enable_moe_block`, Gemma 4 26B-A4B) adds to every layer, beside the MLP, the
+floor's expert block (`Experts`: `gate_up_proj` (E, 2F, D), `down_proj` (E, D, F), GeGLU) behind Gemma 4's
+router (`Gemma4Router`), fed the MLP's input before its norm; the two outputs are normed apart and summed.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ from models.layers import (
     CausalLM,
     DecoderBody,
     Documents,
+    Experts,
     GatedMLP,
     KVCache,
     LanguageModel,
     RMSNormCastLast,
     RopeSpec,
+    Router,
     RotaryEmbedding,
     SoftcappedLinear,
     activation,
@@ -134,10 +138,14 @@ class Gemma4Config:
 
     def __post_init__(self) -> None:
         if self.enable_moe_block:
-            raise ValueError(
-                "config.json: enable_moe_block=true (the Gemma 4 mixture-of-experts sizes, e.g. 26B-A4B) is not "
-                "supported yet — minitrain loads the dense Gemma 4 sizes (E2B, E4B, 31B)"
-            )
+            for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"config.json: {name}={value!r} with enable_moe_block=true — the expert block "
+                                     "needs a positive int here")
+            if self.top_k_experts > self.num_experts:
+                raise ValueError(f"config.json: top_k_experts={self.top_k_experts} — use 1..num_experts "
+                                 f"({self.num_experts})")
         if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"config.json: hidden_activation {self.hidden_activation!r} is not supported — "
                              "Gemma 4 uses 'gelu_pytorch_tanh'")
@@ -290,6 +298,11 @@ def rotary(spec: RopeSpec) -> RotaryEmbedding:
     return ProportionalRotary(spec) if kind == "proportional" else RotaryEmbedding(spec)
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in fp32, cast back: Gemma 4's norm without a weight (`v_norm`, the router's)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+
+
 class Gemma4Attention(Attention):
     """Attention with q / k / v norms at scale 1.0, its layer type's head dim and kv heads; without
     `v_proj` under `attention_k_eq_v` (global layers: the values are the keys' projection), without any
@@ -320,7 +333,7 @@ class Gemma4Attention(Attention):
             return q, None, None
         k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)) if hasattr(self, "v_proj") else k
-        v = F.rms_norm(v.float(), (self.head_dim,), eps=self.eps).type_as(v)  # v_norm: no weight
+        v = unit_rms(v, self.eps)  # v_norm: no weight
         return q, self.k_norm(k), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any,
@@ -349,6 +362,24 @@ class Gemma4Attention(Attention):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)), (k, v), probs
 
 
+class Gemma4Router(nn.Module):
+    """The MoE sizes' router (HF's `router`): unit_rms(x) * `scale` / sqrt(D) -> logits (`proj`), a softmax
+    in fp32, the top K renormalised to sum to one, each times its expert's `per_expert_scale`.
+    forward: x (N, D) -> (logits (N, E), weights (N, K), indices (N, K))."""
+
+    def __init__(self, config: Gemma4Config) -> None:
+        super().__init__()
+        D, E = config.hidden_size, config.num_experts
+        self.proj = Router(D, E, config.top_k_experts, norm_topk_prob=True, cast_back=False)
+        self.scale = nn.Parameter(torch.ones(D))
+        self.per_expert_scale = nn.Parameter(torch.ones(E))
+        self.eps = config.rms_norm_eps
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, weights, indices = self.proj(unit_rms(x, self.eps) * self.scale * x.shape[-1] ** -0.5)
+        return logits, weights * self.per_expert_scale[indices], indices
+
+
 class Gemma4DecoderLayer(nn.Module):
     """Sandwich block (Gemma's), then the per-layer input, then times `layer_scalar`. Checkpointed and
     compiled as one unit. forward(x, cos, sin, mask, cache, return_attention, per_layer_input, shared)
@@ -365,6 +396,13 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNormCastLast(D, eps)
         self.post_feedforward_layernorm = RMSNormCastLast(D, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
+        if config.enable_moe_block:  # experts beside the MLP, fed the MLP's input before its norm
+            self.router = Gemma4Router(config)
+            self.experts = Experts(config.num_experts, D, config.moe_intermediate_size, act="gelu_pytorch_tanh")
+            self.experts.top_k = config.top_k_experts  # the rows each token sends through the experts (FLOP count)
+            self.post_feedforward_layernorm_1 = RMSNormCastLast(D, eps)
+            self.pre_feedforward_layernorm_2 = RMSNormCastLast(D, eps)
+            self.post_feedforward_layernorm_2 = RMSNormCastLast(D, eps)
         if config.ple:
             self.per_layer_input_gate = nn.Linear(D, config.ple, bias=False)
             self.per_layer_projection = nn.Linear(config.ple, D, bias=False)
@@ -376,7 +414,13 @@ class Gemma4DecoderLayer(nn.Module):
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None):
         a, kv, probs = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, return_attention, shared)
         x = x + self.post_attention_layernorm(a)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if hasattr(self, "experts"):
+            flat = x.reshape(-1, x.shape[-1])  # (N, D)
+            _, weights, indices = self.router(flat)
+            moe = self.experts(self.pre_feedforward_layernorm_2(flat), indices, weights).reshape(x.shape)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
+        x = x + self.post_feedforward_layernorm(h)
         if per_layer_input is not None:  # (B, T, P)
             h = self.act(self.per_layer_input_gate(x)) * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))

@@ -44,6 +44,8 @@ CONFIGS = {
                 use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
                 layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                              "full_attention"], final_logit_softcapping=5.0, rope_parameters=ROPE),
+    "moe": dict(num_hidden_layers=2, hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"],
+                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, rope_parameters=ROPE),
     "dense": dict(num_hidden_layers=3, hidden_size_per_layer_input=0, tie_word_embeddings=False,
                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                   rope_parameters={**ROPE, "full_attention": {**ROPE["full_attention"], "factor": 2.0}}),
@@ -55,7 +57,7 @@ def perturb(model):
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("scale"):  # the MoE router's scale, per_expert_scale
                 p.add_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
@@ -157,10 +159,12 @@ def test_each_feature_changes_the_logits(g4, change):
     assert rel(ours.output_projection(hidden(ours, ids, mask)), ref) > 1e-2
 
 
-def test_gradients_match_transformers(g4):
+@pytest.mark.parametrize("name", ["e2b", "moe"])
+def test_gradients_match_transformers(g4, name):
     """Every parameter's gradient (the PLE tables and projections, q / k norms, the shared layers' q_proj
-    and double-wide MLPs) equals transformers' under the same loss, right padding."""
-    folder = g4("e2b")
+    and double-wide MLPs; the router and the 3-D experts) equals transformers' under the same loss, right
+    padding."""
+    folder = g4(name)
     ours, hf = load_ours(folder).train(), load_hf(folder).train()
     for p in ours.parameters():
         p.requires_grad_(True)
@@ -248,7 +252,8 @@ BASE = dict(model_type="gemma4_text", vocab_size=128, hidden_size=64, intermedia
 
 
 @pytest.mark.parametrize("config, named", [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}, "enable_moe_block"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 32}, "top_k_experts"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "moe_intermediate_size"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"num_kv_shared_layers": 2}, "num_kv_shared_layers"),
     ({"num_hidden_layers": 3, "num_kv_shared_layers": 2,

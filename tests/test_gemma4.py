@@ -468,3 +468,34 @@ def test_what_does_not_apply_yet_is_one_line(g4, tmp_path, capsys):
     assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={model}", f"data={data}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gemma4_text" in err[0] and "memory plan" in err[0], err
+
+
+def test_moe_size_resumes_exactly_through_the_cli(g4, tmp_path, capsys):
+    """LoRA SFT on the MoE size (preflight audit healthy), stopped after step 2 (`stop_after`) and resumed
+    with `resume=true`, ends with the uninterrupted run's metrics and adapter, bit for bit."""
+    from _tok import make_bpe_tokenizer
+    from test_resume import steady
+
+    from minitrain.cli import run_cli
+
+    model = tmp_path / "model"
+    shutil.copytree(g4("moe"), model)
+    make_bpe_tokenizer(model)
+    data = sft_rows(tmp_path)
+
+    def run(out: Path, *extra: str) -> list[dict]:
+        keys = {"model": model, "data": data, "eval_data": "", "out": out, "max_steps": 4, "save_every": 2,
+                "batch_size": 2, "grad_accum": 1, "lora_r": 4, "lora_alpha": 8, "max_len": 64, "log_every": 1,
+                "lora_dropout": 0.1}
+        argv = [str(REPO / "recipes" / "sft.py")] + [f"{k}={v}" for k, v in keys.items()] + list(extra)
+        assert run_cli(argv) == 0, capsys.readouterr().err
+        assert "audit: healthy" in capsys.readouterr().out
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    straight = run(tmp_path / "a")
+    assert [r["step"] for r in run(tmp_path / "b", "stop_after=2") if "loss" in r] == [1, 2]
+    resumed = run(tmp_path / "b", "resume=true")
+    assert steady(resumed) == steady(straight) and [r["step"] for r in resumed if "loss" in r] == [1, 2, 3, 4]
+    a = load_file(tmp_path / "a" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -224,6 +224,36 @@ def test_greedy_generate_matches_transformers(g4):
     ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     out = models.family(ours).generate(ours, ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
     assert torch.equal(out, ref)
+    # GRPO's sampler: the prompts prefilled once, the cache repeated G = 2 times, finished rows dropped
+    from minitrain.objectives.sampling import sample
+
+    eos = int(ref[0, 12 + 2])
+    comp = sample(ours, ids, mask, new_cache=models.family(ours).KVCache, num_generations=2, max_new_tokens=12,
+                  greedy=True, eos_ids=[eos], pad_id=0)
+    assert torch.equal(comp.ids[0, :3], ref[0, 12:15]) and torch.equal(comp.ids[1, :3], ref[0, 12:15])
+    n = int(comp.mask[2].sum())
+    assert torch.equal(comp.ids[2, :n], ref[1, 12:12 + n]) and torch.equal(comp.ids[3], comp.ids[2])
+
+
+def test_activation_checkpointing_gives_the_same_gradients(g4):
+    """The engine's per-block checkpointing recomputes each block (a shared layer gets its source's keys
+    and values as inputs): the same gradients as without it."""
+    from minitrain.train import enable_checkpointing
+
+    ids, mask = batch(40, "left", n_pad=6)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for setting in (False, True):
+        model = load_ours(g4("e2b")).train()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        if setting:
+            assert enable_checkpointing(model, True) == 5
+        logits = model.output_projection(model(ids, mask))
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n, g in grads[0].items():
+        assert torch.allclose(grads[1][n], g, rtol=1e-5, atol=1e-7), n
 
 
 def test_saved_folder_and_config_load_in_transformers(g4, tmp_path):

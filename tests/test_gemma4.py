@@ -8,13 +8,17 @@ Tiny random checkpoints saved once per session by transformers 5 (fp32; norms an
   layers (half of the frequencies turned, base 100 so that they turn within 40 tokens), the last two
   layers reusing the keys and values of the last earlier sliding / global layer, their MLPs
   double-wide, the final logit soft cap;
-- `dense`: the 31B layout: no PLE, no sharing, separate v_proj, the global layers' own head dim.
+- `dense`: the 31B layout: no PLE, no sharing, separate v_proj, the global layers' own head dim, a
+  proportional RoPE `factor`;
+- `moe`: the 26B-A4B layout: the expert block (4 experts, top 2) beside each layer's MLP.
 
-Compared with transformers: logits on padded batches (left, right, none), every parameter's gradient
-and a LoRA step's, greedy generation through the cache (shared keys included), the saved folder. The
-multimodal `gemma4` checkpoint (a vision and an audio tower): its language model loads alone, peft
-on `AutoModelForImageTextToText` takes our adapter, merge and full fine-tuning write the towers back
-bit for bit. Through the CLI: LoRA SFT and DPO.
+Compared with transformers: logits on padded batches (left, right, none; measured equal to the bit),
+every parameter's gradient and a LoRA step's (against peft), greedy generation and GRPO's sampler through
+the cache (shared keys included), the saved folder. The multimodal `gemma4` checkpoint (a vision and an
+audio tower): its language model loads alone, peft on `AutoModelForImageTextToText` takes our adapter,
+merge and full fine-tuning write the towers back bit for bit. Through the CLI: LoRA SFT (packed and
+padded), DPO (shared prompt), exact resume on the MoE size; GGUF export and the memory plan refuse in
+one line.
 """
 
 from __future__ import annotations

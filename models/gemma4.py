@@ -226,6 +226,11 @@ class Gemma4Config:
         require_zero(d, "attention_dropout")
         if "multimodal" in d:  # ours (what from_multimodal keeps), never a config.json field
             raise ValueError("config.json: field 'multimodal' is not understood — remove it")
+        older = d.pop("expert_intermediate_size", None)  # transformers 5.5-5.7's name of moe_intermediate_size
+        if older is not None and d.get("moe_intermediate_size", older) != older:
+            raise ValueError("config.json: expert_intermediate_size and moe_intermediate_size disagree — keep one")
+        if older is not None:
+            d["moe_intermediate_size"] = older
         per_layer = d.pop("per_layer_config", None)
         if per_layer is not None:
             d.update(_global_heads(per_layer, d))

@@ -281,6 +281,40 @@ def test_saved_folder_and_config_load_in_transformers(g4, tmp_path):
         assert rel(a[mask.bool()], b[mask.bool()]) <= 1e-5
 
 
+# google/gemma-4-31B-it's text_config as transformers 5.7 prints it (a field renamed since: expert_intermediate_size)
+GEMMA4_31B = {
+    "attention_bias": False, "attention_dropout": 0.0, "attention_k_eq_v": True, "bos_token_id": 2, "dtype": "bfloat16",
+    "enable_moe_block": False, "eos_token_id": 1, "expert_intermediate_size": None, "final_logit_softcapping": 30.0,
+    "global_head_dim": 512, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 5376,
+    "hidden_size_per_layer_input": 0, "initializer_range": 0.02, "intermediate_size": 21504,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "max_position_embeddings": 262144,
+    "model_type": "gemma4_text", "moe_intermediate_size": None, "num_attention_heads": 32, "num_experts": None,
+    "num_global_key_value_heads": 4, "num_hidden_layers": 60, "num_key_value_heads": 16, "num_kv_shared_layers": 0,
+    "pad_token_id": 0, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                           "rope_type": "proportional"},
+                        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+    "sliding_window": 1024, "tie_word_embeddings": True, "top_k_experts": None, "use_bidirectional_attention": "vision",
+    "use_cache": True, "use_double_wide_mlp": False, "vocab_size": 262144, "vocab_size_per_layer_input": 262144,
+}
+
+
+def test_the_published_31b_config_builds_its_shapes():
+    """gemma-4-31B-it's config (inside a multimodal one) reads, and builds on meta the shapes transformers
+    builds: sliding layers q 8192 / k, v 4096 wide, global layers q 16384 / k 2048 and no v_proj."""
+    config = {"model_type": "gemma4", "text_config": dict(GEMMA4_31B, layer_types=GEMMA4_31B["layer_types"] * 10),
+              "vision_config": {"model_type": "gemma4_vision"}, "audio_config": None, "tie_word_embeddings": True}
+    with torch.device("meta"):
+        model = models.from_hf_config(config)
+    layers = model.model.language_model.layers
+    assert (layers[0].self_attn.q_proj.out_features, layers[0].self_attn.k_proj.out_features,
+            layers[0].self_attn.v_proj.out_features) == (8192, 4096, 4096)
+    assert (layers[5].self_attn.q_proj.out_features, layers[5].self_attn.k_proj.out_features) == (16384, 2048)
+    assert not hasattr(layers[5].self_attn, "v_proj")
+    n = sum(p.numel() for p in model.parameters())
+    assert 30.0e9 < n < 31.5e9, n
+
+
 BASE = dict(model_type="gemma4_text", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32)
 

@@ -208,6 +208,21 @@ def test_lora_step_gradients_match_peft(g4, tmp_path):
         assert (g - theirs[n]).abs().max() <= 1e-5 * theirs[n].abs().max() + 1e-9, n
 
 
+def test_lora_on_the_experts_loads_in_peft(g4, tmp_path):
+    """LoRA on the MoE size's 3-D experts (`gate_up_proj`, `down_proj`: peft's `target_parameters`) beside
+    q_proj and the MLP's down_proj: peft puts the adapter on transformers' model with our logits."""
+    peft = pytest.importorskip("peft")
+    folder = g4("moe")
+    ours = adapted(load_ours(folder), tmp_path / "adapter", ("q_proj", "gate_up_proj", "down_proj"))
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert "0.experts.gate_up_proj" in saved["target_parameters"]
+    ref = peft.PeftModel.from_pretrained(load_hf(folder), tmp_path / "adapter").eval()
+    ids, mask = batch(30, "none")
+    with torch.no_grad():
+        b = ref(input_ids=ids).logits
+    assert rel(ours.output_projection(hidden(ours, ids)), b) <= 1e-5
+
+
 def test_state_dict_keys_are_transformers_keys(g4):
     """Key for key and shape for shape, `layer_scalar` buffers included; the shared layers hold no k / v."""
     for name in CONFIGS:

@@ -208,6 +208,25 @@ def test_lora_step_gradients_match_peft(g4, tmp_path):
         assert (g - theirs[n]).abs().max() <= 1e-5 * theirs[n].abs().max() + 1e-9, n
 
 
+def test_a_shared_layers_stored_keys_are_carried_not_read(g4, tmp_path):
+    """A checkpoint that still holds k / v projections for a shared layer (transformers ignores them) loads
+    with the same logits, and a save writes them back bit for bit."""
+    from safetensors.torch import save_file
+
+    folder = g4("e2b")
+    shutil.copytree(folder, tmp_path / "extra")
+    sd = load_file(folder / "model.safetensors")
+    extra = {"model.layers.3.self_attn.k_proj.weight": torch.randn(32, 64),
+             "model.layers.4.self_attn.k_norm.weight": torch.randn(32)}
+    save_file({**sd, **extra}, tmp_path / "extra" / "model.safetensors", metadata={"format": "pt"})
+    ours, ids = load_ours(tmp_path / "extra"), batch(20, "none")[0]
+    assert torch.equal(ours.output_projection(hidden(ours, ids)), ours.output_projection(hidden(load_ours(folder), ids)))
+    config = json.loads((folder / "config.json").read_text())
+    save_pretrained(ours, tmp_path / "out", config)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(written[k], v) for k, v in extra.items())
+
+
 def test_lora_on_the_experts_loads_in_peft(g4, tmp_path):
     """LoRA on the MoE size's 3-D experts (`gate_up_proj`, `down_proj`: peft's `target_parameters`) beside
     q_proj and the MLP's down_proj: peft puts the adapter on transformers' model with our logits."""

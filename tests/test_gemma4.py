@@ -208,6 +208,28 @@ def test_lora_step_gradients_match_peft(g4, tmp_path):
         assert (g - theirs[n]).abs().max() <= 1e-5 * theirs[n].abs().max() + 1e-9, n
 
 
+def test_packed_rows_equal_each_sequence_alone_and_flex_equals_sdpa(g4):
+    """A packed row (two documents, then padding) gives each document's hidden states alone (the shared
+    layers read their source's keys inside each document only); `attention=flex` (forward: a CPU's
+    FlexAttention has no backward) gives SDPA's, a shared prompt too."""
+    ours = load_ours(g4("e2b"))
+    row = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    docs = torch.tensor([[1] * 15 + [2] * 20 + [-1] * 5])
+    pos = torch.tensor([list(range(15)) + list(range(20)) + [0] * 5])
+    packed = hidden(ours, row, position_ids=pos, document_ids=docs)
+    for a, b in ((0, 15), (15, 35)):
+        alone = hidden(ours, row[:, a:b])
+        assert rel(packed[:, a:b], alone) <= 1e-5
+    for docs, pos in ((docs, pos), (torch.tensor([[0] * 15 + [1] * 20 + [2] * 5]),
+                                    torch.tensor([list(range(35)) + list(range(15, 20))]))):
+        want = hidden(ours, row, position_ids=pos, document_ids=docs)
+        ours.packed_attention = "flex"
+        got = hidden(ours, row, position_ids=pos, document_ids=docs)
+        ours.packed_attention = "sdpa"
+        real = docs[0] >= 0
+        assert rel(got[:, real], want[:, real]) <= 1e-5
+
+
 def test_a_shared_layers_stored_keys_are_carried_not_read(g4, tmp_path):
     """A checkpoint that still holds k / v projections for a shared layer (transformers ignores them) loads
     with the same logits, and a save writes them back bit for bit."""

@@ -10,12 +10,18 @@ What changes on the way (as llama.cpp's own converter does it, convert_hf_to_ggu
 - Gemma 2 / 3 scale by (1 + w) in every RMSNorm: llama.cpp stores 1 + w;
 - a tied output head is not written (llama.cpp reuses the token embedding);
 - LLaMA 3.1's `llama3` RoPE scaling becomes the `rope_freqs` tensor, Phi-3's long-context
-  factors `rope_factors_long` / `rope_factors_short`.
+  factors `rope_factors_long` / `rope_factors_short`;
+- mixture-of-experts (Qwen2-MoE `qwen2moe`, Qwen3-MoE `qwen3moe`, Mixtral on `llama`): the fused
+  `experts.gate_up_proj` (E, 2F, D) splits into llama.cpp's stacked `ffn_gate_exps` / `ffn_up_exps`
+  (E, F, D), `experts.down_proj` (E, D, F) is `ffn_down_exps` as it is; the router is `ffn_gate_inp`,
+  Qwen2-MoE's shared expert and its gate the `*_shexp` tensors.
 
 `check_exportable(config)` refuses, in one line, what llama.cpp would run differently from the
 checkpoint: another family, a RoPE scaling it does not take, a sliding window shorter than the context
 on the `llama` architecture (Mistral) or on `phi3` (Phi-3-mini-4k: llama.cpp disables Phi's window), a
-Gemma query scale other than the one llama.cpp computes. LLaMA's `attention_bias` / `mlp_bias` are
+Gemma query scale other than the one llama.cpp computes, an MoE with dense layers between its sparse ones
+(llama.cpp's qwen2moe / qwen3moe make every layer sparse) or whose top-k renormalisation is not the one
+llama.cpp's architecture applies (qwen2moe never renormalises, qwen3moe and Mixtral always do). LLaMA's `attention_bias` / `mlp_bias` are
 written as the optional bias tensors llama.cpp's llama loader reads (q / k biases permuted with their rows). Types: f32; f16
 and bf16 (1-D tensors, norms and biases, stay f32 as llama.cpp keeps them); q8_0 (blocks of 32
 along a row with one f16 scale; a tensor whose rows are not a multiple of 32 is written f16).
@@ -53,7 +59,12 @@ FAMILIES = {
     "gemma2": Family("gemma2", False, True),
     "gemma3_text": Family("gemma3", False, True),
     "phi3": Family("phi3", False, False),
+    "qwen2_moe": Family("qwen2moe", False, False),
+    "qwen3_moe": Family("qwen3moe", False, False),
+    "mixtral": Family("llama", True, False),
 }
+# the top-k routing weights renormalised to sum to 1 (`norm_topk_prob`), as llama.cpp's graph has it
+RENORMALISES = {"qwen2_moe": False, "qwen3_moe": True}
 # architectures llama.cpp reads that this writer does not write yet: what to do instead
 NOT_WRITTEN = {
     kind: "llama.cpp reads Gemma 4 (its `gemma4` architecture, in llama-cpp-python 0.3.36 too), but minitrain's "
@@ -61,6 +72,9 @@ NOT_WRITTEN = {
           "the model with `minitrain merge`, then convert that folder with llama.cpp's convert_hf_to_gguf.py"
     for kind in ("gemma4_text", "gemma4")
 }
+NOT_WRITTEN["gpt_oss"] = ("llama.cpp reads gpt-oss (its `gpt-oss` architecture), but minitrain's GGUF writer does not lay "
+                          "out its attention sinks, expert biases and MXFP4 experts yet — write the model with "
+                          "`minitrain merge`, then convert that folder with llama.cpp's convert_hf_to_gguf.py")
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # llama.cpp scales queries by hidden / heads there
 
 
@@ -94,6 +108,7 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
     fam = FAMILIES[kind]
     rs = rope_scaling(config)
     allowed = {"llama": ("linear", "llama3"), "qwen2": ("linear", "yarn"), "qwen3": ("linear", "yarn"),
+               "qwen2moe": ("linear", "yarn"), "qwen3moe": ("linear", "yarn"),
                "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su")}[fam.arch]
     if rs and rs["rope_type"] not in allowed:
         raise UserError(f"config.json: rope_scaling {rs['rope_type']!r} on {kind} — llama.cpp's {fam.arch} takes "
@@ -108,7 +123,17 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
         raise UserError(f"config.json: sliding_window={window} — llama.cpp's phi3 attends to the whole context (its "
                         f"sliding window is disabled), so beyond {window} tokens it would not compute this model; "
                         f"not exported")
-    if kind == "qwen2" and config.get("use_sliding_window"):
+    if kind in RENORMALISES:
+        dense = config.get("mlp_only_layers") or []
+        step = config.get("decoder_sparse_step") or 1
+        if dense or step != 1:
+            raise UserError(f"config.json: {kind} with dense layers (mlp_only_layers={dense}, decoder_sparse_step="
+                            f"{step}) — llama.cpp's {fam.arch} makes every layer sparse; not exported")
+        if bool(config.get("norm_topk_prob")) != RENORMALISES[kind]:
+            raise UserError(f"config.json: norm_topk_prob={bool(config.get('norm_topk_prob'))} — llama.cpp's "
+                            f"{fam.arch} {'always' if RENORMALISES[kind] else 'never'} renormalises the top-k "
+                            f"routing weights, so it would not compute this model; not exported")
+    if kind in ("qwen2", "qwen2_moe") and config.get("use_sliding_window"):
         raise UserError("config.json: use_sliding_window=true — llama.cpp's qwen2 attends to the whole context; "
                         "not exported")
     if kind == "gemma2" and config.get("tie_word_embeddings") is False:
@@ -135,6 +160,14 @@ def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
     writer.add_head_count_kv(c.get("num_key_value_heads") or c["num_attention_heads"])
     writer.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
     writer.add_vocab_size(c["vocab_size"])
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(c["num_experts_per_tok"])
+        if c.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        if c.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     hd = head_dim(c)
     writer.add_key_length(hd)
     writer.add_value_length(hd)
@@ -226,10 +259,16 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], f
             t = permute_qk(t, heads)  # (LLaMA's attention_bias: the biases follow their rows)
         elif fam.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             t = permute_qk(t, kv)
+        if key.endswith(".experts.gate_up_proj"):  # (E, 2F, D): gate rows first, then up
+            half = t.shape[1] // 2
+            stem = key.removesuffix("gate_up_proj")
+            out[names.get_name(stem + "gate_proj") + ".weight"] = t[:, :half].contiguous()
+            out[names.get_name(stem + "up_proj") + ".weight"] = t[:, half:].contiguous()
+            continue
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise UserError(f"{key}: a tensor llama.cpp's {fam.arch} has no place for — not exported")
-        out[name] = t
+        out[name if key.endswith((".weight", ".bias")) else f"{name}.weight"] = t  # fused experts: no suffix
     return {**out, **extra_tensors(config, fam)}
 
 

@@ -1,5 +1,5 @@
 """The objectives' run configs: `TrainConfig` plus each method's keys (KTO, DPO, the preference losses,
-GRPO, distillation), in one module that imports no torch.
+reward models, GRPO, distillation), in one module that imports no torch.
 
 The command line reads them before anything heavy is imported, so a mistyped key, a bad value or a
 missing file is answered at once (`minitrain.cli`); each objective's module re-exports its config
@@ -113,6 +113,27 @@ class PreferenceConfig(DPOConfig):
     def check_train(self) -> None:
         """The `TrainConfig` rules alone (DPO's own rule on label_smoothing does not apply)."""
         super(DPOConfig, self).check()
+
+
+SCORE_HEAD = "score"  # the scalar head's module name, as transformers' *ForSequenceClassification names it
+
+
+@dataclass
+class RewardConfig(TrainConfig):
+    """A reward-model run: a scalar head on any decoder family, trained on preference pairs with the
+    Bradley-Terry loss (names and defaults as TRL's RewardConfig)."""
+
+    center_rewards_coefficient: float | None = doc(None, "add this x the mean of (chosen reward + rejected reward)^2 "
+                                                         "(Eisenstein et al. 2023: rewards centred on 0); none: off",
+                                                   ge=0, example=0.01)
+    drop_identical_pairs: bool = doc(False, "drop pairs whose chosen and rejected are the same tokens (counted); "
+                                            "else such a pair is an error naming its line")
+
+    def check(self) -> None:
+        super().check()
+        if self.finetune == "lora" and SCORE_HEAD not in self.modules_to_save:
+            # the head is new (random): with LoRA it trains whole, as peft's SEQ_CLS task adds it
+            self.modules_to_save = [*self.modules_to_save, SCORE_HEAD]
 
 
 @dataclass

@@ -157,15 +157,23 @@ def base_model(tiny_model) -> Path:
     return tiny_model  # a tiny causal LLaMA with a BPE tokenizer (pad 0)
 
 
-def test_cli_full_finetune_saves_a_folder_transformers_scores_equally(base_model, tmp_path):
-    import transformers
-
-    data = _pairs_file(tmp_path / "prefs.jsonl")
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def full_run(base_model, tmp_path_factory) -> Path:
+    """`recipes/reward_model.py finetune=full` through the command line, 3 steps; its out folder."""
+    tmp = tmp_path_factory.mktemp("rm_full")
+    data = _pairs_file(tmp / "prefs.jsonl")
+    out = tmp / "run"
     r = _cli(f"model={base_model}", f"data={data}", f"eval_data={data}", "finetune=full", "max_steps=3",
              "batch_size=4", "max_len=64", "center_rewards_coefficient=0.01", f"out={out}", "device=cpu")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out accuracy" in r.stdout
+    return out
+
+
+def test_cli_full_finetune_saves_a_folder_transformers_scores_equally(full_run):
+    import transformers
+
+    out = full_run
     rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 3] and all("eval/accuracy" in row for row in rows)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -232,6 +240,41 @@ def test_cli_bad_inputs_are_one_line_exit_2(base_model, tmp_path):
     r = _cli(f"model={base_model}", f"data={margins}", f"out={tmp_path / 'o'}", "device=cpu", "data_cache=false")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert "bad_margin.jsonl:2" in r.stderr and '"margin"' in r.stderr
+
+
+def test_grpo_scores_with_the_reward_model_folder(full_run, base_model, tmp_path, capsys):
+    from minitrain.cli import run_cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(w.split()[:3])}) + "\n" for w in corpus(4, seed=9)))
+    out = tmp_path / "grpo"
+    code = run_cli([str(REPO / "recipes" / "grpo_qwen.py"), f"model={base_model}", f"data={prompts}",
+                    f"rewards=model:{full_run / 'model'}", "num_generations=2", "max_completion_length=4",
+                    "max_steps=2", "batch_size=2", "lora_r=4", "lora_alpha=8", "device=cpu", f"out={out}"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(isinstance(row["rewards/model/mean"], float) for row in rows), rows[0]
+
+    code = run_cli([str(REPO / "recipes" / "grpo_qwen.py"), f"model={base_model}", f"data={prompts}",
+                    f"rewards=model:{base_model}", "device=cpu", f"out={tmp_path / 'bad'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "has no scalar head" in err, err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_memory_plan_counts_grpos_reward_model(rm_folder, base_model):
+    from minitrain.objectives.configs import GRPOConfig
+    from minitrain.plan.predict import predict, run_shape, shape_from_hf
+
+    cfg = GRPOConfig(model=str(base_model), rewards=f"model:{rm_folder}", max_len=64, max_completion_length=16,
+                     batch_size=2, num_generations=4)
+    run = run_shape(cfg, device="cpu")
+    plan = predict(shape_from_hf(json.loads((base_model / "config.json").read_text())), run)
+    counted = sum(t.bytes for t in plan.persistent if t.name.startswith("reward model weights"))
+    loaded = load_pretrained(rm_folder, with_scalar_head(models.from_hf_config))
+    assert counted == sum(p.numel() * p.element_size() for p in loaded.parameters())
+    assert "GRPO reward model scoring (no grad)" in plan.moments
+    assert run_shape(GRPOConfig(model=str(base_model)), device="cpu").reward_model is None
 
 
 def test_model_reward_refuses_a_folder_without_a_scalar_head(base_model, rm_folder, tmp_path):

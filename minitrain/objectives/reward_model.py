@@ -209,6 +209,9 @@ class ModelReward:
         self.__name__ = f"model:{self.folder}"
         self.model: nn.Module | None = None
 
+    def __repr__(self) -> str:
+        return f"reward model {self.folder}"
+
     def load(self) -> nn.Module:
         from minitrain.device import base_dtype, pick_device
         from minitrain.text.tokenizer import Tokenizer

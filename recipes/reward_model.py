@@ -1,8 +1,8 @@
 """A reward model: any decoder family with a scalar head, trained on preference pairs (Bradley-Terry).
 
     python -m minitrain recipes/reward_model.py                       # the built-in demo (CPU, seconds)
-    python -m minitrain recipes/reward_model.py model=/path/to/Qwen2.5-0.5B-Instruct \\
-        data=prefs.jsonl eval_data=prefs_eval.jsonl out=runs/rm                      # LoRA + the head
+    python -m minitrain recipes/reward_model.py model=/path/to/Qwen3-0.6B \\
+        data=prefs.jsonl eval_data=prefs_eval.jsonl out=runs/rm      # LoRA + the head, 12 GB GPU
     python -m minitrain recipes/reward_model.py model=... data=... finetune=full    # every weight
 
 Rows are DPO's (`{"prompt", "chosen", "rejected"}`, TRL's conversational `{"chosen": [...],

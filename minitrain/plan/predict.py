@@ -140,7 +140,10 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
     rows and no reference (`none`). KTO configs (`desirable_weight`): batch_size rows with a
     graph, and a reference forward of 2 x batch_size rows (the rows and their KL rows). GRPO configs
     (`num_generations` G): batch_size x G rows of max_len (prompt + completion), the same rows in the
-    sampler's KV cache, and with `beta` the reference forward (base, or snapshot with init_adapter).
+    sampler's KV cache, and with `beta` the reference forward (base, or snapshot with init_adapter);
+    with `rewards=model:DIR` the reward model's weights and scoring. Reward-model configs
+    (`center_rewards_coefficient`): 2 x batch_size rows, planned as an LM (its head and logits counted:
+    more than the scalar head needs).
     """
     precision = getattr(cfg, "precision", "auto")
     if precision == "auto":
@@ -154,7 +157,8 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
         ref = "precomputed" if cfg.precompute_ref else ("snapshot" if getattr(cfg, "init_adapter", "") else "base")
         if getattr(cfg, "loss_type", "") in ("orpo", "cpo", "simpo"):
             ref = "none"
-    rows = cfg.batch_size * (2 if is_dpo and not is_kto else 1)
+    is_reward_model = hasattr(cfg, "center_rewards_coefficient")  # [chosen; rejected] rows, as DPO's
+    rows = cfg.batch_size * (2 if is_dpo and not is_kto or is_reward_model else 1)
     generations = getattr(cfg, "num_generations", 0)  # GRPO: every prompt's G completions are forwarded
     if generations:
         rows = cfg.batch_size * generations

@@ -73,6 +73,7 @@ def with_scalar_head(build: Callable[[dict[str, Any]], nn.Module]) -> Callable[[
         model.lm_head = None
         model.ignore_checkpoint_keys = (*getattr(model, "ignore_checkpoint_keys", ()), r"^lm_head\.")
         model.adapter_task_type = "SEQ_CLS"  # peft's task of a model with a classification head
+        model.classification_head = SCORE_HEAD  # the output layer (all-linear leaves it out; it trains whole)
         if is_reward_config(config):
             model.score = nn.Linear(model.input_embeddings.embedding_dim, 1, bias=False)
         return model

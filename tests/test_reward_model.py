@@ -283,3 +283,34 @@ def test_model_reward_refuses_a_folder_without_a_scalar_head(base_model, rm_fold
     with pytest.raises(UserError, match=r"no such folder"):
         ModelReward(tmp_path / "missing", models.from_hf_config)
     ModelReward(rm_folder, models.from_hf_config)  # a transformers-made reward model is taken
+
+
+FAMILIES = ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_decoder_family_scores_as_transformers_sequence_classification(hf_causal, tmp_path, family):
+    """A transformers XForSequenceClassification folder of each family loads here (its `score`, no
+    lm_head) and scores a right-padded batch as transformers does, at each row's last non-pad token."""
+    import transformers
+    from test_families import FAMILY_VARIANTS
+    from test_moe import MOE_VARIANTS
+
+    variants = {**FAMILY_VARIANTS, **MOE_VARIANTS}
+    causal = hf_causal(f"fam_{family}" if family in FAMILY_VARIANTS else f"moe_{family}", **variants[family])
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(causal), num_labels=1, pad_token_id=PAD,
+                                                                         dtype=torch.float32)
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path / "rm")
+    ours = load_pretrained(tmp_path / "rm", with_scalar_head(models.from_hf_config)).eval()
+    assert ours.lm_head is None and ours.score.weight.shape == (1, hf.config.hidden_size)
+    rows = [[1, 5, 9, 17, 33, 40, 2], [1, 7, 2], [1, 11, 12, 13, 2]]
+    T = max(map(len, rows))
+    ids = torch.tensor([r + [PAD] * (T - len(r)) for r in rows])
+    mask = (ids != PAD).long()
+    with torch.no_grad():
+        theirs = hf.eval()(input_ids=ids, attention_mask=mask).logits[:, 0]
+        mine = sequence_rewards(ours, ids, mask, PAD)
+    torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-4)

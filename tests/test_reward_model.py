@@ -121,6 +121,11 @@ def test_margin_column_is_read_and_bad_margins_are_one_line(tmp_path, rm_folder)
     ex = read_preference(good, tok, max_len=64, margin=True)
     assert [e["margin"] for e in ex] == [1.5, 0.0]
     assert "margin" not in read_preference(good, tok, max_len=64)[0]  # DPO reads no margin
+    from minitrain.data.store_build import open_or_build  # the token store keeps the floats bit for bit
+
+    store = open_or_build(tmp_path / "cache", [str(good)], "preference", read_preference, tok,
+                          {"max_len": 64, "margin": True}, workers=1)
+    assert [store[i]["margin"] for i in range(len(store))] == [1.5, 0.0] and store[1] == ex[1]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "the", "chosen": " of", "rejected": " in", "margin": "high"}) + "\n")
     with pytest.raises(UserError, match=r'bad.jsonl:1: "margin" is \'high\', not a finite number'):

@@ -24,7 +24,8 @@ trained whole as `modules_to_save=score` (`PeftModel.from_pretrained` over
 id, printed at the end>)`); with `finetune=full`, `out/model/`, an HF folder of
 `XForSequenceClassification` (num_labels 1, `pad_token_id` set) that
 `AutoModelForSequenceClassification.from_pretrained` loads and that GRPO scores with
-(`recipes/grpo_qwen.py rewards=model:runs/rm/model`).
+(`recipes/grpo_qwen.py rewards=model:runs/rm/model`); `minitrain merge --model BASE --adapter
+runs/rm/adapter --out runs/rm/merged` makes such a folder of a LoRA run.
 
 Only a command that names none of model / data / eval_data trains the committed demo (demo/: the
 tiny Mistral and the DPO demo's pairs, which prefer the summary that copies every fact of the note;

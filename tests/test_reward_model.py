@@ -232,6 +232,16 @@ def test_cli_lora_adapter_loads_in_peft_with_equal_scores(base_model, tmp_path):
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     assert theirs.std() > 0  # the rows score differently: the comparison means something
 
+    # minitrain merge folds it into an XForSequenceClassification folder (GRPO's rewards=model:DIR)
+    from minitrain.commands.merge import merge
+
+    merged = merge(str(base_model), str(out / "adapter"), str(tmp_path / "merged"))
+    hf_merged = transformers.AutoModelForSequenceClassification.from_pretrained(str(merged), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_merged.eval()(input_ids=ids, attention_mask=mask).logits[:, 0], theirs,
+                                   atol=1e-5, rtol=1e-5)
+    ModelReward(merged, models.from_hf_config)  # taken as a reward model
+
 
 def test_cli_bad_inputs_are_one_line_exit_2(base_model, tmp_path):
     rows = tmp_path / "no_rejected.jsonl"

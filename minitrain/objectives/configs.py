@@ -144,7 +144,8 @@ class GRPOConfig(TrainConfig):
 
     rewards: str = doc("", "reward functions: path/to/file.py:fn[,fn2...] (TRL's signature fn(prompts, "
                            "completions, **columns) -> list of float | None); model:DIR: a reward model's folder "
-                           "(recipes/reward_model.py finetune=full: out/model); empty: the recipe's own")
+                           "(recipes/reward_model.py finetune=full: out/model, or its merged adapter); empty: the "
+                           "recipe's own")
     reward_weights: list[float] = doc([], "one weight per reward function (empty: all 1)")
     num_generations: int = doc(8, "completions sampled per prompt (the group)", ge=2)
     max_completion_length: int = doc(256, "new tokens per completion at most", ge=1)

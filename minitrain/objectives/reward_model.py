@@ -177,10 +177,10 @@ def check_reward_folder(folder: str | Path, key: str = "rewards") -> Path:
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"{key}=model:{folder}: no such folder — give the out/model folder of a reward-model run "
-                        f"(recipes/reward_model.py finetune=full)")
+                        f"(recipes/reward_model.py finetune=full), or its merged adapter (minitrain merge)")
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
-        raise UserError(f"{key}=model:{folder}: is a LoRA adapter, not a model folder — train the reward model with "
-                        f"finetune=full (its out/model), which GRPO loads whole")
+        raise UserError(f"{key}=model:{folder}: is a LoRA adapter, not a model folder — merge it first "
+                        f"(minitrain merge --model BASE --adapter {folder} --out merged/) and pass rewards=model:merged")
     config = read_config(folder)
     shapes = {k: v["shape"] for path in checkpoint_files(folder) for k, v in read_header(path)[0].items()}
     head = shapes.get(f"{SCORE_HEAD}.weight")
@@ -189,7 +189,8 @@ def check_reward_folder(folder: str | Path, key: str = "rewards") -> Path:
                 f"has a score head of {head[0]} labels, not 1" if head[0] != 1 else
                 f"is not a reward model (architectures {config.get('architectures')})")
         raise UserError(f"{key}=model:{folder}: {what} — give a folder saved by recipes/reward_model.py "
-                        f"(finetune=full: out/model) or by transformers' XForSequenceClassification with num_labels=1")
+                        f"(finetune=full: out/model; LoRA: minitrain merge of out/adapter) or by transformers' "
+                        f"XForSequenceClassification with num_labels=1")
     return folder
 
 

@@ -256,6 +256,15 @@ def test_cli_bad_inputs_are_one_line_exit_2(base_model, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert "bad_margin.jsonl:2" in r.stderr and '"margin"' in r.stderr
 
+    from minitrain.config import validate
+    from minitrain.objectives.configs import RewardConfig
+
+    with pytest.raises(UserError, match="parallel=fsdp: a reward model's new scalar head is not sharded yet"):
+        validate(RewardConfig(model="m", data="d", parallel="fsdp"))
+    cfg = RewardConfig(model="m", data="d", modules_to_save=["model.norm"])
+    validate(cfg)
+    assert cfg.modules_to_save == ["model.norm", "score"]  # the new head always trains (LoRA)
+
 
 def test_grpo_scores_with_the_reward_model_folder(full_run, base_model, tmp_path, capsys):
     from minitrain.cli import run_cli

@@ -131,6 +131,8 @@ class RewardConfig(TrainConfig):
 
     def check(self) -> None:
         super().check()
+        if self.parallel == "fsdp":
+            raise UserError("parallel=fsdp: a reward model's new scalar head is not sharded yet — use parallel=ddp")
         if self.finetune == "lora" and SCORE_HEAD not in self.modules_to_save:
             # the head is new (random): with LoRA it trains whole, as peft's SEQ_CLS task adds it
             self.modules_to_save = [*self.modules_to_save, SCORE_HEAD]

@@ -116,6 +116,7 @@ class PreferenceConfig(DPOConfig):
 
 
 SCORE_HEAD = "score"  # the scalar head's module name, as transformers' *ForSequenceClassification names it
+REWARD_BATCH = 16  # rows a reward model scores at once in GRPO (`rewards=model:DIR`; the memory plan's too)
 
 
 @dataclass

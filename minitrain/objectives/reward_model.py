@@ -31,7 +31,7 @@ from torch import nn
 
 from minitrain.data.collate import collate_preference
 from minitrain.errors import UserError
-from minitrain.objectives.configs import SCORE_HEAD
+from minitrain.objectives.configs import REWARD_BATCH, SCORE_HEAD
 from minitrain.objectives.dpo import evaluate_dpo
 from minitrain.objectives.reference import num_pairs
 
@@ -205,7 +205,7 @@ class ModelReward:
     """
 
     def __init__(self, folder: str | Path, build: Callable[[dict[str, Any]], nn.Module], device: str = "auto",
-                 precision: str = "auto", batch_size: int = 16):
+                 precision: str = "auto", batch_size: int = REWARD_BATCH):
         self.folder = check_reward_folder(folder)
         self.build, self.device, self.precision, self.batch_size = build, device, precision, batch_size
         self.__name__ = f"model:{self.folder}"

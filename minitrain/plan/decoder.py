@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
+from minitrain.objectives.configs import REWARD_BATCH
 from minitrain.plan.run_shape import DTYPE_BYTES, RunShape, Term, linears_bytes
 
 
@@ -525,9 +526,6 @@ def teacher_forward(run: RunShape) -> list[Term]:
         Term("teacher forward: one block (no grad)", sum(t.bytes for t in block_saved(teacher, plain)),
              "block_saved, freed as it goes"),
         Term("teacher: final hidden states", N * teacher.hidden_size * run.s, "N x D_teacher x s")]
-
-
-REWARD_BATCH = 16  # rows a reward model scores at once (`minitrain.objectives.reward_model.ModelReward`)
 
 
 def reward_model_terms(run: RunShape) -> tuple[list[Term], list[Term]]:

@@ -539,7 +539,7 @@ def reward_model_terms(run: RunShape) -> tuple[list[Term], list[Term]]:
     weights = []
     for t in rm.weight_terms(plain):
         if t.name == "weights: embeddings + head":  # the reward model holds no LM head
-            t = Term("weights: embeddings + score head", (V * D + D) * run.s, f"({V:,} x {D:,} + {D:,}) x {run.s} B")
+            t = Term("weights: embeddings + score", (V * D + D) * run.s, f"({V:,} x {D:,} + {D:,}) x {run.s} B")
         weights.append(Term(f"reward model {t.name}", t.bytes, t.formula))
     scoring = _model_saved(rm, plain) + [
         Term("reward model forward: one block (no grad)", sum(t.bytes for t in block_saved(rm, plain)),

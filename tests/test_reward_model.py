@@ -338,3 +338,22 @@ def test_every_decoder_family_scores_as_transformers_sequence_classification(hf_
         theirs = hf.eval()(input_ids=ids, attention_mask=mask).logits[:, 0]
         mine = sequence_rewards(ours, ids, mask, PAD)
     torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_a_killed_run_resumes_bitwise(base_model, tmp_path, capsys):
+    """stop_after=2 then resume=true: the steps after the checkpoint equal the uninterrupted run's (the
+    head in modules_to_save, the margin column, the optimizer state all in the checkpoint)."""
+    from minitrain.cli import run_cli
+
+    data = _pairs_file(tmp_path / "prefs.jsonl")
+    args = [str(REPO / "recipes" / "reward_model.py"), f"model={base_model}", f"data={data}", "max_steps=4",
+            "batch_size=2", "max_len=64", "lora_r=4", "lora_alpha=8", "lr=0.01", "device=cpu", "log_every=1",
+            "center_rewards_coefficient=0.05"]
+    assert run_cli([*args, f"out={tmp_path / 'a'}"]) == 0
+    assert run_cli([*args, f"out={tmp_path / 'b'}", "stop_after=2"]) == 0
+    assert run_cli([*args, f"out={tmp_path / 'b'}", "resume=true"]) == 0, capsys.readouterr().err[-2000:]
+    rows = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("a", "b")]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3, 4]
+    for x, y in zip(*rows):
+        assert (x["loss"], x["grad_norm"], x["accuracy"]) == (y["loss"], y["grad_norm"], y["accuracy"])

@@ -105,7 +105,7 @@ def test_loss_gradients_and_metrics_equal_trl_reward_trainer(trl_trainer, rm_fol
     grads = {n: p.grad for n, p in ours_model.named_parameters() if p.grad is not None}
     assert set(grads) == set(theirs)  # score.weight and every body tensor; no lm_head
     for n, g in theirs.items():
-        torch.testing.assert_close(grads[n], g, atol=1e-5, rtol=1e-4, msg=n)
+        torch.testing.assert_close(grads[n], g, atol=1e-5, rtol=1e-5, msg=n)
 
 
 def test_last_non_pad_is_transformers_rule():

@@ -124,7 +124,8 @@ def eos_ids(tok, model) -> list[int]:
 
 def setup(config: GRPOConfig) -> Job:
     """Load the model, attach the adapter, read the prompts and the reward functions; writes nothing."""
-    rewards = load_rewards(config.rewards, REWARDS)  # a bad reward file fails in a second, before the weights
+    rewards = load_rewards(config.rewards, REWARDS, models.from_hf_config, config.device,  # a bad reward file
+                           config.precision)  # fails in a second, before the weights (model:DIR loads later)
     tok = load_tokenizer(config)
     train_examples, eval_examples = load_examples(config, tok, "prompts",
                                                   max_prompt_len=config.max_len - config.max_completion_length)

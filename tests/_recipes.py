@@ -61,6 +61,7 @@ def args_for(recipe: str, d: dict[str, Path]) -> list[str]:
         "lrc.py": {"model": d["llama"], "data": d["sft"]},
         "lora_t5.py": {"model": d["t5"], "data": d["sft"]},
         "kto_mistral.py": {"model": d["mistral"], "data": d["kto"], "eval_data": d["kto"]},
+        "reward_model.py": {"model": d["llama"], "data": d["prefs"], "eval_data": d["prefs"]},
         "grpo_qwen.py": {"model": d["llama"], "data": d["sft"], "rewards": f"{d['rewards']}:length",
                          "num_generations": 2, "max_completion_length": 4},
     }

@@ -81,7 +81,7 @@ def test_hf_worker_runs_and_counts_tokens_like_minitrain(tiny, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,unit", [("orpo", "pairs"), ("kto", "rows")])
+@pytest.mark.parametrize("kind,unit", [("orpo", "pairs"), ("kto", "rows"), ("rm", "pairs")])
 def test_orpo_and_kto_run_on_both_sides_on_the_same_rows(tiny, kind, unit):
     """ORPO: the DPO pairs through `loss_type=orpo` and TRL's ORPOTrainer; KTO: the pairs unpaired
     (2 rows each) through recipes/kto_mistral.py and TRL's KTOTrainer; both timed per pair / row."""

@@ -554,7 +554,7 @@ def test_error_examples_suggest_a_useful_value(capsys, recipe):
 
 # ----------------------------------------------------------------------------- run files, early checks
 
-BUNDLED = ["sft_llama", "sft_mistral", "dpo_mistral", "kto_mistral", "grpo_qwen", "distill_llama", "lora_t5",
+BUNDLED = ["sft_llama", "sft_mistral", "dpo_mistral", "kto_mistral", "grpo_qwen", "reward_model", "distill_llama", "lora_t5",
            "ard_lora_llama", "lrc_llama"]
 
 

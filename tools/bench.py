@@ -1,6 +1,6 @@
-"""minitrain against the HF stack on the same LoRA SFT, DPO, ORPO, KTO and GRPO runs (CPU), and QLoRA DPO 7B GPU memory.
+"""minitrain against the HF stack on the same LoRA SFT, DPO, ORPO, KTO, GRPO and reward-model runs (CPU), and QLoRA DPO 7B GPU memory.
 
-    python tools/bench.py [--repeats 3] [--only sft|dpo|orpo|kto|grpo] [--kinds sft,dpo] [--write BENCHMARKS.md] [--cache DIR] [--threads N]
+    python tools/bench.py [--repeats 3] [--only sft|dpo|orpo|kto|grpo|rm] [--kinds sft,dpo] [--write BENCHMARKS.md] [--cache DIR] [--threads N]
                           [--experts 8 --top-k 2 --expert-ffn 256 --tag moe]   (a Qwen3-MoE shape: LoRA on the experts too)
                           [--steps 10] [--batch 4] [--accum 1] [--dpo-steps 8] [--dpo-batch 2] [--dpo-accum 1]
                           [--max-len 384] [--layers 4] [--dim 256] [--ffn 688] [--heads 4] [--kv-heads 4]
@@ -32,6 +32,9 @@ What runs (each run a fresh `python` subprocess, so peak RSS and start-up are ho
   gives its chosen answer, label true, and its rejected one, label false: 2 x pairs rows per step);
   TRL's KTO requires sequential sampling (its KL rows are fixed neighbours), so its HF side runs
   `train_sampling_strategy="sequential"`; minitrain shuffles as for the other kinds;
+- reward model (`--kinds rm`): `recipes/reward_model.py` (LoRA + the scalar head, `modules_to_save=score`)
+  against `trl.RewardTrainer` + peft (`AutoModelForSequenceClassification`, num_labels 1, task SEQ_CLS,
+  `modules_to_save=["score"]`), on the DPO pairs (prompt + answer, both sides: no row is cut or dropped);
 - GRPO (`--kinds grpo`): `recipes/grpo_qwen.py` against `trl.GRPOTrainer` + peft on the demo's toy
   task and tiny model (demo/grpo: "the last digit of a sum", the recipe's `last_digit` reward on both
   sides), the same prompts per step, G, max_completion_length, temperature 1, loss dapo, beta 0 (no
@@ -88,7 +91,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 NAN = float("nan")
-UNITS = {"dpo": "pairs", "orpo": "pairs", "kto": "rows", "grpo": "completions"}
+UNITS = {"dpo": "pairs", "orpo": "pairs", "kto": "rows", "grpo": "completions", "rm": "pairs"}
 GRPO_DEMO = ROOT / "demo" / "grpo"  # GRPO's toy task and tiny model, the same on both sides  # what a preference kind's throughput counts
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -234,6 +237,9 @@ def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[
         return [sys.executable, "-m", "minitrain", "recipes/kto_mistral.py", f"data={info['kto']}", "eval_data=",
                 f"max_steps={a.dpo_steps}", f"batch_size={2 * a.dpo_batch}", f"grad_accum={a.dpo_accum}", "beta=0.1",
                 *common]
+    if kind == "rm":
+        return [sys.executable, "-m", "minitrain", "recipes/reward_model.py", f"data={info['dpo']}", "eval_data=",
+                f"max_steps={a.dpo_steps}", f"batch_size={a.dpo_batch}", f"grad_accum={a.dpo_accum}", *common]
     if kind == "grpo":  # the demo's toy task and model (demo/grpo), not the bench checkpoint
         return [sys.executable, "-m", "minitrain", "recipes/grpo_qwen.py", f"model={GRPO_DEMO / 'model'}",
                 f"data={GRPO_DEMO / 'train.jsonl'}", "eval_data=", "rewards=last_digit", f"out={out}",
@@ -390,7 +396,7 @@ def hf_worker(spec_path: str) -> int:
     import transformers
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -415,12 +421,17 @@ def hf_worker(spec_path: str) -> int:
 
     rows = [json.loads(line) for line in open(spec["data"]) if line.strip()]
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    if spec["kind"] == "rm":  # a scalar head on the causal checkpoint, as TRL's RewardTrainer loads one
+        model = AutoModelForSequenceClassification.from_pretrained(spec["model"], num_labels=1, dtype=torch.float32,
+                                                                   pad_token_id=tok.pad_token_id)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     if spec["kind"] == "grpo":
         rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows[: spec["steps"] * spec["batch"]]]
     lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0,
                       target_modules=spec["targets"], target_parameters=spec.get("target_parameters") or None,
-                      task_type="CAUSAL_LM")
+                      task_type="SEQ_CLS" if spec["kind"] == "rm" else "CAUSAL_LM",
+                      modules_to_save=["score"] if spec["kind"] == "rm" else None)
     common = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=spec["batch"],
                   gradient_accumulation_steps=spec["accum"], max_steps=spec["steps"], learning_rate=spec["lr"],
                   lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
@@ -459,6 +470,12 @@ def hf_worker(spec_path: str) -> int:
         args = ORPOConfig(beta=0.1, max_length=spec["max_len"], **common)
         trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
                               peft_config=lora, callbacks=[StepClock()])
+    elif spec["kind"] == "rm":
+        from trl import RewardConfig, RewardTrainer
+
+        args = RewardConfig(max_length=spec["max_len"], **common)
+        trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                                peft_config=lora, callbacks=[StepClock()])
     elif spec["kind"] == "kto":
         from trl.experimental.kto import KTOConfig, KTOTrainer
 
@@ -556,7 +573,7 @@ def table(results: dict, kind: str, moe: bool = False) -> list[str]:
         u, goal = UNITS[kind], ">= 2x" if kind == "dpo" else ""
         metrics += [(f"{u}/s (steps 2..N)", f"{u}_per_s", goal),
                     (f"{u} per CPU-second (steps 2..N)", f"{u}_per_cpu_s", goal)]
-    if kind == "grpo":
+    if kind in ("grpo", "rm"):  # issue 43: per CPU-second, >= 2x TRL
         metrics[-2:] = [(n, k, ">= 2x" if k.endswith("per_cpu_s") else g) for n, k, g in metrics[-2:]]
     goals = kind in ("sft", "dpo")  # the issue's goals were set for these two
     memory = "<= 0.5x" if kind == "grpo" or (moe and kind == "sft") else "<= 0.6x" if goals else ""
@@ -612,7 +629,10 @@ def render(a: argparse.Namespace, results: dict, info: dict, argv: list[str], ex
              + (f"; GRPO: the demo's toy task and model (demo/grpo, {a.grpo_steps} steps x {a.grpo_prompts} prompts x "
                 f"G={a.grpo_g}, up to {a.grpo_len} new tokens, temperature 1, dapo, beta 0, LoRA r=8 on q,k,v,o; "
                 f"tokens: minitrain counts prompt tokens, HF the policy forward's; compare completions)"
-                if "grpo" in results else "") + ".",
+                if "grpo" in results else "")
+             + (f"; reward model: the same pairs, {a.dpo_batch} pairs x accumulation {a.dpo_accum} per step, LoRA + "
+                f"the scalar head (modules_to_save score; HF: AutoModelForSequenceClassification, TRL's RewardTrainer)"
+                if "rm" in results else "") + ".",
              ""]
     for kind in results:
         lines += table(results, kind, moe=bool(a.experts)) + [""]
@@ -844,7 +864,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", choices=("sft", "dpo", "orpo", "kto", "grpo"))
+    p.add_argument("--only", choices=("sft", "dpo", "orpo", "kto", "grpo", "rm"))
     p.add_argument("--sampler", action="store_true", help="GRPO's sampler against transformers' generate")
     p.add_argument("--gen-batch", type=int, default=8)
     p.add_argument("--gen-prompt", type=int, default=32)
@@ -854,7 +874,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--grpo-g", type=int, default=8)
     p.add_argument("--grpo-len", type=int, default=16)
     p.add_argument("--kinds", type=lambda s: s.split(","), default=["sft", "dpo"],
-                   help="which runs, comma-separated: sft,dpo (default), orpo, kto")
+                   help="which runs, comma-separated: sft,dpo (default), orpo, kto, grpo, rm")
     p.add_argument("--write", metavar="BENCHMARKS.md")
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "minitrain_bench"))
     p.add_argument("--threads", type=int, default=1)
@@ -917,9 +937,9 @@ def main(argv: list[str]) -> int:
     extra = {"machine": machine(), "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M"),
              "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     kinds = [a.only] if a.only else a.kinds
-    bad = [k for k in kinds if k not in ("sft", "dpo", "orpo", "kto", "grpo")]
+    bad = [k for k in kinds if k not in ("sft", "dpo", "orpo", "kto", "grpo", "rm")]
     if bad:
-        print(f"error: --kinds: unknown {', '.join(bad)} — use sft, dpo, orpo, kto, grpo", file=sys.stderr)
+        print(f"error: --kinds: unknown {', '.join(bad)} — use sft, dpo, orpo, kto, grpo, rm", file=sys.stderr)
         return 2
     results = {k: {"mt": [], "hf": []} for k in kinds}
     for rep in range(a.repeats):

@@ -477,7 +477,11 @@ def _is_wrappable(m: nn.Module) -> bool:
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output layer: its LM head (`output_projection`), or the module a reward model names
+    as its `classification_head` (the scalar `score`, `minitrain.objectives.reward_model`)."""
     head = getattr(model, "output_projection", None)
+    if head is None and getattr(model, "classification_head", None):
+        head = model.get_submodule(model.classification_head)
     return head if isinstance(head, nn.Module) else None
 
 
@@ -773,7 +777,8 @@ def trainable_report(model: nn.Module) -> str:
             kind = "lora_A/lora_B"
         else:
             kind = "embeddings" if id(p) in emb_ids else "head" if id(p) in head_ids else "other"
-            full.setdefault(n.rpartition(".")[0] or n, []).append(n)
+            if not (kind == "head" and getattr(model, "classification_head", None)):  # a new head must train
+                full.setdefault(n.rpartition(".")[0] or n, []).append(n)
             has_copy = id(p) in copied  # modules_to_save keep a frozen base copy for disable_adapters
             extra_bytes += k * ((2 if has_copy else 1) * _bytes(p.dtype) + 8)  # grad (+ copy) + 2 fp32 moments
         kinds[kind] += k
@@ -801,7 +806,7 @@ def trainable_report(model: nn.Module) -> str:
                      f"{', '.join(st.unadapted[:3])}{', ...' if len(st.unadapted) > 3 else ''}) — on this model "
                      f"peft reads these names as the experts', so an adapter on them would not load there")
     if full:
-        k_full = trainable - kinds["lora_A/lora_B"]
+        k_full = sum(logical_numel(model.get_parameter(n)) for names in full.values() for n in names)
         lines.append(f"WARNING: fully training {', '.join(full)}: {k_full:,} parameters = {pct(k_full):.1f}% "
                      f"of the model, ~{extra_bytes / 2**20:,.1f} MiB more for gradients, AdamW state and the "
                      f"base copy — drop modules_to_save unless the task needs them (new tokens do not)")

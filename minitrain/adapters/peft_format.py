@@ -82,7 +82,8 @@ def save_adapter(model: nn.Module, folder: str | os.PathLike, cfg: LoRAConfig | 
         base_model_name_or_path = str(model.source_dir)
     config = {
         "peft_type": "LORA",
-        "task_type": "SEQ_2_SEQ_LM" if getattr(model, "is_encoder_decoder", False) else "CAUSAL_LM",
+        "task_type": getattr(model, "adapter_task_type", None)  # a reward model's: SEQ_CLS
+                     or ("SEQ_2_SEQ_LM" if getattr(model, "is_encoder_decoder", False) else "CAUSAL_LM"),
         "r": c.r,
         "lora_alpha": c.alpha,
         "lora_dropout": c.dropout,

@@ -8,7 +8,9 @@ away), the adapter is folded in (W + scaling * B @ A) in fp32, and saved in the 
 (the floating dtype of its safetensors: a bf16 base gives a bf16 model, not one twice its size;
 `--dtype` chooses another). The folder gets config.json, the
 weights (sharded above 5 GB) and the tokenizer files of the adapter folder if it has them, else
-of the base. Written to a temporary folder and renamed: nothing half-written.
+of the base. Written to a temporary folder and renamed: nothing half-written. A reward model's
+adapter (`recipes/reward_model.py`: peft task SEQ_CLS, the `score` head in modules_to_save) merges into
+an `XForSequenceClassification` folder, as `finetune=full` saves one (GRPO's `rewards=model:DIR`).
 
 A low-rank-correction adapter (recipes/lrc_llama.py) corrects the *quantized* base: merged into the
 float weights it would add the quantization error instead of removing it. Pass the run's format
@@ -38,6 +40,8 @@ import models
 from minitrain.adapters.merge import merged_state_dict
 from minitrain.adapters.peft_format import load_adapter
 from minitrain.errors import UserError
+from minitrain.objectives.reward_model import attach_score, with_scalar_head
+from minitrain.text.tokenizer import Tokenizer
 from minitrain.weights import (SIDE_FILES, checkpoint_files, load_pretrained, read_header,
                                save_pretrained)
 
@@ -92,18 +96,34 @@ def merge(model_dir: str, adapter_dir: str, out: str, dtype: str = "auto", quant
         from minitrain.adapters.quant import quantize_hook
 
         hook = quantize_hook(quantize, torch.float32, ternary_scale=ternary_scale)
-    model = load_pretrained(model_dir, models.from_hf_config, dtype=torch.float32, tensor_hook=hook)
+    reward_model = _task_type(adapter_dir) == "SEQ_CLS"  # recipes/reward_model.py: LoRA + the scalar head
+    build = with_scalar_head(models.from_hf_config) if reward_model else models.from_hf_config
+    model = load_pretrained(model_dir, build, dtype=torch.float32, tensor_hook=hook)
+    if reward_model:  # a head to load the adapter's trained one into; the folder becomes XForSequenceClassification
+        attach_score(model, 0, Tokenizer.from_folder(adapter_dir if _has_tokenizer(adapter_dir) else model_dir).pad_id)
     load_adapter(model, adapter_dir)
     emb = model.input_embeddings
     config = dict(model.hf_config, vocab_size=emb.num_embeddings)  # an adapter trained on added tokens
     folder = save_pretrained(model, out, config, dtype=DTYPES[dtype], state_dict=merged_state_dict(model))
     for src in (Path(adapter_dir), Path(model_dir)):
         found = [f for f in SIDE_FILES if (src / f).is_file()]
-        if any(f in found for f in ("tokenizer.json", "tokenizer.model", "spiece.model")):
+        if _has_tokenizer(src):
             for f in found:
                 shutil.copy2(src / f, folder / f)
             break
     return folder
+
+
+def _has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "spiece.model"))
+
+
+def _task_type(adapter_dir: str) -> str | None:
+    """peft's `task_type` in the adapter's config (SEQ_CLS: a reward model's), or None."""
+    try:
+        return json.loads((Path(adapter_dir) / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return None  # load_adapter says what is wrong with the folder
 
 
 def main(argv: list[str]) -> int:

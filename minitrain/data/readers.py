@@ -23,6 +23,7 @@ Truncation (`max_len` tokens per sequence), explicit and counted:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -265,9 +266,10 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
 
 def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                     max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
-                    split: str | None = None, drop_identical: bool = False,
+                    split: str | None = None, drop_identical: bool = False, margin: bool = False,
                     rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None) -> Examples:
-    """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`.
+    """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}` (with
+    `margin`, also each row's `"margin"` as a float: a reward model's optional column, 0 where absent).
 
     Rows (any file format, as `read_sft`):
 
@@ -332,8 +334,25 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
         if _targets(ex["chosen_labels"]) == 0 or _targets(ex["rejected_labels"]) == 0:
             out.skipped += 1
             continue
+        if margin:
+            ex["margin"] = _margin(row)
         out.append(ex)
     return out
+
+
+def _margin(row: Row) -> float:
+    """A pair's `margin` column as a float (TRL's RewardTrainer: subtracted from the reward gap); 0 when absent."""
+    if not row.has("margin"):
+        return 0.0
+    v = row.get("margin")
+    try:
+        number = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number):
+        raise UserError(f'{row.where}: "{row.key("margin")}" is {v!r}, not a finite number — give the margin as a '
+                        f'number (how much more the chosen answer is preferred), or leave the key out (0)')
+    return number
 
 
 def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",

@@ -134,7 +134,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 # the canonical names `fields` may map, per kind of data
 CHAT_FIELDS = ("messages", "conversations", "instruction", "input", "output", "system", "history", "role", "content")
 SFT_FIELDS = ("prompt", "completion", "text") + CHAT_FIELDS
-PREFERENCE_FIELDS = ("prompt", "chosen", "rejected", "conversations", "role", "content")
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected", "conversations", "role", "content", "margin")
 SEQ2SEQ_FIELDS = ("prompt", "completion")
 
 

@@ -7,7 +7,8 @@ A store is a folder:
                        and a checksum of the header itself
     <key>.ids          int32, every example's `<key>` list one after the other (ids, labels: -100 kept)
     <key>.off          int64, n + 1 offsets into `<key>.ids`
-    <key>.val          int64, one number per example (KTO's `label`, `prompt_len`)
+    <key>.val          int64, one number per example (KTO's `label`, `prompt_len`; a float, a reward
+                       model's `margin`, as its float64 bits)
 
 `TokenStore(folder)` is a read-only sequence of example dicts: `store[i]` builds example `i`'s lists
 from the mapped arrays, so nothing is held per example but what the memory map pages in; `lengths`
@@ -86,10 +87,11 @@ class TokenStore(Sequence):
             setattr(self, k, int(header["counts"].get(k, 0)))
         self.shapes = header.get("shapes")  # SFT: rows per shape, for the run's log
         self.lists = list(header["lists"])  # keys holding token lists, in the example's key order
-        self.values = dict(header["values"])  # key -> "bool" | "int"
+        self.values = dict(header["values"])  # key -> "bool" | "int" | "float"
         self._ids = {k: _map(self.folder / f"{k}.ids", ID_DTYPE) for k in self.lists}
         self._off = {k: _map(self.folder / f"{k}.off", np.int64) for k in self.lists}
-        self._val = {k: _map(self.folder / f"{k}.val", np.int64) for k in self.values}
+        self._val = {k: _map(self.folder / f"{k}.val", np.float64 if kind == "float" else np.int64)
+                     for k, kind in self.values.items()}
         self.order = list(header["order"])  # the example dict's keys in the readers' order
         self.extra: dict[str, np.ndarray] = {}  # per-example floats added after the build (`set_values`)
 
@@ -117,7 +119,7 @@ class TokenStore(Sequence):
                 off = self._off[k]
                 ex[k] = self._ids[k][off[i]:off[i + 1]].tolist()
             else:
-                v = int(self._val[k][i])
+                v = self._val[k][i].item()
                 ex[k] = bool(v) if self.values[k] == "bool" else v
         return _with_extra(ex, self.extra, i)
 

@@ -157,7 +157,8 @@ class PartWriter:
     def append(self, ex: dict[str, Any]) -> None:
         if self.order is None:
             self.order = list(ex)
-            self.values = {k: "bool" if isinstance(v, bool) else "int" for k, v in ex.items() if not isinstance(v, list)}
+            self.values = {k: "bool" if isinstance(v, bool) else "float" if isinstance(v, float) else "int"
+                           for k, v in ex.items() if not isinstance(v, list)}
             for k in self.order:
                 if k in self.values:
                     self._open(f"{k}.val")
@@ -166,7 +167,9 @@ class PartWriter:
         for k in self.order:
             v = ex[k]
             if k in self.values:
-                self._buf.setdefault(f"{k}.val", []).append(int(v))
+                # a float (a reward model's margin) keeps its 64 bits in the int64 array
+                self._buf.setdefault(f"{k}.val", []).append(
+                    int(np.float64(v).view(np.int64)) if self.values[k] == "float" else int(v))
             else:
                 self._buf.setdefault(f"{k}.ids", []).extend(v)
                 self._buf.setdefault(f"{k}.len", []).append(len(v))

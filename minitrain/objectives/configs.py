@@ -1,5 +1,5 @@
 """The objectives' run configs: `TrainConfig` plus each method's keys (KTO, DPO, the preference losses,
-GRPO, distillation), in one module that imports no torch.
+reward models, GRPO, distillation), in one module that imports no torch.
 
 The command line reads them before anything heavy is imported, so a mistyped key, a bad value or a
 missing file is answered at once (`minitrain.cli`); each objective's module re-exports its config
@@ -115,6 +115,30 @@ class PreferenceConfig(DPOConfig):
         super(DPOConfig, self).check()
 
 
+SCORE_HEAD = "score"  # the scalar head's module name, as transformers' *ForSequenceClassification names it
+REWARD_BATCH = 16  # rows a reward model scores at once in GRPO (`rewards=model:DIR`; the memory plan's too)
+
+
+@dataclass
+class RewardConfig(TrainConfig):
+    """A reward-model run: a scalar head on any decoder family, trained on preference pairs with the
+    Bradley-Terry loss (names and defaults as TRL's RewardConfig)."""
+
+    center_rewards_coefficient: float | None = doc(None, "add this x the mean of (chosen reward + rejected reward)^2 "
+                                                         "(Eisenstein et al. 2023: rewards centred on 0); none: off",
+                                                   ge=0, example=0.01)
+    drop_identical_pairs: bool = doc(False, "drop pairs whose chosen and rejected are the same tokens (counted); "
+                                            "else such a pair is an error naming its line")
+
+    def check(self) -> None:
+        super().check()
+        if self.parallel == "fsdp":
+            raise UserError("parallel=fsdp: a reward model's new scalar head is not sharded yet — use parallel=ddp")
+        if self.finetune == "lora" and SCORE_HEAD not in self.modules_to_save:
+            # the head is new (random): with LoRA it trains whole, as peft's SEQ_CLS task adds it
+            self.modules_to_save = [*self.modules_to_save, SCORE_HEAD]
+
+
 @dataclass
 class GRPOConfig(TrainConfig):
     """A GRPO run: `TrainConfig` plus generation and loss keys (names and defaults as TRL's GRPOConfig).
@@ -122,7 +146,9 @@ class GRPOConfig(TrainConfig):
     `batch_size` counts prompts per micro-batch; each gets `num_generations` completions."""
 
     rewards: str = doc("", "reward functions: path/to/file.py:fn[,fn2...] (TRL's signature fn(prompts, "
-                           "completions, **columns) -> list of float | None); empty: the recipe's own")
+                           "completions, **columns) -> list of float | None); model:DIR: a reward model's folder "
+                           "(recipes/reward_model.py finetune=full: out/model, or its merged adapter); empty: the "
+                           "recipe's own")
     reward_weights: list[float] = doc([], "one weight per reward function (empty: all 1)")
     num_generations: int = doc(8, "completions sampled per prompt (the group)", ge=2)
     max_completion_length: int = doc(256, "new tokens per completion at most", ge=1)

@@ -1,6 +1,7 @@
 """Reward functions: plain Python with TRL's signature, loaded from a file or given by a recipe.
 
     load_rewards("checks.py:correct,short", recipe_functions) -> [(name, fn), ...]
+    load_rewards("model:runs/rm/model", build=models.from_hf_config) -> [("model", ModelReward)]
     score(rewards, prompts, completions, completion_ids, columns, rows) -> (N, F) float tensor, NaN = None
 
 A reward function is `fn(prompts, completions, completion_ids, **columns) -> list[float | None]`:
@@ -31,10 +32,25 @@ from minitrain.errors import UserError
 Reward = Callable[..., Sequence[Any]]
 
 
-def load_rewards(spec: str, own: dict[str, Reward] | None = None) -> list[tuple[str, Reward]]:
+MODEL = "model:"  # rewards=model:DIR: a reward model's folder (recipes/reward_model.py finetune=full)
+
+
+def load_rewards(spec: str, own: dict[str, Reward] | None = None, build: Callable | None = None,
+                 device: str = "auto", precision: str = "auto") -> list[tuple[str, Reward]]:
     """`path/to/file.py:fn[,fn2...]` -> the named functions of that file; a bare `fn[,fn2]` names
-    functions of the recipe (`own`); empty: every function of `own`, in order."""
+    functions of the recipe (`own`); empty: every function of `own`, in order. `model:DIR`: the reward
+    model in folder DIR as one function (`minitrain.objectives.reward_model.ModelReward`: batched, no
+    graph, on `device` in `precision`'s base dtype; `build` is the recipe's model builder), named by the
+    folder; its folder is checked now, its weights load at the first call."""
     own = own or {}
+    if spec.startswith(MODEL):
+        from minitrain.objectives.reward_model import ModelReward
+
+        if build is None:
+            raise UserError(f"rewards={spec}: this recipe passes no model builder to load_rewards — use "
+                            f"recipes/grpo_qwen.py, or pass build=models.from_hf_config in your recipe")
+        reward = ModelReward(spec[len(MODEL):], build, device=device, precision=precision)
+        return [(reward.folder.name, reward)]
     if not spec:
         if not own:
             raise UserError("rewards: not set — pass rewards=path/to/file.py:fn (a function "

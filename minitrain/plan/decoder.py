@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
+from minitrain.objectives.configs import REWARD_BATCH
 from minitrain.plan.run_shape import DTYPE_BYTES, RunShape, Term, linears_bytes
 
 
@@ -525,6 +526,26 @@ def teacher_forward(run: RunShape) -> list[Term]:
         Term("teacher forward: one block (no grad)", sum(t.bytes for t in block_saved(teacher, plain)),
              "block_saved, freed as it goes"),
         Term("teacher: final hidden states", N * teacher.hidden_size * run.s, "N x D_teacher x s")]
+
+
+def reward_model_terms(run: RunShape) -> tuple[list[Term], list[Term]]:
+    """GRPO's reward model (`rewards=model:DIR`): its frozen weights in the compute dtype, a one-row
+    `score` in place of the LM head (persistent), and its no_grad scoring of up to `REWARD_BATCH`
+    rows of `seq` tokens (a moment: one block's tensors at a time, its final hidden states)."""
+    rm = run.reward_model
+    plain = replace(run, quantize="none", full=False, lora_targets=(), modules_to_save=(), teacher=None,
+                    reward_model=None, rows=min(REWARD_BATCH, run.sample_rows or run.rows), real_tokens=None)
+    V, D = rm.vocab_size, rm.hidden_size
+    weights = []
+    for t in rm.weight_terms(plain):
+        if t.name == "weights: embeddings + head":  # the reward model holds no LM head
+            t = Term("weights: embeddings + score", (V * D + D) * run.s, f"({V:,} x {D:,} + {D:,}) x {run.s} B")
+        weights.append(Term(f"reward model {t.name}", t.bytes, t.formula))
+    scoring = _model_saved(rm, plain) + [
+        Term("reward model forward: one block (no grad)", sum(t.bytes for t in block_saved(rm, plain)),
+             "block_saved, freed as it goes"),
+        Term("reward model: final hidden states", plain.tokens * D * run.s, "rows x T x D x s")]
+    return weights, scoring
 
 
 def head_is_frozen(model: ModelShape, run: RunShape) -> bool:

@@ -63,8 +63,8 @@ from pathlib import Path
 from typing import Any
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import (GemmaShape, ModelShape, Phi3Shape, adapter_terms, sampling_terms,
-                                    teacher_weight_terms)
+from minitrain.plan.decoder import (GemmaShape, ModelShape, Phi3Shape, adapter_terms, reward_model_terms,
+                                    sampling_terms, teacher_weight_terms)
 from minitrain.plan.run_shape import DTYPE_BYTES, Plan, RunShape, Term
 from minitrain.plan.moe import MoeShape
 from minitrain.plan.t5 import T5Shape
@@ -116,6 +116,10 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
     moments, notes = model.moments(run)
     if run.sample_rows:  # GRPO: generation has its own moment (no graph; the cache is freed before the forward)
         moments["GRPO sampling (KV cache, no grad)"] = sampling_terms(model, run)
+    if run.reward_model is not None:  # GRPO's rewards=model:DIR: its weights stay; it scores between the two
+        weights, scoring = reward_model_terms(run)
+        persistent += weights
+        moments["GRPO reward model scoring (no grad)"] = scoring
     trainable = sum(model.trainable_tensors(run)) * DTYPE_BYTES[run.adapter_dtype]
     moments["optimizer step"] = moments.get("optimizer step", []) + [
         Term("AdamW temporaries", trainable if run.optimizer_temps else 0,
@@ -136,7 +140,10 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
     rows and no reference (`none`). KTO configs (`desirable_weight`): batch_size rows with a
     graph, and a reference forward of 2 x batch_size rows (the rows and their KL rows). GRPO configs
     (`num_generations` G): batch_size x G rows of max_len (prompt + completion), the same rows in the
-    sampler's KV cache, and with `beta` the reference forward (base, or snapshot with init_adapter).
+    sampler's KV cache, and with `beta` the reference forward (base, or snapshot with init_adapter);
+    with `rewards=model:DIR` the reward model's weights and scoring. Reward-model configs
+    (`center_rewards_coefficient`): 2 x batch_size rows, planned as an LM (its head and logits counted:
+    more than the scalar head needs).
     """
     precision = getattr(cfg, "precision", "auto")
     if precision == "auto":
@@ -150,7 +157,8 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
         ref = "precomputed" if cfg.precompute_ref else ("snapshot" if getattr(cfg, "init_adapter", "") else "base")
         if getattr(cfg, "loss_type", "") in ("orpo", "cpo", "simpo"):
             ref = "none"
-    rows = cfg.batch_size * (2 if is_dpo and not is_kto else 1)
+    is_reward_model = hasattr(cfg, "center_rewards_coefficient")  # [chosen; rejected] rows, as DPO's
+    rows = cfg.batch_size * (2 if is_dpo and not is_kto or is_reward_model else 1)
     generations = getattr(cfg, "num_generations", 0)  # GRPO: every prompt's G completions are forwarded
     if generations:
         rows = cfg.batch_size * generations
@@ -169,7 +177,7 @@ def run_shape(cfg: Any, *, device: str = "cuda", seq: int | None = None, targets
                     teacher=teacher_shape(cfg), teacher_quantize=getattr(cfg, "teacher_quantize", "none"),
                     kd_top_k=getattr(cfg, "top_k", 0) if getattr(cfg, "teacher", "") else 0, kd_features=feats,
                     kd_attention=attns, sample_rows=rows if generations else 0, world=world,
-                    parallel=getattr(cfg, "parallel", "ddp"))
+                    parallel=getattr(cfg, "parallel", "ddp"), reward_model=reward_model_shape(cfg))
 
 
 def _flex_rows(cfg: Any, device: str) -> bool:
@@ -191,6 +199,19 @@ def teacher_shape(cfg: Any) -> "ModelShape | None":
         return None
     try:
         shape = shape_from_hf(json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, UserError, TypeError, KeyError):
+        return None
+    return None if shape.is_encoder_decoder else shape
+
+
+def reward_model_shape(cfg: Any) -> "ModelShape | None":
+    """A GRPO config's reward model (`rewards=model:DIR`, its config.json), or None: no reward model, or
+    a folder the plan cannot read (`load_rewards` reports that in its own words)."""
+    spec = str(getattr(cfg, "rewards", "") or "")
+    if not spec.startswith("model:"):
+        return None
+    try:
+        shape = shape_from_hf(json.loads((Path(spec[len("model:"):]) / "config.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, UserError, TypeError, KeyError):
         return None
     return None if shape.is_encoder_decoder else shape

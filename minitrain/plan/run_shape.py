@@ -74,6 +74,7 @@ class RunShape:
     kd_features: int = 0  # distillation: student layers whose hidden states are matched (-1: every layer)
     kd_attention: int = 0  # distillation: student layers whose attention is transferred (-1: every layer)
     sample_rows: int = 0  # GRPO: completions sampled per micro-batch (prompts x G), each with seq KV slots
+    reward_model: Any = None  # GRPO's rewards=model:DIR: the reward model's ModelShape (its weights, its scoring)
     world: int = 1  # ranks under torchrun: the plan is rank 0's (`minitrain.plan.sharded`); rows stay the global batch
     parallel: str = "ddp"  # ddp: every rank holds the whole model | fsdp: FSDP2 shards it (`minitrain.plan.sharded`)
 

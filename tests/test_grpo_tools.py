@@ -433,3 +433,192 @@ def test_environment_rollout_and_reward_equal_trl(qwen_tools, tmp_path, monkeypa
     _assert_equal_to_trl(expected, ours)
     assert ours[3]["rewards/Counter/mean"] == pytest.approx(expected[3]["rewards/Counter/mean"])
     assert ours[3]["rewards/Counter/mean"] > 0
+
+
+# ----------------------------------------------------------------------------- from the command line
+
+TOOLS_FILE = '''
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def fail(x: str) -> str:
+    """Always raises.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("cannot handle " + x)
+
+
+class _Unprintable:
+    def __str__(self):
+        raise ValueError("no text")
+
+
+def weird(n: int) -> object:
+    """Returns what str() cannot print.
+
+    Args:
+        n: Ignored.
+    """
+    return _Unprintable()
+
+
+def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+NOT_A_FUNCTION = 3
+
+
+class Counter:
+    def reset(self, **row):
+        self.total = 0
+        return None
+
+    def bump(self, by: int) -> str:
+        """Add to the counter.
+
+        Args:
+            by: How much.
+        """
+        self.total += by
+        return str(self.total)
+
+    def get_reward(self) -> float:
+        return float(self.total)
+
+
+class NoReward:
+    def reset(self, **row):
+        return None
+
+
+class NoReset:
+    def get_reward(self) -> float:
+        return 0.0
+'''
+
+REWARD_FILE = '''
+def long(completions, **kw):
+    return [float(len(c[-1]["content"]) % 3) for c in completions]
+'''
+
+# one planted first turn per rollout (4 prompts x G=2), each a kind of untrusted output
+PLANTED = [CALL.format("add", '{"a": 2, "b": 3}'),
+           CALL.format("os.system", '{"command": "echo pwned"}'),  # a name the user did not offer
+           '<tool_call>\n{"name": "add", "arguments": {"a": 2,, }\n</tool_call><|im_end|>',  # malformed JSON
+           CALL.format("add", '{"a": 2, "c": 3}'),  # wrong arguments
+           CALL.format("fail", '{"x": "it"}'),  # raises
+           CALL.format("weird", '{"n": 1}'),  # unprintable
+           CALL.format("slow", '{"seconds": 60}'),  # runs past tool_timeout
+           "No call.<|im_end|>"]
+ERRORS = ["Tool os.system not found.", "not valid JSON", "wrong arguments for add", "cannot handle it",
+          "cannot be printed", "ran past 0.3 s and was stopped"]
+
+
+@pytest.fixture()
+def cli_inputs(qwen_tools, tmp_path):
+    (tmp_path / "tools.py").write_text(TOOLS_FILE)
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} plus {i + 1}?"}],
+                                "answer": 2 * i + 1}) + "\n")
+    base = [RECIPE, f"model={qwen_tools}", f"data={tmp_path / 'train.jsonl'}", "max_steps=1", "batch_size=4",
+            "grad_accum=1", "num_generations=2", f"max_completion_length={MAX_COMPLETION}", "max_len=2048", "lora_r=4",
+            "checkpointing=false", "log_completions_every=1"]
+    return tmp_path, base
+
+
+def test_planted_untrusted_calls_from_the_command_line(cli_inputs, monkeypatch):
+    """`python -m minitrain recipes/grpo_qwen.py tools=file.py:add,fail,weird,slow` with the model's first
+    turns planted: every bad call is answered by an error tool message the model then reads (the
+    context of its next turn), the rollout goes on, the step trains, and the failures are counted."""
+    from minitrain.cli import run_cli
+    from minitrain.text.tokenizer import Tokenizer
+
+    tmp_path, base = cli_inputs
+    tok = Tokenizer.from_folder(base[1].split("=", 1)[1])
+    eos = tok.special_id("<|im_end|>")
+    contexts: list[str] = []
+
+    def fake_sample(model, ids, mask, *, num_generations=1, max_new_tokens, **kw):
+        if num_generations == 2:  # a rollout's first turns (the audit's before step 1 has fewer rows)
+            contexts.clear()
+            texts = PLANTED[: ids.shape[0] * 2]
+        else:  # after the tool turns: read what the model was shown
+            contexts.extend(tok.decode(row[m.bool()].tolist(), skip_special=False) for row, m in zip(ids, mask))
+            texts = ["Done.<|im_end|>"] * (ids.shape[0] * num_generations)
+        rows = [tok.encode(t)[:max_new_tokens] for t in texts]
+        C = max(len(r) for r in rows)
+        return Completions(torch.tensor([r + [tok.pad_id] * (C - len(r)) for r in rows]),
+                           torch.tensor([[1] * len(r) + [0] * (C - len(r)) for r in rows]),
+                           torch.tensor([r[-1] != eos for r in rows]))
+
+    monkeypatch.setattr(agent_module, "sample", fake_sample)
+    out = tmp_path / "run"
+    assert run_cli([*base, f"out={out}", f"tools={tmp_path / 'tools.py'}:add,fail,weird,slow",
+                    f"rewards={tmp_path / 'reward.py'}:long", "tool_timeout=0.3"]) == 0
+    assert len(contexts) == 7  # each of the step's 7 calls got its tool turn and the model went on
+    shown = "\n".join(contexts)
+    assert "<tool_response>\n5\n</tool_response>" in shown
+    for e in ERRORS:
+        assert e in shown, e
+    assert "<tool_response>\n{'error': 'Tool os.system not found.'}\n</tool_response>" in shown  # and nothing ran
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["tools/call_frequency"] == pytest.approx(7 / 8) and m["tools/failure_frequency"] == pytest.approx(6 / 7)
+    assert (out / "adapter").is_dir()
+    sample = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert sample and "Done." in sample[0]["completion"]
+
+
+def test_an_environment_from_the_command_line(cli_inputs):
+    """environment=file.py:Counter (TRL's contract, no rewards=): its get_reward is the reward, logged
+    under the class name; the real sampler runs (a random model: whatever it writes)."""
+    from minitrain.cli import run_cli
+
+    tmp_path, base = cli_inputs
+    out = tmp_path / "env"
+    base = [a for a in base if not a.startswith("max_completion_length=")]
+    assert run_cli([*base, f"out={out}", f"environment={tmp_path / 'tools.py'}:Counter", "max_completion_length=8"]) == 0
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert "rewards/Counter/mean" in m and "tools/call_frequency" in m
+
+
+@pytest.mark.parametrize("args,message", [
+    (["tools={d}/missing.py:add"], "tools: {d}/missing.py: no such file"),
+    (["tools={d}/tools.py:sub"], "defines no function 'sub' (functions there: add, fail, weird, slow)"),
+    (["tools={d}/tools.py:NOT_A_FUNCTION"], "NOT_A_FUNCTION in {d}/tools.py is not a function"),
+    (["tools=add"], "the recipe defines no function 'add'"),
+    (["environment={d}/tools.py:add"], "add is a function, not a class"),
+    (["environment={d}/tools.py:Nope"], "defines no class 'Nope' (classes there: Counter, NoReward, NoReset)"),
+    (["environment={d}/tools.py:NoReset"], "NoReset has no reset method"),
+    (["environment={d}/tools.py:NoReward"], "NoReward has no get_reward method and rewards= is not set"),
+    (["tools={d}/tools.py:add", "chat_format=llama3"], "tools: chat_format=llama3 renders no tools"),
+])
+def test_user_mistakes_are_one_line_exit_2(cli_inputs, capsys, args, message):
+    from minitrain.cli import run_cli
+
+    tmp_path, base = cli_inputs
+    out = tmp_path / "bad"
+    code = run_cli([*base, f"out={out}", *[a.format(d=tmp_path) for a in args]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: ") and message.format(d=tmp_path) in err[-1], err
+    assert not out.exists()

@@ -36,7 +36,8 @@ def load_environment(spec: str) -> type:
     module = _import_file(Path(path), "environment")
     cls = getattr(module, name.strip(), None)
     if cls is None:
-        have = [k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__]
+        have = [k for k, v in vars(module).items()
+                if isinstance(v, type) and v.__module__ == module.__name__ and not k.startswith("_")]
         raise UserError(f"environment={spec}: {path} defines no class {name!r} (classes there: "
                         f"{', '.join(have) or 'none'}) — fix environment=")
     if not isinstance(cls, type):

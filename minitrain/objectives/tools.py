@@ -76,7 +76,7 @@ def load_tools(spec: str, own: dict[str, Tool] | None = None) -> list[tuple[str,
                             f"{', '.join(have) or 'none'}) — fix tools=")
         fn = found[n]
         if not callable(fn) or isinstance(fn, type):
-            raise UserError(f"tools={spec}: {n} in {where} is a {type(fn).__name__}, not a function — name a function "
+            raise UserError(f"tools={spec}: {n} in {where} is not a function (its type: {type(fn).__name__}) — name a function "
                             f"(an environment class goes in environment=file.py:Class)")
         json_schema(fn, key="tools")  # a function the template cannot describe fails now, not mid-run
         out.append((n, fn))

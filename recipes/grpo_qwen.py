@@ -26,6 +26,13 @@ second model). metrics.jsonl has TRL's names (`reward`, `reward_std`, `rewards/<
 every `log_completions_every` steps; with `eval_data`, `eval/reward` is the held-out reward of the
 greedy completions, before step 1 and every `eval_every` steps (also in out/eval.jsonl).
 
+Tools and environments (docs/grpo.md): `tools=calc.py:add,multiply` offers plain Python functions to
+the model through the chat template; its calls (Qwen, LLaMA 3, Mistral, harmony formats) run during
+the rollout, their results go back as tool messages, masked from the loss, up to `max_tool_calls`
+rounds, each call stopped after `tool_timeout` seconds; `environment=game.py:Game` is TRL's
+environment_factory (one instance per rollout: `reset(**row)`, its public methods as tools,
+`get_reward()` as a reward). Metrics `tools/call_frequency`, `tools/failure_frequency`.
+
 Under torchrun (parallel=ddp) each rank samples the completions of its own prompts: a group never
 spans ranks, and `scale_rewards=batch` divides by the std of the whole batch (every rank's rewards).
 

@@ -622,3 +622,22 @@ def test_user_mistakes_are_one_line_exit_2(cli_inputs, capsys, args, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: ") and message.format(d=tmp_path) in err[-1], err
     assert not out.exists()
+
+
+def test_the_tool_demo_learns_to_call_the_calculator_and_the_hidden_control_stays_low(tmp_path):
+    """demo/grpo_tools (tools/make_grpo_tools_demo.py): the tiny model estimates products in its head
+    (greedy, held-out accuracy 0) and calls `mul` in about one sample in seven. GRPO with the tool: held-out
+    accuracy <= 0.2 before step 1, >= 0.8 after 30 steps (measured 0.00 -> 0.98, ~7 CPU-seconds); the
+    same run with the tool's results hidden (`calc_hidden.py:mul` answers `?`) stays <= 0.2 (measured 0.00)."""
+    from minitrain.cli import run_cli
+
+    demo = Path(RECIPE).parent.parent / "demo" / "grpo_tools"
+    keys = [f"config={demo / 'run.json'}", f"model={demo / 'model'}", f"data={demo / 'train.jsonl'}",
+            f"eval_data={demo / 'eval.jsonl'}", f"rewards={demo / 'calc.py'}:correct"]
+    evals = {}
+    for name, tool in (("tool", "calc.py"), ("hidden", "calc_hidden.py")):
+        out = tmp_path / name
+        assert run_cli([RECIPE, *keys, f"tools={demo / tool}:mul", f"out={out}"]) == 0
+        evals[name] = {r["step"]: r["eval/reward"] for r in map(json.loads, (out / "eval.jsonl").read_text().splitlines())}
+    assert evals["tool"][0] <= 0.2 and evals["tool"][30] >= 0.8, evals
+    assert max(evals["hidden"].values()) <= 0.2, evals

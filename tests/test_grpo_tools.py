@@ -641,3 +641,44 @@ def test_the_tool_demo_learns_to_call_the_calculator_and_the_hidden_control_stay
         evals[name] = {r["step"]: r["eval/reward"] for r in map(json.loads, (out / "eval.jsonl").read_text().splitlines())}
     assert evals["tool"][0] <= 0.2 and evals["tool"][30] >= 0.8, evals
     assert max(evals["hidden"].values()) <= 0.2, evals
+
+
+FAMILIES = [("qwen", "qwen2_5", "hermes", {}), ("qwen", "qwen3", "hermes", {}),
+            ("llama3", "llama3_1", "llama3", {"date_string": "26 Jul 2024"}),
+            ("llama3", "llama3_2", "llama3", {"date_string": "24 Nov 2026"}),
+            ("gptoss", "gptoss", "harmony", {})]
+
+
+@pytest.mark.parametrize("family, template, fmt, kwargs", FAMILIES, ids=[f[1] for f in FAMILIES])
+def test_each_familys_template_offers_tools_and_renders_tool_turns_as_trl(tmp_path, family, template, fmt, kwargs):
+    """With each family's own chat template: the call format is recognised, a prompt with tools is
+    transformers' `apply_chat_template(tools=...)`, and a tool turn's ids are TRL's `_get_tool_suffix_ids`
+    (its code, run on the transformers tokenizer; for Qwen3, whose template is not prefix-preserving, TRL
+    renders with its training template `qwen3_training.jinja`, and so does the reference here).
+    (Mistral v0.3's template demands 9-character tool_call_ids that TRL's tool turns do not carry: its
+    calls parse, but its template cannot render TRL's tool turns, on either side.)"""
+    import types as pytypes
+
+    import transformers
+    import trl
+
+    from minitrain.text.tokenizer import Tokenizer
+    from test_chat_template import TEMPLATES, _family_folder
+
+    d = _family_folder(tmp_path / "tok", family)
+    shutil.copy(TEMPLATES / f"{template}.jinja", d / "chat_template.jinja")
+    tok = Tokenizer.from_folder(d)
+    tok.chat_template_kwargs = dict(kwargs)
+    hf = transformers.AutoTokenizer.from_pretrained(str(d))
+    kit = ToolKit(tok, [("add", add)], max_rounds=1, timeout=1.0, max_completion_length=64)
+    assert kit.format == fmt
+    msgs = [{"role": "user", "content": "What is 2 plus 3?"}]
+    assert tok.encode_chat(msgs, add_generation_prompt=True, tools=kit.schemas)[0] == hf.apply_chat_template(
+        msgs, tools=[add], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
+    training = Path(trl.__file__).parent / "chat_templates" / f"{template}_training.jinja"
+    trl_self = pytypes.SimpleNamespace(processing_class=hf, _tokenizer=hf, _is_vlm=False, chat_template_kwargs=kwargs,
+                                       chat_template=training.read_text() if template == "qwen3" else None)
+    for messages in ([{"role": "tool", "name": "add", "content": "5"}],
+                     [{"role": "tool", "name": "add", "content": "5"},
+                      {"role": "tool", "name": "add", "content": "{'error': 'Tool nope not found.'}"}]):
+        assert kit.suffix_ids(messages) == trl.GRPOTrainer._get_tool_suffix_ids(trl_self, messages), messages

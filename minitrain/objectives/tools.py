@@ -417,10 +417,17 @@ class ToolKit:
             self._prefix[name] = prefix[: ends[-1] + 1] if ends else prefix
         prefix = self._prefix[name]
         full = tok.encode(template.render(dummy + messages, add_generation_prompt=True)[0])
-        if full[: len(prefix)] != prefix:
+        if full[: len(prefix)] == prefix:
+            return full[len(prefix):]
+        # a template that writes the last assistant turn otherwise than an earlier one (Qwen3's empty
+        # <think> block on the last turn only; TRL swaps in a training template for it): the tool turn
+        # starts after the assistant turn's eos, the same count of eos tokens into the full rendering
+        k = prefix.count(tok.eos_id) if tok.eos_id is not None else 0
+        ends = [i for i, t in enumerate(full) if t == tok.eos_id]
+        if not k or len(ends) < k:
             raise UserError(f"tools: the chat template renders a tool turn that changes the text before it — give a "
                             f"template that renders each turn after the previous ones (chat_template=...)")
-        return full[len(prefix):]
+        return full[ends[k - 1] + 1:]
 
     def calls_in(self, ids: list[int]) -> list[Call]:
         if not ids or self.format is None:  # (no tool offered at all: nothing to parse)

@@ -26,6 +26,7 @@ Files (about 0.6 MB):
     demo/grpo_tools/eval.jsonl      held-out prompts: number pairs in no training row
     demo/grpo_tools/calc.py         the tool `mul` and the reward `correct`
     demo/grpo_tools/calc_hidden.py  the control's `mul`: its result hidden
+    demo/grpo_tools/run.json        the GRPO run's keys (`config=demo/grpo_tools/run.json`)
 
 Deterministic from `--seed` on one thread, as tools/make_demo.py.
 """
@@ -44,26 +45,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere in a checkout
 
 from make_demo import pretrain, save_checkpoint, write_jsonl  # noqa: E402
+from make_grpo_demo import MODEL  # noqa: E402  (the same tiny LLaMA shape as the GRPO demo's)
 
 from minitrain.text.tokenizer import Tokenizer  # noqa: E402
 from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-MODEL = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=24, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
-             tie_word_embeddings=False, hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=0,
-             model_type="llama")
 WITH_TOOL = 0.15  # share of answers that call the tool in the pre-training text
 # pieces of a call, one token each (added tokens), so that a call is a few tokens long
+ASSISTANT = "<|im_start|>assistant\n"  # the assistant's header (Qwen's, so TRL's Qwen parser finds the turn)
 PIECES = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", '{"name": "mul", "arguments": {"a": ',
-          ', "b": ', "}}", "<tools>"]
+          ', "b": ', "}}", "<tools>", ASSISTANT]
 TEMPLATE = """{%- for m in messages -%}
 {%- if m.role == 'user' -%}{{ bos_token }}{% if tools %}<tools>{% endif %}{{ m.content }}
-{%- elif m.role == 'assistant' -%}
-{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{%- endfor -%}
+{%- elif m.role == 'assistant' -%}<|im_start|>assistant
+{% if m.tool_calls -%}{%- for c in m.tool_calls -%}<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{%- endfor -%}
 {%- else -%}{{ m.content }}{%- endif -%}{{ eos_token }}
 {%- elif m.role == 'tool' -%}<tool_response>{{ m.content }}</tool_response>
 {%- endif -%}
 {%- endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}
 """
 CALC = '''"""The demo's calculator tool and its reward (tools/make_grpo_tools_demo.py)."""
 
@@ -96,16 +97,24 @@ def mul(a: int, b: int) -> str:
 '''
 
 
+# the demo's GRPO run: python -m minitrain recipes/grpo_qwen.py config=demo/grpo_tools/run.json
+RUN = {"model": "demo/grpo_tools/model", "data": "demo/grpo_tools/train.jsonl", "eval_data": "demo/grpo_tools/eval.jsonl",
+       "tools": "demo/grpo_tools/calc.py:mul", "rewards": "demo/grpo_tools/calc.py:correct", "max_steps": 30,
+       "batch_size": 8, "grad_accum": 1, "lr": 0.002, "schedule": "constant", "warmup": 0.0, "max_len": 48,
+       "num_generations": 8, "max_completion_length": 24, "eval_every": 10, "log_completions_every": 10, "lora_r": 8,
+       "lora_alpha": 16.0, "checkpointing": False, "out": "runs/grpo_tools"}
+
+
 def pair(rng: random.Random) -> tuple[int, int]:
     return rng.randrange(10, 100), rng.randrange(10, 100)
 
 
 def transcript(a: int, b: int, with_tool: bool) -> str:
     """One pre-training conversation as the chat template renders it."""
-    head = f"<s><tools>{a}*{b}="
+    head = f"<s><tools>{a}*{b}={ASSISTANT}"
     if with_tool:
         call = f'<tool_call>{{"name": "mul", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call></s>'
-        return head + call + f"<tool_response>{a * b}</tool_response>{a * b}</s>"
+        return head + call + f"<tool_response>{a * b}</tool_response>{ASSISTANT}{a * b}</s>"
     guess = round(a * b, 1 - len(str(a * b)))  # two significant digits: 1786 -> 1800
     return head + f"{guess}</s>"
 
@@ -118,7 +127,7 @@ def make_tokenizer(folder: Path) -> Tokenizer:
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     chars = sorted(set("0123456789*=?" + "".join(PIECES) + "dumy")) + ["▁"]
-    chars = [c for c in chars if c != " "]
+    chars = [c for c in chars if c not in " \n"]
     vocab = {t: i for i, t in enumerate(specials + chars)}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(out / "eval.jsonl", rows[0])
     (out / "calc.py").write_text(CALC)
     (out / "calc_hidden.py").write_text(CALC_HIDDEN)
+    (out / "run.json").write_text(json.dumps(RUN, indent=2) + "\n")
     (out / "README.md").write_text("# demo/grpo_tools/ — written by tools/make_grpo_tools_demo.py\n\n```\n"
                                    + __doc__.strip() + "\n```\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

@@ -155,8 +155,9 @@ def setup(config: GRPOConfig) -> Job:
     tok = load_tokenizer(config)
     train_examples, eval_examples = load_examples(config, tok, "prompts", tools=schemas or None,
                                                   max_prompt_len=config.max_len - config.max_completion_length)
-    if schemas and any(not isinstance(ex["prompt"], list) for ex in train_examples):
-        ex = next(ex for ex in train_examples if not isinstance(ex["prompt"], list))
+    ex = next((ex for part in (train_examples, eval_examples or []) for ex in part
+               if not isinstance(ex["prompt"], list)), None) if schemas else None
+    if ex is not None:
         raise UserError(f"{ex['row']}: a string prompt — tools are offered through the chat template, so the rows need "
                         f"conversation prompts ({{\"prompt\": [{{\"role\": \"user\", \"content\": ...}}]}})")
     model, tok = load_model(config, models.from_hf_config, tok)

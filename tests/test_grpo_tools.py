@@ -226,6 +226,13 @@ def test_untrusted_calls_become_error_messages():
         (Call("slow", {"seconds": 30.0}), "ran past 0.2 s and was stopped", True),
         (Call("leave", {"code": 3}), "3", True),
     ]
+    env = Counter()
+    from minitrain.objectives.environments import Environments
+
+    offered = Environments(Counter).toolset(env)
+    assert set(offered) == {"bump"}  # not reset, get_reward, nor _private: the model cannot call them
+    for name in ("reset", "get_reward", "_private", "__init__"):
+        assert run_call(Call(name, {}), offered, timeout=1.0)[1] == str({"error": f"Tool {name} not found."})
     for call, expected, failed in cases:
         name, content, bad = run_call(call, tools, timeout=0.2)
         assert expected in content and bad == failed, (call, content)

@@ -495,9 +495,12 @@ NOT_A_FUNCTION = 3
 
 
 class Counter:
+    made = 0
+
     def reset(self, **row):
         self.total = 0
-        return None
+        Counter.made += 1
+        return " (" + str(Counter.made % 3) + ")"  # the G prompts of a group differ: one row each
 
     def bump(self, by: int) -> str:
         """Add to the counter.
@@ -597,8 +600,9 @@ def test_planted_untrusted_calls_from_the_command_line(cli_inputs, monkeypatch):
 
 
 def test_an_environment_from_the_command_line(cli_inputs):
-    """environment=file.py:Counter (TRL's contract, no rewards=): its get_reward is the reward, logged
-    under the class name; the real sampler runs (a random model: whatever it writes)."""
+    """environment=file.py:Counter (TRL's contract, no rewards=): reset's text makes each rollout's prompt
+    its own, its get_reward is the reward, logged under the class name; the real sampler runs (a random
+    model: whatever it writes)."""
     from minitrain.cli import run_cli
 
     tmp_path, base = cli_inputs

@@ -638,7 +638,7 @@ def test_user_mistakes_are_one_line_exit_2(cli_inputs, capsys, args, message):
 def test_the_tool_demo_learns_to_call_the_calculator_and_the_hidden_control_stays_low(tmp_path):
     """demo/grpo_tools (tools/make_grpo_tools_demo.py): the tiny model estimates products in its head
     (greedy, held-out accuracy 0) and calls `mul` in about one sample in seven. GRPO with the tool: held-out
-    accuracy <= 0.2 before step 1, >= 0.8 after 30 steps (measured 0.00 -> 0.98, ~7 CPU-seconds); the
+    accuracy <= 0.2 before step 1, >= 0.8 after 30 steps (measured 0.00 -> 1.00, ~7 CPU-seconds); the
     same run with the tool's results hidden (`calc_hidden.py:mul` answers `?`) stays <= 0.2 (measured 0.00)."""
     from minitrain.cli import run_cli
 

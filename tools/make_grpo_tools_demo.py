@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=1500, help="pre-training steps")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--prompts", type=int, default=2000, help="GRPO training prompts")
+    ap.add_argument("--prompts", type=int, default=400, help="GRPO training prompts (30 steps x 8 take 240)")
     ap.add_argument("--eval-prompts", type=int, default=100, help="held-out prompts")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -173,6 +173,7 @@ def setup(config: GRPOConfig) -> Job:
                       max_positions=getattr(model.config, "max_position_embeddings", None),
                       schemas=[json_schema(fn) for _, fn in tools], parse=bool(schemas))
         agent = Agent(kit, envs)
+        ends = sorted(set(ends) | set(kit.stop_ids()))  # a turn that ends on a call (gpt-oss <|call|>) stops too
         log(f"grpo: tools {', '.join(names)} ({kit.format} calls, up to {config.max_tool_calls} rounds, "
             f"{config.tool_timeout:g} s each)" + (f"; environment {envs.name}, one per rollout" if envs else ""))
     log(f"grpo: loss {config.loss_type}, {config.num_generations} completions per prompt of up to "

@@ -683,6 +683,8 @@ def test_each_familys_template_offers_tools_and_renders_tool_turns_as_trl(tmp_pa
     hf = transformers.AutoTokenizer.from_pretrained(str(d))
     kit = ToolKit(tok, [("add", add)], max_rounds=1, timeout=1.0, max_completion_length=64)
     assert kit.format == fmt
+    stops = {"gptoss": ["<|call|>"]}.get(family, [])  # (the tiny llama3 vocabulary here has no <|eom_id|>)
+    assert kit.stop_ids() == [tok.special_id(t) for t in stops]
     msgs = [{"role": "user", "content": "What is 2 plus 3?"}]
     assert tok.encode_chat(msgs, add_generation_prompt=True, tools=kit.schemas)[0] == hf.apply_chat_template(
         msgs, tools=[add], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)

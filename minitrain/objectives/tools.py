@@ -231,6 +231,10 @@ class Call:
     error: str | None = None
 
 
+# the special tokens that end an assistant's turn on a tool call in a format (sampling stops there too)
+CALL_ENDS = {"harmony": ("<|call|>",), "llama3": ("<|eom_id|>",)}
+
+
 def tool_format(template: str | None) -> str | None:
     """How the chat template writes an assistant's tool calls (from the template's text), or None."""
     if not template or "tools" not in template:
@@ -401,6 +405,12 @@ class ToolKit:
                                                         "LLaMA 3 JSON, Mistral [TOOL_CALLS], harmony)")
                             + " — give the template the model was trained with tools: chat_template=path/to/template.jinja")
         self._prefix: dict[str, list[int]] = {}
+
+    def stop_ids(self) -> list[int]:
+        """Ids that end a turn on a tool call in this format (gpt-oss's `<|call|>`, LLaMA 3's `<|eom_id|>`),
+        which the vocabulary holds: the sampler stops there as at eos."""
+        found = (self.tok.special_id(t) for t in CALL_ENDS.get(self.format or "", ()))
+        return [i for i in found if i is not None]
 
     def suffix_ids(self, messages: list[dict]) -> list[int]:
         """The ids of a tool turn: the template's rendering of `messages` (role tool) and the next

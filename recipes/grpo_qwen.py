@@ -158,8 +158,8 @@ def setup(config: GRPOConfig) -> Job:
     ex = next((ex for part in (train_examples, eval_examples or []) for ex in part
                if not isinstance(ex["prompt"], list)), None) if schemas else None
     if ex is not None:
-        raise UserError(f"{ex['row']}: a string prompt — tools are offered through the chat template, so the rows need "
-                        f"conversation prompts ({{\"prompt\": [{{\"role\": \"user\", \"content\": ...}}]}})")
+        raise UserError(f"{ex['row']}: a string prompt — tools are offered through the chat template, so the rows "
+                        f"need conversation prompts ({{\"prompt\": [{{\"role\": \"user\", \"content\": ...}}]}})")
     model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — GRPO here trains causal LMs")

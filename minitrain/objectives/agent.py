@@ -100,8 +100,9 @@ def agent_rollout(model: nn.Module, batch: dict[str, Any], G: int, agent: Agent,
                 continue
             prompt = batch["prompts"][i // G]
             if not isinstance(prompt, list):
-                raise UserError(f"environment={envs.name}: reset returned text for {batch['rows'][i // G]}, whose prompt "
-                                f"is a string — give conversation prompts ([{{\"role\": \"user\", ...}}]), as TRL needs")
+                raise UserError(f"environment={envs.name}: reset returned text for {batch['rows'][i // G]}, whose "
+                                f"prompt is a string — give conversation prompts ([{{\"role\": \"user\", ...}}]), "
+                                f"as TRL needs")
             last = prompt[-1]
             grown = prompt[:-1] + [{**last, "content": last["content"] + text}]
             prompts[i] = tok.encode_chat(grown, add_generation_prompt=True, tools=agent.schemas)[0]

@@ -70,7 +70,8 @@ class Environments:
             return self.cls()
         except Exception as e:
             raise UserError(f"{_user_line(e, inspect.getsourcefile(self.cls))}: environment {self.name}() raised "
-                            f"{type(e).__name__}: {e} — it must build with no argument (TRL calls the factory so)") from None
+                            f"{type(e).__name__}: {e} — it must build with no argument (TRL calls the factory "
+                            f"so)") from None
 
     def draw(self, n: int) -> list[Any]:
         while len(self.pool) < n:

@@ -529,13 +529,14 @@ class GRPOObjective:
                     if ar.instances is not None:
                         columns["environments"] = ar.instances
                 else:
-                    comp = sample(model, ids, mask, new_cache=self.new_cache, max_new_tokens=self.cfg.max_completion_length,
-                                  greedy=True, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+                    comp = sample(model, ids, mask, new_cache=self.new_cache, greedy=True, eos_ids=self.eos_ids,
+                                  max_new_tokens=self.cfg.max_completion_length, pad_id=self.tok.pad_id)
             lengths = comp.mask.sum(1).tolist()
             cids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
             if self.agent is not None:
                 masks = [row[:n] for row, n in zip(ar.tool_mask.tolist(), lengths)]
-                completions = [completion_messages(self.tok, c, m, msgs) for c, m, msgs in zip(cids, masks, ar.messages)]
+                completions = [completion_messages(self.tok, c, m, msgs)
+                               for c, m, msgs in zip(cids, masks, ar.messages)]
             else:
                 completions = [[{"role": "assistant", "content": self.tok.decode(c)}] if isinstance(p, list)
                                else self.tok.decode(c) for p, c in zip(batch["prompts"], cids)]

@@ -76,8 +76,8 @@ def load_tools(spec: str, own: dict[str, Tool] | None = None) -> list[tuple[str,
                             f"{', '.join(have) or 'none'}) — fix tools=")
         fn = found[n]
         if not callable(fn) or isinstance(fn, type):
-            raise UserError(f"tools={spec}: {n} in {where} is not a function (its type: {type(fn).__name__}) — name a function "
-                            f"(an environment class goes in environment=file.py:Class)")
+            raise UserError(f"tools={spec}: {n} in {where} is not a function (its type: {type(fn).__name__}) — "
+                            f"name a function (an environment class goes in environment=file.py:Class)")
         json_schema(fn, key="tools")  # a function the template cannot describe fails now, not mid-run
         out.append((n, fn))
     if len({n for n, _ in out}) != len(out):
@@ -403,7 +403,8 @@ class ToolKit:
                             + ("is not set (chat_format=" + str(tok.chat_format) + " renders no tools)"
                                if template is None else "renders no tool calls minitrain can read (Qwen <tool_call>, "
                                                         "LLaMA 3 JSON, Mistral [TOOL_CALLS], harmony)")
-                            + " — give the template the model was trained with tools: chat_template=path/to/template.jinja")
+                            + " — give the template the model was trained with tools: "
+                              "chat_template=path/to/template.jinja")
         self._prefix: dict[str, list[int]] = {}
 
     def stop_ids(self) -> list[int]:

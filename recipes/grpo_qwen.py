@@ -26,6 +26,13 @@ second model). metrics.jsonl has TRL's names (`reward`, `reward_std`, `rewards/<
 every `log_completions_every` steps; with `eval_data`, `eval/reward` is the held-out reward of the
 greedy completions, before step 1 and every `eval_every` steps (also in out/eval.jsonl).
 
+Tools and environments (docs/grpo.md): `tools=calc.py:add,multiply` offers plain Python functions to
+the model through the chat template; its calls (Qwen, LLaMA 3, Mistral, harmony formats) run during
+the rollout, their results go back as tool messages, masked from the loss, up to `max_tool_calls`
+rounds, each call stopped after `tool_timeout` seconds; `environment=game.py:Game` is TRL's
+environment_factory (one instance per rollout: `reset(**row)`, its public methods as tools,
+`get_reward()` as a reward). Metrics `tools/call_frequency`, `tools/failure_frequency`.
+
 Under torchrun (parallel=ddp) each rank samples the completions of its own prompts: a group never
 spans ranks, and `scale_rewards=batch` divides by the std of the whole batch (every rank's rewards).
 
@@ -45,10 +52,13 @@ from minitrain import checkpoint as ckpt
 from minitrain.parallel import distributed
 from minitrain.bundled import demo_dir
 from minitrain.errors import UserError
+from minitrain.objectives.agent import Agent
 from minitrain.objectives.configs import GRPOConfig
+from minitrain.objectives.environments import Environments, load_environment
 from minitrain.objectives.grpo import GRPOObjective, collate_prompts
 from minitrain.objectives.reference import make_reference
 from minitrain.objectives.rewards import load_rewards
+from minitrain.objectives.tools import ToolKit, json_schema, load_tools
 from minitrain.progress import log, strict_json
 from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
                            prepare_out_dir)
@@ -69,6 +79,7 @@ def last_digit(prompts, completions, answer, **_) -> list[float]:
 
 
 REWARDS = {"last_digit": last_digit}  # the recipe's own reward functions: rewards=last_digit names one
+TOOLS: dict = {}  # the recipe's own tools: tools=fn names one (a function with type hints and an Args: docstring)
 
 config = GRPOConfig(  # a real run: model=, data= and rewards= are asked for
     out="runs/grpo_qwen",
@@ -124,17 +135,48 @@ def eos_ids(tok, model) -> list[int]:
 
 def setup(config: GRPOConfig) -> Job:
     """Load the model, attach the adapter, read the prompts and the reward functions; writes nothing."""
-    rewards = load_rewards(config.rewards, REWARDS, models.from_hf_config, config.device,  # a bad reward file
-                           config.precision)  # fails in a second, before the weights (model:DIR loads later)
+    tools = load_tools(config.tools, TOOLS)  # bad tool / environment / reward files fail in a second
+    envs = Environments(load_environment(config.environment)) if config.environment else None
+    env_reward = envs.reward() if envs else None
+    if envs and not env_reward and not config.rewards:
+        raise UserError(f"environment={config.environment}: {envs.name} has no get_reward method and rewards= is not "
+                        f"set — define get_reward(self) -> float (it scores the finished rollout), or pass rewards=")
+    if env_reward and not config.rewards:
+        rewards = []  # the environment owns the reward
+    else:
+        rewards = load_rewards(config.rewards, REWARDS, models.from_hf_config, config.device,  # model:DIR loads
+                               config.precision)  # its weights later
+    if env_reward:
+        rewards.append(env_reward)
+    schemas = [json_schema(fn) for _, fn in tools] + (envs.schemas if envs else [])
+    names = [s["function"]["name"] for s in schemas]
+    if len(set(names)) != len(names):
+        raise UserError(f"tools: two tools are named {sorted(n for n in names if names.count(n) > 1)[0]!r} (tools= and "
+                        f"the environment's methods) — rename one")
     tok = load_tokenizer(config)
-    train_examples, eval_examples = load_examples(config, tok, "prompts",
+    train_examples, eval_examples = load_examples(config, tok, "prompts", tools=schemas or None,
                                                   max_prompt_len=config.max_len - config.max_completion_length)
+    ex = next((ex for part in (train_examples, eval_examples or []) for ex in part
+               if not isinstance(ex["prompt"], list)), None) if schemas else None
+    if ex is not None:
+        raise UserError(f"{ex['row']}: a string prompt — tools are offered through the chat template, so the rows "
+                        f"need conversation prompts ({{\"prompt\": [{{\"role\": \"user\", \"content\": ...}}]}})")
     model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — GRPO here trains causal LMs")
     lora = attach_adapters(model, config)
     reference = make_reference(model, config.init_adapter) if config.beta else None
     ends = eos_ids(tok, model)
+    agent = None
+    if schemas or envs:
+        kit = ToolKit(tok, tools, max_rounds=config.max_tool_calls, timeout=config.tool_timeout,
+                      max_completion_length=config.max_completion_length,
+                      max_positions=getattr(model.config, "max_position_embeddings", None),
+                      schemas=[json_schema(fn) for _, fn in tools], parse=bool(schemas))
+        agent = Agent(kit, envs)
+        ends = sorted(set(ends) | set(kit.stop_ids()))  # a turn that ends on a call (gpt-oss <|call|>) stops too
+        log(f"grpo: tools {', '.join(names)} ({kit.format} calls, up to {config.max_tool_calls} rounds, "
+            f"{config.tool_timeout:g} s each)" + (f"; environment {envs.name}, one per rollout" if envs else ""))
     log(f"grpo: loss {config.loss_type}, {config.num_generations} completions per prompt of up to "
         f"{config.max_completion_length} tokens (temperature {config.temperature}, top_p {config.top_p}, "
         f"top_k {config.top_k or 'off'}), ending at ids {ends}; rewards "
@@ -142,7 +184,7 @@ def setup(config: GRPOConfig) -> Job:
         + (f"; beta={config.beta}, reference = " + ("init_adapter snapshot" if config.init_adapter else
                                                     "base model (adapter disabled)") if config.beta else "; no KL"))
     objective = GRPOObjective(config, rewards, tok, models.family(model).KVCache, ends, reference,
-                              out=Path(config.out), log=log)
+                              out=Path(config.out), log=log, agent=agent)
     if not eval_examples:
         log("note: no eval_data — no held-out reward (pass eval_data=prompts.jsonl for eval/reward)")
     collate = functools.partial(collate_prompts, pad_id=tok.pad_id)

@@ -407,7 +407,7 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
 
 def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                  max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
-                 split: str | None = None) -> Examples:
+                 split: str | None = None, tools: list[dict] | None = None) -> Examples:
     """Prompts to generate from (GRPO) `{"prompt_ids", "prompt", "columns", "row"}`.
 
     Rows: `{"prompt": str | [messages]}` plus any other columns, which are kept as they are in
@@ -416,6 +416,7 @@ def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
     longer than `max_prompt_len` (default `max_len // 2`: the rest is room for the completion)
     loses tokens on `truncation_side` (a leading bos is kept), counted in `Examples.truncated`.
     `prompt` is the row's prompt (messages with their keys renamed by `fields`), `row` its `file:line`.
+    `tools`: the JSON schemas of the functions offered to the model, rendered into a conversation's prompt.
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len) or max_len // 2
     fields = check_fields(fields, ("prompt", "role", "content"))
@@ -425,7 +426,7 @@ def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
         prompt = row.get("prompt")
         if isinstance(prompt, list):
             prompt = row.messages("prompt")
-            ids, _ = _chat(tok, where, prompt, add_generation_prompt=True)
+            ids, _ = _chat(tok, where, prompt, add_generation_prompt=True, tools=tools)
         else:
             ids = _with_bos(tok, tok.encode(row.text("prompt")), out)
         if len(ids) > max_prompt_len:

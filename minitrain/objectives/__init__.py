@@ -17,6 +17,9 @@ Modules, in reading order:
     ard         ARD-LoRA's ELBO, its held-out uncertainty evaluation, its prior's schedule
     sampling    G completions per prompt in one batch through the model's KV cache (GRPO's rollout)
     rewards     reward functions (TRL's signature) from a file or a recipe, scored with one-line errors
+    tools       tools in the rollout: schemas, each family's call format, calls run as untrusted input
+    environments  TRL's environment_factory: a class's instances per rollout, reset, methods as tools, reward
+    agent       the rollout with tools / an environment: prompts, sampling, tool rounds, the tool mask
     grpo        GRPO: group advantages, TRL's clipped loss and its variants, the rollout objective
     rloo        RLOO: leave-one-out advantages (KL in the reward), the sequence-level clipped loss
 """

@@ -183,6 +183,15 @@ class GRPOConfig(TrainConfig):
     mask_truncated_completions: bool = doc(False, "completions cut at max_completion_length take no loss")
     log_completions_every: int = doc(10, "write a sample of prompts, completions and rewards to "
                                          "out/completions.jsonl every this many steps (0: never)", ge=0)
+    tools: str = doc("", "functions the model may call during the rollout: path/to/file.py:fn[,fn2...] "
+                         "(or names of the recipe's own); offered through the chat template, results masked "
+                         "from the loss")
+    environment: str = doc("", "path/to/file.py:Class, one instance per rollout (TRL's environment_factory): "
+                               "its public methods are tools, reset(**row) may extend the prompt, get_reward() "
+                               "scores the rollout")
+    max_tool_calls: int = doc(5, "rounds of tool calls per completion at most (TRL's "
+                                 "max_tool_calling_iterations)", ge=0)
+    tool_timeout: float = doc(10.0, "seconds a tool call may run before it is stopped (its result: an error)", gt=0)
 
     def check(self) -> None:
         super().check()

@@ -35,6 +35,7 @@ from torch import nn
 
 from minitrain.parallel import distributed
 from minitrain.errors import UserError
+from minitrain.objectives.agent import Agent, agent_rollout, completion_messages
 from minitrain.objectives.configs import GRPO_LOSS_TYPES, GRPOConfig
 from minitrain.objectives.losses import chunked_token_logprobs, default_chunk
 from minitrain.objectives.reference import dropout_off
@@ -332,7 +333,8 @@ class GRPOObjective:
 
     new_cache: the family's KV cache class (`models.family(model).KVCache`); eos_ids: the ids that end
     a completion (eos, end-of-turn); reference: `minitrain.objectives.reference`'s, run only when
-    beta > 0; out: the run's folder, for `completions.jsonl`.
+    beta > 0; out: the run's folder, for `completions.jsonl`; agent: the tools and environment the
+    completions may call (`minitrain.objectives.agent`; None: plain completions).
 
     With `num_iterations` = k > 1 the rollout of the window's j-th micro-batch is kept, with the
     log-probs of the policy that sampled it (`old_logps`), and reused by the j-th micro-batch of the
@@ -344,10 +346,13 @@ class GRPOObjective:
     token_level = False
 
     def __init__(self, cfg: GRPOConfig, rewards: list, tok: Any, new_cache: Any, eos_ids: list[int],
-                 reference: Any = None, out: Any = None, log: Any = print):
-        self.cfg, self.rewards, self.tok, self.new_cache = cfg, rewards, tok, new_cache
+                 reference: Any = None, out: Any = None, log: Any = print, agent: Agent | None = None):
+        self.cfg, self.rewards, self.tok, self.new_cache, self.agent = cfg, rewards, tok, new_cache, agent
         self.eos_ids, self.reference, self.out, self.log = list(eos_ids), reference, out, log
         weights = list(cfg.reward_weights) or [1.0] * len(rewards)
+        if agent is not None and agent.environments is not None and agent.environments.has_reward \
+                and len(weights) == len(rewards) - 1:  # the environment's reward weighs 1 (TRL), after the user's
+            weights.append(1.0)
         if len(weights) != len(rewards):
             raise UserError(f"reward_weights: {len(weights)} weights for {len(rewards)} reward functions "
                             f"({', '.join(n for n, _ in rewards)}) — give one weight per function")
@@ -362,16 +367,33 @@ class GRPOObjective:
     def rollout(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
         cfg, G = self.cfg, self.cfg.num_generations
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_attention_mask"]
-        comp = sample(model, prompt_ids, prompt_mask, new_cache=self.new_cache, num_generations=G,
-                      max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                      top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+        tool_mask, extra = None, {}
+        if self.agent is not None:  # tools / an environment: rounds of calls, the tool turns masked from the loss
+            ar = agent_rollout(model, batch, G, self.agent, tok=self.tok, new_cache=self.new_cache,
+                               max_new_tokens=cfg.max_completion_length, eos_ids=self.eos_ids,
+                               temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+            comp, tool_mask = ar.completions, ar.tool_mask
+            prompt_rows, prompt_row_mask = ar.prompt_ids, ar.prompt_mask
+            extra = {"tools/call_frequency": ar.calls / comp.ids.shape[0],
+                     "tools/failure_frequency": ar.failures / ar.calls if ar.calls else 0.0}
+        else:
+            comp = sample(model, prompt_ids, prompt_mask, new_cache=self.new_cache, num_generations=G,
+                          max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                          top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+            prompt_rows, prompt_row_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
         lengths = comp.mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
-        texts = [self.tok.decode(i) for i in ids]
         prompts = [p for p in batch["prompts"] for _ in range(G)]
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                       for p, t in zip(prompts, texts)]
+        texts = [self.tok.decode(i) for i in ids]
+        if self.agent is not None:
+            masks = [row[:n] for row, n in zip(tool_mask.tolist(), lengths)]
+            completions = [completion_messages(self.tok, i, m, msgs) for i, m, msgs in zip(ids, masks, ar.messages)]
+        else:
+            completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                           for p, t in zip(prompts, texts)]
         columns = {k: [v for v in vs for _ in range(G)] for k, vs in batch["columns"].items()}
+        if self.agent is not None and ar.instances is not None:
+            columns["environments"] = ar.instances  # TRL hands reward functions the rollouts' instances
         rows = [r for r in batch["rows"] for _ in range(G)]
         per_func = score(self.rewards, prompts, completions, ids, columns, rows)  # (N, F)
         rloo = cfg.loss_type == "rloo"
@@ -382,15 +404,17 @@ class GRPOObjective:
         if cfg.mask_truncated_completions:
             mask = mask * (~comp.truncated)[:, None].long()
         device = prompt_ids.device
-        r = {"prompt_ids": prompt_ids.repeat_interleave(G, 0), "prompt_mask": prompt_mask.repeat_interleave(G, 0),
-             "completion_ids": comp.ids, "completion_mask": mask.to(device), "old_logps": None, "ref_logps": None}
+        # the tokens that take loss: the model's own (TRL's completion_mask * tool_mask); the tool turns are context
+        loss_mask = mask if tool_mask is None else mask * tool_mask
+        r = {"prompt_ids": prompt_rows, "prompt_mask": prompt_row_mask, "completion_ids": comp.ids,
+             "completion_mask": mask.to(device), "loss_mask": loss_mask.to(device), "old_logps": None,
+             "ref_logps": None}
         if cfg.num_iterations > 1 or (rloo and cfg.beta):  # the sampling policy's log-probs (RLOO's KL is against them)
             with dropout_off(model):
                 r["old_logps"] = self._logps(model, r)[0]
         if cfg.beta:
             with dropout_off(model), self.reference.applied(model):
                 r["ref_logps"] = self._logps(model, r)[0]
-        extra = {}
         if rloo:  # the KL penalty in the reward, then the leave-one-out baseline (minitrain.objectives.rloo)
             kl = None
             if cfg.beta:
@@ -411,7 +435,9 @@ class GRPOObjective:
             **{f"rewards/{name}/mean": float(torch.nanmean(per_func[:, j]))
                for j, (name, _) in enumerate(self.rewards)},
             "frac_reward_zero_std": float(zero_std.float().mean()),
-            "completions/mean_length": float(sum(lengths) / len(lengths)),
+            # the model's tokens only (TRL leaves the tool turns out)
+            "completions/mean_length": float(comp.mask.sum() if tool_mask is None else (comp.mask * tool_mask).sum())
+                                       / len(lengths),
             "completions/clipped_ratio": float(comp.truncated.float().mean()),
         }
         r["sample"] = [{"prompt": p, "completion": t, "reward": None if math.isnan(float(x)) else float(x),
@@ -428,13 +454,13 @@ class GRPOObjective:
         cfg = self.cfg
         logps, ent = self._logps(model, r, entropy=True)
         if cfg.loss_type == "rloo":  # the KL is in the advantages already
-            loss_sum, count, st = rloo_loss(logps, r["advantages"], r["completion_mask"], old_logps=r["old_logps"],
+            loss_sum, count, st = rloo_loss(logps, r["advantages"], r["loss_mask"], old_logps=r["old_logps"],
                                             epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
         else:
-            loss_sum, count, st = grpo_loss(logps, r["advantages"], r["completion_mask"], **loss_settings(cfg),
+            loss_sum, count, st = grpo_loss(logps, r["advantages"], r["loss_mask"], **loss_settings(cfg),
                                             old_logps=r["old_logps"], ref_logps=r["ref_logps"])
         tokens = max(float(st["tokens"]), 1.0)
-        metrics = {**r["metrics"], "entropy": float(ent.sum()) / tokens,
+        metrics = {**r["metrics"], "entropy": float((ent * r["loss_mask"]).sum()) / tokens,
                    **{k: float(a) / max(float(n), 1.0) for k, (a, n) in st["means"].items()}}
         return loss_sum, count, metrics
 
@@ -477,8 +503,9 @@ class GRPOObjective:
         n = r["advantages"].shape[0]
         r["advantages"] = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(n)],
                                        device=r["advantages"].device)
-        if r["completion_mask"].sum() == 0:  # every completion masked (truncated): score them anyway
+        if r["loss_mask"].sum() == 0:  # every completion masked (truncated): score them anyway
             r["completion_mask"] = torch.ones_like(r["completion_mask"])
+            r["loss_mask"] = r["completion_mask"]
         return self.loss(model, r)
 
     @torch.no_grad()
@@ -492,15 +519,28 @@ class GRPOObjective:
         for i in range(0, len(examples), batch_size):
             batch = collate(list(examples[i : i + batch_size]))
             ids, mask = batch["prompt_ids"].to(device), batch["prompt_attention_mask"].to(device)
+            columns = dict(batch["columns"])
             with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                comp = sample(model, ids, mask, new_cache=self.new_cache, max_new_tokens=self.cfg.max_completion_length,
-                              greedy=True, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+                if self.agent is not None:
+                    ar = agent_rollout(model, {**batch, "prompt_ids": ids, "prompt_attention_mask": mask}, 1,
+                                       self.agent, tok=self.tok, new_cache=self.new_cache, greedy=True,
+                                       max_new_tokens=self.cfg.max_completion_length, eos_ids=self.eos_ids)
+                    comp = ar.completions
+                    if ar.instances is not None:
+                        columns["environments"] = ar.instances
+                else:
+                    comp = sample(model, ids, mask, new_cache=self.new_cache, greedy=True, eos_ids=self.eos_ids,
+                                  max_new_tokens=self.cfg.max_completion_length, pad_id=self.tok.pad_id)
             lengths = comp.mask.sum(1).tolist()
             cids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
-            texts = [self.tok.decode(c) for c in cids]
-            completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
-                           for p, t in zip(batch["prompts"], texts)]
-            per_func = score(self.rewards, batch["prompts"], completions, cids, batch["columns"], batch["rows"])
+            if self.agent is not None:
+                masks = [row[:n] for row, n in zip(ar.tool_mask.tolist(), lengths)]
+                completions = [completion_messages(self.tok, c, m, msgs)
+                               for c, m, msgs in zip(cids, masks, ar.messages)]
+            else:
+                completions = [[{"role": "assistant", "content": self.tok.decode(c)}] if isinstance(p, list)
+                               else self.tok.decode(c) for p, c in zip(batch["prompts"], cids)]
+            per_func = score(self.rewards, batch["prompts"], completions, cids, columns, batch["rows"])
             unscored = torch.isnan(per_func).all(1)
             summed = (per_func * self.weights[None]).nansum(1)
             totals += summed[~unscored].tolist()

@@ -83,21 +83,22 @@ def load_rewards(spec: str, own: dict[str, Reward] | None = None, build: Callabl
     return out
 
 
-def _import_file(path: Path) -> Any:
+def _import_file(path: Path, key: str = "rewards") -> Any:
+    """The Python file named by the key `key` (rewards=, tools=, environment=), as a module."""
     if not path.is_file():
-        raise UserError(f"rewards: {path}: no such file — check the path in rewards=file.py:fn")
-    name = f"minitrain_rewards_{abs(hash(str(path.resolve())))}"
+        raise UserError(f"{key}: {path}: no such file — check the path in {key}=file.py:name")
+    name = f"minitrain_{key}_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise UserError(f"rewards: {path}: cannot be imported as Python — give a .py file")
+        raise UserError(f"{key}: {path}: cannot be imported as Python — give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
-        raise UserError(f"{path}:{e.lineno}: syntax error in the reward file: {e.msg} — fix it") from None
+        raise UserError(f"{path}:{e.lineno}: syntax error in the {key} file: {e.msg} — fix it") from None
     except Exception as e:  # the user's import-time error, at the user's line
-        raise UserError(f"{_user_line(e, path)}: {type(e).__name__}: {e} (importing the reward file) "
+        raise UserError(f"{_user_line(e, path)}: {type(e).__name__}: {e} (importing the {key} file) "
                         f"— fix it") from None
     return module
 

@@ -231,13 +231,14 @@ class ChatTemplate:
         self._warned = False
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-               track: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        """The template's text for `messages`, and (with `track`) the `{% generation %}` spans."""
+               track: bool = False, tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The template's text for `messages`, and (with `track`) the `{% generation %}` spans; `tools`:
+        the JSON schemas of the functions offered to the model (transformers' `tools=`)."""
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         env = self.compiled.environment
         args = {**self.variables, **self.kwargs, "messages": [dict(m) for m in messages],
-                "add_generation_prompt": add_generation_prompt, "tools": None, "documents": None}
+                "add_generation_prompt": add_generation_prompt, "tools": tools or None, "documents": None}
         env.tracking = (blocks, spans) if track else (None, None)
         try:
             for block in self.compiled.generate(**args):
@@ -254,11 +255,12 @@ class ChatTemplate:
             env.tracking = (None, None)
         return "".join(blocks), spans
 
-    def encode(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
+    def encode(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+               tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
         """Ids of the rendered conversation (equal to transformers' `apply_chat_template(...,
         tokenize=True)`) and the target mask (see the module doc)."""
         tok = self.tok
-        text, spans = self.render(messages, add_generation_prompt, track=self.marked)
+        text, spans = self.render(messages, add_generation_prompt, track=self.marked, tools=tools)
         ids = tok.encode(text)
         bos = tok.bos_id
         if bos is not None and ids[:2] == [bos, bos]:

@@ -491,7 +491,7 @@ class Tokenizer:
         return idx if idx is not None and self._b.is_special(idx) else None
 
     def encode_chat(
-        self, messages: Sequence[dict], *, add_generation_prompt: bool = False
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = False, tools: list[dict] | None = None
     ) -> tuple[list[int], list[bool]]:
         """Ids of a conversation and the target mask: rendered by the checkpoint's chat template
         (`minitrain.text.chat_template`, with `chat_template_kwargs`), or by the hand-written
@@ -501,11 +501,15 @@ class Tokenizer:
         assistant turn (eos / `<|eot_id|>` / `<|im_end|>` ...), False elsewhere. Messages are dicts
         with `role` and string `content`; errors are UserErrors naming the message.
         `add_generation_prompt` appends the assistant header (llama3, templates); the [INST]
-        formats need nothing, their prompt already ends with `[/INST]`.
+        formats need nothing, their prompt already ends with `[/INST]`. `tools`: JSON schemas of the
+        functions offered to the model, rendered by the chat template (the hand-written formats take none).
         """
         if self.chat_format is None and self.chat_template is not None:
             msgs = chat_formats.check_messages(messages, alternate=False, template=True)
-            return self.template().encode(msgs, add_generation_prompt)
+            return self.template().encode(msgs, add_generation_prompt, tools=tools)
+        if tools:
+            raise UserError(f"tools: chat_format={self.chat_format} renders no tools — use the checkpoint's chat "
+                            f"template (unset chat_format), or chat_template=path/to/template.jinja with tools")
         if self.chat_format is None:
             raise UserError(f"{self.source}: the tokenizer has no chat template — {self._template_advice()}")
         msgs = chat_formats.check_messages(messages, alternate=self.chat_format != "llama3")

@@ -1353,8 +1353,11 @@ class DecoderBody(nn.Module):
         hidden_layers: Collection[int] = (),
         attention_layers: Collection[int] = (),
         document_ids: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | Captured:
-        """input_ids (B, T) -> hidden (B, T, D) after the final norm.
+        """input_ids (B, T) -> hidden (B, T, D) after the final norm. `embeds` (B, T, D): the residual
+        stream's first values when the caller made them (a vision-language model's image features
+        scattered into the text embeddings), in place of `embed(input_ids)`.
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right), for the T new
         tokens only (the cache remembers earlier ones). position_ids default to the count of real
@@ -1368,7 +1371,7 @@ class DecoderBody(nn.Module):
         attention out (`attention_probs`); every other layer keeps SDPA.
         """
         B, T = input_ids.shape
-        x = self.embed(input_ids)  # (B, T, D)
+        x = self.embed(input_ids) if embeds is None else embeds  # (B, T, D)
         if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
             return self._forward_block_mask(x, attention_mask, position_ids, document_ids, cache,
                                             hidden_layers, attention_layers)

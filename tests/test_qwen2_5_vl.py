@@ -1,0 +1,111 @@
+"""Qwen2.5-VL (`models/qwen2_5_vl.py`) against transformers' `Qwen2_5_VLForConditionalGeneration`.
+
+A tiny random checkpoint saved once per session by transformers 5 (fp32; the norms perturbed so that they
+matter): a 3-layer tower (32 wide, 2 heads, patches of 4 pixels, merge 2, windows of 16 pixels = 2 merge
+blocks a side, layer 1 full attention) and a 2-layer Qwen2 language model whose M-RoPE splits head dim 16
+into sections (2, 3, 3). Compared: logits with images in the batch (two images in one row, one in
+another, a padded text-only row; grids whose windows do not divide them), text-only logits, the config's
+round trip.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import models
+from minitrain.weights import load_pretrained
+
+IMAGE, START, END = 150, 152, 153
+TEXT = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+              spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
+
+
+def tiny_config():
+    return transformers.Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE,
+                                         video_token_id=151, vision_start_token_id=START, vision_end_token_id=END)
+
+
+@pytest.fixture(scope="session")
+def vl(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("qwen2_5_vl")
+    model.save_pretrained(d)
+    return d
+
+
+def image_row(g: torch.Generator, grids: list[tuple[int, int, int]], T: int) -> list[int]:
+    """Random text around each image's <|vision_start|> <|image_pad|> x n <|vision_end|>, T ids."""
+    ids: list[int] = []
+    for t, h, w in grids:
+        ids += torch.randint(3, 140, (3,), generator=g).tolist() + [START] + [IMAGE] * (t * h * w // 4) + [END]
+    return ids + torch.randint(3, 140, (T - len(ids),), generator=g).tolist()
+
+
+def batch():
+    """Row 0: two images (8 x 12 and 6 x 10 patches); row 1: one image (4 x 4); row 2: text, right-padded."""
+    g = torch.Generator().manual_seed(0)
+    grids = [(1, 8, 12), (1, 6, 10), (1, 4, 4)]
+    T = 60
+    rows = [image_row(g, grids[:2], T), image_row(g, grids[2:], T), torch.randint(3, 140, (T,), generator=g).tolist()]
+    ids = torch.tensor(rows)
+    mask = torch.ones_like(ids)
+    mask[2, 40:] = 0
+    ids[2, 40:] = 0
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g)
+    return ids, mask, pixels, grid
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_logits_with_images_equal_transformers(vl):
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                 mm_token_type_ids=(ids == IMAGE).long()).logits
+        got = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
+        real = mask.bool()
+        assert rel(got[real], ref[real]) <= 1e-4
+        # text alone (the three M-RoPE axes agree): Qwen2's RoPE
+        text = ids[2:, :40]
+        assert rel(ours.lm_head(ours(text)), hf(input_ids=text).logits) <= 1e-4
+        # the images matter: other pixels, other logits
+        other = ours.lm_head(ours(ids, mask, pixel_values=pixels.flip(0), image_grid_thw=grid))
+        assert rel(other[:2], got[:2]) > 1e-3
+
+
+def test_tower_loaded_key_for_key(vl):
+    ours = load_pretrained(vl, models.from_hf_config)
+    from safetensors import safe_open
+
+    with safe_open(vl / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        assert {k for k in ours.state_dict() if k.startswith("visual.")} == {k for k in keys if k.startswith("visual.")}
+        assert torch.equal(ours.state_dict()["visual.patch_embed.proj.weight"], f.get_tensor("visual.patch_embed.proj.weight"))
+
+
+def test_config_round_trip(vl):
+    d = json.loads((vl / "config.json").read_text())
+    cfg = models.config_from_hf(d)
+    assert cfg.mrope_section == [2, 3, 3] and cfg.vision.fullatt_block_indexes == [1]
+    again = cfg.to_hf()
+    assert again["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    assert models.config_from_hf(again) == cfg
+    assert transformers.Qwen2_5_VLConfig(**again).text_config.hidden_size == 64

@@ -382,6 +382,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
 
     block_types = (LlamaDecoderLayer,)
     ignore_checkpoint_keys = (r"\.rotary_emb\.inv_freq$",)
+    towers = ("visual",)  # frozen unless a regex target names it (LoRA suffixes adapt the language model)
 
     def __init__(self, config: Qwen2_5_VLConfig) -> None:
         super().__init__(config, Qwen2_5_VLModel(config))

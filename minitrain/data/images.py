@@ -144,3 +144,110 @@ def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int], 
         out += [image_token_id] * n
         prev = i + 1
     return out + ids[prev:], starts
+
+
+# --------------------------------------------------------------------------- image rows
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """How a vision-language checkpoint reads images in chat rows: `placeholder`, the text its chat template
+    writes for one image (Qwen2.5-VL: `<|vision_start|><|image_pad|><|vision_end|>`), `token_id` (the one
+    placeholder token that stands for the image's features, repeated once per feature), `spec` (the image
+    processing)."""
+
+    placeholder: str
+    token_id: int
+    spec: ImageSpec
+
+    @classmethod
+    def from_checkpoint(cls, config: dict, preprocessor: dict | None, decode) -> "ImageRows | None":
+        """From a checkpoint's config.json and preprocessor_config.json dicts (None: a text-only checkpoint,
+        no `image_token_id`); `decode(id)` is the tokenizer's text of a token id."""
+        image = config.get("image_token_id")
+        if image is None:
+            return None
+        start, end = config.get("vision_start_token_id"), config.get("vision_end_token_id")
+        text = "".join(decode(i) for i in (start, image, end) if i is not None)
+        return cls(text, int(image), ImageSpec.from_preprocessor_config(preprocessor or {}))
+
+    def grid(self, path: Path, where: str) -> tuple[int, int, int]:
+        """The patch grid of the image file `path` from its header alone (no pixel is decoded)."""
+        Image = pillow()
+        try:
+            with Image.open(path) as image:
+                w, h = image.size
+        except FileNotFoundError:
+            raise UserError(f"{where}: image {path} does not exist — fix the path (relative paths are read from the "
+                            "data file's folder)") from None
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise UserError(f"{where}: image {path} cannot be read ({e}) — replace or remove it") from None
+        s = self.spec
+        try:
+            H, W = smart_resize(h, w, s.patch_size * s.merge_size, s.min_pixels, s.max_pixels)
+        except ValueError as e:
+            raise UserError(f"{where}: image {path}: {e} — crop or pad it") from None
+        return 1, H // s.patch_size, W // s.patch_size
+
+
+def image_messages(messages: list[dict], column: list | None, base: Path, placeholder: str, where: str
+                   ) -> tuple[list[dict], list[Path]]:
+    """A chat whose contents may be lists of parts (`{"type": "text", "text"}`, `{"type": "image", "image":
+    path}`: TRL's shape) -> (the messages with string contents, each image part as `placeholder`; the image
+    paths in order, resolved against `base`). A part `{"type": "image"}` without a path takes the next path
+    of the row's `images` column; a column with no image parts puts its images before the first user turn's
+    text."""
+    column = list(column or [])
+    paths: list[Path] = []
+    out, parts_seen = [], 0
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            text = ""
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    text += str(part.get("text", ""))
+                elif kind == "image":
+                    parts_seen += 1
+                    src = part.get("image") or part.get("path")
+                    if src is None:
+                        if not column:
+                            raise UserError(f"{where}: messages[{i}] has an image part without a path and the row's "
+                                            f'"images" column has no image left — give "image": "path"')
+                        src = column.pop(0)
+                    paths.append(Path(src))
+                    text += placeholder
+                else:
+                    raise UserError(f"{where}: messages[{i}]: content part {part!r} — use {{\"type\": \"text\", "
+                                    f"\"text\": ...}} or {{\"type\": \"image\", \"image\": \"path\"}}")
+            m = {**m, "content": text}
+        out.append(m)
+    if column and parts_seen:
+        raise UserError(f'{where}: {len(column)} image(s) of the "images" column have no image part to go to — give '
+                        "one {\"type\": \"image\"} part per image")
+    if column:  # images beside plain-text messages: before the first user message's text
+        first = next((k for k, m in enumerate(out) if m.get("role") == "user"), None)
+        if first is None:
+            raise UserError(f'{where}: the row has an "images" column but no user message to put them in')
+        out[first] = {**out[first], "content": placeholder * len(column) + out[first]["content"]}
+        paths = [Path(p) for p in column]
+    return out, [p if p.is_absolute() else base / p for p in paths]
+
+
+def collate_images(examples, collate, spec: ImageSpec) -> dict:
+    """`collate(examples)` plus, when the examples carry images, `pixel_values` (patches, C t p p) float32
+    and `image_grid_thw` (images, 3): each image decoded now, for this batch only, in order."""
+    import torch
+
+    batch = collate(examples)
+    pixels, grids = [], []
+    for ex in examples:
+        for path in ex.get("images", ()):
+            p, g = load_image(path, spec, ex.get("where", ""))
+            pixels.append(p)
+            grids.append(g)
+    if pixels:
+        batch["pixel_values"] = torch.from_numpy(np.concatenate(pixels))
+        batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+    return batch

@@ -402,9 +402,9 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     ):
         """input_ids (B, T) -> hidden (B, T, D); `pixel_values` (N, C t p p) and `image_grid_thw` (n, 3) as
         the image processor makes them, the images in the order of their placeholders over the rows."""
-        rows = {} if document_ids is None else {"document_ids": document_ids}
         if pixel_values is None:
-            return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, **rows)
+            return super().forward(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
+                                   document_ids)
         if cache is not None and cache.length or document_ids is not None:
             raise ValueError("qwen2_5_vl: images are supported in a plain forward only (no cache continuation, no "
                              "packed rows) — not yet")
@@ -420,6 +420,18 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
             position_ids = rope_index(input_ids, valid, image_grid_thw, self.config.image_token_id,
                                       self.config.vision.spatial_merge_size)
         return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, embeds=x)
+
+
+    def checkpoint_parts(self) -> dict[str, tuple[str, tuple]]:
+        """The other layout of the same tensors (transformers 4.52 to 4.5x saved it): `model.visual.*` for
+        `visual.*`, `model.language_model.*` for `model.*`; each key fills its whole parameter."""
+        out = {}
+        for k in self.state_dict():
+            if k.startswith("visual."):
+                out["model." + k] = (k, ())
+            elif k.startswith("model."):
+                out["model.language_model." + k[len("model."):]] = (k, ())
+        return out
 
 
 def config_from_hf(d: dict[str, Any]) -> Qwen2_5_VLConfig:

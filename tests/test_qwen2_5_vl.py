@@ -101,6 +101,19 @@ def test_tower_loaded_key_for_key(vl):
         assert torch.equal(ours.state_dict()["visual.patch_embed.proj.weight"], f.get_tensor("visual.patch_embed.proj.weight"))
 
 
+def test_the_nested_layout_loads_too(vl, tmp_path):
+    """transformers 4.52-4.5x saved `model.visual.*` and `model.language_model.*`: the same model."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(vl / "model.safetensors")
+    nested = {("model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1)): v
+              for k, v in tensors.items()}
+    save_file(nested, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((vl / "config.json").read_text())
+    a, b = (load_pretrained(d, models.from_hf_config).state_dict() for d in (vl, tmp_path))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_config_round_trip(vl):
     d = json.loads((vl / "config.json").read_text())
     cfg = models.config_from_hf(d)

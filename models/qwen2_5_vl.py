@@ -6,8 +6,10 @@ Read top to bottom: config (the text config is a Qwen2 `LlamaConfig` plus `mrope
 config its own dataclass), the vision tower (patch embedding, 2-D rotary, window attention, the patch
 merger), the language model's positions (`rope_index`), the model.
 
-The checkpoint's keys: `model.embed_tokens`, `model.layers.N.*`, `model.norm`, `lm_head` (the language model,
-as Qwen2's) and `visual.*` (the tower), loaded key for key.
+The modules are transformers' (`model.language_model.layers.N.*`, `model.visual.blocks.N.*`, `lm_head`), so
+peft's adapters on transformers' class name the same modules. The Hub's checkpoints (and transformers 5's
+saves) store the same tensors as `model.layers.N.*` and `visual.*`: both layouts load key for key
+(`checkpoint_parts`); a save writes the module tree's.
 
 Vision tower. An image of (H, W) pixels, resized to multiples of `patch_size * spatial_merge_size`, is cut
 into an (h, w) grid of patches of `temporal_patch_size` frames (an image repeats its one frame); the image
@@ -47,6 +49,7 @@ from models.layers import (
     DecoderBody,
     GatedMLP,
     KVCache,
+    LanguageModel,
     RMSNorm,
     apply_rotary,
     generate,
@@ -154,6 +157,9 @@ class Qwen2_5_VLConfig(LlamaConfig):
             raise ValueError(f"config.json: mrope_section {section} sums to {sum(section)} — it must be head_dim / 2 "
                              f"= {hd // 2}")
         outer = {k: v for k, v in d.items() if k != "text_config"}
+        if outer.pop("vocab_size", base.vocab_size) != base.vocab_size:  # a full fine-tuning run writes it there too
+            raise ValueError(f"config.json: vocab_size={d['vocab_size']} and text_config.vocab_size={base.vocab_size} "
+                             "disagree — make them equal")
         unknown = sorted(set(outer) - set(_TOKEN_DEFAULTS) - {"model_type", "vision_config", "architectures", "dtype",
                          "torch_dtype", "transformers_version", "tie_word_embeddings", "_name_or_path", "use_cache"})
         if unknown:
@@ -355,8 +361,8 @@ def rope_index(input_ids: torch.Tensor, valid: torch.Tensor, grid_thw: torch.Ten
     return pos.to(input_ids.device)
 
 
-class Qwen2_5_VLModel(LlamaModel):
-    """Qwen2's body (`model.`) whose RoPE reads 3-D positions (3, B, T) too (`mrope_section`)."""
+class Qwen2_5_VLTextModel(LlamaModel):
+    """Qwen2's body (`model.language_model.`) whose RoPE reads 3-D positions (3, B, T) too (`mrope_section`)."""
 
     def __init__(self, config: Qwen2_5_VLConfig) -> None:
         DecoderBody.__init__(self, config)
@@ -375,6 +381,14 @@ class Qwen2_5_VLModel(LlamaModel):
         return [table] * len(self.layers)
 
 
+class Qwen2_5_VLModel(LanguageModel):
+    """transformers' `model.`: the language model (`language_model`) and the tower (`visual`)."""
+
+    def __init__(self, config: Qwen2_5_VLConfig) -> None:
+        super().__init__(Qwen2_5_VLTextModel(config))
+        self.visual = VisionTower(config.vision)
+
+
 class Qwen2_5_VLForConditionalGeneration(CausalLM):
     """The language model (`model.`, `lm_head`) and the vision tower (`visual.`). forward returns hidden
     states, as every family's; with `pixel_values` and `image_grid_thw`, the images' features take the
@@ -382,11 +396,10 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
 
     block_types = (LlamaDecoderLayer,)
     ignore_checkpoint_keys = (r"\.rotary_emb\.inv_freq$",)
-    towers = ("visual",)  # frozen unless a regex target names it (LoRA suffixes adapt the language model)
+    towers = ("model.visual",)  # frozen unless a regex target names it (LoRA suffixes adapt the language model)
 
     def __init__(self, config: Qwen2_5_VLConfig) -> None:
         super().__init__(config, Qwen2_5_VLModel(config))
-        self.visual = VisionTower(config.vision)
 
     def forward(
         self,
@@ -409,28 +422,31 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
             raise ValueError("qwen2_5_vl: images are supported in a plain forward only (no cache continuation, no "
                              "packed rows) — not yet")
         placeholders = input_ids == self.config.image_token_id
-        features = self.visual(pixel_values, image_grid_thw)
+        features = self.model.visual(pixel_values, image_grid_thw)
         if int(placeholders.sum()) != features.shape[0]:
             raise ValueError(f"qwen2_5_vl: {int(placeholders.sum())} image placeholder tokens for "
                              f"{features.shape[0]} image features — the ids and the images do not match")
-        x = self.model.embed(input_ids)
+        text = self.model.language_model
+        x = text.embed(input_ids)
         x = x.masked_scatter(placeholders[..., None].to(x.device), features.to(x.dtype))
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if position_ids is None:
             position_ids = rope_index(input_ids, valid, image_grid_thw, self.config.image_token_id,
                                       self.config.vision.spatial_merge_size)
-        return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, embeds=x)
+        return text(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, embeds=x)
 
 
     def checkpoint_parts(self) -> dict[str, tuple[str, tuple]]:
-        """The other layout of the same tensors (transformers 4.52 to 4.5x saved it): `model.visual.*` for
-        `visual.*`, `model.language_model.*` for `model.*`; each key fills its whole parameter."""
+        """The Hub's layout of the same tensors (`visual.*` for `model.visual.*`, `model.*` for
+        `model.language_model.*`; transformers 5 saves it too): each key fills its whole parameter. Ours, the
+        module tree of transformers' class (so that peft's adapters name the same modules), is what
+        transformers 4.52 to 4.5x saved."""
         out = {}
         for k in self.state_dict():
-            if k.startswith("visual."):
-                out["model." + k] = (k, ())
-            elif k.startswith("model."):
-                out["model.language_model." + k[len("model."):]] = (k, ())
+            if k.startswith("model.visual."):
+                out[k[len("model."):]] = (k, ())
+            elif k.startswith("model.language_model."):
+                out["model." + k[len("model.language_model."):]] = (k, ())
         return out
 
 

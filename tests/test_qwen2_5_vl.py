@@ -97,8 +97,10 @@ def test_tower_loaded_key_for_key(vl):
 
     with safe_open(vl / "model.safetensors", "pt") as f:
         keys = set(f.keys())
-        assert {k for k in ours.state_dict() if k.startswith("visual.")} == {k for k in keys if k.startswith("visual.")}
-        assert torch.equal(ours.state_dict()["visual.patch_embed.proj.weight"], f.get_tensor("visual.patch_embed.proj.weight"))
+        assert {k for k in ours.state_dict() if k.startswith("model.visual.")} == {"model." + k for k in keys
+                                                                                 if k.startswith("visual.")}
+        assert torch.equal(ours.state_dict()["model.visual.patch_embed.proj.weight"],
+                           f.get_tensor("visual.patch_embed.proj.weight"))
 
 
 def test_the_nested_layout_loads_too(vl, tmp_path):
@@ -122,3 +124,53 @@ def test_config_round_trip(vl):
     assert again["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
     assert models.config_from_hf(again) == cfg
     assert transformers.Qwen2_5_VLConfig(**again).text_config.hidden_size == 64
+
+
+def test_lora_adapter_loads_in_peft_with_images(vl, tmp_path):
+    """LoRA on the language model's projections (B drawn at random), saved in peft's format: peft puts it on
+    transformers' class (the same module names) with our logits on a batch with images; no adapter on the
+    tower, whose MLP has the same leaf names."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    assert not [n for n, _ in ours.named_parameters() if "lora_" in n and "visual" in n]
+    save_adapter(ours, tmp_path, cfg)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
+    assert not [n for n, _ in ref.named_parameters() if "lora_" in n and "visual" in n]
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        a = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                mm_token_type_ids=(ids == IMAGE).long()).logits
+        b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
+        with ref.disable_adapter():
+            plain = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                        mm_token_type_ids=(ids == IMAGE).long()).logits
+    real = mask.bool()
+    assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
+
+
+def test_a_saved_folder_loads_in_transformers(vl, tmp_path):
+    """`save_pretrained` (full fine-tuning, merge) writes a folder transformers loads, with the same logits."""
+    from minitrain.weights import save_pretrained
+
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    config = dict(json.loads((vl / "config.json").read_text()), vocab_size=160)  # as a full fine-tuning run writes it
+    save_pretrained(ours, tmp_path / "saved", config)
+    again = load_pretrained(tmp_path / "saved", models.from_hf_config)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in ours.state_dict().items())
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        a = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+               mm_token_type_ids=(ids == IMAGE).long()).logits
+        b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
+    assert rel(b[mask.bool()], a[mask.bool()]) <= 1e-4

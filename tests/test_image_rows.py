@@ -182,3 +182,17 @@ def test_images_for_a_text_only_checkpoint_is_one_line(vlm, hf_causal, tmp_path,
     assert code == 2 and len(lines) == 1 and "text-only" in lines[0] and "rows.jsonl:1" in lines[0], err
     assert not (tmp_path / "out").exists()
     assert ImageSpec().tokens((1, 4, 6)) == 6
+
+
+def test_a_missing_image_from_the_cli_is_one_line(vlm, tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})
+                    + "\n" + json.dumps({"messages": [
+                        {"role": "user", "content": [{"type": "image", "image": "gone.jpg"}, {"type": "text", "text": "?"}]},
+                        {"role": "assistant", "content": "Yo"}]}) + "\n")
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={data}", f"out={tmp_path / 'out'}",
+                    "max_steps=1", "device=cpu"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"{data}:2: image {tmp_path / 'gone.jpg'} does not exist" in lines[0], lines
+    assert not (tmp_path / "out").exists()

@@ -109,3 +109,11 @@ def test_without_pillow_one_line(tmp_path):
             "try:\n    load_image('x.png', ImageSpec())\nexcept UserError as e:\n    print(e); sys.exit(e.exit_code)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 2 and "pip install 'minitrain[vision]'" in r.stdout
+
+
+def test_spec_from_the_checkpoint_files():
+    vision = {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    assert ImageSpec.from_preprocessor_config({}, vision) == ImageSpec(patch_size=4)
+    spec = ImageSpec.from_preprocessor_config({"size": {"shortest_edge": 100, "longest_edge": 900}, "patch_size": 14}, vision)
+    assert (spec.min_pixels, spec.max_pixels, spec.patch_size, spec.merge_size) == (100, 900, 14, 2)
+    assert ImageSpec.from_preprocessor_config({"min_pixels": 5, "max_pixels": 7}).max_pixels == 7

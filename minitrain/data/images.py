@@ -54,15 +54,17 @@ class ImageSpec:
     image_std: tuple[float, ...] = CLIP_STD
 
     @classmethod
-    def from_preprocessor_config(cls, d: dict) -> "ImageSpec":
+    def from_preprocessor_config(cls, d: dict, vision: dict | None = None) -> "ImageSpec":
         """From a `preprocessor_config.json` dict (`size.shortest_edge` / `longest_edge` or the older
-        `min_pixels` / `max_pixels`)."""
-        size = d.get("size") or {}
+        `min_pixels` / `max_pixels`); the patch sizes it does not give are the tower's (`vision`: config.json's
+        `vision_config`), then the processor's defaults."""
+        size, vision = d.get("size") or {}, vision or {}
         return cls(min_pixels=d.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels,
                    max_pixels=d.get("max_pixels") or size.get("longest_edge") or cls.max_pixels,
-                   patch_size=d.get("patch_size", cls.patch_size),
-                   temporal_patch_size=d.get("temporal_patch_size", cls.temporal_patch_size),
-                   merge_size=d.get("merge_size", cls.merge_size),
+                   patch_size=d.get("patch_size", vision.get("patch_size", cls.patch_size)),
+                   temporal_patch_size=d.get("temporal_patch_size", vision.get("temporal_patch_size",
+                                                                               cls.temporal_patch_size)),
+                   merge_size=d.get("merge_size", vision.get("spatial_merge_size", cls.merge_size)),
                    image_mean=tuple(d.get("image_mean", CLIP_MEAN)), image_std=tuple(d.get("image_std", CLIP_STD)))
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
@@ -169,7 +171,7 @@ class ImageRows:
             return None
         start, end = config.get("vision_start_token_id"), config.get("vision_end_token_id")
         text = "".join(decode(i) for i in (start, image, end) if i is not None)
-        return cls(text, int(image), ImageSpec.from_preprocessor_config(preprocessor or {}))
+        return cls(text, int(image), ImageSpec.from_preprocessor_config(preprocessor or {}, config.get("vision_config")))
 
     def grid(self, path: Path, where: str) -> tuple[int, int, int]:
         """The patch grid of the image file `path` from its header alone (no pixel is decoded)."""

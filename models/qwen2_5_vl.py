@@ -50,6 +50,7 @@ from models.layers import (
     GatedMLP,
     KVCache,
     LanguageModel,
+    Ragged,
     RMSNorm,
     apply_rotary,
     generate,
@@ -216,12 +217,10 @@ def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def attend_in_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """q, k, v (N, H, hd) -> (N, H, hd): bidirectional attention inside each run of `lengths` tokens."""
-    out = []
-    for qs, ks, vs in zip(*(t.split(list(lengths)) for t in (q, k, v))):
-        out.append(F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (qs, ks, vs)))[0].transpose(0, 1))
-    return torch.cat(out)
+def bidirectional(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention with no mask inside a run (`Ragged.attend`'s `attention`; its causal mask never comes:
+    no window)."""
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 class VisionAttention(nn.Module):
@@ -238,7 +237,7 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(N, 3, self.heads, -1).unbind(1)  # (N, H, hd) each
         # rotated in fp32 and cast back, as transformers
         q, k = (apply_rotary(t.float(), cos, sin).to(x.dtype) for t in (q, k))
-        return self.proj(attend_in_runs(q, k, v, lengths).reshape(N, D))
+        return self.proj(Ragged(tuple(lengths)).attend(q, k, v, bidirectional).reshape(N, D))
 
 
 class VisionBlock(nn.Module):

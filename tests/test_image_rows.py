@@ -196,3 +196,17 @@ def test_a_missing_image_from_the_cli_is_one_line(vlm, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and f"{data}:2: image {tmp_path / 'gone.jpg'} does not exist" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_text_parts_suit_a_text_only_checkpoint(tmp_path):
+    """Content lists of text parts alone (TRL's shape without images) read for any checkpoint: the parts joined."""
+    make_bpe_tokenizer(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path, chat_format="mistral")
+    data = tmp_path / "rows.jsonl"
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": parts},
+                                             {"role": "assistant", "content": "Hi"}]}) + "\n")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there"},
+                                              {"role": "assistant", "content": "Hi"}]}) + "\n")
+    assert read_sft(data, tok, max_len=64) == read_sft(plain, tok, max_len=64)

@@ -203,7 +203,7 @@ def image_messages(messages: list[dict], column: list | None, base: Path, placeh
     paths: list[Path] = []
     out, parts_seen = [], 0
     for i, m in enumerate(messages):
-        content = m.get("content")
+        content = m.get("content") if isinstance(m, dict) else None  # (a malformed message: the chat's checks say so)
         if isinstance(content, list):
             text = ""
             for part in content:
@@ -218,6 +218,9 @@ def image_messages(messages: list[dict], column: list | None, base: Path, placeh
                             raise UserError(f"{where}: messages[{i}] has an image part without a path and the row's "
                                             f'"images" column has no image left — give "image": "path"')
                         src = column.pop(0)
+                    if not isinstance(src, str) or not src:
+                        raise UserError(f"{where}: messages[{i}]: an image part's \"image\" must be a path, got "
+                                        f"{src!r} — fix the row")
                     paths.append(Path(src))
                     text += placeholder
                 else:

@@ -195,7 +195,7 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
                     {"role": "assistant", "content": row.text("completion")}]
             shape = "pair_chat"
         paths: list = []
-        if chat is not None and (row.has("images") or any(isinstance(m.get("content"), list) for m in chat)):
+        if chat is not None and (row.has("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in chat)):
             chat, paths = _image_chat(row, chat, path, images)
         if chat is not None:
             ids, mask = _chat(tok, where, chat)
@@ -241,16 +241,18 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
 
 
 def _image_chat(row: Row, chat: list, path: str | Path, images: ImageRows | None) -> tuple[list, list]:
-    """A chat with images -> (its messages with string contents, the image paths); `path` the data file,
-    against whose folder relative image paths are read."""
-    if images is None:
-        raise UserError(f"{row.where}: the row has images, but the checkpoint is text-only (its config.json has no "
-                        "image_token_id) — use a vision-language checkpoint, or drop the images")
+    """A chat whose contents are lists of parts, or with an `images` column -> (its messages with string
+    contents, the image paths); `path` the data file, against whose folder relative image paths are read.
+    Text parts alone suit any checkpoint; images need a vision-language one (`images`)."""
     column = row.get("images") if row.has("images") else None
     if column is not None and not (isinstance(column, list) and all(isinstance(p, str) for p in column)):
         raise UserError(f'{row.where}: "images" must be a list of paths — fix the row')
     base = Path(path).parent if Path(path).is_file() else Path(path)
-    return image_messages(chat, column, base, images.placeholder, row.where)
+    chat, paths = image_messages(chat, column, base, images.placeholder if images else "", row.where)
+    if paths and images is None:
+        raise UserError(f"{row.where}: the row has images, but the checkpoint is text-only (its config.json has no "
+                        "image_token_id) — use a vision-language checkpoint, or drop the images")
+    return chat, paths
 
 
 def _expanded_labels(labels: list[int], ids: list[int], image_id: int, counts: list[int]) -> list[int]:

@@ -143,9 +143,9 @@ def test_lora_sft_from_the_cli_with_the_tower_frozen(vlm, capsys):
     out = vlm["root"] / "out"
     code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", f"out={out}",
                     "max_steps=2", "batch_size=2", "lora_r=4", "lora_alpha=8", "device=cpu", "max_len=256"])
-    _, err = capsys.readouterr()
+    log, err = capsys.readouterr()
     assert code == 0, err
-    assert "visual" not in err  # the audit says nothing of the frozen tower
+    assert "audit: healthy" in log + err and "visual" not in log + err  # nothing of the frozen tower
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
     from safetensors import safe_open
@@ -210,3 +210,29 @@ def test_text_parts_suit_a_text_only_checkpoint(tmp_path):
     plain.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there"},
                                               {"role": "assistant", "content": "Hi"}]}) + "\n")
     assert read_sft(data, tok, max_len=64) == read_sft(plain, tok, max_len=64)
+
+
+def test_full_finetuning_trains_the_tower_and_writes_a_folder_transformers_loads(vlm, capsys):
+    """finetune=full: the audit runs on an image row (kept whole) and reaches the tower; the written folder
+    (with the image processor's config) loads in transformers with our logits, its tower changed."""
+    out = vlm["root"] / "full"
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", f"out={out}",
+                    "max_steps=1", "batch_size=2", "finetune=full", "device=cpu", "max_len=256"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy — 69 of 69 trainable tensors" in log + err
+    folder = out / "model"
+    assert json.loads((folder / "preprocessor_config.json").read_text()) == PRE
+    ours, base = (load_pretrained(d, models.from_hf_config).eval() for d in (folder, vlm["model"]))
+    assert not torch.equal(ours.model.visual.patch_embed.proj.weight, base.model.visual.patch_embed.proj.weight)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    examples, images, tok = rows_of(vlm)
+    batch = collate_images(examples[:2], lambda ex: collate_causal(ex, tok.pad_id), images.spec)
+    with torch.no_grad():
+        a = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], pixel_values=batch["pixel_values"],
+               image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=(batch["input_ids"] == images.token_id).long())
+        b = ours.lm_head(ours(batch["input_ids"], batch["attention_mask"], pixel_values=batch["pixel_values"],
+                              image_grid_thw=batch["image_grid_thw"]))
+    real = batch["attention_mask"].bool()
+    assert float((b[real] - a.logits[real]).norm() / a.logits[real].norm()) <= 1e-4

@@ -589,11 +589,11 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     `minitrain.data.packing`). Writes nothing."""
     tok = load_tokenizer(cfg)
     images = image_rows(cfg, tok)
-    if images is not None and getattr(cfg, "packing", False):
-        raise UserError(f"packing=true: {cfg.model} reads images, and rows with images are not packed yet — "
-                        "set packing=false")
     # a bad row costs seconds, not a model load
     train_examples, eval_examples = load_examples(cfg, tok, "sft", **({"images": images} if images else {}))
+    if images is not None and getattr(cfg, "packing", False) and any(
+            ex.get("images") for examples in (train_examples, eval_examples or []) for ex in examples):
+        raise UserError(f"packing=true: {cfg.data} has rows with images, which are not packed yet — set packing=false")
     model, tok = load_model(cfg, build, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "

@@ -236,3 +236,18 @@ def test_full_finetuning_trains_the_tower_and_writes_a_folder_transformers_loads
                               image_grid_thw=batch["image_grid_thw"]))
     real = batch["attention_mask"].bool()
     assert float((b[real] - a.logits[real]).norm() / a.logits[real].norm()) <= 1e-4
+
+
+def test_packing_refuses_image_rows_and_packs_text_rows(vlm, tmp_path, capsys):
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}",
+                    f"out={tmp_path / 'out'}", "max_steps=1", "device=cpu", "packing=true"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "not packed yet" in lines[0], lines
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
+                                                     {"role": "assistant", "content": w}]}) + "\n"
+                            for w in ("one", "two", "three", "four")))
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={text}", f"out={tmp_path / 'out'}",
+                    "max_steps=1", "device=cpu", "packing=true", "batch_size=2", "lora_r=4"])
+    assert code == 0, capsys.readouterr().err

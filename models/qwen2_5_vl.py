@@ -37,7 +37,7 @@ with images (the position offset after an image through the KV cache).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Collection, Sequence
 
 import torch

@@ -174,3 +174,13 @@ def test_a_saved_folder_loads_in_transformers(vl, tmp_path):
                mm_token_type_ids=(ids == IMAGE).long()).logits
         b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
     assert rel(b[mask.bool()], a[mask.bool()]) <= 1e-4
+
+
+def test_greedy_generation_of_text_equals_transformers(vl):
+    """A text prompt (no image) decodes through the KV cache as transformers' greedy generation does."""
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    ids = torch.randint(3, 140, (1, 12), generator=torch.Generator().manual_seed(1))
+    ref = hf.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = models.family(ours).generate(ours, ids, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(got, ref)

@@ -1662,6 +1662,7 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
+    **inputs: torch.Tensor,
 ) -> torch.Tensor:
     """Continue each row of input_ids (B, T); returns (B, T + n) with n <= max_new_tokens.
 
@@ -1670,7 +1671,8 @@ def generate(
     Batches must be left-padded (attention_mask 0 on the left). A row that produced an EOS gets
     `pad_token_id` afterwards; generation stops early once every row has finished.
     `eos_token_id=None` means the config's EOS (an int or a list); pass [] to never stop early.
-    The model runs in eval mode (adapter dropout off) and is put back as it was.
+    The model runs in eval mode (adapter dropout off) and is put back as it was. `inputs`: more of the
+    prompt's inputs, given to its first forward only (a vision-language model's `pixel_values`).
     """
     cfg = model.config
     B, T = input_ids.shape
@@ -1695,7 +1697,7 @@ def generate(
     model.eval()
     try:
         cache = KVCache(T + max_new_tokens)
-        hidden = model(input_ids, mask, cache=cache)  # (B, T, D)
+        hidden = model(input_ids, mask, cache=cache, **inputs)  # (B, T, D)
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
         step_mask = torch.ones(B, 1, dtype=torch.long, device=device)
         new_tokens = []

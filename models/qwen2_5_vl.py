@@ -327,6 +327,11 @@ class VisionTower(nn.Module):
 # The language model's positions, the model
 # --------------------------------------------------------------------------------------------
 
+# the KV cache's `states` slot of a prompt with images: each row's position offset (B, 1), which
+# `keep_rows` / `repeat_rows` carry with the rows
+ROPE_DELTA = -1
+
+
 
 def rope_index(input_ids: torch.Tensor, valid: torch.Tensor, grid_thw: torch.Tensor | None, image_token_id: int,
                merge: int) -> torch.Tensor:
@@ -415,11 +420,13 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         """input_ids (B, T) -> hidden (B, T, D); `pixel_values` (N, C t p p) and `image_grid_thw` (n, 3) as
         the image processor makes them, the images in the order of their placeholders over the rows."""
         if pixel_values is None:
+            if cache is not None and ROPE_DELTA in cache.states and position_ids is None:
+                position_ids = self._continued_positions(input_ids, attention_mask, cache)
             return super().forward(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
                                    document_ids)
         if cache is not None and cache.length or document_ids is not None:
-            raise ValueError("qwen2_5_vl: images are supported in a plain forward only (no cache continuation, no "
-                             "packed rows) — not yet")
+            raise ValueError("qwen2_5_vl: images go in a plain forward or a cache's first call (the prompt), not in "
+                             "packed rows or a continued cache — not yet")
         placeholders = input_ids == self.config.image_token_id
         features = self.model.visual(pixel_values, image_grid_thw)
         if int(placeholders.sum()) != features.shape[0]:
@@ -432,8 +439,20 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         if position_ids is None:
             position_ids = rope_index(input_ids, valid, image_grid_thw, self.config.image_token_id,
                                       self.config.vision.spatial_merge_size)
+            if cache is not None:  # the tokens after the prompt continue from its largest position
+                last = position_ids.masked_fill(~valid.to(position_ids.device), -1).amax(dim=(0, 2))  # (B,)
+                cache.states[ROPE_DELTA] = ((last + 1 - valid.sum(1).to(last.device))[:, None],)
         return text(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, embeds=x)
 
+
+    @staticmethod
+    def _continued_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache
+                             ) -> torch.Tensor:
+        """The positions (B, T) of tokens that continue a prompt with images through the cache: the count of
+        real tokens before each, plus the row's offset (its largest prompt position + 1 - its real tokens)."""
+        valid = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
+        before = cache.mask[:, :cache.length].sum(1, keepdim=True) if cache.mask is not None else 0
+        return (before + valid.cumsum(-1) - 1).clamp(min=0) + cache.states[ROPE_DELTA][0].to(input_ids.device)
 
     def checkpoint_parts(self) -> dict[str, tuple[str, tuple]]:
         """The Hub's layout of the same tensors (`visual.*` for `model.visual.*`, `model.*` for

@@ -184,3 +184,31 @@ def test_greedy_generation_of_text_equals_transformers(vl):
     ref = hf.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     got = models.family(ours).generate(ours, ids, max_new_tokens=8, eos_token_id=[])
     assert torch.equal(got, ref)
+
+
+def test_greedy_generation_after_images_equals_transformers(vl):
+    """A prompt with an image (left-padded beside a row with two): the prompt's positions are 3-D, the tokens
+    after it continue from its largest position, as transformers' generation does."""
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    ids, _, pixels, grid = batch()
+    ids, mask = ids[:2, :52].clone(), torch.ones(2, 52, dtype=torch.long)
+    ids[1] = torch.cat([torch.zeros(52 - 40, dtype=torch.long), ids[1, :40]])  # row 1 left-padded
+    mask[1, :12] = 0
+    ref = hf.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                      mm_token_type_ids=(ids == IMAGE).long(), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    got = models.family(ours).generate(ours, ids, mask, max_new_tokens=6, eos_token_id=[], pixel_values=pixels,
+                                       image_grid_thw=grid)
+    assert torch.equal(got, ref)
+    # the logits of two tokens after the prompt, through the cache, equal a forward over the whole sequence
+    # (greedy tokens alone barely notice the positions on a random model)
+    nxt = torch.tensor([[5, 6], [7, 8]])
+    full_ids, full_mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
+    with torch.no_grad():
+        whole = hf(input_ids=full_ids, attention_mask=full_mask, pixel_values=pixels, image_grid_thw=grid,
+                   mm_token_type_ids=(full_ids == IMAGE).long()).logits[:, -2:]
+        cache = models.family(ours).KVCache(60)
+        ours(ids, mask, cache=cache, pixel_values=pixels, image_grid_thw=grid)
+        stepped = ours.lm_head(ours(nxt, torch.ones_like(nxt), cache=cache))
+    assert rel(stepped, whole) <= 1e-4

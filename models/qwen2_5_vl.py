@@ -31,8 +31,11 @@ resumes at start + max(rows, columns). Each RoPE frequency of the head follows o
 `mrope_section[0]` frequencies the temporal one, then height, then width (and the same again for the
 second half of the rotate-half layout). With text only, all three axes are equal: Qwen2's RoPE.
 
-Not yet: videos (`pixel_values_videos`), rows of several sequences with images (packing), generation
-with images (the position offset after an image through the KV cache).
+Generation: a prompt with images goes in the cache's first call (`generate(..., pixel_values=,
+image_grid_thw=)`); each row's offset (its largest prompt position + 1 - its real tokens) stays in the cache
+(`states[ROPE_DELTA]`) and the tokens after the prompt count on from it, as transformers' `rope_deltas`.
+
+Not yet: videos (`pixel_values_videos`), rows of several sequences with images (packing).
 """
 
 from __future__ import annotations

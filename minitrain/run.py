@@ -45,6 +45,7 @@ from minitrain.adapters.peft_format import load_adapter, save_adapter
 from minitrain.audit import preflight
 from minitrain.config import check_model_folder, to_dict, to_json
 from minitrain.data.collate import collate_causal
+from minitrain.data.images import ImageRows, collate_images
 from minitrain.data.packing import collate_packed_causal
 from minitrain.data.files import data_sources
 from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_source, mixture, read_preference, read_prompts,
@@ -57,7 +58,8 @@ from minitrain.progress import log, strict_json
 from minitrain.schedule import resolve_steps
 from minitrain.text.chat_template import CARRIED, TEMPLATE_FILE, resolve_template
 from minitrain.text.tokenizer import Tokenizer
-from minitrain.weights import SIDE_FILES, io_error_reason, load_pretrained, open_pretrained, save_pretrained
+from minitrain.weights import (SIDE_FILES, io_error_reason, load_pretrained, open_pretrained, read_config,
+                               save_pretrained)
 
 
 CONFIG_FILE = "config.json"
@@ -563,7 +565,8 @@ def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str,
                 f"memory; pass data_cache=<a writable folder> to keep a token store")
             cache = "false"
     # GRPO's prompts carry their rows' other columns for the reward functions: kept in memory, never in a store
-    if cache.lower() in ("false", "off", "no", "none", "0", "") or kind == "prompts":
+    # image rows too: the token store does not keep image paths yet
+    if cache.lower() in ("false", "off", "no", "none", "0", "") or kind == "prompts" or options.get("images"):
         parts = [read(s, tok, **options) for s in sources]
         examples = parts[0] if len(parts) == 1 else Examples(
             [ex for p in parts for ex in p], path=data,
@@ -585,7 +588,12 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     examples, the `sft` objective and the padding collator (`cfg.packing`: the packing one,
     `minitrain.data.packing`). Writes nothing."""
     tok = load_tokenizer(cfg)
-    train_examples, eval_examples = load_examples(cfg, tok, "sft")  # a bad row costs seconds, not a model load
+    images = image_rows(cfg, tok)
+    # a bad row costs seconds, not a model load
+    train_examples, eval_examples = load_examples(cfg, tok, "sft", **({"images": images} if images else {}))
+    if images is not None and getattr(cfg, "packing", False) and any(
+            ex.get("images") for examples in (train_examples, eval_examples or []) for ex in examples):
+        raise UserError(f"packing=true: {cfg.data} has rows with images, which are not packed yet — set packing=false")
     model, tok = load_model(cfg, build, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
@@ -593,7 +601,21 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     lora = attach_adapters(model, cfg)
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
+    if images is not None:  # each batch's images decoded when it is collated, never all at once
+        collate = functools.partial(collate_images, collate=collate, spec=images.spec)
     return Job(model, sft, train_examples, collate, eval_examples, lora, tok)
+
+
+def image_rows(cfg: Any, tok: Tokenizer) -> ImageRows | None:
+    """How the checkpoint `cfg.model` reads images in rows (its config.json's `image_token_id`, its
+    preprocessor_config.json), or None for a text-only checkpoint."""
+    config = read_config(cfg.model)
+    pre = Path(cfg.model) / "preprocessor_config.json"
+    try:
+        preprocessor = json.loads(pre.read_text(encoding="utf-8")) if pre.is_file() else None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{pre}: cannot be read ({e}) — restore the checkpoint's file") from None
+    return ImageRows.from_checkpoint(config, preprocessor, lambda i: tok.decode([i], skip_special=False))
 
 
 # ----------------------------------------------------------------------------- held-out evaluation

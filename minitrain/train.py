@@ -498,9 +498,12 @@ def audit_slice(ex: dict, keep: int = AUDIT_SLICE) -> dict:
     The window is taken in each id list with the same offsets as in its labels, so a causal
     example stays aligned (position t still predicts token t + 1) and at least one target stays
     in it; seq2seq's encoder ids are cut with the decoder's window, which keeps both non-empty.
-    Other keys (a precomputed reference log-prob) are kept as they are.
+    Other keys (a precomputed reference log-prob) are kept as they are. An example with images is kept
+    whole: each image's placeholder tokens must all stay with it.
     """
     out = dict(ex)
+    if out.get("images"):
+        return out
     for key, ids in ex.items():
         if not key.endswith("ids") or not isinstance(ids, (list, tuple)):
             continue
@@ -537,9 +540,13 @@ def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg
 
     Whether a tensor is reachable from the loss does not depend on the batch's size or length,
     so the preflight costs a fraction of a step instead of two full micro-batches; on long-row
-    data (an 890-token shortest row) even one full example was a third of the time to step 1.
+    data (an 890-token shortest row) even one full example was a third of the time to step 1. With image
+    rows, the shortest of them, so that the path from the images (a trained tower or projector) is audited.
     """
-    return _to_device(collate([audit_slice(examples[int(np.argmin(_lengths(examples)))])]), device)
+    lengths = np.asarray(_lengths(examples), dtype=np.float64)
+    if getattr(examples, "batch_lengths", None) is None and any(ex.get("images") for ex in examples):
+        lengths[[not ex.get("images") for ex in examples]] = np.inf
+    return _to_device(collate([audit_slice(examples[int(np.argmin(lengths))])]), device)
 
 
 def audit_inputs(model: nn.Module, examples: list[dict], collate: Callable[[list[dict]], dict],

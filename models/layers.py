@@ -1353,8 +1353,11 @@ class DecoderBody(nn.Module):
         hidden_layers: Collection[int] = (),
         attention_layers: Collection[int] = (),
         document_ids: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | Captured:
-        """input_ids (B, T) -> hidden (B, T, D) after the final norm.
+        """input_ids (B, T) -> hidden (B, T, D) after the final norm. `embeds` (B, T, D): the residual
+        stream's first values when the caller made them (a vision-language model's image features
+        scattered into the text embeddings), in place of `embed(input_ids)`.
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right), for the T new
         tokens only (the cache remembers earlier ones). position_ids default to the count of real
@@ -1368,7 +1371,7 @@ class DecoderBody(nn.Module):
         attention out (`attention_probs`); every other layer keeps SDPA.
         """
         B, T = input_ids.shape
-        x = self.embed(input_ids)  # (B, T, D)
+        x = self.embed(input_ids) if embeds is None else embeds  # (B, T, D)
         if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
             return self._forward_block_mask(x, attention_mask, position_ids, document_ids, cache,
                                             hidden_layers, attention_layers)
@@ -1659,6 +1662,7 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
+    **inputs: torch.Tensor,
 ) -> torch.Tensor:
     """Continue each row of input_ids (B, T); returns (B, T + n) with n <= max_new_tokens.
 
@@ -1667,7 +1671,8 @@ def generate(
     Batches must be left-padded (attention_mask 0 on the left). A row that produced an EOS gets
     `pad_token_id` afterwards; generation stops early once every row has finished.
     `eos_token_id=None` means the config's EOS (an int or a list); pass [] to never stop early.
-    The model runs in eval mode (adapter dropout off) and is put back as it was.
+    The model runs in eval mode (adapter dropout off) and is put back as it was. `inputs`: more of the
+    prompt's inputs, given to its first forward only (a vision-language model's `pixel_values`).
     """
     cfg = model.config
     B, T = input_ids.shape
@@ -1692,7 +1697,7 @@ def generate(
     model.eval()
     try:
         cache = KVCache(T + max_new_tokens)
-        hidden = model(input_ids, mask, cache=cache)  # (B, T, D)
+        hidden = model(input_ids, mask, cache=cache, **inputs)  # (B, T, D)
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
         step_mask = torch.ones(B, 1, dtype=torch.long, device=device)
         new_tokens = []

@@ -485,6 +485,13 @@ def output_head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
+def in_tower(model: nn.Module, name: str) -> bool:
+    """Whether module `name` is inside one of the model's `towers` (docs/contracts.md: a vision-language
+    model's encoder, e.g. `visual`), which target suffixes and all-linear leave frozen (its MLP's
+    `gate_proj` is not the language model's); a regular expression may still name it."""
+    return any(name == t or name.startswith(t + ".") for t in getattr(model, "towers", ()))
+
+
 def target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = False) -> list[str]:
     """Full names of the modules `targets` selects (every one checked to be a supported linear).
 
@@ -496,13 +503,14 @@ def target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = 
         if head is None:
             raise UserError(f"targets={ALL_LINEAR!r}: the model has no `output_projection`, so its head cannot be "
                             f"left out — list the targets instead, e.g. targets=['q_proj', 'v_proj']")
-        chosen = [n for n, m in model.named_modules() if _is_wrappable(m) and m is not head]
+        chosen = [n for n, m in model.named_modules() if _is_wrappable(m) and m is not head and not in_tower(model, n)]
     elif isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one
         chosen = [n for n, _ in model.named_modules() if n and re.fullmatch(targets, n)]
     else:
         if strict:
             targets = fused_targets(getattr(model, "fused_linears", None) or {}, targets)
-        chosen = [n for n, _ in model.named_modules() if n and any(name_matches(n, t) for t in targets)]
+        chosen = [n for n, _ in model.named_modules()
+                  if n and not in_tower(model, n) and any(name_matches(n, t) for t in targets)]
         missed = [t for t in targets if not any(name_matches(n, t) for n in chosen)]
         if strict and missed and chosen:  # none at all: apply_lora's own message lists the linears
             raise UserError(_no_module(model, "target", missed[0]))

@@ -31,6 +31,7 @@ import numpy as np
 
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.files import read_rows
+from minitrain.data.images import ImageRows, expand_placeholders, image_messages
 from minitrain.data.rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields, in_force
 from minitrain.errors import UserError
 from minitrain.text.chat_formats import common_prefix_len
@@ -153,7 +154,8 @@ def _preference_parts(row: Row) -> tuple[str | list, tuple[str | list, str | lis
 def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
              max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
              split: str | None = None, prompt_completion: str = "raw",
-             rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None) -> Examples:
+             rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None,
+             images: ImageRows | None = None) -> Examples:
     """Causal-LM examples `{"input_ids", "labels"}` from the rows of a data file (any format of
     `minitrain.data.files`; `split` picks a split of a datasets folder), in these shapes:
 
@@ -169,6 +171,12 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
     when the checkpoint's tokenizer adds it to a text (`Tokenizer.add_bos`, as transformers'
     tokenizer call: not for Qwen or Phi-3); a prompt or text that already begins with the bos
     token gets no second one (counted in `bos_in_text`).
+
+    Chats may carry images (`minitrain.data.images.image_messages`: content parts `{"type": "image",
+    "image": path}`, or an `images` column), read for a vision-language checkpoint (`images`: how it reads
+    them; None: a text-only one, and a row with images is an error). Each image's placeholder is expanded
+    to its token count (from the file's header; the pixels are decoded per batch, `collate_images`); the
+    example keeps the image paths (`images`) and its `where`; image tokens take no loss.
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, SFT_FIELDS)
@@ -187,9 +195,19 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
             chat = [{"role": "user", "content": row.text("prompt")},
                     {"role": "assistant", "content": row.text("completion")}]
             shape = "pair_chat"
+        paths: list = []
+        if chat is not None and (row.has("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in chat)):
+            chat, paths = _image_chat(row, chat, path, images)
         if chat is not None:
             ids, mask = _chat(tok, where, chat)
             labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
+            if paths:
+                counts = [images.spec.tokens(images.grid(p, where)) for p in paths]
+                labels = _expanded_labels(labels, ids, images.token_id, counts)
+                ids, _ = expand_placeholders(ids, images.token_id, counts, where)
+                if len(ids) > max_len:
+                    raise UserError(f"{where}: {len(ids)} tokens with its images, over max_len={max_len} — an image "
+                                    "row is never cut; raise max_len or lower the images' max_pixels")
             if len(ids) > max_len:
                 out.truncated += 1
                 keep = _cut(list(range(len(ids))), max_len, truncation_side, 0)  # positions kept
@@ -218,7 +236,32 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
             out.skipped += 1
             continue
         out.shapes[shape] += 1
-        out.append({"input_ids": ids, "labels": labels})
+        out.append({"input_ids": ids, "labels": labels, "images": [str(p) for p in paths], "where": where}
+                   if paths else {"input_ids": ids, "labels": labels})
+    return out
+
+
+def _image_chat(row: Row, chat: list, path: str | Path, images: ImageRows | None) -> tuple[list, list]:
+    """A chat whose contents are lists of parts, or with an `images` column -> (its messages with string
+    contents, the image paths); `path` the data file, against whose folder relative image paths are read.
+    Text parts alone suit any checkpoint; images need a vision-language one (`images`)."""
+    column = row.get("images") if row.has("images") else None
+    if column is not None and not (isinstance(column, list) and all(isinstance(p, str) for p in column)):
+        raise UserError(f'{row.where}: "images" must be a list of paths — fix the row')
+    base = Path(path).parent if Path(path).is_file() else Path(path)
+    chat, paths = image_messages(chat, column, base, images.placeholder if images else "", row.where)
+    if paths and images is None:
+        raise UserError(f"{row.where}: the row has images, but the checkpoint is text-only (its config.json has no "
+                        "image_token_id) — use a vision-language checkpoint, or drop the images")
+    return chat, paths
+
+
+def _expanded_labels(labels: list[int], ids: list[int], image_id: int, counts: list[int]) -> list[int]:
+    """The labels of a chat's `ids` once each image placeholder is repeated `counts[i]` times: -100 on every
+    image token (an image is input, never a target), the other labels as they were."""
+    out, n = [], iter(counts)
+    for t, label in zip(ids, labels):
+        out += [IGNORE_INDEX] * next(n, 1) if t == image_id else [label]
     return out
 
 

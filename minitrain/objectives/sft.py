@@ -49,6 +49,9 @@ def causal_hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     `packed_attention` needs: a dense one for SDPA, or FlexAttention's block mask)."""
     if "document_ids" in batch:
         return model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"])
+    if "pixel_values" in batch:  # image rows (`minitrain.data.images.collate_images`): a vision-language model
+        return model(batch["input_ids"], batch.get("attention_mask"), pixel_values=batch["pixel_values"],
+                     image_grid_thw=batch["image_grid_thw"])
     return model(batch["input_ids"], batch.get("attention_mask"))
 
 

@@ -1,0 +1,253 @@
+"""Image rows (`minitrain/data/images.py`, `read_sft`) and SFT on them from the command line, on a tiny
+Qwen2.5-VL folder (the model of tests/test_qwen2_5_vl.py with a Qwen-shaped tokenizer that knows the vision
+tokens, ChatML, and a preprocessor_config.json with patches of 4 pixels).
+
+Rows in TRL's shape (content parts `{"type": "image", "image": path}`) and with an `images` column; paths
+relative to the data file's folder. Checked: each image's placeholder expanded to its token count, image
+tokens and the prompt masked, images decoded per batch; the loss of a collated batch equals transformers'
+on the same ids and pixels; a LoRA SFT run from the CLI with the tower frozen (no adapter on it, the
+audit quiet); one-line errors for a missing image and for images given to a text-only checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from _tok import make_bpe_tokenizer, make_qwen_tokenizer
+from PIL import Image
+from test_qwen2_5_vl import TEXT, VISION
+
+import models
+from minitrain.cli import run_cli
+from minitrain.data.collate import IGNORE_INDEX, collate_causal
+from minitrain.data.images import ImageRows, ImageSpec, collate_images
+from minitrain.data.readers import read_sft
+from minitrain.errors import UserError
+from minitrain.text.tokenizer import Tokenizer
+from minitrain.weights import load_pretrained
+
+REPO = Path(__file__).resolve().parents[1]
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
+PRE = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 64, "max_pixels": 32 * 32,
+       "image_processor_type": "Qwen2VLImageProcessor"}
+
+
+def vl_folder(d: Path) -> Path:
+    """A tiny Qwen2.5-VL checkpoint folder with its tokenizer, chat template and image processor config."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    make_qwen_tokenizer(d)
+    t = HFTokenizer.from_file(str(d / "tokenizer.json"))
+    t.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in VISION_TOKENS])
+    t.save(str(d / "tokenizer.json"))
+    ids = {x: t.token_to_id(x) for x in VISION_TOKENS}
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    for x, i in ids.items():
+        tc["added_tokens_decoder"][str(i)] = {"content": x, "lstrip": False, "normalized": False, "rstrip": False,
+                                              "single_word": False, "special": True}
+    tc["chat_template"] = CHATML
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    (d / "preprocessor_config.json").write_text(json.dumps(PRE))
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config={**TEXT, "vocab_size": 320, "eos_token_id": t.token_to_id("<|im_end|>")}, vision_config=VISION,
+        image_token_id=ids["<|image_pad|>"], video_token_id=0, vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(0)
+    transformers.Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(d)
+    return d
+
+
+def write_rows(root: Path) -> Path:
+    rng = np.random.default_rng(0)
+    (root / "img").mkdir(parents=True)
+    for name, (h, w) in {"a.png": (20, 30), "b.png": (40, 17), "c.png": (9, 9)}.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / name)
+    part = lambda p: {"type": "image", "image": p}  # noqa: E731
+    text = lambda s: {"type": "text", "text": s}  # noqa: E731
+    rows = [
+        {"messages": [{"role": "user", "content": [part("img/a.png"), text("What colour is it?")]},
+                      {"role": "assistant", "content": [text("It is red.")]}]},
+        {"images": ["img/b.png"], "messages": [{"role": "user", "content": "Describe the picture."},
+                                               {"role": "assistant", "content": "A blue square."}]},
+        {"messages": [{"role": "user", "content": [text("Compare "), part("img/c.png"), text(" and "),
+                                                   part("img/a.png")]},
+                      {"role": "assistant", "content": "The first is smaller."}]},
+        {"messages": [{"role": "user", "content": "No picture here."}, {"role": "assistant", "content": "Fine."}]},
+    ]
+    path = root / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("image_rows")
+    return {"root": root, "model": vl_folder(root / "model"), "data": write_rows(root / "data")}
+
+
+def rows_of(vlm) -> tuple[list[dict], ImageRows, Tokenizer]:
+    tok = Tokenizer.from_folder(vlm["model"])
+    config = json.loads((vlm["model"] / "config.json").read_text())
+    images = ImageRows.from_checkpoint(config, PRE, lambda i: tok.decode([i], skip_special=False))
+    return read_sft(vlm["data"], tok, max_len=256, images=images), images, tok
+
+
+def test_rows_expand_placeholders_and_mask_images(vlm):
+    examples, images, tok = rows_of(vlm)
+    assert images.placeholder == "".join(VISION_TOKENS)
+    pad = images.token_id
+    # a.png 20 x 30 -> 16 x 32 pixels (round half to even) -> 4 x 8 patches -> 8 tokens; b.png 40 x 17 -> 40 x 16
+    # -> 10; c.png 9 x 9 -> 8 x 8 -> 1
+    assert [ex["input_ids"].count(pad) for ex in examples] == [8, 10, 1 + 8, 0]
+    data = vlm["data"].parent
+    assert examples[2]["images"] == [str(data / "img/c.png"), str(data / "img/a.png")]
+    assert "images" not in examples[3]
+    for ex in examples:
+        ids, labels = ex["input_ids"], ex["labels"]
+        assert all(label == IGNORE_INDEX for i, label in zip(ids, labels) if i == pad)
+        target = tok.decode([i for i, label in zip(ids, labels) if label != IGNORE_INDEX], skip_special=False)
+        assert target.replace("<|im_end|>", "").strip() in ("It is red.", "A blue square.", "The first is smaller.",
+                                                            "Fine.")
+    # the images column goes before the first user message's text
+    assert tok.decode(examples[1]["input_ids"], skip_special=False).startswith(
+        "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 10 + "<|vision_end|>Describe")
+
+
+def test_collated_loss_equals_transformers(vlm):
+    examples, images, tok = rows_of(vlm)
+    batch = collate_images(examples, lambda ex: collate_causal(ex, tok.pad_id), images.spec)
+    assert batch["pixel_values"].shape == (32 + 40 + 4 + 32, 3 * 2 * 4 * 4)
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 8], [1, 10, 4], [1, 2, 2], [1, 4, 8]]
+    from minitrain.objectives.sft import sft
+
+    ours = load_pretrained(vlm["model"], models.from_hf_config).eval()
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        loss_sum, count, _ = sft(ours, batch)
+        ref = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                 mm_token_type_ids=(batch["input_ids"] == images.token_id).long()).loss
+    assert abs(float(loss_sum / count) - float(ref)) <= 1e-5 * float(ref)
+
+
+def test_lora_sft_from_the_cli_with_the_tower_frozen(vlm, capsys):
+    out = vlm["root"] / "out"
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", f"out={out}",
+                    "max_steps=2", "batch_size=2", "lora_r=4", "lora_alpha=8", "device=cpu", "max_len=256"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err and "visual" not in log + err  # nothing of the frozen tower
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    from safetensors import safe_open
+
+    adapter = next(out.rglob("adapter_model.safetensors"))
+    with safe_open(adapter, "pt") as f:
+        keys = list(f.keys())
+    assert keys and not [k for k in keys if "visual" in k]
+    assert any("layers.0.mlp.gate_proj" in k for k in keys)
+
+
+def test_missing_image_names_file_and_row(vlm, tmp_path):
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text(json.dumps({"images": ["nope.png"], "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}) + "\n")
+    tok = Tokenizer.from_folder(vlm["model"])
+    config = json.loads((vlm["model"] / "config.json").read_text())
+    images = ImageRows.from_checkpoint(config, PRE, lambda i: tok.decode([i], skip_special=False))
+    with pytest.raises(UserError, match=rf"{bad}:1: image {tmp_path / 'nope.png'} does not exist"):
+        read_sft(bad, tok, max_len=256, images=images)
+
+
+def test_images_for_a_text_only_checkpoint_is_one_line(vlm, hf_causal, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "llama"
+    shutil.copytree(hf_causal("image_rows_llama"), model)
+    make_bpe_tokenizer(model)
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={model}", f"data={vlm['data']}",
+                    f"out={tmp_path / 'out'}", "max_steps=1", "chat_format=mistral", "device=cpu"])
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "text-only" in lines[0] and "rows.jsonl:1" in lines[0], err
+    assert not (tmp_path / "out").exists()
+    assert ImageSpec().tokens((1, 4, 6)) == 6
+
+
+def test_a_missing_image_from_the_cli_is_one_line(vlm, tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})
+                    + "\n" + json.dumps({"messages": [
+                        {"role": "user", "content": [{"type": "image", "image": "gone.jpg"}, {"type": "text", "text": "?"}]},
+                        {"role": "assistant", "content": "Yo"}]}) + "\n")
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={data}", f"out={tmp_path / 'out'}",
+                    "max_steps=1", "device=cpu"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"{data}:2: image {tmp_path / 'gone.jpg'} does not exist" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_text_parts_suit_a_text_only_checkpoint(tmp_path):
+    """Content lists of text parts alone (TRL's shape without images) read for any checkpoint: the parts joined."""
+    make_bpe_tokenizer(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path, chat_format="mistral")
+    data = tmp_path / "rows.jsonl"
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": parts},
+                                             {"role": "assistant", "content": "Hi"}]}) + "\n")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there"},
+                                              {"role": "assistant", "content": "Hi"}]}) + "\n")
+    assert read_sft(data, tok, max_len=64) == read_sft(plain, tok, max_len=64)
+
+
+def test_full_finetuning_trains_the_tower_and_writes_a_folder_transformers_loads(vlm, capsys):
+    """finetune=full: the audit runs on an image row (kept whole) and reaches the tower; the written folder
+    (with the image processor's config) loads in transformers with our logits, its tower changed."""
+    out = vlm["root"] / "full"
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", f"out={out}",
+                    "max_steps=1", "batch_size=2", "finetune=full", "device=cpu", "max_len=256"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy — 69 of 69 trainable tensors" in log + err
+    folder = out / "model"
+    assert json.loads((folder / "preprocessor_config.json").read_text()) == PRE
+    ours, base = (load_pretrained(d, models.from_hf_config).eval() for d in (folder, vlm["model"]))
+    assert not torch.equal(ours.model.visual.patch_embed.proj.weight, base.model.visual.patch_embed.proj.weight)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    examples, images, tok = rows_of(vlm)
+    batch = collate_images(examples[:2], lambda ex: collate_causal(ex, tok.pad_id), images.spec)
+    with torch.no_grad():
+        a = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], pixel_values=batch["pixel_values"],
+               image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=(batch["input_ids"] == images.token_id).long())
+        b = ours.lm_head(ours(batch["input_ids"], batch["attention_mask"], pixel_values=batch["pixel_values"],
+                              image_grid_thw=batch["image_grid_thw"]))
+    real = batch["attention_mask"].bool()
+    assert float((b[real] - a.logits[real]).norm() / a.logits[real].norm()) <= 1e-4
+
+
+def test_packing_refuses_image_rows_and_packs_text_rows(vlm, tmp_path, capsys):
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}",
+                    f"out={tmp_path / 'out'}", "max_steps=1", "device=cpu", "packing=true"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "not packed yet" in lines[0], lines
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
+                                                     {"role": "assistant", "content": w}]}) + "\n"
+                            for w in ("one", "two", "three", "four")))
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={text}", f"out={tmp_path / 'out'}",
+                    "max_steps=1", "device=cpu", "packing=true", "batch_size=2", "lora_r=4"])
+    assert code == 0, capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""Image processing (`minitrain/data/images.py`) against transformers' Qwen2-VL image processor (its Pillow
+path, `Qwen2VLImageProcessorPil`), on awkward images made here with Pillow: 1x1, very wide, very tall,
+grey (L), RGBA, a palette image with a transparent colour, a CMYK JPEG, a 16-bit PNG, one over
+`max_pixels` (resized down, not refused). Pixel values and grids equal to the bit; the ids with each
+`<|image_pad|>` expanded equal the text expanded by the Qwen2.5-VL processor's own `replace_image_token`,
+tokenized. (The whole `Qwen2_5_VLProcessor` cannot be built here: its video processor needs torchvision.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from minitrain.data.images import ImageSpec, expand_placeholders, load_image
+from minitrain.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+MAX = 28 * 28 * 16  # small, so that the big image is scaled down and the test stays fast
+
+
+def awkward(folder: Path) -> dict[str, Path]:
+    rng = np.random.default_rng(0)
+    rgb = lambda h, w: Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))  # noqa: E731
+    out = {}
+
+    def save(name: str, image, **kw) -> None:
+        out[name] = folder / name
+        image.save(out[name], **kw)
+
+    save("one.png", rgb(1, 1))
+    save("wide.png", rgb(3, 500))
+    save("tall.png", rgb(420, 5))
+    save("grey.png", Image.fromarray(rng.integers(0, 256, (37, 61), dtype=np.uint8), "L"))
+    save("rgba.png", Image.fromarray(rng.integers(0, 256, (45, 33, 4), dtype=np.uint8), "RGBA"))
+    pal = rgb(30, 40).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    save("palette.png", pal, transparency=3)
+    save("cmyk.jpg", rgb(50, 70).convert("CMYK"), quality=90)
+    save("deep.png", Image.fromarray(rng.integers(0, 65536, (29, 43), dtype=np.uint16)))  # mode I;16
+    save("big.jpg", rgb(300, 420), quality=90)
+    return out
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return awkward(tmp_path_factory.mktemp("images"))
+
+
+def test_pixel_values_and_grids_equal_the_processor(images):
+    assert Image.open(images["deep.png"]).mode.startswith("I;16") and Image.open(images["cmyk.jpg"]).mode == "CMYK"
+    hf = transformers.Qwen2VLImageProcessorPil(max_pixels=MAX)
+    spec = ImageSpec(max_pixels=MAX)
+    for name, path in images.items():
+        with Image.open(path) as im:
+            ref = hf(images=[im], return_tensors="np")
+        pixels, grid = load_image(path, spec)
+        assert grid == tuple(ref["image_grid_thw"][0]), name
+        assert pixels.dtype == np.float32 and np.array_equal(pixels, ref["pixel_values"]), name
+        assert grid[1] * grid[2] * 14 * 14 <= MAX or name in ("wide.png", "tall.png"), name
+
+
+def test_expanded_ids_equal_the_processor(images, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tok import make_qwen_tokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(make_qwen_tokenizer(tmp_path / "tok"))
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    hf = transformers.Qwen2VLImageProcessorPil(max_pixels=MAX)
+    paths = [images["wide.png"], images["big.jpg"], images["one.png"]]
+    inputs = hf(images=[Image.open(p) for p in paths], return_tensors="np")
+    fake = types.SimpleNamespace(image_processor=hf, image_token="<|image_pad|>")
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    parts = ["Look at ", image, " and ", image, image, " then say what you see."]
+    expanded, n = "", 0
+    for part in parts:
+        if part == image:
+            part = part.replace("<|image_pad|>", transformers.Qwen2_5_VLProcessor.replace_image_token(fake, inputs, n))
+            n += 1
+        expanded += part
+    spec = ImageSpec(max_pixels=MAX)
+    counts = [spec.tokens(load_image(p, spec)[1]) for p in paths]
+    ids, starts = expand_placeholders(tok("".join(parts))["input_ids"], pad, counts)
+    assert ids == tok(expanded)["input_ids"]
+    assert [ids[s:s + c] == [pad] * c for s, c in zip(starts, counts)] == [True] * 3
+
+
+def test_a_missing_or_broken_image_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"rows.jsonl:3: image .*nope.png does not exist"):
+        load_image(tmp_path / "nope.png", ImageSpec(), "rows.jsonl:3")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    with pytest.raises(UserError, match="cannot be read"):
+        load_image(tmp_path / "bad.png", ImageSpec(), "rows.jsonl:4")
+    with pytest.raises(UserError, match="2 image placeholder"):
+        expand_placeholders([5, 9, 9], 9, [4])
+
+
+def test_without_pillow_one_line(tmp_path):
+    """Pillow hidden: one line naming the `vision` extra, exit 2 for the CLI (a UserError)."""
+    code = ("import sys; sys.modules['PIL'] = None\n"
+            "from minitrain.data.images import load_image, ImageSpec\n"
+            "from minitrain.errors import UserError\n"
+            "try:\n    load_image('x.png', ImageSpec())\nexcept UserError as e:\n    print(e); sys.exit(e.exit_code)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2 and "pip install 'minitrain[vision]'" in r.stdout
+
+
+def test_spec_from_the_checkpoint_files():
+    vision = {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    assert ImageSpec.from_preprocessor_config({}, vision) == ImageSpec(patch_size=4)
+    spec = ImageSpec.from_preprocessor_config({"size": {"shortest_edge": 100, "longest_edge": 900}, "patch_size": 14}, vision)
+    assert (spec.min_pixels, spec.max_pixels, spec.patch_size, spec.merge_size) == (100, 900, 14, 2)
+    assert ImageSpec.from_preprocessor_config({"min_pixels": 5, "max_pixels": 7}).max_pixels == 7

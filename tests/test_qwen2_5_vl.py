@@ -1,0 +1,214 @@
+"""Qwen2.5-VL (`models/qwen2_5_vl.py`) against transformers' `Qwen2_5_VLForConditionalGeneration`.
+
+A tiny random checkpoint saved once per session by transformers 5 (fp32; the norms perturbed so that they
+matter): a 3-layer tower (32 wide, 2 heads, patches of 4 pixels, merge 2, windows of 16 pixels = 2 merge
+blocks a side, layer 1 full attention) and a 2-layer Qwen2 language model whose M-RoPE splits head dim 16
+into sections (2, 3, 3). Compared: logits with images in the batch (two images in one row, one in
+another, a padded text-only row; grids whose windows do not divide them), text-only logits, the config's
+round trip.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import models
+from minitrain.weights import load_pretrained
+
+IMAGE, START, END = 150, 152, 153
+TEXT = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+              spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1])
+
+
+def tiny_config():
+    return transformers.Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE,
+                                         video_token_id=151, vision_start_token_id=START, vision_end_token_id=END)
+
+
+@pytest.fixture(scope="session")
+def vl(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("qwen2_5_vl")
+    model.save_pretrained(d)
+    return d
+
+
+def image_row(g: torch.Generator, grids: list[tuple[int, int, int]], T: int) -> list[int]:
+    """Random text around each image's <|vision_start|> <|image_pad|> x n <|vision_end|>, T ids."""
+    ids: list[int] = []
+    for t, h, w in grids:
+        ids += torch.randint(3, 140, (3,), generator=g).tolist() + [START] + [IMAGE] * (t * h * w // 4) + [END]
+    return ids + torch.randint(3, 140, (T - len(ids),), generator=g).tolist()
+
+
+def batch():
+    """Row 0: two images (8 x 12 and 6 x 10 patches); row 1: one image (4 x 4); row 2: text, right-padded."""
+    g = torch.Generator().manual_seed(0)
+    grids = [(1, 8, 12), (1, 6, 10), (1, 4, 4)]
+    T = 60
+    rows = [image_row(g, grids[:2], T), image_row(g, grids[2:], T), torch.randint(3, 140, (T,), generator=g).tolist()]
+    ids = torch.tensor(rows)
+    mask = torch.ones_like(ids)
+    mask[2, 40:] = 0
+    ids[2, 40:] = 0
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g)
+    return ids, mask, pixels, grid
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_logits_with_images_equal_transformers(vl):
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                 mm_token_type_ids=(ids == IMAGE).long()).logits
+        got = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
+        real = mask.bool()
+        assert rel(got[real], ref[real]) <= 1e-4
+        # text alone (the three M-RoPE axes agree): Qwen2's RoPE
+        text = ids[2:, :40]
+        assert rel(ours.lm_head(ours(text)), hf(input_ids=text).logits) <= 1e-4
+        # the images matter: other pixels, other logits
+        other = ours.lm_head(ours(ids, mask, pixel_values=pixels.flip(0), image_grid_thw=grid))
+        assert rel(other[:2], got[:2]) > 1e-3
+
+
+def test_tower_loaded_key_for_key(vl):
+    ours = load_pretrained(vl, models.from_hf_config)
+    from safetensors import safe_open
+
+    with safe_open(vl / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        assert {k for k in ours.state_dict() if k.startswith("model.visual.")} == {"model." + k for k in keys
+                                                                                 if k.startswith("visual.")}
+        assert torch.equal(ours.state_dict()["model.visual.patch_embed.proj.weight"],
+                           f.get_tensor("visual.patch_embed.proj.weight"))
+
+
+def test_the_nested_layout_loads_too(vl, tmp_path):
+    """transformers 4.52-4.5x saved `model.visual.*` and `model.language_model.*`: the same model."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(vl / "model.safetensors")
+    nested = {("model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1)): v
+              for k, v in tensors.items()}
+    save_file(nested, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((vl / "config.json").read_text())
+    a, b = (load_pretrained(d, models.from_hf_config).state_dict() for d in (vl, tmp_path))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_config_round_trip(vl):
+    d = json.loads((vl / "config.json").read_text())
+    cfg = models.config_from_hf(d)
+    assert cfg.mrope_section == [2, 3, 3] and cfg.vision.fullatt_block_indexes == [1]
+    again = cfg.to_hf()
+    assert again["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    assert models.config_from_hf(again) == cfg
+    assert transformers.Qwen2_5_VLConfig(**again).text_config.hidden_size == 64
+
+
+def test_lora_adapter_loads_in_peft_with_images(vl, tmp_path):
+    """LoRA on the language model's projections (B drawn at random), saved in peft's format: peft puts it on
+    transformers' class (the same module names) with our logits on a batch with images; no adapter on the
+    tower, whose MLP has the same leaf names."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    assert not [n for n, _ in ours.named_parameters() if "lora_" in n and "visual" in n]
+    save_adapter(ours, tmp_path, cfg)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
+    assert not [n for n, _ in ref.named_parameters() if "lora_" in n and "visual" in n]
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        a = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                mm_token_type_ids=(ids == IMAGE).long()).logits
+        b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
+        with ref.disable_adapter():
+            plain = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                        mm_token_type_ids=(ids == IMAGE).long()).logits
+    real = mask.bool()
+    assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
+
+
+def test_a_saved_folder_loads_in_transformers(vl, tmp_path):
+    """`save_pretrained` (full fine-tuning, merge) writes a folder transformers loads, with the same logits."""
+    from minitrain.weights import save_pretrained
+
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    config = dict(json.loads((vl / "config.json").read_text()), vocab_size=160)  # as a full fine-tuning run writes it
+    save_pretrained(ours, tmp_path / "saved", config)
+    again = load_pretrained(tmp_path / "saved", models.from_hf_config)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in ours.state_dict().items())
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        a = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+               mm_token_type_ids=(ids == IMAGE).long()).logits
+        b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
+    assert rel(b[mask.bool()], a[mask.bool()]) <= 1e-4
+
+
+def test_greedy_generation_of_text_equals_transformers(vl):
+    """A text prompt (no image) decodes through the KV cache as transformers' greedy generation does."""
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    ids = torch.randint(3, 140, (1, 12), generator=torch.Generator().manual_seed(1))
+    ref = hf.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = models.family(ours).generate(ours, ids, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(got, ref)
+
+
+def test_greedy_generation_after_images_equals_transformers(vl):
+    """A prompt with an image (left-padded beside a row with two): the prompt's positions are 3-D, the tokens
+    after it continue from its largest position, as transformers' generation does."""
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    ids, _, pixels, grid = batch()
+    ids, mask = ids[:2, :52].clone(), torch.ones(2, 52, dtype=torch.long)
+    ids[1] = torch.cat([torch.zeros(52 - 40, dtype=torch.long), ids[1, :40]])  # row 1 left-padded
+    mask[1, :12] = 0
+    ref = hf.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                      mm_token_type_ids=(ids == IMAGE).long(), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    got = models.family(ours).generate(ours, ids, mask, max_new_tokens=6, eos_token_id=[], pixel_values=pixels,
+                                       image_grid_thw=grid)
+    assert torch.equal(got, ref)
+    # the logits of two tokens after the prompt, through the cache, equal a forward over the whole sequence
+    # (greedy tokens alone barely notice the positions on a random model)
+    nxt = torch.tensor([[5, 6], [7, 8]])
+    full_ids, full_mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
+    with torch.no_grad():
+        whole = hf(input_ids=full_ids, attention_mask=full_mask, pixel_values=pixels, image_grid_thw=grid,
+                   mm_token_type_ids=(full_ids == IMAGE).long()).logits[:, -2:]
+        cache = models.family(ours).KVCache(60)
+        ours(ids, mask, cache=cache, pixel_values=pixels, image_grid_thw=grid)
+        stepped = ours.lm_head(ours(nxt, torch.ones_like(nxt), cache=cache))
+    assert rel(stepped, whole) <= 1e-4

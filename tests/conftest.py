@@ -18,6 +18,24 @@ import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# The suite runs on every core this process may use, up to 4 (pytest-xdist, `-n auto` in pyproject.toml),
+# one test file per worker at a time (`--dist loadfile`: a file's module fixtures are built once). The
+# longest files start first, so that no worker is left with a long file at the end while the others idle.
+MAX_WORKERS = 4
+LONGEST_FIRST = ["test_torchrun_resume.py", "test_fsdp_load.py", "test_plan.py", "test_trackers.py",
+                 "test_tools.py", "test_distributed.py", "test_train.py", "test_gpu_check.py", "test_moe.py",
+                 "test_packaging.py", "test_bench.py", "test_shadow.py"]
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 # token stores (data_cache=auto) of the runs the tests make go to a folder of this session, not the user's cache
 _CACHE = tempfile.mkdtemp(prefix="minitrain-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE

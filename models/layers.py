@@ -653,7 +653,8 @@ class Queries:
             lo = 0 if self.window is None else max(0, p + 1 - self.window)  # the keys the query may see
             qs = q[i : i + 1].transpose(0, 1)[None]  # (1, H, 1, hd)
             ks, vs = (repeat_kv(t[lo : p + 1].transpose(0, 1)[None], n_rep) for t in (ks, vs))  # (1, H, n, hd)
-            mask = torch.ones(1, 1, 1, p + 1 - lo, dtype=torch.bool, device=q.device)  # not None: SDPA's causal is top-left
+            # all True, not None: SDPA's causal mask is aligned top-left (one query would see one key)
+            mask = torch.ones(1, 1, 1, p + 1 - lo, dtype=torch.bool, device=q.device)
             out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
         return torch.cat(out)
 
@@ -1425,6 +1426,8 @@ class DecoderBody(nn.Module):
         values for every token, `reads_at_positions`); otherwise the full forward, then the gather.
         """
         if read_at is not None:
+            if cache is not None or document_ids is not None or hidden_layers or attention_layers:
+                raise ValueError("read_at reads a plain forward: no KV cache, document_ids or captured layers")
             return self.read_positions(input_ids, attention_mask, position_ids, read_at)
         B, T = input_ids.shape
         x = self.embed(input_ids)  # (B, T, D)

@@ -392,7 +392,8 @@ def test_reading_the_scored_positions_only_equals_the_full_forward(hf_causal, fa
     assert at.tolist() == [40, 33, 47 if family == "qwen3_5" else 46, 36]
 
     seen: list[int] = []  # the rows the last layer's MLP saw
-    hook = model.model.layers[-1].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:-1].numel()))
+    mlp = model.model.layers[-1].mlp
+    hook = mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:-1].numel()))
     fast = sequence_rewards(model, ids, mask, PAD)
     hook.remove()
     assert seen == [4 * T if family == "gemma4" else 4]

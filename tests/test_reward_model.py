@@ -347,8 +347,8 @@ def test_every_decoder_family_scores_as_transformers_sequence_classification(hf_
     torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-4)
 
 
-SHORTCUT_FAMILIES = ["llama", "gemma2", "gemma3", "phi3_partial_window", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5",
-                     "gemma4"]
+SHORTCUT_FAMILIES = ["llama", "llama_checkpointed", "gemma2", "gemma3", "phi3_partial_window", "qwen3_moe", "mixtral",
+                     "gpt_oss", "qwen3_5", "gemma4"]
 
 
 @pytest.mark.parametrize("family", SHORTCUT_FAMILIES)
@@ -358,13 +358,15 @@ def test_reading_the_scored_positions_only_equals_the_full_forward(hf_causal, fa
     (models/layers.py `Queries`). Scores and every gradient equal the full forward's, gathered after it:
     LLaMA, Gemma 2 (score soft-cap, window 5), Gemma 3 (local / global layers), Phi-3 (partial rotary,
     window 6), the MoE families (experts, a window, gpt-oss's sinks), Qwen3.5 (DeltaNet layers before a
-    gated full-attention last layer). Gemma 4 (no unpadded path) runs the full forward and gathers."""
+    gated full-attention last layer), LLaMA under the engine's activation checkpointing. Gemma 4 (no
+    unpadded path) runs the full forward and gathers."""
+    from minitrain.train import enable_checkpointing
     from test_families import FAMILY_VARIANTS
     from test_gemma4 import CONFIGS, TEXT
     from test_moe import MOE_VARIANTS
     from test_qwen3_5 import QWEN35
 
-    if family == "llama":
+    if family in ("llama", "llama_checkpointed"):
         folder = hf_causal("rm_base")
     elif family == "qwen3_5":
         folder = hf_causal("qwen3_5", **QWEN35)
@@ -378,6 +380,8 @@ def test_reading_the_scored_positions_only_equals_the_full_forward(hf_causal, fa
     attach_score(model, 0, PAD)
     for p in model.parameters():
         p.requires_grad_(True)
+    if family == "llama_checkpointed":
+        assert enable_checkpointing(model) == 2
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 100, (n,), generator=g).tolist() + [2] for n in (40, 33, 47, 36)]
     # pad == eos: the scored token is the one before this row's last real token. Not for Qwen3.5: its backward

@@ -628,6 +628,37 @@ class Ragged:
         return torch.cat(out)
 
 
+@dataclass(frozen=True)
+class Queries:
+    """The last layer of an unpadded forward read at one position per sequence (a reward model's score):
+    given in place of a mask, with x the M = len(lengths) read positions' rows (M, D) only, so the
+    layer's query path, attention output, residual and MLP run for those rows alone. `keys` (N, D) is
+    the layer's normed input at every real token (the batch end to end, as `Ragged`), with `cos` / `sin`
+    (N, hd): what its keys and values are made of. `at`: each sequence's read position within it."""
+
+    lengths: tuple[int, ...]
+    at: tuple[int, ...]
+    keys: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    window: int | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """q (M, H, hd), k / v (N, Hkv, hd) -> (M, H, hd): each query over its sequence's keys up to its
+        position (inside `window`). `attention(q, k, v, mask)` as `Ragged.attend`'s; default SDPA."""
+        attention = attention or sdpa
+        n_rep, out = q.shape[1] // k.shape[1], []
+        for i, (p, ks, vs) in enumerate(zip(self.at, k.split(self.lengths), v.split(self.lengths))):
+            lo = 0 if self.window is None else max(0, p + 1 - self.window)  # the keys the query may see
+            qs = q[i : i + 1].transpose(0, 1)[None]  # (1, H, 1, hd)
+            ks, vs = (repeat_kv(t[lo : p + 1].transpose(0, 1)[None], n_rep) for t in (ks, vs))  # (1, H, n, hd)
+            # all True, not None: SDPA's causal mask is aligned top-left (one query would see one key)
+            mask = torch.ones(1, 1, 1, p + 1 - lo, dtype=torch.bool, device=q.device)
+            out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
+        return torch.cat(out)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
          scale: float | None = None) -> torch.Tensor:
     """SDPA with a bool mask (True = may attend), or causal when the mask is None."""
@@ -635,22 +666,38 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, lengths: tuple[int, ...],
-                     layers: Iterable[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], int | None]],
-                     norm: nn.Module) -> torch.Tensor:
+                     layers: Sequence[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], int | None]],
+                     norm: nn.Module, read_at: torch.Tensor | None = None) -> torch.Tensor:
     """A padded batch's layer loop without its padding (see `Ragged`): x (B, T, D) the embedded
     batch, `layers` (layer, (cos, sin) (B, T, hd), window) in order -> hidden (B, T, D) after
-    `norm`, zeros at the padding. Each layer gets x (N, D), its tables (N, hd) and a `Ragged`."""
+    `norm`, zeros at the padding. Each layer gets x (N, D), its tables (N, hd) and a `Ragged`.
+
+    `read_at` (B,): one real position per row (every row has one) -> hidden (B, D) at those positions;
+    the last layer then gets those rows only and a `Queries` (see `reads_at_positions`)."""
     B, T, D = x.shape
     real = valid.flatten().nonzero().squeeze(1)  # (N,) row-major: each row's tokens in order
     h = x.flatten(0, 1)[real]  # (N, D)
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each distinct table gathered once
-    for layer, (cos, sin), window in layers:
+    for i, (layer, (cos, sin), window) in enumerate(layers):
         if id(cos) not in tables:
             tables[id(cos)] = cos.flatten(0, 1)[real], sin.flatten(0, 1)[real]
-        h = layer(h, *tables[id(cos)], Ragged(lengths, window))
+        cos_n, sin_n = tables[id(cos)]
+        if read_at is not None and i == len(layers) - 1:
+            rows = torch.searchsorted(real, torch.arange(B, device=x.device) * T + read_at)  # (B,) into the N rows
+            starts = torch.tensor(lengths, device=x.device).cumsum(0) - torch.tensor(lengths, device=x.device)
+            keys = Queries(lengths, tuple((rows - starts).tolist()), layer.input_layernorm(h), cos_n, sin_n, window)
+            return norm(layer(h[rows], cos_n[rows], sin_n[rows], keys))  # (B, D)
+        h = layer(h, cos_n, sin_n, Ragged(lengths, window))
     out = h.new_zeros(B, T, D)  # written through a (B * T, D) view, so the result is no view (FSDP2 warns of one)
     out.view(B * T, D).index_copy_(0, real, norm(h))
     return out
+
+
+def reads_at_positions(layer: nn.Module) -> bool:
+    """Whether a layer can run for some positions only (`Queries`): the floor's `Attention` as its
+    `self_attn` after an `input_layernorm` (HF's names), the rest of the block row by row. Not a
+    linear-attention layer (Qwen3.5's DeltaNet: a recurrent state runs over every token)."""
+    return isinstance(getattr(layer, "self_attn", None), Attention) and hasattr(layer, "input_layernorm")
 
 
 # Below this many positions per row, `Ragged`'s loop over sequences costs more than the padding it
@@ -940,6 +987,11 @@ class Attention(nn.Module):
         `return_probs`: also the attention probabilities (B, H, T, S) fp32. A `Ragged` mask: x (N, D)
         holds the batch's real tokens end to end, cos / sin (N, hd). A `Documents` mask: rows of
         several sequences through FlexAttention (a cap as its `score_mod`)."""
+        if isinstance(mask, Queries):  # x: the read rows (M, D); keys and values from every token's (N, D)
+            q, _, _, *gate = self.project(x)  # (M, H, hd)
+            _, k, v, *_ = self.project(mask.keys)  # (N, Hkv, hd)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, mask.cos, mask.sin)
+            return self.o_proj(self._gated(mask.attend(q, k, v, self._attention).flatten(1), gate))
         q, k, v, *gate = self.project(x)  # (B, T, H, hd), (B, T, Hkv, hd) x 2[, the gate (B, T, H, hd)]
         if isinstance(mask, Ragged):  # (N, heads, hd): RoPE per token, then attention per sequence
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
@@ -1354,6 +1406,7 @@ class DecoderBody(nn.Module):
         attention_layers: Collection[int] = (),
         document_ids: torch.Tensor | None = None,
         embeds: torch.Tensor | None = None,
+        read_at: torch.Tensor | None = None,
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D) after the final norm. `embeds` (B, T, D): the residual
         stream's first values when the caller made them (a vision-language model's image features
@@ -1369,7 +1422,16 @@ class DecoderBody(nn.Module):
         `hidden_layers` / `attention_layers` (layer indices; distillation): return a `Captured`
         with those layers' outputs and attention probabilities. Only the named layers write their
         attention out (`attention_probs`); every other layer keeps SDPA.
+
+        `read_at` (B,): one position per row (a reward model's scored token) -> hidden (B, D) there,
+        `forward(...)[arange(B), read_at]` to float rounding. On the unpadded CPU path the last layer
+        runs its query path, residual, MLP and the final norm for those positions only (its keys and
+        values for every token, `reads_at_positions`); otherwise the full forward, then the gather.
         """
+        if read_at is not None:
+            if cache is not None or document_ids is not None or hidden_layers or attention_layers or embeds is not None:
+                raise ValueError("read_at reads a plain forward: no KV cache, document_ids, captured layers or embeds")
+            return self.read_positions(input_ids, attention_mask, position_ids, read_at)
         B, T = input_ids.shape
         x = self.embed(input_ids) if embeds is None else embeds  # (B, T, D)
         if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
@@ -1388,7 +1450,7 @@ class DecoderBody(nn.Module):
         tables = self.rope_tables(position_ids, x.dtype)  # per layer: cos, sin (B, T, hd)
         lengths = None if hidden_layers or attention_layers or not self.unpadded else unpadded_lengths(valid, padded, cache)
         if lengths:
-            return forward_unpadded(x, valid, lengths, zip(self.layers, tables, self.windows), self.norm)
+            return forward_unpadded(x, valid, lengths, list(zip(self.layers, tables, self.windows)), self.norm)
         # one mask per distinct window (Qwen mixes full and sliding layers); None lets SDPA use its
         # causal kernels (flash on CUDA); otherwise an explicit bool mask (B, 1, T, S)
         masks = {
@@ -1399,6 +1461,24 @@ class DecoderBody(nn.Module):
         if cache is not None:
             cache.end(T)
         return out
+
+    def read_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor | None, read_at: torch.Tensor) -> torch.Tensor:
+        """`forward` with `read_at` (B,): hidden (B, D) after the final norm at one position per row."""
+        B, T = input_ids.shape
+        read_at = read_at.to(input_ids.device)
+        valid = (torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None
+                 else attention_mask.to(device=input_ids.device).bool())
+        if attention_mask is not None and attention_mask.dim() == 2 and position_ids is None and self.unpadded \
+                and reads_at_positions(self.layers[-1]):
+            lengths = unpadded_lengths(valid, True, None)  # a batch without padding too: its Ragged costs the same
+            if lengths and len(lengths) == B and bool(valid[torch.arange(B, device=valid.device), read_at].all()):
+                x = self.embed(input_ids)
+                tables = self.rope_tables((valid.long().cumsum(-1) - 1).clamp(min=0), x.dtype)
+                return forward_unpadded(x, valid, lengths, list(zip(self.layers, tables, self.windows)), self.norm,
+                                        read_at)
+        hidden = self(input_ids, attention_mask, position_ids)  # (B, T, D)
+        return hidden[torch.arange(B, device=hidden.device), read_at]
 
     def _layers(self, x: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence,
                 cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]
@@ -1445,9 +1525,9 @@ class LanguageModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 hidden_layers: Collection[int] = (), attention_layers: Collection[int] = (),
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, read_at: torch.Tensor | None = None):
         return self.language_model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
-                                   document_ids)
+                                   document_ids, read_at)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -1487,11 +1567,14 @@ class CausalLM(nn.Module):
         hidden_layers: Collection[int] = (),
         attention_layers: Collection[int] = (),
         document_ids: torch.Tensor | None = None,
+        read_at: torch.Tensor | None = None,
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D); logits are `self.output_projection(hidden)`.
         With `hidden_layers` / `attention_layers`: a `Captured`; `document_ids`: rows of several
-        sequences (see `DecoderBody.forward`)."""
+        sequences; `read_at` (B,): hidden (B, D) at one position per row (see `DecoderBody.forward`)."""
         rows = {} if document_ids is None else {"document_ids": document_ids}
+        if read_at is not None:
+            rows["read_at"] = read_at
         if not hidden_layers and not attention_layers:  # a family's body that captures nothing may take 4
             return self.model(input_ids, attention_mask, position_ids, cache, **rows)
         return self.model(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, **rows)

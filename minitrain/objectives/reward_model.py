@@ -105,9 +105,10 @@ def last_non_pad(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
 
 def sequence_rewards(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                      pad_id: int) -> torch.Tensor:
-    """(B,) fp32: the scalar head on each row's last non-pad hidden state."""
-    hidden = model(input_ids, attention_mask)  # (B, T, D)
-    last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_non_pad(input_ids, pad_id)]  # (B, D)
+    """(B,) fp32: the scalar head on each row's last non-pad hidden state. The model is asked for that
+    position's hidden state only (`read_at`): its last layer then skips the other positions' queries,
+    MLP and final norm where it can (models/layers.py `Queries`)."""
+    last = model(input_ids, attention_mask, read_at=last_non_pad(input_ids, pad_id))  # (B, D)
     return getattr(model, SCORE_HEAD)(last).squeeze(-1).float()
 
 

@@ -975,3 +975,66 @@ def test_plan_tool_on_a_qwen3_5_folder(tmp_path):
     out = plan_cli(str(ROOT / "recipes" / "sft_llama.py"), f"model={tmp_path}", "batch_size=1", "max_len=512")
     assert out.returncode == 0, out.stderr
     assert "3 Gated DeltaNet, 1 full attention" in out.stdout and "predicted peak" in out.stdout
+
+
+# ----------------------------------------------------------------------------- Gemma 4 (dense)
+
+# e2b's particulars at plan-test sizes: per-layer embeddings, global layers with their own head dim and
+# k = v, the last two layers reading earlier layers' keys and values with double-wide MLPs, a capped head
+GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+GEMMA4 = dict(model_type="gemma4_text", num_hidden_layers=5, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+              num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
+              hidden_size_per_layer_input=32, vocab_size_per_layer_input=2048, sliding_window=128,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                           "full_attention"], final_logit_softcapping=30.0, rope_parameters=GEMMA4_ROPE,
+              tie_word_embeddings=True)
+
+
+def test_gemma4_params_weights_and_adapters_exact():
+    """Every block as the model built from config.json holds it (shared layers without k / v, k = v
+    global layers without v_proj, double-wide MLPs, the PLE table and projection, layer scalars);
+    a multimodal config.json plans its text model; the expert block is one line."""
+    hf = hf_config(**GEMMA4)
+    shape = shape_from_hf(hf)
+    with torch.device("meta"):
+        meta = models.from_hf_config(hf)
+    assert shape.num_params() == sum(p.numel() for p in meta.parameters()) + sum(b.numel() for b in meta.buffers())
+    model = build(hf, torch.bfloat16, ALL)
+    frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+    assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute="bf16"))) == tensor_bytes(frozen)
+    lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=ALL))) == lora
+    assert shape_from_hf({"model_type": "gemma4", "text_config": hf}).num_params() == shape.num_params()
+    with pytest.raises(UserError, match="dense Gemma 4 sizes"):
+        shape_from_hf(hf_config(**GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2))
+
+
+GEMMA4_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16")}
+
+
+@pytest.mark.parametrize("case", list(GEMMA4_CASES))
+def test_gemma4_step_peak_within_20_percent(case):
+    from minitrain.objectives.sft import sft
+
+    c = dict(ckpt=False, compute="fp32")
+    c.update(GEMMA4_CASES[case])
+    hf = hf_config(**GEMMA4)
+    model = build(hf, torch.bfloat16 if c["compute"] == "bf16" else torch.float32, ALL)
+    if c["ckpt"]:
+        enable_checkpointing(model)
+    batch = batch_of(4, 256, 2048)
+    measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
+    run = RunShape(rows=4, seq=256, compute=c["compute"], lora_targets=ALL, checkpointing=c["ckpt"],
+                   targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
+                   real_tokens=int(batch["attention_mask"].sum()))
+    plan = predict(shape_from_hf(hf), run)
+    predicted = plan.activation_peak + plan.term("gradients")
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
+
+
+def test_plan_tool_on_a_gemma4_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": hf_config(**GEMMA4)}))
+    out = plan_cli(str(ROOT / "recipes" / "sft_llama.py"), f"model={tmp_path}", "batch_size=1", "max_len=512")
+    assert out.returncode == 0, out.stderr
+    assert "2 sharing k/v" in out.stdout and "per-layer inputs (with the embeddings)" in out.stdout

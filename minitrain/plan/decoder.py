@@ -26,7 +26,7 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
              "self_attn.qkv_proj": "xn", "mlp.gate_up_proj": "xn2"}
 
 
-PLANNED = "LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3 (text), Phi-3, Qwen3-MoE, Mixtral and T5"
+PLANNED = "LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3 (text), Gemma 4 (dense), Phi-3, Qwen3-MoE, Mixtral and T5"
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,10 @@ class ModelShape:
 
     def moments(self, run: "RunShape") -> tuple[dict[str, list["Term"]], list[str]]:
         return llama_moments(self, run)
+
+    def extra_model_saved(self, run: "RunShape") -> list["Term"]:
+        """What a forward keeps once beyond LLaMA's (`_model_saved`): none here; Gemma 4's per-layer inputs."""
+        return []
 
     def extra_block_saved(self, run: "RunShape") -> list["Term"]:
         """What a block keeps beyond LLaMA's (`block_saved`): none here; an MoE's routing and experts."""
@@ -430,7 +434,7 @@ def _model_saved(model: ModelShape, run: RunShape) -> list[Term]:
              Term("final norm input (fp32)", N * model.hidden_size * 4, "D x 4 per token")]
     if run.mask:
         terms.append(Term("attention mask (bool)", run.rows * run.seq * run.seq, "rows x T x T x 1"))
-    return terms
+    return terms + model.extra_model_saved(run)
 
 
 def logits_terms(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], int]:

@@ -67,6 +67,7 @@ from minitrain.plan.decoder import (GemmaShape, ModelShape, Phi3Shape, adapter_t
                                     sampling_terms, teacher_weight_terms)
 from minitrain.plan.run_shape import DTYPE_BYTES, Plan, RunShape, Term
 from minitrain.plan.moe import MoeShape
+from minitrain.plan.gemma4 import Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5Shape
 from minitrain.plan.t5 import T5Shape
 
@@ -83,6 +84,8 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
         return Phi3Shape.from_hf(d, where)
     if kind in MoeShape.FAMILIES:
         return MoeShape.from_hf(d, where)
+    if kind in Gemma4Shape.MODEL_TYPES:
+        return Gemma4Shape.from_hf(d, where)
     if kind in Qwen3_5Shape.MODEL_TYPES:
         return Qwen3_5Shape.from_hf(d, where)
     return ModelShape.from_hf(d, where)

@@ -881,22 +881,8 @@ MOE_CASES = {"qwen3_moe fp32": dict(), "qwen3_moe fp32 ckpt": dict(ckpt=True), "
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_moe_step_peak_within_20_percent(case):
-    from minitrain.objectives.sft import sft
-
-    c = dict(ckpt=False, targets=ALL)
-    c.update(MOE_CASES[case])
-    hf = hf_config(**MOE_FAMILIES[case.split()[0]])
-    model = build(hf, torch.float32, c["targets"])
-    if c["ckpt"]:
-        enable_checkpointing(model)
-    batch = batch_of(4, 256, 2048)
-    measured = measured_step(model, sft, batch, autocast=False)
-    run = RunShape(rows=4, seq=256, compute="fp32", lora_targets=c["targets"], checkpointing=c["ckpt"],
-                   targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
-                   real_tokens=int(batch["attention_mask"].sum()))
-    plan = predict(shape_from_hf(hf), run)
-    predicted = plan.activation_peak + plan.term("gradients")
-    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
+    c = {"targets": ALL, **MOE_CASES[case]}
+    check_sft_step(hf_config(**MOE_FAMILIES[case.split()[0]]), c.pop("targets"), case, **c)
 
 
 def test_moe_runs_the_plan_does_not_model_are_one_line():
@@ -938,17 +924,20 @@ QWEN3_5_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(comp
 @pytest.mark.parametrize("case", list(QWEN3_5_CASES))
 def test_qwen3_5_step_peak_within_20_percent(case):
     """A LoRA SFT step on every linear (DeltaNet's too) of a padded batch, several chunks long."""
+    check_sft_step(hf_config(**QWEN3_5), ALL + DELTANET, case, **QWEN3_5_CASES[case])
+
+
+def check_sft_step(hf: dict, targets, case: str, ckpt: bool = False, compute: str = "fp32") -> None:
+    """The plan's activation peak + gradients against a LoRA SFT step's measured CPU peak (4 padded rows
+    of 256), within 20%."""
     from minitrain.objectives.sft import sft
 
-    c = dict(ckpt=False, compute="fp32")
-    c.update(QWEN3_5_CASES[case])
-    hf = hf_config(**QWEN3_5)
-    model = build(hf, torch.bfloat16 if c["compute"] == "bf16" else torch.float32, ALL + DELTANET)
-    if c["ckpt"]:
+    model = build(hf, torch.bfloat16 if compute == "bf16" else torch.float32, targets)
+    if ckpt:
         enable_checkpointing(model)
     batch = batch_of(4, 256, 2048)
-    measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
-    run = RunShape(rows=4, seq=256, compute=c["compute"], lora_targets=ALL + DELTANET, checkpointing=c["ckpt"],
+    measured = measured_step(model, sft, batch, autocast=compute == "bf16")
+    run = RunShape(rows=4, seq=256, compute=compute, lora_targets=targets, checkpointing=ckpt,
                    targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
                    real_tokens=int(batch["attention_mask"].sum()))
     plan = predict(shape_from_hf(hf), run)
@@ -1010,27 +999,12 @@ def test_gemma4_params_weights_and_adapters_exact():
         shape_from_hf(hf_config(**GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2))
 
 
-GEMMA4_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16")}
+GEMMA4_CASES = {"fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16")}  # fp32 without: 1.02 (measured once)
 
 
 @pytest.mark.parametrize("case", list(GEMMA4_CASES))
 def test_gemma4_step_peak_within_20_percent(case):
-    from minitrain.objectives.sft import sft
-
-    c = dict(ckpt=False, compute="fp32")
-    c.update(GEMMA4_CASES[case])
-    hf = hf_config(**GEMMA4)
-    model = build(hf, torch.bfloat16 if c["compute"] == "bf16" else torch.float32, ALL)
-    if c["ckpt"]:
-        enable_checkpointing(model)
-    batch = batch_of(4, 256, 2048)
-    measured = measured_step(model, sft, batch, autocast=c["compute"] == "bf16")
-    run = RunShape(rows=4, seq=256, compute=c["compute"], lora_targets=ALL, checkpointing=c["ckpt"],
-                   targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
-                   real_tokens=int(batch["attention_mask"].sum()))
-    plan = predict(shape_from_hf(hf), run)
-    predicted = plan.activation_peak + plan.term("gradients")
-    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
+    check_sft_step(hf_config(**GEMMA4), ALL, case, **GEMMA4_CASES[case])
 
 
 def test_plan_tool_on_a_gemma4_folder(tmp_path):

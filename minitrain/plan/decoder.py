@@ -205,6 +205,22 @@ class ModelShape:
         return []
 
 
+class ByBlock:
+    """What a shape planned block by block shares (Qwen3.5, Gemma 4: `saved_per_layer` from a view of
+    one block): its adapted linears counted over the blocks that hold them, and the runs it models."""
+
+    FAMILY: ClassVar[str] = ""
+
+    def adapted_summary(self, run: "RunShape") -> str:
+        return f"{sum(self.layers_with(n) for n in adapted_linears(self, run.lora_targets))} linears"
+
+    def check_run(self, run: "RunShape") -> None:
+        if run.full or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None or run.sample_rows:
+            raise UserError(f"the memory plan models {self.FAMILY} LoRA / QLoRA runs in one process (not "
+                            "finetune=full, several ranks, a teacher or GRPO's sampler) — memory_check=false skips "
+                            "the plan")
+
+
 # ----------------------------------------------------------------------------- weights and adapters
 
 

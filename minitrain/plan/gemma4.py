@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import GemmaShape, adapted_linears, block_saved
+from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved
 from minitrain.plan.run_shape import RunShape, Term
 
 GLOBAL = "full_attention"
@@ -39,7 +39,7 @@ def _default_types(n: int) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Gemma4Shape(GemmaShape):
+class Gemma4Shape(ByBlock, GemmaShape):
     """A Gemma 4 (dense) checkpoint's dims. `layer`: None for the whole model, or one block whose own
     dims (`head_dim`, `num_key_value_heads`, `intermediate_size`) the shape then carries."""
 
@@ -52,6 +52,7 @@ class Gemma4Shape(GemmaShape):
     ple: int = 0
     ple_vocab: int = 0
     layer: int | None = None
+    FAMILY: ClassVar[str] = "Gemma 4"
     FAMILIES: ClassVar[tuple[str, ...]] = ("gemma4_text",)
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gemma4_text", "gemma4")
     NORMS: ClassVar[int] = 4
@@ -175,14 +176,6 @@ class Gemma4Shape(GemmaShape):
         return (f"{self.num_hidden_layers} layers ({self.num_hidden_layers - g} sliding, {g} global, "
                 f"{self.kv_shared} sharing k/v), hidden {self.hidden_size}, per-layer inputs {self.ple}, "
                 f"vocab {self.vocab_size:,}")
-
-    def adapted_summary(self, run: RunShape) -> str:
-        return f"{sum(self.layers_with(n) for n in adapted_linears(self, run.lora_targets))} linears"
-
-    def check_run(self, run: RunShape) -> None:
-        if run.full or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None or run.sample_rows:
-            raise UserError("the memory plan models Gemma 4 LoRA / QLoRA runs in one process (not finetune=full, "
-                            "several ranks, a teacher or GRPO's sampler) — memory_check=false skips the plan")
 
     def extra_model_saved(self, run: RunShape) -> list[Term]:
         """Kept once per forward: the embeddings with every layer's per-layer input after them."""

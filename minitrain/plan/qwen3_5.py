@@ -31,11 +31,11 @@ is a full-attention one in the released layouts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import _INPUT_OF, ModelShape
+from minitrain.plan.decoder import ByBlock, ModelShape, block_saved
 from minitrain.plan.run_shape import RunShape, Term
 
 CHUNK = 64  # models.qwen3_5.GatedDeltaNet.chunk_size
@@ -47,7 +47,7 @@ DELTANET = {"linear_attn.in_proj_qkv": "xn", "linear_attn.in_proj_z": "xn", "lin
 
 
 @dataclass(frozen=True)
-class Qwen3_5Shape(ModelShape):
+class Qwen3_5Shape(ByBlock, ModelShape):
     """A Qwen3.5 (dense) checkpoint's dims. `mixer`: None for the whole model, or one kind of layer
     ("linear_attention", "full_attention") whose block `block_saved` then describes."""
 
@@ -59,6 +59,7 @@ class Qwen3_5Shape(ModelShape):
     key_dim: int = 128
     value_dim: int = 128
     mixer: str | None = None
+    FAMILY: ClassVar[str] = "Qwen3.5"
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5")
 
@@ -84,8 +85,6 @@ class Qwen3_5Shape(ModelShape):
                    key_dim=full["linear_key_head_dim"], value_dim=full["linear_value_head_dim"])
 
     def of(self, mixer: str | None) -> "Qwen3_5Shape":
-        from dataclasses import replace
-
         return replace(self, mixer=mixer)
 
     @property
@@ -132,28 +131,12 @@ class Qwen3_5Shape(ModelShape):
         n = self.num_hidden_layers * 2 * D + full * attn + lin * delta + D
         return n, f"{self.num_hidden_layers} x 2 x {D} + {full} x {attn:,} + {lin} x {delta:,} + {D}"
 
-    def all_tensors(self) -> list[int]:
-        raise UserError("finetune=full: the memory plan models Qwen3.5 LoRA / QLoRA runs — memory_check=false "
-                        "skips the plan")
-
     def describe(self) -> str:
         lin = self.layer_types.count("linear_attention")
         return (f"{self.num_hidden_layers} layers ({lin} Gated DeltaNet, {self.num_hidden_layers - lin} full "
                 f"attention), hidden {self.hidden_size}, vocab {self.vocab_size:,}")
 
-    def adapted_summary(self, run: RunShape) -> str:
-        from minitrain.plan.decoder import adapted_linears
-
-        return f"{sum(self.layers_with(n) for n in adapted_linears(self, run.lora_targets))} linears"
-
-    def check_run(self, run: RunShape) -> None:
-        if run.full or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None or run.sample_rows:
-            raise UserError("the memory plan models Qwen3.5 LoRA / QLoRA runs in one process (not finetune=full, "
-                            "several ranks, a teacher or GRPO's sampler) — memory_check=false skips the plan")
-
     def saved_per_layer(self, run: RunShape) -> list[int]:
-        from minitrain.plan.decoder import block_saved
-
         per = {t: sum(x.bytes for x in block_saved(self.of(t), run)) for t in set(self.layer_types)}
         return [per[t] for t in self.layer_types]
 

@@ -111,6 +111,10 @@ class ModelShape:
         return _INPUT_OF, {"xn": self.hidden_size, "attn": self.q_width, "xn2": self.hidden_size,
                            "act": self.intermediate_size}
 
+    def block_view(self, i: int) -> "ModelShape":
+        """Block i's shape (every block alike here: the model's own)."""
+        return self
+
     def saved_per_layer(self, run: "RunShape") -> list[int]:
         """Bytes each block keeps for backward (`block_saved`), layer by layer."""
         return [sum(t.bytes for t in block_saved(self, run))] * self.num_hidden_layers
@@ -604,7 +608,7 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     """LLaMA's candidate peaks (activations and transients) and notes."""
     L, N, s, D = model.num_hidden_layers, run.tokens, run.s, model.hidden_size
     per_layer = model.saved_per_layer(run)
-    bwd = _block_backward(model, run)
+    bwd = _block_backward(model.block_view(L - 1), run)  # the last block's
     msaved = _model_saved(model, run)
     lfwd, lbwd, n = (logits_terms if run.teacher is None else _kd_logits)(model, run)
     res = 4 if run.full else s  # full fine-tuning: the fp32 embedding makes the residual stream fp32
@@ -622,8 +626,8 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     if k < L:  # the last block kept its activations: its backward runs with everything kept
         moments["last block backward"] = front + kept + bwd + _weight_copies(model, run, L - k, head=False)
     if k:  # block k-1, the last checkpointed one, recomputed (the blocks after it are done and freed)
-        fwd = _block_forward(model, run)
-        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in bwd) else bwd
+        fwd, kbwd = _block_forward(model.block_view(k - 1), run), _block_backward(model.block_view(k - 1), run)
+        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in kbwd) else kbwd
         name = "last block backward" if k == L else "last checkpointed block backward (recomputed)"
         moments[name] = (front + inputs + [Term("one block recomputed", per_layer[k - 1], "block_saved")] + worst
                          + _weight_copies(model, run, 1, head=False))  # a recompute: its own

@@ -18,8 +18,10 @@ so each block is planned on its own (`layer_view`) and the model's linears are k
 - a padded CPU batch keeps its padding (`Gemma4Model.unpadded = False`): every token and the masks count.
 
 Modelled: LoRA / QLoRA runs in one process of the dense sizes (the expert block of the 26B-A4B size is
-refused with one line, as are full fine-tuning, several ranks, distillation and GRPO's sampler). Under
-nf4 / int8 the PLE projection is counted as a float weight.
+refused with one line, as are full fine-tuning, several ranks, distillation and GRPO's sampler); measured
+against the CPU on LoRA SFT steps (fp32 with checkpointing, bf16 autocast). Under nf4 / int8 the PLE
+projection is counted as a float weight; on CUDA one bool mask is counted where sliding and global
+layers build two.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ class Gemma4Shape(ByBlock, GemmaShape):
     def group(self, i: int) -> str:
         return ("global" if self.layer_types[i] == GLOBAL else "sliding") + ("-shared" if self.shares(i) else "")
 
+    def block_view(self, i: int) -> "Gemma4Shape":
+        return self.layer_view(i)
+
     def layer_view(self, i: int) -> "Gemma4Shape":
         glob = self.layer_types[i] == GLOBAL
         wide = self.double_wide and self.shares(i)
@@ -136,18 +141,36 @@ class Gemma4Shape(ByBlock, GemmaShape):
 
     @property
     def rope_dim(self) -> int:
-        return self.global_head_dim if GLOBAL in self.layer_types else self.head_dim
+        """One table per layer type: the sliding layers' head dim and the global layers'."""
+        kinds = set(self.layer_types)
+        return (self.head_dim if len(kinds) > 1 or GLOBAL not in kinds else 0) + (
+            self.global_head_dim if GLOBAL in kinds else 0)
 
     # ------------------------------------------------------------------ the whole model
 
     def small_params(self) -> tuple[int, str]:
         """Per block the sandwich norms (+ PLE's), q / k norms (own k only), `layer_scalar`; the final
-        norm; the PLE table, projection and its norm."""
+        norm and the PLE projection's norm."""
         D, L, P = self.hidden_size, self.num_hidden_layers, self.ple
         per = [(self.NORMS + (1 if P else 0)) * D + 1 + v.head_dim * (1 if self.shares(i) else 2)
                for i, v in ((i, self.layer_view(i)) for i in range(L))]
-        ple = self.ple_vocab * L * P + D * L * P + P if P else 0
-        return sum(per) + D + ple, f"{sum(per):,} in blocks + {D} + {ple:,} (per-layer embeddings)"
+        return sum(per) + D + (P if P else 0), f"{sum(per):,} in blocks + {D}" + (f" + {P} (PLE norm)" if P else "")
+
+    def ple_params(self) -> int:
+        """The per-layer embeddings' table (vocab_size_per_layer_input x L P) and projection (D x L P)."""
+        return (self.ple_vocab + self.hidden_size) * self.num_hidden_layers * self.ple
+
+    def num_params(self) -> int:
+        return super().num_params() + self.ple_params()
+
+    def weight_terms(self, run: RunShape) -> list[Term]:
+        """LLaMA's, + the per-layer embeddings in the compute dtype (the projection too, under nf4 / int8)."""
+        terms = super().weight_terms(run)
+        if self.ple:
+            L, P = self.num_hidden_layers, self.ple
+            terms.append(Term("weights: per-layer embeddings + projection", self.ple_params() * run.s,
+                              f"({self.ple_vocab:,} + {self.hidden_size:,}) x {L} x {P} x {run.s} B"))
+        return terms
 
     def saved_per_layer(self, run: RunShape) -> list[int]:
         return [sum(t.bytes for t in block_saved(self.layer_view(i), run)) for i in range(self.num_hidden_layers)]

@@ -22,10 +22,12 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
 - adapters on `in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b` read the normed x (as q / k / v);
   on `out_proj` the gated norm's output (H dv x s).
 
-Modelled: LoRA / QLoRA runs in one process (the SFT, DPO and KTO objectives). Full fine-tuning, several
-ranks, distillation and GRPO's sampler (its hybrid cache) are refused with one line. The DeltaNet
-backward's own working set is not modelled: the last block, whose backward runs with everything kept,
-is a full-attention one in the released layouts.
+Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
+steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
+shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning, several ranks,
+distillation and GRPO's sampler (its hybrid cache) are refused with one line. The DeltaNet backward's own
+working set is not modelled: the last block, whose backward runs with everything kept, is a
+full-attention one in the released layouts.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class Qwen3_5Shape(ByBlock, ModelShape):
 
     def of(self, mixer: str | None) -> "Qwen3_5Shape":
         return replace(self, mixer=mixer)
+
+    def block_view(self, i: int) -> "Qwen3_5Shape":
+        return self.of(self.layer_types[i])
 
     @property
     def channels(self) -> int:

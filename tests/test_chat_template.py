@@ -206,6 +206,10 @@ CASES = [  # (family folder, template fixture, mask shape, chats, template kwarg
     ("qwen", "qwen2_5", "chatml", [0, 1, 2], {}),
     ("qwen", "qwen3", "chatml", [0, 1, 2], {"enable_thinking": True}),
     ("qwen", "qwen3", "chatml", [0, 1, 2], {"enable_thinking": False}),
+    ("qwen", "qwen3_5_think", "chatml", [0, 1, 2], {}),  # Qwen3.5-4B and larger: thinking by default
+    ("qwen", "qwen3_5_think", "chatml", [0, 1, 2], {"enable_thinking": False}),
+    ("qwen", "qwen3_5_nothink", "chatml", [0, 1, 2], {}),  # Qwen3.5-2B and smaller: no thinking by default
+    ("qwen", "qwen3_5_nothink", "chatml", [0, 1, 2], {"enable_thinking": True}),
     ("gemma", "gemma2", "gemma", NO_SYSTEM, {}),
     ("gemma", "gemma3", "gemma", [0, 1, 2], {}),
     ("gemma4", "gemma4", "gemma4", [0, 1, 2], {}),
@@ -219,7 +223,8 @@ CASES = [  # (family folder, template fixture, mask shape, chats, template kwarg
 
 @pytest.mark.parametrize("family, template, shape, chats, kwargs", CASES,
                          ids=[f"{c[1]}-{c[0]}" + ("-nothink" if c[4].get("enable_thinking") is False else "")
-                              + ("-think" if c[0] == "gemma4" and c[4].get("enable_thinking") else "")
+                              + ("-think" if c[1] in ("gemma4", "qwen3_5_nothink") and c[4].get("enable_thinking")
+                                 else "")
                               for c in CASES])
 def test_template_ids_and_mask_equal_transformers(folder, family, template, shape, chats, kwargs):
     d = folder(family, template)
@@ -233,8 +238,11 @@ def test_template_ids_and_mask_equal_transformers(folder, family, template, shap
         ids, mask = tok.encode_chat(messages)
         assert ids == ref.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs), (template, k)
         text = ref.apply_chat_template(messages, tokenize=False, **kwargs)
-        if shape == "chatml" and kwargs.get("enable_thinking") is False:
-            header = r"<\|im_start\|>assistant\n(<think>\n\n</think>\n\n(?=[^\n]*<\|im_end\|>\n$))?"
+        if shape == "chatml":  # what the generation prompt adds after the header (Qwen3 / 3.5's think block) is
+            # prompt on the last turn: the target is what a model given that prompt generates
+            prompt = ref.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True, **kwargs)
+            tail = prompt[prompt.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n"):]
+            header = r"(?s)<\|im_start\|>assistant\n" + (f"(?:{re.escape(tail)}(?!.*<\\|im_start\\|>))?" if tail else "")
         assert mask == reference_mask(ref, text, header, eot), (template, k)
         # the prompt alone, as DPO renders it: the generation prompt and no target
         prompt = messages[:-1]
@@ -243,7 +251,8 @@ def test_template_ids_and_mask_equal_transformers(folder, family, template, shap
                                                 **kwargs)
 
 
-@pytest.mark.parametrize("family, template", [("qwen", "qwen3_generation"), ("llama3", "llama3_generation"),
+@pytest.mark.parametrize("family, template", [("qwen", "qwen3_generation"), ("qwen", "qwen3_5_think_training"),
+                                              ("qwen", "qwen3_5_nothink_training"), ("llama3", "llama3_generation"),
                                               ("gemma", "gemma2_generation"), ("qwen", "qwen2_5_generation"),
                                               ("phi3", "phi3_generation"), ("gptoss", "gptoss_training")])
 def test_generation_markers_give_transformers_assistant_mask(folder, family, template):
@@ -275,6 +284,30 @@ def test_qwen3_reasoning_and_thinking_switch(folder):
         assert mask == reference_mask(ref, text, *SHAPES["chatml"])
     tok.chat_template_kwargs = {"enable_thinking": False}
     ids, _ = tok.encode_chat(CHATS[0][:1], add_generation_prompt=True)
+    assert tok.decode(ids, skip_special=False).endswith("<think>\n\n</think>\n\n")
+
+
+def test_qwen3_5_reasoning_is_a_target_after_the_generation_prompt(folder):
+    """Qwen3.5 renders a think block on the turns after the last user query (the reasoning of the data,
+    or empty). With thinking on, the generation prompt ends in `<think>\n` and the target is the
+    reasoning, `</think>` and the answer; with it off, the empty block is prompt and the answer the target."""
+    chats = [
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "add them"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nb"},
+         {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>x</think>d"}],
+    ]
+    for template, kwargs, target in [("qwen3_5_think", {}, "add them\n</think>\n\n4<|im_end|>"),
+                                     ("qwen3_5_nothink", {"enable_thinking": True}, "add them\n</think>\n\n4<|im_end|>")]:
+        d = folder("qwen", template)
+        tok, ref = Tokenizer.from_folder(d), hf(d)
+        tok.chat_template_kwargs = dict(kwargs)
+        for messages in chats:
+            ids, mask = tok.encode_chat(messages)
+            assert ids == ref.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        ids, mask = tok.encode_chat(chats[0])
+        assert tok.decode([i for i, m in zip(ids, mask) if m], skip_special=False) == target
+    tok.chat_template_kwargs = {}  # qwen3_5_nothink's default: the empty block in the prompt
+    ids, _ = tok.encode_chat(chats[0][:1], add_generation_prompt=True)
     assert tok.decode(ids, skip_special=False).endswith("<think>\n\n</think>\n\n")
 
 

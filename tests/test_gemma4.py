@@ -17,8 +17,8 @@ every parameter's gradient and a LoRA step's (against peft), greedy generation a
 the cache (shared keys included), the saved folder. The multimodal `gemma4` checkpoint (a vision and an
 audio tower): its language model loads alone, peft on `AutoModelForImageTextToText` takes our adapter,
 merge and full fine-tuning write the towers back bit for bit. Through the CLI: LoRA SFT (packed and
-padded), DPO (shared prompt), exact resume on the MoE size; GGUF export and the memory plan refuse in
-one line.
+padded), DPO (shared prompt), exact resume on the MoE size; GGUF export and the MoE size's memory plan
+refuse in one line.
 """
 
 from __future__ import annotations
@@ -579,7 +579,8 @@ def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, t
 
 def test_what_does_not_apply_yet_is_one_line(g4, tmp_path, capsys):
     """GGUF export (llama.cpp reads Gemma 4, our writer does not write it yet: the line says so and how to
-    convert instead) and the memory plan each refuse in one line with exit 2, writing nothing."""
+    convert instead) and the memory plan of the MoE size each refuse in one line with exit 2, writing nothing;
+    the dense sizes' plan prints its table."""
     from minitrain.commands import export, plan
 
     model = g4("e2b")
@@ -589,9 +590,13 @@ def test_what_does_not_apply_yet_is_one_line(g4, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and "llama.cpp reads Gemma 4" in err[0], err
     assert not (tmp_path / "m.gguf").exists()
     data = sft_rows(tmp_path)
-    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={model}", f"data={data}"]) == 2
+    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={model}", f"data={data}"]) == 0  # the dense sizes
+    assert "2 sharing k/v" in capsys.readouterr().out
+    moe = g4("moe")
+    capsys.readouterr()
+    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={moe}", f"data={data}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "gemma4_text" in err[0] and "memory plan" in err[0], err
+    assert len(err) == 1 and "enable_moe_block" in err[0] and "memory plan" in err[0], err
 
 
 def test_moe_size_resumes_exactly_through_the_cli(g4, tmp_path, capsys):

@@ -26,7 +26,7 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
              "self_attn.qkv_proj": "xn", "mlp.gate_up_proj": "xn2"}
 
 
-PLANNED = "LLaMA, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3, Qwen3-MoE, Mixtral and T5"
+PLANNED = "LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3 (text), Gemma 4 (dense), Phi-3, Qwen3-MoE, Mixtral and T5"
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,28 @@ class ModelShape:
                 "self_attn.o_proj": (q, D), "mlp.gate_proj": (D, F), "mlp.up_proj": (D, F),
                 "mlp.down_proj": (F, D)}
 
+    def layers_with(self, name: str) -> int:
+        """How many blocks hold the linear `name` (every block here; a hybrid's mixers differ by layer)."""
+        return self.num_hidden_layers
+
+    def inputs(self) -> tuple[dict[str, str], dict[str, int]]:
+        """(which activation each linear reads, the width of each activation): what an adapter keeps."""
+        return _INPUT_OF, {"xn": self.hidden_size, "attn": self.q_width, "xn2": self.hidden_size,
+                           "act": self.intermediate_size}
+
+    def block_view(self, i: int) -> "ModelShape":
+        """Block i's shape (every block alike here: the model's own)."""
+        return self
+
+    def saved_per_layer(self, run: "RunShape") -> list[int]:
+        """Bytes each block keeps for backward (`block_saved`), layer by layer."""
+        return [sum(t.bytes for t in block_saved(self, run))] * self.num_hidden_layers
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head RoPE turns (its cos / sin tables' width)."""
+        return self.head_dim
+
     @property
     def blocks(self) -> int:
         """The repeated blocks (`model.block_types` instances) that `checkpointing` counts."""
@@ -130,8 +152,8 @@ class ModelShape:
 
     def num_params(self) -> int:
         D, V = self.hidden_size, self.vocab_size
-        linears = sum(i * o for i, o in self.linears().values())
-        return V * D * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * linears + self.small_params()[0]
+        linears = sum(i * o * self.layers_with(n) for n, (i, o) in self.linears().items())
+        return V * D * (1 if self.tie_word_embeddings else 2) + linears + self.small_params()[0]
 
     @property
     def plain_head(self) -> bool:
@@ -178,9 +200,29 @@ class ModelShape:
     def moments(self, run: "RunShape") -> tuple[dict[str, list["Term"]], list[str]]:
         return llama_moments(self, run)
 
+    def extra_model_saved(self, run: "RunShape") -> list["Term"]:
+        """What a forward keeps once beyond LLaMA's (`_model_saved`): none here; Gemma 4's per-layer inputs."""
+        return []
+
     def extra_block_saved(self, run: "RunShape") -> list["Term"]:
         """What a block keeps beyond LLaMA's (`block_saved`): none here; an MoE's routing and experts."""
         return []
+
+
+class ByBlock:
+    """What a shape planned block by block shares (Qwen3.5, Gemma 4: `saved_per_layer` from a view of
+    one block): its adapted linears counted over the blocks that hold them, and the runs it models."""
+
+    FAMILY: ClassVar[str] = ""
+
+    def adapted_summary(self, run: "RunShape") -> str:
+        return f"{sum(self.layers_with(n) for n in adapted_linears(self, run.lora_targets))} linears"
+
+    def check_run(self, run: "RunShape") -> None:
+        if run.full or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None or run.sample_rows:
+            raise UserError(f"the memory plan models {self.FAMILY} LoRA / QLoRA runs in one process (not "
+                            "finetune=full, several ranks, a teacher or GRPO's sampler) — memory_check=false skips "
+                            "the plan")
 
 
 # ----------------------------------------------------------------------------- weights and adapters
@@ -209,7 +251,7 @@ def weight_terms(model: ModelShape, run: RunShape) -> list[Term]:
         run = replace(run, compute="fp32")
     s = run.s  # the loader casts float tensors to the compute dtype (quantized runs too)
     L, D, V = model.num_hidden_layers, model.hidden_size, model.vocab_size
-    b, f = linears_bytes([(i, o, L) for i, o in model.linears().values()], run)
+    b, f = linears_bytes([(i, o, model.layers_with(n)) for n, (i, o) in model.linears().items()], run)
     heads = 1 if model.tie_word_embeddings else 2
     small, formula = model.small_params()
     return [Term("weights: block linears", b, f),
@@ -228,7 +270,7 @@ def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
     out = []
     for name in adapted_linears(model, run.lora_targets):
         i, o = lin[name]
-        out += [run.rank(i, o) * i, o * run.rank(i, o)] * model.num_hidden_layers
+        out += [run.rank(i, o) * i, o * run.rank(i, o)] * model.layers_with(name)
     D, V = model.hidden_size, model.vocab_size
     for m in run.modules_to_save:
         if matches("lm_head", m) or matches("model.embed_tokens", m):
@@ -295,7 +337,7 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     Hq = model.q_width
     adapted = [] if run.full else adapted_linears(model, run.lora_targets)
     lin = model.linears()
-    width = {"xn": D, "attn": Hq, "xn2": D, "act": F}
+    input_of, width = model.inputs()
     norms = model.NORMS
     terms = [Term("norm inputs (fp32)", N * norms * D * 4, f"{norms} x D x 4 per token")]
     terms += model.attention_saved(run)
@@ -305,12 +347,12 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     kept_attn = not any(t.name.startswith("attention q, k, v, out") for t in terms)  # SDPA keeps its output
     if run.cast_copies:
         kept = sum(lin[n][0] for n in adapted)  # one copy per adapter
-        shared = {_INPUT_OF[n] for n in lin if run.quantize == "int8"} - {"attn"}
+        shared = {input_of[n] for n in lin if run.quantize == "int8"} - {"attn"}
     else:
         kept = 0
-        shared = {_INPUT_OF[n] for n in adapted}
+        shared = {input_of[n] for n in adapted}
         if run.quantize == "int8":
-            shared |= {_INPUT_OF[n] for n in lin}
+            shared |= {input_of[n] for n in lin}
         if not kept_attn:
             shared -= {"attn"}  # the attention output is already counted (SDPA keeps it)
     kept += sum(width[k] for k in shared)
@@ -408,11 +450,11 @@ def _model_saved(model: ModelShape, run: RunShape) -> list[Term]:
     """Kept once per forward, outside the blocks: batch tensors, masks, RoPE tables, final norm."""
     N, s = run.tokens, run.s
     terms = [Term("batch tensors (ids, mask, labels)", N * 3 * 8, "3 x int64 per token"),
-             Term("RoPE cos, sin", N * 2 * model.head_dim * s, "2 x head_dim x s per token"),
+             Term("RoPE cos, sin", N * 2 * model.rope_dim * s, f"2 x {model.rope_dim} (rotary dims) x s per token"),
              Term("final norm input (fp32)", N * model.hidden_size * 4, "D x 4 per token")]
     if run.mask:
         terms.append(Term("attention mask (bool)", run.rows * run.seq * run.seq, "rows x T x T x 1"))
-    return terms
+    return terms + model.extra_model_saved(run)
 
 
 def logits_terms(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Term], int]:
@@ -565,16 +607,16 @@ def _scaled(terms: list[Term], k: int, name: str, formula: str) -> Term:
 def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term]], list[str]]:
     """LLaMA's candidate peaks (activations and transients) and notes."""
     L, N, s, D = model.num_hidden_layers, run.tokens, run.s, model.hidden_size
-    blk = block_saved(model, run)
-    per_block = sum(t.bytes for t in blk)
-    bwd = _block_backward(model, run)
+    per_layer = model.saved_per_layer(run)
+    bwd = _block_backward(model.block_view(L - 1), run)  # the last block's
     msaved = _model_saved(model, run)
     lfwd, lbwd, n = (logits_terms if run.teacher is None else _kd_logits)(model, run)
     res = 4 if run.full else s  # full fine-tuning: the fp32 embedding makes the residual stream fp32
     k = run.checkpointed(L)  # the first k blocks keep only their input; the other L - k their saved tensors
     inputs = [Term(f"block inputs x {k} (checkpointing)", k * N * D * res, f"{k} x N x D x {res}")] if k else []
-    kept = inputs + ([Term(f"saved activations x {L - k} blocks", (L - k) * per_block,
-                           f"{L - k} x {per_block / N:,.0f} B per token")] if k < L else [])
+    after = sum(per_layer[k:])
+    kept = inputs + ([Term(f"saved activations x {L - k} blocks", after,
+                           f"{after / N:,.0f} B per token over {L - k} blocks")] if k < L else [])
     copies = _weight_copies(model, run, L, head=True)  # the forward's: with checkpointing too (autocast's cache)
     front = [t for t in msaved if "final norm" not in t.name]
     moments = {
@@ -584,10 +626,10 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     if k < L:  # the last block kept its activations: its backward runs with everything kept
         moments["last block backward"] = front + kept + bwd + _weight_copies(model, run, L - k, head=False)
     if k:  # block k-1, the last checkpointed one, recomputed (the blocks after it are done and freed)
-        fwd = _block_forward(model, run)
-        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in bwd) else bwd
+        fwd, kbwd = _block_forward(model.block_view(k - 1), run), _block_backward(model.block_view(k - 1), run)
+        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in kbwd) else kbwd
         name = "last block backward" if k == L else "last checkpointed block backward (recomputed)"
-        moments[name] = (front + inputs + [Term("one block recomputed", per_block, "block_saved")] + worst
+        moments[name] = (front + inputs + [Term("one block recomputed", per_layer[k - 1], "block_saved")] + worst
                          + _weight_copies(model, run, 1, head=False))  # a recompute: its own
         if run.full and k < L:  # the gradients of the blocks after it and of this one, set_to_none until then
             moments[name].append(_grads_of(model, L - k + 1))
@@ -599,7 +641,7 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     if run.dpo_reference in ("base", "snapshot"):
         # no_grad forward before the policy's: at most one block's tensors alive at a time
         r = run if run.reference_rows in (None, run.rows) else replace(run, rows=run.reference_rows, targets=None)
-        one = Term("reference forward: one block (no grad)", sum(t.bytes for t in block_saved(model, r)),
+        one = Term("reference forward: one block (no grad)", max(model.saved_per_layer(r)),
                    "block_saved, freed as it goes" + (f"; {r.rows} rows" if r is not run else ""))
         ref = (_model_saved(model, r) if r is not run else msaved) + [one] + (logits_terms(model, r)[0] if r is not run
                                                                                else lfwd)

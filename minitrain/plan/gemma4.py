@@ -1,0 +1,208 @@
+"""The memory plan of Gemma 4 text (`models/gemma4.py`): layers that differ by kind, block by block.
+
+Gemma 3's method (`GemmaShape`: four sandwich norms keeping their fp32 inputs, GeGLU's three F-wide
+tensors, q / k norms, the soft-capped head's checkpointed loss chunks) over layers that are not alike,
+so each block is planned on its own (`layer_view`) and the model's linears are keyed by group
+(`sliding.self_attn.q_proj`, `global-shared.mlp.up_proj`: a target suffix still selects them):
+
+- global layers (`full_attention`) have `global_head_dim` and, with `attention_k_eq_v`,
+  `num_global_key_value_heads` and no `v_proj`;
+- the last `num_kv_shared_layers` layers hold no k / v projections or norms: they read the keys and
+  values of an earlier layer (kept by that layer's SDPA already), and with `use_double_wide_mlp` their
+  MLP is 2 x `intermediate_size` wide;
+- values get a norm without weight (its fp32 input, an rsqrt per kv head);
+- per-layer embeddings (PLE, width P): a second table (vocab_size_per_layer_input x L P) and the
+  projection of the embeddings (D -> L P) are weights; the per-layer inputs are kept once for the whole
+  forward ((D + L P) x s per token: `Gemma4Model.embed`'s concatenation, sliced by every layer); each
+  block keeps GELU's input (P x s) and a fifth norm's fp32 input (D x 4);
+- a padded CPU batch keeps its padding (`Gemma4Model.unpadded = False`): every token and the masks count.
+
+Modelled: LoRA / QLoRA runs in one process of the dense sizes (the expert block of the 26B-A4B size is
+refused with one line, as are full fine-tuning, several ranks, distillation and GRPO's sampler); measured
+against the CPU on LoRA SFT steps (fp32 with checkpointing, bf16 autocast). Under nf4 / int8 the PLE
+projection is counted as a float weight; on CUDA one bool mask is counted where sliding and global
+layers build two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from minitrain.errors import UserError
+from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved
+from minitrain.plan.run_shape import RunShape, Term
+
+GLOBAL = "full_attention"
+
+
+def _default_types(n: int) -> list[str]:
+    return ["sliding_attention" if (i + 1) % 6 else GLOBAL for i in range(n)]  # models.gemma4.default_layer_types
+
+
+@dataclass(frozen=True)
+class Gemma4Shape(ByBlock, GemmaShape):
+    """A Gemma 4 (dense) checkpoint's dims. `layer`: None for the whole model, or one block whose own
+    dims (`head_dim`, `num_key_value_heads`, `intermediate_size`) the shape then carries."""
+
+    layer_types: tuple[str, ...] = ()
+    global_head_dim: int = 512
+    global_kv_heads: int = 4
+    k_eq_v: bool = False
+    kv_shared: int = 0
+    double_wide: bool = False
+    ple: int = 0
+    ple_vocab: int = 0
+    layer: int | None = None
+    FAMILY: ClassVar[str] = "Gemma 4"
+    FAMILIES: ClassVar[tuple[str, ...]] = ("gemma4_text",)
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gemma4_text", "gemma4")
+    NORMS: ClassVar[int] = 4
+    UNPADS_ON_CPU: ClassVar[bool] = False  # Gemma4Model.unpadded
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Gemma4Shape":
+        if d.get("model_type") == "gemma4":  # the multimodal checkpoint: its language model
+            d = {**d.get("text_config", {}), "model_type": "gemma4_text",
+                 "tie_word_embeddings": d.get("tie_word_embeddings", True)}
+        if d.get("enable_moe_block"):
+            raise UserError(f"{where}: enable_moe_block — the memory plan models the dense Gemma 4 sizes, not the "
+                            f"expert block; memory_check=false skips the plan")
+        full = {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True, "global_head_dim": 512,
+                "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "sliding_window": 512,
+                **{k: v for k, v in d.items() if v is not None}}
+        for per in (d.get("per_layer_config") or {}).values():  # transformers 5's spelling of the global heads
+            full["global_head_dim"] = per.get("head_dim", full["global_head_dim"])
+            full["num_global_key_value_heads"] = per.get("num_key_value_heads")
+        dims = cls._dims(full, where, {})
+        L = dims["num_hidden_layers"]
+        types = [*(full.get("layer_types") or _default_types(L))[:-1], GLOBAL]  # the last layer is global
+        k_eq_v = bool(full.get("attention_k_eq_v", False))
+        kv = full.get("num_global_key_value_heads") if k_eq_v else None
+        return cls(**dims, qk_norm=True, final_softcap=full.get("final_logit_softcapping"),
+                   sliding_window=full["sliding_window"], layer_types=tuple(types),
+                   global_head_dim=full["global_head_dim"], global_kv_heads=kv or dims["num_key_value_heads"],
+                   k_eq_v=k_eq_v, kv_shared=full.get("num_kv_shared_layers", 0),
+                   double_wide=bool(full.get("use_double_wide_mlp", False)),
+                   ple=full["hidden_size_per_layer_input"] or 0, ple_vocab=full["vocab_size_per_layer_input"])
+
+    # ------------------------------------------------------------------ one block's view
+
+    def shares(self, i: int) -> bool:
+        """Whether layer i reads another layer's keys and values (the last `num_kv_shared_layers`)."""
+        return i >= self.num_hidden_layers - self.kv_shared
+
+    def group(self, i: int) -> str:
+        return ("global" if self.layer_types[i] == GLOBAL else "sliding") + ("-shared" if self.shares(i) else "")
+
+    def block_view(self, i: int) -> "Gemma4Shape":
+        return self.layer_view(i)
+
+    def layer_view(self, i: int) -> "Gemma4Shape":
+        glob = self.layer_types[i] == GLOBAL
+        wide = self.double_wide and self.shares(i)
+        return replace(self, layer=i, head_dim=self.global_head_dim if glob else self.head_dim,
+                       num_key_value_heads=self.global_kv_heads if glob else self.num_key_value_heads,
+                       intermediate_size=self.intermediate_size * (2 if wide else 1))
+
+    def block_linears(self) -> dict[str, tuple[int, int]]:
+        """This block's linears (a layer view): q / o, k / v unless shared (no v under k_eq_v on a global
+        layer), the MLP, the per-layer input's gate and projection."""
+        D, F, q, kv, i = self.hidden_size, self.intermediate_size, self.q_width, self.kv_width, self.layer
+        out = {"self_attn.q_proj": (D, q)}
+        if not self.shares(i):
+            out["self_attn.k_proj"] = (D, kv)
+            if not (self.k_eq_v and self.layer_types[i] == GLOBAL):
+                out["self_attn.v_proj"] = (D, kv)
+        out.update({"self_attn.o_proj": (q, D), "mlp.gate_proj": (D, F), "mlp.up_proj": (D, F),
+                    "mlp.down_proj": (F, D)})
+        if self.ple:
+            out.update({"per_layer_input_gate": (D, self.ple), "per_layer_projection": (self.ple, D)})
+        return out
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """A layer view: its block's linears; the whole model: each group's, keyed `group.name`."""
+        if self.layer is not None:
+            return self.block_linears()
+        out = {}
+        for i in range(self.num_hidden_layers):
+            out.update({f"{self.group(i)}.{n}": v for n, v in self.layer_view(i).block_linears().items()})
+        return out
+
+    def layers_with(self, name: str) -> int:
+        if self.layer is not None:
+            return 1
+        return sum(self.group(i) == name.split(".")[0] for i in range(self.num_hidden_layers))
+
+    def inputs(self) -> tuple[dict[str, str], dict[str, int]]:
+        of, width = super().inputs()
+        return {**of, "per_layer_input_gate": "out", "per_layer_projection": "ple"}, {
+            **width, "out": self.hidden_size, "ple": self.ple}
+
+    @property
+    def rope_dim(self) -> int:
+        """One table per layer type: the sliding layers' head dim and the global layers'."""
+        kinds = set(self.layer_types)
+        return (self.head_dim if len(kinds) > 1 or GLOBAL not in kinds else 0) + (
+            self.global_head_dim if GLOBAL in kinds else 0)
+
+    # ------------------------------------------------------------------ the whole model
+
+    def small_params(self) -> tuple[int, str]:
+        """Per block the sandwich norms (+ PLE's), q / k norms (own k only), `layer_scalar`; the final
+        norm and the PLE projection's norm."""
+        D, L, P = self.hidden_size, self.num_hidden_layers, self.ple
+        per = [(self.NORMS + (1 if P else 0)) * D + 1 + v.head_dim * (1 if self.shares(i) else 2)
+               for i, v in ((i, self.layer_view(i)) for i in range(L))]
+        return sum(per) + D + (P if P else 0), f"{sum(per):,} in blocks + {D}" + (f" + {P} (PLE norm)" if P else "")
+
+    def ple_params(self) -> int:
+        """The per-layer embeddings' table (vocab_size_per_layer_input x L P) and projection (D x L P)."""
+        return (self.ple_vocab + self.hidden_size) * self.num_hidden_layers * self.ple
+
+    def num_params(self) -> int:
+        return super().num_params() + self.ple_params()
+
+    def weight_terms(self, run: RunShape) -> list[Term]:
+        """LLaMA's, + the per-layer embeddings in the compute dtype (the projection too, under nf4 / int8)."""
+        terms = super().weight_terms(run)
+        if self.ple:
+            L, P = self.num_hidden_layers, self.ple
+            terms.append(Term("weights: per-layer embeddings + projection", self.ple_params() * run.s,
+                              f"({self.ple_vocab:,} + {self.hidden_size:,}) x {L} x {P} x {run.s} B"))
+        return terms
+
+    def saved_per_layer(self, run: RunShape) -> list[int]:
+        return [sum(t.bytes for t in block_saved(self.layer_view(i), run)) for i in range(self.num_hidden_layers)]
+
+    def attention_saved(self, run: RunShape) -> list[Term]:
+        """A shared layer's SDPA keeps its queries, output and lse (its keys and values are its source's);
+        an own layer's also the v norm's fp32 input and rsqrt; every block GELU's input of PLE."""
+        N, s = run.tokens, run.s
+        terms = super().attention_saved(run)
+        if self.shares(self.layer):
+            q, H = self.q_width, self.num_attention_heads
+            terms = [Term("attention q, k, v, out + lse (k, v: the source layer's)", N * (2 * q * s + H * 4),
+                          "2 Hq x s + heads x 4 per token"),
+                     Term("q norm input (fp32) + rsqrt", N * (q + H) * 4, "(Hq + heads) x 4 per token")] + [
+                t for t in terms if t.name.startswith("attention mask")]
+        else:
+            terms.append(Term("v norm input (fp32) + rsqrt", N * (self.kv_width + self.num_key_value_heads) * 4,
+                              "(Hk + kv heads) x 4 per token"))
+        if self.ple:
+            terms.append(Term("per-layer input: GELU input, post norm input (fp32)", N * self.ple * s
+                              + N * self.hidden_size * 4, "P x s + D x 4 per token"))
+        return terms
+
+    def describe(self) -> str:
+        g = self.layer_types.count(GLOBAL)
+        return (f"{self.num_hidden_layers} layers ({self.num_hidden_layers - g} sliding, {g} global, "
+                f"{self.kv_shared} sharing k/v), hidden {self.hidden_size}, per-layer inputs {self.ple}, "
+                f"vocab {self.vocab_size:,}")
+
+    def extra_model_saved(self, run: RunShape) -> list[Term]:
+        """Kept once per forward: the embeddings with every layer's per-layer input after them."""
+        if not self.ple:
+            return []
+        w = self.hidden_size + self.num_hidden_layers * self.ple
+        return [Term("per-layer inputs (with the embeddings)", run.tokens * w * run.s, "(D + L P) x s per token")]

@@ -1,0 +1,170 @@
+"""The memory plan of Qwen3.5 (`models/qwen3_5.py`): Gated DeltaNet layers among gated full-attention ones.
+
+LLaMA's method (`minitrain.plan.decoder`), block by block, since the two kinds of layer keep different
+tensors: `layer_types` says which layer is which, and a shape with `mixer` set is one kind's block
+(its mixer's linears + the SwiGLU MLP). Every norm but the gated one is Gemma's (1 + w), which keeps
+LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step on the CPU):
+
+- a DeltaNet layer (value heads H of dv, key heads of dk, convolution channels Ch = 2 Hk dk + H dv,
+  the chunk C = 64) keeps per token: the convolution's output (SiLU's input, Ch x s), one float mask per
+  tap (K x 4, restarts at sequence starts), q and k repeated to the value heads for the L2 norm (2 H dk
+  x 4, fp32) with their rsqrt, beta and the log decay (2 H x 4), and the gated RMSNorm's fp32 tensors
+  (its input, the normalised value, the gate and SiLU's output: 4 H dv x 4, + an rsqrt per head);
+- the chunked delta rule keeps, per token of the sequence padded to whole chunks, eight (C, C) blocks
+  per head (the decay, the triangular system and its solve, q . k, ...: 8 H C x 4) and the pair mask
+  (C bytes), four dk-wide and one dv-wide fp32 tensor per head (the chunked keys, the solve's
+  right-hand side, each chunk's updates u: (4 dk + dv) H x 4) and six scalars per head; and per chunk
+  the recurrent state S entering it (H dk dv x 4). So memory grows with the sequence times the chunk,
+  never with the sequence squared;
+- a full-attention layer: Qwen3's (q / k norms) with the output gate, whose product keeps the
+  attention output and sigmoid's output (2 Hq x s) and gives o_proj its own input; RoPE tables of the
+  rotary dims only (`partial_rotary_factor`);
+- adapters on `in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b` read the normed x (as q / k / v);
+  on `out_proj` the gated norm's output (H dv x s).
+
+Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
+steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
+shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning, several ranks,
+distillation and GRPO's sampler (its hybrid cache) are refused with one line. The DeltaNet backward's own
+working set is not modelled: the last block, whose backward runs with everything kept, is a
+full-attention one in the released layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from minitrain.errors import UserError
+from minitrain.plan.decoder import ByBlock, ModelShape, block_saved
+from minitrain.plan.run_shape import RunShape, Term
+
+CHUNK = 64  # models.qwen3_5.GatedDeltaNet.chunk_size
+DEFAULTS = dict(num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                linear_num_value_heads=32, full_attention_interval=4)  # transformers' class defaults
+DELTANET = {"linear_attn.in_proj_qkv": "xn", "linear_attn.in_proj_z": "xn", "linear_attn.in_proj_b": "xn",
+            "linear_attn.in_proj_a": "xn", "linear_attn.out_proj": "dn"}
+
+
+@dataclass(frozen=True)
+class Qwen3_5Shape(ByBlock, ModelShape):
+    """A Qwen3.5 (dense) checkpoint's dims. `mixer`: None for the whole model, or one kind of layer
+    ("linear_attention", "full_attention") whose block `block_saved` then describes."""
+
+    layer_types: tuple[str, ...] = ()
+    rotary_dim: int = 0
+    conv_kernel: int = 4
+    key_heads: int = 16
+    value_heads: int = 32
+    key_dim: int = 128
+    value_dim: int = 128
+    mixer: str | None = None
+    FAMILY: ClassVar[str] = "Qwen3.5"
+    FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Qwen3_5Shape":
+        if d.get("model_type") == "qwen3_5":  # the multimodal checkpoint: its language model
+            d = {**d.get("text_config", {}), "model_type": "qwen3_5_text",
+                 "tie_word_embeddings": d.get("tie_word_embeddings", False)}
+        full = {**DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+        rope = full.get("rope_parameters") or full.get("rope_scaling") or {}
+        partial = rope.get("partial_rotary_factor", full["partial_rotary_factor"])
+        dims = cls._dims(full, where, {})
+        L, n = dims["num_hidden_layers"], full["full_attention_interval"]
+        types = tuple(full.get("layer_types") or ["full_attention" if (i + 1) % n == 0 else "linear_attention"
+                                                  for i in range(L)])
+        if len(types) != L or set(types) - {"linear_attention", "full_attention"}:
+            raise UserError(f"{where}: layer_types must list linear_attention / full_attention once per layer — "
+                            f"the memory plan cannot read {list(types)}")
+        bias = bool(full.get("attention_bias", False))
+        return cls(**dims, qkv_bias=bias, o_bias=bias, qk_norm=True, layer_types=types,
+                   rotary_dim=int(dims["head_dim"] * partial), conv_kernel=full["linear_conv_kernel_dim"],
+                   key_heads=full["linear_num_key_heads"], value_heads=full["linear_num_value_heads"],
+                   key_dim=full["linear_key_head_dim"], value_dim=full["linear_value_head_dim"])
+
+    def of(self, mixer: str | None) -> "Qwen3_5Shape":
+        return replace(self, mixer=mixer)
+
+    def block_view(self, i: int) -> "Qwen3_5Shape":
+        return self.of(self.layer_types[i])
+
+    @property
+    def channels(self) -> int:
+        """The DeltaNet convolution's channels: q, k (key heads x dk) and v (value heads x dv)."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        D, Hv, C = self.hidden_size, self.value_heads, self.channels
+        out = {}
+        if self.mixer != "linear_attention":
+            q, kv = self.q_width, self.kv_width
+            out.update({"self_attn.q_proj": (D, 2 * q), "self_attn.k_proj": (D, kv), "self_attn.v_proj": (D, kv),
+                        "self_attn.o_proj": (q, D)})
+        if self.mixer != "full_attention":
+            out.update({"linear_attn.in_proj_qkv": (D, C), "linear_attn.in_proj_z": (D, Hv * self.value_dim),
+                        "linear_attn.in_proj_b": (D, Hv), "linear_attn.in_proj_a": (D, Hv),
+                        "linear_attn.out_proj": (Hv * self.value_dim, D)})
+        F = self.intermediate_size
+        return {**out, "mlp.gate_proj": (D, F), "mlp.up_proj": (D, F), "mlp.down_proj": (F, D)}
+
+    def layers_with(self, name: str) -> int:
+        if name.startswith("mlp."):
+            return self.num_hidden_layers
+        return self.layer_types.count("linear_attention" if name.startswith("linear_attn.") else "full_attention")
+
+    def inputs(self) -> tuple[dict[str, str], dict[str, int]]:
+        """o_proj reads the gated product (its own tensor, "gated"); out_proj the gated norm's output."""
+        of, width = super().inputs()
+        return ({**of, **DELTANET, "self_attn.o_proj": "gated"},
+                {**width, "dn": self.value_heads * self.value_dim, "gated": self.q_width})
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim
+
+    def small_params(self) -> tuple[int, str]:
+        """Per block the two norms; an attention layer's q / k norms (+ biases); a DeltaNet layer's
+        convolution (Ch x K), dt_bias and A_log (H each) and gated norm (dv); the final norm."""
+        D, hd = self.hidden_size, self.head_dim
+        full, lin = self.layer_types.count("full_attention"), self.layer_types.count("linear_attention")
+        attn = 2 * hd + (2 * self.q_width + 2 * self.kv_width + D if self.qkv_bias else 0)
+        delta = self.channels * self.conv_kernel + 2 * self.value_heads + self.value_dim
+        n = self.num_hidden_layers * 2 * D + full * attn + lin * delta + D
+        return n, f"{self.num_hidden_layers} x 2 x {D} + {full} x {attn:,} + {lin} x {delta:,} + {D}"
+
+    def describe(self) -> str:
+        lin = self.layer_types.count("linear_attention")
+        return (f"{self.num_hidden_layers} layers ({lin} Gated DeltaNet, {self.num_hidden_layers - lin} full "
+                f"attention), hidden {self.hidden_size}, vocab {self.vocab_size:,}")
+
+    def saved_per_layer(self, run: RunShape) -> list[int]:
+        per = {t: sum(x.bytes for x in block_saved(self.of(t), run)) for t in set(self.layer_types)}
+        return [per[t] for t in self.layer_types]
+
+    def attention_saved(self, run: RunShape) -> list[Term]:
+        if self.mixer == "linear_attention":
+            return self.deltanet_saved(run)
+        N, s, q = run.tokens, run.s, self.q_width
+        return super().attention_saved(run) + [
+            Term("output gate: attention output + sigmoid", N * 2 * q * s, "2 x Hq x s per token")]
+
+    def deltanet_saved(self, run: RunShape) -> list[Term]:
+        """What a DeltaNet layer keeps beyond its linears' inputs (the module docstring)."""
+        N, s, H, dk, dv, K = run.tokens, run.s, self.value_heads, self.key_dim, self.value_dim, self.conv_kernel
+        repeated = self.value_heads > self.key_heads  # else q, k are views of SiLU's output, kept whole
+        per = self.channels * s + K * 4 + (2 * H * dk * 4 if repeated else self.channels * s) + 2 * H * 4 + 2 * H * 4
+        rows = 1 if run.real_tokens is not None else run.rows  # a ragged batch: one row, end to end
+        padded = rows * math.ceil(N / rows / CHUNK) * CHUNK
+        chunks = padded // CHUNK
+        per_padded = 8 * H * CHUNK * 4 + CHUNK + (4 * dk + dv) * H * 4 + 6 * H * 4
+        return [Term("DeltaNet: conv output, tap masks, q / k norm inputs, beta, decay", N * per,
+                     f"{per:,} B per token"),
+                Term("DeltaNet: chunked delta rule (per chunk: C x C blocks, u, keys)", padded * per_padded,
+                     f"{padded:,} padded tokens x (8 H C x 4 + C + (4 dk + dv) H x 4 + 6 H x 4) = {per_padded:,} B"),
+                Term("DeltaNet: the state entering each chunk", chunks * H * dk * dv * 4,
+                     f"{chunks} chunks x H x dk x dv x 4"),
+                Term("DeltaNet: gated RMSNorm (fp32)", N * (4 * H * dv + H) * 4, "(4 H dv + H) x 4 per token")]

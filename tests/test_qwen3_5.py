@@ -197,6 +197,34 @@ def test_packed_and_padded_rows_equal_each_sequence_alone(folder):
     assert rel(hidden(ours, ids, mask)[1, :14], hidden(ours, ids[1:, :14])[0]) <= 1e-4
 
 
+def test_no_document_reads_another_through_rounding(folder):
+    """A padded batch runs as one packed row on the CPU (rows of 41, 34, 48 and 37 tokens: the last row
+    starts inside a 64-token chunk that the third one filled). The last row's hidden states do not move
+    when the third row's tokens change, and its loss gives the other rows' embeddings no gradient. The
+    chunk's cumulative log decay taken in fp32 let them do both: G_i - G_j of the last row's tokens kept
+    only ~1e-7 x the decay the third row had summed (outputs moved by 1e-4, gradients 0.3% of the row's own)."""
+    ours = load_ours(folder)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 100, (n,), generator=g).tolist() + [2] for n in (40, 33, 47, 36)]
+    T = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    other = ids.clone()
+    other[2, :47] = torch.randint(3, 100, (47,), generator=g)
+    assert hidden(ours, ids, mask)[3, :37].equal(hidden(ours, other, mask)[3, :37])
+    seen = {}
+
+    def leaf(module, args, out):
+        seen["embeds"] = out.detach().requires_grad_()
+        return seen["embeds"]
+
+    hook = ours.model.embed_tokens.register_forward_hook(leaf)
+    ours(ids, mask)[3, 36].square().sum().backward()
+    hook.remove()
+    grad = seen["embeds"].grad.abs().amax(-1)  # (B, T)
+    assert float(grad[:3].max()) <= 1e-9 * float(grad[3].max()), (float(grad[:3].max()), float(grad[3].max()))
+
+
 def test_a_shared_prefix_row_equals_each_sequence_after_the_prefix(folder):
     """DPO's shared prompt / GRPO's group layout (document 0 the prefix, seen by every document): each
     document gets the hidden states of [prefix; document] run alone, the prefix those of itself alone."""

@@ -384,16 +384,12 @@ def test_reading_the_scored_positions_only_equals_the_full_forward(hf_causal, fa
         assert enable_checkpointing(model) == 2
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 100, (n,), generator=g).tolist() + [2] for n in (40, 33, 47, 36)]
-    # pad == eos: the scored token is the one before this row's last real token. Not for Qwen3.5: its backward
-    # (the full forward's alike, before this shortcut too) gives a token after the scored one a gradient, 0.4%
-    # of its neighbours', that should be 0 — a separate bug, which the two paths do not share to 1e-5
-    if family != "qwen3_5":
-        rows[2][-1] = PAD
+    rows[2][-1] = PAD  # pad == eos: the scored token is the one before this row's last real token
     T = max(map(len, rows))
     ids = torch.tensor([r + [PAD] * (T - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
     at = last_non_pad(ids, PAD)
-    assert at.tolist() == [40, 33, 47 if family == "qwen3_5" else 46, 36]
+    assert at.tolist() == [40, 33, 46, 36]
 
     seen: list[int] = []  # the rows the last layer's MLP saw
     mlp = model.model.layers[-1].mlp

@@ -251,9 +251,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     n = (T + pad) // C
     q, k, v = (t.reshape(B, H, n, C, t.shape[-1]) for t in (q, k, v))
     g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
-    G = g.double().cumsum(-1)  # (B, H, n, C) log decay from the chunk's start to each token, in fp64 (below)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= i
     if segments is None:
+        G = g.cumsum(-1)  # (B, H, n, C) log decay from the chunk's start to each token
         pairs = causal
         carry = carry_last = same_last = None
     else:
@@ -264,11 +264,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         carry_last = carry[..., -1:]
         same_last = (seg == seg[..., -1:]).float()  # token j's update reaches the chunk's final state
         pairs = causal & (seg[..., :, None] == seg[..., None, :])  # (B, 1, n, C, C)
-    # e^{G_i - G_j}: the differences taken in fp64, then fp32. In fp32 a G that earlier tokens of the chunk made
-    # large (strong decay, another document of a packed row) leaves G_i - G_j only ~1e-7 x |G| exact: a
-    # document would read its neighbours' decays through the rounding (1e-4 of its outputs, 0.3% gradients)
-    decay = (G[..., :, None] - G[..., None, :]).float().masked_fill(~pairs, float("-inf")).exp()  # (B, H, n, C, C)
-    eG = G.float().exp()
+        # the log decay summed over each token's own segment only (a masked sum, not cumsum's differences:
+        # G_i - G_j of a document that starts inside a chunk would keep the rounding of the decays the
+        # documents before it summed, and read them: 1e-4 of its outputs, 0.3% of its gradients)
+        G = torch.einsum("bxnij,bhnj->bhni", pairs.to(g.dtype), g)
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~pairs, float("-inf")).exp()  # (B, H, n, C, C) e^{G_i - G_j}
+    eG = G.exp()
     kdec = k * eG[..., None] if carry is None else k * (eG * carry)[..., None]
     system = (k @ k.transpose(-1, -2)) * decay * beta[..., None]  # strictly lower part used (unit diagonal)
     rhs = torch.cat([v, kdec], dim=-1) * beta[..., None]
@@ -277,9 +278,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     attn = (q @ k.transpose(-1, -2)) * decay  # (B, H, n, C, C)
     qdec = q * eG[..., None] if carry is None else q * (eG * carry)[..., None]
     last = G[..., -1:]  # (B, H, n, 1)
-    to_end = (last - G).float().exp() if same_last is None else (last - G).float().exp() * same_last
+    # (other segments' G are their own sums now, so last - G may be large there: masked before the exp)
+    to_end = (last - G).exp() if same_last is None else (last - G).masked_fill(same_last == 0, float("-inf")).exp()
     kend = k * to_end[..., None]  # (B, H, n, C, dk)
-    keep = last.float().exp() if carry_last is None else last.float().exp() * carry_last  # (B, H, n, 1)
+    keep = last.exp() if carry_last is None else last.exp() * carry_last  # (B, H, n, 1)
     S = state.float() if state is not None else q.new_zeros(B, H, dk, dv)
     out = []
     # per chunk by `unbind`, not c-indexing: its backward is one stack, where each index's would fill a

@@ -200,9 +200,9 @@ def test_packed_and_padded_rows_equal_each_sequence_alone(folder):
 def test_no_document_reads_another_through_rounding(folder):
     """A padded batch runs as one packed row on the CPU (rows of 41, 34, 48 and 37 tokens: the last row
     starts inside a 64-token chunk that the third one filled). The last row's hidden states do not move
-    when the third row's tokens change, and its loss gives the other rows' embeddings no gradient. The
-    chunk's cumulative log decay taken in fp32 let them do both: G_i - G_j of the last row's tokens kept
-    only ~1e-7 x the decay the third row had summed (outputs moved by 1e-4, gradients 0.3% of the row's own)."""
+    when the third row's tokens change, and its loss gives the other rows' embeddings no gradient. A
+    cumulative log decay over the whole chunk let them do both: G_i - G_j of the last row's tokens kept the
+    rounding of the decays the third row had summed (outputs moved by 1e-4, gradients 0.3% of the row's own)."""
     ours = load_ours(folder)
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 100, (n,), generator=g).tolist() + [2] for n in (40, 33, 47, 36)]

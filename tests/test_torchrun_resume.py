@@ -11,7 +11,7 @@ equal, over whole runs with evaluation, checkpoints, resume and the final save.
 - A SIGKILL of one rank in mid-run ends the run (never a hang), and the resume equals the uninterrupted
   run; so does the resume of a checkpoint whose save was cut short (a temporary folder of parts left
   beside it, or a save killed between its two renames).
-- Every other recipe (DPO, KTO, GRPO, distillation, T5, ARD, LRC), in each mode it supports: cut at 2
+- Every other recipe (DPO, KTO, GRPO, distillation, T5, ARD, LRC, the reward model), in each mode it supports: cut at 2
   ranks, resumed at 2 ranks for one step (2 -> 2: that step's row as the uninterrupted 2-rank ddp run's,
   bitwise for ddp, to 1e-5 for fsdp; one uninterrupted run per recipe; GRPO's completions equal),
   then in one process (2 -> 1: the adapter to 1e-5 where the steps draw no random numbers; GRPO's
@@ -233,6 +233,7 @@ RECIPES = {  # recipe: (modes it supports under torchrun, extra keys, whether it
     "lora_t5.py": (("ddp", "fsdp"), ("lora_dropout=0",), False),  # (and the tiny T5 has dropout_rate 0)
     "ard_lora_llama.py": (("ddp",), (), True),  # its gates are sampled (it refuses fsdp: they need the whole model)
     "lrc_llama.py": (("ddp",), ("quantize=ternary",), False),  # ternary bases are not sharded
+    "reward_model.py": (("ddp",), (), False),  # (it refuses fsdp)
 }
 EXACT = ("step", "loss", "grad_norm", "tokens", "target_tokens")  # a row's values that a resume must repeat
 

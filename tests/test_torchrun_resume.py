@@ -346,3 +346,16 @@ def test_a_stuck_rank_is_named_by_rank_0_within_dist_timeout(sft):
     assert when - stopped < 5 + 5 + 10  # dist_timeout + the wait for the other ranks' word + slack
     assert p.returncode != 0
 
+
+
+def test_grpo_with_tools_cut_and_resumed_under_torchrun(tmp_path):
+    """The tool-use demo (tool calls in the rollout, each rank its own) on 2 ddp ranks, cut after 2 of 4
+    steps and resumed with resume=true: the ranks make the same collectives, every step is logged once,
+    with its tool metrics."""
+    args = ["recipes/grpo_qwen.py", f"config={REPO / 'demo' / 'grpo_tools' / 'run.json'}", "max_steps=4",
+            "eval_every=0", f"out={tmp_path / 'run'}"]
+    launch(2, keys(args, "stop_after=2"))
+    launch(2, keys(args, "resume=true"))
+    got = rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert all("tools/call_frequency" in r and "tools/failure_frequency" in r for r in got)

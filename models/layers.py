@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence
 
@@ -604,57 +605,77 @@ class Ragged:
     mask makes it compute. Real tokens get the padded batch's values (to float rounding); padding
     positions come out as zeros. Not on CUDA: there a Python loop over sequences would defeat the
     per-block compile (a graph per set of lengths), and padding is what length grouping removes.
+
+    `prefixes`: rows of several sequences with a shared prefix (`document_runs`: DPO's and the reward
+    model's [prompt, chosen, rejected], GRPO's [prompt, completions]): per sequence, the index of the
+    sequence it also sees before its own tokens (its prompt, whose positions its own continue), -1
+    none; empty: none does.
     """
 
     lengths: tuple[int, ...]
     window: int | None = None
+    prefixes: tuple[int, ...] = ()
+
+    def seen(self, i: int, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What sequence i's queries may read of a per-sequence split (`parts`): its prefix's, then its own."""
+        j = self.prefixes[i] if self.prefixes else -1
+        return parts[i] if j < 0 else torch.cat([parts[j], parts[i]])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        """q (N, H, hd), k / v (N, Hkv, hd) -> (N, H, hd): attention over each sequence alone.
-        `attention(q, k, v, mask)` on (1, H, n, hd) tensors, mask None (causal) or bool (1, 1, n, n)
-        (a window shorter than the sequence); default SDPA."""
+        """q (N, H, hd), k / v (N, Hkv, hd) -> (N, H, hd): attention over each sequence alone (and its
+        prefix). `attention(q, k, v, mask)` on (1, H, n, hd) tensors, mask None (causal) or bool
+        (1, 1, n, m) (a prefix, or a window shorter than the sequence); default SDPA."""
         attention = attention or sdpa
         n_rep, out = q.shape[1] // k.shape[1], []
         # `split`, not slices: its backward is one concatenation, where each slice's would fill a
         # zero tensor the size of the whole batch and add into it
-        for n, qs, ks, vs in zip(self.lengths, *(t.split(self.lengths) for t in (q, k, v))):
-            qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # (1, heads, n, hd)
+        k_parts, v_parts = k.split(self.lengths), v.split(self.lengths)
+        for i, qs in enumerate(q.split(self.lengths)):
+            ks, vs = self.seen(i, k_parts), self.seen(i, v_parts)
+            n, m = qs.shape[0], ks.shape[0]  # query j is key m - n + j
+            qs, ks, vs = (t.transpose(0, 1)[None] for t in (qs, ks, vs))  # (1, heads, n | m, hd)
             ks, vs = repeat_kv(ks, n_rep), repeat_kv(vs, n_rep)
-            mask = None  # causal, unless a window is shorter than the sequence
-            if self.window is not None and n > self.window:
-                mask = attention_mask_4d(torch.ones(1, n, dtype=torch.bool, device=q.device), 0, self.window)
+            mask = None  # causal, unless a prefix comes first or a window is shorter than the sequence
+            if m > n or (self.window is not None and m > self.window):
+                at = torch.arange(m - n, m, device=q.device)[:, None]  # (n, 1) each query's index among the keys
+                key = torch.arange(m, device=q.device)[None]
+                mask = (key <= at) & (True if self.window is None else at - key < self.window)
+                mask = mask[None, None]
             out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
         return torch.cat(out)
 
 
 @dataclass(frozen=True)
 class Queries:
-    """The last layer of an unpadded forward read at one position per sequence (a reward model's score):
-    given in place of a mask, with x the M = len(lengths) read positions' rows (M, D) only, so the
-    layer's query path, attention output, residual and MLP run for those rows alone. `keys` (N, D) is
-    the layer's normed input at every real token (the batch end to end, as `Ragged`), with `cos` / `sin`
-    (N, hd): what its keys and values are made of. `at`: each sequence's read position within it."""
+    """The last layer of an unpadded forward read at some positions only (a reward model's score):
+    given in place of a mask, with x the M read positions' rows (M, D) only, so the layer's query path,
+    attention output, residual and MLP run for those rows alone. `keys` (N, D) is the layer's normed
+    input at every real token (`layout`'s, end to end), with `cos` / `sin` (N, hd): what its keys and
+    values are made of. `reads`: each read's (sequence, position within the sequence's own tokens)."""
 
-    lengths: tuple[int, ...]
-    at: tuple[int, ...]
+    layout: Ragged
+    reads: tuple[tuple[int, int], ...]
     keys: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    window: int | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attention: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        """q (M, H, hd), k / v (N, Hkv, hd) -> (M, H, hd): each query over its sequence's keys up to its
-        position (inside `window`). `attention(q, k, v, mask)` as `Ragged.attend`'s; default SDPA."""
+        """q (M, H, hd), k / v (N, Hkv, hd) -> (M, H, hd): each query over its sequence's keys (after its
+        prefix's) up to its position (inside the window). `attention(q, k, v, mask)` as `Ragged.attend`'s."""
         attention = attention or sdpa
+        lay = self.layout
         n_rep, out = q.shape[1] // k.shape[1], []
-        for i, (p, ks, vs) in enumerate(zip(self.at, k.split(self.lengths), v.split(self.lengths))):
-            lo = 0 if self.window is None else max(0, p + 1 - self.window)  # the keys the query may see
+        k_parts, v_parts = k.split(lay.lengths), v.split(lay.lengths)
+        for i, (s, p) in enumerate(self.reads):
+            ks, vs = lay.seen(s, k_parts), lay.seen(s, v_parts)
+            at = ks.shape[0] - lay.lengths[s] + p  # the query's index among the keys
+            lo = 0 if lay.window is None else max(0, at + 1 - lay.window)  # the keys the query may see
             qs = q[i : i + 1].transpose(0, 1)[None]  # (1, H, 1, hd)
-            ks, vs = (repeat_kv(t[lo : p + 1].transpose(0, 1)[None], n_rep) for t in (ks, vs))  # (1, H, n, hd)
+            ks, vs = (repeat_kv(t[lo : at + 1].transpose(0, 1)[None], n_rep) for t in (ks, vs))  # (1, H, n, hd)
             # all True, not None: SDPA's causal mask is aligned top-left (one query would see one key)
-            mask = torch.ones(1, 1, 1, p + 1 - lo, dtype=torch.bool, device=q.device)
+            mask = torch.ones(1, 1, 1, at + 1 - lo, dtype=torch.bool, device=q.device)
             out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
         return torch.cat(out)
 
@@ -665,15 +686,16 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
 
 
-def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, lengths: tuple[int, ...],
+def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, layout: Ragged,
                      layers: Sequence[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], int | None]],
                      norm: nn.Module, read_at: torch.Tensor | None = None) -> torch.Tensor:
     """A padded batch's layer loop without its padding (see `Ragged`): x (B, T, D) the embedded
-    batch, `layers` (layer, (cos, sin) (B, T, hd), window) in order -> hidden (B, T, D) after
-    `norm`, zeros at the padding. Each layer gets x (N, D), its tables (N, hd) and a `Ragged`.
+    batch, `layout` its real tokens' sequences in row-major order (its window unset), `layers` (layer,
+    (cos, sin) (B, T, hd), window) in order -> hidden (B, T, D) after `norm`, zeros at the padding.
+    Each layer gets x (N, D), its tables (N, hd) and the layout with its window.
 
-    `read_at` (B,): one real position per row (every row has one) -> hidden (B, D) at those positions;
-    the last layer then gets those rows only and a `Queries` (see `reads_at_positions`)."""
+    `read_at` (B,) or (B, K): real positions of each row -> hidden (B, D) or (B, K, D) at those
+    positions; the last layer then gets those rows only and a `Queries` (see `reads_at_positions`)."""
     B, T, D = x.shape
     real = valid.flatten().nonzero().squeeze(1)  # (N,) row-major: each row's tokens in order
     h = x.flatten(0, 1)[real]  # (N, D)
@@ -682,12 +704,16 @@ def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, lengths: tuple[int, .
         if id(cos) not in tables:
             tables[id(cos)] = cos.flatten(0, 1)[real], sin.flatten(0, 1)[real]
         cos_n, sin_n = tables[id(cos)]
+        at_window = dataclasses.replace(layout, window=window)
         if read_at is not None and i == len(layers) - 1:
-            rows = torch.searchsorted(real, torch.arange(B, device=x.device) * T + read_at)  # (B,) into the N rows
-            starts = torch.tensor(lengths, device=x.device).cumsum(0) - torch.tensor(lengths, device=x.device)
-            keys = Queries(lengths, tuple((rows - starts).tolist()), layer.input_layernorm(h), cos_n, sin_n, window)
-            return norm(layer(h[rows], cos_n[rows], sin_n[rows], keys))  # (B, D)
-        h = layer(h, cos_n, sin_n, Ragged(lengths, window))
+            flat = (torch.arange(B, device=x.device)[:, None] * T + read_at.reshape(B, -1)).flatten()
+            rows = torch.searchsorted(real, flat)  # (M,) into the N rows
+            starts = torch.tensor(layout.lengths, device=x.device).cumsum(0) - torch.tensor(layout.lengths, device=x.device)
+            seqs = torch.searchsorted(starts, rows, right=True) - 1
+            reads = tuple(zip(seqs.tolist(), (rows - starts[seqs]).tolist()))
+            keys = Queries(at_window, reads, layer.input_layernorm(h), cos_n, sin_n)
+            return norm(layer(h[rows], cos_n[rows], sin_n[rows], keys)).view(*read_at.shape, D)
+        h = layer(h, cos_n, sin_n, at_window)
     out = h.new_zeros(B, T, D)  # written through a (B * T, D) view, so the result is no view (FSDP2 warns of one)
     out.view(B * T, D).index_copy_(0, real, norm(h))
     return out
@@ -722,6 +748,39 @@ def ragged_lengths(valid: torch.Tensor) -> tuple[int, ...] | None:
     if bool(((changes > 2) | ((changes == 2) & valid[:, 0])).any()):
         return None
     return tuple(n for n in valid.sum(1).tolist() if n)
+
+
+def document_runs(document_ids: torch.Tensor, position_ids: torch.Tensor) -> Ragged | None:
+    """Rows of several sequences (`document_mask_mod`'s ids) as the `Ragged` layout of their real tokens
+    in row-major order: per row its prefix (id 0) and each document, a document with the row's prefix
+    seeing it (`prefixes`). None where the per-sequence loop does not apply: a CPU forward only; in each
+    row the prefix one run before every document, each document one run, positions counting up by one
+    within a run and a document's continuing its prefix's (so that index distances are position
+    distances, as windows need); sequences of `RAGGED_MIN_LENGTH` tokens or more on average (below,
+    the loop costs more than the dense mask)."""
+    if document_ids.device.type != "cpu":
+        return None
+    lengths, prefixes = [], []
+    for ids, pos in zip(document_ids.tolist(), position_ids.tolist()):
+        prefix, last, seen, t = -1, 0, set(), 0  # last: the prefix's last position
+        while t < len(ids):
+            d, u = ids[t], t + 1
+            while u < len(ids) and ids[u] == d:
+                u += 1
+            if d >= 0:
+                if d in seen or (d == 0 and seen) or any(pos[w + 1] != pos[w] + 1 for w in range(t, u - 1)):
+                    return None
+                if d == 0:
+                    prefix, last = len(lengths), pos[u - 1]
+                elif prefix >= 0 and pos[t] != last + 1:
+                    return None
+                seen.add(d)
+                lengths.append(u - t)
+                prefixes.append(prefix if d > 0 else -1)
+            t = u
+    if not lengths or sum(lengths) < RAGGED_MIN_LENGTH * len(lengths):
+        return None
+    return Ragged(tuple(lengths), prefixes=tuple(prefixes) if max(prefixes) >= 0 else ())
 
 
 # --------------------------------------------------------------------------------------------
@@ -1429,9 +1488,9 @@ class DecoderBody(nn.Module):
         values for every token, `reads_at_positions`); otherwise the full forward, then the gather.
         """
         if read_at is not None:
-            if cache is not None or document_ids is not None or hidden_layers or attention_layers or embeds is not None:
-                raise ValueError("read_at reads a plain forward: no KV cache, document_ids, captured layers or embeds")
-            return self.read_positions(input_ids, attention_mask, position_ids, read_at)
+            if cache is not None or hidden_layers or attention_layers or embeds is not None:
+                raise ValueError("read_at reads a plain forward: no KV cache, captured layers or embeds")
+            return self.read_positions(input_ids, attention_mask, position_ids, read_at, document_ids)
         B, T = input_ids.shape
         x = self.embed(input_ids) if embeds is None else embeds  # (B, T, D)
         if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
@@ -1450,7 +1509,7 @@ class DecoderBody(nn.Module):
         tables = self.rope_tables(position_ids, x.dtype)  # per layer: cos, sin (B, T, hd)
         lengths = None if hidden_layers or attention_layers or not self.unpadded else unpadded_lengths(valid, padded, cache)
         if lengths:
-            return forward_unpadded(x, valid, lengths, list(zip(self.layers, tables, self.windows)), self.norm)
+            return forward_unpadded(x, valid, Ragged(lengths), list(zip(self.layers, tables, self.windows)), self.norm)
         # one mask per distinct window (Qwen mixes full and sliding layers); None lets SDPA use its
         # causal kernels (flash on CUDA); otherwise an explicit bool mask (B, 1, T, S)
         masks = {
@@ -1463,22 +1522,37 @@ class DecoderBody(nn.Module):
         return out
 
     def read_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                       position_ids: torch.Tensor | None, read_at: torch.Tensor) -> torch.Tensor:
-        """`forward` with `read_at` (B,): hidden (B, D) after the final norm at one position per row."""
+                       position_ids: torch.Tensor | None, read_at: torch.Tensor,
+                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` with `read_at` (B,) or (B, K): hidden (B, D) or (B, K, D) after the final norm at
+        those positions of each row (with `document_ids`: rows of several sequences)."""
         B, T = input_ids.shape
-        read_at = read_at.to(input_ids.device)
-        valid = (torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if attention_mask is None
-                 else attention_mask.to(device=input_ids.device).bool())
-        if attention_mask is not None and attention_mask.dim() == 2 and position_ids is None and self.unpadded \
-                and reads_at_positions(self.layers[-1]):
+        index = read_at.to(input_ids.device).reshape(B, -1)  # (B, K)
+        layout = None
+        if document_ids is not None:
+            if position_ids is None:
+                raise ValueError("read_at with document_ids needs position_ids")
+            layout = self.document_layout(document_ids, position_ids)
+            valid = document_ids.to(input_ids.device) >= 0
+        elif attention_mask is not None and attention_mask.dim() == 2 and position_ids is None and self.unpadded:
+            valid = attention_mask.to(device=input_ids.device).bool()
             lengths = unpadded_lengths(valid, True, None)  # a batch without padding too: its Ragged costs the same
-            if lengths and len(lengths) == B and bool(valid[torch.arange(B, device=valid.device), read_at].all()):
-                x = self.embed(input_ids)
-                tables = self.rope_tables((valid.long().cumsum(-1) - 1).clamp(min=0), x.dtype)
-                return forward_unpadded(x, valid, lengths, list(zip(self.layers, tables, self.windows)), self.norm,
-                                        read_at)
-        hidden = self(input_ids, attention_mask, position_ids)  # (B, T, D)
-        return hidden[torch.arange(B, device=hidden.device), read_at]
+            if lengths and len(lengths) == B:
+                layout, position_ids = Ragged(lengths), (valid.long().cumsum(-1) - 1).clamp(min=0)
+        if layout is not None and reads_at_positions(self.layers[-1]) and bool(valid.gather(1, index).all()):
+            x = self.embed(input_ids)
+            tables = self.rope_tables(position_ids.to(x.device), x.dtype)
+            return forward_unpadded(x, valid, layout, list(zip(self.layers, tables, self.windows)), self.norm, index
+                                    ).view(*read_at.shape, -1)
+        hidden = self(input_ids, attention_mask, position_ids, document_ids=document_ids)  # (B, T, D)
+        return hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1])).view(*read_at.shape, -1)
+
+    def document_layout(self, document_ids: torch.Tensor, position_ids: torch.Tensor) -> Ragged | None:
+        """The `Ragged` layout of rows of several sequences (`document_runs`) where this model's layers take
+        one (the unpadded path, every layer the floor's attention block); else None (a dense or block mask)."""
+        if not self.unpadded or not all(reads_at_positions(layer) for layer in self.layers):
+            return None
+        return document_runs(document_ids, position_ids)
 
     def _layers(self, x: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence,
                 cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]
@@ -1506,6 +1580,11 @@ class DecoderBody(nn.Module):
         if cache is not None or position_ids is None:
             raise ValueError("a 4-D attention_mask or document_ids need position_ids and no KV cache")
         pos = position_ids.to(x.device)
+        if document_ids is not None and (mask is None or mask.dim() == 2) and not (hidden_layers or attention_layers):
+            layout = self.document_layout(document_ids, pos)  # on a CPU: each sequence alone, no (T, T) mask
+            if layout is not None:
+                return forward_unpadded(x, document_ids.to(x.device) >= 0, layout,
+                                        list(zip(self.layers, self.rope_tables(pos, x.dtype), self.windows)), self.norm)
         flex = self.packed_attention == "flex" and not (hidden_layers or attention_layers)
         masks = row_masks(mask, pos, document_ids, set(self.windows), flex)
         return self._layers(x, self.rope_tables(pos, x.dtype), [masks[w] for w in self.windows], None,

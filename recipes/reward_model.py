@@ -96,7 +96,7 @@ def setup(config: RewardConfig) -> Job:
     if not eval_examples:
         log("note: no eval_data — no held-out accuracy (pass eval_data=pairs.jsonl or eval_split=0.05)")
     objective = RewardObjective(tok.pad_id, config.center_rewards_coefficient)
-    collate = functools.partial(collate_reward_pairs, pad_id=tok.pad_id)
+    collate = functools.partial(collate_reward_pairs, pad_id=tok.pad_id, shared_prompt=config.shared_prompt)
     return Job(model, objective, train_examples, collate, eval_examples, lora, tok)
 
 

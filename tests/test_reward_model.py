@@ -82,10 +82,17 @@ def trl_trainer(rm_folder, tmp_path_factory):
 LONG_PAIRS = [(c[:-1] + list(range(40, 70)) + c[-1:], r[:-1] + list(range(70, 100)) + r[-1:], m) for c, r, m in PAIRS]
 
 
-@pytest.mark.parametrize("margin,center,pairs", [(False, None, PAIRS), (True, None, PAIRS), (True, 0.01, PAIRS),
-                                                 (False, 0.3, PAIRS), (False, None, LONG_PAIRS),
-                                                 (True, 0.01, LONG_PAIRS)], ids=str)
-def test_loss_gradients_and_metrics_equal_trl_reward_trainer(trl_trainer, rm_folder, margin, center, pairs):
+# LONG_PAIRS after a 40-token prompt: with shared_prompt=true, rows [prompt, chosen rest, rejected rest] of 32+
+# tokens a sequence, which a CPU runs sequence by sequence (models/layers.py `document_runs`)
+PROMPT = [3 + (7 * i) % 120 for i in range(40)]
+SHARED_PAIRS = [(c[:1] + PROMPT + c[1:], r[:1] + PROMPT + r[1:], m) for c, r, m in LONG_PAIRS]
+
+
+@pytest.mark.parametrize("margin,center,pairs,shared", [
+    (False, None, PAIRS, False), (True, None, PAIRS, False), (True, 0.01, PAIRS, False), (False, 0.3, PAIRS, False),
+    (False, None, LONG_PAIRS, False), (True, 0.01, LONG_PAIRS, False), (True, 0.01, PAIRS, True),
+    (True, 0.01, SHARED_PAIRS, True)], ids=str)
+def test_loss_gradients_and_metrics_equal_trl_reward_trainer(trl_trainer, rm_folder, margin, center, pairs, shared):
     trainer = trl_trainer
     trainer.args.center_rewards_coefficient = center
     trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
@@ -101,7 +108,11 @@ def test_loss_gradients_and_metrics_equal_trl_reward_trainer(trl_trainer, rm_fol
     for p in ours_model.parameters():
         p.requires_grad_(True)
     objective = RewardObjective(PAD, center)
-    batch = collate_reward_pairs(our_examples(margin, pairs), PAD)
+    batch = collate_reward_pairs(our_examples(margin, pairs), PAD, shared_prompt=shared)
+    if shared:  # one row per pair; long enough rows run sequence by sequence, the last layer at the scores only
+        assert batch["input_ids"].shape[0] == len(pairs)
+        layout = ours_model.model.document_layout(batch["document_ids"], batch["position_ids"])
+        assert (layout is not None) == (pairs is SHARED_PAIRS)
     loss_sum, count, metrics = objective(ours_model, batch)
     (loss_sum / count).backward()
 

@@ -102,3 +102,76 @@ def test_rejected_tokens_never_see_the_chosen_ones():
     assert m[3] == [1, 1, 1, 1, 0]
     pad = masks[1, 0].int().tolist()
     assert b["attention_mask"][1].tolist() == [1, 1, 1, 0, 0] and pad[2] == [1, 0, 1, 0, 0] and pad[4] == [0, 0, 0, 0, 1]
+
+
+def _rows(layouts: list[list[tuple[int, int]]], g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Rows from (document id, length) runs (-1 padding): ids, positions (a document with the row's
+    prefix (0) continuing its positions, every other run from 0) and document ids."""
+    T = max(sum(n for _, n in row) for row in layouts)
+    ids, pos, docs = [], [], []
+    for row in layouts:
+        p, d, prefix = [], [], 0
+        for doc, n in row + [(-1, T - sum(n for _, n in row))]:
+            start = prefix if doc > 0 else 0
+            p += list(range(start, start + n))
+            d += [doc] * n
+            prefix = n if doc == 0 else prefix
+        ids.append(torch.randint(3, 100, (T,), generator=g))
+        pos.append(p)
+        docs.append(d)
+    return torch.stack(ids), torch.tensor(pos), torch.tensor(docs)
+
+
+SEVERAL = ["llama", "mistral-window", "gemma2", "phi3_partial_window", "qwen3_moe", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", SEVERAL)
+def test_rows_of_several_sequences_run_each_sequence_alone_on_a_cpu(hf_causal, family):
+    """Rows of several sequences (DPO's and the reward model's [prompt, chosen, rejected], packed rows,
+    GRPO's [prompt, completions], with padding at either end) run on a CPU through the per-sequence loop
+    (`models.layers.document_runs`: no (T, T) mask; each sequence after its prefix): the hidden states,
+    the hidden states read at some positions (`read_at` (B, K): the reward model's two scores a row)
+    and every gradient equal the dense-mask forward's (`unpadded = False`). Windows (shorter than the
+    sequences), soft caps, partial rotary, experts and gpt-oss's sinks included."""
+    from test_families import FAMILY_VARIANTS
+    from test_moe import MOE_VARIANTS
+
+    if family in ("llama", "mistral-window"):
+        kw = {"model_type": "mistral", "sliding_window": 8} if family == "mistral-window" else {}
+        folder = hf_causal(f"shared_{family}", **kw)
+    elif family in FAMILY_VARIANTS:
+        folder = hf_causal(f"fam_{family}", **FAMILY_VARIANTS[family])
+    else:
+        folder = hf_causal(f"moe_{family}", **MOE_VARIANTS[family])
+    model = load_pretrained(folder, models.from_hf_config).train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    g = torch.Generator().manual_seed(0)
+    layouts = [[(0, 40), (1, 32), (2, 30)], [(-1, 3), (0, 35), (1, 40), (2, 24), (-1, 2)],
+               [(1, 33), (2, 37), (3, 36)], [(0, 40), (1, 30), (2, 35), (3, 33)]]  # 32+ tokens a sequence
+    ids, pos, docs = _rows(layouts, g)
+    body = model.model
+    assert body.document_layout(docs, pos).prefixes == (-1, 0, 0, -1, 3, 3, -1, -1, -1, -1, 9, 9, 9)
+    reads = torch.tensor([[71, 101], [77, 101], [32, 105], [69, 137]])  # a real position or two of each row
+    weights = torch.randn(ids.shape + (model.config.hidden_size,), generator=g)
+
+    def run(unpadded: bool):
+        body.unpadded = unpadded
+        model.zero_grad(set_to_none=True)
+        hidden = model(ids, position_ids=pos, document_ids=docs)
+        read = model(ids, position_ids=pos, document_ids=docs, read_at=reads)  # (B, 2, D)
+        ((hidden * weights * (docs >= 0)[..., None]).sum() + read.square().sum()).backward()
+        return hidden.detach(), read.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}
+
+    try:
+        runs, dense = run(True), run(False)
+    finally:
+        body.unpadded = True
+    real = (docs >= 0)[..., None]
+    torch.testing.assert_close(runs[0] * real, dense[0] * real, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runs[1], dense[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runs[1], dense[0][torch.arange(4)[:, None], reads], atol=1e-5, rtol=1e-5)
+    assert set(runs[2]) == set(dense[2])
+    for n, grad in dense[2].items():
+        torch.testing.assert_close(runs[2][n], grad, atol=1e-5 * max(1.0, float(grad.abs().max())), rtol=1e-5, msg=n)

@@ -35,6 +35,8 @@ What runs (each run a fresh `python` subprocess, so peak RSS and start-up are ho
 - reward model (`--kinds rm`): `recipes/reward_model.py` (LoRA + the scalar head, `modules_to_save=score`)
   against `trl.RewardTrainer` + peft (`AutoModelForSequenceClassification`, num_labels 1, task SEQ_CLS,
   `modules_to_save=["score"]`), on the DPO pairs (prompt + answer, both sides: no row is cut or dropped);
+  `--shared-prompt` runs minitrain's DPO and reward model with `shared_prompt=true` (one row [prompt,
+  chosen rest, rejected rest] per pair, exact; TRL has no such layout, its side is unchanged);
 - GRPO (`--kinds grpo`): `recipes/grpo_qwen.py` against `trl.GRPOTrainer` + peft on the demo's toy
   task and tiny model (demo/grpo: "the last digit of a sum", the recipe's `last_digit` reward on both
   sides), the same prompts per step, G, max_completion_length, temperature 1, loss dapo, beta 0 (no
@@ -237,9 +239,10 @@ def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[
         return [sys.executable, "-m", "minitrain", "recipes/kto_mistral.py", f"data={info['kto']}", "eval_data=",
                 f"max_steps={a.dpo_steps}", f"batch_size={2 * a.dpo_batch}", f"grad_accum={a.dpo_accum}", "beta=0.1",
                 *common]
+    shared = ["shared_prompt=true"] if a.shared_prompt and kind in ("dpo", "rm") else []
     if kind == "rm":
         return [sys.executable, "-m", "minitrain", "recipes/reward_model.py", f"data={info['dpo']}", "eval_data=",
-                f"max_steps={a.dpo_steps}", f"batch_size={a.dpo_batch}", f"grad_accum={a.dpo_accum}", *common]
+                f"max_steps={a.dpo_steps}", f"batch_size={a.dpo_batch}", f"grad_accum={a.dpo_accum}", *shared, *common]
     if kind == "grpo":  # the demo's toy task and model (demo/grpo), not the bench checkpoint
         return [sys.executable, "-m", "minitrain", "recipes/grpo_qwen.py", f"model={GRPO_DEMO / 'model'}",
                 f"data={GRPO_DEMO / 'train.jsonl'}", "eval_data=", "rewards=last_digit", f"out={out}",
@@ -252,7 +255,7 @@ def mt_command(kind: str, a: argparse.Namespace, info: dict, out: Path) -> list[
     loss = ["loss_type=orpo", "sft_weight=1.0"] if kind == "orpo" else ["loss_type=sigmoid", "sft_weight=0.0"]
     return [sys.executable, "-m", "minitrain", "recipes/dpo_mistral.py", f"data={info['dpo']}", "eval_data=",
             f"max_steps={a.dpo_steps}", f"batch_size={a.dpo_batch}", f"grad_accum={a.dpo_accum}", "beta=0.1",
-            *loss, *common]
+            *loss, *shared, *common]
 
 
 def hf_spec(kind: str, a: argparse.Namespace, info: dict, out: Path) -> dict:
@@ -632,7 +635,9 @@ def render(a: argparse.Namespace, results: dict, info: dict, argv: list[str], ex
                 if "grpo" in results else "")
              + (f"; reward model: the same pairs, {a.dpo_batch} pairs x accumulation {a.dpo_accum} per step, LoRA + "
                 f"the scalar head (modules_to_save score; HF: AutoModelForSequenceClassification, TRL's RewardTrainer)"
-                if "rm" in results else "") + ".",
+                if "rm" in results else "")
+             + ("; minitrain's DPO and reward model with shared_prompt=true (one row [prompt, chosen rest, rejected "
+                "rest] per pair; TRL's two rows)" if a.shared_prompt else "") + ".",
              ""]
     for kind in results:
         lines += table(results, kind, moe=bool(a.experts)) + [""]
@@ -903,6 +908,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-imports", action="store_true", help="skip the import-time probe")
     p.add_argument("--mt-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the minitrain runs only (experiments; PYTHONPATH is prepended)")
+    p.add_argument("--shared-prompt", action="store_true",
+                   help="minitrain's DPO and reward-model runs with shared_prompt=true (a row [prompt, chosen, "
+                        "rejected] per pair; TRL has no such layout: its side is unchanged)")
     p.add_argument("--tag", default="", help="a name for this set of runs (kept apart in the cache)")
     p.add_argument("--sides", type=lambda x: x.split(","), default=["mt", "hf"], help="mt,hf (default) or one of them")
     p.add_argument("--worker", metavar="SPEC.json", help=argparse.SUPPRESS)

@@ -41,6 +41,12 @@ class KTOConfig(TrainConfig):
                             "pairs within a batch, which needs at least 2 rows — use batch_size=2 or more")
 
 
+def shared_prompt_key():
+    """The `shared_prompt` key of the pair objectives (DPO's, the reward model's)."""
+    return doc(False, "one row [prompt, chosen, rejected] per pair: the prompt's forward and backward run once "
+                      "(exact; faster when prompts are long)")
+
+
 @dataclass
 class DPOConfig(TrainConfig):
     """A DPO run: `TrainConfig` plus the preference-loss keys (names and defaults as TRL's DPOConfig)."""
@@ -54,8 +60,7 @@ class DPOConfig(TrainConfig):
     ref_batch_size: int = doc(0, "pairs per batch when precomputing the reference (0: 2 x batch_size)", ge=0)
     drop_identical_pairs: bool = doc(False, "drop pairs whose chosen and rejected are the same tokens (counted); "
                                             "else such a pair is an error naming its line")
-    shared_prompt: bool = doc(False, "one row [prompt, chosen, rejected] per pair: the prompt's forward and "
-                                     "backward run once (exact; faster when prompts are long)")
+    shared_prompt: bool = shared_prompt_key()
     packing: bool = doc(False, "pack each micro-batch's chosen and rejected sequences into rows of up to max_len "
                                "tokens (positions restart, attention stays inside each sequence; same loss)")
 
@@ -129,6 +134,7 @@ class RewardConfig(TrainConfig):
                                                    ge=0, example=0.01)
     drop_identical_pairs: bool = doc(False, "drop pairs whose chosen and rejected are the same tokens (counted); "
                                             "else such a pair is an error naming its line")
+    shared_prompt: bool = shared_prompt_key()
 
     def check(self) -> None:
         super().check()

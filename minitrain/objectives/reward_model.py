@@ -32,7 +32,7 @@ from torch import nn
 from minitrain.data.collate import collate_preference
 from minitrain.errors import UserError
 from minitrain.objectives.configs import REWARD_BATCH, SCORE_HEAD
-from minitrain.objectives.dpo import evaluate_dpo
+from minitrain.objectives.dpo import collate_shared_prompt, evaluate_dpo
 from minitrain.objectives.reference import num_pairs
 
 CLASSIFIER = "ForSequenceClassification"
@@ -126,10 +126,25 @@ def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tens
     return losses
 
 
-def collate_reward_pairs(examples: Sequence[dict], pad_id: int) -> dict[str, Any]:
+def collate_reward_pairs(examples: Sequence[dict], pad_id: int, shared_prompt: bool = False) -> dict[str, Any]:
     """`collate_preference`'s `[chosen; rejected]` rows (right-padded with `pad_id`, as TRL's collator),
-    plus `margin` (P,) fp32 from the examples (0 where none was read)."""
-    batch = collate_preference(examples, pad_id)
+    plus `margin` (P,) fp32 from the examples (0 where none was read).
+
+    `shared_prompt`: one row `[prefix, chosen rest, rejected rest]` per pair instead (`collate_shared_prompt`:
+    the prompt's forward and backward once, rejected never seeing chosen), with `read_at` (P, 2): where
+    each answer's scored token (its last that is not `pad_id`, as `last_non_pad` finds it in its own
+    sequence) sits in the row."""
+    if not shared_prompt:
+        batch = collate_preference(examples, pad_id)
+    else:
+        batch = collate_shared_prompt(examples, pad_id)
+        reads = []
+        for ex, doc in zip(examples, batch["document_ids"].tolist()):
+            n = doc.count(0)  # the shared prefix
+            c, r = (int(last_non_pad(torch.tensor(ex[k]), pad_id)) for k in ("chosen_ids", "rejected_ids"))
+            # rejected's own tokens follow chosen's in the row
+            reads.append([c, r if r < n else len(ex["chosen_ids"]) + r - n])
+        batch["read_at"] = torch.tensor(reads)
     batch["margin"] = torch.tensor([float(ex.get("margin", 0.0)) for ex in examples], dtype=torch.float32)
     return batch
 
@@ -137,7 +152,8 @@ def collate_reward_pairs(examples: Sequence[dict], pad_id: int) -> dict[str, Any
 class RewardObjective:
     """`(model, batch) -> (loss summed over pairs, number of pairs, metrics)` for a reward model.
 
-    One forward of the `collate_reward_pairs` batch scores both answers of every pair. Held-out
+    One forward of the `collate_reward_pairs` batch scores both answers of every pair (two rows per pair, or
+    with `shared_prompt` one row `[prefix, chosen rest, rejected rest]` read at both answers' ends). Held-out
     evaluation is `evaluate_dpo` over `pair_stats` (`eval/loss`, `eval/accuracy`, ...)."""
 
     token_level = False
@@ -149,8 +165,13 @@ class RewardObjective:
     def pair_stats(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Per-pair tensors (P,): `loss` (with graph) and the metric values (detached)."""
         P = num_pairs(batch)
-        rewards = sequence_rewards(model, batch["input_ids"], batch.get("attention_mask"), self.pad_id)  # (2P,)
-        r_c, r_r = rewards[:P], rewards[P:]
+        if "read_at" in batch:  # collate_reward_pairs(shared_prompt=True): a row per pair, both answers read
+            last = model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                         read_at=batch["read_at"])  # (P, 2, D)
+            r_c, r_r = getattr(model, SCORE_HEAD)(last).squeeze(-1).float().unbind(-1)
+        else:
+            rewards = sequence_rewards(model, batch["input_ids"], batch.get("attention_mask"), self.pad_id)  # (2P,)
+            r_c, r_r = rewards[:P], rewards[P:]
         losses = reward_loss(r_c, r_r, batch.get("margin"), self.center)
         c, r = r_c.detach(), r_r.detach()
         return {"loss": losses, "accuracy": (c > r).float(), "margin": c - r, "rewards/chosen": c,

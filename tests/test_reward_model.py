@@ -422,7 +422,8 @@ def test_reading_the_scored_positions_only_equals_the_full_forward(hf_causal, fa
 
 def test_a_killed_run_resumes_bitwise(base_model, tmp_path, capsys):
     """stop_after=2 then resume=true: the steps after the checkpoint equal the uninterrupted run's (the
-    head in modules_to_save, the margin column, the optimizer state all in the checkpoint)."""
+    head in modules_to_save, the margin column, the optimizer state all in the checkpoint). The same run
+    with shared_prompt=true logs the same steps to float rounding."""
     from minitrain.cli import run_cli
 
     data = _pairs_file(tmp_path / "prefs.jsonl")
@@ -437,3 +438,9 @@ def test_a_killed_run_resumes_bitwise(base_model, tmp_path, capsys):
     assert [r["step"] for r in rows[1]] == [1, 2, 3, 4]
     for x, y in zip(*rows):
         assert (x["loss"], x["grad_norm"], x["accuracy"]) == (y["loss"], y["grad_norm"], y["accuracy"])
+    # shared_prompt=true: a row [prompt, chosen rest, rejected rest] per pair, the same run to float rounding
+    assert run_cli([*args, f"out={tmp_path / 'c'}", "shared_prompt=true"]) == 0
+    shared = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    for x, y in zip(rows[0], shared, strict=True):
+        assert (x["loss"], x["grad_norm"], x["accuracy"]) == pytest.approx((y["loss"], y["grad_norm"], y["accuracy"]),
+                                                                          abs=1e-5, rel=1e-5)

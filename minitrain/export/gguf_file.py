@@ -14,7 +14,14 @@ What changes on the way (as llama.cpp's own converter does it, convert_hf_to_ggu
 - mixture-of-experts (Qwen2-MoE `qwen2moe`, Qwen3-MoE `qwen3moe`, Mixtral on `llama`): the fused
   `experts.gate_up_proj` (E, 2F, D) splits into llama.cpp's stacked `ffn_gate_exps` / `ffn_up_exps`
   (E, F, D), `experts.down_proj` (E, D, F) is `ffn_down_exps` as it is; the router is `ffn_gate_inp`,
-  Qwen2-MoE's shared expert and its gate the `*_shexp` tensors.
+  Qwen2-MoE's shared expert and its gate the `*_shexp` tensors;
+- Qwen3.5 (`qwen35`; a multimodal folder's language model, without its towers and `mtp.*` head): the
+  (1 + w) norms store 1 + w but the DeltaNet's gated norm; `A_log` is stored as A = -exp(A_log)
+  (`ssm_a`), `dt_bias` as `ssm_dt.bias`, the convolution as (channels, kernel); with fewer key heads than
+  value heads the value heads are reordered from grouped by key head to tiled (rows of the value part of
+  `in_proj_qkv`, of `in_proj_z`, `in_proj_a`, `in_proj_b`, `A_log`, `dt_bias` and of the convolution's
+  value channels; columns of `out_proj`), the order llama.cpp's broadcast reads; the layer pattern is
+  written as `full_attention_interval`, the multimodal RoPE sections as `rope.dimension_sections`.
 
 `check_exportable(config)` refuses, in one line, what llama.cpp would run differently from the
 checkpoint: another family, a RoPE scaling it does not take, a sliding window shorter than the context
@@ -62,6 +69,8 @@ FAMILIES = {
     "qwen2_moe": Family("qwen2moe", False, False),
     "qwen3_moe": Family("qwen3moe", False, False),
     "mixtral": Family("llama", True, False),
+    "qwen3_5_text": Family("qwen35", False, True),  # (1 + w) norms but the DeltaNet's gated one (`linear_attn.norm`)
+    "qwen3_5": Family("qwen35", False, True),
 }
 # the top-k routing weights renormalised to sum to 1 (`norm_topk_prob`), as llama.cpp's graph has it
 RENORMALISES = {"qwen2_moe": False, "qwen3_moe": True}
@@ -98,8 +107,29 @@ def rope_scaling(config: Mapping[str, Any]) -> dict[str, Any]:
     return {} if kind in (None, "default") else dict(rs, rope_type=kind)
 
 
+def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's language model settings (`text_config`, over the outer keys) with the
+    outer `model_type`; a text config as it is."""
+    inner = config.get("text_config")
+    return dict(config) if not isinstance(inner, Mapping) else {**config, **inner, "model_type": config["model_type"]}
+
+
+def full_attention_interval(config: Mapping[str, Any]) -> int:
+    """Qwen3.5's layer pattern as llama.cpp's qwen35 reads it: every n-th layer attends, the others are
+    DeltaNet layers; a `layer_types` list of another pattern is a UserError."""
+    n = int(config.get("full_attention_interval") or 4)
+    types = config.get("layer_types")
+    if types:
+        n = next((i + 1 for i, t in enumerate(types) if t == "full_attention"), len(types) + 1)
+        if types != ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(len(types))]:
+            raise UserError("config.json: layer_types is not one full-attention layer every n layers — llama.cpp's "
+                            "qwen35 places its attention layers by full_attention_interval alone; not exported")
+    return n
+
+
 def check_exportable(config: Mapping[str, Any]) -> Family:
     """The family of config.json, or a `UserError` saying what llama.cpp cannot run as the checkpoint does."""
+    config = text_config(config)
     kind = config.get("model_type")
     if kind in NOT_WRITTEN:
         raise UserError(f"config.json: model_type {kind!r}: {NOT_WRITTEN[kind]}")
@@ -109,7 +139,7 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
     rs = rope_scaling(config)
     allowed = {"llama": ("linear", "llama3"), "qwen2": ("linear", "yarn"), "qwen3": ("linear", "yarn"),
                "qwen2moe": ("linear", "yarn"), "qwen3moe": ("linear", "yarn"),
-               "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su")}[fam.arch]
+               "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su"), "qwen35": ()}[fam.arch]
     if rs and rs["rope_type"] not in allowed:
         raise UserError(f"config.json: rope_scaling {rs['rope_type']!r} on {kind} — llama.cpp's {fam.arch} takes "
                         f"{', '.join(allowed) or 'none'}; not exported")
@@ -133,13 +163,15 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
             raise UserError(f"config.json: norm_topk_prob={bool(config.get('norm_topk_prob'))} — llama.cpp's "
                             f"{fam.arch} {'always' if RENORMALISES[kind] else 'never'} renormalises the top-k "
                             f"routing weights, so it would not compute this model; not exported")
+    if fam.arch == "qwen35":
+        full_attention_interval(config)
     if kind in ("qwen2", "qwen2_moe") and config.get("use_sliding_window"):
         raise UserError("config.json: use_sliding_window=true — llama.cpp's qwen2 attends to the whole context; "
                         "not exported")
     if kind == "gemma2" and config.get("tie_word_embeddings") is False:
         raise UserError("config.json: gemma2 with its own lm_head (tie_word_embeddings=false) — llama.cpp's gemma2 "
                         "uses the token embedding as the output head; not exported")
-    if fam.norm_plus_one:
+    if kind in GEMMA_27B_LAYERS:
         scalar = config.get("query_pre_attn_scalar", head_dim(config))
         big = config.get("num_hidden_layers") == GEMMA_27B_LAYERS[kind]
         theirs = config["hidden_size"] // config["num_attention_heads"] if big else head_dim(config)
@@ -200,6 +232,17 @@ def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
         local = rope_params(c, "sliding_attention").get("rope_theta") or c.get("rope_local_base_freq")
         if fam.arch == "gemma3" and local:
             writer.add_rope_freq_base_swa(float(local))
+    if fam.arch == "qwen35":
+        writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(c["linear_key_head_dim"])
+        writer.add_ssm_group_count(c["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(c["linear_num_value_heads"])
+        writer.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+        writer.add_full_attention_interval(full_attention_interval(c))
+        pairs = rotary // 2  # without sections in the config, thirds of the rotary pairs ((11, 11, 10) for 32); on
+        sections = list(rp.get("mrope_section") or ((pairs + 2) // 3, (pairs + 1) // 3, pairs // 3))  # text every
+        # section reads the same position
+        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     if fam.arch == "phi3":
         writer.add_sliding_window(c.get("sliding_window") or 0)
         if rs:
@@ -240,21 +283,61 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def tiled_value_heads(t: torch.Tensor, dim: int, key_heads: int, size: int) -> torch.Tensor:
+    """Qwen3.5's value heads along `dim` (blocks of `size`) from grouped by key head (k0's values, then
+    k1's, ...) to tiled (each key head's first value head, then each one's second, ...): llama.cpp's order."""
+    shape = list(t.shape)
+    per_key = shape[dim] // size // key_heads
+    t = t.reshape(*shape[:dim], key_heads, per_key, size, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def qwen35_tensor(key: str, t: torch.Tensor, c: Mapping[str, Any]) -> tuple[str, torch.Tensor]:
+    """A Qwen3.5 DeltaNet tensor as llama.cpp's qwen35 stores it: (its key, its values)."""
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    if key.endswith(".conv1d.weight"):
+        t = t.squeeze(1)  # (channels, 1, kernel) -> (channels, kernel)
+    if key.endswith(".A_log"):
+        t = -torch.exp(t)
+    if key.endswith(".dt_bias"):
+        key = key.removesuffix("dt_bias") + "dt_proj.bias"
+    if nk == nv:
+        return key, t
+    qk = 2 * nk * dk  # q and k rows (channels) before the values
+    if key.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        t = torch.cat([t[:qk], tiled_value_heads(t[qk:], 0, nk, dv)])
+    elif key.endswith(".in_proj_z.weight"):
+        t = tiled_value_heads(t, 0, nk, dv)
+    elif key.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_proj.bias")):
+        t = tiled_value_heads(t, 0, nk, 1)
+    elif key.endswith(".out_proj.weight"):
+        t = tiled_value_heads(t, 1, nk, dv)
+    return key, t
+
+
 def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], fam: Family) -> dict[str, torch.Tensor]:
     """HF-named tensors -> llama.cpp-named fp32 tensors, transformed for `fam` (the module docstring)."""
     import gguf
 
+    config = text_config(config)
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == fam.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    tied = config.get("tie_word_embeddings", fam.norm_plus_one)  # Gemma ties unless it says otherwise
+    tied = config.get("tie_word_embeddings", fam.arch in ("gemma2", "gemma3"))  # Gemma ties unless it says otherwise
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
+        key = key.replace("model.language_model.", "model.", 1)  # a multimodal folder's language model
         if key == "lm_head.weight" and tied:
             continue
         t = t.detach().float().cpu()
-        if fam.norm_plus_one and key.endswith("norm.weight"):
+        if fam.norm_plus_one and key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
             t = t + 1
+        if fam.arch == "qwen35" and ".linear_attn." in key:
+            key, t = qwen35_tensor(key, t, config)
+            if key.endswith(".A_log"):  # llama.cpp's `ssm_a` has no suffix
+                out[names.get_name(key)] = t
+                continue
         if fam.permute_qk and key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             t = permute_qk(t, heads)  # (LLaMA's attention_bias: the biases follow their rows)
         elif fam.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
@@ -281,6 +364,7 @@ def write_gguf(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tok
 
     if kind not in TYPES:
         raise UserError(f"--type {kind}: not one of {', '.join(TYPES)} (llama.cpp's own tools quantize further)")
+    config = text_config(config)
     fam = check_exportable(config)
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
              "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
@@ -297,7 +381,8 @@ def write_gguf(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tok
         add_vocab(writer, tokenizer, config["vocab_size"])
         for tname, t in tensors.items():
             data = t.numpy()
-            want = qtype if data.ndim > 1 else gguf.GGMLQuantizationType.F32  # norms, biases, factors: f32
+            # norms, biases, factors and the DeltaNet's convolution (llama.cpp's ssm_conv reads f32): f32
+            want = qtype if data.ndim > 1 and not tname.endswith("ssm_conv1d.weight") else gguf.GGMLQuantizationType.F32
             if want == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
                 want = gguf.GGMLQuantizationType.F16  # rows not in whole blocks of 32 (as llama.cpp falls back)
             if want in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):

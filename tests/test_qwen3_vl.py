@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_qwen2_5_vl import IMAGE, batch, rel
+from test_qwen2_5_vl import IMAGE, batch, check_generation_after_images, check_lora_in_peft, check_saved_folder, \
+    hf_logits, rel
 
 import models
 from minitrain.weights import load_pretrained
@@ -52,11 +53,6 @@ def vl3(tmp_path_factory) -> Path:
 def pair(vl3):
     hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl3, dtype=torch.float32).eval()
     return hf, load_pretrained(vl3, models.from_hf_config).eval()
-
-
-def hf_logits(hf, ids, mask, pixels, grid) -> torch.Tensor:
-    return hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
-              mm_token_type_ids=(ids == IMAGE).long()).logits
 
 
 def test_logits_with_images_equal_transformers(pair):
@@ -127,75 +123,19 @@ def test_config_round_trip_and_refusals(vl3):
 
 
 def test_greedy_generation_after_images_equals_transformers(pair):
-    """A prompt with an image (left-padded beside a row with two): 3-D positions and DeepStack in the prompt,
-    the tokens after it continuing from its largest position, as transformers' generation."""
-    hf, ours = pair
-    ids, _, pixels, grid = batch()
-    ids, mask = ids[:2, :52].clone(), torch.ones(2, 52, dtype=torch.long)
-    ids[1] = torch.cat([torch.zeros(52 - 40, dtype=torch.long), ids[1, :40]])  # row 1 left-padded
-    mask[1, :12] = 0
-    ref = hf.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
-                      mm_token_type_ids=(ids == IMAGE).long(), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)
-    got = models.family(ours).generate(ours, ids, mask, max_new_tokens=6, eos_token_id=[], pixel_values=pixels,
-                                       image_grid_thw=grid)
-    assert torch.equal(got, ref)
-    # two tokens after the prompt through the cache: the logits of a forward over the whole sequence
-    nxt = torch.tensor([[5, 6], [7, 8]])
-    full_ids, full_mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
-    with torch.no_grad():
-        whole = hf_logits(hf, full_ids, full_mask, pixels, grid)[:, -2:]
-        cache = models.family(ours).KVCache(60)
-        ours(ids, mask, cache=cache, pixel_values=pixels, image_grid_thw=grid)
-        stepped = ours.lm_head(ours(nxt, torch.ones_like(nxt), cache=cache))
-    assert rel(stepped, whole) <= 1e-4
+    """3-D positions and DeepStack in the prompt, the tokens after it counted on from its largest position."""
+    check_generation_after_images(*pair)
 
 
 def test_lora_adapter_loads_in_peft_with_images(vl3, tmp_path):
-    """Our LoRA (B drawn at random) on the language model, saved in peft's format, loads in peft on
-    transformers' class and through AutoModelForImageTextToText, with our logits on an image batch."""
-    peft = pytest.importorskip("peft")
-    from minitrain.adapters.lora import LoRAConfig, apply_lora
-    from minitrain.adapters.peft_format import save_adapter
-
-    ours = load_pretrained(vl3, models.from_hf_config).eval()
-    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))
-    apply_lora(ours, cfg)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    assert not [n for n, _ in ours.named_parameters() if "lora_" in n and "visual" in n]
-    save_adapter(ours, tmp_path, cfg)
-    ids, mask, pixels, grid = batch()
-    real = mask.bool()
-    with torch.no_grad():
-        b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
-    for cls in (transformers.Qwen3VLForConditionalGeneration, transformers.AutoModelForImageTextToText):
-        ref = peft.PeftModel.from_pretrained(cls.from_pretrained(vl3, dtype=torch.float32), tmp_path).eval()
-        assert not [n for n, _ in ref.named_parameters() if "lora_" in n and "visual" in n]
-        with torch.no_grad():
-            a = hf_logits(ref, ids, mask, pixels, grid)
-            with ref.disable_adapter():
-                plain = hf_logits(ref, ids, mask, pixels, grid)
-        assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
+    """Our adapter in peft on transformers' class and through AutoModelForImageTextToText."""
+    check_lora_in_peft(vl3, [transformers.Qwen3VLForConditionalGeneration, transformers.AutoModelForImageTextToText],
+                       tmp_path)
 
 
 def test_a_saved_folder_loads_in_transformers(vl3, tmp_path):
-    """`save_pretrained` (full fine-tuning, merge) writes a folder transformers loads, with the same logits."""
-    from minitrain.weights import save_pretrained
-
     ours = load_pretrained(vl3, models.from_hf_config).eval()
     with torch.no_grad():  # as after fine-tuning: not the weights transformers saved
         ours.model.visual.deepstack_merger_list[1].linear_fc1.weight.mul_(1.5)
         ours.model.language_model.layers[0].self_attn.q_norm.weight.add_(0.3)
-    config = dict(json.loads((vl3 / "config.json").read_text()), vocab_size=160)  # as a full fine-tuning run writes it
-    save_pretrained(ours, tmp_path / "saved", config)
-    again = load_pretrained(tmp_path / "saved", models.from_hf_config)
-    assert all(torch.equal(v, again.state_dict()[k]) for k, v in ours.state_dict().items())
-    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
-    ids, mask, pixels, grid = batch()
-    with torch.no_grad():
-        a = hf_logits(hf, ids, mask, pixels, grid)
-        b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
-    assert rel(b[mask.bool()], a[mask.bool()]) <= 1e-4
+    check_saved_folder(ours, vl3, transformers.Qwen3VLForConditionalGeneration, tmp_path)

@@ -122,6 +122,42 @@ def test_config_round_trip_and_refusals(vl3):
         models.config_from_hf({**d, "vision_config": {**d["vision_config"], "deepstack_visual_indexes": [3]}})
 
 
+# the shape of the Hub's Qwen3-VL-2B-Instruct config.json (transformers 4.57's spelling: `rope_scaling` with
+# `rope_theta` beside it, the vision config's model_type "qwen3_vl")
+HUB_2B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 151655, "model_type": "qwen3_vl",
+    "text_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "dtype": "bfloat16",
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 6144, "max_position_embeddings": 262144, "model_type": "qwen3_vl_text",
+        "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000, "tie_word_embeddings": True, "use_cache": True, "vocab_size": 151936},
+    "tie_word_embeddings": True, "transformers_version": "4.57.0.dev0", "video_token_id": 151656,
+    "vision_config": {
+        "deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1024,
+        "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4096, "model_type": "qwen3_vl",
+        "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 2048, "patch_size": 16,
+        "spatial_merge_size": 2, "temporal_patch_size": 2},
+    "vision_end_token_id": 151653, "vision_start_token_id": 151652}
+
+
+def test_the_hub_config_reads_as_transformers_reads_it():
+    """Built on the meta device from the Hub's config, our model has transformers' parameter names and shapes
+    (the checkpoint's keys), its RoPE base and sections and tied head."""
+    ref = transformers.Qwen3VLConfig(**HUB_2B)
+    cfg = models.config_from_hf(HUB_2B)
+    assert (cfg.rope_theta, cfg.mrope_section) == (ref.text_config.rope_parameters["rope_theta"],
+                                                   ref.text_config.rope_parameters["mrope_section"])
+    assert cfg.tie_word_embeddings is ref.tie_word_embeddings is True
+    assert cfg.vision.rope_theta == ref.vision_config.rope_parameters["rope_theta"]
+    with torch.device("meta"):
+        ours, hf = models.from_hf_config(HUB_2B), transformers.Qwen3VLForConditionalGeneration(ref)
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(ours) == shapes(hf)
+    assert ours.lm_head.weight is ours.model.language_model.embed_tokens.weight
+
+
 def test_greedy_generation_after_images_equals_transformers(pair):
     """3-D positions and DeepStack in the prompt, the tokens after it counted on from its largest position."""
     check_generation_after_images(*pair)

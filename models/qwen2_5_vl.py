@@ -6,6 +6,11 @@ Read top to bottom: config (the text config is a Qwen2 `LlamaConfig` plus `mrope
 config its own dataclass), the vision tower (patch embedding, 2-D rotary, window attention, the patch
 merger), the language model's positions (`rope_index`), the model.
 
+Qwen3-VL (qwen3_vl.py) is this file with other parts: its config subclasses this one (the class attributes
+`text_family`, `vision_class`, `default_mrope`, `interleaved` and `mrope_axes`), its model this model (its
+`vision_tower`, and `image_features`, whose DeepStack features the language model adds to its first layers'
+outputs); the positions, generation, checkpoint layouts and the forward are shared.
+
 The modules are transformers' (`model.language_model.layers.N.*`, `model.visual.blocks.N.*`, `lm_head`), so
 peft's adapters on transformers' class name the same modules. The Hub's checkpoints (and transformers 5's
 saves) store the same tensors as `model.layers.N.*` and `visual.*`: both layouts load key for key
@@ -166,8 +171,7 @@ class Qwen2_5_VLConfig(LlamaConfig):
         if not isinstance(text, dict) or not isinstance(d.get("vision_config"), dict):
             raise ValueError(f"config.json: a {cls.family} config without text_config / vision_config — restore the "
                              "checkpoint's config.json")
-        text = dict(text, model_type=cls.text_family,
-                    tie_word_embeddings=d.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        text = dict(text, model_type=cls.text_family, tie_word_embeddings=d.get("tie_word_embeddings", False))
         rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
         section = rope.pop("mrope_section", None)
         interleaved = rope.pop("mrope_interleaved", None)

@@ -63,6 +63,9 @@ def test_logits_with_images_equal_transformers(pair):
         ref = hf_logits(hf, ids, mask, pixels, grid)
         got = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
         assert rel(got[real], ref[real]) <= 1e-4
+        # the padded layer loop of a forward that captures layers (distillation) adds DeepStack's features too
+        captured = ours(ids, mask, hidden_layers=(1,), pixel_values=pixels, image_grid_thw=grid)
+        assert rel(ours.lm_head(captured.hidden)[real], ref[real]) <= 1e-4
         # text alone (the three M-RoPE axes agree): Qwen3's RoPE
         text = ids[2:, :40]
         assert rel(ours.lm_head(ours(text)), hf(input_ids=text).logits) <= 1e-4

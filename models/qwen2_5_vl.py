@@ -176,8 +176,8 @@ class Qwen2_5_VLConfig(LlamaConfig):
         section = rope.pop("mrope_section", None)
         interleaved = rope.pop("mrope_interleaved", None)
         if interleaved is not None and bool(interleaved) != cls.interleaved:
-            raise ValueError(f"config.json: mrope_interleaved={interleaved!r}, but {cls.family} lays its M-RoPE sections "
-                             f"out {'interleaved' if cls.interleaved else 'one after another'} — remove the field")
+            raise ValueError(f"config.json: mrope_interleaved={interleaved!r}, but {cls.family} lays its M-RoPE "
+                             f"sections out {'interleaved' if cls.interleaved else 'one after another'} — remove the field")
         if rope.get("rope_type", rope.get("type")) == "mrope":
             rope["rope_type"] = "default"
             rope.pop("type", None)
@@ -195,8 +195,8 @@ class Qwen2_5_VLConfig(LlamaConfig):
         unknown = sorted(set(outer) - set(_TOKEN_DEFAULTS) - {"model_type", "vision_config", "architectures", "dtype",
                          "torch_dtype", "transformers_version", "tie_word_embeddings", "_name_or_path", "use_cache"})
         if unknown:
-            raise ValueError(f"config.json: field(s) {unknown} are not understood by minitrain's {cls.family} model — "
-                             "remove them if harmless")
+            raise ValueError(f"config.json: field(s) {unknown} are not understood by minitrain's {cls.family} "
+                             "model — remove them if harmless")
         tokens = {k: outer.get(k, v) for k, v in _TOKEN_DEFAULTS.items()}
         kw = {f.name: getattr(base, f.name) for f in fields(LlamaConfig)}
         return cls(**{**kw, "model_type": cls.family}, mrope_section=section,

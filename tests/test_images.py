@@ -35,7 +35,8 @@ QWEN3_VL = {"size": {"longest_edge": 32 * 32 * 16, "shortest_edge": 32 * 32 * 2}
 
 
 def qwen2_5_vl():
-    return transformers.Qwen2VLImageProcessorPil(max_pixels=MAX), ImageSpec(max_pixels=MAX), transformers.Qwen2_5_VLProcessor
+    hf = transformers.Qwen2VLImageProcessorPil(max_pixels=MAX)
+    return hf, ImageSpec(max_pixels=MAX), transformers.Qwen2_5_VLProcessor
 
 
 def qwen3_vl():

@@ -168,7 +168,7 @@ def check_saved_folder(ours, folder: Path, hf_class, tmp_path: Path) -> None:
     to the same tensors, and in transformers' `hf_class` with our logits."""
     from minitrain.weights import save_pretrained
 
-    config = dict(json.loads((folder / "config.json").read_text()), vocab_size=160)  # as a full fine-tuning run writes it
+    config = dict(json.loads((folder / "config.json").read_text()), vocab_size=160)  # as full fine-tuning writes it
     save_pretrained(ours, tmp_path / "saved", config)
     again = load_pretrained(tmp_path / "saved", models.from_hf_config)
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in ours.state_dict().items())

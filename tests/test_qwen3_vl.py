@@ -96,7 +96,8 @@ def test_checkpoint_loads_key_for_key_in_both_layouts(vl3, tmp_path):
     ours = load_pretrained(vl3, models.from_hf_config)
     with safe_open(vl3 / "model.safetensors", "pt") as f:
         assert set(ours.state_dict()) == set(f.keys())
-        assert torch.equal(ours.state_dict()["model.visual.pos_embed.weight"], f.get_tensor("model.visual.pos_embed.weight"))
+        key = "model.visual.pos_embed.weight"
+        assert torch.equal(ours.state_dict()[key], f.get_tensor(key))
     tensors = load_file(vl3 / "model.safetensors")
     flat = {(k[len("model."):] if k.startswith("model.visual.") else k.replace("model.language_model.", "model.", 1)): v
             for k, v in tensors.items()}

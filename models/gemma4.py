@@ -473,9 +473,10 @@ class Gemma4Model(DecoderBody):
         return torch.cat([x, per_layer.flatten(-2).to(x.dtype)], -1)
 
     def _layers(self, x: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence,
-                cache: KVCache | None, hidden_layers: Collection[int] = (), attention_layers: Collection[int] = ()):
+                cache: KVCache | None, hidden_layers: Collection[int] = (), attention_layers: Collection[int] = (),
+                additions: Sequence[torch.Tensor] = ()):
         """The layer loop: layer i gets its per-layer input (B, T, P) and, when it reuses another layer's
-        keys and values, those; a `Captured` when layers are named."""
+        keys and values, those; `additions[i]` is added to its output; a `Captured` when layers are named."""
         D, P = self.config.hidden_size, self.config.ple
         x, per_layer = (x[..., :D], x[..., D:].unflatten(-1, (-1, P))) if P else (x, None)
         for i in (*hidden_layers, *attention_layers):
@@ -487,6 +488,8 @@ class Gemma4Model(DecoderBody):
             x, kvs[i], probs = layer(x, cos, sin, mask, cache, i in attention_layers,
                                      None if per_layer is None else per_layer[..., i, :],
                                      None if source is None else kvs[source])
+            if i < len(additions):
+                x = x + additions[i]
             if i in hidden_layers:
                 hidden_states[i] = x
             if probs is not None:

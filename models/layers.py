@@ -688,11 +688,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, layout: Ragged,
                      layers: Sequence[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], int | None]],
-                     norm: nn.Module, read_at: torch.Tensor | None = None) -> torch.Tensor:
+                     norm: nn.Module, read_at: torch.Tensor | None = None,
+                     additions: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """A padded batch's layer loop without its padding (see `Ragged`): x (B, T, D) the embedded
     batch, `layout` its real tokens' sequences in row-major order (its window unset), `layers` (layer,
     (cos, sin) (B, T, hd), window) in order -> hidden (B, T, D) after `norm`, zeros at the padding.
-    Each layer gets x (N, D), its tables (N, hd) and the layout with its window.
+    Each layer gets x (N, D), its tables (N, hd) and the layout with its window; `additions[i]` (B, T, D),
+    when given, is added to layer i's output (`DecoderBody.forward`).
 
     `read_at` (B,) or (B, K): real positions of each row -> hidden (B, D) or (B, K, D) at those
     positions; the last layer then gets those rows only and a `Queries` (see `reads_at_positions`)."""
@@ -714,6 +716,8 @@ def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, layout: Ragged,
             keys = Queries(at_window, reads, layer.input_layernorm(h), cos_n, sin_n)
             return norm(layer(h[rows], cos_n[rows], sin_n[rows], keys)).view(*read_at.shape, D)
         h = layer(h, cos_n, sin_n, at_window)
+        if i < len(additions):
+            h = h + additions[i].flatten(0, 1)[real]
     out = h.new_zeros(B, T, D)  # written through a (B * T, D) view, so the result is no view (FSDP2 warns of one)
     out.view(B * T, D).index_copy_(0, real, norm(h))
     return out
@@ -1394,10 +1398,11 @@ class Captured(NamedTuple):
 def capture_layers(layers: Sequence[nn.Module], norm: nn.Module, x: torch.Tensor,
                    tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence[torch.Tensor | None],
                    cache: "KVCache | None", hidden_layers: Collection[int],
-                   attention_layers: Collection[int]) -> Captured:
+                   attention_layers: Collection[int], additions: Sequence[torch.Tensor] = ()) -> Captured:
     """A layer loop that keeps the named layers' outputs and attention probabilities (a `Captured`):
     layer i gets x, `tables[i]` (its cos, sin), `masks[i]` and the cache; the layers named in
-    `attention_layers` are called with `return_attention=True` and return (x, probabilities)."""
+    `attention_layers` are called with `return_attention=True` and return (x, probabilities);
+    `additions[i]` is added to layer i's output."""
     for i in (*hidden_layers, *attention_layers):
         if not 0 <= i < len(layers):
             raise ValueError(f"layer {i} does not exist: the model has layers 0..{len(layers) - 1}")
@@ -1407,6 +1412,8 @@ def capture_layers(layers: Sequence[nn.Module], norm: nn.Module, x: torch.Tensor
             x, attentions[i] = layer(x, cos, sin, mask, cache, return_attention=True)
         else:
             x = layer(x, cos, sin, mask, cache)
+        if i < len(additions):
+            x = x + additions[i]
         if i in hidden_layers:
             hidden_states[i] = x
     return Captured(norm(x), hidden_states, attentions)
@@ -1466,10 +1473,13 @@ class DecoderBody(nn.Module):
         document_ids: torch.Tensor | None = None,
         embeds: torch.Tensor | None = None,
         read_at: torch.Tensor | None = None,
+        additions: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor | Captured:
         """input_ids (B, T) -> hidden (B, T, D) after the final norm. `embeds` (B, T, D): the residual
         stream's first values when the caller made them (a vision-language model's image features
-        scattered into the text embeddings), in place of `embed(input_ids)`.
+        scattered into the text embeddings), in place of `embed(input_ids)`. `additions`: (B, T, D) tensors,
+        `additions[i]` added to the output of layer i (Qwen3-VL's DeepStack: features of the vision tower's
+        middle layers at the image positions, zeros elsewhere); not with rows of several sequences.
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right), for the T new
         tokens only (the cache remembers earlier ones). position_ids default to the count of real
@@ -1488,12 +1498,14 @@ class DecoderBody(nn.Module):
         values for every token, `reads_at_positions`); otherwise the full forward, then the gather.
         """
         if read_at is not None:
-            if cache is not None or hidden_layers or attention_layers or embeds is not None:
-                raise ValueError("read_at reads a plain forward: no KV cache, captured layers or embeds")
+            if cache is not None or hidden_layers or attention_layers or embeds is not None or additions:
+                raise ValueError("read_at reads a plain forward: no KV cache, captured layers, embeds or additions")
             return self.read_positions(input_ids, attention_mask, position_ids, read_at, document_ids)
         B, T = input_ids.shape
         x = self.embed(input_ids) if embeds is None else embeds  # (B, T, D)
         if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
+            if additions:
+                raise ValueError("additions to the layers' outputs go in a plain forward, not rows of several sequences")
             return self._forward_block_mask(x, attention_mask, position_ids, document_ids, cache,
                                             hidden_layers, attention_layers)
         valid = (
@@ -1509,14 +1521,16 @@ class DecoderBody(nn.Module):
         tables = self.rope_tables(position_ids, x.dtype)  # per layer: cos, sin (B, T, hd)
         lengths = None if hidden_layers or attention_layers or not self.unpadded else unpadded_lengths(valid, padded, cache)
         if lengths:
-            return forward_unpadded(x, valid, Ragged(lengths), list(zip(self.layers, tables, self.windows)), self.norm)
+            return forward_unpadded(x, valid, Ragged(lengths), list(zip(self.layers, tables, self.windows)), self.norm,
+                                    additions=additions)
         # one mask per distinct window (Qwen mixes full and sliding layers); None lets SDPA use its
         # causal kernels (flash on CUDA); otherwise an explicit bool mask (B, 1, T, S)
         masks = {
             w: None if cache is None and not padded and (w is None or T <= w) else attention_mask_4d(key_valid, start, w)
             for w in set(self.windows)
         }
-        out = self._layers(x, tables, [masks[w] for w in self.windows], cache, hidden_layers, attention_layers)
+        out = self._layers(x, tables, [masks[w] for w in self.windows], cache, hidden_layers, attention_layers,
+                           additions)
         if cache is not None:
             cache.end(T)
         return out
@@ -1555,13 +1569,17 @@ class DecoderBody(nn.Module):
         return document_runs(document_ids, position_ids)
 
     def _layers(self, x: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence,
-                cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]
-                ) -> torch.Tensor | Captured:
-        """The layer loop: layer i gets `tables[i]` (cos, sin) and `masks[i]`; a `Captured` when asked."""
+                cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int],
+                additions: Sequence[torch.Tensor] = ()) -> torch.Tensor | Captured:
+        """The layer loop: layer i gets `tables[i]` (cos, sin) and `masks[i]`, `additions[i]` is added to
+        its output; a `Captured` when asked."""
         if hidden_layers or attention_layers:
-            return capture_layers(self.layers, self.norm, x, tables, masks, cache, hidden_layers, attention_layers)
-        for layer, (cos, sin), mask in zip(self.layers, tables, masks):
+            return capture_layers(self.layers, self.norm, x, tables, masks, cache, hidden_layers, attention_layers,
+                                  additions)
+        for i, (layer, (cos, sin), mask) in enumerate(zip(self.layers, tables, masks)):
             x = layer(x, cos, sin, mask, cache)
+            if i < len(additions):
+                x = x + additions[i]
         return self.norm(x)
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,

@@ -6,6 +6,11 @@ Read top to bottom: config (the text config is a Qwen2 `LlamaConfig` plus `mrope
 config its own dataclass), the vision tower (patch embedding, 2-D rotary, window attention, the patch
 merger), the language model's positions (`rope_index`), the model.
 
+Qwen3-VL (qwen3_vl.py) is this file with other parts: its config subclasses this one (the class attributes
+`text_family`, `vision_class`, `default_mrope`, `interleaved` and `mrope_axes`), its model this model (its
+`vision_tower`, and `image_features`, whose DeepStack features the language model adds to its first layers'
+outputs); the positions, generation, checkpoint layouts and the forward are shared.
+
 The modules are transformers' (`model.language_model.layers.N.*`, `model.visual.blocks.N.*`, `lm_head`), so
 peft's adapters on transformers' class name the same modules. The Hub's checkpoints (and transformers 5's
 saves) store the same tensors as `model.layers.N.*` and `visual.*`: both layouts load key for key
@@ -41,7 +46,7 @@ Not yet: videos (`pixel_values_videos`), rows of several sequences with images (
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Collection, Sequence
+from typing import Any, ClassVar, Collection, Sequence
 
 import torch
 import torch.nn as nn
@@ -100,20 +105,26 @@ class VisionConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "VisionConfig":
-        d = dict(d)
-        for name in ("model_type", "initializer_range", "dtype", "torch_dtype", "_name_or_path", "architectures",
-                     "transformers_version"):
-            d.pop(name, None)
-        rope = d.pop("rope_parameters", None) or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"config.json: vision_config rope_type {rope.get('rope_type')!r} — Qwen2.5-VL's tower "
-                             "uses 'axial'")
-        d.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"config.json: vision_config field(s) {unknown} are not understood by minitrain's "
-                             "qwen2_5_vl tower and may change its maths — remove them if harmless")
-        return cls(**{**_VISION_DEFAULTS, **d})
+        return vision_from_hf(cls, d, _VISION_DEFAULTS, "qwen2_5_vl")
+
+
+def vision_from_hf(cls: type, d: dict[str, Any], defaults: dict[str, Any], family: str) -> Any:
+    """A `vision_config` dict -> the dataclass `cls` (`defaults`: transformers' for the fields it leaves out);
+    `rope_theta` from its "axial" `rope_parameters`; a field `cls` does not have is a ValueError."""
+    d = dict(d)
+    for name in ("model_type", "initializer_range", "dtype", "torch_dtype", "_name_or_path", "architectures",
+                 "transformers_version"):
+        d.pop(name, None)
+    rope = d.pop("rope_parameters", None) or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"config.json: vision_config rope_type {rope.get('rope_type')!r} — {family}'s tower uses "
+                         "'axial'")
+    d.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    unknown = sorted(set(d) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"config.json: vision_config field(s) {unknown} are not understood by minitrain's "
+                         f"{family} tower and may change its maths — remove them if harmless")
+    return cls(**{**defaults, **d})
 
 
 @dataclass
@@ -131,8 +142,16 @@ class Qwen2_5_VLConfig(LlamaConfig):
     vision_end_token_id: int = 151653
     multimodal: dict[str, Any] | None = None
 
+    # what Qwen3-VL's subclass changes: the text family (its layers and checks), the vision config's class,
+    # the default `mrope_section` and its layout (`mrope_axes`)
+    family: ClassVar[str] = "qwen2_5_vl"
+    interleaved: ClassVar[bool] = False
+    text_family: ClassVar[str] = "qwen2"
+    vision_class: ClassVar[type] = VisionConfig
+    default_mrope: ClassVar[tuple[int, ...]] = (16, 24, 24)
+
     def __post_init__(self) -> None:
-        model_type, self.model_type = self.model_type, "qwen2"  # the text model's checks are Qwen2's
+        model_type, self.model_type = self.model_type, self.text_family  # the text model's checks are its family's
         super().__post_init__()
         self.model_type = model_type
 
@@ -140,23 +159,32 @@ class Qwen2_5_VLConfig(LlamaConfig):
         on = self.use_sliding_window and self.sliding_window
         return [self.sliding_window if on and t == "sliding_attention" else None for t in self.layer_types]
 
+    def mrope_axes(self) -> torch.Tensor:
+        """The axis (0 temporal, 1 height, 2 width) each of the head's hd RoPE features turns with: the first
+        `mrope_section[0]` frequencies the temporal one, then height, then width, in both halves."""
+        return torch.cat([torch.full((n,), i % 3) for i, n in enumerate(list(self.mrope_section) * 2)])
+
     @classmethod
     def from_multimodal(cls, d: dict[str, Any]) -> "Qwen2_5_VLConfig":
         """A `qwen2_5_vl` config.json: its text_config as Qwen2's, its vision_config, its token ids."""
         text = d.get("text_config")
         if not isinstance(text, dict) or not isinstance(d.get("vision_config"), dict):
-            raise ValueError("config.json: a qwen2_5_vl config without text_config / vision_config — restore the "
+            raise ValueError(f"config.json: a {cls.family} config without text_config / vision_config — restore the "
                              "checkpoint's config.json")
-        text = dict(text, model_type="qwen2", tie_word_embeddings=d.get("tie_word_embeddings", False))
+        text = dict(text, model_type=cls.text_family, tie_word_embeddings=d.get("tie_word_embeddings", False))
         rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
         section = rope.pop("mrope_section", None)
+        interleaved = rope.pop("mrope_interleaved", None)
+        if interleaved is not None and bool(interleaved) != cls.interleaved:
+            raise ValueError(f"config.json: mrope_interleaved={interleaved!r}, but {cls.family} lays its M-RoPE "
+                             f"sections out {'interleaved' if cls.interleaved else 'one after another'} — remove the field")
         if rope.get("rope_type", rope.get("type")) == "mrope":
             rope["rope_type"] = "default"
             rope.pop("type", None)
         text["rope_parameters"] = rope or None
         base = LlamaConfig.from_hf(text)
         hd = base.head_dim
-        section = list(section) if section is not None else [16, 24, 24]
+        section = list(section if section is not None else cls.default_mrope)
         if sum(section) != hd // 2:
             raise ValueError(f"config.json: mrope_section {section} sums to {sum(section)} — it must be head_dim / 2 "
                              f"= {hd // 2}")
@@ -167,22 +195,24 @@ class Qwen2_5_VLConfig(LlamaConfig):
         unknown = sorted(set(outer) - set(_TOKEN_DEFAULTS) - {"model_type", "vision_config", "architectures", "dtype",
                          "torch_dtype", "transformers_version", "tie_word_embeddings", "_name_or_path", "use_cache"})
         if unknown:
-            raise ValueError(f"config.json: field(s) {unknown} are not understood by minitrain's qwen2_5_vl model — "
-                             "remove them if harmless")
+            raise ValueError(f"config.json: field(s) {unknown} are not understood by minitrain's {cls.family} "
+                             "model — remove them if harmless")
         tokens = {k: outer.get(k, v) for k, v in _TOKEN_DEFAULTS.items()}
         kw = {f.name: getattr(base, f.name) for f in fields(LlamaConfig)}
-        return cls(**{**kw, "model_type": "qwen2_5_vl"}, mrope_section=section,
-                   vision=VisionConfig.from_hf(d["vision_config"]), multimodal=outer, **tokens)
+        return cls(**{**kw, "model_type": cls.family}, mrope_section=section,
+                   vision=cls.vision_class.from_hf(d["vision_config"]), multimodal=outer, **tokens)
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json transformers loads: the multimodal config read, the text config written anew."""
         text = LlamaConfig.to_hf(LlamaConfig(**{f.name: getattr(self, f.name) for f in fields(LlamaConfig)
-                                                if f.name != "model_type"}, model_type="qwen2"))
+                                                if f.name != "model_type"}, model_type=self.text_family))
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
                                    "mrope_section": list(self.mrope_section)}
+        if self.interleaved:
+            text["rope_parameters"]["mrope_interleaved"] = True
         if text.pop("rope_scaling"):
-            raise ValueError("qwen2_5_vl: a scaled RoPE cannot be written back yet")
-        return multimodal_to_hf(text, dict(self.multimodal or {}), "qwen2_5_vl_text")
+            raise ValueError(f"{self.family}: a scaled RoPE cannot be written back yet")
+        return multimodal_to_hf(text, dict(self.multimodal or {}), f"{self.family}_text")
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,17 +289,17 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """The checkpoint's Conv3d (`proj.weight` (D, C, t, p, p), no bias) applied as what it is on whole
-    patches: a linear map of each flattened patch."""
+    """The checkpoint's Conv3d (`proj.weight` (D, C, t, p, p); a bias in Qwen3-VL's) applied as what it is
+    on whole patches: a linear map of each flattened patch."""
 
-    def __init__(self, c: VisionConfig) -> None:
+    def __init__(self, c: Any, bias: bool = False) -> None:
         super().__init__()
         p, t = c.patch_size, c.temporal_patch_size
-        self.proj = nn.Conv3d(c.in_channels, c.hidden_size, (t, p, p), stride=(t, p, p), bias=False)
+        self.proj = nn.Conv3d(c.in_channels, c.hidden_size, (t, p, p), stride=(t, p, p), bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
-        return F.linear(pixel_values.to(w.dtype), w.flatten(1))  # (N, C t p p) -> (N, D)
+        return F.linear(pixel_values.to(w.dtype), w.flatten(1), self.proj.bias)  # (N, C t p p) -> (N, D)
 
 
 class PatchMerger(nn.Module):
@@ -285,6 +315,16 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.mlp[0].in_features))
 
 
+def vision_rotary(c: Any, grid_thw: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tower's 2-D rotary for every patch: cos, sin (N, hd) fp32, the first hd/4 frequencies turning with
+    the patch's row, the next hd/4 with its column (the same again for the second half)."""
+    quarter = c.hidden_size // c.num_heads // 2
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+    freqs = (patch_positions(grid_thw, c.spatial_merge_size)[..., None].float() * inv_freq).flatten(1)  # (N, hd/2)
+    emb = torch.cat([freqs, freqs], -1).to(device)
+    return emb.cos(), emb.sin()
+
+
 class VisionTower(nn.Module):
     """pixel_values (N, C t p p), grid_thw (n, 3) -> one feature (N / merge**2, out_hidden_size) per merge
     block, images in order (transformers' `visual`)."""
@@ -295,15 +335,6 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(c)
         self.blocks = nn.ModuleList(VisionBlock(c) for _ in range(c.depth))
         self.merger = PatchMerger(c)
-
-    def rotary(self, grid_thw: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (N, hd) fp32: the first hd/4 frequencies turn with the row, the next hd/4 with the column."""
-        c = self.config
-        quarter = c.hidden_size // c.num_heads // 2
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
-        freqs = (patch_positions(grid_thw, c.spatial_merge_size)[..., None].float() * inv_freq).flatten(1)  # (N, hd/2)
-        emb = torch.cat([freqs, freqs], -1).to(device)
-        return emb.cos(), emb.sin()
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -320,7 +351,7 @@ class VisionTower(nn.Module):
             return t.view(N // unit, unit, -1)[order].reshape(N, -1)
 
         x = windowed(x)
-        cos, sin = (windowed(t) for t in self.rotary(grid_thw, x.device))
+        cos, sin = (windowed(t) for t in vision_rotary(c, grid_thw, x.device))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, image_lengths if i in c.fullatt_block_indexes else window_lengths)
         return self.merger(x)[torch.argsort(order)]
@@ -373,7 +404,7 @@ class Qwen2_5_VLTextModel(LlamaModel):
 
     def __init__(self, config: Qwen2_5_VLConfig) -> None:
         DecoderBody.__init__(self, config)
-        text = replace(config, model_type="qwen2")  # the layers are Qwen2's (q/k/v biases)
+        text = replace(config, model_type=config.text_family)  # the layers are Qwen2's (q/k/v biases), Qwen3's
         self.build(lambda c, i: LlamaDecoderLayer(text, i))
 
     def rope_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -381,8 +412,7 @@ class Qwen2_5_VLTextModel(LlamaModel):
             return super().rope_tables(position_ids, dtype)
         rotary = self.rotary["rope"]
         cos, sin = (torch.stack(t) for t in zip(*(rotary(p, dtype) for p in position_ids)))  # (3, B, T, hd)
-        section = self.config.mrope_section * 2
-        axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)]).to(cos.device)  # (hd,)
+        axis = self.config.mrope_axes().to(cos.device)  # (hd,)
         pick = axis.view(1, 1, 1, -1).expand(1, *cos.shape[1:])
         table = cos.gather(0, pick)[0], sin.gather(0, pick)[0]  # (B, T, hd)
         return [table] * len(self.layers)
@@ -391,9 +421,9 @@ class Qwen2_5_VLTextModel(LlamaModel):
 class Qwen2_5_VLModel(LanguageModel):
     """transformers' `model.`: the language model (`language_model`) and the tower (`visual`)."""
 
-    def __init__(self, config: Qwen2_5_VLConfig) -> None:
+    def __init__(self, config: Qwen2_5_VLConfig, tower: type[nn.Module]) -> None:
         super().__init__(Qwen2_5_VLTextModel(config))
-        self.visual = VisionTower(config.vision)
+        self.visual = tower(config.vision)
 
 
 class Qwen2_5_VLForConditionalGeneration(CausalLM):
@@ -404,9 +434,10 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     block_types = (LlamaDecoderLayer,)
     ignore_checkpoint_keys = (r"\.rotary_emb\.inv_freq$",)
     towers = ("model.visual",)  # frozen unless a regex target names it (LoRA suffixes adapt the language model)
+    vision_tower = VisionTower  # the class of `model.visual` (Qwen3-VL's subclass has its own)
 
     def __init__(self, config: Qwen2_5_VLConfig) -> None:
-        super().__init__(config, Qwen2_5_VLModel(config))
+        super().__init__(config, Qwen2_5_VLModel(config, self.vision_tower))
 
     def forward(
         self,
@@ -428,16 +459,18 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
             return super().forward(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
                                    document_ids)
         if cache is not None and cache.length or document_ids is not None:
-            raise ValueError("qwen2_5_vl: images go in a plain forward or a cache's first call (the prompt), not in "
+            raise ValueError(f"{self.config.family}: images go in a plain forward or a cache's first call (the prompt), not in "
                              "packed rows or a continued cache — not yet")
         placeholders = input_ids == self.config.image_token_id
-        features = self.model.visual(pixel_values, image_grid_thw)
+        features, deep = self.image_features(pixel_values, image_grid_thw)
         if int(placeholders.sum()) != features.shape[0]:
-            raise ValueError(f"qwen2_5_vl: {int(placeholders.sum())} image placeholder tokens for "
+            raise ValueError(f"{self.config.family}: {int(placeholders.sum())} image placeholder tokens for "
                              f"{features.shape[0]} image features — the ids and the images do not match")
         text = self.model.language_model
         x = text.embed(input_ids)
-        x = x.masked_scatter(placeholders[..., None].to(x.device), features.to(x.dtype))
+        at = placeholders[..., None].to(x.device)
+        x = x.masked_scatter(at, features.to(x.dtype))
+        additions = [torch.zeros_like(x).masked_scatter(at, f.to(x.dtype)) for f in deep]  # (B, T, D) each
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if position_ids is None:
             position_ids = rope_index(input_ids, valid, image_grid_thw, self.config.image_token_id,
@@ -445,7 +478,14 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
             if cache is not None:  # the tokens after the prompt continue from its largest position
                 last = position_ids.masked_fill(~valid.to(position_ids.device), -1).amax(dim=(0, 2))  # (B,)
                 cache.states[ROPE_DELTA] = ((last + 1 - valid.sum(1).to(last.device))[:, None],)
-        return text(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, embeds=x)
+        return text(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, embeds=x,
+                    additions=additions)
+
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The tower's features (one per `<|image_pad|>`), and what it adds to the first layers' outputs at
+        those places (Qwen3-VL's DeepStack; none here)."""
+        return self.model.visual(pixel_values, image_grid_thw), []
 
 
     @staticmethod

@@ -513,10 +513,11 @@ class Qwen3_5Model(DecoderBody):
         self.build(Qwen3_5DecoderLayer, norm=OffsetRMSNorm, rope=config.rope_spec())
 
     def _layers(self, x: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]], masks: Sequence,
-                cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]):
+                cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int],
+                additions: Sequence[torch.Tensor] = ()):
         starts = segment_starts(masks[0], x.shape[1])  # one mask for every layer (no windows)
         masks = [starts if t == "linear_attention" else m for t, m in zip(self.config.layer_types, masks)]
-        return super()._layers(x, tables, masks, cache, hidden_layers, attention_layers)
+        return super()._layers(x, tables, masks, cache, hidden_layers, attention_layers, additions)
 
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,

@@ -1,6 +1,7 @@
 """Image rows (`minitrain/data/images.py`, `read_sft`) and SFT on them from the command line, on a tiny
 Qwen2.5-VL folder (the model of tests/test_qwen2_5_vl.py with a Qwen-shaped tokenizer that knows the vision
-tokens, ChatML, and a preprocessor_config.json with patches of 4 pixels).
+tokens, ChatML, and a preprocessor_config.json with patches of 4 pixels); the rows, the collated loss, LoRA SFT
+and full fine-tuning from the CLI also on the same folder with tests/test_qwen3_vl.py's Qwen3-VL model.
 
 Rows in TRL's shape (content parts `{"type": "image", "image": path}`) and with an `images` column; paths
 relative to the data file's folder. Checked: each image's placeholder expanded to its token count, image
@@ -21,6 +22,8 @@ import transformers
 from _tok import make_bpe_tokenizer, make_qwen_tokenizer
 from PIL import Image
 from test_qwen2_5_vl import TEXT, VISION
+from test_qwen3_vl import TEXT as TEXT3
+from test_qwen3_vl import VISION as VISION3
 
 import models
 from minitrain.cli import run_cli
@@ -40,8 +43,17 @@ PRE = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels":
        "image_processor_type": "Qwen2VLImageProcessor"}
 
 
-def vl_folder(d: Path) -> Path:
-    """A tiny Qwen2.5-VL checkpoint folder with its tokenizer, chat template and image processor config."""
+# family -> transformers' config and model classes, the text and vision configs
+FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TEXT, VISION),
+            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT3, VISION3)}
+
+
+def hf_class(family: str):
+    return getattr(transformers, FAMILIES[family][1])
+
+
+def vl_folder(d: Path, family: str = "qwen2_5_vl") -> Path:
+    """A tiny Qwen2.5-VL (Qwen3-VL) checkpoint folder with its tokenizer, chat template and image processor config."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -57,12 +69,13 @@ def vl_folder(d: Path) -> Path:
     tc["chat_template"] = CHATML
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
     (d / "preprocessor_config.json").write_text(json.dumps(PRE))
-    cfg = transformers.Qwen2_5_VLConfig(
-        text_config={**TEXT, "vocab_size": 320, "eos_token_id": t.token_to_id("<|im_end|>")}, vision_config=VISION,
+    config_class, _, text, vision = FAMILIES[family]
+    cfg = getattr(transformers, config_class)(
+        text_config={**text, "vocab_size": 320, "eos_token_id": t.token_to_id("<|im_end|>")}, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=0, vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(0)
-    transformers.Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(d)
+    hf_class(family)(cfg).save_pretrained(d)
     return d
 
 
@@ -91,7 +104,20 @@ def write_rows(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("image_rows")
-    return {"root": root, "model": vl_folder(root / "model"), "data": write_rows(root / "data")}
+    return {"root": root, "model": vl_folder(root / "model"), "data": write_rows(root / "data"), "family": "qwen2_5_vl"}
+
+
+@pytest.fixture(scope="module")
+def vlm3(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("image_rows_qwen3_vl")
+    return {"root": root, "model": vl_folder(root / "model", "qwen3_vl"), "data": write_rows(root / "data"),
+            "family": "qwen3_vl"}
+
+
+@pytest.fixture(params=list(FAMILIES))
+def any_vlm(request) -> dict[str, Path]:
+    """The Qwen2.5-VL folder, then the Qwen3-VL one."""
+    return request.getfixturevalue("vlm" if request.param == "qwen2_5_vl" else "vlm3")
 
 
 def rows_of(vlm) -> tuple[list[dict], ImageRows, Tokenizer]:
@@ -101,7 +127,8 @@ def rows_of(vlm) -> tuple[list[dict], ImageRows, Tokenizer]:
     return read_sft(vlm["data"], tok, max_len=256, images=images), images, tok
 
 
-def test_rows_expand_placeholders_and_mask_images(vlm):
+def test_rows_expand_placeholders_and_mask_images(any_vlm):
+    vlm = any_vlm
     examples, images, tok = rows_of(vlm)
     assert images.placeholder == "".join(VISION_TOKENS)
     pad = images.token_id
@@ -122,7 +149,8 @@ def test_rows_expand_placeholders_and_mask_images(vlm):
         "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 10 + "<|vision_end|>Describe")
 
 
-def test_collated_loss_equals_transformers(vlm):
+def test_collated_loss_equals_transformers(any_vlm):
+    vlm = any_vlm
     examples, images, tok = rows_of(vlm)
     batch = collate_images(examples, lambda ex: collate_causal(ex, tok.pad_id), images.spec)
     assert batch["pixel_values"].shape == (32 + 40 + 4 + 32, 3 * 2 * 4 * 4)
@@ -130,7 +158,7 @@ def test_collated_loss_equals_transformers(vlm):
     from minitrain.objectives.sft import sft
 
     ours = load_pretrained(vlm["model"], models.from_hf_config).eval()
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm["model"], dtype=torch.float32).eval()
+    hf = hf_class(vlm["family"]).from_pretrained(vlm["model"], dtype=torch.float32).eval()
     with torch.no_grad():
         loss_sum, count, _ = sft(ours, batch)
         ref = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
@@ -139,7 +167,8 @@ def test_collated_loss_equals_transformers(vlm):
     assert abs(float(loss_sum / count) - float(ref)) <= 1e-5 * float(ref)
 
 
-def test_lora_sft_from_the_cli_with_the_tower_frozen(vlm, capsys):
+def test_lora_sft_from_the_cli_with_the_tower_frozen(any_vlm, capsys):
+    vlm = any_vlm
     out = vlm["root"] / "out"
     code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", f"out={out}",
                     "max_steps=2", "batch_size=2", "lora_r=4", "lora_alpha=8", "device=cpu", "max_len=256"])
@@ -212,21 +241,25 @@ def test_text_parts_suit_a_text_only_checkpoint(tmp_path):
     assert read_sft(data, tok, max_len=64) == read_sft(plain, tok, max_len=64)
 
 
-def test_full_finetuning_trains_the_tower_and_writes_a_folder_transformers_loads(vlm, capsys):
-    """finetune=full: the audit runs on an image row (kept whole) and reaches the tower; the written folder
-    (with the image processor's config) loads in transformers with our logits, its tower changed."""
+def test_full_finetuning_trains_the_tower_and_writes_a_folder_transformers_loads(any_vlm, capsys):
+    """finetune=full: the audit runs on an image row (kept whole) and reaches the tower (every tensor
+    transformers' class has); the written folder (with the image processor's config) loads in transformers with
+    our logits, its tower changed."""
+    vlm = any_vlm
     out = vlm["root"] / "full"
     capsys.readouterr()
     code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", f"out={out}",
                     "max_steps=1", "batch_size=2", "finetune=full", "device=cpu", "max_len=256"])
     log, err = capsys.readouterr()
     assert code == 0, err
-    assert "audit: healthy — 69 of 69 trainable tensors" in log + err
+    hf = hf_class(vlm["family"]).from_pretrained(vlm["model"], dtype=torch.float32)
+    n = len(list(hf.parameters()))
+    assert f"audit: healthy — {n} of {n} trainable tensors" in log + err
     folder = out / "model"
     assert json.loads((folder / "preprocessor_config.json").read_text()) == PRE
     ours, base = (load_pretrained(d, models.from_hf_config).eval() for d in (folder, vlm["model"]))
     assert not torch.equal(ours.model.visual.patch_embed.proj.weight, base.model.visual.patch_embed.proj.weight)
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = hf_class(vlm["family"]).from_pretrained(folder, dtype=torch.float32).eval()
     examples, images, tok = rows_of(vlm)
     batch = collate_images(examples[:2], lambda ex: collate_causal(ex, tok.pad_id), images.spec)
     with torch.no_grad():

@@ -2,8 +2,13 @@
 path, `Qwen2VLImageProcessorPil`), on awkward images made here with Pillow: 1x1, very wide, very tall,
 grey (L), RGBA, a palette image with a transparent colour, a CMYK JPEG, a 16-bit PNG, one over
 `max_pixels` (resized down, not refused). Pixel values and grids equal to the bit; the ids with each
-`<|image_pad|>` expanded equal the text expanded by the Qwen2.5-VL processor's own `replace_image_token`,
-tokenized. (The whole `Qwen2_5_VLProcessor` cannot be built here: its video processor needs torchvision.)
+`<|image_pad|>` expanded equal the text expanded by the processor's own `replace_image_token`, tokenized. (The
+whole `Qwen2_5_VLProcessor` / `Qwen3VLProcessor` cannot be built here: its video processor needs torchvision.)
+
+Each check runs for two checkpoints' processors: Qwen2.5-VL's (the Qwen2-VL image processor's defaults,
+patches of 14, CLIP's mean and std) and Qwen3-VL's (the same image processor as the Hub's Qwen3-VL
+`preprocessor_config.json` sets it: patches of 16, mean and std 0.5; its sizes made small here), our
+`ImageSpec` read from the same dict transformers' processor is built from.
 """
 
 from __future__ import annotations
@@ -23,6 +28,24 @@ from minitrain.errors import UserError
 transformers = pytest.importorskip("transformers")
 
 MAX = 28 * 28 * 16  # small, so that the big image is scaled down and the test stays fast
+# the Hub's Qwen3-VL preprocessor_config.json (Qwen/Qwen3-VL-*-Instruct), its sizes small as MAX
+QWEN3_VL = {"size": {"longest_edge": 32 * 32 * 16, "shortest_edge": 32 * 32 * 2}, "patch_size": 16,
+            "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast"}
+
+
+def qwen2_5_vl():
+    hf = transformers.Qwen2VLImageProcessorPil(max_pixels=MAX)
+    return hf, ImageSpec(max_pixels=MAX), transformers.Qwen2_5_VLProcessor
+
+
+def qwen3_vl():
+    hf = transformers.Qwen2VLImageProcessorPil(**{k: v for k, v in QWEN3_VL.items() if not k.endswith("_type")
+                                                  and k != "processor_class"})
+    return hf, ImageSpec.from_preprocessor_config(QWEN3_VL), transformers.Qwen3VLProcessor
+
+
+PROCESSORS = pytest.mark.parametrize("processor", [qwen2_5_vl, qwen3_vl], ids=["qwen2_5_vl", "qwen3_vl"])
 
 
 def awkward(folder: Path) -> dict[str, Path]:
@@ -52,27 +75,29 @@ def images(tmp_path_factory):
     return awkward(tmp_path_factory.mktemp("images"))
 
 
-def test_pixel_values_and_grids_equal_the_processor(images):
+@PROCESSORS
+def test_pixel_values_and_grids_equal_the_processor(images, processor):
     assert Image.open(images["deep.png"]).mode.startswith("I;16") and Image.open(images["cmyk.jpg"]).mode == "CMYK"
-    hf = transformers.Qwen2VLImageProcessorPil(max_pixels=MAX)
-    spec = ImageSpec(max_pixels=MAX)
+    hf, spec, _ = processor()
+    assert (spec.patch_size, spec.image_mean) == (hf.patch_size, tuple(hf.image_mean))
     for name, path in images.items():
         with Image.open(path) as im:
             ref = hf(images=[im], return_tensors="np")
         pixels, grid = load_image(path, spec)
         assert grid == tuple(ref["image_grid_thw"][0]), name
         assert pixels.dtype == np.float32 and np.array_equal(pixels, ref["pixel_values"]), name
-        assert grid[1] * grid[2] * 14 * 14 <= MAX or name in ("wide.png", "tall.png"), name
+        assert grid[1] * grid[2] * spec.patch_size ** 2 <= spec.max_pixels or name in ("wide.png", "tall.png"), name
 
 
-def test_expanded_ids_equal_the_processor(images, tmp_path):
+@PROCESSORS
+def test_expanded_ids_equal_the_processor(images, tmp_path, processor):
     sys.path.insert(0, str(Path(__file__).parent))
     from _tok import make_qwen_tokenizer
 
     tok = transformers.AutoTokenizer.from_pretrained(make_qwen_tokenizer(tmp_path / "tok"))
     tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
-    hf = transformers.Qwen2VLImageProcessorPil(max_pixels=MAX)
+    hf, spec, hf_processor = processor()
     paths = [images["wide.png"], images["big.jpg"], images["one.png"]]
     inputs = hf(images=[Image.open(p) for p in paths], return_tensors="np")
     fake = types.SimpleNamespace(image_processor=hf, image_token="<|image_pad|>")
@@ -81,10 +106,9 @@ def test_expanded_ids_equal_the_processor(images, tmp_path):
     expanded, n = "", 0
     for part in parts:
         if part == image:
-            part = part.replace("<|image_pad|>", transformers.Qwen2_5_VLProcessor.replace_image_token(fake, inputs, n))
+            part = part.replace("<|image_pad|>", hf_processor.replace_image_token(fake, inputs, n))
             n += 1
         expanded += part
-    spec = ImageSpec(max_pixels=MAX)
     counts = [spec.tokens(load_image(p, spec)[1]) for p in paths]
     ids, starts = expand_placeholders(tok("".join(parts))["input_ids"], pad, counts)
     assert ids == tok(expanded)["input_ids"]

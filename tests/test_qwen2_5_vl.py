@@ -126,15 +126,21 @@ def test_config_round_trip(vl):
     assert transformers.Qwen2_5_VLConfig(**again).text_config.hidden_size == 64
 
 
-def test_lora_adapter_loads_in_peft_with_images(vl, tmp_path):
-    """LoRA on the language model's projections (B drawn at random), saved in peft's format: peft puts it on
-    transformers' class (the same module names) with our logits on a batch with images; no adapter on the
-    tower, whose MLP has the same leaf names."""
+def hf_logits(hf, ids: torch.Tensor, mask: torch.Tensor, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """transformers' logits of a batch with images (its processor's `mm_token_type_ids` made from the ids)."""
+    return hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+              mm_token_type_ids=(ids == IMAGE).long()).logits
+
+
+def check_lora_in_peft(folder: Path, hf_classes, tmp_path: Path) -> None:
+    """LoRA on the language model's projections (B drawn at random), saved in peft's format: peft puts it on each
+    of transformers' `hf_classes` (the same module names) with our logits on a batch with images; no adapter on
+    the tower, whose MLP may have the same leaf names."""
     peft = pytest.importorskip("peft")
     from minitrain.adapters.lora import LoRAConfig, apply_lora
     from minitrain.adapters.peft_format import save_adapter
 
-    ours = load_pretrained(vl, models.from_hf_config).eval()
+    ours = load_pretrained(folder, models.from_hf_config).eval()
     cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))
     apply_lora(ours, cfg)
     with torch.no_grad():
@@ -143,54 +149,40 @@ def test_lora_adapter_loads_in_peft_with_images(vl, tmp_path):
                 p.normal_(0, 0.05)
     assert not [n for n, _ in ours.named_parameters() if "lora_" in n and "visual" in n]
     save_adapter(ours, tmp_path, cfg)
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32)
-    ref = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
-    assert not [n for n, _ in ref.named_parameters() if "lora_" in n and "visual" in n]
     ids, mask, pixels, grid = batch()
-    with torch.no_grad():
-        a = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
-                mm_token_type_ids=(ids == IMAGE).long()).logits
-        b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
-        with ref.disable_adapter():
-            plain = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
-                        mm_token_type_ids=(ids == IMAGE).long()).logits
     real = mask.bool()
-    assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
+    with torch.no_grad():
+        b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
+    for cls in hf_classes:
+        ref = peft.PeftModel.from_pretrained(cls.from_pretrained(folder, dtype=torch.float32), tmp_path).eval()
+        assert not [n for n, _ in ref.named_parameters() if "lora_" in n and "visual" in n]
+        with torch.no_grad():
+            a = hf_logits(ref, ids, mask, pixels, grid)
+            with ref.disable_adapter():
+                plain = hf_logits(ref, ids, mask, pixels, grid)
+        assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
 
 
-def test_a_saved_folder_loads_in_transformers(vl, tmp_path):
-    """`save_pretrained` (full fine-tuning, merge) writes a folder transformers loads, with the same logits."""
+def check_saved_folder(ours, folder: Path, hf_class, tmp_path: Path) -> None:
+    """`save_pretrained` of `ours` (loaded from `folder`; full fine-tuning, merge) writes a folder that loads again
+    to the same tensors, and in transformers' `hf_class` with our logits."""
     from minitrain.weights import save_pretrained
 
-    ours = load_pretrained(vl, models.from_hf_config).eval()
-    config = dict(json.loads((vl / "config.json").read_text()), vocab_size=160)  # as a full fine-tuning run writes it
+    config = dict(json.loads((folder / "config.json").read_text()), vocab_size=160)  # as full fine-tuning writes it
     save_pretrained(ours, tmp_path / "saved", config)
     again = load_pretrained(tmp_path / "saved", models.from_hf_config)
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in ours.state_dict().items())
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    hf = hf_class.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
     ids, mask, pixels, grid = batch()
     with torch.no_grad():
-        a = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
-               mm_token_type_ids=(ids == IMAGE).long()).logits
+        a = hf_logits(hf, ids, mask, pixels, grid)
         b = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid))
     assert rel(b[mask.bool()], a[mask.bool()]) <= 1e-4
 
 
-def test_greedy_generation_of_text_equals_transformers(vl):
-    """A text prompt (no image) decodes through the KV cache as transformers' greedy generation does."""
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
-    ours = load_pretrained(vl, models.from_hf_config).eval()
-    ids = torch.randint(3, 140, (1, 12), generator=torch.Generator().manual_seed(1))
-    ref = hf.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    got = models.family(ours).generate(ours, ids, max_new_tokens=8, eos_token_id=[])
-    assert torch.equal(got, ref)
-
-
-def test_greedy_generation_after_images_equals_transformers(vl):
+def check_generation_after_images(hf, ours) -> None:
     """A prompt with an image (left-padded beside a row with two): the prompt's positions are 3-D, the tokens
     after it continue from its largest position, as transformers' generation does."""
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
-    ours = load_pretrained(vl, models.from_hf_config).eval()
     ids, _, pixels, grid = batch()
     ids, mask = ids[:2, :52].clone(), torch.ones(2, 52, dtype=torch.long)
     ids[1] = torch.cat([torch.zeros(52 - 40, dtype=torch.long), ids[1, :40]])  # row 1 left-padded
@@ -206,9 +198,32 @@ def test_greedy_generation_after_images_equals_transformers(vl):
     nxt = torch.tensor([[5, 6], [7, 8]])
     full_ids, full_mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
     with torch.no_grad():
-        whole = hf(input_ids=full_ids, attention_mask=full_mask, pixel_values=pixels, image_grid_thw=grid,
-                   mm_token_type_ids=(full_ids == IMAGE).long()).logits[:, -2:]
+        whole = hf_logits(hf, full_ids, full_mask, pixels, grid)[:, -2:]
         cache = models.family(ours).KVCache(60)
         ours(ids, mask, cache=cache, pixel_values=pixels, image_grid_thw=grid)
         stepped = ours.lm_head(ours(nxt, torch.ones_like(nxt), cache=cache))
     assert rel(stepped, whole) <= 1e-4
+
+
+def test_lora_adapter_loads_in_peft_with_images(vl, tmp_path):
+    check_lora_in_peft(vl, [transformers.Qwen2_5_VLForConditionalGeneration], tmp_path)
+
+
+def test_a_saved_folder_loads_in_transformers(vl, tmp_path):
+    check_saved_folder(load_pretrained(vl, models.from_hf_config).eval(), vl,
+                       transformers.Qwen2_5_VLForConditionalGeneration, tmp_path)
+
+
+def test_greedy_generation_of_text_equals_transformers(vl):
+    """A text prompt (no image) decodes through the KV cache as transformers' greedy generation does."""
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    ours = load_pretrained(vl, models.from_hf_config).eval()
+    ids = torch.randint(3, 140, (1, 12), generator=torch.Generator().manual_seed(1))
+    ref = hf.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = models.family(ours).generate(ours, ids, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(got, ref)
+
+
+def test_greedy_generation_after_images_equals_transformers(vl):
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    check_generation_after_images(hf, load_pretrained(vl, models.from_hf_config).eval())

@@ -15,6 +15,9 @@ The steps, in the processor's order:
     grid        (1, H / p, W / p); the language model sees one token per merge block: grid product /
                 merge_size**2 placeholders (`<|image_pad|>`) in the ids
 
+Qwen3-VL's checkpoints use the same image processor, set by their own `preprocessor_config.json` (patches of 16
+pixels, mean and std 0.5): `ImageSpec.from_preprocessor_config` reads either.
+
 Pillow is the optional `vision` extra: without it, one line naming the extra (`pillow`).
 """
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
+from PIL import Image
 
 import models
 from minitrain.weights import load_pretrained
@@ -160,3 +162,178 @@ def test_greedy_generation_after_images_equals_transformers(g3):
         ours(ids, mask, cache=cache, pixel_values=pixels)
         stepped = ours.lm_head(ours(nxt, torch.ones_like(nxt), cache=cache))
     assert rel(stepped, whole) <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# A checkpoint folder with its tokenizer, chat template and image processor: rows, processor, CLI
+# --------------------------------------------------------------------------------------------
+
+IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+PRE = {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+       "size": {"height": 32, "width": 32}, "resample": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+       "rescale_factor": 1 / 255, "do_pan_and_scan": None, "do_convert_rgb": None, "do_resize": True,
+       "do_rescale": True, "do_normalize": True, "image_seq_length": 4}
+
+
+def g3_folder(d: Path) -> Path:
+    """A tiny Gemma 3 folder: a Gemma-shaped tokenizer with the three image tokens (the processor finds them as
+    `extra_special_tokens`), Gemma 3's chat template, preprocessor_config.json / processor_config.json."""
+    from _tok import make_gemma_tokenizer
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    make_gemma_tokenizer(d)
+    (d / "tokenizer.model").unlink()  # tokenizer.json alone holds the added tokens
+    t = HFTokenizer.from_file(str(d / "tokenizer.json"))
+    t.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in IMAGE_TOKENS])
+    t.save(str(d / "tokenizer.json"))
+    ids = {x: t.token_to_id(x) for x in IMAGE_TOKENS}
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    for x, i in ids.items():
+        tc["added_tokens_decoder"][str(i)] = {"content": x, "lstrip": False, "normalized": False, "rstrip": False,
+                                              "single_word": False, "special": True}
+    tc["extra_special_tokens"] = dict(zip(("boi_token", "eoi_token", "image_token"), IMAGE_TOKENS))
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    # as the checkpoints hold it: a file the tokenizer and the processor both read
+    (d / "chat_template.jinja").write_text((Path(__file__).parent / "fixtures" / "chat_templates" / "gemma3.jinja").read_text())
+    (d / "preprocessor_config.json").write_text(json.dumps(PRE))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}))
+    cfg = transformers.Gemma3Config(
+        text_config={**TEXT, "vocab_size": 424, "eos_token_id": [1, t.token_to_id("<end_of_turn>")]},
+        vision_config=VISION, mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"])
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.1)
+    model.save_pretrained(d)
+    return d
+
+
+def write_rows(root: Path) -> Path:
+    """Rows in TRL's shape and with an `images` column; no text part begins or ends with a space (Gemma 3's
+    template trims each text part, where minitrain joins the parts and the template trims the whole)."""
+    rng = np.random.default_rng(0)
+    (root / "img").mkdir(parents=True)
+    for name, (h, w) in {"a.png": (20, 30), "b.png": (40, 17), "c.png": (9, 9)}.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / name)
+    part = lambda p: {"type": "image", "image": p}  # noqa: E731
+    text = lambda s: {"type": "text", "text": s}  # noqa: E731
+    rows = [
+        {"messages": [{"role": "user", "content": [part("img/a.png"), text("What colour is it?")]},
+                      {"role": "assistant", "content": [text("It is red.")]}]},
+        {"images": ["img/b.png"], "messages": [{"role": "user", "content": "Describe the picture."},
+                                               {"role": "assistant", "content": "A blue square."}]},
+        {"messages": [{"role": "user", "content": [text("Compare"), part("img/c.png"), text("and"),
+                                                   part("img/a.png"), part("img/b.png")]},
+                      {"role": "assistant", "content": "The first is smaller."}]},
+        {"messages": [{"role": "user", "content": "No picture here."}, {"role": "assistant", "content": "Fine."}]},
+    ]
+    path = root / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def g3dir(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemma3_rows")
+    return {"root": root, "model": g3_folder(root / "model"), "data": write_rows(root / "data")}
+
+
+def rows_of(g3dir):
+    from minitrain.data.images import ImageRows
+    from minitrain.data.readers import read_sft
+    from minitrain.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(g3dir["model"])
+    config = json.loads((g3dir["model"] / "config.json").read_text())
+    images = ImageRows.from_checkpoint(config, PRE, lambda i: tok.decode([i], skip_special=False))
+    return read_sft(g3dir["data"], tok, max_len=256, images=images), images, tok
+
+
+def trl_messages(row: dict, base: Path) -> list[dict]:
+    """A row as the processor's chat takes it: content parts, image paths absolute, the images column as
+    image parts before the first user message's text."""
+    out = []
+    for m in row["messages"]:
+        content = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+        content = [{**p, "image": str(base / p["image"])} if p["type"] == "image" else p for p in content]
+        if m["role"] == "user" and row.get("images") and not out:
+            content = [{"type": "image", "image": str(base / p)} for p in row["images"]] + content
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def test_pixel_values_equal_the_processor(g3dir, tmp_path):
+    """The awkward images of tests/test_images.py through the processor `AutoProcessor` gives for the folder
+    (its image processor's Pillow path here, without torchvision: bilinear to 32 x 32, mean and std 0.5), to
+    the bit."""
+    from test_images import awkward
+
+    from minitrain.data.images import SquareSpec, load_image, processor_spec
+
+    processor = transformers.AutoProcessor.from_pretrained(g3dir["model"])
+    assert type(processor.image_processor).__name__ == "Gemma3ImageProcessorPil"
+    spec = processor_spec(PRE, json.loads((g3dir["model"] / "config.json").read_text()))
+    assert spec == SquareSpec(height=32, width=32, tokens_per_image=4)
+    for name, path in awkward(tmp_path).items():
+        with Image.open(path) as im:
+            # the whole processor: it converts to RGB (the image processor alone reads do_convert_rgb null as no)
+            ref = processor(text=["<start_of_image>"], images=[[im]], return_tensors="np")["pixel_values"][0]
+        pixels, _ = load_image(path, spec)
+        assert pixels.dtype == np.float32 and np.array_equal(pixels, ref), name
+
+
+def test_rows_equal_the_processor(g3dir):
+    """Each row's ids (the chat with every `<start_of_image>` expanded, the newlines around it tokenized with
+    the text) equal the Gemma 3 processor's on the same chat; image tokens and the prompt take no loss; the
+    collated pixel values equal the processor's."""
+    from minitrain.data.collate import IGNORE_INDEX, collate_causal
+    from minitrain.data.images import collate_images
+
+    examples, images, tok = rows_of(g3dir)
+    assert images.placeholder == "<start_of_image>" and images.spec.tokens_per_image == 4
+    processor = transformers.AutoProcessor.from_pretrained(g3dir["model"])
+    rows = [json.loads(line) for line in g3dir["data"].read_text().splitlines()]
+    base = g3dir["data"].parent
+    for ex, row in zip(examples, rows):
+        ref = processor.apply_chat_template(trl_messages(row, base), tokenize=True, return_dict=True,
+                                            return_tensors="np")
+        assert ex["input_ids"] == ref["input_ids"][0].tolist()
+        batch = collate_images([ex], lambda e: collate_causal(e, tok.pad_id), images.spec)
+        if "pixel_values" in ref:
+            assert np.array_equal(batch["pixel_values"].numpy(), ref["pixel_values"])
+        else:
+            assert "pixel_values" not in batch
+        assert all(label == IGNORE_INDEX for i, label in zip(ex["input_ids"], ex["labels"])
+                   if i in (images.token_id, images.boi, images.eoi))
+        target = tok.decode([i for i, label in zip(ex["input_ids"], ex["labels"]) if label != IGNORE_INDEX])
+        assert target.strip() in ("It is red.", "A blue square.", "The first is smaller.", "Fine.")
+    assert [ex["input_ids"].count(images.token_id) for ex in examples] == [4, 4, 12, 0]
+
+
+def test_collated_loss_equals_transformers(g3dir):
+    from minitrain.data.collate import collate_causal
+    from minitrain.data.images import collate_images
+    from minitrain.objectives.sft import sft
+
+    examples, images, tok = rows_of(g3dir)
+    batch = collate_images(examples, lambda ex: collate_causal(ex, tok.pad_id), images.spec)
+    assert batch["pixel_values"].shape == (5, 3, 32, 32) and "image_grid_thw" not in batch
+    ours = load_pretrained(g3dir["model"], models.from_hf_config).eval()
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(g3dir["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        loss_sum, count, _ = sft(ours, batch)
+        ref = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 pixel_values=batch["pixel_values"], token_type_ids=(batch["input_ids"] == images.token_id).long()).loss
+    assert abs(float(loss_sum / count) - float(ref)) <= 1e-5 * float(ref)
+
+
+def test_pan_and_scan_is_one_line():
+    from minitrain.data.images import processor_spec
+    from minitrain.errors import UserError
+
+    with pytest.raises(UserError, match="do_pan_and_scan=true"):
+        processor_spec({**PRE, "do_pan_and_scan": True}, {"model_type": "gemma3", "vision_config": VISION})
+    with pytest.raises(UserError, match="not the tower's image_size 32"):
+        processor_spec({**PRE, "size": {"height": 64, "width": 64}}, {"model_type": "gemma3", "vision_config": VISION})

@@ -337,3 +337,112 @@ def test_pan_and_scan_is_one_line():
         processor_spec({**PRE, "do_pan_and_scan": True}, {"model_type": "gemma3", "vision_config": VISION})
     with pytest.raises(UserError, match="not the tower's image_size 32"):
         processor_spec({**PRE, "size": {"height": 64, "width": 64}}, {"model_type": "gemma3", "vision_config": VISION})
+
+
+def test_lora_adapter_loads_in_peft_with_images(g3, tmp_path):
+    """LoRA on the language model's projections (B drawn at random), saved in peft's format: peft puts it on
+    transformers' class (the same module names) with our logits on a batch with images; none on the tower,
+    whose attention has the same leaf names (`q_proj`, `v_proj`): the adapter names full paths."""
+    peft = pytest.importorskip("peft")
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+
+    ours = load_pretrained(g3, models.from_hf_config).eval()
+    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    assert not [n for n, _ in ours.named_parameters() if "lora_" in n and "language_model" not in n]
+    save_adapter(ours, tmp_path, cfg)
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(g3, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
+    assert not [n for n, _ in ref.named_parameters() if "lora_" in n and "language_model" not in n]
+    ids, mask, pixels = batch()
+    real = mask.bool()
+    with torch.no_grad():
+        a = hf_logits(ref, ids, mask, pixels)
+        b = ours.lm_head(ours(ids, mask, pixel_values=pixels))
+        with ref.disable_adapter():
+            plain = hf_logits(ref, ids, mask, pixels)
+    assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
+
+
+def test_a_saved_folder_loads_in_transformers(g3, tmp_path):
+    """`save_pretrained` (full fine-tuning, merge) writes a folder transformers loads, with the same logits."""
+    from minitrain.weights import save_pretrained
+
+    ours = load_pretrained(g3, models.from_hf_config).eval()
+    with torch.no_grad():
+        ours.model.vision_tower.post_layernorm.bias.add_(0.1)  # a changed tower must arrive too
+    config = dict(json.loads((g3 / "config.json").read_text()), vocab_size=160)  # as a full fine-tuning run writes it
+    save_pretrained(ours, tmp_path / "saved", config)
+    again = load_pretrained(tmp_path / "saved", models.from_hf_config)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in ours.state_dict().items())
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    ids, mask, pixels = batch()
+    with torch.no_grad():
+        a = hf_logits(hf, ids, mask, pixels)
+        b = ours.lm_head(ours(ids, mask, pixel_values=pixels))
+    assert rel(b[mask.bool()], a[mask.bool()]) <= 1e-4
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_lora_sft_on_image_rows_from_the_cli_with_the_tower_frozen(g3dir, capsys):
+    from safetensors import safe_open
+
+    from minitrain.cli import run_cli
+
+    out = g3dir["root"] / "out"
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={g3dir['model']}", f"data={g3dir['data']}",
+                    f"out={out}", "max_steps=2", "batch_size=2", "lora_r=4", "lora_alpha=8", "device=cpu",
+                    "max_len=256"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err and "vision_tower" not in log + err  # nothing of the frozen tower
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    with safe_open(next(out.rglob("adapter_model.safetensors")), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all("language_model" in k for k in keys)
+
+
+def test_a_multimodal_folder_trains_on_text_rows(g3dir, tmp_path, capsys):
+    """A Gemma 3 multimodal folder without its image processor's files, text rows only: its language model
+    trains (LoRA) and the adapter loads in peft on transformers' class with our logits."""
+    import shutil
+
+    from minitrain.cli import run_cli
+
+    peft = pytest.importorskip("peft")
+    model = tmp_path / "model"
+    shutil.copytree(g3dir["model"], model)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        (model / name).unlink()
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
+                                                     {"role": "assistant", "content": w}]}) + "\n"
+                            for w in ("one", "two", "three", "four")))
+    out = tmp_path / "out"
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={model}", f"data={data}", f"out={out}", "max_steps=2",
+                    "batch_size=2", "lora_r=4", "device=cpu", "lr=1e-2"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err
+    adapter = next(out.rglob("adapter_model.safetensors")).parent
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    ids = torch.randint(3, 400, (2, 12), generator=torch.Generator().manual_seed(0))
+    from minitrain.adapters.peft_format import load_adapter
+
+    ours = load_pretrained(model, models.from_hf_config).eval()
+    load_adapter(ours, adapter)
+    with torch.no_grad():
+        a = ref(input_ids=ids).logits
+        b = ours.lm_head(ours(ids))
+        with ref.disable_adapter():
+            plain = ref(input_ids=ids).logits
+    assert rel(b, a) <= 1e-5 and rel(plain, a) > 1e-4

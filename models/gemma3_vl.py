@@ -50,6 +50,8 @@ from models.layers import (
     OffsetRMSNorm,
     SoftcappedLinear,
     activation,
+    check_fields,
+    drop_ignored,
     generate,
     multimodal_to_hf,
     require_zero,
@@ -90,17 +92,13 @@ class VisionConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "VisionConfig":
         d = dict(d)
-        for name in ("model_type", "initializer_range", "dtype", "torch_dtype", "_name_or_path", "architectures",
-                     "transformers_version", "projection_dim"):
-            d.pop(name, None)
+        drop_ignored(d, ("model_type", "initializer_range", "dtype", "torch_dtype", "_name_or_path", "architectures",
+                         "transformers_version", "projection_dim"))
         require_zero(d, "attention_dropout")
         if d.pop("vision_use_head", False):
             raise ValueError("config.json: vision_config.vision_use_head=true — Gemma 3 reads the tower's patches, "
                              "not a pooled head; set it to false")
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"config.json: vision_config field(s) {unknown} are not understood by minitrain's "
-                             "gemma3 tower and may change its maths — remove them if harmless")
+        check_fields(d, cls, "gemma3 (vision_config)", required=())
         return cls(**{**_VISION_DEFAULTS, **d})
 
 

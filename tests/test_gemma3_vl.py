@@ -178,20 +178,12 @@ PRE = {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma
 def g3_folder(d: Path) -> Path:
     """A tiny Gemma 3 folder: a Gemma-shaped tokenizer with the three image tokens (the processor finds them as
     `extra_special_tokens`), Gemma 3's chat template, preprocessor_config.json / processor_config.json."""
-    from _tok import make_gemma_tokenizer
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
+    from _tok import add_special_tokens, make_gemma_tokenizer
 
     make_gemma_tokenizer(d)
     (d / "tokenizer.model").unlink()  # tokenizer.json alone holds the added tokens
-    t = HFTokenizer.from_file(str(d / "tokenizer.json"))
-    t.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in IMAGE_TOKENS])
-    t.save(str(d / "tokenizer.json"))
-    ids = {x: t.token_to_id(x) for x in IMAGE_TOKENS}
+    ids = add_special_tokens(d, IMAGE_TOKENS)
     tc = json.loads((d / "tokenizer_config.json").read_text())
-    for x, i in ids.items():
-        tc["added_tokens_decoder"][str(i)] = {"content": x, "lstrip": False, "normalized": False, "rstrip": False,
-                                              "single_word": False, "special": True}
     tc["extra_special_tokens"] = dict(zip(("boi_token", "eoi_token", "image_token"), IMAGE_TOKENS))
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
     # as the checkpoints hold it: a file the tokenizer and the processor both read
@@ -199,7 +191,7 @@ def g3_folder(d: Path) -> Path:
     (d / "preprocessor_config.json").write_text(json.dumps(PRE))
     (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4}))
     cfg = transformers.Gemma3Config(
-        text_config={**TEXT, "vocab_size": 424, "eos_token_id": [1, t.token_to_id("<end_of_turn>")]},
+        text_config={**TEXT, "vocab_size": 424, "eos_token_id": [1, 6]},  # <eos>, <end_of_turn>
         vision_config=VISION, mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"],
         eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"])
     torch.manual_seed(0)
@@ -213,12 +205,9 @@ def g3_folder(d: Path) -> Path:
 def write_rows(root: Path) -> Path:
     """Rows in TRL's shape and with an `images` column; no text part begins or ends with a space (Gemma 3's
     template trims each text part, where minitrain joins the parts and the template trims the whole)."""
-    rng = np.random.default_rng(0)
-    (root / "img").mkdir(parents=True)
-    for name, (h, w) in {"a.png": (20, 30), "b.png": (40, 17), "c.png": (9, 9)}.items():
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / name)
-    part = lambda p: {"type": "image", "image": p}  # noqa: E731
-    text = lambda s: {"type": "text", "text": s}  # noqa: E731
+    from test_image_rows import part, text, write_images
+
+    write_images(root)
     rows = [
         {"messages": [{"role": "user", "content": [part("img/a.png"), text("What colour is it?")]},
                       {"role": "assistant", "content": [text("It is red.")]}]},

@@ -74,9 +74,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def hf_logits(hf, ids, mask, pixels):
+def hf_logits(hf, ids, mask, pixels, soft: int = SOFT):
     """transformers' training forward: `token_type_ids` (1 at the soft tokens), as its processor returns."""
-    return hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, token_type_ids=(ids == SOFT).long()).logits
+    return hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, token_type_ids=(ids == soft).long()).logits
 
 
 def test_logits_with_images_equal_transformers(g3):
@@ -435,3 +435,32 @@ def test_a_multimodal_folder_trains_on_text_rows(g3dir, tmp_path, capsys):
         with ref.disable_adapter():
             plain = ref(input_ids=ids).logits
     assert rel(b, a) <= 1e-5 and rel(plain, a) > 1e-4
+
+
+def test_full_finetuning_trains_the_tower_and_writes_a_folder_transformers_loads(g3dir, capsys):
+    """finetune=full: the audit runs on an image row and reaches the tower and the projector; the written
+    folder (with the processor's files) loads in transformers with our logits on an image batch."""
+    from minitrain.cli import run_cli
+    from minitrain.data.collate import collate_causal
+    from minitrain.data.images import collate_images
+
+    out = g3dir["root"] / "full"
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={g3dir['model']}", f"data={g3dir['data']}", f"out={out}",
+                    "max_steps=1", "batch_size=2", "finetune=full", "device=cpu", "max_len=256"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy — 80 of 80 trainable tensors" in log + err
+    folder = out / "model"
+    assert json.loads((folder / "preprocessor_config.json").read_text()) == PRE
+    ours, base = (load_pretrained(d, models.from_hf_config).eval() for d in (folder, g3dir["model"]))
+    for name in ("vision_tower.embeddings.patch_embedding.weight", "multi_modal_projector.mm_input_projection_weight"):
+        assert not torch.equal(ours.model.get_parameter(name), base.model.get_parameter(name)), name
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    examples, images, tok = rows_of(g3dir)
+    b = collate_images(examples[:3], lambda ex: collate_causal(ex, tok.pad_id), images.spec)
+    with torch.no_grad():
+        a = hf_logits(hf, b["input_ids"], b["attention_mask"], b["pixel_values"], images.token_id)
+        o = ours.lm_head(ours(b["input_ids"], b["attention_mask"], pixel_values=b["pixel_values"]))
+    real = b["attention_mask"].bool()
+    assert rel(o[real], a[real]) <= 1e-4

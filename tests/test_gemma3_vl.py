@@ -358,6 +358,33 @@ def test_lora_adapter_loads_in_peft_with_images(g3, tmp_path):
     assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
 
 
+def test_merge_writes_a_folder_transformers_loads(g3, tmp_path):
+    """`minitrain merge` of a LoRA adapter on the language model: the merged folder (tower and projector as they
+    were) loads in transformers with the adapted model's logits on an image batch."""
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+    from minitrain.commands.merge import main as merge
+
+    ours = load_pretrained(g3, models.from_hf_config).eval()
+    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "o_proj", "up_proj"))
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    save_adapter(ours, tmp_path / "adapter", cfg)
+    assert merge(["--model", str(g3), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")]) == 0
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids, mask, pixels = batch()
+    real = mask.bool()
+    with torch.no_grad():
+        a = hf_logits(hf, ids, mask, pixels)
+        b = ours.lm_head(ours(ids, mask, pixel_values=pixels))
+        plain = hf_logits(transformers.Gemma3ForConditionalGeneration.from_pretrained(g3, dtype=torch.float32).eval(),
+                          ids, mask, pixels)
+    assert rel(a[real], b[real]) <= 1e-5 and rel(plain[real], b[real]) > 1e-3
+
+
 def test_a_saved_folder_loads_in_transformers(g3, tmp_path):
     """`save_pretrained` (full fine-tuning, merge) writes a folder transformers loads, with the same logits."""
     from minitrain.weights import save_pretrained

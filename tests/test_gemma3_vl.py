@@ -99,6 +99,25 @@ def test_logits_with_images_equal_transformers(g3):
         assert rel(other[:2], got[:2]) > 1e-3
 
 
+def test_a_soft_token_outside_the_vocabulary(g3, tmp_path):
+    """image_token_index >= vocab_size: the soft tokens embed as token 0 before the features replace them, as
+    transformers does (with images and without)."""
+    import shutil
+
+    shutil.copytree(g3, tmp_path / "oov")
+    config = json.loads((g3 / "config.json").read_text())
+    (tmp_path / "oov" / "config.json").write_text(json.dumps({**config, "image_token_index": 170}))
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "oov", dtype=torch.float32).eval()
+    ours = load_pretrained(tmp_path / "oov", models.from_hf_config).eval()
+    ids, mask, pixels = batch()
+    ids = ids.masked_fill(ids == SOFT, 170)
+    real = mask.bool()
+    with torch.no_grad():
+        ref = hf_logits(hf, ids, mask, pixels, 170)
+        assert rel(ours.lm_head(ours(ids, mask, pixel_values=pixels))[real], ref[real]) <= 1e-4
+        assert rel(ours.lm_head(ours(ids[:1])), hf(input_ids=ids[:1]).logits) <= 1e-4
+
+
 def test_image_count_mismatch_is_refused(g3):
     ours = load_pretrained(g3, models.from_hf_config).eval()
     ids, mask, pixels = batch()
@@ -318,12 +337,14 @@ def test_collated_loss_equals_transformers(g3dir):
     assert abs(float(loss_sum / count) - float(ref)) <= 1e-5 * float(ref)
 
 
-def test_pan_and_scan_is_one_line():
+def test_pan_and_scan_and_other_processors_are_one_line():
     from minitrain.data.images import processor_spec
     from minitrain.errors import UserError
 
     with pytest.raises(UserError, match="do_pan_and_scan=true"):
         processor_spec({**PRE, "do_pan_and_scan": True}, {"model_type": "gemma3", "vision_config": VISION})
+    with pytest.raises(UserError, match="image_processor_type 'SiglipImageProcessor' is not supported"):
+        processor_spec({**PRE, "image_processor_type": "SiglipImageProcessor"}, {"model_type": "gemma3"})
     with pytest.raises(UserError, match="not the tower's image_size 32"):
         processor_spec({**PRE, "size": {"height": 64, "width": 64}}, {"model_type": "gemma3", "vision_config": VISION})
 

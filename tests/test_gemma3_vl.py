@@ -349,23 +349,29 @@ def test_pan_and_scan_and_other_processors_are_one_line():
         processor_spec({**PRE, "size": {"height": 64, "width": 64}}, {"model_type": "gemma3", "vision_config": VISION})
 
 
-def test_lora_adapter_loads_in_peft_with_images(g3, tmp_path):
-    """LoRA on the language model's projections (B drawn at random), saved in peft's format: peft puts it on
-    transformers' class (the same module names) with our logits on a batch with images; none on the tower,
-    whose attention has the same leaf names (`q_proj`, `v_proj`): the adapter names full paths."""
-    peft = pytest.importorskip("peft")
+def lora_saved(folder: Path, targets: tuple[str, ...], adapter: Path):
+    """Our model of `folder` with LoRA on `targets` (r 4, its B drawn at random), saved in peft's format."""
     from minitrain.adapters.lora import LoRAConfig, apply_lora
     from minitrain.adapters.peft_format import save_adapter
 
-    ours = load_pretrained(g3, models.from_hf_config).eval()
-    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "v_proj", "gate_proj", "down_proj"))
+    ours = load_pretrained(folder, models.from_hf_config).eval()
+    cfg = LoRAConfig(r=4, alpha=8, targets=targets)
     apply_lora(ours, cfg)
     with torch.no_grad():
         for n, p in ours.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
+    save_adapter(ours, adapter, cfg)
+    return ours
+
+
+def test_lora_adapter_loads_in_peft_with_images(g3, tmp_path):
+    """LoRA on the language model's projections (B drawn at random), saved in peft's format: peft puts it on
+    transformers' class (the same module names) with our logits on a batch with images; none on the tower,
+    whose attention has the same leaf names (`q_proj`, `v_proj`): the adapter names full paths."""
+    peft = pytest.importorskip("peft")
+    ours = lora_saved(g3, ("q_proj", "v_proj", "gate_proj", "down_proj"), tmp_path)
     assert not [n for n, _ in ours.named_parameters() if "lora_" in n and "language_model" not in n]
-    save_adapter(ours, tmp_path, cfg)
     hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(g3, dtype=torch.float32)
     ref = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
     assert not [n for n, _ in ref.named_parameters() if "lora_" in n and "language_model" not in n]
@@ -382,18 +388,9 @@ def test_lora_adapter_loads_in_peft_with_images(g3, tmp_path):
 def test_merge_writes_a_folder_transformers_loads(g3, tmp_path):
     """`minitrain merge` of a LoRA adapter on the language model: the merged folder (tower and projector as they
     were) loads in transformers with the adapted model's logits on an image batch."""
-    from minitrain.adapters.lora import LoRAConfig, apply_lora
-    from minitrain.adapters.peft_format import save_adapter
     from minitrain.commands.merge import main as merge
 
-    ours = load_pretrained(g3, models.from_hf_config).eval()
-    cfg = LoRAConfig(r=4, alpha=8, targets=("q_proj", "o_proj", "up_proj"))
-    apply_lora(ours, cfg)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    save_adapter(ours, tmp_path / "adapter", cfg)
+    ours = lora_saved(g3, ("q_proj", "o_proj", "up_proj"), tmp_path / "adapter")
     assert merge(["--model", str(g3), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")]) == 0
     hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids, mask, pixels = batch()

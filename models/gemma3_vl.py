@@ -121,10 +121,6 @@ class Gemma3VLConfig(GemmaConfig):
         super().__post_init__()
         self.model_type = model_type
 
-    @property
-    def image_token_id(self) -> int:
-        return self.image_token_index
-
     def text(self) -> GemmaConfig:
         """The text model's own config (model_type "gemma3_text"), which gemma.py's layers read."""
         return GemmaConfig(**{f.name: getattr(self, f.name) for f in fields(GemmaConfig) if f.name != "model_type"},

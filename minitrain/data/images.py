@@ -30,6 +30,7 @@ Pillow is the optional `vision` extra: without it, one line naming the extra (`p
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,20 +230,28 @@ def process(image, spec: ImageSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
     return np.ascontiguousarray(x.reshape(h * w, C * tp * p * p)), (1, h, w)
 
 
-def load_image(path: str | Path, spec: ImageSpec | SquareSpec, where: str = "") -> tuple[np.ndarray, Any]:
-    """`spec.read` of the image file `path` (Qwen: `process`, its pixels and grid); a missing or unreadable
-    file is one UserError naming it (and `where`, the data row it came from)."""
+@contextmanager
+def opened(path: str | Path, where: str = ""):
+    """The image file `path` opened by Pillow (its header read, no pixel decoded yet); a missing or unreadable
+    file, or one whose pixels fail inside the block, is one UserError naming it (and `where`, its data row)."""
     Image = pillow()
     at = f"{where}: " if where else ""
     try:
         with Image.open(path) as image:
-            image.load()
-            return spec.read(image)
+            yield image
     except FileNotFoundError:
         raise UserError(f"{at}image {path} does not exist — fix the path (relative paths are read from the data "
                         "file's folder)") from None
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise UserError(f"{at}image {path} cannot be read ({e}) — replace or remove it") from None
+
+
+def load_image(path: str | Path, spec: ImageSpec | SquareSpec, where: str = "") -> tuple[np.ndarray, Any]:
+    """`spec.read` of the image file `path` (Qwen: `process`, its pixels and grid); a missing or unreadable
+    file is one UserError naming it (and `where`, the data row it came from)."""
+    with opened(path, where) as image:
+        image.load()
+        return spec.read(image)
 
 
 def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int], where: str = "") -> tuple[list[int], list[int]]:
@@ -297,15 +306,8 @@ class ImageRows:
 
     def size(self, path: Path, where: str) -> tuple[int, int]:
         """(height, width) of the image file `path` from its header alone (no pixel is decoded)."""
-        Image = pillow()
-        try:
-            with Image.open(path) as image:
-                w, h = image.size
-        except FileNotFoundError:
-            raise UserError(f"{where}: image {path} does not exist — fix the path (relative paths are read from the "
-                            "data file's folder)") from None
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise UserError(f"{where}: image {path} cannot be read ({e}) — replace or remove it") from None
+        with opened(path, where) as image:
+            w, h = image.size
         return h, w
 
     def tokens(self, path: Path, where: str) -> int:

@@ -385,6 +385,31 @@ def test_lora_adapter_loads_in_peft_with_images(g3, tmp_path):
     assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
 
 
+def test_lora_step_gradients_match_peft_with_images(g3, tmp_path):
+    """A LoRA step on a batch with images: our adapter, put on transformers' model by peft, gets the same loss
+    and the same gradient on every LoRA factor (the backward through the images' two-way attention)."""
+    peft = pytest.importorskip("peft")
+    ours = lora_saved(g3, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), tmp_path)
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(g3, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(hf, tmp_path, is_trainable=True).train()
+    ours.train()
+    ids, mask, pixels = batch()
+    labels = ids.masked_fill((mask == 0) | (ids == SOFT), -100)
+    loss_ref = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, token_type_ids=(ids == SOFT).long(),
+                   labels=labels).loss
+    loss_ref.backward()
+    logits = ours.output_projection(ours(ids, mask, pixel_values=pixels))
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(loss_ref.detach()), rel=1e-5)
+    theirs = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+              for n, p in ref.named_parameters() if "lora_" in n}
+    mine = {n: p.grad for n, p in ours.named_parameters() if "lora_" in n}
+    assert set(mine) == set(theirs) and len(mine) == 2 * 7 * 3
+    for n, g in mine.items():
+        assert (g - theirs[n]).abs().max() <= 1e-5 * theirs[n].abs().max() + 1e-9, n
+
+
 def test_merge_writes_a_folder_transformers_loads(g3, tmp_path):
     """`minitrain merge` of a LoRA adapter on the language model: the merged folder (tower and projector as they
     were) loads in transformers with the adapted model's logits on an image batch."""

@@ -72,7 +72,7 @@ _VISION_DEFAULTS: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072,
 _TOKEN_DEFAULTS = dict(boi_token_index=255_999, eoi_token_index=256_000, image_token_index=262_144)
 _OUTER_FIELDS = {"model_type", "text_config", "vision_config", "architectures", "dtype", "torch_dtype",
                  "transformers_version", "tie_word_embeddings", "_name_or_path", "use_cache", "initializer_range",
-                 "mm_tokens_per_image", "vocab_size", *_TOKEN_DEFAULTS}
+                 "mm_tokens_per_image", "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", *_TOKEN_DEFAULTS}
 
 
 @dataclass
@@ -129,7 +129,8 @@ class Gemma3VLConfig(GemmaConfig):
     @classmethod
     def from_multimodal(cls, d: dict[str, Any]) -> "Gemma3VLConfig":
         """A `gemma3` config.json: its text_config as Gemma 3's (the outer `tie_word_embeddings` is the one
-        transformers honours), its vision_config, its token ids."""
+        transformers honours, and the outer bos / eos / pad ids when given: the Hub's checkpoints end turns with
+        eos [1, 106] there), its vision_config, its token ids."""
         if not isinstance(d.get("text_config"), dict) or not isinstance(d.get("vision_config"), dict):
             raise ValueError("config.json: a gemma3 config without text_config / vision_config — restore the "
                              "checkpoint's config.json")
@@ -151,6 +152,7 @@ class Gemma3VLConfig(GemmaConfig):
                              f"{patches} patches a side")
         tokens = {k: int(d.get(k, v)) for k, v in _TOKEN_DEFAULTS.items()}
         kw = {f.name: getattr(base, f.name) for f in fields(GemmaConfig) if f.name != "model_type"}
+        kw.update({k: outer[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in outer})
         return cls(**kw, model_type="gemma3", vision=vision, mm_tokens_per_image=n, multimodal=outer, **tokens)
 
     def to_hf(self) -> dict[str, Any]:

@@ -153,6 +153,7 @@ def test_config_round_trip(g3):
     again = cfg.to_hf()
     assert models.config_from_hf(again) == cfg
     assert transformers.Gemma3Config(**again).text_config.sliding_window == 3
+    assert models.config_from_hf({**d, "eos_token_id": [1, 106]}).eos_token_id == [1, 106]  # the Hub's outer ids
     with pytest.raises(ValueError, match="mm_tokens_per_image=9"):
         models.config_from_hf({**d, "mm_tokens_per_image": 9})
     with pytest.raises(ValueError, match="vision_use_head"):

@@ -607,8 +607,8 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
 
 
 def image_rows(cfg: Any, tok: Tokenizer) -> ImageRows | None:
-    """How the checkpoint `cfg.model` reads images in rows (its config.json's `image_token_id`, its
-    preprocessor_config.json), or None for a text-only checkpoint."""
+    """How the checkpoint `cfg.model` reads images in rows (its config.json's `image_token_id`, or a multimodal
+    Gemma 3's token ids; its preprocessor_config.json), or None for a text-only checkpoint."""
     config = read_config(cfg.model)
     pre = Path(cfg.model) / "preprocessor_config.json"
     try:

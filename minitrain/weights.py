@@ -228,11 +228,11 @@ def load_pretrained(
                     if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                         t = t.to(dtype)  # rebinding t frees the uncast buffer: one extra tensor at most
                     t = t.to(device)
-                    if key in parts:  # one expert's matrix of a fused parameter (the Hub's layout)
-                        param = parts[key][0]
-                        _assign_part(model, *parts[key], t)
+                    if key in parts:  # one expert's matrix of a fused parameter (the Hub's layout), or its other name
+                        param, index = parts[key]
+                        _assign_part(model, param, index, t)
                         missing_parts[param] -= 1
-                        if not missing_parts[param] and tensor_hook is not None:  # whole: the hook may take it
+                        if (index == () or not missing_parts[param]) and tensor_hook is not None:  # whole: the hook may take it
                             tensor_hook(model, param, model.get_parameter(param).detach())
                     elif key in inputs:  # e.g. MXFP4 blocks / scales: converted once all are read
                         param = inputs[key]
@@ -346,7 +346,8 @@ def _check_against_model(model: nn.Module, folder: Path, headers: dict[Path, tup
     Weights the model ties (e.g. `lm_head.weight` to the input embedding) count as present when
     any of their names is in the checkpoint, so a tied checkpoint without `lm_head.weight` is fine.
     A parameter the model fills from parts (`checkpoint_parts`) is present when every part is, and
-    a part that is there names the others that are not (a checkpoint with an expert missing).
+    a part that is there names the others that are not (a checkpoint with an expert missing); parts that
+    each fill the whole parameter are its other names (layouts of other transformers versions): one will do.
     """
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # on meta: only makes the tied names one Parameter, so we can see the groups
@@ -386,9 +387,11 @@ def _check_against_model(model: nn.Module, folder: Path, headers: dict[Path, tup
     for param, (keys, _) in conversions.items():  # whole, or every input of its conversion
         if param not in ckpt:
             missing += [k for k in keys if k not in ckpt]
-    for param, keys in of_param.items():  # whole, or every part
+    for param, keys in of_param.items():  # whole, or every part (parts that fill it whole: other names, one is enough)
         if param not in ckpt:
             there = [k for k in keys if k in ckpt]
+            if there and all(parts[k][1] == () for k in keys):
+                continue
             missing += [k for k in keys if k not in ckpt] if there else [param]
     _raise_if_problems(folder, missing, unexpected, mismatched, mistyped)
 

@@ -23,8 +23,8 @@ model); the norms, rotary tables, the KV cache, masks, soft-capped attention, th
   `attn_logit_softcapping` is null, and transformers ignores the field even when set); the
   final-logit cap applies when set.
 
-Multimodal Gemma 3 checkpoints (model_type `gemma3`) are refused by the registry: this is the
-text model only.
+Multimodal Gemma 3 checkpoints (model_type `gemma3`) are gemma3_vl.py's, which builds this text model
+beside the SigLIP tower.
 """
 
 from __future__ import annotations

@@ -274,6 +274,22 @@ def _build_phi3(d: Path, vocab_size: int) -> None:
     _tokenizer_json_by_transformers(d)
 
 
+def add_special_tokens(d: Path, tokens: list[str]) -> dict[str, int]:
+    """Add `tokens` as special tokens to the tokenizer.json folder `d` (and its tokenizer_config.json's
+    `added_tokens_decoder`), as a vision-language checkpoint's image tokens; their ids."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(d / "tokenizer.json"))
+    t.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in tokens])
+    t.save(str(d / "tokenizer.json"))
+    ids = {x: t.token_to_id(x) for x in tokens}
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["added_tokens_decoder"].update({str(i): _added(x) for x, i in ids.items()})
+    _write_json(d / "tokenizer_config.json", tc)
+    return ids
+
+
 def make_qwen_tokenizer(folder: Path, vocab_size: int = 300) -> Path:
     """A Qwen-shaped `tokenizer.json` folder (ids: BPE vocab, then the 3 specials, then <think>, </think>)."""
     return _copy(_cached(("qwen", vocab_size), lambda d: _build_qwen(d, vocab_size)), folder)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from _tok import make_bpe_tokenizer, make_qwen_tokenizer
+from _tok import add_special_tokens, make_bpe_tokenizer, make_qwen_tokenizer
 from PIL import Image
 from test_qwen2_5_vl import TEXT, VISION
 from test_qwen3_vl import TEXT as TEXT3
@@ -43,35 +43,18 @@ PRE = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels":
        "image_processor_type": "Qwen2VLImageProcessor"}
 
 
-# family -> transformers' config and model classes, the text and vision configs
-FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TEXT, VISION),
-            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT3, VISION3)}
-
-
-def hf_class(family: str):
-    return getattr(transformers, FAMILIES[family][1])
-
-
 def vl_folder(d: Path, family: str = "qwen2_5_vl") -> Path:
     """A tiny Qwen2.5-VL (Qwen3-VL) checkpoint folder with its tokenizer, chat template and image processor config."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-
     make_qwen_tokenizer(d)
-    t = HFTokenizer.from_file(str(d / "tokenizer.json"))
-    t.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in VISION_TOKENS])
-    t.save(str(d / "tokenizer.json"))
-    ids = {x: t.token_to_id(x) for x in VISION_TOKENS}
+    ids = add_special_tokens(d, VISION_TOKENS)
     tc = json.loads((d / "tokenizer_config.json").read_text())
-    for x, i in ids.items():
-        tc["added_tokens_decoder"][str(i)] = {"content": x, "lstrip": False, "normalized": False, "rstrip": False,
-                                              "single_word": False, "special": True}
     tc["chat_template"] = CHATML
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
     (d / "preprocessor_config.json").write_text(json.dumps(PRE))
     config_class, _, text, vision = FAMILIES[family]
     cfg = getattr(transformers, config_class)(
-        text_config={**text, "vocab_size": 320, "eos_token_id": t.token_to_id("<|im_end|>")}, vision_config=vision,
+        text_config={**text, "vocab_size": 320, "eos_token_id": Tokenizer.from_folder(d).token_to_id("<|im_end|>")},
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=0, vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(0)
@@ -79,13 +62,24 @@ def vl_folder(d: Path, family: str = "qwen2_5_vl") -> Path:
     return d
 
 
-def write_rows(root: Path) -> Path:
+def write_images(root: Path) -> None:
+    """root/img/a.png (20 x 30), b.png (40 x 17), c.png (9 x 9): random RGB."""
     rng = np.random.default_rng(0)
     (root / "img").mkdir(parents=True)
     for name, (h, w) in {"a.png": (20, 30), "b.png": (40, 17), "c.png": (9, 9)}.items():
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / name)
-    part = lambda p: {"type": "image", "image": p}  # noqa: E731
-    text = lambda s: {"type": "text", "text": s}  # noqa: E731
+
+
+def part(path: str) -> dict:
+    return {"type": "image", "image": path}
+
+
+def text(s: str) -> dict:
+    return {"type": "text", "text": s}
+
+
+def write_rows(root: Path) -> Path:
+    write_images(root)
     rows = [
         {"messages": [{"role": "user", "content": [part("img/a.png"), text("What colour is it?")]},
                       {"role": "assistant", "content": [text("It is red.")]}]},

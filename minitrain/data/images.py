@@ -1,19 +1,28 @@
-"""Images: an image file -> the pixel values a Qwen2-VL / Qwen2.5-VL vision tower reads, its patch grid,
-and how many placeholder tokens stand for it in the ids. The same numbers as transformers' Qwen2-VL image
-processor (its Pillow path), which the checkpoints' `preprocessor_config.json` describe.
+"""Images: an image file -> the pixel values a vision tower reads and how many placeholder tokens stand for
+it in the ids, with the same numbers as transformers' image processor (its Pillow path) that the checkpoint's
+`preprocessor_config.json` names (`image_processor_type`; `processor_spec`):
 
-The steps, in the processor's order:
+    Qwen2VLImageProcessor   Qwen2-VL / Qwen2.5-VL (`ImageSpec`): each image at its own size, in patches
+    Gemma3ImageProcessor    Gemma 3 (`SquareSpec`): every image resized to one square, a fixed token count
+
+The steps, in the processor's order (the first, third and fourth shared: `normalised`):
     decode      Pillow opens the file; an image with transparency is laid over white, every mode
                 (grey L, palette, CMYK, 16-bit I;16) converted to 8-bit RGB by Pillow's own `convert`
-    resize      `smart_resize`: both sides the nearest multiple of `patch_size * merge_size`, scaled down
-                when the area is over `max_pixels` and up when under `min_pixels`, the aspect kept; then
-                Pillow's bicubic resize (always, even to the same size)
-    rescale     x / 255 in float64, stored as float32
-    normalise   (x - mean) / std per channel (CLIP's mean and std by default), float32
+    resize      Qwen: `smart_resize`: both sides the nearest multiple of `patch_size * merge_size`, scaled
+                down when the area is over `max_pixels` and up when under `min_pixels`, the aspect kept;
+                Pillow's bicubic resize (always, even to the same size). Gemma 3: to `size` (height x width,
+                the tower's image_size), the aspect not kept, with the config's `resample` (bilinear)
+    rescale     x * rescale_factor (1 / 255) in float64, stored as float32
+    normalise   (x - mean) / std per channel (Qwen: CLIP's mean and std; Gemma 3: 0.5 and 0.5), float32
+    Qwen:
     patchify    (C, H, W) -> one row per patch of C x temporal_patch_size x p x p values (an image repeats
                 its one frame), patches ordered merge block by merge block (row-major), row-major inside
     grid        (1, H / p, W / p); the language model sees one token per merge block: grid product /
                 merge_size**2 placeholders (`<|image_pad|>`) in the ids
+    Gemma 3:    pixel values (3, H, W) per image; `mm_tokens_per_image` soft tokens, which the processor
+                writes as `\n\n<start_of_image>` + `<image_soft_token>` x n + `<end_of_image>\n\n` in place
+                of the `<start_of_image>` the chat template writes (`ImageRows.expand`). Pan-and-scan crops
+                (`do_pan_and_scan: true`) are refused.
 
 Qwen3-VL's checkpoints use the same image processor, set by their own `preprocessor_config.json` (patches of 16
 pixels, mean and std 0.5): `ImageSpec.from_preprocessor_config` reads either.
@@ -24,11 +33,14 @@ Pillow is the optional `vision` extra: without it, one line naming the extra (`p
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from minitrain.data.collate import IGNORE_INDEX
 from minitrain.errors import UserError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -74,6 +86,103 @@ class ImageSpec:
         """The placeholder tokens of an image with patch grid `grid` (t, h, w)."""
         return grid[0] * grid[1] * grid[2] // self.merge_size ** 2
 
+    def grid_of(self, height: int, width: int) -> tuple[int, int, int]:
+        """The patch grid of an image of (height, width) pixels (ValueError: an aspect ratio over 200)."""
+        H, W = smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+        return 1, H // self.patch_size, W // self.patch_size
+
+    def count(self, height: int, width: int) -> int:
+        """The placeholder tokens of an image of (height, width) pixels."""
+        return self.tokens(self.grid_of(height, width))
+
+    def read(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """`process`: (pixel values (patches, C t p p), grid (1, h, w))."""
+        return process(image, self)
+
+    @staticmethod
+    def batch(pixels: list[np.ndarray], grids: list) -> dict:
+        """A batch's images, in order: `pixel_values` (patches, C t p p), `image_grid_thw` (images, 3)."""
+        import torch
+
+        return {"pixel_values": torch.from_numpy(np.concatenate(pixels)),
+                "image_grid_thw": torch.tensor(grids, dtype=torch.long)}
+
+
+@dataclass(frozen=True)
+class SquareSpec:
+    """Gemma 3's image processor (`Gemma3ImageProcessor`, its Pillow path): every image resized to `height` x
+    `width` (the tower's image_size) with Pillow's `resample` filter (2: bilinear), rescaled, normalised
+    with mean and std 0.5; `tokens_per_image` (config.json's `mm_tokens_per_image`) soft tokens each."""
+
+    height: int = 896
+    width: int = 896
+    resample: int = 2
+    rescale_factor: float = 1 / 255
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    tokens_per_image: int = 256
+
+    @classmethod
+    def from_preprocessor_config(cls, d: dict, config: dict | None = None) -> "SquareSpec":
+        """From a `preprocessor_config.json` dict and config.json's (`vision_config.image_size`, the size when
+        the processor gives none; `mm_tokens_per_image`). Pan-and-scan, or a step switched off, is one line."""
+        where = "preprocessor_config.json"
+        if d.get("do_pan_and_scan"):
+            raise UserError(f"{where}: do_pan_and_scan=true (Gemma 3's pan-and-scan crops) is not supported yet — "
+                            "set it to false")
+        off = [k for k in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb") if d.get(k) is False]
+        if off:
+            raise UserError(f"{where}: {off[0]}=false is not supported — minitrain resizes, rescales, normalises "
+                            "and converts to RGB as the checkpoint was trained; remove it")
+        config = config or {}
+        side = (config.get("vision_config") or {}).get("image_size", cls.height)
+        size = d.get("size") or {"height": side, "width": side}
+        if not isinstance(size, dict) or "height" not in size or "width" not in size:
+            raise UserError(f"{where}: size {size!r} — Gemma 3's processor resizes to {{'height', 'width'}}")
+        if (size["height"], size["width"]) != (side, side):
+            raise UserError(f"{where}: size {size['height']}x{size['width']} is not the tower's image_size {side} — "
+                            "restore the checkpoint's file")
+        return cls(height=int(size["height"]), width=int(size["width"]), resample=int(d.get("resample", cls.resample)),
+                   rescale_factor=float(d.get("rescale_factor", cls.rescale_factor)),
+                   image_mean=tuple(d.get("image_mean", cls.image_mean)), image_std=tuple(d.get("image_std", cls.image_std)),
+                   tokens_per_image=int(config.get("mm_tokens_per_image", cls.tokens_per_image)))
+
+    def count(self, height: int, width: int) -> int:
+        """The soft tokens of any image: `tokens_per_image`."""
+        return self.tokens_per_image
+
+    def read(self, image) -> tuple[np.ndarray, None]:
+        """A Pillow image -> (pixel values (C, height, width) float32, None)."""
+        return normalised(image, (self.height, self.width), self.resample, self.rescale_factor, self.image_mean,
+                          self.image_std), None
+
+    @staticmethod
+    def batch(pixels: list[np.ndarray], grids: list) -> dict:
+        """A batch's images, in order: `pixel_values` (images, C, H, W)."""
+        import torch
+
+        return {"pixel_values": torch.from_numpy(np.stack(pixels))}
+
+
+# image_processor_type (without transformers' "Fast" / "Pil" suffixes) -> its spec
+PROCESSORS = {"Qwen2VLImageProcessor": ImageSpec, "Gemma3ImageProcessor": SquareSpec}
+
+
+def processor_spec(preprocessor: dict | None, config: dict) -> "ImageSpec | SquareSpec":
+    """The image processing of a checkpoint: its `preprocessor_config.json` dict's `image_processor_type`
+    (without one, or without the file: by config.json's model_type; Qwen2-VL's by default)."""
+    d = preprocessor or {}
+    kind = str(d.get("image_processor_type") or "")
+    for suffix in ("Fast", "Pil"):
+        kind = kind.removesuffix(suffix)
+    if not kind:
+        kind = "Gemma3ImageProcessor" if config.get("model_type") == "gemma3" else "Qwen2VLImageProcessor"
+    if kind not in PROCESSORS:
+        raise UserError(f"preprocessor_config.json: image_processor_type {d.get('image_processor_type')!r} is not "
+                        f"supported — minitrain reads images as {', '.join(PROCESSORS)}")
+    spec = PROCESSORS[kind]
+    return spec.from_preprocessor_config(d, config.get("vision_config") if spec is ImageSpec else config)
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width) -> the size the image is resized to: multiples of `factor`, the area within
@@ -103,35 +212,49 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
+def normalised(image, size: tuple[int, int], resample: int, scale: float, mean, std) -> np.ndarray:
+    """The processors' shared steps: a Pillow image as RGB (`to_rgb`), resized to `size` (height, width) with
+    Pillow's `resample` filter, times `scale` in float64, then (x - mean) / std in float32 -> (C, H, W)."""
+    H, W = size
+    x = np.asarray(to_rgb(image).resize((W, H), resample=resample)).transpose(2, 0, 1)  # (C, H, W) uint8
+    x = (x.astype(np.float64) * scale).astype(np.float32)
+    return (x - np.array(mean, np.float32)[:, None, None]) / np.array(std, np.float32)[:, None, None]
+
+
 def process(image, spec: ImageSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
     """A Pillow image -> (pixel values (patches, C t p p) float32, grid (1, h, w))."""
     Image = pillow()
-    image = to_rgb(image)
     p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     H, W = smart_resize(image.height, image.width, p * m, spec.min_pixels, spec.max_pixels)
-    x = np.asarray(image.resize((W, H), resample=Image.BICUBIC)).transpose(2, 0, 1)  # (C, H, W) uint8
-    x = (x.astype(np.float64) * (1 / 255)).astype(np.float32)
-    x = (x - np.array(spec.image_mean, np.float32)[:, None, None]) / np.array(spec.image_std, np.float32)[:, None, None]
+    x = normalised(image, (H, W), Image.BICUBIC, 1 / 255, spec.image_mean, spec.image_std)
     C, h, w = x.shape[0], H // p, W // p
     x = x.reshape(C, h // m, m, p, w // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (h/m, w/m, m, m, C, p, p)
     x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p))  # the frame repeated
     return np.ascontiguousarray(x.reshape(h * w, C * tp * p * p)), (1, h, w)
 
 
-def load_image(path: str | Path, spec: ImageSpec, where: str = "") -> tuple[np.ndarray, tuple[int, int, int]]:
-    """`process` of the image file `path`; a missing or unreadable file is one UserError naming it (and
-    `where`, the data row it came from)."""
+@contextmanager
+def opened(path: str | Path, where: str = ""):
+    """The image file `path` opened by Pillow (its header read, no pixel decoded yet); a missing or unreadable
+    file, or one whose pixels fail inside the block, is one UserError naming it (and `where`, its data row)."""
     Image = pillow()
     at = f"{where}: " if where else ""
     try:
         with Image.open(path) as image:
-            image.load()
-            return process(image, spec)
+            yield image
     except FileNotFoundError:
         raise UserError(f"{at}image {path} does not exist — fix the path (relative paths are read from the data "
                         "file's folder)") from None
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise UserError(f"{at}image {path} cannot be read ({e}) — replace or remove it") from None
+
+
+def load_image(path: str | Path, spec: ImageSpec | SquareSpec, where: str = "") -> tuple[np.ndarray, Any]:
+    """`spec.read` of the image file `path` (Qwen: `process`, its pixels and grid); a missing or unreadable
+    file is one UserError naming it (and `where`, the data row it came from)."""
+    with opened(path, where) as image:
+        image.load()
+        return spec.read(image)
 
 
 def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int], where: str = "") -> tuple[list[int], list[int]]:
@@ -156,43 +279,99 @@ def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int], 
 
 @dataclass(frozen=True)
 class ImageRows:
-    """How a vision-language checkpoint reads images in chat rows: `placeholder`, the text its chat template
-    writes for one image (Qwen2.5-VL: `<|vision_start|><|image_pad|><|vision_end|>`), `token_id` (the one
-    placeholder token that stands for the image's features, repeated once per feature), `spec` (the image
-    processing)."""
+    """How a vision-language checkpoint reads images in chat rows: `placeholder`, the text written in the chat
+    for one image (Qwen2.5-VL: `<|vision_start|><|image_pad|><|vision_end|>`; Gemma 3: `<start_of_image>`, as
+    its chat template writes), `token_id` (the one token that stands for the image's features, repeated once
+    per feature), `spec` (the image processing). Gemma 3 (`boi` set): the placeholder is the `boi` token, which
+    the processor replaces with `frame` + boi + soft tokens + `eoi` + `frame` (`expand`)."""
 
     placeholder: str
     token_id: int
-    spec: ImageSpec
+    spec: ImageSpec | SquareSpec
+    boi: int | None = None
+    eoi: int | None = None
+    frame: str = "\n\n"
 
     @classmethod
     def from_checkpoint(cls, config: dict, preprocessor: dict | None, decode) -> "ImageRows | None":
         """From a checkpoint's config.json and preprocessor_config.json dicts (None: a text-only checkpoint,
-        no `image_token_id`); `decode(id)` is the tokenizer's text of a token id."""
+        no `image_token_id` / `image_token_index`); `decode(id)` is the tokenizer's text of a token id."""
+        if config.get("model_type") == "gemma3":
+            boi, eoi = int(config.get("boi_token_index", 255_999)), int(config.get("eoi_token_index", 256_000))
+            return cls(decode(boi), int(config.get("image_token_index", 262_144)),
+                       processor_spec(preprocessor, config), boi=boi, eoi=eoi)
         image = config.get("image_token_id")
         if image is None:
             return None
         start, end = config.get("vision_start_token_id"), config.get("vision_end_token_id")
         text = "".join(decode(i) for i in (start, image, end) if i is not None)
-        return cls(text, int(image), ImageSpec.from_preprocessor_config(preprocessor or {}, config.get("vision_config")))
+        return cls(text, int(image), processor_spec(preprocessor, config))
 
-    def grid(self, path: Path, where: str) -> tuple[int, int, int]:
-        """The patch grid of the image file `path` from its header alone (no pixel is decoded)."""
-        Image = pillow()
+    def size(self, path: Path, where: str) -> tuple[int, int]:
+        """(height, width) of the image file `path` from its header alone (no pixel is decoded)."""
+        with opened(path, where) as image:
+            w, h = image.size
+        return h, w
+
+    def tokens(self, path: Path, where: str) -> int:
+        """The tokens that stand for the image file `path` (from its header)."""
         try:
-            with Image.open(path) as image:
-                w, h = image.size
-        except FileNotFoundError:
-            raise UserError(f"{where}: image {path} does not exist — fix the path (relative paths are read from the "
-                            "data file's folder)") from None
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise UserError(f"{where}: image {path} cannot be read ({e}) — replace or remove it") from None
-        s = self.spec
-        try:
-            H, W = smart_resize(h, w, s.patch_size * s.merge_size, s.min_pixels, s.max_pixels)
+            return self.spec.count(*self.size(path, where))
         except ValueError as e:
             raise UserError(f"{where}: image {path}: {e} — crop or pad it") from None
-        return 1, H // s.patch_size, W // s.patch_size
+
+    def grid(self, path: Path, where: str) -> tuple[int, int, int]:
+        """Qwen: the patch grid of the image file `path` from its header."""
+        try:
+            return self.spec.grid_of(*self.size(path, where))
+        except ValueError as e:
+            raise UserError(f"{where}: image {path}: {e} — crop or pad it") from None
+
+    def expand(self, ids: list[int], labels: list[int], counts: list[int], tok, where: str
+               ) -> tuple[list[int], list[int]]:
+        """A chat's ids and labels with each image's placeholder expanded as the checkpoint's processor does
+        it (`counts[i]` tokens for image i; -100 on every image token: an image is input, never a target).
+        Qwen: the placeholder token repeated. Gemma 3: `boi` becomes boi + soft tokens + eoi, and `frame` joins
+        the text on each side, which is tokenized again (the special tokens split the text, so each stretch
+        between two of them is tokenized alone, as in the processor's whole text); `tok` the tokenizer."""
+        if self.boi is None:
+            out, n = [], iter(counts)
+            for t, label in zip(ids, labels):
+                out += [IGNORE_INDEX] * next(n, 1) if t == self.token_id else [label]
+            return expand_placeholders(ids, self.token_id, counts, where)[0], out
+        expand_placeholders(ids, self.boi, counts, where)  # the count of images
+        special = {tok.token_to_id(s) for s in tok.special_strings()} | {self.boi, self.eoi, self.token_id}
+        items: list[list] = []  # [ids, labels, prefix, suffix] of text stretches; [id, label] of special tokens
+        n = iter(counts)
+        for t, label in zip(ids, labels):
+            if t == self.boi:
+                if not items or len(items[-1]) == 2:
+                    items.append([[], [], "", ""])
+                items[-1][3] += self.frame
+                items.append([[self.boi] + [self.token_id] * next(n) + [self.eoi], None])
+                items.append([[], [], self.frame, ""])
+            elif t in special:
+                items.append([[t], [label]])
+            elif items and len(items[-1]) == 4:
+                items[-1][0].append(t)
+                items[-1][1].append(label)
+            else:
+                items.append([[t], [label], "", ""])
+        out_ids, out_labels = [], []
+        for item in items:
+            if len(item) == 2:
+                out_ids += item[0]
+                out_labels += [IGNORE_INDEX] * len(item[0]) if item[1] is None else item[1]
+                continue
+            text_ids, text_labels, prefix, suffix = item
+            if prefix or suffix:
+                if any(label != IGNORE_INDEX for label in text_labels):
+                    raise UserError(f"{where}: an image inside an assistant's answer — put images in the user's turns")
+                text_ids = tok.encode(prefix + tok.decode(text_ids, skip_special=False) + suffix, continuation=True)
+                text_labels = [IGNORE_INDEX] * len(text_ids)
+            out_ids += text_ids
+            out_labels += text_labels
+        return out_ids, out_labels
 
 
 def image_messages(messages: list[dict], column: list | None, base: Path, placeholder: str, where: str
@@ -243,11 +422,10 @@ def image_messages(messages: list[dict], column: list | None, base: Path, placeh
     return out, [p if p.is_absolute() else base / p for p in paths]
 
 
-def collate_images(examples, collate, spec: ImageSpec) -> dict:
-    """`collate(examples)` plus, when the examples carry images, `pixel_values` (patches, C t p p) float32
-    and `image_grid_thw` (images, 3): each image decoded now, for this batch only, in order."""
-    import torch
-
+def collate_images(examples, collate, spec: ImageSpec | SquareSpec) -> dict:
+    """`collate(examples)` plus, when the examples carry images, `spec.batch` of them (Qwen: `pixel_values`
+    (patches, C t p p) float32 and `image_grid_thw` (images, 3); Gemma 3: `pixel_values` (images, C, H, W)):
+    each image decoded now, for this batch only, in order."""
     batch = collate(examples)
     pixels, grids = [], []
     for ex in examples:
@@ -256,6 +434,5 @@ def collate_images(examples, collate, spec: ImageSpec) -> dict:
             pixels.append(p)
             grids.append(g)
     if pixels:
-        batch["pixel_values"] = torch.from_numpy(np.concatenate(pixels))
-        batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        batch.update(spec.batch(pixels, grids))
     return batch

@@ -31,7 +31,7 @@ import numpy as np
 
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.files import read_rows
-from minitrain.data.images import ImageRows, expand_placeholders, image_messages
+from minitrain.data.images import ImageRows, image_messages
 from minitrain.data.rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields, in_force
 from minitrain.errors import UserError
 from minitrain.text.chat_formats import common_prefix_len
@@ -202,9 +202,7 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
             ids, mask = _chat(tok, where, chat)
             labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
             if paths:
-                counts = [images.spec.tokens(images.grid(p, where)) for p in paths]
-                labels = _expanded_labels(labels, ids, images.token_id, counts)
-                ids, _ = expand_placeholders(ids, images.token_id, counts, where)
+                ids, labels = images.expand(ids, labels, [images.tokens(p, where) for p in paths], tok, where)
                 if len(ids) > max_len:
                     raise UserError(f"{where}: {len(ids)} tokens with its images, over max_len={max_len} — an image "
                                     "row is never cut; raise max_len or lower the images' max_pixels")
@@ -254,15 +252,6 @@ def _image_chat(row: Row, chat: list, path: str | Path, images: ImageRows | None
         raise UserError(f"{row.where}: the row has images, but the checkpoint is text-only (its config.json has no "
                         "image_token_id) — use a vision-language checkpoint, or drop the images")
     return chat, paths
-
-
-def _expanded_labels(labels: list[int], ids: list[int], image_id: int, counts: list[int]) -> list[int]:
-    """The labels of a chat's `ids` once each image placeholder is repeated `counts[i]` times: -100 on every
-    image token (an image is input, never a target), the other labels as they were."""
-    out, n = [], iter(counts)
-    for t, label in zip(ids, labels):
-        out += [IGNORE_INDEX] * next(n, 1) if t == image_id else [label]
-    return out
 
 
 def _with_bos(tok: Tokenizer, ids: list[int], out: Examples) -> list[int]:

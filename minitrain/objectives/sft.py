@@ -50,8 +50,8 @@ def causal_hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     if "document_ids" in batch:
         return model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"])
     if "pixel_values" in batch:  # image rows (`minitrain.data.images.collate_images`): a vision-language model
-        return model(batch["input_ids"], batch.get("attention_mask"), pixel_values=batch["pixel_values"],
-                     image_grid_thw=batch["image_grid_thw"])
+        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}  # Gemma 3: no grid
+        return model(batch["input_ids"], batch.get("attention_mask"), **images)
     return model(batch["input_ids"], batch.get("attention_mask"))
 
 

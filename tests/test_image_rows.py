@@ -43,6 +43,15 @@ PRE = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels":
        "image_processor_type": "Qwen2VLImageProcessor"}
 
 
+# family -> transformers' config and model classes, the text and vision configs
+FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TEXT, VISION),
+            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT3, VISION3)}
+
+
+def hf_class(family: str):
+    return getattr(transformers, FAMILIES[family][1])
+
+
 def vl_folder(d: Path, family: str = "qwen2_5_vl") -> Path:
     """A tiny Qwen2.5-VL (Qwen3-VL) checkpoint folder with its tokenizer, chat template and image processor config."""
     make_qwen_tokenizer(d)

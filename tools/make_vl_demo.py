@@ -122,7 +122,7 @@ def make_tokenizer(folder: Path) -> None:
     added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                        "single_word": False, "special": True} for t in SPECIALS}
     (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
          "bos_token": None, "unk_token": None, "add_bos_token": False, "add_eos_token": False,
          "model_max_length": TEXT["max_position_embeddings"], "added_tokens_decoder": added, "chat_template": CHATML},
         indent=2) + "\n")

@@ -5,7 +5,7 @@
 The task: a 32 x 32 picture of one shape (a square, a disc or a triangle, of any size, anywhere, on a grey
 background) in one of five colours (red, green, blue, yellow, purple); the answer is the colour's name. The
 model (the Qwen2.5-VL architecture: a 2-block vision tower with the 2x2 patch merger, a 2-layer Qwen2 language
-model with M-RoPE; about 0.2 M parameters) is pre-trained here, with minitrain's own full fine-tuning, on
+model with M-RoPE; 0.13 M parameters) is pre-trained here, with minitrain's own full fine-tuning, on
 pictures whose answers are drawn at random: it learns the format (a colour's name, then `<|im_end|>`) and that
 the picture says nothing, so its greedy answer is one colour whatever it sees: held-out accuracy near chance
 (0.2). LoRA SFT on the language model (the tower frozen) on rows whose answers are the true colours teaches
@@ -13,7 +13,7 @@ it to read the picture: `python -m minitrain recipes/sft.py config=demo/vl_colou
 `python tools/answer_accuracy.py --model demo/vl_colours/model --adapter runs/vl_colours/adapter
 --data demo/vl_colours/eval.jsonl` (the held-out share of rows whose greedy answer is the label).
 
-Files (about 0.5 MB):
+Files (about 0.7 MB):
 
     demo/vl_colours/model/        config.json (model_type qwen2_5_vl), model.safetensors (fp32),
                                   preprocessor_config.json (patches of 4 pixels), tokenizer.json (+ config:

@@ -27,6 +27,7 @@ models); the test tells it (`model_accepts_loss_kwargs = True`), so that both si
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -39,21 +40,12 @@ from test_image_rows import vl_folder
 from minitrain.cli import run_cli
 from minitrain.data.batcher import Batcher
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from bench_vl import PEFT_TARGETS, TEMPLATE, processor  # noqa: E402  (the template and processor TRL's bench uses)
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS, BATCH, ACCUM, LR = 4, 2, 2, 2e-3
-# ChatML whose contents may be strings or parts; the assistant's text and <|im_end|> are the targets
-TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{%- set text = message['content'] %}{%- else %}"
-    "{%- set ns = namespace(text='') %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}{%- set ns.text = ns.text + '<|vision_start|><|image_pad|><|vision_end|>' %}"
-    "{%- elif part['type'] == 'text' %}{%- set ns.text = ns.text + part['text'] %}{%- endif %}{%- endfor %}"
-    "{%- set text = ns.text %}{%- endif %}"
-    "{%- if message['role'] == 'assistant' %}{% generation %}{{- text + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
-    "{%- else %}{{- text + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 SIZES = {"red.png": (20, 30), "tall.png": (40, 17), "dot.png": (9, 9), "wide.png": (12, 44), "big.png": (36, 36)}
-TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
 def rows() -> list[dict]:
@@ -89,25 +81,13 @@ def setup(tmp_path_factory) -> dict[str, Path]:
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
     torch.manual_seed(2)
-    lora = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    lora = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=PEFT_TARGETS, lora_dropout=0.0))
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.copy_(0.05 * torch.randn_like(p))  # B not zero: A moves at the first step too
     lora.save_pretrained(root / "adapter0")
     return {"root": root, "model": model, "adapter": root / "adapter0"}
-
-
-def processor(model: Path):
-    """transformers' Qwen2.5-VL processor without its video processor (which needs torchvision)."""
-
-    class ImagesOnly(transformers.Qwen2_5_VLProcessor):
-        def check_argument_for_proper_class(self, name, arg):
-            return None if arg is None else super().check_argument_for_proper_class(name, arg)
-
-    return ImagesOnly(image_processor=transformers.Qwen2VLImageProcessorPil.from_pretrained(model),
-                      tokenizer=transformers.AutoTokenizer.from_pretrained(model), video_processor=None,
-                      chat_template=TEMPLATE)
 
 
 def trl_parts(row: dict) -> list[dict]:

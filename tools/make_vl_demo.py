@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere in a checkout
 
-from make_demo import write_jsonl  # noqa: E402
+from make_demo import sign, write_jsonl  # noqa: E402
 
 COLOURS = {"red": (210, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 210), "yellow": (225, 200, 40),
            "purple": (140, 60, 170)}
@@ -212,10 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.steps:
             pretrain(out / "model", data, args.steps, args.seed)
     (out / "run.json").write_text(json.dumps(RUN, indent=2) + "\n")
-    (out / "README.md").write_text("# demo/vl_colours/ — written by tools/make_vl_demo.py\n\n```\n"
-                                   + __doc__.strip() + "\n```\n")
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"wrote {out} ({size / 2**20:.2f} MiB)")
+    sign(out, "demo/vl_colours/", "tools/make_vl_demo.py", __doc__)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ micro-batch's loss is divided by its own target tokens, then by the accumulation
 micro-batch means, which gradient accumulation is meant to avoid (rule 2; here step 1's loss 5.8207 against
 the window's token mean 5.8142). TRL divides by the window's tokens when told them (its path for text
 models); the test tells it (`model_accepts_loss_kwargs = True`), so that both sides optimise the same thing.
+Who is right: step 1 as one batch of the same 4 rows in TRL (nothing accumulated) gives minitrain's loss, TRL's
+default does not (the second test).
 """
 
 from __future__ import annotations
@@ -101,8 +103,11 @@ def trl_parts(row: dict) -> list[dict]:
             for m in messages]
 
 
-def trl_run(setup, tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """TRL's SFTTrainer on the rows in our batches' order: each optimizer step's loss, the final adapter."""
+def trl_run(setup, tmp_path, steps: int = STEPS, batch: int = BATCH, accum: int = ACCUM, window_tokens: bool = True
+            ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """TRL's SFTTrainer on the rows in our batches' order: each optimizer step's loss, the final adapter.
+    `window_tokens=False`: TRL's default for this model (see below), each step's loss the mean of its
+    micro-batches' means."""
     import datasets
     import peft
     import trl
@@ -116,8 +121,8 @@ def trl_run(setup, tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(setup["model"], dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(hf, setup["adapter"], is_trainable=True)
     args = trl.SFTConfig(
-        output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, max_steps=STEPS,
-        per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM, learning_rate=LR,
+        output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, max_steps=steps,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=accum, learning_rate=LR,
         lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.01, max_grad_norm=1.0, optim="adamw_torch",
         assistant_only_loss=True, max_length=None, gradient_checkpointing=False, logging_steps=1,
         save_strategy="no", seed=0, train_sampling_strategy="sequential", disable_tqdm=True)
@@ -127,7 +132,7 @@ def trl_run(setup, tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
     # the Trainer passes no `num_items_in_batch` and TRL divides each micro-batch by its own tokens: a mean of
     # micro-batch means. TRL computes the loss itself (never the model's), so its token-weighted path, the one
     # it takes for text models, is sound here: taken on purpose, as the comparison of the same objective.
-    trainer.model_accepts_loss_kwargs = True
+    trainer.model_accepts_loss_kwargs = window_tokens
     micro: list[float] = []
     compute_loss = trainer.compute_loss
 
@@ -138,15 +143,17 @@ def trl_run(setup, tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
 
     trainer.compute_loss = recorded
     trainer.train()
-    steps = [sum(micro[i:i + ACCUM]) for i in range(0, len(micro), ACCUM)]
+    per_step = [sum(micro[i:i + accum]) / (1 if window_tokens else accum) for i in range(0, len(micro), accum)]
     adapter = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    return steps, adapter
+    return per_step, adapter
 
 
-def our_run(setup, tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
+@pytest.fixture(scope="module")
+def our_run(setup, tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """minitrain's run from the CLI: each step's loss (metrics.jsonl), the adapter it writes."""
     from safetensors.torch import load_file
 
-    out = tmp_path / "ours"
+    out = tmp_path_factory.mktemp("ours") / "run"
     code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={setup['model']}", f"data={setup['root'] / 'rows.jsonl'}",
                     f"out={out}", f"init_adapter={setup['adapter']}", f"chat_template={setup['root'] / 'template.jinja'}",
                     f"max_steps={STEPS}", f"batch_size={BATCH}", f"grad_accum={ACCUM}", f"lr={LR}", "warmup=0",
@@ -157,9 +164,9 @@ def our_run(setup, tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
     return [r["loss"] for r in logged if "loss" in r], load_file(out / "adapter" / "adapter_model.safetensors")
 
 
-def test_lora_sft_on_image_rows_follows_trl_step_by_step(setup, tmp_path):
+def test_lora_sft_on_image_rows_follows_trl_step_by_step(setup, our_run, tmp_path):
     theirs, trl_adapter = trl_run(setup, tmp_path)
-    ours, our_adapter = our_run(setup, tmp_path)
+    ours, our_adapter = our_run
     assert len(ours) == len(theirs) == STEPS
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)  # measured: 7e-8 relative at most
     assert ours[-1] < ours[0]  # it learns
@@ -176,3 +183,14 @@ def test_lora_sft_on_image_rows_follows_trl_step_by_step(setup, tmp_path):
     assert sum(d * d for d in diff.values()) ** 0.5 <= 1e-5 * sum(u * u for u in update.values()) ** 0.5
     for k in start:
         assert diff[k] <= 3e-5 * update[k], k
+
+
+def test_trls_default_accumulation_on_qwen2_5_vl_is_a_mean_of_micro_batch_means(setup, our_run, tmp_path):
+    """Who is right about step 1's loss over 2 micro-batches of 2 rows: one batch of the same 4 rows (no
+    accumulation, nothing to disagree on) in TRL gives minitrain's figure; TRL's default on this model gives the
+    mean of the two micro-batches' means, another objective (5.8207 against 5.8142 here)."""
+    ours = our_run[0][0]
+    whole, _ = trl_run(setup, tmp_path / "whole", steps=1, batch=BATCH * ACCUM, accum=1)
+    default, _ = trl_run(setup, tmp_path / "default", steps=1, window_tokens=False)
+    assert ours == pytest.approx(whole[0], rel=1e-5)  # measured: 4e-8 relative
+    assert abs(default[0] - ours) > 5e-4 * ours  # measured: 1.1e-3 relative

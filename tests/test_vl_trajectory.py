@@ -69,7 +69,7 @@ def rows() -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def setup(tmp_path_factory) -> dict[str, Path]:
+def case(tmp_path_factory) -> dict[str, Path]:
     """The model folder, the template, the rows and their images, and the starting adapter (saved by peft)."""
     import peft
 
@@ -103,7 +103,7 @@ def trl_parts(row: dict) -> list[dict]:
             for m in messages]
 
 
-def trl_run(setup, tmp_path, steps: int = STEPS, batch: int = BATCH, accum: int = ACCUM, window_tokens: bool = True
+def trl_run(case, tmp_path, steps: int = STEPS, batch: int = BATCH, accum: int = ACCUM, window_tokens: bool = True
             ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """TRL's SFTTrainer on the rows in our batches' order: each optimizer step's loss, the final adapter.
     `window_tokens=False`: TRL's default for this model (see below), each step's loss the mean of its
@@ -112,14 +112,14 @@ def trl_run(setup, tmp_path, steps: int = STEPS, batch: int = BATCH, accum: int 
     import peft
     import trl
 
-    root = setup["root"]
+    root = case["root"]
     order = np.concatenate([np.concatenate(Batcher([1] * 8, BATCH, seed=0, group_by_length=False).epoch_batches(e))
                             for e in range(STEPS * BATCH * ACCUM // 8)])
     data = [rows()[i] for i in order]
     data = [{"messages": trl_parts(r), "images": [Image.open(root / p).convert("RGB") for p in r["images"]]}
             for r in data]
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(setup["model"], dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(hf, setup["adapter"], is_trainable=True)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(case["model"], dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(hf, case["adapter"], is_trainable=True)
     args = trl.SFTConfig(
         output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, max_steps=steps,
         per_device_train_batch_size=batch, gradient_accumulation_steps=accum, learning_rate=LR,
@@ -127,7 +127,7 @@ def trl_run(setup, tmp_path, steps: int = STEPS, batch: int = BATCH, accum: int 
         assistant_only_loss=True, max_length=None, gradient_checkpointing=False, logging_steps=1,
         save_strategy="no", seed=0, train_sampling_strategy="sequential", disable_tqdm=True)
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(data),
-                             processing_class=processor(setup["model"]))
+                             processing_class=processor(case["model"]))
     # transformers marks Qwen2.5-VL `accepts_loss_kwargs = False` (for Gemma 3's loss, transformers#37208), so
     # the Trainer passes no `num_items_in_batch` and TRL divides each micro-batch by its own tokens: a mean of
     # micro-batch means. TRL computes the loss itself (never the model's), so its token-weighted path, the one
@@ -149,13 +149,13 @@ def trl_run(setup, tmp_path, steps: int = STEPS, batch: int = BATCH, accum: int 
 
 
 @pytest.fixture(scope="module")
-def our_run(setup, tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
+def our_run(case, tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]:
     """minitrain's run from the CLI: each step's loss (metrics.jsonl), the adapter it writes."""
     from safetensors.torch import load_file
 
     out = tmp_path_factory.mktemp("ours") / "run"
-    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={setup['model']}", f"data={setup['root'] / 'rows.jsonl'}",
-                    f"out={out}", f"init_adapter={setup['adapter']}", f"chat_template={setup['root'] / 'template.jinja'}",
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={case['model']}", f"data={case['root'] / 'rows.jsonl'}",
+                    f"out={out}", f"init_adapter={case['adapter']}", f"chat_template={case['root'] / 'template.jinja'}",
                     f"max_steps={STEPS}", f"batch_size={BATCH}", f"grad_accum={ACCUM}", f"lr={LR}", "warmup=0",
                     "schedule=cosine", "weight_decay=0.01", "max_grad_norm=1.0", "lora_dropout=0", "seed=0",
                     "group_by_length=false", "device=cpu", "precision=fp32", "max_len=256"])
@@ -164,15 +164,15 @@ def our_run(setup, tmp_path_factory) -> tuple[list[float], dict[str, torch.Tenso
     return [r["loss"] for r in logged if "loss" in r], load_file(out / "adapter" / "adapter_model.safetensors")
 
 
-def test_lora_sft_on_image_rows_follows_trl_step_by_step(setup, our_run, tmp_path):
-    theirs, trl_adapter = trl_run(setup, tmp_path)
+def test_lora_sft_on_image_rows_follows_trl_step_by_step(case, our_run, tmp_path):
+    theirs, trl_adapter = trl_run(case, tmp_path)
     ours, our_adapter = our_run
     assert len(ours) == len(theirs) == STEPS
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)  # measured: 7e-8 relative at most
     assert ours[-1] < ours[0]  # it learns
     from safetensors.torch import load_file
 
-    start = load_file(setup["adapter"] / "adapter_model.safetensors")
+    start = load_file(case["adapter"] / "adapter_model.safetensors")
     assert sorted(start) == sorted(our_adapter)
     trl_by_key = {k.replace(".default", ""): v for k, v in trl_adapter.items()}
     diff = {k: float((our_adapter[k] - trl_by_key[k]).norm()) for k in start}
@@ -185,12 +185,12 @@ def test_lora_sft_on_image_rows_follows_trl_step_by_step(setup, our_run, tmp_pat
         assert diff[k] <= 3e-5 * update[k], k
 
 
-def test_trls_default_accumulation_on_qwen2_5_vl_is_a_mean_of_micro_batch_means(setup, our_run, tmp_path):
+def test_trls_default_accumulation_on_qwen2_5_vl_is_a_mean_of_micro_batch_means(case, our_run, tmp_path):
     """Who is right about step 1's loss over 2 micro-batches of 2 rows: one batch of the same 4 rows (no
     accumulation, nothing to disagree on) in TRL gives minitrain's figure; TRL's default on this model gives the
     mean of the two micro-batches' means, another objective (5.8207 against 5.8142 here)."""
     ours = our_run[0][0]
-    whole, _ = trl_run(setup, tmp_path / "whole", steps=1, batch=BATCH * ACCUM, accum=1)
-    default, _ = trl_run(setup, tmp_path / "default", steps=1, window_tokens=False)
+    whole, _ = trl_run(case, tmp_path / "whole", steps=1, batch=BATCH * ACCUM, accum=1)
+    default, _ = trl_run(case, tmp_path / "default", steps=1, window_tokens=False)
     assert ours == pytest.approx(whole[0], rel=1e-5)  # measured: 4e-8 relative
     assert abs(default[0] - ours) > 5e-4 * ours  # measured: 1.1e-3 relative

@@ -219,6 +219,13 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
+def sign(out: Path, demo: str, maker: str, doc: str) -> None:
+    """A demo folder's README.md (its maker's docstring under a title naming both), then its size printed."""
+    (out / "README.md").write_text(f"# {demo} — written by {maker}\n\n```\n" + doc.strip() + "\n```\n")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {out} ({size / 2**20:.2f} MiB)")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -262,9 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     kto_rng = random.Random(args.seed + 1)  # its own stream: the files above keep their bytes
     write_jsonl(out / "kto_train.jsonl", unpaired_rows(kto_rng, train_pairs))
     write_jsonl(out / "kto_eval.jsonl", unpaired_rows(kto_rng, eval_pairs))
-    (out / "README.md").write_text("# demo/ — written by tools/make_demo.py\n\n```\n" + __doc__.strip() + "\n```\n")
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
+    sign(out, "demo/", "tools/make_demo.py", __doc__)
 
 
 if __name__ == "__main__":

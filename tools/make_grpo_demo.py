@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere in a checkout
 
-from make_demo import pretrain, save_checkpoint, write_jsonl  # noqa: E402
+from make_demo import pretrain, save_checkpoint, sign, write_jsonl  # noqa: E402
 
 from minitrain.text.tokenizer import Tokenizer  # noqa: E402
 from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -130,10 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(part)
     write_jsonl(out / "train.jsonl", rows[0])
     write_jsonl(out / "eval.jsonl", rows[1])
-    (out / "README.md").write_text("# demo/grpo/ — written by tools/make_grpo_demo.py\n\n```\n" + __doc__.strip()
-                                   + "\n```\n")
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"wrote {out} ({size / 2**20:.2f} MiB)")
+    sign(out, "demo/grpo/", "tools/make_grpo_demo.py", __doc__)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere in a checkout
 
-from make_demo import pretrain, save_checkpoint, write_jsonl  # noqa: E402
+from make_demo import pretrain, save_checkpoint, sign, write_jsonl  # noqa: E402
 from make_grpo_demo import MODEL  # noqa: E402  (the same tiny LLaMA shape as the GRPO demo's)
 
 from minitrain.text.tokenizer import Tokenizer  # noqa: E402
@@ -194,10 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     (out / "calc.py").write_text(CALC)
     (out / "calc_hidden.py").write_text(CALC_HIDDEN)
     (out / "run.json").write_text(json.dumps(RUN, indent=2) + "\n")
-    (out / "README.md").write_text("# demo/grpo_tools/ — written by tools/make_grpo_tools_demo.py\n\n```\n"
-                                   + __doc__.strip() + "\n```\n")
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"wrote {out} ({size / 2**20:.2f} MiB)")
+    sign(out, "demo/grpo_tools/", "tools/make_grpo_tools_demo.py", __doc__)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,14 @@ FAMILIES = {
     "qwen3_5": (dict(model_type="qwen3_5_text", num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
                      linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_hidden_layers=4,
                      initializer_range=0.05), make_qwen_tokenizer, 305),
+    # gpt-oss: sinks, sliding / full layers (window 5), YaRN past its 16 original positions, router and expert
+    # biases, the SwiGLU clamp at llama.cpp's 7
+    "gpt_oss": (dict(model_type="gpt_oss", num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                     num_experts_per_tok=2, intermediate_size=32, sliding_window=5, swiglu_limit=7.0,
+                     max_position_embeddings=512, initializer_range=0.1,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
+                make_qwen_tokenizer, 305),
     # RoPE scalings llama.cpp takes as tensors; original context 16, so a longer prompt uses them
     "llama3_rope": (dict(model_type="llama", num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=True,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -84,7 +92,7 @@ FAMILIES = {
                       make_phi3_tokenizer, 411),
 }
 PARITY = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_bias", "qwen2_moe",
-          "qwen3_moe", "mixtral", "qwen3_5"]
+          "qwen3_moe", "mixtral", "qwen3_5", "gpt_oss"]
 STRINGS = ["Hello world", " leading space", "  two spaces", "tabs\tand\nnewlines\n\n", "ünïcödé façade naïve",
            "日本語のテキスト", "emoji 🦙🚀 ok", "numbers 12345 3.14", "the word of the day", "punctuation!?... (yes)",
            "MiXeD CaSe", "a", " ", "trailing space ", "line\r\nbreak", "end.", "x" * 30, "über straße"]
@@ -198,7 +206,6 @@ def test_metadata_llama_cpp_reads(family, tmp_path, capsys):
     ({}, ("--type", "q4_k"), "--type q4_k: not one of f32, f16, bf16, q8_0"),
     ({}, ("--adapter", "MISSING"), "no adapter_config.json"),
     ({"model_type": "t5"}, (), "GGUF export takes"),
-    ({"model_type": "gpt_oss"}, (), "llama.cpp reads gpt-oss"),
     ({"sliding_window": 8, "max_position_embeddings": 256}, (), "sliding_window=8"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, (), "rope_scaling 'dynamic'"),
 ])
@@ -243,6 +250,20 @@ def test_moe_refusals(family, tmp_path, capsys):
         folder = tmp_path / "q"
         shutil.rmtree(folder, ignore_errors=True)
         shutil.copytree(family("qwen3_moe"), folder)
+        cfg = {**json.loads((folder / "config.json").read_text()), **change}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        code, err = export(capsys, "--model", folder, "--out", tmp_path / "x.gguf")
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "x.gguf").exists()
+
+
+def test_gpt_oss_refusals(family, tmp_path, capsys):
+    """llama.cpp's gpt-oss clamps its SwiGLU at 7 and makes the even layers sliding, whatever the config says."""
+    for change, needle in (({"swiglu_limit": 1.0}, "swiglu_limit=1.0"),
+                           ({"layer_types": ["full_attention", "sliding_attention"]}, "do not alternate")):
+        folder = tmp_path / "o"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(family("gpt_oss"), folder)
         cfg = {**json.loads((folder / "config.json").read_text()), **change}
         (folder / "config.json").write_text(json.dumps(cfg))
         code, err = export(capsys, "--model", folder, "--out", tmp_path / "x.gguf")
@@ -481,10 +502,11 @@ def test_llama_cpp_runs_the_adapter_folded_in(family, tmp_path, capsys, name):
     assert diff <= F16_TOL * float(np.abs(ours).max()) and moved > 100 * diff
 
 
-@pytest.mark.parametrize("name", ["llama3_rope", "phi3_longrope"])
+@pytest.mark.parametrize("name", ["llama3_rope", "phi3_longrope", "gpt_oss"])
 def test_llama_cpp_rope_scaling(family, tmp_path, capsys, name):
-    """LLaMA 3.1's `llama3` scaling (the rope_freqs tensor) and Phi-3's long factors, on a prompt past the
-    original context of 16 (an f32 file, an f32 KV cache). llama.cpp picks Phi-3's long or short factors
+    """LLaMA 3.1's `llama3` scaling (the rope_freqs tensor), Phi-3's long factors and gpt-oss's YaRN (with its
+    window of 5 and sinks over the long prompt), on a prompt past the original context of 16 (an f32 file, an f32
+    KV cache). llama.cpp picks Phi-3's long or short factors
     by its context size, transformers by the sequence's length: a sequence shorter than the original
     context in a larger llama.cpp context gets the long factors there and the short ones here."""
     llama_cpp = pytest.importorskip("llama_cpp")

@@ -15,6 +15,11 @@ What changes on the way (as llama.cpp's own converter does it, convert_hf_to_ggu
   `experts.gate_up_proj` (E, 2F, D) splits into llama.cpp's stacked `ffn_gate_exps` / `ffn_up_exps`
   (E, F, D), `experts.down_proj` (E, D, F) is `ffn_down_exps` as it is; the router is `ffn_gate_inp`,
   Qwen2-MoE's shared expert and its gate the `*_shexp` tensors;
+- gpt-oss (`gpt-oss`): the experts as HF's (E, D, 2F) hold them transposed to llama.cpp's (E, 2F, D), their
+  interleaved gate / up rows (and biases) split into `ffn_gate_exps` / `ffn_up_exps`, `down_proj` (E, F, D)
+  transposed to `ffn_down_exps`; the router `ffn_gate_inp` with its bias, the sinks `attn_sinks`; llama.cpp
+  fixes what this export cannot change (SwiGLU clamped at 7, sliding layers the even ones), so a config that
+  differs is refused;
 - Qwen3.5 (`qwen35`; a multimodal folder's language model, without its towers and `mtp.*` head): the
   (1 + w) norms store 1 + w but the DeltaNet's gated norm; `A_log` is stored as A = -exp(A_log)
   (`ssm_a`), `dt_bias` as `ssm_dt.bias`, the convolution as (channels, kernel); with fewer key heads than
@@ -30,7 +35,8 @@ Gemma query scale other than the one llama.cpp computes, an MoE with dense layer
 (llama.cpp's qwen2moe / qwen3moe make every layer sparse) or whose top-k renormalisation is not the one
 llama.cpp's architecture applies (qwen2moe never renormalises, qwen3moe and Mixtral always do). LLaMA's `attention_bias` / `mlp_bias` are
 written as the optional bias tensors llama.cpp's llama loader reads (q / k biases permuted with their rows). Types: f32; f16
-and bf16 (1-D tensors, norms and biases, stay f32 as llama.cpp keeps them); q8_0 (blocks of 32
+and bf16 (1-D tensors, norms and biases, the routers and the DeltaNet convolution stay f32 as llama.cpp's
+converter keeps them); q8_0 (blocks of 32
 along a row with one f16 scale; a tensor whose rows are not a multiple of 32 is written f16).
 """
 
@@ -71,7 +77,12 @@ FAMILIES = {
     "mixtral": Family("llama", True, False),
     "qwen3_5_text": Family("qwen35", False, True),  # (1 + w) norms but the DeltaNet's gated one (`linear_attn.norm`)
     "qwen3_5": Family("qwen35", False, True),
+    "gpt_oss": Family("gpt-oss", False, False),
 }
+# written f32 in every type, as llama.cpp's converter does: norms, biases and factors (1-D), the 2-D biases
+# (gpt-oss's per-expert ones), the routers, the DeltaNet's convolution (llama.cpp's ssm_conv reads f32)
+KEPT_F32 = (".bias", "ffn_gate_inp.weight", "ssm_conv1d.weight")
+GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's gpt-oss graph clamps its SwiGLU here, whatever the config says
 # the top-k routing weights renormalised to sum to 1 (`norm_topk_prob`), as llama.cpp's graph has it
 RENORMALISES = {"qwen2_moe": False, "qwen3_moe": True}
 # architectures llama.cpp reads that this writer does not write yet: what to do instead
@@ -81,9 +92,6 @@ NOT_WRITTEN = {
           "the model with `minitrain merge`, then convert that folder with llama.cpp's convert_hf_to_gguf.py"
     for kind in ("gemma4_text", "gemma4")
 }
-NOT_WRITTEN["gpt_oss"] = ("llama.cpp reads gpt-oss (its `gpt-oss` architecture), but minitrain's GGUF writer does not lay "
-                          "out its attention sinks, expert biases and MXFP4 experts yet — write the model with "
-                          "`minitrain merge`, then convert that folder with llama.cpp's convert_hf_to_gguf.py")
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # llama.cpp scales queries by hidden / heads there
 
 
@@ -139,7 +147,8 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
     rs = rope_scaling(config)
     allowed = {"llama": ("linear", "llama3"), "qwen2": ("linear", "yarn"), "qwen3": ("linear", "yarn"),
                "qwen2moe": ("linear", "yarn"), "qwen3moe": ("linear", "yarn"),
-               "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su"), "qwen35": ()}[fam.arch]
+               "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su"), "qwen35": (),
+               "gpt-oss": ("yarn",)}[fam.arch]
     if rs and rs["rope_type"] not in allowed:
         raise UserError(f"config.json: rope_scaling {rs['rope_type']!r} on {kind} — llama.cpp's {fam.arch} takes "
                         f"{', '.join(allowed) or 'none'}; not exported")
@@ -165,6 +174,15 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
                             f"routing weights, so it would not compute this model; not exported")
     if fam.arch == "qwen35":
         full_attention_interval(config)
+    if fam.arch == "gpt-oss":
+        types = config.get("layer_types") or []
+        if types != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(types))]:
+            raise UserError("config.json: layer_types do not alternate sliding / full from layer 0 — llama.cpp's gpt-oss "
+                            "makes the even layers sliding and the odd ones full; not exported")
+        limit = config.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)
+        if limit != GPT_OSS_SWIGLU_LIMIT:
+            raise UserError(f"config.json: swiglu_limit={limit} — llama.cpp's gpt-oss clamps its SwiGLU at "
+                            f"{GPT_OSS_SWIGLU_LIMIT}; not exported")
     if kind in ("qwen2", "qwen2_moe") and config.get("use_sliding_window"):
         raise UserError("config.json: use_sliding_window=true — llama.cpp's qwen2 attends to the whole context; "
                         "not exported")
@@ -232,6 +250,9 @@ def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
         local = rope_params(c, "sliding_attention").get("rope_theta") or c.get("rope_local_base_freq")
         if fam.arch == "gemma3" and local:
             writer.add_rope_freq_base_swa(float(local))
+    if fam.arch == "gpt-oss":
+        writer.add_sliding_window(c["sliding_window"])
+        writer.add_expert_feed_forward_length(c["intermediate_size"])
     if fam.arch == "qwen35":
         writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
         writer.add_ssm_state_size(c["linear_key_head_dim"])
@@ -342,6 +363,19 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], f
             t = permute_qk(t, heads)  # (LLaMA's attention_bias: the biases follow their rows)
         elif fam.permute_qk and key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             t = permute_qk(t, kv)
+        if fam.arch == "gpt-oss" and ".experts." in key:  # (E, D, 2F) / (E, 2F), gate and up interleaved; (E, F, D)
+            stem = key[: key.index(".experts.") + len(".experts.")]
+            if key.endswith("gate_up_proj") or key.endswith("gate_up_proj_bias"):
+                t = t.transpose(-1, -2) if t.dim() == 3 else t
+                bias = key.endswith("_bias")
+                for part, rows in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+                    half = t[:, rows].contiguous()
+                    out[names.get_name(stem + part) + (".bias" if bias else ".weight")] = half
+            else:
+                bias = key.endswith("_bias")
+                out[names.get_name(stem + "down_proj") + (".bias" if bias else ".weight")] = (
+                    t if bias else t.transpose(-1, -2).contiguous())
+            continue
         if key.endswith(".experts.gate_up_proj"):  # (E, 2F, D): gate rows first, then up
             half = t.shape[1] // 2
             stem = key.removesuffix("gate_up_proj")
@@ -381,8 +415,7 @@ def write_gguf(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tok
         add_vocab(writer, tokenizer, config["vocab_size"])
         for tname, t in tensors.items():
             data = t.numpy()
-            # norms, biases, factors and the DeltaNet's convolution (llama.cpp's ssm_conv reads f32): f32
-            want = qtype if data.ndim > 1 and not tname.endswith("ssm_conv1d.weight") else gguf.GGMLQuantizationType.F32
+            want = qtype if data.ndim > 1 and not tname.endswith(KEPT_F32) else gguf.GGMLQuantizationType.F32
             if want == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
                 want = gguf.GGMLQuantizationType.F16  # rows not in whole blocks of 32 (as llama.cpp falls back)
             if want in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):

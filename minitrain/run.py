@@ -58,8 +58,8 @@ from minitrain.progress import log, strict_json
 from minitrain.schedule import resolve_steps
 from minitrain.text.chat_template import CARRIED, TEMPLATE_FILE, resolve_template
 from minitrain.text.tokenizer import Tokenizer
-from minitrain.weights import (SIDE_FILES, io_error_reason, load_pretrained, open_pretrained, read_config,
-                               save_pretrained)
+from minitrain.weights import (SIDE_FILES, carried_tensors, io_error_reason, load_pretrained, open_pretrained,
+                               read_config, save_pretrained)
 
 
 CONFIG_FILE = "config.json"
@@ -696,7 +696,7 @@ def finish(model: nn.Module, cfg: Any, lora: LoRAConfig | None, summary: dict[st
             write_adapter(model, to, lora, values)
         elif sharded:  # never the whole model on one rank: one shard file at a time
             fsdp.save_model(to, {**_saved_tensors(model), **(values or {})}, _model_config(model),
-                            side_files=lambda tmp: _copy_side_files(model, tmp))
+                            side_files=lambda tmp: _copy_side_files(model, tmp), kept=carried_tensors(model))
         elif values is not None:
             with ema.swapped_in(model, values):
                 write(to)

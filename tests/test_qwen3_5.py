@@ -496,8 +496,10 @@ def test_dpo_shared_prompt_and_packed_sft_through_the_cli(cli_model, tmp_path, c
     assert packed[0]["loss"] == pytest.approx(padded[0]["loss"], rel=1e-4)
 
 
-def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, tmp_path, capsys):
-    """`finetune=full` through the CLI on the multimodal folder: the written folder holds every vision
+@pytest.mark.parametrize("parallel", ["none", "fsdp"])
+def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, tmp_path, capsys, parallel):
+    """`finetune=full` through the CLI on the multimodal folder, in one process and under torchrun with
+    `parallel=fsdp` on 2 ranks (its sharded save, one file at a time): the written folder holds every vision
     tower tensor bit-identical to the input, a trained language model, and loads in transformers as
     the multimodal class with our text logits."""
     from _tok import corpus, make_bpe_tokenizer
@@ -513,10 +515,16 @@ def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, t
 
     keys = {"model": model, "data": data, "eval_data": "", "out": tmp_path / "out", "max_steps": 2, "batch_size": 2,
             "max_len": 64, "finetune": "full", "lr": 1e-3}
-    assert run_cli([str(REPO / "recipes" / "sft_llama.py")] + [f"{k}={v}" for k, v in keys.items()]) == 0, \
-        capsys.readouterr().err
-    written = next(p.parent for p in (tmp_path / "out").rglob("model.safetensors"))
-    before, after = load_file(model / "model.safetensors"), load_file(written / "model.safetensors")
+    args = [str(REPO / "recipes" / "sft_llama.py")] + [f"{k}={v}" for k, v in keys.items()]
+    if parallel == "fsdp":
+        from test_fsdp_load import torchrun
+
+        torchrun([*args, "parallel=fsdp", "device=cpu"])
+    else:
+        assert run_cli(args) == 0, capsys.readouterr().err
+    written = next(p.parent for p in (tmp_path / "out").rglob("config.json") if p.parent.name == "model")
+    before = load_file(model / "model.safetensors")
+    after = {k: v for f in sorted(written.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert set(after) == set(before)
     towers = [k for k in before if k.startswith("model.visual.")]
     assert towers and all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in towers)

@@ -376,13 +376,17 @@ def gather_whole(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_model(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
                side_files: Callable[[Path], None], dtype: torch.dtype | None = torch.float32,
-               max_shard_bytes: int = 5 * 2**30) -> None:
+               max_shard_bytes: int = 5 * 2**30, kept: dict[str, torch.Tensor] | None = None) -> None:
     """Write an HF folder of (sharded) `tensors` one shard file at a time: every rank gathers that
     file's tensors, rank 0 writes them into the folder's temporary twin (`weights.begin_folder`),
     then all free them; no rank holds more than one file's worth. Rank 0 then adds the index,
     config.json and `side_files(tmp)` (the tokenizer) and swaps the folder in as a whole (a crash
     leaves the previous save or the new one). A write that fails on rank 0 keeps it gathering (no
-    rank is left waiting) and is one `UserError` on every rank at the end."""
+    rank is left waiting) and is one `UserError` on every rank at the end. `kept`: tensors the model
+    does not hold but the folder keeps (`weights.carried_tensors`: a multimodal checkpoint's towers),
+    written as they are stored, in their own dtype."""
+    kept = kept or {}
+    tensors = {**tensors, **kept}
     files = plan_shard_files(tensors, dtype, max_shard_bytes)
     tmp: Path | None = None
     failure: list[BaseException] = []
@@ -395,6 +399,9 @@ def save_model(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str,
     for fname, keys in files:
         part = {}
         for k in keys:
+            if k in kept:
+                part[k] = kept[k]
+                continue
             t = distributed.full_tensor(tensors[k].detach())  # a collective: every rank, same order
             part[k] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().cpu()
         if tmp is not None and not failure:

@@ -60,7 +60,7 @@ from minitrain.objectives.preference import make_pair_objective
 from minitrain.objectives.reference import make_reference, precompute_reference
 from minitrain.progress import log
 from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,
-                           load_examples, load_model, load_tokenizer, prepare_out_dir)
+                           load_image_examples, load_model, load_tokenizer, prepare_out_dir, with_images)
 from minitrain.train import train
 
 DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
@@ -109,7 +109,8 @@ REAL_CHECKPOINT = ("python -m minitrain recipes/dpo_mistral.py model=/path/to/Mi
 def setup(config: PreferenceConfig) -> Job:
     """Load the model, attach (or continue) the adapter, pick the reference, read the pairs; writes nothing."""
     tok = load_tokenizer(config)
-    train_examples, eval_examples = load_examples(config, tok, "preference")  # before the weights: seconds, not minutes
+    # before the weights: seconds, not minutes; a vision-language checkpoint reads the prompts' images
+    train_examples, eval_examples, images = load_image_examples(config, tok, "preference")
     model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — DPO here trains causal LMs")
@@ -131,7 +132,8 @@ def setup(config: PreferenceConfig) -> Job:
         log("note: no eval_data — no held-out evaluation (pass eval_data=pairs.jsonl for eval/rewards/...)")
     collate = functools.partial(collate_with_reference, pad_id=tok.pad_id, shared_prompt=config.shared_prompt,
                                 pack_len=config.max_len if config.packing else 0)
-    return Job(model, objective, train_examples, collate, eval_examples, lora, tok)
+    # a pair's images in both of its rows (chosen, rejected), the reference's forward too
+    return Job(model, objective, train_examples, with_images(collate, images, copies=2), eval_examples, lora, tok)
 
 
 def run(config: PreferenceConfig) -> dict:

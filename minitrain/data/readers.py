@@ -196,7 +196,7 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
                     {"role": "assistant", "content": row.text("completion")}]
             shape = "pair_chat"
         paths: list = []
-        if chat is not None and (row.has("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in chat)):
+        if chat is not None and _has_parts(row, chat):
             chat, paths = _image_chat(row, chat, path, images)
         if chat is not None:
             ids, mask = _chat(tok, where, chat)
@@ -299,7 +299,8 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
 def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                     max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
                     split: str | None = None, drop_identical: bool = False, margin: bool = False,
-                    rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None) -> Examples:
+                    rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None,
+                    images: ImageRows | None = None) -> Examples:
     """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}` (with
     `margin`, also each row's `"margin"` as a float: a reward model's optional column, 0 where absent).
 
@@ -314,6 +315,11 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
       prompt, the answers `{"from": "gpt", "value"}` objects or strings.
 
     Prompt tokens are labelled -100 in both sequences; truncation cuts the shared prompt once.
+
+    A chat prompt may carry images (TRL's vision shape: content parts `{"type": "image", "image": path}`, or
+    an `images` column beside the messages; `images`: how the vision-language checkpoint reads them, as in
+    `read_sft`): both answers follow the same images, which the pair keeps (`images`, its `where`); a pair
+    with images is never cut (longer than `max_len`: one error). Images in an answer are refused.
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, PREFERENCE_FIELDS)
@@ -322,21 +328,32 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
     for where, raw in read_rows(path, split) if rows is None else rows:
         row = Row(where, raw, fields, '"prompt", "chosen" and "rejected"')
         prompt, answers_in = _preference_parts(row)
+        prompt, paths = _prompt_images(row, prompt, path, images)
+        answers_in = tuple(_answer_text(row, name, a, path) for name, a in zip(("chosen", "rejected"), answers_in))
         # each answer as (id, label) pairs after the shared prompt
         answers: list[list[tuple[int, int]]] = []
         if isinstance(prompt, list):
             p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
+            counts = [images.tokens(q, where) for q in paths]
+            if paths:
+                p = images.expand(p, [IGNORE_INDEX] * len(p), counts, tok, where)[0]
             fulls = []
             for name, a in zip(("chosen", "rejected"), answers_in):
                 if isinstance(a, list) and not (a and isinstance(a[-1], dict) and a[-1].get("role") == "assistant"):
                     raise UserError(f'{where}: "{row.key(name)}" is a list of messages that does not end with an '
                                     f'assistant message — give the answer as a string or as assistant message(s)')
                 turn = a if isinstance(a, list) else [{"role": "assistant", "content": a}]
-                fulls.append(_chat(tok, where, prompt + turn))
+                ids, mask = _chat(tok, where, prompt + turn)
+                labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
+                fulls.append(images.expand(ids, labels, counts, tok, where) if paths else (ids, labels))
             n = min(common_prefix_len(p, ids) for ids, _ in fulls)  # where the answers start
             p = p[:n]
-            for ids, mask in fulls:
-                answers.append([(t, t if m else IGNORE_INDEX) for t, m in zip(ids[n:], mask[n:])])
+            for ids, labels in fulls:
+                answers.append(list(zip(ids[n:], labels[n:])))
+            if paths and len(p) + max(len(a) for a in answers) > max_len:
+                raise UserError(f"{where}: {len(p) + max(len(a) for a in answers)} tokens with its images, over "
+                                f"max_len={max_len} — a pair with images is never cut; raise max_len or lower the "
+                                "images' max_pixels")
         else:
             p = _with_bos(tok, tok.encode(prompt), out)
             for name, a in zip(("chosen", "rejected"), answers_in):
@@ -368,8 +385,38 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
             continue
         if margin:
             ex["margin"] = _margin(row)
+        if paths:
+            ex.update(images=[str(q) for q in paths], where=where)
         out.append(ex)
     return out
+
+
+def _has_parts(row: Row, messages: list) -> bool:
+    """Whether a chat has content lists (parts) or the row an `images` column: `_image_chat` reads it."""
+    return row.has("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+
+
+def _prompt_images(row: Row, prompt: str | list, path: str | Path, images: ImageRows | None) -> tuple[str | list, list]:
+    """A preference / unpaired / GRPO prompt with its images read out (`_image_chat`): (the prompt, image paths).
+    A string prompt beside an `images` column is refused: the images need a chat to sit in."""
+    if isinstance(prompt, list):
+        return _image_chat(row, prompt, path, images) if _has_parts(row, prompt) else (prompt, [])
+    if row.has("images"):
+        raise UserError(f'{row.where}: the row has "images" but "{row.key("prompt")}" is a string — give the prompt '
+                        f'as chat messages (the images go before the first user turn, or as {{"type": "image"}} parts)')
+    return prompt, []
+
+
+def _answer_text(row: Row, name: str, answer: str | list, path: str | Path) -> str | list:
+    """An answer whose messages are lists of text parts, as string messages; an image in an answer is refused."""
+    if not isinstance(answer, list) or not any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                               for m in answer):
+        return answer
+    messages, paths = image_messages(answer, None, Path(path).parent, "", row.where)
+    if paths:
+        raise UserError(f'{row.where}: "{row.key(name)}" has an image — images go in the prompt, which both answers '
+                        'share')
+    return messages
 
 
 def _margin(row: Row) -> float:

@@ -1,0 +1,211 @@
+"""DPO on pairs whose prompt carries images, against TRL 1.16's own vision path, on a tiny Qwen2.5-VL.
+
+The reference: `trl.DPOTrainer` given the model, a `Qwen2_5_VLProcessor` (built without its video processor,
+which needs torchvision) and a LoRA `peft_config`: its `DataCollatorForVisionPreference` renders and tokenizes
+the pairs and processes the images (each pair's images in its chosen and its rejected row), its `_compute_loss`
+scores the policy and the reference (the adapter disabled). The same pairs are read by `read_preference` from a
+JSON-lines file (paths beside it; TRL's shapes: an `images` column with `{"type": "image"}` parts, image parts
+with a path, an `images` column beside plain-text messages) and collated by the DPO recipe's collator. Compared,
+to 1e-5: the token ids, the loss, TRL's metrics and every LoRA gradient, with the adapter moved off its
+initialisation (B = 0 would make policy and reference equal). Then one LoRA run of recipes/dpo_mistral.py from
+the command line on the folder (its first loss ln 2 exactly: the reference saw the images the policy saw), and
+the one-line refusals of `shared_prompt=true` and `packing=true` with image pairs.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_image_rows import PRE, REPO, vl_folder, write_images
+
+import models
+from minitrain.adapters.peft_format import load_adapter
+from minitrain.cli import run_cli
+from minitrain.data.images import ImageRows
+from minitrain.data.readers import read_preference
+from minitrain.objectives.dpo import collate_with_reference, make_dpo_objective
+from minitrain.objectives.reference import BaseReference
+from minitrain.run import with_images
+from minitrain.text.tokenizer import Tokenizer
+from minitrain.weights import load_pretrained
+
+pytest.importorskip("trl")
+
+# the chat template of the folder and the processor: Qwen2-VL's rendering of content parts (minitrain renders the
+# string contents it makes of them), ChatML otherwise, without the newline after <|im_end|>: TRL scores every token
+# after the prompt, minitrain's chat mask the assistant's turn up to its end token
+TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+            "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+            "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}"
+            "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- else %}{{- part['text'] }}{%- endif %}"
+            "{%- endfor %}{%- endif %}{{- '<|im_end|>' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")
+
+
+def user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def text(s: str) -> dict:
+    return {"type": "text", "text": s}
+
+
+# (ours: the row in the file, TRL: the row with its images column) of three pairs
+PAIRS = [
+    ({"images": ["img/a.png"], "prompt": user({"type": "image"}, text("What is it?")),
+      "chosen": [{"role": "assistant", "content": "A red cat."}],
+      "rejected": [{"role": "assistant", "content": [text("Nothing at all here.")]}]},
+     {"images": ["img/a.png"], "prompt": user({"type": "image"}, text("What is it?")),
+      "chosen": [{"role": "assistant", "content": "A red cat."}],
+      "rejected": [{"role": "assistant", "content": "Nothing at all here."}]}),
+    ({"prompt": user(text("Compare "), {"type": "image", "image": "img/c.png"}, text(" and "),
+                     {"type": "image", "image": "img/b.png"}),
+      "chosen": [{"role": "assistant", "content": "The second is taller."}],
+      "rejected": [{"role": "assistant", "content": "Same."}]},
+     {"images": ["img/c.png", "img/b.png"], "prompt": user(text("Compare "), {"type": "image"}, text(" and "),
+                                                             {"type": "image"}),
+      "chosen": [{"role": "assistant", "content": "The second is taller."}],
+      "rejected": [{"role": "assistant", "content": "Same."}]}),
+    ({"images": ["img/b.png"], "prompt": [{"role": "user", "content": "Describe it."}],
+      "chosen": [{"role": "assistant", "content": "Blue."}],
+      "rejected": [{"role": "assistant", "content": "Green and very tall."}]},
+     {"images": ["img/b.png"], "prompt": [{"role": "user", "content": "Describe it."}],
+      "chosen": [{"role": "assistant", "content": "Blue."}],
+      "rejected": [{"role": "assistant", "content": "Green and very tall."}]}),
+]
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vl_preference")
+    write_images(root / "data")
+    data = root / "data" / "prefs.jsonl"
+    data.write_text("".join(json.dumps(ours) + "\n" for ours, _ in PAIRS))
+    model = vl_folder(root / "model")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return {"root": root, "model": model, "data": data}
+
+
+def processor(folder: Path):
+    """transformers' Qwen2.5-VL processor of the folder: its tokenizer, the Pillow image processor with the
+    folder's settings, `TEMPLATE`; no video processor (it needs torchvision)."""
+    import transformers
+
+    class Processor(transformers.Qwen2_5_VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, arg)
+
+    image = transformers.Qwen2VLImageProcessorPil(**{k: v for k, v in PRE.items() if k != "image_processor_type"})
+    return Processor(image_processor=image, tokenizer=transformers.AutoTokenizer.from_pretrained(folder),
+                     chat_template=TEMPLATE)
+
+
+def trl_rows(root: Path) -> list[dict]:
+    from PIL import Image
+
+    return [{**row, "images": [Image.open(root / "data" / p).convert("RGB") for p in row["images"]]}
+            for _, row in PAIRS]
+
+
+@pytest.fixture(scope="module")
+def trl_dpo(vl):
+    """TRL's DPOTrainer with a fresh LoRA on q_proj / v_proj, its B drawn at random (seeded)."""
+    import datasets
+    import peft
+    import transformers
+    import trl
+
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl["model"], dtype=torch.float32)
+    args = trl.DPOConfig(output_dir=str(vl["root"] / "trl"), report_to=[], use_cpu=True, bf16=False, beta=0.1,
+                         gradient_checkpointing=False, disable_tqdm=True, max_length=None)
+    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(trl_rows(vl["root"])[:1] * 2),
+                             processing_class=processor(vl["model"]),
+                             peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in trainer.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    trainer.model.save_pretrained(str(vl["root"] / "moved"))
+    return trainer
+
+
+def our_batch(vl, pairs=slice(None)) -> tuple[dict, ImageRows, Tokenizer]:
+    tok = Tokenizer.from_folder(vl["model"])
+    config = json.loads((vl["model"] / "config.json").read_text())
+    images = ImageRows.from_checkpoint(config, PRE, lambda i: tok.decode([i], skip_special=False))
+    examples = read_preference(vl["data"], tok, max_len=256, images=images)[pairs]
+    collate = with_images(lambda ex: collate_with_reference(ex, pad_id=tok.pad_id), images, copies=2)
+    return collate(examples), images, tok
+
+
+def test_pairs_with_images_read_as_trl_collates_them(vl, trl_dpo):
+    ours, images, tok = our_batch(vl)
+    theirs = trl_dpo.data_collator(trl_rows(vl["root"]))
+    for i in range(6):  # [chosen; rejected]: each row's real tokens, and the completion it scores
+        real = ours["attention_mask"][i].bool()
+        assert ours["input_ids"][i][real].tolist() == theirs["input_ids"][i][theirs["attention_mask"][i].bool()].tolist()
+        assert ours["labels"][i][real].ne(-100).tolist() == theirs["completion_mask"][i][
+            theirs["attention_mask"][i].bool()].bool().tolist()
+    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert torch.allclose(ours["pixel_values"], theirs["pixel_values"], atol=1e-6)
+    examples = read_preference(vl["data"], tok, max_len=256, images=images)
+    data = vl["data"].parent
+    assert [ex["images"] for ex in examples] == [[str(data / "img" / n) for n in names]
+                                                 for names in (["a.png"], ["c.png", "b.png"], ["b.png"])]
+
+
+def test_dpo_loss_metrics_and_lora_gradients_equal_trl(vl, trl_dpo):
+    trainer = trl_dpo
+    trainer.model.zero_grad()
+    trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    expected = trainer._compute_loss(trainer.model, trainer.data_collator(trl_rows(vl["root"])), False)
+    expected.backward()
+    metrics = {k: trainer._metrics["train"][k][-1] for k in TRL_METRICS}
+    theirs = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
+              for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    model = load_pretrained(vl["model"], models.from_hf_config)
+    load_adapter(model, vl["root"] / "moved", trainable=True)
+    batch, _, _ = our_batch(vl)
+    objective = make_dpo_objective(0.1, "sigmoid", reference=BaseReference())
+    loss_sum, count, ours_metrics = objective(model, batch)
+    (loss_sum / count).backward()
+    assert (loss_sum / count).item() == pytest.approx(expected.item(), abs=1e-5)
+    assert abs(expected.item() - math.log(2)) > 1e-3  # the adapter has moved: the reference matters
+    for k in TRL_METRICS:
+        assert ours_metrics[k] == pytest.approx(metrics[k], abs=1e-5), k
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert sorted(grads) == sorted(theirs) and len(grads) == 8
+    for n, g in grads.items():
+        assert float(theirs[n].abs().max()) > 0, n
+        assert float((g - theirs[n]).abs().max()) <= 1e-5 * max(1.0, float(theirs[n].abs().max())), n
+
+
+def test_dpo_from_the_cli_on_image_pairs(vl, capsys):
+    out = vl["root"] / "out"
+    args = [str(REPO / "recipes" / "dpo_mistral.py"), f"model={vl['model']}", f"data={vl['data']}", "device=cpu",
+            "max_len=256", "lora_r=4", "lora_alpha=8", "checkpointing=false", "log_every=1"]
+    code = run_cli(args + [f"out={out}", "max_steps=2", "batch_size=2", "grad_accum=1", "lr=1e-2"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference, images on both
+    assert rows[1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    for key, what in (("shared_prompt", "shared-prompt row"), ("packing", "packed")):
+        code = run_cli(args + [f"out={vl['root'] / key}", "max_steps=1", f"{key}=true"])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and f"{key}=true" in lines[0] and what in lines[0], lines
+        assert not (vl["root"] / key).exists()

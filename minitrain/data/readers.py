@@ -486,7 +486,8 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
 
 def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                  max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
-                 split: str | None = None, tools: list[dict] | None = None) -> Examples:
+                 split: str | None = None, tools: list[dict] | None = None, images: ImageRows | None = None
+                 ) -> Examples:
     """Prompts to generate from (GRPO) `{"prompt_ids", "prompt", "columns", "row"}`.
 
     Rows: `{"prompt": str | [messages]}` plus any other columns, which are kept as they are in
@@ -496,6 +497,9 @@ def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
     loses tokens on `truncation_side` (a leading bos is kept), counted in `Examples.truncated`.
     `prompt` is the row's prompt (messages with their keys renamed by `fields`), `row` its `file:line`.
     `tools`: the JSON schemas of the functions offered to the model, rendered into a conversation's prompt.
+    A conversation may carry images (as `read_preference`'s prompts; `images`: how the vision-language checkpoint
+    reads them): each placeholder expanded to its token count, the paths kept (`images`, with `where`); such a
+    prompt is never cut (longer than `max_prompt_len`: one error).
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len) or max_len // 2
     fields = check_fields(fields, ("prompt", "role", "content"))
@@ -505,14 +509,23 @@ def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
         prompt = row.get("prompt")
         if isinstance(prompt, list):
             prompt = row.messages("prompt")
-            ids, _ = _chat(tok, where, prompt, add_generation_prompt=True, tools=tools)
+        chat, paths = _prompt_images(row, prompt, path, images)
+        if isinstance(chat, list):
+            ids, _ = _chat(tok, where, chat, add_generation_prompt=True, tools=tools)
         else:
             ids = _with_bos(tok, tok.encode(row.text("prompt")), out)
+        if paths:
+            ids = images.expand(ids, [IGNORE_INDEX] * len(ids), [images.tokens(q, where) for q in paths], tok, where)[0]
+            if len(ids) > max_prompt_len:
+                raise UserError(f"{where}: the prompt is {len(ids)} tokens with its images, over {max_prompt_len} (max_len "
+                                f"less the completion's room) — a prompt with images is never cut; raise max_len or "
+                                f"lower the images' max_pixels")
         if len(ids) > max_prompt_len:
             ids = _cut(ids, max_prompt_len, truncation_side, tok.bos_id)
             out.truncated += 1
         columns = {k: v for k, v in raw.items() if k != row.key("prompt")}
-        out.append({"prompt_ids": ids, "prompt": prompt, "columns": columns, "row": where})
+        ex = {"prompt_ids": ids, "prompt": prompt, "columns": columns, "row": where}
+        out.append({**ex, "images": [str(q) for q in paths], "where": where} if paths else ex)
     return out
 
 

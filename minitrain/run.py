@@ -92,6 +92,7 @@ class Job:
     eval_examples: list[dict] | None
     lora: LoRAConfig | None  # None: finetune=full
     tok: Tokenizer
+    images: ImageRows | None = None  # how a vision-language checkpoint reads the rows' images (`image_rows`)
 
 
 # ----------------------------------------------------------------------------- the output folder
@@ -597,7 +598,7 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     lora = attach_adapters(model, cfg)
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
-    return Job(model, sft, train_examples, with_images(collate, images), eval_examples, lora, tok)
+    return Job(model, sft, train_examples, with_images(collate, images), eval_examples, lora, tok, images)
 
 
 def load_image_examples(cfg: Any, tok: Tokenizer, kind: str, **options: Any

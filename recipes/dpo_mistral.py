@@ -133,7 +133,8 @@ def setup(config: PreferenceConfig) -> Job:
     collate = functools.partial(collate_with_reference, pad_id=tok.pad_id, shared_prompt=config.shared_prompt,
                                 pack_len=config.max_len if config.packing else 0)
     # a pair's images in both of its rows (chosen, rejected), the reference's forward too
-    return Job(model, objective, train_examples, with_images(collate, images, copies=2), eval_examples, lora, tok)
+    return Job(model, objective, train_examples, with_images(collate, images, copies=2), eval_examples, lora, tok,
+               images)
 
 
 def run(config: PreferenceConfig) -> dict:

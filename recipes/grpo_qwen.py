@@ -200,7 +200,7 @@ def setup(config: GRPOConfig) -> Job:
         log("note: no eval_data — no held-out reward (pass eval_data=prompts.jsonl for eval/reward)")
     collate = functools.partial(collate_prompts, pad_id=tok.pad_id)  # each prompt's images also in its G rows:
     return Job(model, objective, train_examples, with_images(collate, images, group=config.num_generations),
-               eval_examples, lora, tok)
+               eval_examples, lora, tok, images)
 
 
 def run(config: GRPOConfig) -> dict:

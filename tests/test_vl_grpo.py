@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_image_rows import PRE, REPO, vl_folder, write_images
-from test_vl_preference import TEMPLATE, processor
+from test_image_rows import PRE
+from test_vl_preference import cli_run, processor, vl_files
 
 import models
-from minitrain.cli import run_cli
 from minitrain.data.images import ImageRows
 from minitrain.data.readers import read_prompts
 from minitrain.objectives.grpo import collate_prompts, completion_logps, grpo_loss
@@ -51,15 +50,9 @@ def image_count(prompts, completions, images=None, **kw):
 
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("vl_grpo")
-    write_images(root / "data")
-    data = root / "data" / "prompts.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
-    model = vl_folder(root / "model")
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    (root / "rewards.py").write_text(REWARDS)
-    return {"root": root, "model": model, "data": data}
+    vl = vl_files(tmp_path_factory.mktemp("vl_grpo"), "prompts.jsonl", PROMPTS)
+    (vl["root"] / "rewards.py").write_text(REWARDS)
+    return vl
 
 
 def our_batch(vl) -> tuple[dict, ImageRows]:
@@ -198,16 +191,11 @@ def test_grpo_from_the_cli_on_image_prompts(vl, capsys, monkeypatch):
     features = VL.image_features
     monkeypatch.setattr(VL, "image_features", lambda self, px, grid: (seen.append(len(grid)), features(self, px, grid))[1])
     out = vl["root"] / "out"
-    code = run_cli([str(REPO / "recipes" / "grpo_qwen.py"), f"model={vl['model']}", f"data={vl['data']}",
-                    f"eval_data={vl['data']}", f"rewards={vl['root'] / 'rewards.py'}:image_count", f"out={out}",
-                    "device=cpu", "max_len=256", "max_steps=2", "batch_size=2", "grad_accum=1", "num_generations=2",
-                    "max_completion_length=4", "lora_r=4", "lora_alpha=8", "lr=1e-2", "checkpointing=false",
-                    "eval_every=2", "log_completions_every=1"])
-    log, err = capsys.readouterr()
-    assert code == 0, err
-    assert "audit: healthy" in log + err
+    rows = cli_run("grpo_qwen.py", [f"model={vl['model']}", f"data={vl['data']}", f"eval_data={vl['data']}",
+                                    f"rewards={vl['root'] / 'rewards.py'}:image_count", "max_steps=2", "batch_size=2",
+                                    "num_generations=2", "max_completion_length=4", "eval_every=2",
+                                    "log_completions_every=1"], out, capsys)
     assert {3, 6} <= set(seen) <= {1, 2, 3, 4, 6}, seen
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward" in r] == [1, 2]
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2]

@@ -82,16 +82,21 @@ PAIRS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("vl_preference")
+def vl_files(root: Path, name: str, rows: list[dict]) -> dict[str, Path]:
+    """root/data/img/*.png (`write_images`), root/data/<name> (`rows` as JSON lines) and root/model: the tiny
+    Qwen2.5-VL folder of tests/test_image_rows.py with `TEMPLATE` as its chat template."""
     write_images(root / "data")
-    data = root / "data" / "prefs.jsonl"
-    data.write_text("".join(json.dumps(ours) + "\n" for ours, _ in PAIRS))
+    data = root / "data" / name
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     model = vl_folder(root / "model")
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     return {"root": root, "model": model, "data": data}
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory) -> dict[str, Path]:
+    return vl_files(tmp_path_factory.mktemp("vl_preference"), "prefs.jsonl", [ours for ours, _ in PAIRS])
 
 
 def processor(folder: Path):
@@ -109,34 +114,72 @@ def processor(folder: Path):
                      chat_template=TEMPLATE)
 
 
-def trl_rows(root: Path) -> list[dict]:
+def with_pictures(root: Path, rows: list[dict]) -> list[dict]:
+    """TRL's rows: each row's `images` column of paths as the Pillow images."""
     from PIL import Image
 
-    return [{**row, "images": [Image.open(root / "data" / p).convert("RGB") for p in row["images"]]}
-            for _, row in PAIRS]
+    return [{**row, "images": [Image.open(root / "data" / p).convert("RGB") for p in row["images"]]} for row in rows]
 
 
-@pytest.fixture(scope="module")
-def trl_dpo(vl):
-    """TRL's DPOTrainer with a fresh LoRA on q_proj / v_proj, its B drawn at random (seeded)."""
+def trl_rows(root: Path) -> list[dict]:
+    return with_pictures(root, [row for _, row in PAIRS])
+
+
+def trl_lora_trainer(name: str, vl: dict[str, Path], rows: list[dict], seed: int, **settings):
+    """TRL's `<name>Trainer` (DPO, KTO) on the folder's model with the processor and a fresh LoRA on q_proj / v_proj,
+    its B drawn at random (`seed`) and saved in root/moved (a fresh B = 0 would make policy and reference equal)."""
     import datasets
     import peft
     import transformers
     import trl
 
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl["model"], dtype=torch.float32)
-    args = trl.DPOConfig(output_dir=str(vl["root"] / "trl"), report_to=[], use_cpu=True, bf16=False, beta=0.1,
-                         gradient_checkpointing=False, disable_tqdm=True, max_length=None)
-    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(trl_rows(vl["root"])[:1] * 2),
-                             processing_class=processor(vl["model"]),
-                             peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    g = torch.Generator().manual_seed(3)
+    args = getattr(trl, f"{name}Config")(output_dir=str(vl["root"] / "trl"), report_to=[], use_cpu=True, bf16=False,
+                                         beta=0.1, gradient_checkpointing=False, disable_tqdm=True, max_length=None,
+                                         **settings)
+    trainer = getattr(trl, f"{name}Trainer")(
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(rows[:1] * 3),
+        processing_class=processor(vl["model"]),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in trainer.model.named_parameters():
             if "lora_B" in n:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
     trainer.model.save_pretrained(str(vl["root"] / "moved"))
     return trainer
+
+
+def trl_step(trainer, inputs: dict, metrics: tuple[str, ...]) -> tuple[torch.Tensor, dict, dict]:
+    """TRL's loss on `inputs` (its `_compute_loss`, backward run), the metrics it logged, its LoRA gradients by
+    our parameter names."""
+    trainer.model.zero_grad()
+    trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    loss = trainer._compute_loss(trainer.model, inputs, False)
+    loss.backward()
+    grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
+             for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return loss, {k: trainer._metrics["train"][k][-1] for k in metrics}, grads
+
+
+def moved_model(vl: dict[str, Path]):
+    """Our model of the folder with TRL's moved adapter (`trl_lora_trainer`) loaded to train."""
+    model = load_pretrained(vl["model"], models.from_hf_config)
+    load_adapter(model, vl["root"] / "moved", trainable=True)
+    return model
+
+
+def assert_same_grads(model, theirs: dict) -> None:
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert sorted(grads) == sorted(theirs) and len(grads) == 8
+    for n, g in grads.items():
+        assert float(theirs[n].abs().max()) > 0, n
+        assert float((g - theirs[n]).abs().max()) <= 1e-5 * max(1.0, float(theirs[n].abs().max())), n
+
+
+@pytest.fixture(scope="module")
+def trl_dpo(vl):
+    return trl_lora_trainer("DPO", vl, trl_rows(vl["root"]), seed=3)
 
 
 def our_batch(vl, pairs=slice(None)) -> tuple[dict, ImageRows, Tokenizer]:
@@ -165,47 +208,46 @@ def test_pairs_with_images_read_as_trl_collates_them(vl, trl_dpo):
 
 
 def test_dpo_loss_metrics_and_lora_gradients_equal_trl(vl, trl_dpo):
-    trainer = trl_dpo
-    trainer.model.zero_grad()
-    trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
-    expected = trainer._compute_loss(trainer.model, trainer.data_collator(trl_rows(vl["root"])), False)
-    expected.backward()
-    metrics = {k: trainer._metrics["train"][k][-1] for k in TRL_METRICS}
-    theirs = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
-              for n, p in trainer.model.named_parameters() if p.requires_grad}
-
-    model = load_pretrained(vl["model"], models.from_hf_config)
-    load_adapter(model, vl["root"] / "moved", trainable=True)
+    expected, metrics, theirs = trl_step(trl_dpo, trl_dpo.data_collator(trl_rows(vl["root"])), TRL_METRICS)
+    model = moved_model(vl)
     batch, _, _ = our_batch(vl)
-    objective = make_dpo_objective(0.1, "sigmoid", reference=BaseReference())
-    loss_sum, count, ours_metrics = objective(model, batch)
+    loss_sum, count, ours = make_dpo_objective(0.1, "sigmoid", reference=BaseReference())(model, batch)
     (loss_sum / count).backward()
     assert (loss_sum / count).item() == pytest.approx(expected.item(), abs=1e-5)
     assert abs(expected.item() - math.log(2)) > 1e-3  # the adapter has moved: the reference matters
     for k in TRL_METRICS:
-        assert ours_metrics[k] == pytest.approx(metrics[k], abs=1e-5), k
-    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert sorted(grads) == sorted(theirs) and len(grads) == 8
-    for n, g in grads.items():
-        assert float(theirs[n].abs().max()) > 0, n
-        assert float((g - theirs[n]).abs().max()) <= 1e-5 * max(1.0, float(theirs[n].abs().max())), n
+        assert ours[k] == pytest.approx(metrics[k], abs=1e-5), k
+    assert_same_grads(model, theirs)
 
 
-def test_dpo_from_the_cli_on_image_pairs(vl, capsys):
-    out = vl["root"] / "out"
-    args = [str(REPO / "recipes" / "dpo_mistral.py"), f"model={vl['model']}", f"data={vl['data']}", "device=cpu",
-            "max_len=256", "lora_r=4", "lora_alpha=8", "checkpointing=false", "log_every=1"]
-    code = run_cli(args + [f"out={out}", "max_steps=2", "batch_size=2", "grad_accum=1", "lr=1e-2"])
+LORA_RUN = ["device=cpu", "max_len=256", "lora_r=4", "lora_alpha=8", "checkpointing=false", "log_every=1",
+            "grad_accum=1", "lr=1e-2"]
+
+
+def cli_run(recipe: str, args: list[str], out: Path, capsys) -> list[dict]:
+    """recipes/<recipe> run from the command line with LoRA on the folder (`LORA_RUN`, then `args`) into `out`:
+    the audit healthy; its metrics.jsonl rows."""
+    code = run_cli([str(REPO / "recipes" / recipe), *LORA_RUN, *args, f"out={out}"])
     log, err = capsys.readouterr()
     assert code == 0, err
     assert "audit: healthy" in log + err
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("precompute", ["false", "true"])
+def test_dpo_from_the_cli_on_image_pairs(vl, capsys, precompute):
+    """With precompute_ref=true the reference log-probs are computed with the images before step 1 and cached."""
+    out = vl["root"] / f"out_{precompute}"
+    data = [f"model={vl['model']}", f"data={vl['data']}"]
+    rows = cli_run("dpo_mistral.py", data + ["max_steps=2", "batch_size=2", f"precompute_ref={precompute}"], out, capsys)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference, images on both
     assert rows[1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "ref_logps" / "train.safetensors").is_file() == (precompute == "true")
     for key, what in (("shared_prompt", "shared-prompt row"), ("packing", "packed")):
-        code = run_cli(args + [f"out={vl['root'] / key}", "max_steps=1", f"{key}=true"])
+        code = run_cli([str(REPO / "recipes" / "dpo_mistral.py"), *LORA_RUN, *data, f"out={vl['root'] / key}",
+                        "max_steps=1", f"{key}=true"])
         lines = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and f"{key}=true" in lines[0] and what in lines[0], lines
         assert not (vl["root"] / key).exists()

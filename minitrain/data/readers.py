@@ -437,13 +437,14 @@ def _margin(row: Row) -> float:
 def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                   max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
                   split: str | None = None, rows: Iterable[tuple[str, dict]] | None = None,
-             into: Examples | None = None) -> Examples:
+             into: Examples | None = None, images: ImageRows | None = None) -> Examples:
     """Unpaired feedback (KTO) `{"input_ids", "labels", "label", "prompt_len"}`.
 
     Rows: `{"prompt", "completion", "label": true|false}` (a thumbs-up or thumbs-down on one
     answer). The prompt is a string (`[bos] prompt`, the completion continuing it, + eos) or a
     list of chat messages (the completion is then the next assistant turn, or assistant
     message(s)), encoded as `read_preference` encodes an answer; prompt tokens are labelled -100.
+    A chat prompt may carry images, as `read_preference`'s (`images`, `where` kept; never cut).
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, ("prompt", "completion", "label", "role", "content"))
@@ -456,8 +457,10 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
             raise UserError(f'{where}: "{row.key("label")}" must be true or false (desirable or not), got '
                             f'{type(label).__name__} — fix the row')
         prompt, answer = row.get("prompt"), _answer(row, "completion")
+        prompt, paths = _prompt_images(row, row.messages("prompt") if isinstance(prompt, list) else prompt, path,
+                                       images)
+        answer = _answer_text(row, "completion", answer, path)
         if isinstance(prompt, list):
-            prompt = row.messages("prompt")
             p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
             if isinstance(answer, list) and not (answer and isinstance(answer[-1], dict)
                                                  and answer[-1].get("role") == "assistant"):
@@ -465,8 +468,16 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
                                 f'an assistant message — give the answer as a string or as assistant message(s)')
             turn = answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}]
             ids, mask = _chat(tok, where, prompt + turn)
+            labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
+            if paths:
+                counts = [images.tokens(q, where) for q in paths]
+                p = images.expand(p, [IGNORE_INDEX] * len(p), counts, tok, where)[0]
+                ids, labels = images.expand(ids, labels, counts, tok, where)
+                if len(ids) > max_len:
+                    raise UserError(f"{where}: {len(ids)} tokens with its images, over max_len={max_len} — a row "
+                                    "with images is never cut; raise max_len or lower the images' max_pixels")
             n = common_prefix_len(p, ids)
-            p, a = p[:n], [(t, t if m else IGNORE_INDEX) for t, m in zip(ids[n:], mask[n:])]
+            p, a = p[:n], list(zip(ids[n:], labels[n:]))
         else:
             if isinstance(answer, list):
                 raise UserError(f'{where}: "{row.key("completion")}" is a list of messages but '
@@ -480,7 +491,7 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
         if _targets(ex["labels"]) == 0:
             out.skipped += 1
             continue
-        out.append(ex)
+        out.append({**ex, "images": [str(q) for q in paths], "where": where} if paths else ex)
     return out
 
 

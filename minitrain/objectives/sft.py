@@ -34,14 +34,16 @@ from minitrain.objectives.losses import chunked_cross_entropy_sum, chunked_token
 
 
 def causal_token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) at every position whose next label is a target.
 
     Returns (B, T) fp32, 0 where `shift_labels(labels)` is -100. Summing over T gives the
-    sequence log-likelihood of the completion (what preference objectives need).
+    sequence log-likelihood of the completion (what preference objectives need). `images`: the rows'
+    images as a vision-language model's forward takes them (`image_inputs`).
     """
-    hidden = model(input_ids, attention_mask)  # (B, T, D)
+    hidden = model(input_ids, attention_mask, **(images or {}))  # (B, T, D)
     return chunked_token_logprobs(hidden, model.output_projection, shift_labels(labels))
 
 

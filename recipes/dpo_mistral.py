@@ -21,6 +21,11 @@ is `sft_weight`; SimPO uses `beta` and the margin `simpo_gamma` on per-token mea
 (`sft_weight=0`: SimPO as published, `> 0`: TRL's CPO-SimPO). Left unset, `sft_weight` is each
 method's own: 1 for orpo and cpo, 0 for simpo and the DPO losses.
 
+A vision-language folder (Qwen2.5-VL, Qwen3-VL, Gemma 3) reads images in a chat prompt (TRL's vision rows: an
+`images` column with `{"type": "image"}` parts, or parts with a path; paths from the data file's folder): both
+answers, and the reference, see the same images (docs/preference.md). Such a pair is never cut (longer than
+`max_len`: one error); `shared_prompt` and `packing` are refused with image pairs.
+
 `packing=true` packs each micro-batch's chosen and rejected sequences into rows of up to `max_len`
 tokens (positions restart, attention stays inside each sequence, log-probs summed per sequence: the
 same loss and metrics, less padding; any loss_type). `shared_prompt=true` instead runs each pair as

@@ -251,3 +251,32 @@ def test_dpo_from_the_cli_on_image_pairs(vl, capsys, precompute):
         lines = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and f"{key}=true" in lines[0] and what in lines[0], lines
         assert not (vl["root"] / key).exists()
+
+
+IMAGE_PROMPT = [{"role": "user", "content": [{"type": "image", "image": "img/a.png"}, {"type": "text", "text": "Hi"}]}]
+BAD_ROWS = [  # (reader, row, max_len, what the one line says)
+    ("preference", {"images": ["img/a.png"], "prompt": "Hi", "chosen": "A", "rejected": "B"}, 256,
+     '"prompt" is a string'),
+    ("preference", {"prompt": [{"role": "user", "content": "Hi"}],
+                    "chosen": [{"role": "assistant", "content": [{"type": "image", "image": "img/a.png"}]}],
+                    "rejected": "B"}, 256, '"chosen" has an image'),
+    ("preference", {"prompt": IMAGE_PROMPT, "chosen": "A", "rejected": "B"}, 12, "never cut"),
+    ("unpaired", {"prompt": IMAGE_PROMPT, "completion": "A", "label": True}, 12, "never cut"),
+    ("unpaired", {"prompt": [{"role": "user", "content": "Hi"}], "label": False,
+                  "completion": [{"role": "assistant", "content": [{"type": "image", "image": "img/a.png"}]}]}, 256,
+     '"completion" has an image'),
+    ("prompts", {"prompt": IMAGE_PROMPT}, 24, "never cut"),
+]
+
+
+@pytest.mark.parametrize("reader,row,max_len,says", BAD_ROWS)
+def test_image_rows_a_reader_refuses_in_one_line(vl, reader, row, max_len, says):
+    from minitrain.data.readers import read_prompts, read_unpaired
+    from minitrain.errors import UserError
+
+    _, images, tok = our_batch(vl, slice(0, 1))
+    path = vl["data"].parent / f"bad_{reader}.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    read = {"preference": read_preference, "unpaired": read_unpaired, "prompts": read_prompts}[reader]
+    with pytest.raises(UserError, match=f"{path}:1: .*{says}"):
+        read(path, tok, max_len=max_len, images=images)

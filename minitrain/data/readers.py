@@ -249,8 +249,9 @@ def _image_chat(row: Row, chat: list, path: str | Path, images: ImageRows | None
     base = Path(path).parent if Path(path).is_file() else Path(path)
     chat, paths = image_messages(chat, column, base, images.placeholder if images else "", row.where)
     if paths and images is None:
-        raise UserError(f"{row.where}: the row has images, but the checkpoint is text-only (its config.json has no "
-                        "image_token_id) — use a vision-language checkpoint, or drop the images")
+        raise UserError(f"{row.where}: the row has images, which are not read here: the checkpoint is text-only (its "
+                        "config.json has no image_token_id), or this recipe takes no images yet (SFT, DPO, KTO and GRPO "
+                        "do) — use a vision-language checkpoint with one of those, or drop the images")
     return chat, paths
 
 

@@ -104,7 +104,11 @@ def test_kto_from_the_cli_on_image_rows(vl, capsys, precompute):
     before step 1 and cached."""
     out = vl["root"] / f"out_{precompute}"
     rows = cli_run("kto_mistral.py", [f"model={vl['model']}", f"data={vl['data']}", "max_steps=2", "batch_size=3",
-                                      f"precompute_ref={precompute}"], out, capsys)
+                                      f"precompute_ref={precompute}", f"eval_data={vl['data']}", "eval_every=2"],
+                   out, capsys)
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2] and evals[0]["eval/loss"] == pytest.approx(0.5, abs=1e-6)
+    rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["loss"] == pytest.approx(0.5, abs=1e-6) and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert rows[1]["loss"] != pytest.approx(0.5, abs=1e-4)

@@ -239,8 +239,12 @@ def test_dpo_from_the_cli_on_image_pairs(vl, capsys, precompute):
     """With precompute_ref=true the reference log-probs are computed with the images before step 1 and cached."""
     out = vl["root"] / f"out_{precompute}"
     data = [f"model={vl['model']}", f"data={vl['data']}"]
-    rows = cli_run("dpo_mistral.py", data + ["max_steps=2", "batch_size=2", f"precompute_ref={precompute}"], out, capsys)
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = cli_run("dpo_mistral.py", data + ["max_steps=2", "batch_size=2", f"precompute_ref={precompute}",
+                                             f"eval_data={vl['data']}", "eval_every=2"], out, capsys)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2] and evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    rows = [r for r in rows if "loss" in r]
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference, images on both
     assert rows[1]["loss"] != pytest.approx(math.log(2), abs=1e-4)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -207,3 +207,24 @@ def test_grpo_from_the_cli_on_image_prompts(vl, capsys, monkeypatch):
 
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert any("lora_B" in k and float(v.abs().max()) > 0 for k, v in adapter.items())
+
+
+def test_the_sampler_never_draws_an_image_placeholder(vl):
+    """A head that favours `<|image_pad|>` above all: the completions never hold it (a completion with one would have
+    no features in the forward with the batch's images), and their log-probs are scored with the images."""
+    batch, images = our_batch(vl)
+    ours = load_pretrained(vl["model"], models.from_hf_config)
+    assert ours.placeholder_ids == (images.token_id,)
+
+    def favour(module, args, out):
+        out[..., images.token_id] += 1e4
+
+    ours.lm_head.register_forward_hook(favour)
+    ids, mask = batch["prompt_ids"], batch["prompt_attention_mask"]
+    for greedy in (True, False):
+        got = sample(ours, ids, mask, new_cache=models.family(ours).KVCache, num_generations=G,
+                     max_new_tokens=MAX_COMPLETION, greedy=greedy, images=image_inputs(batch))
+        assert got.ids.shape == (2 * G, MAX_COMPLETION) and not (got.ids == images.token_id).any()
+    with torch.no_grad():
+        completion_logps(ours, ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), got.ids, got.mask,
+                         images=image_inputs(batch, "group_"))

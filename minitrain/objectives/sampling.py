@@ -11,6 +11,8 @@ one token per step; a row stops at its first eos / end-of-turn id and is padded 
 half of those still decoded, they leave the batch, their cache slots with them (`cache.keep_rows`):
 short answers then stop costing the long ones' steps.
 
+A vision-language model's image placeholder tokens (`model.placeholder_ids`) are never drawn (where transformers'
+`generate` would draw one, the training forward with the batch's images would have no features for it).
 Sampling follows transformers' logits processors in their order: logits / temperature, then top-k,
 then top-p (the smallest set of most likely tokens whose probability reaches top_p; the most likely
 token always stays), then one draw. `greedy=True` takes the argmax instead (greedy decoding equals
@@ -75,6 +77,9 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     G = num_generations
     N = prompt_ids.shape[0] * G  # group i is rows i*G .. i*G+G-1
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    # a vision-language model's image placeholders are inputs only: a completion holding one would have no image
+    # features in the forwards that carry the batch's images (transformers' and TRL's would stop there)
+    never = list(getattr(model, "placeholder_ids", ()))
     out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     length = torch.zeros(N, dtype=torch.long, device=device)  # tokens kept per row (eos included)
@@ -98,6 +103,8 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         kept = torch.zeros(N, dtype=torch.long, device=device)
         for t in range(max_new_tokens):
             logits = model.output_projection(hidden).float()  # (n, V)
+            if never:
+                logits[:, [i for i in never if i < logits.shape[-1]]] = float("-inf")
             if greedy:
                 token = logits.argmax(-1)
             else:

@@ -284,3 +284,25 @@ def test_image_rows_a_reader_refuses_in_one_line(vl, reader, row, max_len, says)
     read = {"preference": read_preference, "unpaired": read_unpaired, "prompts": read_prompts}[reader]
     with pytest.raises(UserError, match=f"{path}:1: .*{says}"):
         read(path, tok, max_len=max_len, images=images)
+
+
+def test_orpo_nll_on_image_pairs_leaves_the_image_tokens_out(vl):
+    """ORPO's NLL covers the chosen row's prompt, but not its image placeholders: the `nll_loss` of each pair equals
+    the mean NLL of the chosen row's real tokens (the first and the image tokens left out) from transformers' logits
+    given the same ids and pixels (TRL's ORPOTrainer takes no images)."""
+    import transformers
+
+    from minitrain.objectives.preference import ReferenceFreeObjective
+
+    batch, images, _ = our_batch(vl)
+    ours = load_pretrained(vl["model"], models.from_hf_config).eval()
+    stats = ReferenceFreeObjective("orpo", beta=0.1, sft_weight=1.0).pair_stats(ours, batch)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl["model"], dtype=torch.float32).eval()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logits = hf(input_ids=ids, attention_mask=mask, pixel_values=batch["pixel_values"],
+                    image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=(ids == images.token_id).long()).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    scored = mask[:, 1:].bool() & (ids[:, 1:] != images.token_id)
+    want = -(logp * scored).sum(1) / scored.sum(1)
+    assert torch.allclose(stats["nll_loss"], want[:3], atol=1e-5)

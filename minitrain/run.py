@@ -5,6 +5,8 @@
     load_tokenizer(cfg)            the tokenizer alone (light)
     load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval): before the weights, so a
                                    bad row costs seconds, not minutes of loading
+                                   (load_image_examples: also the rows' images, for a vision-language
+                                   checkpoint; with_images(collate, ...) decodes them per batch)
     load_model(cfg, build, tok)    weights streamed into `build(config.json)` (+ quantized)
     attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report;
                                    finetune=full: every float parameter trains instead

@@ -5,6 +5,8 @@
     load_tokenizer(cfg)            the tokenizer alone (light)
     load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval): before the weights, so a
                                    bad row costs seconds, not minutes of loading
+                                   (load_image_examples: also the rows' images, for a vision-language
+                                   checkpoint; with_images(collate, ...) decodes them per batch)
     load_model(cfg, build, tok)    weights streamed into `build(config.json)` (+ quantized)
     attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report;
                                    finetune=full: every float parameter trains instead
@@ -92,6 +94,7 @@ class Job:
     eval_examples: list[dict] | None
     lora: LoRAConfig | None  # None: finetune=full
     tok: Tokenizer
+    images: ImageRows | None = None  # how a vision-language checkpoint reads the rows' images (`image_rows`)
 
 
 # ----------------------------------------------------------------------------- the output folder
@@ -588,12 +591,8 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     examples, the `sft` objective and the padding collator (`cfg.packing`: the packing one,
     `minitrain.data.packing`). Writes nothing."""
     tok = load_tokenizer(cfg)
-    images = image_rows(cfg, tok)
     # a bad row costs seconds, not a model load
-    train_examples, eval_examples = load_examples(cfg, tok, "sft", **({"images": images} if images else {}))
-    if images is not None and getattr(cfg, "packing", False) and any(
-            ex.get("images") for examples in (train_examples, eval_examples or []) for ex in examples):
-        raise UserError(f"packing=true: {cfg.data} has rows with images, which are not packed yet — set packing=false")
+    train_examples, eval_examples, images = load_image_examples(cfg, tok, "sft")
     model, tok = load_model(cfg, build, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
@@ -601,9 +600,32 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     lora = attach_adapters(model, cfg)
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
-    if images is not None:  # each batch's images decoded when it is collated, never all at once
-        collate = functools.partial(collate_images, collate=collate, spec=images.spec)
-    return Job(model, sft, train_examples, collate, eval_examples, lora, tok)
+    return Job(model, sft, train_examples, with_images(collate, images), eval_examples, lora, tok, images)
+
+
+def load_image_examples(cfg: Any, tok: Tokenizer, kind: str, **options: Any
+                        ) -> tuple[list[dict], list[dict] | None, ImageRows | None]:
+    """`load_examples` with the rows' images read as the checkpoint `cfg.model` reads them (`image_rows`;
+    a text-only checkpoint refuses rows with images): (train, eval, how images are read or None). Rows with
+    images are refused under `packing=true` or `shared_prompt=true`, whose rows do not carry them yet."""
+    images = image_rows(cfg, tok)
+    train, evals = load_examples(cfg, tok, kind, **options, **({"images": images} if images else {}))
+    if images is not None and any(ex.get("images") for examples in (train, evals or []) for ex in examples):
+        for key, what in (("packing", "packed"), ("shared_prompt", "run as one shared-prompt row")):
+            if getattr(cfg, key, False):
+                raise UserError(f"{key}=true: {cfg.data} has rows with images, which are not {what} yet — set "
+                                f"{key}=false")
+    return train, evals, images
+
+
+def with_images(collate: Callable[[list[dict]], dict], images: ImageRows | None, copies: int = 1, group: int = 1
+                ) -> Callable[[list[dict]], dict]:
+    """`collate`, plus each batch's images decoded when it is collated, never all at once (`collate_images`:
+    `copies` 2 for preference rows [chosen; rejected], `group` G for GRPO's rows); `collate` itself for a
+    text-only checkpoint."""
+    if images is None:
+        return collate
+    return functools.partial(collate_images, collate=collate, spec=images.spec, copies=copies, group=group)
 
 
 def image_rows(cfg: Any, tok: Tokenizer) -> ImageRows | None:

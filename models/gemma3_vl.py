@@ -332,6 +332,11 @@ class Gemma3ForConditionalGeneration(CausalLM):
     block_types = (GemmaDecoderLayer,)
     towers = ("model.vision_tower", "model.multi_modal_projector")  # frozen unless a regex target names them
 
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """The soft token that stands for image features in the input, never an output (a sampler does not draw it)."""
+        return (self.config.image_token_index,)
+
     def __init__(self, config: Gemma3VLConfig) -> None:
         cap = config.final_logit_softcapping
         head = SoftcappedLinear(config.hidden_size, config.vocab_size, cap) if cap else None

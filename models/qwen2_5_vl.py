@@ -434,6 +434,11 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     block_types = (LlamaDecoderLayer,)
     ignore_checkpoint_keys = (r"\.rotary_emb\.inv_freq$",)
     towers = ("model.visual",)  # frozen unless a regex target names it (LoRA suffixes adapt the language model)
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """The ids that stand for image features in the input, never an output (a sampler does not draw them)."""
+        return (self.config.image_token_id,)
     vision_tower = VisionTower  # the class of `model.visual` (Qwen3-VL's subclass has its own)
 
     def __init__(self, config: Qwen2_5_VLConfig) -> None:

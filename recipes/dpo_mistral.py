@@ -21,6 +21,11 @@ is `sft_weight`; SimPO uses `beta` and the margin `simpo_gamma` on per-token mea
 (`sft_weight=0`: SimPO as published, `> 0`: TRL's CPO-SimPO). Left unset, `sft_weight` is each
 method's own: 1 for orpo and cpo, 0 for simpo and the DPO losses.
 
+A vision-language folder (Qwen2.5-VL, Qwen3-VL, Gemma 3) reads images in a chat prompt (TRL's vision rows: an
+`images` column with `{"type": "image"}` parts, or parts with a path; paths from the data file's folder): both
+answers, and the reference, see the same images (docs/preference.md). Such a pair is never cut (longer than
+`max_len`: one error); `shared_prompt` and `packing` are refused with image pairs.
+
 `packing=true` packs each micro-batch's chosen and rejected sequences into rows of up to `max_len`
 tokens (positions restart, attention stays inside each sequence, log-probs summed per sequence: the
 same loss and metrics, less padding; any loss_type). `shared_prompt=true` instead runs each pair as
@@ -60,7 +65,7 @@ from minitrain.objectives.preference import make_pair_objective
 from minitrain.objectives.reference import make_reference, precompute_reference
 from minitrain.progress import log
 from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,
-                           load_examples, load_model, load_tokenizer, prepare_out_dir)
+                           load_image_examples, load_model, load_tokenizer, prepare_out_dir, with_images)
 from minitrain.train import train
 
 DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
@@ -109,7 +114,8 @@ REAL_CHECKPOINT = ("python -m minitrain recipes/dpo_mistral.py model=/path/to/Mi
 def setup(config: PreferenceConfig) -> Job:
     """Load the model, attach (or continue) the adapter, pick the reference, read the pairs; writes nothing."""
     tok = load_tokenizer(config)
-    train_examples, eval_examples = load_examples(config, tok, "preference")  # before the weights: seconds, not minutes
+    # before the weights: seconds, not minutes; a vision-language checkpoint reads the prompts' images
+    train_examples, eval_examples, images = load_image_examples(config, tok, "preference")
     model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — DPO here trains causal LMs")
@@ -131,7 +137,9 @@ def setup(config: PreferenceConfig) -> Job:
         log("note: no eval_data — no held-out evaluation (pass eval_data=pairs.jsonl for eval/rewards/...)")
     collate = functools.partial(collate_with_reference, pad_id=tok.pad_id, shared_prompt=config.shared_prompt,
                                 pack_len=config.max_len if config.packing else 0)
-    return Job(model, objective, train_examples, collate, eval_examples, lora, tok)
+    # a pair's images in both of its rows (chosen, rejected), the reference's forward too
+    return Job(model, objective, train_examples, with_images(collate, images, copies=2), eval_examples, lora, tok,
+               images)
 
 
 def run(config: PreferenceConfig) -> dict:

@@ -33,6 +33,12 @@ rounds, each call stopped after `tool_timeout` seconds; `environment=game.py:Gam
 environment_factory (one instance per rollout: `reset(**row)`, its public methods as tools,
 `get_reward()` as a reward). Metrics `tools/call_frequency`, `tools/failure_frequency`.
 
+Image prompts (a vision-language folder: Qwen2.5-VL, Qwen3-VL, Gemma 3): a conversation prompt with TRL's image
+parts `{"type": "image", "image": "img.png"}` or an `images` column (paths read from the data file's folder). The
+sampler prefills each prompt with its images, and every forward of prompt + completion (policy, reference, old
+log-probs) carries them; the reward functions get the prompt as written and the `images` column as paths. Not
+with tools or an environment yet (refused).
+
 Under torchrun (parallel=ddp) each rank samples the completions of its own prompts: a group never
 spans ranks, and `scale_rewards=batch` divides by the std of the whole batch (every rank's rewards).
 
@@ -60,8 +66,8 @@ from minitrain.objectives.reference import make_reference
 from minitrain.objectives.rewards import load_rewards
 from minitrain.objectives.tools import ToolKit, json_schema, load_tools
 from minitrain.progress import log, strict_json
-from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_examples, load_model, load_tokenizer,
-                           prepare_out_dir)
+from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_image_examples, load_model,
+                           load_tokenizer, prepare_out_dir, with_images)
 from minitrain.train import train
 
 DEMO = demo_dir() / "grpo"  # demo/grpo in a clone, minitrain/demo/grpo in an installed wheel
@@ -154,8 +160,13 @@ def setup(config: GRPOConfig) -> Job:
         raise UserError(f"tools: two tools are named {sorted(n for n in names if names.count(n) > 1)[0]!r} (tools= and "
                         f"the environment's methods) — rename one")
     tok = load_tokenizer(config)
-    train_examples, eval_examples = load_examples(config, tok, "prompts", tools=schemas or None,
-                                                  max_prompt_len=config.max_len - config.max_completion_length)
+    # a vision-language checkpoint reads the prompts' images; the sampler prefills each prompt with them
+    train_examples, eval_examples, images = load_image_examples(
+        config, tok, "prompts", tools=schemas or None, max_prompt_len=config.max_len - config.max_completion_length)
+    ex = next((ex for part in (train_examples, eval_examples or []) for ex in part if ex.get("images")), None)
+    if ex is not None and (schemas or envs):
+        raise UserError(f"{ex['row']}: a prompt with images — tools and environments continue a rollout after its "
+                        f"prompt, which carries no images yet; drop tools= / environment= or the images")
     ex = next((ex for part in (train_examples, eval_examples or []) for ex in part
                if not isinstance(ex["prompt"], list)), None) if schemas else None
     if ex is not None:
@@ -187,8 +198,9 @@ def setup(config: GRPOConfig) -> Job:
                               out=Path(config.out), log=log, agent=agent)
     if not eval_examples:
         log("note: no eval_data — no held-out reward (pass eval_data=prompts.jsonl for eval/reward)")
-    collate = functools.partial(collate_prompts, pad_id=tok.pad_id)
-    return Job(model, objective, train_examples, collate, eval_examples, lora, tok)
+    collate = functools.partial(collate_prompts, pad_id=tok.pad_id)  # each prompt's images also in its G rows:
+    return Job(model, objective, train_examples, with_images(collate, images, group=config.num_generations),
+               eval_examples, lora, tok, images)
 
 
 def run(config: GRPOConfig) -> dict:

@@ -21,6 +21,10 @@ the same over the held-out rows (`eval/...`), also in out/eval.jsonl with the va
 The reference is never a second model, as in DPO (`recipes/dpo_mistral.py`): the base with the
 adapter switched off (fresh adapter), a frozen copy of the Stage A adapter (`init_adapter=DIR`),
 or either one precomputed once (`precompute_ref=true`, cached in out/ref_logps/, the KL rows too).
+
+A vision-language folder (Qwen2.5-VL, Qwen3-VL, Gemma 3) reads images in a chat prompt (TRL's `images` column with
+`{"type": "image"}` parts, or parts with a path; paths from the data file's folder): a row and its KL row
+(the same prompt) see them, the reference too. Such a row is never cut (longer than `max_len`: one error).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from minitrain.objectives.kto import KTOObjective, add_kl_rows, collate_kto, pre
 from minitrain.objectives.reference import make_reference
 from minitrain.progress import log
 from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,
-                           load_examples, load_model, load_tokenizer, prepare_out_dir)
+                           load_image_examples, load_model, load_tokenizer, prepare_out_dir, with_images)
 from minitrain.train import train
 
 DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
@@ -65,7 +69,8 @@ config = KTOConfig(
 def setup(config: KTOConfig) -> Job:
     """Load the model, attach (or continue) the adapter, pick the reference, read the rows; writes nothing."""
     tok = load_tokenizer(config)
-    train_examples, eval_examples = load_examples(config, tok, "unpaired")  # before the weights: seconds, not minutes
+    # before the weights: seconds, not minutes; a vision-language checkpoint reads the prompts' images
+    train_examples, eval_examples, images = load_image_examples(config, tok, "unpaired")
     model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — KTO here trains causal LMs")
@@ -83,8 +88,9 @@ def setup(config: KTOConfig) -> Job:
            else "base model (adapter disabled)")
         + (", precomputed once" if config.precompute_ref else ", run each step under no_grad"))
     objective = KTOObjective(config.beta, config.desirable_weight, config.undesirable_weight, reference)
-    return Job(model, objective, train_examples, functools.partial(collate_kto, pad_id=tok.pad_id), eval_examples,
-               lora, tok)
+    # a row's images in it and in its KL row (the same prompt), the reference's forward too
+    collate = with_images(functools.partial(collate_kto, pad_id=tok.pad_id), images, copies=2)
+    return Job(model, objective, train_examples, collate, eval_examples, lora, tok, images)
 
 
 def run(config: KTOConfig) -> dict:
@@ -101,7 +107,8 @@ def run(config: KTOConfig) -> dict:
         for name, examples in (("train", job.train_examples), ("eval", job.eval_examples)):
             if examples:
                 precompute_kto_reference(job.model, job.objective.reference, examples, out / "ref_logps" / name,
-                                         job.tok.pad_id, batch, amp_dtype, log)
+                                         job.tok.pad_id, batch, amp_dtype, log,
+                                         spec=job.images.spec if job.images else None)
 
     record = eval_log(out)  # out/eval.jsonl: the value before step 1, then each evaluation (rank 0)
     evaluate_at_start(job, config, record)

@@ -422,17 +422,19 @@ def image_messages(messages: list[dict], column: list | None, base: Path, placeh
     return out, [p if p.is_absolute() else base / p for p in paths]
 
 
-def collate_images(examples, collate, spec: ImageSpec | SquareSpec) -> dict:
+def collate_images(examples, collate, spec: ImageSpec | SquareSpec, copies: int = 1, group: int = 1) -> dict:
     """`collate(examples)` plus, when the examples carry images, `spec.batch` of them (Qwen: `pixel_values`
     (patches, C t p p) float32 and `image_grid_thw` (images, 3); Gemma 3: `pixel_values` (images, C, H, W)):
-    each image decoded now, for this batch only, in order."""
+    each image decoded now, for this batch only, once, in order. `copies`: the examples' images that many
+    times over (a preference batch's rows are [chosen; rejected], each pair's images in both: 2). `group` > 1:
+    also `group_pixel_values` (and `group_image_grid_thw`), each example's images `group` times in a row, for
+    the rows of GRPO's groups (prompt i's G completions are rows i G .. i G + G - 1)."""
     batch = collate(examples)
-    pixels, grids = [], []
-    for ex in examples:
-        for path in ex.get("images", ()):
-            p, g = load_image(path, spec, ex.get("where", ""))
-            pixels.append(p)
-            grids.append(g)
-    if pixels:
-        batch.update(spec.batch(pixels, grids))
+    decoded = [[load_image(path, spec, ex.get("where", "")) for path in ex.get("images", ())] for ex in examples]
+    images = [image for _ in range(copies) for mine in decoded for image in mine]
+    if images:
+        batch.update(spec.batch(*zip(*images)))
+        if group > 1:
+            grouped = spec.batch(*zip(*[image for mine in decoded for _ in range(group) for image in mine]))
+            batch.update({f"group_{k}": v for k, v in grouped.items()})
     return batch

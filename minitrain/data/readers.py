@@ -196,7 +196,7 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
                     {"role": "assistant", "content": row.text("completion")}]
             shape = "pair_chat"
         paths: list = []
-        if chat is not None and (row.has("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in chat)):
+        if chat is not None and _has_parts(row, chat):
             chat, paths = _image_chat(row, chat, path, images)
         if chat is not None:
             ids, mask = _chat(tok, where, chat)
@@ -249,8 +249,9 @@ def _image_chat(row: Row, chat: list, path: str | Path, images: ImageRows | None
     base = Path(path).parent if Path(path).is_file() else Path(path)
     chat, paths = image_messages(chat, column, base, images.placeholder if images else "", row.where)
     if paths and images is None:
-        raise UserError(f"{row.where}: the row has images, but the checkpoint is text-only (its config.json has no "
-                        "image_token_id) — use a vision-language checkpoint, or drop the images")
+        raise UserError(f"{row.where}: the row has images, which are not read here: the checkpoint is text-only (its "
+                        "config.json has no image_token_id), or this recipe takes no images yet (SFT, DPO, KTO and GRPO "
+                        "do) — use a vision-language checkpoint with one of those, or drop the images")
     return chat, paths
 
 
@@ -299,7 +300,8 @@ def read_seq2seq(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
 def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                     max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
                     split: str | None = None, drop_identical: bool = False, margin: bool = False,
-                    rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None) -> Examples:
+                    rows: Iterable[tuple[str, dict]] | None = None, into: Examples | None = None,
+                    images: ImageRows | None = None) -> Examples:
     """Preference pairs `{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}` (with
     `margin`, also each row's `"margin"` as a float: a reward model's optional column, 0 where absent).
 
@@ -314,6 +316,11 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
       prompt, the answers `{"from": "gpt", "value"}` objects or strings.
 
     Prompt tokens are labelled -100 in both sequences; truncation cuts the shared prompt once.
+
+    A chat prompt may carry images (TRL's vision shape: content parts `{"type": "image", "image": path}`, or
+    an `images` column beside the messages; `images`: how the vision-language checkpoint reads them, as in
+    `read_sft`): both answers follow the same images, which the pair keeps (`images`, its `where`); a pair
+    with images is never cut (longer than `max_len`: one error). Images in an answer are refused.
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, PREFERENCE_FIELDS)
@@ -322,21 +329,32 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
     for where, raw in read_rows(path, split) if rows is None else rows:
         row = Row(where, raw, fields, '"prompt", "chosen" and "rejected"')
         prompt, answers_in = _preference_parts(row)
+        prompt, paths = _prompt_images(row, prompt, path, images)
+        answers_in = tuple(_answer_text(row, name, a, path) for name, a in zip(("chosen", "rejected"), answers_in))
         # each answer as (id, label) pairs after the shared prompt
         answers: list[list[tuple[int, int]]] = []
         if isinstance(prompt, list):
             p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
+            counts = [images.tokens(q, where) for q in paths]
+            if paths:
+                p = images.expand(p, [IGNORE_INDEX] * len(p), counts, tok, where)[0]
             fulls = []
             for name, a in zip(("chosen", "rejected"), answers_in):
                 if isinstance(a, list) and not (a and isinstance(a[-1], dict) and a[-1].get("role") == "assistant"):
                     raise UserError(f'{where}: "{row.key(name)}" is a list of messages that does not end with an '
                                     f'assistant message — give the answer as a string or as assistant message(s)')
                 turn = a if isinstance(a, list) else [{"role": "assistant", "content": a}]
-                fulls.append(_chat(tok, where, prompt + turn))
+                ids, mask = _chat(tok, where, prompt + turn)
+                labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
+                fulls.append(images.expand(ids, labels, counts, tok, where) if paths else (ids, labels))
             n = min(common_prefix_len(p, ids) for ids, _ in fulls)  # where the answers start
             p = p[:n]
-            for ids, mask in fulls:
-                answers.append([(t, t if m else IGNORE_INDEX) for t, m in zip(ids[n:], mask[n:])])
+            for ids, labels in fulls:
+                answers.append(list(zip(ids[n:], labels[n:])))
+            if paths and len(p) + max(len(a) for a in answers) > max_len:
+                raise UserError(f"{where}: {len(p) + max(len(a) for a in answers)} tokens with its images, over "
+                                f"max_len={max_len} — a pair with images is never cut; raise max_len or lower the "
+                                "images' max_pixels")
         else:
             p = _with_bos(tok, tok.encode(prompt), out)
             for name, a in zip(("chosen", "rejected"), answers_in):
@@ -368,8 +386,38 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
             continue
         if margin:
             ex["margin"] = _margin(row)
+        if paths:
+            ex.update(images=[str(q) for q in paths], where=where)
         out.append(ex)
     return out
+
+
+def _has_parts(row: Row, messages: list) -> bool:
+    """Whether a chat has content lists (parts) or the row an `images` column: `_image_chat` reads it."""
+    return row.has("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+
+
+def _prompt_images(row: Row, prompt: str | list, path: str | Path, images: ImageRows | None) -> tuple[str | list, list]:
+    """A preference / unpaired / GRPO prompt with its images read out (`_image_chat`): (the prompt, image paths).
+    A string prompt beside an `images` column is refused: the images need a chat to sit in."""
+    if isinstance(prompt, list):
+        return _image_chat(row, prompt, path, images) if _has_parts(row, prompt) else (prompt, [])
+    if row.has("images"):
+        raise UserError(f'{row.where}: the row has "images" but "{row.key("prompt")}" is a string — give the prompt '
+                        f'as chat messages (the images go before the first user turn, or as {{"type": "image"}} parts)')
+    return prompt, []
+
+
+def _answer_text(row: Row, name: str, answer: str | list, path: str | Path) -> str | list:
+    """An answer whose messages are lists of text parts, as string messages; an image in an answer is refused."""
+    if not isinstance(answer, list) or not any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                               for m in answer):
+        return answer
+    messages, paths = image_messages(answer, None, Path(path).parent, "", row.where)
+    if paths:
+        raise UserError(f'{row.where}: "{row.key(name)}" has an image — images go in the prompt, which both answers '
+                        'share')
+    return messages
 
 
 def _margin(row: Row) -> float:
@@ -390,13 +438,14 @@ def _margin(row: Row) -> float:
 def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                   max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
                   split: str | None = None, rows: Iterable[tuple[str, dict]] | None = None,
-             into: Examples | None = None) -> Examples:
+             into: Examples | None = None, images: ImageRows | None = None) -> Examples:
     """Unpaired feedback (KTO) `{"input_ids", "labels", "label", "prompt_len"}`.
 
     Rows: `{"prompt", "completion", "label": true|false}` (a thumbs-up or thumbs-down on one
     answer). The prompt is a string (`[bos] prompt`, the completion continuing it, + eos) or a
     list of chat messages (the completion is then the next assistant turn, or assistant
     message(s)), encoded as `read_preference` encodes an answer; prompt tokens are labelled -100.
+    A chat prompt may carry images, as `read_preference`'s (`images`, `where` kept; never cut).
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len)
     fields = check_fields(fields, ("prompt", "completion", "label", "role", "content"))
@@ -409,8 +458,10 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
             raise UserError(f'{where}: "{row.key("label")}" must be true or false (desirable or not), got '
                             f'{type(label).__name__} — fix the row')
         prompt, answer = row.get("prompt"), _answer(row, "completion")
+        prompt, paths = _prompt_images(row, row.messages("prompt") if isinstance(prompt, list) else prompt, path,
+                                       images)
+        answer = _answer_text(row, "completion", answer, path)
         if isinstance(prompt, list):
-            prompt = row.messages("prompt")
             p, _ = _chat(tok, where, prompt, add_generation_prompt=True)
             if isinstance(answer, list) and not (answer and isinstance(answer[-1], dict)
                                                  and answer[-1].get("role") == "assistant"):
@@ -418,8 +469,16 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
                                 f'an assistant message — give the answer as a string or as assistant message(s)')
             turn = answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}]
             ids, mask = _chat(tok, where, prompt + turn)
+            labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
+            if paths:
+                counts = [images.tokens(q, where) for q in paths]
+                p = images.expand(p, [IGNORE_INDEX] * len(p), counts, tok, where)[0]
+                ids, labels = images.expand(ids, labels, counts, tok, where)
+                if len(ids) > max_len:
+                    raise UserError(f"{where}: {len(ids)} tokens with its images, over max_len={max_len} — a row "
+                                    "with images is never cut; raise max_len or lower the images' max_pixels")
             n = common_prefix_len(p, ids)
-            p, a = p[:n], [(t, t if m else IGNORE_INDEX) for t, m in zip(ids[n:], mask[n:])]
+            p, a = p[:n], list(zip(ids[n:], labels[n:]))
         else:
             if isinstance(answer, list):
                 raise UserError(f'{where}: "{row.key("completion")}" is a list of messages but '
@@ -433,13 +492,14 @@ def read_unpaired(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_
         if _targets(ex["labels"]) == 0:
             out.skipped += 1
             continue
-        out.append(ex)
+        out.append({**ex, "images": [str(q) for q in paths], "where": where} if paths else ex)
     return out
 
 
 def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side: str = "left",
                  max_prompt_len: int | None = None, fields: dict[str, str] | None = None,
-                 split: str | None = None, tools: list[dict] | None = None) -> Examples:
+                 split: str | None = None, tools: list[dict] | None = None, images: ImageRows | None = None
+                 ) -> Examples:
     """Prompts to generate from (GRPO) `{"prompt_ids", "prompt", "columns", "row"}`.
 
     Rows: `{"prompt": str | [messages]}` plus any other columns, which are kept as they are in
@@ -449,6 +509,9 @@ def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
     loses tokens on `truncation_side` (a leading bos is kept), counted in `Examples.truncated`.
     `prompt` is the row's prompt (messages with their keys renamed by `fields`), `row` its `file:line`.
     `tools`: the JSON schemas of the functions offered to the model, rendered into a conversation's prompt.
+    A conversation may carry images (as `read_preference`'s prompts; `images`: how the vision-language checkpoint
+    reads them): each placeholder expanded to its token count, the paths kept (`images`, with `where`); such a
+    prompt is never cut (longer than `max_prompt_len`: one error).
     """
     max_prompt_len = _check_options(max_len, truncation_side, max_prompt_len) or max_len // 2
     fields = check_fields(fields, ("prompt", "role", "content"))
@@ -458,14 +521,23 @@ def read_prompts(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_s
         prompt = row.get("prompt")
         if isinstance(prompt, list):
             prompt = row.messages("prompt")
-            ids, _ = _chat(tok, where, prompt, add_generation_prompt=True, tools=tools)
+        chat, paths = _prompt_images(row, prompt, path, images)
+        if isinstance(chat, list):
+            ids, _ = _chat(tok, where, chat, add_generation_prompt=True, tools=tools)
         else:
             ids = _with_bos(tok, tok.encode(row.text("prompt")), out)
+        if paths:
+            ids = images.expand(ids, [IGNORE_INDEX] * len(ids), [images.tokens(q, where) for q in paths], tok, where)[0]
+            if len(ids) > max_prompt_len:
+                raise UserError(f"{where}: the prompt is {len(ids)} tokens with its images, over {max_prompt_len} (max_len "
+                                f"less the completion's room) — a prompt with images is never cut; raise max_len or "
+                                f"lower the images' max_pixels")
         if len(ids) > max_prompt_len:
             ids = _cut(ids, max_prompt_len, truncation_side, tok.bos_id)
             out.truncated += 1
         columns = {k: v for k, v in raw.items() if k != row.key("prompt")}
-        out.append({"prompt_ids": ids, "prompt": prompt, "columns": columns, "row": where})
+        ex = {"prompt_ids": ids, "prompt": prompt, "columns": columns, "row": where}
+        out.append({**ex, "images": [str(q) for q in paths], "where": where} if paths else ex)
     return out
 
 

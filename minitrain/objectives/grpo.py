@@ -42,6 +42,7 @@ from minitrain.objectives.reference import dropout_off
 from minitrain.objectives.rewards import score
 from minitrain.objectives.rloo import rloo_advantages, rloo_loss
 from minitrain.objectives.sampling import sample
+from minitrain.objectives.sft import image_inputs
 from minitrain.progress import strict_json
 
 LOSS_TYPES = GRPO_LOSS_TYPES
@@ -150,18 +151,20 @@ def shared_prompt_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, co
 
 def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                      completion_ids: torch.Tensor, completion_mask: torch.Tensor, temperature: float = 1.0,
-                     entropy: bool = False, group: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy: bool = False, group: int = 1, images: dict[str, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(completion token t | prompt, completion < t) under softmax(logits / temperature): (B, C) fp32,
     0 where completion_mask is 0; and, with `entropy`, each position's entropy (B, C), without a graph.
 
     prompt_ids (B, P) left-padded, completion_ids (B, C) right-padded. One forward of [prompt;
     completion]; logits only for the completion positions, in chunks (never B x T x V). `group`: rows
     come in groups of that many sharing their prompt (GRPO's G), which then runs once per group
-    (`shared_prompt_layout`) where that is the cheaper layout; the values are the same."""
+    (`shared_prompt_layout`) where that is the cheaper layout; the values are the same. `images`: the rows'
+    images as the model's forward takes them (each row's prompt images, in row order; the padded layout)."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
     C = completion_ids.shape[1]
     width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
-    layout = shared_prompt_layout(prompt_ids, prompt_mask, completion_mask, group, width)
+    layout = None if images else shared_prompt_layout(prompt_ids, prompt_mask, completion_mask, group, width)
     if layout is not None:
         dev = ids.device
         shared = model(ids.reshape(-1)[layout["rows"].to(dev)], position_ids=layout["position_ids"].to(dev),
@@ -169,7 +172,7 @@ def completion_logps(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         hidden = shared.flatten(0, 1)[layout["predicts"].to(dev)]  # (N, C, D)
     else:
         mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        hidden = model(ids, mask)[:, -C - 1 : -1]  # (B, C, D): position t predicts completion token t
+        hidden = model(ids, mask, **(images or {}))[:, -C - 1 : -1]  # (B, C, D): position t predicts token t
     head = model.output_projection
     head = head if temperature == 1.0 else _Tempered(head, temperature)
     labels = completion_ids.masked_fill(completion_mask == 0, -100)
@@ -379,7 +382,8 @@ class GRPOObjective:
         else:
             comp = sample(model, prompt_ids, prompt_mask, new_cache=self.new_cache, num_generations=G,
                           max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                          top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.tok.pad_id)
+                          top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.tok.pad_id,
+                          images=image_inputs(batch))
             prompt_rows, prompt_row_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
         lengths = comp.mask.sum(1).tolist()
         ids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
@@ -408,7 +412,7 @@ class GRPOObjective:
         loss_mask = mask if tool_mask is None else mask * tool_mask
         r = {"prompt_ids": prompt_rows, "prompt_mask": prompt_row_mask, "completion_ids": comp.ids,
              "completion_mask": mask.to(device), "loss_mask": loss_mask.to(device), "old_logps": None,
-             "ref_logps": None}
+             "ref_logps": None, "images": image_inputs(batch, "group_")}  # each prompt's images in its G rows
         if cfg.num_iterations > 1 or (rloo and cfg.beta):  # the sampling policy's log-probs (RLOO's KL is against them)
             with dropout_off(model):
                 r["old_logps"] = self._logps(model, r)[0]
@@ -447,7 +451,7 @@ class GRPOObjective:
 
     def _logps(self, model: nn.Module, r: dict[str, Any], entropy: bool = False):
         return completion_logps(model, r["prompt_ids"], r["prompt_mask"], r["completion_ids"], r["completion_mask"],
-                                self.cfg.temperature, entropy, group=self.cfg.num_generations)
+                                self.cfg.temperature, entropy, group=self.cfg.num_generations, images=r.get("images"))
 
     # -- the loss on a rollout: the graph
     def loss(self, model: nn.Module, r: dict[str, Any]) -> tuple[torch.Tensor, float, dict[str, float]]:
@@ -530,7 +534,8 @@ class GRPOObjective:
                         columns["environments"] = ar.instances
                 else:
                     comp = sample(model, ids, mask, new_cache=self.new_cache, greedy=True, eos_ids=self.eos_ids,
-                                  max_new_tokens=self.cfg.max_completion_length, pad_id=self.tok.pad_id)
+                                  max_new_tokens=self.cfg.max_completion_length, pad_id=self.tok.pad_id,
+                                  images={k: v.to(device) for k, v in image_inputs(batch).items()})
             lengths = comp.mask.sum(1).tolist()
             cids = [row[:n] for row, n in zip(comp.ids.tolist(), lengths)]
             if self.agent is not None:

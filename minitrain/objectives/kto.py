@@ -29,6 +29,7 @@ losses and the number of rows; TRL's loss is the mean over the batch's rows, the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -39,10 +40,11 @@ from torch import nn
 
 from minitrain.parallel import distributed
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
+from minitrain.data.images import ImageSpec, SquareSpec, collate_images
 from minitrain.objectives.configs import KTOConfig
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
                                             num_pairs, precompute_reference, reference_logps)
-from minitrain.objectives.sft import causal_token_logprobs, router_aux
+from minitrain.objectives.sft import causal_token_logprobs, image_inputs, router_aux
 
 METRICS = ("kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
 
@@ -153,6 +155,8 @@ def _as_pair(ex: dict) -> dict:
     """The example in `collate_preference`'s shape: "chosen" = the row, "rejected" = its KL row."""
     view = {"chosen_ids": ex["input_ids"], "chosen_labels": ex["labels"], "rejected_ids": ex["kl_ids"],
             "rejected_labels": ex["kl_labels"]}
+    if "images" in ex:  # the prompt's images: in the row and in its KL row (the same prompt)
+        view["images"], view["where"] = ex["images"], ex["where"]
     if "ref_logp" in ex:
         view["ref_chosen_logp"], view["ref_rejected_logp"] = ex["ref_logp"], ex["ref_kl_logp"]
     return view
@@ -193,20 +197,24 @@ def collate_kto(examples: Sequence[dict], pad_id: int) -> dict[str, Any]:
 
 def precompute_kto_reference(model: nn.Module, reference: BaseReference | AdapterSnapshotReference,
                              examples: Sequence[dict], cache, pad_id: int, batch_size: int,
-                             amp_dtype: torch.dtype | None = None, log: Callable[[str], None] = print) -> bool:
+                             amp_dtype: torch.dtype | None = None, log: Callable[[str], None] = print,
+                             spec: ImageSpec | SquareSpec | None = None) -> bool:
     """`ref_logp` and `ref_kl_logp` for every example (`add_kl_rows`' examples: held as arrays), from
     `cache` when fresh (DPO's cache: the rows and their KL rows are scored as DPO scores a pair's two
-    answers, read one batch at a time). Returns True if reused."""
-    return precompute_reference(model, reference, _Pairs(examples), cache,
-                                lambda exs: collate_preference(exs, pad_id), batch_size, amp_dtype, log)
+    answers, read one batch at a time; `spec`: how a vision-language checkpoint reads the prompts' images).
+    Returns True if reused."""
+    collate = functools.partial(collate_preference, pad_id=pad_id)
+    if spec is not None:
+        collate = functools.partial(collate_images, collate=collate, spec=spec, copies=2)
+    return precompute_reference(model, reference, _Pairs(examples), cache, collate, batch_size, amp_dtype, log)
 
 
 # ----------------------------------------------------------------------------- the objective
 
 
-def _completion_logps(model: nn.Module, input_ids, attention_mask, labels) -> torch.Tensor:
-    """Summed completion log-probs (B,) of rows whose `labels` are -100 off the completion."""
-    return causal_token_logprobs(model, input_ids, attention_mask, labels).sum(1)
+def _completion_logps(model: nn.Module, input_ids, attention_mask, labels, images: dict | None = None) -> torch.Tensor:
+    """Summed completion log-probs (B,) of rows whose `labels` are -100 off the completion (`images`: theirs)."""
+    return causal_token_logprobs(model, input_ids, attention_mask, labels, images).sum(1)
 
 
 class KTOObjective:
@@ -230,11 +238,13 @@ class KTOObjective:
         `weight` is this rank's weight in z0's mean over ranks (0 for a stand-in batch)."""
         B = num_pairs(batch)
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]  # (2B, T)
+        # the rows' images: the first of the two identical halves a [rows; KL rows] batch carries (copies=2)
+        images = {k: v[: v.shape[0] // 2] for k, v in image_inputs(batch).items()}
         ref, ref_kl = reference_logps(model, batch, self.reference, ("ref_logps", "ref_kl_logps"),
                                       "KTOObjective")  # before the policy graph exists
         with torch.no_grad():
-            kl = kl_reference_point(_completion_logps(model, ids[B:], mask[B:], labels[B:]), ref_kl, weight)
-        logps = _completion_logps(model, ids[:B], mask[:B], labels[:B])  # (B,) with graph
+            kl = kl_reference_point(_completion_logps(model, ids[B:], mask[B:], labels[B:], images), ref_kl, weight)
+        logps = _completion_logps(model, ids[:B], mask[:B], labels[:B], images)  # (B,) with graph
         desirable = batch["label"].to(logps.device).bool()
         losses, rewards = kto_loss(logps, ref, desirable, kl, beta=self.beta,
                                    desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight)

@@ -9,7 +9,8 @@ the whole loss. The formulas, defaults and metric names are TRL's (`trl.experime
 - `orpo` (Hong et al. 2024): `NLL(chosen) - beta * logsigmoid(log_odds)`, with
   `log_odds = (a_c - a_r) - (log(1 - exp a_c) - log(1 - exp a_r))` on the per-token MEAN
   completion log-probs `a`; `beta` is the paper's lambda. As in TRL (and the ORPO authors'
-  code), the NLL runs over the chosen row's whole sequence, prompt tokens included.
+  code), the NLL runs over the chosen row's whole sequence, prompt tokens included (a vision-language
+  model's image placeholders excepted: an image is input, never a target, as in SFT).
 - `cpo` (Xu et al. 2024): `-logsigmoid(beta * (s_c - s_r)) + sft_weight * NLL(chosen answer)`
   on SUMMED completion log-probs `s` (TRL's CPO `loss_type="sigmoid"`; `sft_weight` is TRL's
   `cpo_alpha`, whose default there is 1.0).
@@ -133,7 +134,10 @@ class ReferenceFreeObjective:
             seq = sequence_ids(batch)  # (rows, T)
             starts = torch.ones_like(seq, dtype=torch.bool)  # never a target: keeps the shift in each sequence
             starts[:, 1:] = seq[:, 1:] != seq[:, :-1]
-            whole = batch["input_ids"].masked_fill((seq < 0) | starts, IGNORE_INDEX)
+            ids = batch["input_ids"]
+            images = torch.tensor(getattr(model, "placeholder_ids", ()), dtype=ids.dtype, device=ids.device)
+            # an image placeholder is input, never a target (as in SFT)
+            whole = ids.masked_fill((seq < 0) | starts | torch.isin(ids, images), IGNORE_INDEX)
             scored = torch.where((seq >= 0) & (seq < P), whole, labels)
         token_logps = batch_token_logprobs(model, batch, scored)  # (rows, T)
         sums = per_sequence(batch, token_logps * answer)  # (2P,) completion log-probs

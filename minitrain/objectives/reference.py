@@ -219,7 +219,7 @@ def reference_cache_key(model: nn.Module, reference: BaseReference | AdapterSnap
       dtype, adapter layout), and the autocast dtype;
     - the reference: base, or a content hash of the adapter snapshot;
     - the data: a hash of the tokenized pairs (ids and labels), which covers the data file, the
-      tokenizer, the chat format, max_len and truncation at once.
+      tokenizer, the chat format, max_len and truncation at once; and their images' files (path, size, mtime).
     """
     files = []
     source = getattr(model, "source_dir", None)
@@ -236,6 +236,9 @@ def reference_cache_key(model: nn.Module, reference: BaseReference | AdapterSnap
     for ex in examples:
         for k in ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"):
             data.update(json.dumps(ex[k]).encode())
+        for image in ex.get("images", ()):  # a prompt's images: each file by path, size and mtime
+            st = os.stat(image)
+            data.update(json.dumps([image, st.st_size, st.st_mtime_ns]).encode())
     parts = {"weights": files, "layout": layout.hexdigest(), "autocast": str(amp_dtype),
              "reference": reference.fingerprint(), "data": data.hexdigest(), "pairs": len(examples)}
     parts["key"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

@@ -5,12 +5,14 @@
 The engine never imports `models/`: the recipe passes the family's cache class in
 (`models.family(model).KVCache`), and the model is run through the contract's cached forward
 (`model(ids, mask, cache=cache) -> hidden`, `model.output_projection`). Prompts are left-padded and
-prefilled once each; the cache is then repeated G times (`cache.repeat_rows(G)`: rows `i * G .. i * G +
-G - 1` are prompt i's group) and every row decoded one token per step; a row stops at its first eos / end-of-turn id and is
-padded after it; decoding stops when every row has or at `max_new_tokens`. Once the finished rows are
+prefilled once each (a vision-language model's with their images: `images`); the cache is then repeated
+G times (`cache.repeat_rows(G)`: rows `i * G .. i * G + G - 1` are prompt i's group) and every row decoded
+one token per step; a row stops at its first eos / end-of-turn id and is padded after it; decoding stops when every row has or at `max_new_tokens`. Once the finished rows are
 half of those still decoded, they leave the batch, their cache slots with them (`cache.keep_rows`):
 short answers then stop costing the long ones' steps.
 
+A vision-language model's image placeholder tokens (`model.placeholder_ids`) are never drawn (where transformers'
+`generate` would draw one, the training forward with the batch's images would have no features for it).
 Sampling follows transformers' logits processors in their order: logits / temperature, then top-k,
 then top-p (the smallest set of most likely tokens whose probability reaches top_p; the most likely
 token always stays), then one draw. `greedy=True` takes the argmax instead (greedy decoding equals
@@ -64,14 +66,20 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
            new_cache: Callable[[int], Any], num_generations: int = 1, max_new_tokens: int = 32,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-           eos_ids: Sequence[int] = (), pad_id: int = 0, generator: torch.Generator | None = None) -> Completions:
-    """`num_generations` completions of each left-padded prompt (B, P) -> `Completions` of B x G rows."""
+           eos_ids: Sequence[int] = (), pad_id: int = 0, generator: torch.Generator | None = None,
+           images: dict[str, torch.Tensor] | None = None) -> Completions:
+    """`num_generations` completions of each left-padded prompt (B, P) -> `Completions` of B x G rows.
+    `images`: the prompts' images as the model's forward takes them (`pixel_values`, ...), in the prefill."""
     if bool((prompt_mask[:, 1:] < prompt_mask[:, :-1]).any()):
         raise ValueError("sample: prompt_mask has padding after real tokens — left-pad the prompts")
+    images = images or {}
     device = prompt_ids.device
     G = num_generations
     N = prompt_ids.shape[0] * G  # group i is rows i*G .. i*G+G-1
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    # a vision-language model's image placeholders are inputs only: a completion holding one would have no image
+    # features in the forwards that carry the batch's images (transformers' and TRL's would stop there)
+    never = list(getattr(model, "placeholder_ids", ()))
     out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     length = torch.zeros(N, dtype=torch.long, device=device)  # tokens kept per row (eos included)
@@ -80,9 +88,11 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     with dropout_off(model), eager(), merged_for_decoding(model):  # (a CPU's fp32 LoRA: one product a layer)
         cache = new_cache(prompt_ids.shape[1] + max_new_tokens)
         if hasattr(cache, "repeat_rows"):  # each prompt prefilled once, its cache then repeated G times
-            hidden = model(prompt_ids, prompt_mask.long(), cache=cache)[:, -1].repeat_interleave(G, dim=0)  # (N, D)
-            cache.repeat_rows(G)
+            hidden = model(prompt_ids, prompt_mask.long(), cache=cache, **images)[:, -1].repeat_interleave(G, dim=0)
+            cache.repeat_rows(G)  # hidden (N, D)
         else:
+            if images:
+                raise ValueError("sample: prompts with images need a cache that repeats its rows (repeat_rows)")
             hidden = model(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0).long(),
                            cache=cache)[:, -1]
         step_mask = torch.ones(N, 1, dtype=torch.long, device=device)
@@ -93,6 +103,8 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         kept = torch.zeros(N, dtype=torch.long, device=device)
         for t in range(max_new_tokens):
             logits = model.output_projection(hidden).float()  # (n, V)
+            if never:
+                logits[:, [i for i in never if i < logits.shape[-1]]] = float("-inf")
             if greedy:
                 token = logits.argmax(-1)
             else:

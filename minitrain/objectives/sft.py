@@ -24,6 +24,8 @@ and shifted here; for encoder-decoder models `labels` are the decoder targets.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -32,14 +34,16 @@ from minitrain.objectives.losses import chunked_cross_entropy_sum, chunked_token
 
 
 def causal_token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) at every position whose next label is a target.
 
     Returns (B, T) fp32, 0 where `shift_labels(labels)` is -100. Summing over T gives the
-    sequence log-likelihood of the completion (what preference objectives need).
+    sequence log-likelihood of the completion (what preference objectives need). `images`: the rows'
+    images as a vision-language model's forward takes them (`image_inputs`).
     """
-    hidden = model(input_ids, attention_mask)  # (B, T, D)
+    hidden = model(input_ids, attention_mask, **(images or {}))  # (B, T, D)
     return chunked_token_logprobs(hidden, model.output_projection, shift_labels(labels))
 
 
@@ -49,10 +53,13 @@ def causal_hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     `packed_attention` needs: a dense one for SDPA, or FlexAttention's block mask)."""
     if "document_ids" in batch:
         return model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"])
-    if "pixel_values" in batch:  # image rows (`minitrain.data.images.collate_images`): a vision-language model
-        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}  # Gemma 3: no grid
-        return model(batch["input_ids"], batch.get("attention_mask"), **images)
-    return model(batch["input_ids"], batch.get("attention_mask"))
+    return model(batch["input_ids"], batch.get("attention_mask"), **image_inputs(batch))
+
+
+def image_inputs(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """A batch's images as a vision-language model's forward takes them (`minitrain.data.images.collate_images`:
+    `pixel_values`, and Qwen's `image_grid_thw`; `prefix` "group_": those of GRPO's rows); {} without images."""
+    return {k: batch[prefix + k] for k in ("pixel_values", "image_grid_thw") if prefix + k in batch}
 
 
 def batch_token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:

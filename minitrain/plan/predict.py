@@ -60,6 +60,7 @@ T5 (`minitrain.plan.t5`): the same method over an encoder and a decoder.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,9 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
         Term("AdamW temporaries", trainable if run.optimizer_temps else 0,
              "1 x trainable (foreach)" if run.optimizer_temps else "fused: none")]
     peak = max(moments, key=lambda k: sum(t.bytes for t in moments[k]))
+    if not run.full and any(not re.fullmatch(r"[\w.-]+", t) for t in run.lora_targets):
+        notes.append(f"lora_targets {run.lora_targets[0]!r} is a regular expression: the adapters it selects are not "
+                     "counted (list module-name suffixes to plan them)")
     return Plan(persistent, moments, peak, notes)
 
 

@@ -24,7 +24,7 @@ every position of every row as one: the worst case, since how many images a row 
 Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process, measured against the CPU
 (tests/test_plan.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
 (autocast's copies unmodelled); the tower's own forward working set (one block at a time) is not a moment;
-adapters on the tower (a regex target) count as the language model's linears do not: unmodelled.
+the adapters of a regular-expression `lora_targets` (the merger's, the tower's) are not counted (a note says so).
 """
 
 from __future__ import annotations

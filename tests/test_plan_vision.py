@@ -7,7 +7,7 @@ tests/test_qwen3_vl.py, tests/test_gemma3_vl.py, wider language models) written 
 - a LoRA SFT step and a full fine-tuning step on a batch of image rows (padded, most positions image tokens)
   peak within 20% of the plan (`minitrain.plan.measure`), where the tower's share is large enough that leaving it
   out (the text family's plan) would fail;
-- `minitrain plan` on a folder of each family prints the plan.
+- `minitrain plan` on a folder prints the plan (the worst case: every position an image token).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def configs(tmp_path_factory) -> dict[str, dict]:
     return out
 
 
-def image_batch(family: str, rows: int = 4, T: int = 192) -> tuple[dict, int]:
+def image_batch(family: str, rows: int = 2, T: int = 192) -> tuple[dict, int]:
     """Rows of T ids, each with images filling most of it (row 1 right-padded); the pixels as the
     processors make them. -> (batch with SFT labels on the text after the images, image tokens)."""
     g = torch.Generator().manual_seed(0)
@@ -122,8 +122,8 @@ def test_params_and_weights_exact(configs, family):
     assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_targets=ALL))) == lora
 
 
-# measured / planned when written: LoRA 0.965, 0.907, 1.009; full 0.967, 0.91, 0.958 (the text family's plan
-# alone: 0.54, 0.557, 0.477 of the full steps)
+# planned / measured when written: LoRA 0.98, 0.918, 1.021 (bf16: 1.005); full 0.987, 0.931, 0.972 (the text
+# family's plan alone: 0.554, 0.571, 0.491 of the full steps)
 CASES = {"qwen2_5_vl lora": ("qwen2_5_vl", False, "fp32"), "qwen2_5_vl full": ("qwen2_5_vl", True, "fp32"),
          "qwen3_vl lora": ("qwen3_vl", False, "fp32"), "qwen3_vl full": ("qwen3_vl", True, "fp32"),
          "gemma3 lora": ("gemma3", False, "fp32"), "gemma3 full": ("gemma3", True, "fp32"),
@@ -140,7 +140,7 @@ def test_step_peak_within_20_percent(configs, case):
     batch, images = image_batch(family)
     model = built(hf, full, torch.bfloat16 if compute == "bf16" else torch.float32)
     measured = measured_step(model, sft, batch, autocast=compute == "bf16")
-    run = RunShape(rows=4, seq=192, compute=compute, lora_targets=ALL, targets=int((batch["labels"][:, 1:] != -100).sum()),
+    run = RunShape(rows=2, seq=192, compute=compute, lora_targets=ALL, targets=int((batch["labels"][:, 1:] != -100).sum()),
                    device="cpu", real_tokens=int(batch["attention_mask"].sum()), full=full, image_tokens=images)
     shape = shape_from_hf(hf)
     plan = predict(shape, run)
@@ -166,9 +166,8 @@ def test_worst_case_and_refusals(configs):
         shape_from_hf({"model_type": "qwen3_vl"})
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_plan_tool_on_a_folder(configs, family, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(configs[family]))
+def test_plan_tool_on_a_folder(configs, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(configs["gemma3"]))
     out = subprocess.run([sys.executable, "-m", "minitrain", "plan", str(ROOT / "recipes" / "sft.py"), f"model={tmp_path}",
                           "batch_size=1", "max_len=256", "finetune=full"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr

@@ -188,7 +188,6 @@ class QwenVLShape(WithTower, ModelShape):
     """Qwen2.5-VL (a Qwen2 language model) and Qwen3-VL (Qwen3's) with their towers."""
 
     tower: Tower | None = None
-    FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2", "qwen3")
     MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 

@@ -22,8 +22,8 @@ for Gemma 3):
 `RunShape.image_tokens`: the placeholders in a micro-batch; None (what `run_shape` gives a recipe) counts
 every position of every row as one: the worst case, since how many images a row holds is the data's.
 Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process, measured against the CPU
-(tests/test_plan.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
-(autocast's copies unmodelled); the tower's own forward working set (one block at a time) is not a moment;
+(tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
+(autocast's bf16 tensors and copies unmodelled: measured 1.16 x the peak, on the safe side); the tower's own forward working set (one block at a time) is not a moment;
 the adapters of a regular-expression `lora_targets` (the merger's, the tower's) are not counted (a note says so).
 """
 

@@ -36,12 +36,13 @@ IMAGE = 150
 TEXT = dict(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
 ROPE = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}
+WIDE = {"out_hidden_size": 128}  # the merger's output: the language model's width
 FAMILIES = {
     "qwen2_5_vl": lambda: transformers.Qwen2_5_VLConfig(
-        text_config={**TEXT, "rope_parameters": ROPE}, vision_config={**QWEN2_5_VISION, "out_hidden_size": 128}, image_token_id=IMAGE,
+        text_config={**TEXT, "rope_parameters": ROPE}, vision_config={**QWEN2_5_VISION, **WIDE}, image_token_id=IMAGE,
         video_token_id=151, vision_start_token_id=152, vision_end_token_id=153),
     "qwen3_vl": lambda: transformers.Qwen3VLConfig(
-        text_config={**TEXT, "rope_parameters": {**ROPE, "mrope_interleaved": True}}, vision_config={**QWEN3_VISION, "out_hidden_size": 128},
+        text_config={**TEXT, "rope_parameters": {**ROPE, "mrope_interleaved": True}}, vision_config={**QWEN3_VISION, **WIDE},
         image_token_id=IMAGE, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153),
     "gemma3": lambda: transformers.Gemma3Config(
         text_config={**TEXT, "sliding_window": 64, "query_pre_attn_scalar": 32,

@@ -84,12 +84,12 @@ class LoRAConfig:
                             f"— use torch.float32 (default) or torch.bfloat16")
         if not isinstance(self.targets, str):
             self.targets = tuple(self.targets)
-            if self.targets == (ALL_LINEAR,) or len(self.targets) == 1 and not _NAME.fullmatch(self.targets[0]):
+            expressions = [t for t in self.targets if not _NAME.fullmatch(t)]
+            if self.targets == (ALL_LINEAR,) or expressions and len(self.targets) == 1:
                 self.targets = self.targets[0]  # lora_targets=all-linear, or one regular expression
-            elif any(not _NAME.fullmatch(t) for t in self.targets):
-                bad = next(t for t in self.targets if not _NAME.fullmatch(t))
-                raise UserError(f"targets {list(self.targets)}: {bad!r} is a regular expression, which must be the only "
-                                "target — join the alternatives with | in one expression, e.g. "
+            elif expressions:
+                raise UserError(f"targets {list(self.targets)}: {expressions[0]!r} is a regular expression, which "
+                                "must be the only target — join the alternatives with | in one expression, e.g. "
                                 r"'.*\.(q_proj|v_proj)|model\.visual\.merger\..*'")
         if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
             try:

@@ -23,8 +23,9 @@ for Gemma 3):
 every position of every row as one: the worst case, since how many images a row holds is the data's.
 Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process, measured against the CPU
 (tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
-(autocast's bf16 tensors and copies unmodelled: measured 1.16 x the peak, on the safe side); the tower's own forward working set (one block at a time) is not a moment;
-the adapters of a regular-expression `lora_targets` (the merger's, the tower's) are not counted (a note says so).
+(autocast's bf16 tensors and copies unmodelled: the plan 1.16 x the measured peak, on the safe side); the
+tower's own forward working set (one block at a time) is not a moment; the adapters of a regular-expression
+`lora_targets` (the merger's, the tower's) are not counted (a note says so).
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ class Tower:
             side = v["image_size"] // p
             k2 = side * side // tokens_per_image  # the average pool's kernel, squared
             layer = [Dv, Dv, Dv, Dv] + 4 * _linear(Dv, Dv) + _linear(Dv, F) + _linear(F, Dv)
-            tensors = [Dv * C * p * p, Dv, side * side * Dv] + layer * v["num_hidden_layers"] + [Dv, Dv, Dv, Dv * text_width]
+            # the patch convolution, the position table, the layers, post_layernorm, the projector's norm and matrix
+            tensors = ([Dv * C * p * p, Dv, side * side * Dv] + layer * v["num_hidden_layers"]
+                       + [Dv, Dv, Dv, Dv * text_width])
             # post_layernorm (input, output, 2 stats), the pool's input copy, the pooled tokens' RMSNorm
             outside = 3 * Dv + 2 + (3 * Dv + 1) / k2
             return cls(kind, v["num_hidden_layers"], Dv, F, v["num_attention_heads"], C * p * p, k2, tuple(tensors),
@@ -90,7 +93,8 @@ class Tower:
             block = [Dv] * 4 + attn + _linear(Dv, F) + _linear(F, Dv)
             merger = [Dv, Dv] + _linear(M, M) + _linear(M, Do)
             deep_merger = [M, M] + _linear(M, M) + _linear(M, Do)
-            tensors = [Dv * patch, Dv, v["num_position_embeddings"] * Dv] + block * v["depth"] + merger + deep_merger * deep
+            tensors = ([Dv * patch, Dv, v["num_position_embeddings"] * Dv] + block * v["depth"] + merger
+                       + deep_merger * deep)
             # rotary tables, the position taps (int64 index + fp32 weights), the merger (LayerNorm input, output,
             # 2 stats; fc1's output and GELU's) and each DeepStack merger (its norm's output + stats, fc1, GELU)
             outside = 2 * hd + 12 + 4 * Dv + 2 + deep * (3 * Dv + 2 / (m * m))
@@ -117,8 +121,8 @@ class WithTower:
         kind = d.get("model_type")
         text, vision = d.get("text_config"), d.get("vision_config")
         if not isinstance(text, dict) or not isinstance(vision, dict):
-            raise UserError(f"{where}: a {kind} config without text_config / vision_config — restore the checkpoint's "
-                            "config.json")
+            raise UserError(f"{where}: a {kind} config without text_config / vision_config — restore the "
+                            "checkpoint's config.json")
         tied = d.get("tie_word_embeddings", kind == "gemma3")  # the outer one is what transformers honours
         shape = super().from_hf({**text, "model_type": cls.MODEL_TYPES[kind], "tie_word_embeddings": tied}, where)
         per_image = int(d.get("mm_tokens_per_image", 256))
@@ -142,9 +146,8 @@ class WithTower:
     def weight_terms(self, run: RunShape) -> list[Term]:
         s = 4 if run.full else run.s
         n = sum(self.tower.tensors)
-        return super().weight_terms(run) + [Term("weights: vision tower" + (" + projector" if self.tower.kind == "gemma3"
-                                                                             else " + merger"), n * s,
-                                                 f"{n:,} x {s} B")]
+        what = "vision tower + " + ("projector" if self.tower.kind == "gemma3" else "merger")
+        return super().weight_terms(run) + [Term(f"weights: {what}", n * s, f"{n:,} x {s} B")]
 
     def adapted_summary(self, run: RunShape) -> str:
         return ("every weight, the tower's too (full fine-tuning)" if run.full
@@ -176,7 +179,8 @@ class WithTower:
                 moments[name] = moments[name] + tower
         if run.full:  # after the language model's backward: its gradients exist, its activations are freed
             lm = sum(super().all_tensors())
-            moments["vision tower backward"] = tower + [Term("gradients: the language model's", lm * 4, f"{lm:,} x 4 B")]
+            grads = Term("gradients: the language model's", lm * 4, f"{lm:,} x 4 B")
+            moments["vision tower backward"] = tower + [grads]
         if run.image_tokens is None:
             notes.append(f"vision: every position counted as an image token ({self.image_tokens(run):,}: the worst "
                          "case); fewer images in the rows need less")

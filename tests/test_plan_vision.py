@@ -23,6 +23,7 @@ import transformers
 from test_gemma3_vl import VISION as GEMMA3_VISION
 from test_plan import ALL, ROOT, build, measured_step, tensor_bytes
 from test_qwen2_5_vl import VISION as QWEN2_5_VISION
+from test_qwen3_vl import HUB_2B
 from test_qwen3_vl import VISION as QWEN3_VISION
 
 import models
@@ -122,6 +123,15 @@ def test_params_and_weights_exact(configs, family):
     assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute="bf16"))) == tensor_bytes(frozen)
     lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
     assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_targets=ALL))) == lora
+
+
+def test_the_hub_qwen3_vl_2b_counted_as_built():
+    """The Hub's Qwen3-VL-2B config.json (transformers' defaults where it is silent): every parameter, the tied
+    head once."""
+    shape = shape_from_hf(HUB_2B)
+    with torch.device("meta"):
+        meta = models.from_hf_config(HUB_2B)
+    assert shape.num_params() == sum(p.numel() for p in meta.parameters()) and shape.tie_word_embeddings
 
 
 # planned / measured when written: LoRA 0.98, 0.918, 1.021 (bf16: 1.005); full 0.987, 0.931, 0.972 (the text

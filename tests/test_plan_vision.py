@@ -177,6 +177,7 @@ def test_worst_case_and_refusals(configs):
     assert worst.peak > fewer.peak and any("the worst case" in n for n in worst.notes)
     regex = predict(shape, RunShape(rows=2, seq=64, lora_targets=(r"model\.visual\.merger\..*",)))
     assert any("a regular expression: the adapters it selects are not counted" in n for n in regex.notes)
+    assert any("counted in the compute dtype" in n for n in predict(shape, RunShape(rows=2, seq=64, quantize="nf4")).notes)
     with pytest.raises(UserError, match="vision-language"):
         predict(shape, RunShape(rows=2, seq=64, world=2))
     with pytest.raises(UserError, match="text_config / vision_config"):

@@ -25,7 +25,8 @@ Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process
 (tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
 (autocast's bf16 tensors and copies unmodelled: the plan 1.16 x the measured peak, on the safe side); the
 tower's own forward working set (one block at a time) is not a moment; the adapters of a regular-expression
-`lora_targets` (the merger's, the tower's) are not counted (a note says so).
+`lora_targets` (the merger's, the tower's) are not counted, and under `quantize` the tower's linears are counted
+in the compute dtype (notes say so).
 """
 
 from __future__ import annotations
@@ -181,6 +182,9 @@ class WithTower:
             lm = sum(super().all_tensors())
             grads = Term("gradients: the language model's", lm * 4, f"{lm:,} x 4 B")
             moments["vision tower backward"] = tower + [grads]
+        if run.quantize != "none" and not run.full:
+            notes.append(f"quantize={run.quantize}: the tower's linears, quantized too, are counted in the compute "
+                         "dtype (an upper bound)")
         if run.image_tokens is None:
             notes.append(f"vision: every position counted as an image token ({self.image_tokens(run):,}: the worst "
                          "case); fewer images in the rows need less")

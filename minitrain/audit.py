@@ -571,6 +571,10 @@ def _locate_cut(model: nn.Module, calls: dict[str, list[_Call]], reentrant: set[
     """Name where the path from a tensor to the loss is cut, from the recorded module calls."""
     mod = unreachable[0].module
     recs = calls.get(mod)
+    if not (recs and all(not r.grad_enabled for r in recs)):
+        holder = _detached_holder(model, calls)
+        if holder:
+            return _cut_at(calls, reentrant, holder)
     if not recs:
         return (f"{mod} never ran in the forward — it is not on the path to the loss (an outer wrapper computes "
                 f"around it, or this objective does not use it)")
@@ -583,6 +587,17 @@ def _locate_cut(model: nn.Module, calls: dict[str, list[_Call]], reentrant: set[
         return _cut_at(calls, reentrant, cut)
     return ("the objective does not use this path: its output requires grad but the loss is built without it "
             "(.detach(), .item(), a numpy round trip or a no_grad section between the model output and the loss)")
+
+
+def _detached_holder(model: nn.Module, calls: dict[str, list[_Call]]) -> str | None:
+    """The innermost module entered with grad on whose output does not require grad although it holds trainable
+    tensors (a .detach() or a no_grad section inside it: a vision-language model's merger between a trained tower
+    or merger and the language model), or None."""
+    holders = [n for n, recs in calls.items() if n != "<model>" and all(r.grad_enabled and not r.out_requires_grad
+                                                                      for r in recs)
+               and any(p.requires_grad for p in model.get_submodule(n).parameters())]
+    inner = [n for n in holders if not any(h.startswith(n + ".") for h in holders)]
+    return inner[0] if inner else None
 
 
 def _enclosing_with_grad(calls: dict[str, list[_Call]], mod: str) -> str | None:
@@ -610,7 +625,9 @@ def _cut_at(calls: dict[str, list[_Call]], reentrant: set[str], cut: str) -> str
     inside = [n for n, recs in calls.items() if n.startswith(cut + ".") and all(not r.grad_enabled for r in recs)]
     if inside:
         return _grad_off_where(calls, reentrant, inside[0])
-    return f"the output of {cut} does not require grad although its input does (a .detach() inside it)"
+    return (f"the output of {cut} does not require grad although "
+            f"{'its input does' if any(r.in_requires_grad for r in calls[cut]) else 'it holds trainable tensors'} "
+            "(a .detach() inside it)")
 
 
 def _why_no_graph(model: nn.Module, calls: dict[str, list[_Call]], reentrant: set[str], trainable: list) -> str:

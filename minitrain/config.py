@@ -155,7 +155,8 @@ class TrainConfig:
     lora_alpha: float = doc(32.0, "LoRA alpha (scaling alpha / r, or alpha / sqrt(r) with rslora)", gt=0)
     lora_dropout: float = doc(0.0, "dropout on the LoRA input", ge=0, lt=1)
     lora_targets: list[str] = doc(["q_proj", "k_proj", "v_proj", "o_proj"],
-                                  "module-name suffixes to adapt, or all-linear")
+                                  "module-name suffixes to adapt, all-linear, or one regular expression over full "
+                                  "module names (a vision tower's or merger's linears too)")
     rslora: bool = doc(False, "rank-stabilised LoRA scaling")
     modules_to_save: list[str] = doc([], "modules to train fully (e.g. lm_head): costly, reported loudly",
                                      example=["lm_head"])

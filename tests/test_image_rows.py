@@ -244,6 +244,26 @@ def test_text_parts_suit_a_text_only_checkpoint(tmp_path):
     assert read_sft(data, tok, max_len=64) == read_sft(plain, tok, max_len=64)
 
 
+def test_a_regex_target_trains_the_merger_from_the_cli(any_vlm, capsys):
+    """lora_targets as one regular expression naming the language model's q / v and the merger: the merger's
+    linears get adapters (its norm, matched too, is skipped), the audit reaches them, the adapter holds them."""
+    vlm = any_vlm
+    out = vlm["root"] / "merger"
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", f"out={out}",
+                    "max_steps=1", "batch_size=2", "lora_r=4", "device=cpu", "max_len=256",
+                    r"lora_targets=.*\.(q_proj|v_proj)|model\.visual\.merger\..*"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err
+    from safetensors import safe_open
+
+    with safe_open(next(out.rglob("adapter_model.safetensors")), "pt") as f:
+        keys = list(f.keys())
+    merger = [k for k in keys if ".visual.merger." in k]
+    assert len(merger) == 4 and all("lora_" in k for k in merger) and not [k for k in keys if ".visual.blocks." in k]
+
+
 def test_full_finetuning_trains_the_tower_and_writes_a_folder_transformers_loads(any_vlm, capsys):
     """finetune=full: the audit runs on an image row (kept whole) and reaches the tower (every tensor
     transformers' class has); the written folder (with the image processor's config) loads in transformers with

@@ -41,6 +41,7 @@ from minitrain.adapters import lora_experts
 from minitrain.weights import skip_init
 
 ALL_LINEAR = "all-linear"
+_NAME = re.compile(r"[\w.-]+")  # a module-name suffix; a target with other characters is a regular expression
 _STATE_ATTR = "minitrain_lora"  # where apply_lora records what it did on the model
 
 
@@ -51,7 +52,9 @@ _STATE_ATTR = "minitrain_lora"  # where apply_lora records what it did on the mo
 class LoRAConfig:
     """What to adapt and how. `targets` are module-name suffixes (`q_proj`; T5 `q`, `wi_0`), a
     regular expression matched against the full module name (a string other than "all-linear",
-    as PEFT reads one), or "all-linear": every linear layer except the model's output head.
+    as PEFT reads one, or a list of one target that is not a plain name: `lora_targets=model\.visual\..*`;
+    it selects the linears among the modules it matches, a vision tower's or merger's too), or
+    "all-linear": every linear layer except the model's output head.
     `modules_to_save` are trained fully (embeddings, head): costly, reported loudly.
     `rank_pattern` gives some modules another rank than `r` (PEFT's field: a module-name suffix ->
     its rank, the first key that matches wins), e.g. a rank per layer shape (minitrain.adapters.lrc)."""
@@ -81,8 +84,19 @@ class LoRAConfig:
                             f"— use torch.float32 (default) or torch.bfloat16")
         if not isinstance(self.targets, str):
             self.targets = tuple(self.targets)
-            if self.targets == (ALL_LINEAR,):
-                self.targets = ALL_LINEAR
+            expressions = [t for t in self.targets if not _NAME.fullmatch(t)]
+            if self.targets == (ALL_LINEAR,) or expressions and len(self.targets) == 1:
+                self.targets = self.targets[0]  # lora_targets=all-linear, or one regular expression
+            elif expressions:
+                raise UserError(f"targets {list(self.targets)}: {expressions[0]!r} is a regular expression, which "
+                                "must be the only target — join the alternatives with | in one expression, e.g. "
+                                r"'.*\.(q_proj|v_proj)|model\.visual\.merger\..*'")
+        if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
+            try:
+                re.compile(self.targets)
+            except re.error as e:
+                raise UserError(f"targets {self.targets!r}: not a regular expression ({e}) — fix it, or list "
+                                "module-name suffixes") from None
         self.modules_to_save = tuple(self.modules_to_save or ())
 
     def rank_for(self, name: str) -> int:
@@ -488,7 +502,7 @@ def output_head(model: nn.Module) -> nn.Module | None:
 def in_tower(model: nn.Module, name: str) -> bool:
     """Whether module `name` is inside one of the model's `towers` (docs/contracts.md: a vision-language
     model's encoder, e.g. `visual`), which target suffixes and all-linear leave frozen (its MLP's
-    `gate_proj` is not the language model's); a regular expression may still name it."""
+    `gate_proj` is not the language model's); a regular expression or a module's full name may still name it."""
     return any(name == t or name.startswith(t + ".") for t in getattr(model, "towers", ()))
 
 
@@ -504,13 +518,15 @@ def target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = 
             raise UserError(f"targets={ALL_LINEAR!r}: the model has no `output_projection`, so its head cannot be "
                             f"left out — list the targets instead, e.g. targets=['q_proj', 'v_proj']")
         chosen = [n for n, m in model.named_modules() if _is_wrappable(m) and m is not head and not in_tower(model, n)]
-    elif isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one
-        chosen = [n for n, _ in model.named_modules() if n and re.fullmatch(targets, n)]
+    elif isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one: the linears it
+        # names (a tower or merger included); the containers and norms it also matches (`merger\..*`) are skipped
+        chosen = [n for n, m in model.named_modules() if n and re.fullmatch(targets, n)
+                  and (_is_wrappable(m) or isinstance(m, LoRALinear))]
     else:
         if strict:
             targets = fused_targets(getattr(model, "fused_linears", None) or {}, targets)
-        chosen = [n for n, _ in model.named_modules()
-                  if n and not in_tower(model, n) and any(name_matches(n, t) for t in targets)]
+        chosen = [n for n, _ in model.named_modules()  # a tower's module by its full name only (a saved adapter's)
+                  if n and (n in targets or not in_tower(model, n)) and any(name_matches(n, t) for t in targets)]
         missed = [t for t in targets if not any(name_matches(n, t) for n in chosen)]
         if strict and missed and chosen:  # none at all: apply_lora's own message lists the linears
             raise UserError(_no_module(model, "target", missed[0]))

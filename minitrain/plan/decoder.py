@@ -26,7 +26,8 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
              "self_attn.qkv_proj": "xn", "mlp.gate_up_proj": "xn2"}
 
 
-PLANNED = "LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3 (text), Gemma 4 (dense), Phi-3, Qwen3-MoE, Mixtral and T5"
+PLANNED = ("LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3 (text and multimodal), Gemma 4 (dense), Phi-3, "
+           "Qwen2.5-VL, Qwen3-VL, Qwen3-MoE, Mixtral and T5")
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,11 @@ class ModelShape:
 
     def all_tensors(self) -> list[int]:
         """Numel of every parameter tensor (a tied head once): what full fine-tuning trains."""
-        L, D, V = self.num_hidden_layers, self.hidden_size, self.vocab_size
-        block = [i * o for i, o in self.linears().values()] + [D, D]
+        L, D, V, F = self.num_hidden_layers, self.hidden_size, self.vocab_size, self.intermediate_size
+        block = [i * o for i, o in self.linears().values()] + [D] * self.NORMS
+        block += [self.head_dim] * 2 if self.qk_norm else []
+        block += [self.q_width, self.kv_width, self.kv_width] if self.qkv_bias else []
+        block += ([D] if self.o_bias else []) + ([F, F, D] if self.mlp_bias else [])
         return [V * D] * (1 if self.tie_word_embeddings else 2) + block * L + [D]
 
     def trainable_tensors(self, run: "RunShape") -> list[int]:

@@ -4,7 +4,8 @@ Plain functions over two small descriptions: a model shape (the dims of a checkp
 `config.json` only, never the weights: `ModelShape` for LLaMA / Mistral / Qwen2 / Qwen3 (biases
 and per-head q/k norms are fields), `GemmaShape` for Gemma 2 / Gemma 3 text, `Phi3Shape` for
 Phi-3's fused projections (`minitrain.plan.decoder`), `Qwen3_5Shape` (`minitrain.plan.qwen3_5`) and
-`Gemma4Shape` (`minitrain.plan.gemma4`) planned block by block, `T5Shape` for T5 v1.0, v1.1 and FLAN-T5
+`Gemma4Shape` (`minitrain.plan.gemma4`) planned block by block, the vision-language checkpoints with their
+towers (`minitrain.plan.vision`), `T5Shape` for T5 v1.0, v1.1 and FLAN-T5
 (`minitrain.plan.t5`); `shape_from_hf` picks one) and `RunShape` (`minitrain.plan.run_shape`:
 micro-batch, lengths, dtype, quantization, adapter, checkpointing, DPO reference mode; `run_shape`
 reads it from a recipe's config). `predict(model, run)` returns a `Plan`:
@@ -59,6 +60,7 @@ T5 (`minitrain.plan.t5`): the same method over an encoder and a decoder.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -71,11 +73,12 @@ from minitrain.plan.moe import MoeShape
 from minitrain.plan.gemma4 import Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5Shape
 from minitrain.plan.t5 import T5Shape
+from minitrain.plan.vision import Gemma3VLShape, QwenVLShape
 
 
 def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape | T5Shape":
     """The shape of the family `config.json`'s model_type names (LLaMA / Mistral / Qwen, Gemma,
-    Phi-3, the MoE families, Qwen3.5, Gemma 4, T5)."""
+    Phi-3, the MoE families, Qwen3.5, Gemma 4, Qwen2.5-VL / Qwen3-VL / multimodal Gemma 3, T5)."""
     kind = d.get("model_type")
     if kind == "t5":
         return T5Shape.from_hf(d, where)
@@ -89,6 +92,9 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
         return Gemma4Shape.from_hf(d, where)
     if kind in Qwen3_5Shape.MODEL_TYPES:
         return Qwen3_5Shape.from_hf(d, where)
+    for vl in (QwenVLShape, Gemma3VLShape):
+        if kind in vl.MODEL_TYPES:
+            return vl.from_hf(d, where)
     return ModelShape.from_hf(d, where)
 
 
@@ -132,6 +138,9 @@ def predict(model: "ModelShape | T5Shape", run: RunShape) -> Plan:
         Term("AdamW temporaries", trainable if run.optimizer_temps else 0,
              "1 x trainable (foreach)" if run.optimizer_temps else "fused: none")]
     peak = max(moments, key=lambda k: sum(t.bytes for t in moments[k]))
+    if not run.full and any(not re.fullmatch(r"[\w.-]+", t) for t in run.lora_targets):
+        notes.append(f"lora_targets {run.lora_targets[0]!r} is a regular expression: the adapters it selects are not "
+                     "counted (list module-name suffixes to plan them)")
     return Plan(persistent, moments, peak, notes)
 
 

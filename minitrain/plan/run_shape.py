@@ -40,7 +40,8 @@ class RunShape:
     (`models.layers.Ragged`): their per-token terms then count the real tokens and, without a
     window shorter than seq, no mask is built (`predict` applies this; T5 ignores it). teacher:
     distillation's teacher (`distill_terms`), run frozen in the compute dtype (or
-    `teacher_quantize`). world, parallel: under torchrun the plan is rank 0's
+    `teacher_quantize`). image_tokens: a vision-language checkpoint's image placeholders among the
+    rows' positions (`minitrain.plan.vision`; None: all of them, the worst case). world, parallel: under torchrun the plan is rank 0's
     (`minitrain.plan.sharded`): rows (and targets) stay the global micro-batch, which it splits.
     """
 
@@ -77,6 +78,7 @@ class RunShape:
     reward_model: Any = None  # GRPO's rewards=model:DIR: the reward model's ModelShape (its weights, its scoring)
     world: int = 1  # ranks under torchrun: the plan is rank 0's (`minitrain.plan.sharded`); rows stay the global batch
     parallel: str = "ddp"  # ddp: every rank holds the whole model | fsdp: FSDP2 shards it (`minitrain.plan.sharded`)
+    image_tokens: int | None = None  # a vision-language model's image placeholders in the rows (None: every position)
 
     @property
     def s(self) -> int:

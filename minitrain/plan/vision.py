@@ -1,0 +1,209 @@
+"""The memory plan of the vision-language checkpoints: Qwen2.5-VL, Qwen3-VL and multimodal Gemma 3
+(`models/qwen2_5_vl.py`, `models/qwen3_vl.py`, `models/gemma3_vl.py`).
+
+The language model is planned as its text family (Qwen2's, Qwen3's, Gemma 3's shape, from `text_config`);
+the image placeholders are positions of its rows, so `seq` already counts them. The tower adds (`Tower`, from
+`vision_config`; P = patches, `patches_per_token` per placeholder: merge**2 for Qwen, the pooling kernel**2
+for Gemma 3):
+
+- its weights (the compute dtype; fp32 under `finetune=full`, with their gradients and AdamW moments);
+- the batch's pixel values, fp32, in every moment (P x C t p p x 4: Qwen's patches of `temporal_patch_size`
+  frames; Gemma 3's whole images);
+- frozen (LoRA on the language model): nothing else. No tower weight and no pixel needs a gradient, so
+  autograd keeps nothing of its forward, which is over before the language model's starts;
+- trained (`finetune=full`): everything its blocks keep for backward, per patch per block (read off the
+  autograd graph, fp32; Dv wide, Fv MLP, H heads): Qwen2.5-VL (RMSNorms keep their input, normalised input
+  and output; the fused qkv output, rotated q and k, SDPA's output, the SwiGLU's four tensors)
+  13 Dv + 4 Fv + H + 2 floats; Qwen3-VL (LayerNorms: input, mean, rstd; a GELU MLP) 11 Dv + 2 Fv + H + 4;
+  Gemma 3's SigLIP 8 Dv + 2 Fv + H + 4; plus the 2-D rotary tables (Qwen), the position taps (Qwen3-VL)
+  and the merger / projector (and Qwen3-VL's DeepStack mergers), kept until the backward reaches the tower,
+  after the language model's: the "vision tower backward" moment holds every language-model gradient then.
+
+`RunShape.image_tokens`: the placeholders in a micro-batch; None (what `run_shape` gives a recipe) counts
+every position of every row as one: the worst case, since how many images a row holds is the data's.
+Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process, measured against the CPU
+(tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
+(autocast's bf16 tensors and copies unmodelled: the plan 1.16 x the measured peak, on the safe side); the
+tower's own forward working set (one block at a time) is not a moment; the adapters of a regular-expression
+`lora_targets` (the merger's, the tower's) are not counted, and under `quantize` the tower's linears are counted
+in the compute dtype (notes say so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from minitrain.errors import UserError
+from minitrain.plan.decoder import GemmaShape, ModelShape
+from minitrain.plan.run_shape import RunShape, Term
+
+# transformers' defaults for the vision_config fields a config.json may leave out
+_QWEN2_5 = dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16, in_channels=3, patch_size=14,
+                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584)
+_QWEN3 = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+              spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, num_position_embeddings=2304,
+              deepstack_visual_indexes=[8, 16, 24])
+_SIGLIP = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, num_channels=3,
+               image_size=224, patch_size=16)
+# floats a block keeps per patch: (x Dv, x Fv, + heads, + the norms' statistics)
+_BLOCK = {"qwen2_5_vl": (13, 4, 2), "qwen3_vl": (11, 2, 4), "gemma3": (8, 2, 4)}
+
+
+def _linear(i: int, o: int) -> list[int]:
+    return [o * i, o]
+
+
+@dataclass(frozen=True)
+class Tower:
+    """A vision tower's dims as the plan counts them: `tensors` the numel of each parameter (the merger or
+    projector's too), `outside` the floats per patch kept outside the blocks when it trains."""
+
+    kind: str
+    depth: int
+    width: int
+    ffn: int
+    heads: int
+    patch_values: int  # pixel values per patch (C t p p)
+    patches_per_token: int  # patches behind one image placeholder
+    tensors: tuple[int, ...]
+    outside: float
+
+    @classmethod
+    def from_hf(cls, kind: str, d: dict[str, Any], text_width: int, tokens_per_image: int) -> "Tower":
+        if kind == "gemma3":
+            v = {**_SIGLIP, **d}
+            Dv, F, C, p = v["hidden_size"], v["intermediate_size"], v["num_channels"], v["patch_size"]
+            side = v["image_size"] // p
+            k2 = side * side // tokens_per_image  # the average pool's kernel, squared
+            layer = [Dv, Dv, Dv, Dv] + 4 * _linear(Dv, Dv) + _linear(Dv, F) + _linear(F, Dv)
+            # the patch convolution, the position table, the layers, post_layernorm, the projector's norm and matrix
+            tensors = ([Dv * C * p * p, Dv, side * side * Dv] + layer * v["num_hidden_layers"]
+                       + [Dv, Dv, Dv, Dv * text_width])
+            # post_layernorm (input, output, 2 stats), the pool's input copy, the pooled tokens' RMSNorm
+            outside = 3 * Dv + 2 + (3 * Dv + 1) / k2
+            return cls(kind, v["num_hidden_layers"], Dv, F, v["num_attention_heads"], C * p * p, k2, tuple(tensors),
+                       outside)
+        v = {**(_QWEN3 if kind == "qwen3_vl" else _QWEN2_5), **d}
+        Dv, F, Do, m = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"], v["spatial_merge_size"]
+        patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
+        hd, M = Dv // v["num_heads"], Dv * m * m
+        attn = _linear(Dv, 3 * Dv) + _linear(Dv, Dv)
+        if kind == "qwen3_vl":
+            deep = len(v["deepstack_visual_indexes"])
+            block = [Dv] * 4 + attn + _linear(Dv, F) + _linear(F, Dv)
+            merger = [Dv, Dv] + _linear(M, M) + _linear(M, Do)
+            deep_merger = [M, M] + _linear(M, M) + _linear(M, Do)
+            tensors = ([Dv * patch, Dv, v["num_position_embeddings"] * Dv] + block * v["depth"] + merger
+                       + deep_merger * deep)
+            # rotary tables, the position taps (int64 index + fp32 weights), the merger (LayerNorm input, output,
+            # 2 stats; fc1's output and GELU's) and each DeepStack merger (its norm's output + stats, fc1, GELU)
+            outside = 2 * hd + 12 + 4 * Dv + 2 + deep * (3 * Dv + 2 / (m * m))
+        else:
+            block = [Dv, Dv] + attn + 2 * _linear(Dv, F) + _linear(F, Dv)
+            tensors = [Dv * patch] + block * v["depth"] + [Dv] + _linear(M, M) + _linear(M, Do)
+            outside = 2 * hd + 5 * Dv + 1  # rotary tables; the merger's RMSNorm (3 Dv + 1), fc1 and GELU
+        return cls(kind, v["depth"], Dv, F, v["num_heads"], patch, m * m, tuple(tensors), outside)
+
+    def saved_per_patch(self) -> float:
+        """Floats a trained tower keeps for backward per patch (all its blocks and the rest)."""
+        d, f, stats = _BLOCK[self.kind]
+        return self.depth * (d * self.width + f * self.ffn + self.heads + stats) + self.outside
+
+
+class WithTower:
+    """What the vision-language shapes add to their text family's (`ModelShape`, `GemmaShape`)."""
+
+    tower: Tower
+    MODEL_TYPES: ClassVar[dict[str, str]] = {}  # config.json's model_type -> the text family's
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> Any:
+        kind = d.get("model_type")
+        text, vision = d.get("text_config"), d.get("vision_config")
+        if not isinstance(text, dict) or not isinstance(vision, dict):
+            raise UserError(f"{where}: a {kind} config without text_config / vision_config — restore the "
+                            "checkpoint's config.json")
+        tied = d.get("tie_word_embeddings", kind == "gemma3")  # the outer one is what transformers honours
+        shape = super().from_hf({**text, "model_type": cls.MODEL_TYPES[kind], "tie_word_embeddings": tied}, where)
+        per_image = int(d.get("mm_tokens_per_image", 256))
+        return replace(shape, tower=Tower.from_hf(kind, vision, shape.hidden_size, per_image))
+
+    def check_run(self, run: RunShape) -> None:
+        if run.world > 1 or run.parallel == "fsdp" or run.teacher is not None or run.sample_rows:
+            raise UserError("the memory plan models vision-language LoRA / QLoRA and full fine-tuning runs in one "
+                            "process (not several ranks, a teacher or GRPO's sampler) — memory_check=false skips the "
+                            "plan")
+
+    def image_tokens(self, run: RunShape) -> int:
+        return run.rows * run.seq if run.image_tokens is None else run.image_tokens
+
+    def num_params(self) -> int:
+        return super().num_params() + sum(self.tower.tensors)
+
+    def all_tensors(self) -> list[int]:
+        return super().all_tensors() + list(self.tower.tensors)
+
+    def weight_terms(self, run: RunShape) -> list[Term]:
+        s = 4 if run.full else run.s
+        n = sum(self.tower.tensors)
+        what = "vision tower + " + ("projector" if self.tower.kind == "gemma3" else "merger")
+        return super().weight_terms(run) + [Term(f"weights: {what}", n * s, f"{n:,} x {s} B")]
+
+    def adapted_summary(self, run: RunShape) -> str:
+        return ("every weight, the tower's too (full fine-tuning)" if run.full
+                else super().adapted_summary(run) + " (tower frozen)")
+
+    def describe(self) -> str:
+        t = self.tower
+        return (f"{super().describe()}; vision tower {t.depth} blocks, width {t.width}, "
+                f"{t.patches_per_token} patches per image token")
+
+    def tower_terms(self, run: RunShape) -> list[Term]:
+        """What the tower adds to every moment of the language model's step: the pixel values (and, trained,
+        its saved activations)."""
+        n = self.image_tokens(run)
+        P = n * self.tower.patches_per_token
+        terms = [Term("batch: pixel values (fp32)", P * self.tower.patch_values * 4,
+                      f"{n:,} image tokens x {self.tower.patches_per_token} patches x {self.tower.patch_values} x 4 B")]
+        if run.full:
+            per = self.tower.saved_per_patch()
+            terms.append(Term("vision tower: saved activations (fp32)", int(P * per * 4),
+                              f"{P:,} patches x {per:,.0f} x 4 B"))
+        return terms
+
+    def moments(self, run: RunShape) -> tuple[dict[str, list[Term]], list[str]]:
+        moments, notes = super().moments(run)
+        tower = self.tower_terms(run)
+        for name in moments:
+            if name != "optimizer step":
+                moments[name] = moments[name] + tower
+        if run.full:  # after the language model's backward: its gradients exist, its activations are freed
+            lm = sum(super().all_tensors())
+            grads = Term("gradients: the language model's", lm * 4, f"{lm:,} x 4 B")
+            moments["vision tower backward"] = tower + [grads]
+        if run.quantize != "none" and not run.full:
+            notes.append(f"quantize={run.quantize}: the tower's linears, quantized too, are counted in the compute "
+                         "dtype (an upper bound)")
+        if run.image_tokens is None:
+            notes.append(f"vision: every position counted as an image token ({self.image_tokens(run):,}: the worst "
+                         "case); fewer images in the rows need less")
+        return moments, notes
+
+
+@dataclass(frozen=True)
+class QwenVLShape(WithTower, ModelShape):
+    """Qwen2.5-VL (a Qwen2 language model) and Qwen3-VL (Qwen3's) with their towers."""
+
+    tower: Tower | None = None
+    MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+
+
+@dataclass(frozen=True)
+class Gemma3VLShape(WithTower, GemmaShape):
+    """Multimodal Gemma 3: Gemma 3's language model, the SigLIP tower and the projector. A forward with images
+    keeps its padding on a CPU too (the image-block masks are dense)."""
+
+    tower: Tower | None = None
+    MODEL_TYPES: ClassVar[dict[str, str]] = {"gemma3": "gemma3_text"}
+    UNPADS_ON_CPU: ClassVar[bool] = False

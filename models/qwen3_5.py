@@ -225,10 +225,11 @@ class Qwen3_5Config:
         model_type = d.pop("model_type", None)
         if model_type not in TEXT_TYPES:
             raise ValueError(f"config.json: model_type {model_type!r} is not one of {TEXT_TYPES}")
-        if model_type == "qwen3_5_moe_text":
+        if model_type == "qwen3_5_moe_text":  # Qwen3-Next's fields that transformers drops: no layer dense, always renormalised
             d = {**MOE_FIELDS, **d}
-            if not d.get("mlp_only_layers"):  # transformers drops the field: no layer is dense
-                d.pop("mlp_only_layers", None)
+            if d.pop("mlp_only_layers", None) or d.pop("norm_topk_prob", True) is not True:
+                raise ValueError("config.json: mlp_only_layers / norm_topk_prob=false are not Qwen3.5 MoE fields (every "
+                                 "layer is sparse, its top-k renormalised) — remove them")
         drop_ignored(d, IGNORED_FIELDS)
         require_zero(d, "attention_dropout")
         if "multimodal" in d:  # ours (what from_multimodal keeps), never a config.json field

@@ -135,7 +135,9 @@ def minimal_targets(model: nn.Module, wrapped: Sequence[str]) -> list[str]:
     too for a model whose transformers class builds modules it does not (`hf_only_modules`: a multimodal
     checkpoint's towers, where peft would find a vision `q_proj` by its leaf name)."""
     leaves = sorted({n.rsplit(".", 1)[-1] for n in wrapped})
-    selected = {n for n, _ in model.named_modules() if n and any(name_matches(n, t) for t in leaves)}
+    # an expert adapter's own module (`experts.deltas.down_proj`) is no linear peft would look for
+    selected = {n for n, m in model.named_modules()
+                if n and not isinstance(m, lora_experts.ExpertLoRA) and any(name_matches(n, t) for t in leaves)}
     return leaves if selected == set(wrapped) and not getattr(model, "hf_only_modules", ()) else sorted(wrapped)
 
 

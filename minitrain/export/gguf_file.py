@@ -15,7 +15,8 @@ What changes on the way (as llama.cpp's own converter does it, convert_hf_to_ggu
   `experts.gate_up_proj` (E, 2F, D) splits into llama.cpp's stacked `ffn_gate_exps` / `ffn_up_exps`
   (E, F, D), `experts.down_proj` (E, D, F) is `ffn_down_exps` as it is; the router is `ffn_gate_inp`,
   Qwen2-MoE's shared expert and its gate the `*_shexp` tensors;
-- Qwen3.5 (`qwen35`; a multimodal folder's language model, without its towers and `mtp.*` head): the
+- Qwen3.5 (`qwen35`, the MoE sizes `qwen35moe`: their experts, router and shared expert as Qwen2-MoE's;
+  a multimodal folder's language model, without its towers and `mtp.*` head): the
   (1 + w) norms store 1 + w but the DeltaNet's gated norm; `A_log` is stored as A = -exp(A_log)
   (`ssm_a`), `dt_bias` as `ssm_dt.bias`, the convolution as (channels, kernel); with fewer key heads than
   value heads the value heads are reordered from grouped by key head to tiled (rows of the value part of
@@ -30,7 +31,8 @@ Gemma query scale other than the one llama.cpp computes, an MoE with dense layer
 (llama.cpp's qwen2moe / qwen3moe make every layer sparse) or whose top-k renormalisation is not the one
 llama.cpp's architecture applies (qwen2moe never renormalises, qwen3moe and Mixtral always do). LLaMA's `attention_bias` / `mlp_bias` are
 written as the optional bias tensors llama.cpp's llama loader reads (q / k biases permuted with their rows). Types: f32; f16
-and bf16 (1-D tensors, norms and biases, stay f32 as llama.cpp keeps them); q8_0 (blocks of 32
+and bf16 (1-D tensors, norms and biases, the routers `ffn_gate_inp` / `ffn_gate_inp_shexp` and the DeltaNet's
+convolution stay f32 as llama.cpp's converter keeps them); q8_0 (blocks of 32
 along a row with one f16 scale; a tensor whose rows are not a multiple of 32 is written f16).
 """
 
@@ -49,6 +51,7 @@ from minitrain.errors import UserError
 from minitrain.export.gguf_vocab import add_vocab
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
+F32_KEPT = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # 2-D tensors written f32 always
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,10 @@ FAMILIES = {
     "mixtral": Family("llama", True, False),
     "qwen3_5_text": Family("qwen35", False, True),  # (1 + w) norms but the DeltaNet's gated one (`linear_attn.norm`)
     "qwen3_5": Family("qwen35", False, True),
+    "qwen3_5_moe_text": Family("qwen35moe", False, True),
+    "qwen3_5_moe": Family("qwen35moe", False, True),
 }
+DELTANET = ("qwen35", "qwen35moe")  # the architectures with Qwen3.5's Gated DeltaNet layers
 # the top-k routing weights renormalised to sum to 1 (`norm_topk_prob`), as llama.cpp's graph has it
 RENORMALISES = {"qwen2_moe": False, "qwen3_moe": True}
 # architectures llama.cpp reads that this writer does not write yet: what to do instead
@@ -139,7 +145,8 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
     rs = rope_scaling(config)
     allowed = {"llama": ("linear", "llama3"), "qwen2": ("linear", "yarn"), "qwen3": ("linear", "yarn"),
                "qwen2moe": ("linear", "yarn"), "qwen3moe": ("linear", "yarn"),
-               "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su"), "qwen35": ()}[fam.arch]
+               "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su"), "qwen35": (),
+               "qwen35moe": ()}[fam.arch]
     if rs and rs["rope_type"] not in allowed:
         raise UserError(f"config.json: rope_scaling {rs['rope_type']!r} on {kind} — llama.cpp's {fam.arch} takes "
                         f"{', '.join(allowed) or 'none'}; not exported")
@@ -163,7 +170,7 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
             raise UserError(f"config.json: norm_topk_prob={bool(config.get('norm_topk_prob'))} — llama.cpp's "
                             f"{fam.arch} {'always' if RENORMALISES[kind] else 'never'} renormalises the top-k "
                             f"routing weights, so it would not compute this model; not exported")
-    if fam.arch == "qwen35":
+    if fam.arch in DELTANET:
         full_attention_interval(config)
     if kind in ("qwen2", "qwen2_moe") and config.get("use_sliding_window"):
         raise UserError("config.json: use_sliding_window=true — llama.cpp's qwen2 attends to the whole context; "
@@ -187,7 +194,8 @@ def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
     writer.add_context_length(c.get("max_position_embeddings", 4096))
     writer.add_embedding_length(c["hidden_size"])
     writer.add_block_count(c["num_hidden_layers"])
-    writer.add_feed_forward_length(c["intermediate_size"])
+    if c.get("intermediate_size"):  # Qwen3.5's MoE sizes may have none: every MLP is the experts
+        writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(c["num_attention_heads"])
     writer.add_head_count_kv(c.get("num_key_value_heads") or c["num_attention_heads"])
     writer.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
@@ -232,7 +240,7 @@ def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
         local = rope_params(c, "sliding_attention").get("rope_theta") or c.get("rope_local_base_freq")
         if fam.arch == "gemma3" and local:
             writer.add_rope_freq_base_swa(float(local))
-    if fam.arch == "qwen35":
+    if fam.arch in DELTANET:
         writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
         writer.add_ssm_state_size(c["linear_key_head_dim"])
         writer.add_ssm_group_count(c["linear_num_key_heads"])
@@ -333,7 +341,7 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], f
         t = t.detach().float().cpu()
         if fam.norm_plus_one and key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
             t = t + 1
-        if fam.arch == "qwen35" and ".linear_attn." in key:
+        if fam.arch in DELTANET and ".linear_attn." in key:
             key, t = qwen35_tensor(key, t, config)
             if key.endswith(".A_log"):  # llama.cpp's `ssm_a` has no suffix
                 out[names.get_name(key)] = t
@@ -381,8 +389,9 @@ def write_gguf(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tok
         add_vocab(writer, tokenizer, config["vocab_size"])
         for tname, t in tensors.items():
             data = t.numpy()
-            # norms, biases, factors and the DeltaNet's convolution (llama.cpp's ssm_conv reads f32): f32
-            want = qtype if data.ndim > 1 and not tname.endswith("ssm_conv1d.weight") else gguf.GGMLQuantizationType.F32
+            # norms, biases, factors, the DeltaNet's convolution (llama.cpp's ssm_conv reads f32) and the routers
+            # (as llama.cpp's converter keeps them: a rounded router moves which experts a token reaches): f32
+            want = qtype if data.ndim > 1 and not tname.endswith(F32_KEPT) else gguf.GGMLQuantizationType.F32
             if want == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
                 want = gguf.GGMLQuantizationType.F16  # rows not in whole blocks of 32 (as llama.cpp falls back)
             if want in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):

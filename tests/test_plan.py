@@ -957,6 +957,11 @@ def test_qwen3_5_deltanet_memory_grows_with_the_sequence_not_its_square():
     assert saved(8192) == 2 * saved(4096) == 4 * saved(2048)
     with pytest.raises(UserError, match="Qwen3.5 LoRA / QLoRA runs in one process"):
         predict(shape, RunShape(rows=1, seq=8, full=True))
+    moe = dict(QWEN3_5, model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48)
+    for config in (hf_config(**moe), {"model_type": "qwen3_5_moe", "text_config": hf_config(**moe)}):
+        with pytest.raises(UserError, match="the memory plan models the dense Qwen3.5 sizes, not the MoE ones"):
+            shape_from_hf(config)
 
 
 def test_plan_tool_on_a_qwen3_5_folder(tmp_path):

@@ -22,7 +22,7 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
 - adapters on `in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b` read the normed x (as q / k / v);
   on `out_proj` the gated norm's output (H dv x s).
 
-Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
+Modelled: LoRA / QLoRA runs of the dense sizes in one process (the MoE sizes are refused in one line); measured against the CPU (tests/test_plan.py) on LoRA SFT
 steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
 shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning, several ranks,
 distillation and GRPO's sampler (its hybrid cache) are refused with one line. The DeltaNet backward's own
@@ -63,10 +63,14 @@ class Qwen3_5Shape(ByBlock, ModelShape):
     mixer: str | None = None
     FAMILY: ClassVar[str] = "Qwen3.5"
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
-    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5")
+    # the MoE sizes (qwen3_5_moe_text, qwen3_5_moe) are read to be refused in one line
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Qwen3_5Shape":
+        if d.get("model_type") in ("qwen3_5_moe_text", "qwen3_5_moe"):
+            raise UserError(f"{where}: model_type {d['model_type']!r} — the memory plan models the dense Qwen3.5 sizes, "
+                            f"not the MoE ones (35B-A3B, 122B-A10B, 397B-A17B); memory_check=false skips the plan")
         if d.get("model_type") == "qwen3_5":  # the multimodal checkpoint: its language model
             d = {**d.get("text_config", {}), "model_type": "qwen3_5_text",
                  "tie_word_embeddings": d.get("tie_word_embeddings", False)}

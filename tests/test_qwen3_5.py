@@ -63,7 +63,8 @@ def checkpoints(hf_causal, tmp_path_factory):
     def make(variant: str):
         if variant in cache:
             return cache[variant]
-        src = hf_causal(f"qwen3_5_{variant}", **VARIANTS[variant]) if variant in VARIANTS else make("moe")
+        name = "qwen3_5" if variant == "dense" else f"qwen3_5_{variant}"  # "qwen3_5": the other files' key too
+        src = hf_causal(name, **VARIANTS[variant]) if variant in VARIANTS else make("moe")
         if variant == "dense":
             cache[variant] = src
             return src

@@ -946,6 +946,26 @@ def test_qwen3_5_moe_params_weights_and_adapters_exact():
     assert shape_from_hf({"model_type": "qwen3_5_moe", "text_config": hf}).num_params() == shape.num_params()
 
 
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_qwen3_5_moe_quantized_weights_exact(quantize):
+    """A QLoRA base as the loader's hook quantizes it: every linear, the shared expert's gate and each expert
+    apart (the routers and the convolution stay float)."""
+    pytest.importorskip("bitsandbytes")
+    from minitrain.adapters.quant import quantize_hook
+
+    hf = qwen3_5_moe_config()
+    torch.manual_seed(0)
+    model = models.from_hf_config(hf)
+    hook = quantize_hook(quantize, compute_dtype=torch.float32)
+    quantized = [n for n, p in list(model.named_parameters())
+                 if n != "lm_head.weight" and "embed" not in n and p.dim() >= 2 and hook(model, n, p.data)]
+    assert any(n.endswith("experts.gate_up_proj") for n in quantized) and not any(".mlp.gate." in n for n in quantized)
+    held = list(model.parameters()) + list(model.buffers())
+    held += [t for p in model.parameters() for t in quant_state_tensors(p)]
+    run = RunShape(rows=1, seq=8, compute="fp32", quantize=quantize)
+    assert sum(t.bytes for t in shape_from_hf(hf).weight_terms(run)) == tensor_bytes(held)
+
+
 QWEN3_5_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16"),
                  "moe fp32": dict(), "moe fp32 ckpt": dict(ckpt=True), "moe bf16": dict(compute="bf16")}
 

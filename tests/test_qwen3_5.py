@@ -433,6 +433,27 @@ def test_lora_sft_through_the_cli_loads_in_peft(cli_models, variant, tmp_path, c
     assert rel(a, b) <= 1e-4
 
 
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_qlora_on_the_experts_through_the_cli(cli_models, tmp_path, capsys, kind):
+    """`quantize=nf4|int8` with the experts named by path (`experts.gate_up_proj`): each expert quantized
+    apart, the names reach the adapters, not the quantized weights in the parameters' places (which
+    failed as "not a linear layer LoRA can wrap"); two finite steps, every expert pair trained."""
+    pytest.importorskip("bitsandbytes")
+    from test_families_cli import run
+
+    from _tok import corpus
+
+    lines = corpus(20, seed=3)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                            for i in range(8)))
+    run(capsys, "sft_llama.py", cli_models("moe"), data, tmp_path / "sft", lora_targets=TARGETS["moe"],
+        quantize=kind, lr=1e-2)
+    keys = load_file(tmp_path / "sft" / "adapter" / "adapter_model.safetensors")
+    b = [t for k, t in keys.items() if ".mlp.experts." in k and "lora_B" in k]
+    assert len(b) == 2 * 4 and all(float(t.abs().max()) > 1e-4 for t in b)
+
+
 def test_a_linear_attention_config_we_do_not_understand_is_one_line(cli_model, tmp_path, capsys):
     """Through the CLI: exit 2, one `error:` line naming the field, nothing written."""
     from minitrain.cli import run_cli

@@ -500,6 +500,8 @@ def target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = 
     `strict` (new adapters): every listed suffix must select a module — one typo among valid names
     (`q_prj,v_proj`) would otherwise train `v_proj` alone. A saved PEFT adapter's list is read as
     PEFT reads it (names absent from this model are skipped)."""
+    # a quantized expert weight is a module at its parameter's path: an expert target, never a linear one
+    experts = set(lora_experts.expert_parameters(model))
     if targets == ALL_LINEAR:
         head = output_head(model)
         if head is None:
@@ -507,12 +509,12 @@ def target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = 
                             f"left out — list the targets instead, e.g. targets=['q_proj', 'v_proj']")
         chosen = [n for n, m in model.named_modules() if _is_wrappable(m) and m is not head and not in_tower(model, n)]
     elif isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one
-        chosen = [n for n, _ in model.named_modules() if n and re.fullmatch(targets, n)]
+        chosen = [n for n, _ in model.named_modules() if n and n not in experts and re.fullmatch(targets, n)]
     else:
         if strict:
             targets = fused_targets(getattr(model, "fused_linears", None) or {}, targets)
         chosen = [n for n, _ in model.named_modules()
-                  if n and not in_tower(model, n) and any(name_matches(n, t) for t in targets)]
+                  if n and n not in experts and not in_tower(model, n) and any(name_matches(n, t) for t in targets)]
         missed = [t for t in targets if not any(name_matches(n, t) for n in chosen)]
         if strict and missed and chosen:  # none at all: apply_lora's own message lists the linears
             raise UserError(_no_module(model, "target", missed[0]))

@@ -718,7 +718,8 @@ def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, t
     assert rel(ours.output_projection(hidden(ours, ids, mask)), b) <= 1e-4
 
 
-def test_activation_checkpointing_gives_the_same_gradients(folder):
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_activation_checkpointing_gives_the_same_gradients(checkpoints, variant):
     """The engine's per-block non-reentrant checkpointing (`enable_checkpointing`) recomputes each
     block, DeltaNet layers included, on a padded batch: the same gradients as without it."""
     from minitrain.train import enable_checkpointing
@@ -727,7 +728,7 @@ def test_activation_checkpointing_gives_the_same_gradients(folder):
     labels = ids.masked_fill(mask == 0, -100)
     grads = []
     for setting in (False, True):
-        model = load_ours(folder, 16).train()
+        model = load_ours(checkpoints(variant), 16).train()
         for p in model.parameters():
             p.requires_grad_(True)
         if setting:
@@ -765,7 +766,8 @@ def test_grpo_through_the_cli(cli_model, tmp_path, capsys, monkeypatch):
     assert any(shared)  # the group layout ran (a prompt shared by its completions)
 
 
-def test_compiled_blocks_give_the_same_gradients(folder):
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_compiled_blocks_give_the_same_gradients(checkpoints, variant):
     """`compile=true` (`compile_blocks`, here with dynamo's eager backend): the DeltaNet layers' scan runs
     outside the graph (a loop over chunks), the rest of each block inside; the same loss and gradients."""
     from minitrain.train import compile_blocks
@@ -774,7 +776,7 @@ def test_compiled_blocks_give_the_same_gradients(folder):
     labels = ids.masked_fill(mask == 0, -100)
     grads = []
     for compiled in (False, True):
-        model = load_ours(folder, 16).train()
+        model = load_ours(checkpoints(variant), 16).train()
         for p in model.parameters():
             p.requires_grad_(True)
         if compiled:

@@ -1349,6 +1349,26 @@ class SparseMoeBlock(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
+# the Hub's per-expert projection names -> the fused parameter's part: "gate" fills gate_up_proj[e, :F],
+# "up" gate_up_proj[e, F:], "down" down_proj[e]
+QWEN_EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def per_expert_keys(ours: str, theirs: str, num_experts: int, expert_size: int,
+                    names: dict[str, str] = QWEN_EXPERT_NAMES) -> dict[str, tuple[str, tuple]]:
+    """One sparse layer's per-expert checkpoint keys (`{theirs}.experts.{e}.{name}.weight`, the layout the
+    Hub's files and transformers 5's `save_pretrained` use) -> (the fused `Experts` parameter under
+    `{ours}.experts.`, the index it fills): a model's `checkpoint_parts()`, layer by layer."""
+    F_ = expert_size
+    halves = {"gate": ("gate_up_proj", slice(0, F_)), "up": ("gate_up_proj", slice(F_, 2 * F_)), "down": ("down_proj", None)}
+    parts: dict[str, tuple[str, tuple]] = {}
+    for e in range(num_experts):
+        for name, half in names.items():
+            param, rows = halves[half]
+            parts[f"{theirs}.experts.{e}.{name}.weight"] = (f"{ours}.experts.{param}", (e,) if rows is None else (e, rows))
+    return parts
+
+
 class PreNormBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). The unit the engine checkpoints and
     compiles. A family subclasses it to build its own `self_attn` and `mlp` under HF's names."""
@@ -1629,6 +1649,10 @@ class LanguageModel(nn.Module):
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.language_model.embed_tokens
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
 
     @property
     def packed_attention(self) -> str:

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from models.layers import (
     IGNORED_FIELDS,
+    QWEN_EXPERT_NAMES,
     Attention,
     DecoderBody,
     Experts,
@@ -51,6 +52,7 @@ from models.layers import (
     drop_ignored,
     generate,
     normalize_rope_scaling,
+    per_expert_keys,
     read_rope,
     require_zero,
 )
@@ -251,11 +253,10 @@ class MoeConfig:
 # Checkpoint layouts
 # --------------------------------------------------------------------------------------------
 
-# the Hub's per-expert names (and the sparse block's prefix in the file) -> the fused parameter's
-# half: "gate" fills gate_up_proj[e, :F], "up" gate_up_proj[e, F:], "down" down_proj[e]
+# the Hub's per-expert names of each family, and the sparse block's name in its files
 _EXPERT_NAMES: dict[str, tuple[str, dict[str, str]]] = {
-    "qwen3_moe": ("mlp", {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
-    "qwen2_moe": ("mlp", {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
+    "qwen3_moe": ("mlp", QWEN_EXPERT_NAMES),
+    "qwen2_moe": ("mlp", QWEN_EXPERT_NAMES),
     "mixtral": ("block_sparse_moe", {"w1": "gate", "w3": "up", "w2": "down"}),
 }
 
@@ -264,9 +265,6 @@ def per_expert_parts(config: MoeConfig) -> dict[str, tuple[str, tuple]]:
     """Each per-expert checkpoint key -> (the fused parameter's key, the index it fills): the Hub's
     layout of every sparse layer (Mixtral's router too, stored as `block_sparse_moe.gate.weight`)."""
     block, names = _EXPERT_NAMES[config.model_type]
-    F_ = config.expert_size
-    halves = {"gate": ("gate_up_proj", slice(0, F_)), "up": ("gate_up_proj", slice(F_, 2 * F_)),
-              "down": ("down_proj", None)}
     parts: dict[str, tuple[str, tuple]] = {}
     for i, sparse in enumerate(config.sparse_layers()):
         if not sparse:
@@ -274,10 +272,7 @@ def per_expert_parts(config: MoeConfig) -> dict[str, tuple[str, tuple]]:
         ours, theirs = f"model.layers.{i}.mlp", f"model.layers.{i}.{block}"
         if block != "mlp":
             parts[f"{theirs}.gate.weight"] = (f"{ours}.gate.weight", ())
-        for e in range(config.num_experts):
-            for name, half in names.items():
-                param, rows = halves[half]
-                parts[f"{theirs}.experts.{e}.{name}.weight"] = (f"{ours}.experts.{param}", (e,) if rows is None else (e, rows))
+        parts.update(per_expert_keys(ours, theirs, config.num_experts, config.expert_size, names))
     return parts
 
 

@@ -1,6 +1,6 @@
-"""Qwen3.5 (dense, `qwen3_5_text`): a hybrid of Gated DeltaNet layers (linear attention with a recurrent
-state and a short causal convolution) and gated full-attention layers, importing only torch and the
-shared floor (`models/layers.py`).
+"""Qwen3.5 (dense `qwen3_5_text`, mixture-of-experts `qwen3_5_moe_text`): a hybrid of Gated DeltaNet layers
+(linear attention with a recurrent state and a short causal convolution) and gated full-attention layers,
+importing only torch and the shared floor (`models/layers.py`).
 
 Read top to bottom: config, the gated delta rule (chunked for training and prefill, recurrent for
 decoding), the causal convolution, the DeltaNet layer, the attention, block, model.
@@ -21,6 +21,13 @@ decoding), the causal convolution, the DeltaNet layer, the attention, block, mod
   `partial_rotary_factor` of each head's dims. Qwen3.5's multimodal RoPE (`mrope_section`) gives a
   text token the same position on its three axes, which is plain RoPE: text positions only here.
 - Every norm but the gated one is (1 + weight) x / rms(x), Gemma's form (`OffsetRMSNorm`).
+- The MLP: a SwiGLU of `intermediate_size` (dense), or in the MoE sizes (35B-A3B, 122B-A10B, 397B-A17B) on
+  every layer the floor's `SparseMoeBlock`: a softmax over `num_experts` router logits (`mlp.gate`), its
+  top `num_experts_per_tok` always renormalised, experts of `moe_intermediate_size` held fused as
+  transformers 5 holds them (`mlp.experts.gate_up_proj` (E, 2F, D), `down_proj` (E, D, F)), plus a shared
+  expert (`mlp.shared_expert`, a SwiGLU of `shared_expert_intermediate_size`) scaled by
+  sigmoid(`mlp.shared_expert_gate` x). Files with one tensor per expert and projection (what
+  transformers 5's `save_pretrained` writes: `mlp.experts.3.gate_proj.weight`) load too (`checkpoint_parts`).
 
 State never crosses a sequence boundary: a padded batch, a packed row and a batch run without its
 padding tell each DeltaNet layer where sequences start (`segment_starts`), and the scan and the
@@ -43,12 +50,16 @@ from models.layers import (
     CausalLM,
     DecoderBody,
     Documents,
+    Experts,
     GatedMLP,
     KVCache,
     LanguageModel,
+    MoeCausalLM,
     OffsetRMSNorm,
     Ragged,
     RopeSpec,
+    Router,
+    SparseMoeBlock,
     _rms_norm,
     apply_partial_rotary,
     check_fields,
@@ -57,19 +68,27 @@ from models.layers import (
     generate,
     multimodal_to_hf,
     normalize_rope_scaling,
+    per_expert_keys,
     read_rope,
     require_zero,
     text_config_of,
 )
 
-__all__ = ["Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "KVCache", "generate", "config_from_hf",
-           "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+           "Qwen3_5MoeForConditionalGeneration", "KVCache", "generate", "config_from_hf", "chunk_gated_delta_rule",
+           "recurrent_gated_delta_rule"]
 
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# a multimodal checkpoint's model_type -> its text_config's
+MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# the mixture-of-experts fields (only `qwen3_5_moe_text` has them) and transformers' class defaults
+MOE_FIELDS = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+              "shared_expert_intermediate_size": 512, "output_router_logits": False, "router_aux_loss_coef": 0.001}
 # rope_parameters keys of the multimodal RoPE: for text (the same position on every axis) they change nothing
 _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 
@@ -83,13 +102,18 @@ class Qwen3_5Config:
     convolution's taps. `partial_rotary_factor` (inside `rope_parameters` in v5): the share of each
     attention head's dims that RoPE turns. `mtp_*`: the multi-token-prediction head the checkpoint may
     carry (`mtp.*` keys), which the causal LM does not use.
+
+    The MoE sizes (`qwen3_5_moe_text`): `num_experts` experts of `moe_intermediate_size`, the top
+    `num_experts_per_tok` per token, a shared expert of `shared_expert_intermediate_size`;
+    `output_router_logits` / `router_aux_loss_coef`: the load-balancing loss transformers adds in training.
+    Their `intermediate_size`, when a config.json carries one, is read by nothing (as in transformers).
     """
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
+    intermediate_size: int | None = None
     num_key_value_heads: int = 4
     head_dim: int = 256
     hidden_act: str = "silu"
@@ -110,6 +134,12 @@ class Qwen3_5Config:
     full_attention_interval: int = 4
     mtp_num_hidden_layers: int = 0
     mtp_use_dedicated_embeddings: bool = False
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -121,6 +151,7 @@ class Qwen3_5Config:
         check_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.hidden_act != "silu":
             raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported — Qwen3.5 uses 'silu'")
+        self._check_mlp()
         if not self.attn_output_gate:
             raise ValueError("config.json: attn_output_gate=false is not supported — Qwen3.5's attention layers are "
                              "gated (remove the field)")
@@ -152,6 +183,29 @@ class Qwen3_5Config:
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
     @property
+    def moe(self) -> bool:
+        """Whether every MLP is the experts (the MoE sizes), else a dense SwiGLU."""
+        return self.model_type in ("qwen3_5_moe_text", "qwen3_5_moe")
+
+    def _check_mlp(self) -> None:
+        """The dense model's `intermediate_size`, or the MoE fields (and none of them on a dense model)."""
+        if not self.moe:
+            stray = [k for k, v in MOE_FIELDS.items() if getattr(self, k) not in (None, v)]
+            if stray:
+                raise ValueError(f"config.json: {stray[0]}={getattr(self, stray[0])!r} is not a {self.model_type} "
+                                 "field — remove it, or use model_type 'qwen3_5_moe_text' for the MoE sizes")
+            sizes = {"intermediate_size": self.intermediate_size}
+        else:
+            sizes = {k: getattr(self, k) for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                    "shared_expert_intermediate_size")}
+        for name, value in sizes.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config.json: {name}={value!r} is not understood — use a positive int")
+        if self.moe and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config.json: num_experts_per_tok={self.num_experts_per_tok} — use 1..num_experts "
+                             f"({self.num_experts})")
+
+    @property
     def rotary_dim(self) -> int:
         """The dims of each attention head RoPE turns (the first ones)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -169,8 +223,13 @@ class Qwen3_5Config:
         top-level `partial_rotary_factor`). A field this file does not know is a ValueError."""
         d = dict(d)
         model_type = d.pop("model_type", None)
-        if model_type != "qwen3_5_text":
-            raise ValueError(f"config.json: model_type {model_type!r} is not 'qwen3_5_text'")
+        if model_type not in TEXT_TYPES:
+            raise ValueError(f"config.json: model_type {model_type!r} is not one of {TEXT_TYPES}")
+        if model_type == "qwen3_5_moe_text":  # Qwen3-Next's fields that transformers drops: no layer dense, always renormalised
+            d = {**MOE_FIELDS, **d}
+            if d.pop("mlp_only_layers", None) or d.pop("norm_topk_prob", True) is not True:
+                raise ValueError("config.json: mlp_only_layers / norm_topk_prob=false are not Qwen3.5 MoE fields (every "
+                                 "layer is sparse, its top-k renormalised) — remove them")
         drop_ignored(d, IGNORED_FIELDS)
         require_zero(d, "attention_dropout")
         if "multimodal" in d:  # ours (what from_multimodal keeps), never a config.json field
@@ -185,27 +244,35 @@ class Qwen3_5Config:
                              "— keep one")
         if partial is not None:
             d["partial_rotary_factor"] = partial
-        check_fields(d, cls, model_type, "Qwen3.5")
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        check_fields(d, cls, model_type, "Qwen3.5",
+                     required=required + (() if model_type == "qwen3_5_moe_text" else ("intermediate_size",)))
         return cls(**d, rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling or None,
                    model_type=model_type)
 
     @classmethod
     def from_multimodal(cls, d: dict[str, Any]) -> "Qwen3_5Config":
-        """A multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`, model_type "qwen3_5"): its language
-        model's config (`text_config`; the outer `tie_word_embeddings` is the one transformers honours),
-        the rest kept for `to_hf`. The vision tower is not built."""
-        return text_config_of(d, cls.from_hf, "qwen3_5_text", tie_default=False)
+        """A multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`, model_type "qwen3_5";
+        `Qwen3_5MoeForConditionalGeneration`, "qwen3_5_moe"): its language model's config (`text_config`;
+        the outer `tie_word_embeddings` is the one transformers honours), the rest kept for `to_hf`. The
+        vision tower is not built."""
+        return text_config_of(d, cls.from_hf, MULTIMODAL_TYPES[d["model_type"]], tie_default=False)
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict transformers loads (v5's `rope_parameters`); a multimodal checkpoint's
         whole config, the text model's inside `text_config`."""
         d = asdict(self)
-        d["architectures"] = ["Qwen3_5ForCausalLM"]
+        d["architectures"] = ["Qwen3_5MoeForCausalLM" if self.moe else "Qwen3_5ForCausalLM"]
+        if not self.moe:  # a dense config.json has no expert fields, an MoE one no intermediate_size unless it came with one
+            for name in MOE_FIELDS:
+                d.pop(name)
+        elif self.intermediate_size is None:
+            d.pop("intermediate_size")
         d["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": d.pop("rope_theta"),
                                 "partial_rotary_factor": d.pop("partial_rotary_factor")}
         d.pop("rope_scaling")
         d.pop("full_attention_interval")  # layer_types says it
-        return multimodal_to_hf(d, d.pop("multimodal"), "qwen3_5_text")
+        return multimodal_to_hf(d, d.pop("multimodal"), "qwen3_5_moe_text" if self.moe else "qwen3_5_text")
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,9 +526,18 @@ class Qwen3_5Attention(Attention):
                          qk_norm=lambda hd: OffsetRMSNorm(hd, config.rms_norm_eps), output_gate=True)
 
 
+def sparse_block(config: Qwen3_5Config) -> SparseMoeBlock:
+    """The MoE sizes' MLP: the router (top-k always renormalised), the experts, the shared expert and its gate."""
+    D, E = config.hidden_size, config.num_experts
+    return SparseMoeBlock(Router(D, E, config.num_experts_per_tok, norm_topk_prob=True),
+                          Experts(E, D, config.moe_intermediate_size),
+                          shared_expert=GatedMLP(D, config.shared_expert_intermediate_size),
+                          shared_expert_gate=nn.Linear(D, 1, bias=False))
+
+
 class Qwen3_5DecoderLayer(nn.Module):
-    """Pre-norm block: x + mixer(norm(x)), then + SwiGLU(norm(x)); the mixer a DeltaNet (`linear_attn`)
-    or attention (`self_attn`). The unit the engine checkpoints and compiles."""
+    """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(x)); the mixer a DeltaNet (`linear_attn`)
+    or attention (`self_attn`), the MLP a SwiGLU or the experts. The unit the engine checkpoints and compiles."""
 
     def __init__(self, config: Qwen3_5Config, layer_idx: int) -> None:
         super().__init__()
@@ -470,7 +546,7 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, layer_idx)
         else:
             self.self_attn = Qwen3_5Attention(config, layer_idx)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = sparse_block(config) if config.moe else GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -579,6 +655,27 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         CausalLM.__init__(self, config, LanguageModel(Qwen3_5Model(config)))
 
 
+class Qwen3_5MoeForCausalLM(MoeCausalLM, Qwen3_5ForCausalLM):
+    """The MoE sizes' causal LM: the load-balancing loss and expert metrics of `MoeCausalLM`; the experts
+    read from fused keys or the per-expert ones (`checkpoint_parts`)."""
+
+    def checkpoint_parts(self) -> dict[str, tuple[str, tuple]]:
+        """The per-expert checkpoint keys (`mlp.experts.{e}.{gate,up,down}_proj.weight`) -> (the fused
+        parameter, the index each fills), under the multimodal class's `model.language_model.` when this is its."""
+        c = self.config
+        body = "model.language_model" if c.multimodal is not None else "model"
+        parts: dict[str, tuple[str, tuple]] = {}
+        for i in range(c.num_hidden_layers):
+            mlp = f"{body}.layers.{i}.mlp"
+            parts.update(per_expert_keys(mlp, mlp, c.num_experts, c.moe_intermediate_size))
+        return parts
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration):
+    """The language model of a multimodal Qwen3.5 MoE checkpoint (`Qwen3_5MoeForConditionalGeneration`),
+    the towers carried as `Qwen3_5ForConditionalGeneration` carries them."""
+
+
 def config_from_hf(d: dict[str, Any]) -> Qwen3_5Config:
     """The registry's entry point (models/__init__.py): `Qwen3_5Config.from_hf`, or `from_multimodal`."""
-    return Qwen3_5Config.from_multimodal(d) if d.get("model_type") == "qwen3_5" else Qwen3_5Config.from_hf(d)
+    return Qwen3_5Config.from_multimodal(d) if d.get("model_type") in MULTIMODAL_TYPES else Qwen3_5Config.from_hf(d)

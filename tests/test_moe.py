@@ -318,10 +318,20 @@ def test_load_balancing_loss_matches_transformers(hf_causal, tmp_path, name, T):
     transformers' training loss (cross-entropy + router_aux_loss_coef x its `aux_loss`), and the logged
     `aux_loss` is transformers' `aux_loss`, on a right-padded batch: routed with its padding (T = 24)
     and without it (T = 40, the unpadded CPU path), the padding left out of the loss either way."""
+    metrics = check_load_balancing_loss(hub_checkpoint(hf_causal, name), tmp_path, T)
+    config = json.loads((hub_checkpoint(hf_causal, name) / "config.json").read_text())
+    E = config.get("num_local_experts") or config["num_experts"]
+    loads = {k: v for k, v in metrics.items() if k.startswith("expert_load/")}
+    assert loads and all(1 / E <= v <= 1 for v in loads.values())
+
+
+def check_load_balancing_loss(source: Path, tmp_path: Path, T: int) -> dict[str, float]:
+    """The body of `test_load_balancing_loss_matches_transformers` on a copy of `source` with
+    `output_router_logits` on (coefficient 0.5): the SFT objective's metrics, checked against transformers'."""
     from minitrain.objectives.sft import sft
 
     folder = tmp_path / "model"
-    shutil.copytree(hub_checkpoint(hf_causal, name), folder)
+    shutil.copytree(source, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
                                                     "router_aux_loss_coef": 0.5}))
@@ -336,10 +346,8 @@ def test_load_balancing_loss_matches_transformers(hf_causal, tmp_path, name, T):
     assert abs(metrics["aux_loss"] - float(ref.aux_loss.detach())) <= 1e-5
     assert abs(float(loss_sum / count) - float(ref.loss.detach())) <= 1e-5
     assert float(ref.aux_loss.detach()) * 0.5 > 1e-2  # the term is not negligible next to the cross-entropy
-    E = ours.config.num_local_experts if name == "gpt_oss" else ours.config.num_experts
-    loads = {k: v for k, v in metrics.items() if k.startswith("expert_load/")}
-    assert loads and all(1 / E <= v <= 1 for v in loads.values())
     assert ours.router_aux_loss(mask) is None  # read once: the routing is cleared
+    return metrics
 
 
 def test_aux_loss_off_by_default_is_logged_not_added(hf_causal):

@@ -149,7 +149,9 @@ def minimal_targets(model: nn.Module, wrapped: Sequence[str]) -> list[str]:
     too for a model whose transformers class builds modules it does not (`hf_only_modules`: a multimodal
     checkpoint's towers, where peft would find a vision `q_proj` by its leaf name)."""
     leaves = sorted({n.rsplit(".", 1)[-1] for n in wrapped})
-    selected = {n for n, _ in model.named_modules() if n and any(name_matches(n, t) for t in leaves)}
+    # an expert adapter's own module (`experts.deltas.down_proj`) is no linear peft would look for
+    selected = {n for n, m in model.named_modules()
+                if n and not isinstance(m, lora_experts.ExpertLoRA) and any(name_matches(n, t) for t in leaves)}
     return leaves if selected == set(wrapped) and not getattr(model, "hf_only_modules", ()) else sorted(wrapped)
 
 
@@ -512,6 +514,8 @@ def target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = 
     `strict` (new adapters): every listed suffix must select a module — one typo among valid names
     (`q_prj,v_proj`) would otherwise train `v_proj` alone. A saved PEFT adapter's list is read as
     PEFT reads it (names absent from this model are skipped)."""
+    # a quantized expert weight is a module at its parameter's path: an expert target, never a linear one
+    experts = set(lora_experts.expert_parameters(model))
     if targets == ALL_LINEAR:
         head = output_head(model)
         if head is None:
@@ -520,13 +524,14 @@ def target_names(model: nn.Module, targets: Sequence[str] | str, strict: bool = 
         chosen = [n for n, m in model.named_modules() if _is_wrappable(m) and m is not head and not in_tower(model, n)]
     elif isinstance(targets, str):  # a regular expression over the full name, as PEFT reads one: the linears it
         # names (a tower or merger included); the containers and norms it also matches (`merger\..*`) are skipped
-        chosen = [n for n, m in model.named_modules() if n and re.fullmatch(targets, n)
+        chosen = [n for n, m in model.named_modules() if n and n not in experts and re.fullmatch(targets, n)
                   and (_is_wrappable(m) or isinstance(m, LoRALinear))]
     else:
         if strict:
             targets = fused_targets(getattr(model, "fused_linears", None) or {}, targets)
         chosen = [n for n, _ in model.named_modules()  # a tower's module by its full name only (a saved adapter's)
-                  if n and (n in targets or not in_tower(model, n)) and any(name_matches(n, t) for t in targets)]
+                  if n and n not in experts and (n in targets or not in_tower(model, n))
+                  and any(name_matches(n, t) for t in targets)]
         missed = [t for t in targets if not any(name_matches(n, t) for n in chosen)]
         if strict and missed and chosen:  # none at all: apply_lora's own message lists the linears
             raise UserError(_no_module(model, "target", missed[0]))

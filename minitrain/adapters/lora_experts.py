@@ -136,8 +136,11 @@ def split_targets(model: nn.Module, targets: Sequence[str] | str) -> tuple[list[
         else:
             hits = [p for p in params if _matches(p, t)]
             chosen += hits
-            if not hits or any(_matches(n, t) for n, m in model.named_modules() if n and not hits_params(m)):
-                linear_targets.append(t)  # (a name both kinds have, `down_proj`, selects both)
+            # (a name both kinds have, `down_proj`, selects both; a quantized expert weight is a module at its
+            # parameter's path, not a linear)
+            if not hits or any(_matches(n, t) for n, m in model.named_modules()
+                               if n and not hits_params(m) and n not in params):
+                linear_targets.append(t)
     for fused in set(aliases.values()):
         parts = [a for a, f in aliases.items() if f == fused and a in targets]
         need = {a for a, f in aliases.items() if f == fused and a != fused}

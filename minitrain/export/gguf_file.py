@@ -20,7 +20,8 @@ What changes on the way (as llama.cpp's own converter does it, convert_hf_to_ggu
   transposed to `ffn_down_exps`; the router `ffn_gate_inp` with its bias, the sinks `attn_sinks`; llama.cpp
   fixes what this export cannot change (SwiGLU clamped at 7, sliding layers the even ones), so a config that
   differs is refused;
-- Qwen3.5 (`qwen35`; a multimodal folder's language model, without its towers and `mtp.*` head): the
+- Qwen3.5 (`qwen35`, the MoE sizes `qwen35moe`: their experts, router and shared expert as Qwen2-MoE's;
+  a multimodal folder's language model, without its towers and `mtp.*` head): the
   (1 + w) norms store 1 + w but the DeltaNet's gated norm; `A_log` is stored as A = -exp(A_log)
   (`ssm_a`), `dt_bias` as `ssm_dt.bias`, the convolution as (channels, kernel); with fewer key heads than
   value heads the value heads are reordered from grouped by key head to tiled (rows of the value part of
@@ -35,8 +36,8 @@ Gemma query scale other than the one llama.cpp computes, an MoE with dense layer
 (llama.cpp's qwen2moe / qwen3moe make every layer sparse) or whose top-k renormalisation is not the one
 llama.cpp's architecture applies (qwen2moe never renormalises, qwen3moe and Mixtral always do). LLaMA's `attention_bias` / `mlp_bias` are
 written as the optional bias tensors llama.cpp's llama loader reads (q / k biases permuted with their rows). Types: f32; f16
-and bf16 (1-D tensors, norms and biases, the routers and the DeltaNet convolution stay f32 as llama.cpp's
-converter keeps them); q8_0 (blocks of 32
+and bf16 (1-D tensors, norms and biases, the routers `ffn_gate_inp` / `ffn_gate_inp_shexp` and the DeltaNet's
+convolution stay f32 as llama.cpp's converter keeps them); q8_0 (blocks of 32
 along a row with one f16 scale; a tensor whose rows are not a multiple of 32 is written f16).
 """
 
@@ -55,6 +56,10 @@ from minitrain.errors import UserError
 from minitrain.export.gguf_vocab import add_vocab
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
+# written f32 in every type, as llama.cpp's converter does (besides 1-D tensors): the 2-D biases (gpt-oss's per
+# expert), the routers (a rounded router moves which experts a token reaches), the DeltaNet's convolution
+# (llama.cpp's ssm_conv reads f32)
+F32_KEPT = (".bias", "ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,10 @@ FAMILIES = {
     "qwen3_5_text": Family("qwen35", False, True),  # (1 + w) norms but the DeltaNet's gated one (`linear_attn.norm`)
     "qwen3_5": Family("qwen35", False, True),
     "gpt_oss": Family("gpt-oss", False, False),
+    "qwen3_5_moe_text": Family("qwen35moe", False, True),
+    "qwen3_5_moe": Family("qwen35moe", False, True),
 }
-# written f32 in every type, as llama.cpp's converter does: norms, biases and factors (1-D), the 2-D biases
-# (gpt-oss's per-expert ones), the routers, the DeltaNet's convolution (llama.cpp's ssm_conv reads f32)
-KEPT_F32 = (".bias", "ffn_gate_inp.weight", "ssm_conv1d.weight")
+DELTANET = ("qwen35", "qwen35moe")  # the architectures with Qwen3.5's Gated DeltaNet layers
 GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's gpt-oss graph clamps its SwiGLU here, whatever the config says
 # the top-k routing weights renormalised to sum to 1 (`norm_topk_prob`), as llama.cpp's graph has it
 RENORMALISES = {"qwen2_moe": False, "qwen3_moe": True}
@@ -148,7 +153,7 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
     allowed = {"llama": ("linear", "llama3"), "qwen2": ("linear", "yarn"), "qwen3": ("linear", "yarn"),
                "qwen2moe": ("linear", "yarn"), "qwen3moe": ("linear", "yarn"),
                "gemma2": (), "gemma3": ("linear",), "phi3": ("longrope", "su"), "qwen35": (),
-               "gpt-oss": ("yarn",)}[fam.arch]
+               "qwen35moe": (), "gpt-oss": ("yarn",)}[fam.arch]
     if rs and rs["rope_type"] not in allowed:
         raise UserError(f"config.json: rope_scaling {rs['rope_type']!r} on {kind} — llama.cpp's {fam.arch} takes "
                         f"{', '.join(allowed) or 'none'}; not exported")
@@ -172,7 +177,7 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
             raise UserError(f"config.json: norm_topk_prob={bool(config.get('norm_topk_prob'))} — llama.cpp's "
                             f"{fam.arch} {'always' if RENORMALISES[kind] else 'never'} renormalises the top-k "
                             f"routing weights, so it would not compute this model; not exported")
-    if fam.arch == "qwen35":
+    if fam.arch in DELTANET:
         full_attention_interval(config)
     if fam.arch == "gpt-oss":
         types = config.get("layer_types") or []
@@ -205,7 +210,8 @@ def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
     writer.add_context_length(c.get("max_position_embeddings", 4096))
     writer.add_embedding_length(c["hidden_size"])
     writer.add_block_count(c["num_hidden_layers"])
-    writer.add_feed_forward_length(c["intermediate_size"])
+    if c.get("intermediate_size"):  # Qwen3.5's MoE sizes may have none: every MLP is the experts
+        writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(c["num_attention_heads"])
     writer.add_head_count_kv(c.get("num_key_value_heads") or c["num_attention_heads"])
     writer.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
@@ -253,7 +259,7 @@ def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
     if fam.arch == "gpt-oss":
         writer.add_sliding_window(c["sliding_window"])
         writer.add_expert_feed_forward_length(c["intermediate_size"])
-    if fam.arch == "qwen35":
+    if fam.arch in DELTANET:
         writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
         writer.add_ssm_state_size(c["linear_key_head_dim"])
         writer.add_ssm_group_count(c["linear_num_key_heads"])
@@ -354,7 +360,7 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], f
         t = t.detach().float().cpu()
         if fam.norm_plus_one and key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
             t = t + 1
-        if fam.arch == "qwen35" and ".linear_attn." in key:
+        if fam.arch in DELTANET and ".linear_attn." in key:
             key, t = qwen35_tensor(key, t, config)
             if key.endswith(".A_log"):  # llama.cpp's `ssm_a` has no suffix
                 out[names.get_name(key)] = t
@@ -415,7 +421,7 @@ def write_gguf(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tok
         add_vocab(writer, tokenizer, config["vocab_size"])
         for tname, t in tensors.items():
             data = t.numpy()
-            want = qtype if data.ndim > 1 and not tname.endswith(KEPT_F32) else gguf.GGMLQuantizationType.F32
+            want = qtype if data.ndim > 1 and not tname.endswith(F32_KEPT) else gguf.GGMLQuantizationType.F32
             if want == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
                 want = gguf.GGMLQuantizationType.F16  # rows not in whole blocks of 32 (as llama.cpp falls back)
             if want in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):

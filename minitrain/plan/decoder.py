@@ -26,8 +26,8 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
              "self_attn.qkv_proj": "xn", "mlp.gate_up_proj": "xn2"}
 
 
-PLANNED = ("LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3 (text and multimodal), Gemma 4 (dense), Phi-3, "
-           "Qwen2.5-VL, Qwen3-VL, Qwen3-MoE, Mixtral and T5")
+PLANNED = ("LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5 (dense and MoE), Gemma 2, Gemma 3 (text and multimodal), "
+           "Gemma 4 (dense), Phi-3, Qwen2.5-VL, Qwen3-VL, Qwen3-MoE, Mixtral and T5")
 
 
 @dataclass(frozen=True)

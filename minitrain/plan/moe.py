@@ -14,6 +14,7 @@ the experts: E gated MLPs of width F_e, of which each token goes through K. What
   probabilities, the K choices and weights, the gathered rows an adapted `gate_up_proj` reads, the
   rows an adapted `down_proj` reads and the experts' outputs before their routing weights.
 
+`ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) add them too.
 Modelled: LoRA / QLoRA runs in one process, every layer sparse. Full fine-tuning, several ranks, and
 a Qwen3-MoE with dense layers (`mlp_only_layers`, `decoder_sparse_step`) are refused with one line.
 """
@@ -34,14 +35,95 @@ ALIASES = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": 
            "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
 
 
+class ExpertBlocks:
+    """What a shape whose every block's MLP is the experts adds to its family's terms (MoeShape; Qwen3.5's
+    MoE sizes, `minitrain.plan.qwen3_5`): the experts' and routers' weights, the expert adapters, and each
+    sparse block's routing tensors. The shape has `num_experts`, `top_k` and `expert_size` (F_e)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+
+    def expert_weights(self) -> dict[str, tuple[int, int]]:
+        """Each sparse block's expert weights: name -> (in, out) of one expert's matrix."""
+        D, F = self.hidden_size, self.expert_size
+        return {"gate_up_proj": (D, 2 * F), "down_proj": (F, D)}
+
+    def adapted_experts(self, targets) -> list[str]:
+        """The expert weights a LoRA target list adapts (as `minitrain.adapters.lora_experts.split_targets`)."""
+        if "all-linear" in targets:
+            return list(self.expert_weights())
+        picked = {ALIASES[t] for t in targets if t in ALIASES and self.ALIASED}
+        picked |= {n for n in self.expert_weights() for t in targets if matches(f"mlp.experts.{n}", t)}
+        return [n for n in self.expert_weights() if n in picked]
+
+    def expert_params(self) -> int:
+        """The experts' and routers' parameters."""
+        E, D, L = self.num_experts, self.hidden_size, self.num_hidden_layers
+        return L * (sum(i * o for i, o in self.expert_weights().values()) * E + E * D)
+
+    def expert_weight_terms(self, run: RunShape) -> list[Term]:
+        E, D, L, s = self.num_experts, self.hidden_size, self.num_hidden_layers, run.s
+        if run.quantize == "nf4":  # each matrix's packed weights and absmax; one nf4 table per weight
+            per = sum(nf4_bytes(i * o, double_quant=False) - NF4_CODE for i, o in self.expert_weights().values())
+            per += 2 * NF4_CODE / E
+            how = "per expert: nf4 (0.5 B a weight + an fp32 absmax per 64)"
+        elif run.quantize == "int8":
+            per = sum(int8_bytes(i, o) for i, o in self.expert_weights().values())
+            how = "per expert: int8 + an fp32 scale per row"
+        else:
+            per = sum(i * o for i, o in self.expert_weights().values()) * s
+            how = f"{s} B a weight"
+        return [Term("weights: experts", int(L * E * per), f"{L} layers x {E} experts x (3 x D x F_e), {how}"),
+                Term("weights: routers", L * E * D * s, f"{L} x E x D x {s} B")]
+
+    def expert_tensors(self, run: RunShape) -> list[int]:
+        """Numel of each expert adapter tensor (and a trained router's)."""
+        E, L = self.num_experts, self.num_hidden_layers
+        out = []
+        for name in self.adapted_experts(run.lora_targets):
+            i, o = self.expert_weights()[name]
+            r = run.rank(i, o)
+            out += [E * r * i, E * o * r] * L
+        return out + [E * self.hidden_size] * L * sum(matches("mlp.gate", m) for m in run.modules_to_save)
+
+    def expert_summary(self, run: RunShape) -> str:
+        experts = self.adapted_experts(run.lora_targets)
+        return f" + {len(experts)} expert weights x {self.num_hidden_layers} blocks" if experts else ""
+
+    # the family's terms plus the experts' (this class comes first in the shape's bases)
+    def num_params(self) -> int:
+        return super().num_params() + self.expert_params()
+
+    def weight_terms(self, run: RunShape) -> list[Term]:
+        return super().weight_terms(run) + self.expert_weight_terms(run)
+
+    def trainable_tensors(self, run: RunShape) -> list[int]:
+        return super().trainable_tensors(run) + self.expert_tensors(run)
+
+    def adapted_summary(self, run: RunShape) -> str:
+        return super().adapted_summary(run) + self.expert_summary(run)
+
+    def extra_block_saved(self, run: RunShape) -> list[Term]:
+        """What a sparse block keeps beyond the gated MLP's K x F_e-wide tensors (the module docstring)."""
+        N, s, D, E, K, F = run.tokens, run.s, self.hidden_size, self.num_experts, self.top_k, self.expert_size
+        adapted = self.adapted_experts(run.lora_targets)
+        per = E * (s + 4) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
+        per += K * D * s if "gate_up_proj" in adapted else 0  # the gathered rows gate_up's adapter reads
+        per += K * F * s if "down_proj" in adapted else 0  # the product down's adapter reads
+        per += sum(K * run.rank(*self.expert_weights()[n]) * s for n in adapted)  # the expert LoRA B inputs
+        return [Term("experts: routing, gathered rows, outputs, adapter inputs", N * per, f"{per:,} B per token")]
+
+
 @dataclass(frozen=True)
-class MoeShape(ModelShape):
+class MoeShape(ExpertBlocks, ModelShape):
     """A Qwen3-MoE / Mixtral checkpoint's dims. `intermediate_size` is the gated MLP's width per token
     (K x F_e: the rows its K experts compute), `expert_size` each expert's F_e."""
 
     num_experts: int = 8
     top_k: int = 2
     expert_size: int = 0
+    ALIASED: ClassVar[bool] = True  # the per-expert names (`gate_proj`, `w1`, ...) reach the experts
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral")
     DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {  # transformers' class defaults
         "qwen3_moe": dict(num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
@@ -70,70 +152,11 @@ class MoeShape(ModelShape):
         """Each block's linears: the attention's (the experts are 3-D weights, `expert_weights`)."""
         return {k: v for k, v in super().linears().items() if k.startswith("self_attn.")}
 
-    def expert_weights(self) -> dict[str, tuple[int, int]]:
-        """Each sparse block's expert weights: name -> (in, out) of one expert's matrix."""
-        D, F = self.hidden_size, self.expert_size
-        return {"gate_up_proj": (D, 2 * F), "down_proj": (F, D)}
-
-    def adapted_experts(self, targets) -> list[str]:
-        """The expert weights a LoRA target list adapts (as `minitrain.adapters.lora_experts.split_targets`)."""
-        if "all-linear" in targets:
-            return list(self.expert_weights())
-        picked = {ALIASES[t] for t in targets if t in ALIASES}
-        picked |= {n for n in self.expert_weights() for t in targets if matches(f"mlp.experts.{n}", t)}
-        return [n for n in self.expert_weights() if n in picked]
-
     def describe(self) -> str:
         return (f"{self.num_hidden_layers} layers, hidden {self.hidden_size}, {self.num_experts} experts of "
                 f"{self.expert_size} (top {self.top_k}), vocab {self.vocab_size:,}")
-
-    def num_params(self) -> int:
-        E, D, L = self.num_experts, self.hidden_size, self.num_hidden_layers
-        experts = sum(i * o for i, o in self.expert_weights().values()) * E
-        return super().num_params() + L * (experts + E * D)
-
-    def weight_terms(self, run: RunShape) -> list[Term]:
-        E, D, L, s = self.num_experts, self.hidden_size, self.num_hidden_layers, run.s
-        if run.quantize == "nf4":  # each matrix's packed weights and absmax; one nf4 table per weight
-            per = sum(nf4_bytes(i * o, double_quant=False) - NF4_CODE for i, o in self.expert_weights().values())
-            per += 2 * NF4_CODE / E
-            how = "per expert: nf4 (0.5 B a weight + an fp32 absmax per 64)"
-        elif run.quantize == "int8":
-            per = sum(int8_bytes(i, o) for i, o in self.expert_weights().values())
-            how = "per expert: int8 + an fp32 scale per row"
-        else:
-            per = sum(i * o for i, o in self.expert_weights().values()) * s
-            how = f"{s} B a weight"
-        return super().weight_terms(run) + [
-            Term("weights: experts", int(L * E * per), f"{L} layers x {E} experts x (3 x D x F_e), {how}"),
-            Term("weights: routers", L * E * D * s, f"{L} x E x D x {s} B")]
-
-    def trainable_tensors(self, run: RunShape) -> list[int]:
-        E, L = self.num_experts, self.num_hidden_layers
-        out = super().trainable_tensors(run)
-        for name in self.adapted_experts(run.lora_targets):
-            i, o = self.expert_weights()[name]
-            r = run.rank(i, o)
-            out += [E * r * i, E * o * r] * L
-        out += [E * self.hidden_size] * L * sum(matches("mlp.gate", m) for m in run.modules_to_save)
-        return out
-
-    def adapted_summary(self, run: RunShape) -> str:
-        experts = self.adapted_experts(run.lora_targets)
-        return super().adapted_summary(run) + (f" + {len(experts)} expert weights x {self.num_hidden_layers} blocks"
-                                               if experts else "")
 
     def check_run(self, run: RunShape) -> None:
         if run.full or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None:
             raise UserError("the memory plan models mixture-of-experts LoRA / QLoRA runs in one process (not "
                             "finetune=full, several ranks or a teacher) — memory_check=false skips the plan")
-
-    def extra_block_saved(self, run: RunShape) -> list[Term]:
-        """What a sparse block keeps beyond the gated MLP's K x F_e-wide tensors (the module docstring)."""
-        N, s, D, E, K, F = run.tokens, run.s, self.hidden_size, self.num_experts, self.top_k, self.expert_size
-        adapted = self.adapted_experts(run.lora_targets)
-        per = E * (s + 4) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
-        per += K * D * s if "gate_up_proj" in adapted else 0  # the gathered rows gate_up's adapter reads
-        per += K * F * s if "down_proj" in adapted else 0  # the product down's adapter reads
-        per += sum(K * run.rank(*self.expert_weights()[n]) * s for n in adapted)  # the expert LoRA B inputs
-        return [Term("experts: routing, gathered rows, outputs, adapter inputs", N * per, f"{per:,} B per token")]

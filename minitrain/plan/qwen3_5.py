@@ -22,7 +22,8 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
 - adapters on `in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b` read the normed x (as q / k / v);
   on `out_proj` the gated norm's output (H dv x s).
 
-Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
+The MoE sizes (`Qwen3_5MoeShape`): every MLP the experts, counted as `minitrain.plan.moe` counts them, and a
+shared expert. Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
 steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
 shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning, several ranks,
 distillation and GRPO's sampler (its hybrid cache) are refused with one line. The DeltaNet backward's own
@@ -38,6 +39,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, ModelShape, block_saved
+from minitrain.plan.moe import ExpertBlocks
 from minitrain.plan.run_shape import RunShape, Term
 
 CHUNK = 64  # models.qwen3_5.GatedDeltaNet.chunk_size
@@ -63,17 +65,22 @@ class Qwen3_5Shape(ByBlock, ModelShape):
     mixer: str | None = None
     FAMILY: ClassVar[str] = "Qwen3.5"
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
-    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5")
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+    MOE_DEFAULTS: ClassVar[dict[str, Any]] = {}  # transformers' class defaults of the MoE fields
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Qwen3_5Shape":
-        if d.get("model_type") == "qwen3_5":  # the multimodal checkpoint: its language model
-            d = {**d.get("text_config", {}), "model_type": "qwen3_5_text",
+        """The dense sizes' shape, or the MoE sizes' (`Qwen3_5MoeShape`); a multimodal config.json's language model."""
+        kind = d.get("model_type")
+        if kind in ("qwen3_5", "qwen3_5_moe"):  # the multimodal checkpoint: its language model
+            d = {**d.get("text_config", {}), "model_type": f"{kind}_text",
                  "tie_word_embeddings": d.get("tie_word_embeddings", False)}
-        full = {**DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+        if d.get("model_type") == "qwen3_5_moe_text" and cls is Qwen3_5Shape:
+            return Qwen3_5MoeShape.from_hf(d, where)
+        full = {**DEFAULTS, **cls.MOE_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
         rope = full.get("rope_parameters") or full.get("rope_scaling") or {}
         partial = rope.get("partial_rotary_factor", full["partial_rotary_factor"])
-        dims = cls._dims(full, where, {})
+        dims = cls._dims({**full, **cls.mlp_dims(full)}, where, {})
         L, n = dims["num_hidden_layers"], full["full_attention_interval"]
         types = tuple(full.get("layer_types") or ["full_attention" if (i + 1) % n == 0 else "linear_attention"
                                                   for i in range(L)])
@@ -84,7 +91,17 @@ class Qwen3_5Shape(ByBlock, ModelShape):
         return cls(**dims, qkv_bias=bias, o_bias=bias, qk_norm=True, layer_types=types,
                    rotary_dim=int(dims["head_dim"] * partial), conv_kernel=full["linear_conv_kernel_dim"],
                    key_heads=full["linear_num_key_heads"], value_heads=full["linear_num_value_heads"],
-                   key_dim=full["linear_key_head_dim"], value_dim=full["linear_value_head_dim"])
+                   key_dim=full["linear_key_head_dim"], value_dim=full["linear_value_head_dim"], **cls.moe_fields(full))
+
+    @staticmethod
+    def mlp_dims(full: dict[str, Any]) -> dict[str, Any]:
+        """config.json fields the shape reads differently (dense: none; `intermediate_size` is the MLP's width)."""
+        return {}
+
+    @staticmethod
+    def moe_fields(full: dict[str, Any]) -> dict[str, Any]:
+        """The MoE sizes' own dataclass fields (dense: none)."""
+        return {}
 
     def of(self, mixer: str | None) -> "Qwen3_5Shape":
         return replace(self, mixer=mixer)
@@ -108,8 +125,11 @@ class Qwen3_5Shape(ByBlock, ModelShape):
             out.update({"linear_attn.in_proj_qkv": (D, C), "linear_attn.in_proj_z": (D, Hv * self.value_dim),
                         "linear_attn.in_proj_b": (D, Hv), "linear_attn.in_proj_a": (D, Hv),
                         "linear_attn.out_proj": (Hv * self.value_dim, D)})
-        F = self.intermediate_size
-        return {**out, "mlp.gate_proj": (D, F), "mlp.up_proj": (D, F), "mlp.down_proj": (F, D)}
+        return {**out, **self.mlp_linears()}
+
+    def mlp_linears(self) -> dict[str, tuple[int, int]]:
+        D, F = self.hidden_size, self.intermediate_size
+        return {"mlp.gate_proj": (D, F), "mlp.up_proj": (D, F), "mlp.down_proj": (F, D)}
 
     def layers_with(self, name: str) -> int:
         if name.startswith("mlp."):
@@ -168,3 +188,52 @@ class Qwen3_5Shape(ByBlock, ModelShape):
                 Term("DeltaNet: the state entering each chunk", chunks * H * dk * dv * 4,
                      f"{chunks} chunks x H x dk x dv x 4"),
                 Term("DeltaNet: gated RMSNorm (fp32)", N * (4 * H * dv + H) * 4, "(4 H dv + H) x 4 per token")]
+
+
+@dataclass(frozen=True)
+class Qwen3_5MoeShape(ExpertBlocks, Qwen3_5Shape):
+    """The MoE sizes (35B-A3B, 122B-A10B, 397B-A17B): every block's MLP the experts (`ExpertBlocks`: every
+    expert in memory, each token through K of them) beside a shared expert of width `shared_size`, scaled by
+    sigmoid(`shared_expert_gate`). The gated-MLP terms read `intermediate_size` = K x F_e + F_s (the K
+    experts' rows and the shared expert's); the shared expert's linears are block linears (LLaMA's names
+    select them: peft maps none onto Qwen3.5's experts), and its gated output keeps D x s + s per token."""
+
+    num_experts: int = 256
+    top_k: int = 8
+    expert_size: int = 512
+    shared_size: int = 512
+    ALIASED: ClassVar[bool] = False
+    FAMILY: ClassVar[str] = "Qwen3.5 MoE"
+    FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_moe_text",)
+    MOE_DEFAULTS: ClassVar[dict[str, Any]] = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                                                  shared_expert_intermediate_size=512)
+
+    @staticmethod
+    def mlp_dims(full: dict[str, Any]) -> dict[str, Any]:
+        return {"intermediate_size": full["num_experts_per_tok"] * full["moe_intermediate_size"]
+                + full["shared_expert_intermediate_size"]}
+
+    @staticmethod
+    def moe_fields(full: dict[str, Any]) -> dict[str, Any]:
+        return dict(num_experts=full["num_experts"], top_k=full["num_experts_per_tok"],
+                    expert_size=full["moe_intermediate_size"], shared_size=full["shared_expert_intermediate_size"])
+
+    def mlp_linears(self) -> dict[str, tuple[int, int]]:
+        D, F = self.hidden_size, self.shared_size
+        return {"mlp.shared_expert.gate_proj": (D, F), "mlp.shared_expert.up_proj": (D, F),
+                "mlp.shared_expert.down_proj": (F, D), "mlp.shared_expert_gate": (D, 1)}
+
+    def inputs(self) -> tuple[dict[str, str], dict[str, int]]:
+        """The shared expert's gate_proj / up_proj and its gate read the normed x, its down_proj its F_s-wide product."""
+        of, width = super().inputs()
+        return ({**of, "mlp.shared_expert.gate_proj": "xn2", "mlp.shared_expert.up_proj": "xn2",
+                 "mlp.shared_expert_gate": "xn2", "mlp.shared_expert.down_proj": "shared"},
+                {**width, "shared": self.shared_size})
+
+    def describe(self) -> str:
+        return super().describe() + f", {self.num_experts} experts of {self.expert_size} (top {self.top_k}) + a shared one"
+
+    def extra_block_saved(self, run: RunShape) -> list[Term]:
+        N, s, D = run.tokens, run.s, self.hidden_size
+        return super().extra_block_saved(run) + [
+            Term("shared expert: sigmoid gate x output", N * (D + 1) * s, "(D + 1) x s per token")]

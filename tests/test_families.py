@@ -296,7 +296,7 @@ def test_gemma3_old_config_spelling_equals_v5(tmp_path):
 
 
 @pytest.mark.parametrize("config, named", [
-    ({"model_type": "gemma3"}, "multimodal"),
+    ({"model_type": "gemma3"}, "without text_config / vision_config"),
     ({"model_type": "gemma2", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"model_type": "gemma2", "hidden_activation": "relu"}, "hidden_activation"),
     ({"model_type": "gemma2", "rope_local_base_freq": 10000.0}, "rope_local_base_freq"),

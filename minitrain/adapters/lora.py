@@ -52,7 +52,7 @@ _STATE_ATTR = "minitrain_lora"  # where apply_lora records what it did on the mo
 class LoRAConfig:
     """What to adapt and how. `targets` are module-name suffixes (`q_proj`; T5 `q`, `wi_0`), a
     regular expression matched against the full module name (a string other than "all-linear",
-    as PEFT reads one, or a list of one target that is not a plain name: `lora_targets=model\.visual\..*`;
+    as PEFT reads one, or a list of one target that is not a plain name: `lora_targets=model\\.visual\\..*`;
     it selects the linears among the modules it matches, a vision tower's or merger's too), or
     "all-linear": every linear layer except the model's output head.
     `modules_to_save` are trained fully (embeddings, head): costly, reported loudly.

@@ -688,7 +688,8 @@ def test_dpo_shared_prompt_and_packed_sft_through_the_cli(cli_model, tmp_path, c
 @pytest.mark.parametrize("parallel", ["none", "fsdp"])
 def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, tmp_path, capsys, parallel):
     """`finetune=full` through the CLI on the multimodal folder, in one process and under torchrun with
-    `parallel=fsdp` on 2 ranks (its sharded save, one file at a time): the written folder holds every vision
+    `parallel=fsdp` on 2 ranks (its sharded save, one file at a time; cut after step 1 and finished with
+    resume=true, the ranks' collective sequences equal in both launches): the written folder holds every vision
     tower tensor bit-identical to the input, a trained language model, and loads in transformers as
     the multimodal class with our text logits."""
     from _tok import corpus, make_bpe_tokenizer
@@ -706,9 +707,14 @@ def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, t
             "max_len": 64, "finetune": "full", "lr": 1e-3}
     args = [str(REPO / "recipes" / "sft_llama.py")] + [f"{k}={v}" for k, v in keys.items()]
     if parallel == "fsdp":
-        from test_fsdp_load import torchrun
+        from test_torchrun_resume import launch
 
-        torchrun([*args, "parallel=fsdp", "device=cpu"])
+        args += ["parallel=fsdp", "device=cpu", "save_every=1"]
+        launch(2, [*args, "stop_after=1"])
+        resumed = launch(2, [*args, "resume=true"])
+        assert "resumed from" in resumed.stdout + resumed.stderr
+        steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2]
     else:
         assert run_cli(args) == 0, capsys.readouterr().err
     written = next(p.parent for p in (tmp_path / "out").rglob("config.json") if p.parent.name == "model")

@@ -233,7 +233,9 @@ RECIPES = {  # recipe: (modes it supports under torchrun, extra keys, whether it
     "lora_t5.py": (("ddp", "fsdp"), ("lora_dropout=0",), False),  # (and the tiny T5 has dropout_rate 0)
     "ard_lora_llama.py": (("ddp",), (), True),  # its gates are sampled (it refuses fsdp: they need the whole model)
     "lrc_llama.py": (("ddp",), ("quantize=ternary",), False),  # ternary bases are not sharded
-    "reward_model.py": (("ddp",), (), False),  # (it refuses fsdp)
+    # one row [prompt, chosen rest, rejected rest] per pair (its two-row default resumes bitwise in one process,
+    # tests/test_reward_model.py); it refuses fsdp
+    "reward_model.py": (("ddp",), ("shared_prompt=true",), False),
 }
 EXACT = ("step", "loss", "grad_norm", "tokens", "target_tokens")  # a row's values that a resume must repeat
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 from test_gemma3_vl import VISION as GEMMA3_VISION
-from test_plan import ALL, ROOT, build, measured_step, tensor_bytes
+from test_plan import ALL, ROOT, build, full_model, measured_step, tensor_bytes
 from test_qwen2_5_vl import VISION as QWEN2_5_VISION
 from test_qwen3_vl import HUB_2B
 from test_qwen3_vl import VISION as QWEN3_VISION
@@ -98,14 +98,7 @@ def image_batch(family: str, rows: int = 2, T: int = 192) -> tuple[dict, int]:
 def built(hf: dict, full: bool, dtype=torch.float32) -> torch.nn.Module:
     """finetune=full: every weight trains, the tower's too (fp32); else LoRA on every language-model linear
     (test_plan's `build`: the base in `dtype`, the adapters fp32)."""
-    if not full:
-        return build(hf, dtype, ALL)
-    torch.manual_seed(0)
-    model = models.from_hf_config(hf)
-    model.tie_weights()
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return model
+    return full_model(hf) if full else build(hf, dtype, ALL)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -640,7 +640,9 @@ class Ragged:
             if m > n or (self.window is not None and m > self.window):
                 at = torch.arange(m - n, m, device=q.device)[:, None]  # (n, 1) each query's index among the keys
                 key = torch.arange(m, device=q.device)[None]
-                mask = (key <= at) & (True if self.window is None else at - key < self.window)
+                mask = key <= at
+                if self.window is not None:
+                    mask = mask & (at - key < self.window)
                 mask = mask[None, None]
             out.append(attention(qs, ks, vs, mask)[0].transpose(0, 1))
         return torch.cat(out)
@@ -710,7 +712,8 @@ def forward_unpadded(x: torch.Tensor, valid: torch.Tensor, layout: Ragged,
         if read_at is not None and i == len(layers) - 1:
             flat = (torch.arange(B, device=x.device)[:, None] * T + read_at.reshape(B, -1)).flatten()
             rows = torch.searchsorted(real, flat)  # (M,) into the N rows
-            starts = torch.tensor(layout.lengths, device=x.device).cumsum(0) - torch.tensor(layout.lengths, device=x.device)
+            lengths = torch.tensor(layout.lengths, device=x.device)
+            starts = lengths.cumsum(0) - lengths
             seqs = torch.searchsorted(starts, rows, right=True) - 1
             reads = tuple(zip(seqs.tolist(), (rows - starts[seqs]).tolist()))
             keys = Queries(at_window, reads, layer.input_layernorm(h), cos_n, sin_n)

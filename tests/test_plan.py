@@ -843,6 +843,10 @@ MOE_FAMILIES = {
                       num_experts_per_tok=2, moe_intermediate_size=176, norm_topk_prob=True),
     "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                     intermediate_size=352),
+    # a shared expert beside the routed ones; `gate_proj` / `up_proj` / `down_proj` name its linears (and
+    # `down_proj` the experts' too)
+    "qwen2_moe": dict(model_type="qwen2_moe", num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=176, shared_expert_intermediate_size=352),
 }
 
 
@@ -861,9 +865,9 @@ def test_moe_weights_and_adapters_exact(name, quantize):
         from minitrain.adapters.quant import quantize_hook
 
         hook = quantize_hook(quantize, compute_dtype=torch.float32)
-        for name_, p in list(model.named_parameters()):
-            if name_ != "lm_head.weight" and (p.dim() == 3 or name_.endswith("proj.weight")):
-                assert hook(model, name_, p.data), name_
+        for name_, p in list(model.named_parameters()):  # as the loader: every linear but the head (the hook picks)
+            if name_ != "lm_head.weight":
+                assert hook(model, name_, p.data) or not (p.dim() == 3 or name_.endswith("proj.weight")), name_
     held = list(model.parameters()) + list(model.buffers())
     held += [t for p in model.parameters() for t in quant_state_tensors(p)]
     run = RunShape(rows=1, seq=8, compute="fp32", quantize=quantize or "none")
@@ -876,7 +880,11 @@ def test_moe_weights_and_adapters_exact(name, quantize):
 
 
 MOE_CASES = {"qwen3_moe fp32": dict(), "qwen3_moe fp32 ckpt": dict(ckpt=True), "mixtral fp32": dict(),
-             "qwen3_moe fp32 attention only": dict(targets=ATTN)}
+             "qwen3_moe fp32 attention only": dict(targets=ATTN), "qwen2_moe fp32": dict(),
+             "qwen2_moe fp32 ckpt": dict(ckpt=True), "qwen2_moe bf16": dict(compute="bf16"),
+             "qwen3_moe full fp32": dict(full=True), "mixtral full fp32": dict(full=True),
+             "qwen2_moe full fp32": dict(full=True), "qwen3_moe full bf16": dict(full=True, compute="bf16"),
+             "qwen3_moe full bf16 ckpt": dict(full=True, compute="bf16", ckpt=True)}
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
@@ -885,11 +893,31 @@ def test_moe_step_peak_within_20_percent(case):
     check_sft_step(hf_config(**MOE_FAMILIES[case.split()[0]]), c.pop("targets"), case, **c)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_moe_full_finetune_weights_grads_optimizer_exact(name):
+    """finetune=full on an MoE: every expert, router and shared expert trains; the plan's fp32 weights,
+    gradients and AdamW state are the bytes the model and torch's optimizer hold."""
+    hf = hf_config(**MOE_FAMILIES[name])
+    model = full_model(hf)
+    shape, run = shape_from_hf(hf), RunShape(rows=2, seq=16, compute="bf16", full=True)
+    params = list(model.parameters())
+    assert sum(t.bytes for t in shape.weight_terms(run)) == tensor_bytes(params)
+    assert sum(shape.all_tensors()) == sum(p.numel() for p in params) == shape.num_params()
+    assert sorted(shape.trainable_tensors(run)) == sorted(p.numel() for p in params)
+    opt = build_optimizer(list(model.named_parameters()), 0.0, 1e-3)
+    model.output_projection(model(torch.randint(0, 2048, (2, 16)))).float().pow(2).mean().backward()
+    opt.step()
+    terms = {t.name: t.bytes for t in adapter_terms(shape, run)}
+    assert terms["gradients"] == tensor_bytes(p.grad for p in params)
+    assert terms["optimizer (AdamW)"] == tensor_bytes(v for st in opt.state.values() for v in st.values())
+
+
 def test_moe_runs_the_plan_does_not_model_are_one_line():
-    with pytest.raises(UserError, match="every layer is sparse"):
-        shape_from_hf(hf_config(**MOE_FAMILIES["qwen3_moe"], mlp_only_layers=[1]))
-    with pytest.raises(UserError, match="mixture-of-experts LoRA / QLoRA runs in one process"):
-        predict(shape_from_hf(hf_config(**MOE_FAMILIES["mixtral"])), RunShape(rows=1, seq=8, full=True))
+    for name in ("qwen3_moe", "qwen2_moe"):
+        with pytest.raises(UserError, match="every layer is sparse"):
+            shape_from_hf(hf_config(**MOE_FAMILIES[name], mlp_only_layers=[1]))
+    with pytest.raises(UserError, match="mixture-of-experts runs in one process"):
+        predict(shape_from_hf(hf_config(**MOE_FAMILIES["mixtral"])), RunShape(rows=1, seq=8, full=True, world=2))
 
 
 # ----------------------------------------------------------------------------- Qwen3.5 (Gated DeltaNet hybrid)
@@ -980,19 +1008,19 @@ def test_qwen3_5_step_peak_within_20_percent(case):
         check_sft_step(hf_config(**QWEN3_5), ALL + DELTANET, case, **QWEN3_5_CASES[case])
 
 
-def check_sft_step(hf: dict, targets, case: str, ckpt: bool = False, compute: str = "fp32") -> None:
+def check_sft_step(hf: dict, targets, case: str, ckpt: bool = False, compute: str = "fp32", full: bool = False) -> None:
     """The plan's activation peak + gradients against a LoRA SFT step's measured CPU peak (4 padded rows
-    of 256), within 20%."""
+    of 256), within 20% (`full`: a full fine-tuning step's; fp32 weights under autocast too)."""
     from minitrain.objectives.sft import sft
 
-    model = build(hf, torch.bfloat16 if compute == "bf16" else torch.float32, targets)
+    model = full_model(hf) if full else build(hf, torch.bfloat16 if compute == "bf16" else torch.float32, targets)
     if ckpt:
         enable_checkpointing(model)
     batch = batch_of(4, 256, 2048)
     measured = measured_step(model, sft, batch, autocast=compute == "bf16")
     run = RunShape(rows=4, seq=256, compute=compute, lora_targets=targets, checkpointing=ckpt,
                    targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
-                   real_tokens=int(batch["attention_mask"].sum()))
+                   real_tokens=int(batch["attention_mask"].sum()), full=full)
     plan = predict(shape_from_hf(hf), run)
     predicted = plan.activation_peak + plan.term("gradients")
     assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))

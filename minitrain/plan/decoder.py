@@ -27,7 +27,7 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
 
 
 PLANNED = ("LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5 (dense and MoE), Gemma 2, Gemma 3 (text and multimodal), "
-           "Gemma 4 (dense), Phi-3, Qwen2.5-VL, Qwen3-VL, Qwen3-MoE, Mixtral and T5")
+           "Gemma 4 (dense), Phi-3, Qwen2.5-VL, Qwen3-VL, Qwen3-MoE, Qwen2-MoE, Mixtral and T5")
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,11 @@ class ModelShape:
         block += ([D] if self.o_bias else []) + ([F, F, D] if self.mlp_bias else [])
         return [V * D] * (1 if self.tie_word_embeddings else 2) + block * L + [D]
 
+    def block_matrices(self) -> int:
+        """Numel of one block's weight matrices: what its weight gradients and autocast's bf16 copies hold
+        under full fine-tuning (here its linears; an MoE's experts and router too)."""
+        return sum(i * o for i, o in self.linears().values())
+
     def trainable_tensors(self, run: "RunShape") -> list[int]:
         return trainable_tensors(self, run)
 
@@ -347,7 +352,7 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     terms += model.attention_saved(run)
     terms.append(Term("gated MLP: gate, act, up", N * 3 * F * s, "3 x F x s per token"))
     if run.full:
-        return terms + _full_block_saved(model, run)
+        return terms + _full_block_saved(model, run) + model.extra_block_saved(run)
     kept_attn = not any(t.name.startswith("attention q, k, v, out") for t in terms)  # SDPA keeps its output
     if run.cast_copies:
         kept = sum(lin[n][0] for n in adapted)  # one copy per adapter
@@ -379,9 +384,13 @@ def _full_block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     bf16 cast of the fp32 normed x. The bf16 weight copies are `_weight_copies`."""
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
     casts = 5 * D if s < 4 else 2 * D  # q, k, v, gate, up: own casts; else xn and xn2, shared
-    return [Term("norms' normalised inputs (weight grads)", N * 2 * D * 4, "2 x D x 4 per token"),
-            Term("linear inputs kept for weight grads", N * (casts + F) * s,
-                 f"({'5' if s < 4 else '2'} D + F) x {s} B per token")]
+    terms = [Term("norms' normalised inputs (weight grads)", N * 2 * D * 4, "2 x D x 4 per token"),
+             Term("linear inputs kept for weight grads", N * (casts + F) * s,
+                  f"({'5' if s < 4 else '2'} D + F) x {s} B per token")]
+    if model.qk_norm:  # Qwen3's q / k norms, trained too: their normalised queries and keys
+        terms.append(Term("q/k norms' normalised inputs (weight grads)", N * (model.q_width + model.kv_width) * 4,
+                          "(Hq + Hk) x 4 per token"))
+    return terms
 
 
 def _weight_copies(model: ModelShape, run: RunShape, blocks: int, head: bool) -> list[Term]:
@@ -389,10 +398,10 @@ def _weight_copies(model: ModelShape, run: RunShape, blocks: int, head: bool) ->
     `blocks` blocks' linears (+ the head's, while the loss runs), kept by the matmuls for backward."""
     if not run.full or run.s == 4:
         return []
-    n = blocks * sum(i * o for i, o in model.linears().values())
+    n = blocks * model.block_matrices()
     n += model.vocab_size * model.hidden_size if head else 0
     return [Term("autocast: bf16 copies of the weights", n * run.s,
-                 f"{n:,} x {run.s} B ({blocks} blocks' linears{' + head' if head else ''})")]
+                 f"{n:,} x {run.s} B ({blocks} blocks' weights{' + head' if head else ''})")]
 
 
 def _full_grads(model: ModelShape, run: RunShape) -> dict[str, list[Term]]:
@@ -406,7 +415,7 @@ def _full_grads(model: ModelShape, run: RunShape) -> dict[str, list[Term]]:
 def _grads_of(model: ModelShape, blocks: int) -> Term:
     """Full fine-tuning: the fp32 gradients of the head, the final norm and the last `blocks` blocks."""
     D, V = model.hidden_size, model.vocab_size
-    n = V * D + D + blocks * (sum(i * o for i, o in model.linears().values()) + 2 * D)
+    n = V * D + D + blocks * (model.block_matrices() + 2 * D)
     which = {0: "", 1: ", one block"}.get(blocks, f", {blocks} blocks")
     return Term(f"gradients: head, final norm{which}",
                 n * 4, f"{n:,} x 4 B")

@@ -1,4 +1,4 @@
-"""The memory plan of a mixture-of-experts checkpoint (Qwen3-MoE, Mixtral): every expert in memory.
+"""The memory plan of a mixture-of-experts checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral): every expert in memory.
 
 LLaMA's method (`minitrain.plan.decoder`) over Qwen3 / Mistral attention, with the MLP of each layer
 the experts: E gated MLPs of width F_e, of which each token goes through K. What differs:
@@ -14,14 +14,20 @@ the experts: E gated MLPs of width F_e, of which each token goes through K. What
   probabilities, the K choices and weights, the gathered rows an adapted `gate_up_proj` reads, the
   rows an adapted `down_proj` reads and the experts' outputs before their routing weights.
 
+Qwen2-MoE (`Qwen2MoeShape`) adds a shared expert to every block (`SharedExpert`, as Qwen3.5's MoE sizes).
+Full fine-tuning: every expert and router trains in fp32 (`all_tensors`, `block_matrices`: the gradients
+and autocast's bf16 copies); a block keeps the gathered rows its experts' `gate_up_proj` read for their
+weight gradients besides LLaMA's full terms.
+
 `ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) add them too.
-Modelled: LoRA / QLoRA runs in one process, every layer sparse. Full fine-tuning, several ranks, and
-a Qwen3-MoE with dense layers (`mlp_only_layers`, `decoder_sparse_step`) are refused with one line.
+Modelled: LoRA / QLoRA and full fine-tuning in one process, every layer sparse (measured against the CPU
+in tests/test_plan.py). Several ranks, a teacher, gpt-oss, and a Qwen3-MoE / Qwen2-MoE with dense layers
+(`mlp_only_layers`, `decoder_sparse_step`) are refused with one line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
@@ -57,12 +63,17 @@ class ExpertBlocks:
         picked |= {n for n in self.expert_weights() for t in targets if matches(f"mlp.experts.{n}", t)}
         return [n for n in self.expert_weights() if n in picked]
 
+    def expert_matrices(self) -> int:
+        """Numel of one sparse block's expert weights and router."""
+        return sum(i * o for i, o in self.expert_weights().values()) * self.num_experts + self.num_experts * self.hidden_size
+
     def expert_params(self) -> int:
         """The experts' and routers' parameters."""
-        E, D, L = self.num_experts, self.hidden_size, self.num_hidden_layers
-        return L * (sum(i * o for i, o in self.expert_weights().values()) * E + E * D)
+        return self.num_hidden_layers * self.expert_matrices()
 
     def expert_weight_terms(self, run: RunShape) -> list[Term]:
+        if run.full:  # full fine-tuning loads every weight in fp32: they are the master weights
+            run = replace(run, compute="fp32")
         E, D, L, s = self.num_experts, self.hidden_size, self.num_hidden_layers, run.s
         if run.quantize == "nf4":  # each matrix's packed weights and absmax; one nf4 table per weight
             per = sum(nf4_bytes(i * o, double_quant=False) - NF4_CODE for i, o in self.expert_weights().values())
@@ -80,6 +91,8 @@ class ExpertBlocks:
     def expert_tensors(self, run: RunShape) -> list[int]:
         """Numel of each expert adapter tensor (and a trained router's)."""
         E, L = self.num_experts, self.num_hidden_layers
+        if run.full:  # every weight, the experts' and routers' among them (`all_tensors`)
+            return []
         out = []
         for name in self.adapted_experts(run.lora_targets):
             i, o = self.expert_weights()[name]
@@ -95,6 +108,14 @@ class ExpertBlocks:
     def num_params(self) -> int:
         return super().num_params() + self.expert_params()
 
+    def all_tensors(self) -> list[int]:
+        E, D = self.num_experts, self.hidden_size
+        per = [E * i * o for i, o in self.expert_weights().values()] + [E * D]
+        return super().all_tensors() + per * self.num_hidden_layers
+
+    def block_matrices(self) -> int:
+        return super().block_matrices() + self.expert_matrices()
+
     def weight_terms(self, run: RunShape) -> list[Term]:
         return super().weight_terms(run) + self.expert_weight_terms(run)
 
@@ -107,12 +128,39 @@ class ExpertBlocks:
     def extra_block_saved(self, run: RunShape) -> list[Term]:
         """What a sparse block keeps beyond the gated MLP's K x F_e-wide tensors (the module docstring)."""
         N, s, D, E, K, F = run.tokens, run.s, self.hidden_size, self.num_experts, self.top_k, self.expert_size
-        adapted = self.adapted_experts(run.lora_targets)
+        adapted = list(self.expert_weights()) if run.full else self.adapted_experts(run.lora_targets)
         per = E * (s + 4) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
-        per += K * D * s if "gate_up_proj" in adapted else 0  # the gathered rows gate_up's adapter reads
-        per += K * F * s if "down_proj" in adapted else 0  # the product down's adapter reads
-        per += sum(K * run.rank(*self.expert_weights()[n]) * s for n in adapted)  # the expert LoRA B inputs
+        per += K * D * s if "gate_up_proj" in adapted else 0  # the gathered rows gate_up's weight grad reads
+        # the product down's weight grad reads (full fine-tuning: `_full_block_saved` counts it, as F)
+        per += K * F * s if "down_proj" in adapted and not run.full else 0
+        if not run.full:  # the expert LoRA B inputs
+            per += sum(K * run.rank(*self.expert_weights()[n]) * s for n in adapted)
         return [Term("experts: routing, gathered rows, outputs, adapter inputs", N * per, f"{per:,} B per token")]
+
+
+class SharedExpert:
+    """A shared expert of width `shared_size` beside the routed ones, scaled by sigmoid(`shared_expert_gate`)
+    (Qwen2-MoE, Qwen3.5's MoE sizes). Its linears are block linears (`shared_linears`, which LLaMA's names
+    select): gate_proj / up_proj and the gate read the normed x, down_proj its F_s-wide product; its gated
+    output keeps D x s + s per token. The gated-MLP terms read `intermediate_size` = K x F_e + F_s."""
+
+    shared_size: int
+
+    def shared_linears(self) -> dict[str, tuple[int, int]]:
+        D, F = self.hidden_size, self.shared_size
+        return {"mlp.shared_expert.gate_proj": (D, F), "mlp.shared_expert.up_proj": (D, F),
+                "mlp.shared_expert.down_proj": (F, D), "mlp.shared_expert_gate": (D, 1)}
+
+    def inputs(self) -> tuple[dict[str, str], dict[str, int]]:
+        of, width = super().inputs()
+        return ({**of, "mlp.shared_expert.gate_proj": "xn2", "mlp.shared_expert.up_proj": "xn2",
+                 "mlp.shared_expert_gate": "xn2", "mlp.shared_expert.down_proj": "shared"},
+                {**width, "shared": self.shared_size})
+
+    def extra_block_saved(self, run: RunShape) -> list[Term]:
+        N, s, D = run.tokens, run.s, self.hidden_size
+        return super().extra_block_saved(run) + [
+            Term("shared expert: sigmoid gate x output", N * (D + 1) * s, "(D + 1) x s per token")]
 
 
 @dataclass(frozen=True)
@@ -157,6 +205,39 @@ class MoeShape(ExpertBlocks, ModelShape):
                 f"{self.expert_size} (top {self.top_k}), vocab {self.vocab_size:,}")
 
     def check_run(self, run: RunShape) -> None:
-        if run.full or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None:
-            raise UserError("the memory plan models mixture-of-experts LoRA / QLoRA runs in one process (not "
-                            "finetune=full, several ranks or a teacher) — memory_check=false skips the plan")
+        if run.world > 1 or run.parallel == "fsdp" or run.teacher is not None:
+            raise UserError("the memory plan models mixture-of-experts runs in one process (not several ranks or "
+                            "a teacher) — memory_check=false skips the plan")
+
+
+@dataclass(frozen=True)
+class Qwen2MoeShape(SharedExpert, MoeShape):
+    """A Qwen2-MoE checkpoint's dims: Qwen2's attention (q / k / v biases) and, in every block, the routed
+    experts (top K, not renormalised by default: no difference in memory) beside the shared expert."""
+
+    shared_size: int = 5632
+    ALIASED: ClassVar[bool] = False  # `gate_proj` / `up_proj` / `down_proj` name the shared expert's linears (as in peft)
+    FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe",)
+    DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {  # transformers' class defaults
+        "qwen2_moe": dict(num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                          shared_expert_intermediate_size=5632),
+    }
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Qwen2MoeShape":
+        full = {**cls.DEFAULTS["qwen2_moe"], **{k: v for k, v in d.items() if v is not None}}
+        if full.get("mlp_only_layers") or full.get("decoder_sparse_step", 1) != 1:
+            raise UserError(f"{where}: dense layers among the sparse ones (mlp_only_layers / decoder_sparse_step) — "
+                            f"the memory plan models mixture-of-experts checkpoints whose every layer is sparse; "
+                            f"memory_check=false skips the plan")
+        K, Fe, Fs = full["num_experts_per_tok"], full["moe_intermediate_size"], full["shared_expert_intermediate_size"]
+        dims = cls._dims({**full, "intermediate_size": K * Fe + Fs}, where, {})
+        window = full.get("sliding_window") if full.get("use_sliding_window") else None
+        return cls(**dims, sliding_window=window, qkv_bias=bool(full.get("qkv_bias", True)),
+                   num_experts=full["num_experts"], top_k=K, expert_size=Fe, shared_size=Fs)
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        return {**super().linears(), **self.shared_linears()}
+
+    def describe(self) -> str:
+        return super().describe() + f" + a shared one of {self.shared_size}"

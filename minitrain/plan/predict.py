@@ -69,7 +69,7 @@ from minitrain.errors import UserError
 from minitrain.plan.decoder import (GemmaShape, ModelShape, Phi3Shape, adapter_terms, reward_model_terms,
                                     sampling_terms, teacher_weight_terms)
 from minitrain.plan.run_shape import DTYPE_BYTES, Plan, RunShape, Term
-from minitrain.plan.moe import MoeShape
+from minitrain.plan.moe import MoeShape, Qwen2MoeShape
 from minitrain.plan.gemma4 import Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5Shape
 from minitrain.plan.t5 import T5Shape
@@ -86,8 +86,9 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
         return GemmaShape.from_hf(d, where)
     if kind in Phi3Shape.FAMILIES:
         return Phi3Shape.from_hf(d, where)
-    if kind in MoeShape.FAMILIES:
-        return MoeShape.from_hf(d, where)
+    for moe in (MoeShape, Qwen2MoeShape):
+        if kind in moe.FAMILIES:
+            return moe.from_hf(d, where)
     if kind in Gemma4Shape.MODEL_TYPES:
         return Gemma4Shape.from_hf(d, where)
     if kind in Qwen3_5Shape.MODEL_TYPES:

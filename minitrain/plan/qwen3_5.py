@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, ModelShape, block_saved
-from minitrain.plan.moe import ExpertBlocks
+from minitrain.plan.moe import ExpertBlocks, SharedExpert
 from minitrain.plan.run_shape import RunShape, Term
 
 CHUNK = 64  # models.qwen3_5.GatedDeltaNet.chunk_size
@@ -191,12 +191,11 @@ class Qwen3_5Shape(ByBlock, ModelShape):
 
 
 @dataclass(frozen=True)
-class Qwen3_5MoeShape(ExpertBlocks, Qwen3_5Shape):
+class Qwen3_5MoeShape(SharedExpert, ExpertBlocks, Qwen3_5Shape):
     """The MoE sizes (35B-A3B, 122B-A10B, 397B-A17B): every block's MLP the experts (`ExpertBlocks`: every
     expert in memory, each token through K of them) beside a shared expert of width `shared_size`, scaled by
-    sigmoid(`shared_expert_gate`). The gated-MLP terms read `intermediate_size` = K x F_e + F_s (the K
-    experts' rows and the shared expert's); the shared expert's linears are block linears (LLaMA's names
-    select them: peft maps none onto Qwen3.5's experts), and its gated output keeps D x s + s per token."""
+    sigmoid(`shared_expert_gate`) (`SharedExpert`; LLaMA's names select its linears: peft maps none onto
+    Qwen3.5's experts)."""
 
     num_experts: int = 256
     top_k: int = 8
@@ -219,21 +218,7 @@ class Qwen3_5MoeShape(ExpertBlocks, Qwen3_5Shape):
                     expert_size=full["moe_intermediate_size"], shared_size=full["shared_expert_intermediate_size"])
 
     def mlp_linears(self) -> dict[str, tuple[int, int]]:
-        D, F = self.hidden_size, self.shared_size
-        return {"mlp.shared_expert.gate_proj": (D, F), "mlp.shared_expert.up_proj": (D, F),
-                "mlp.shared_expert.down_proj": (F, D), "mlp.shared_expert_gate": (D, 1)}
-
-    def inputs(self) -> tuple[dict[str, str], dict[str, int]]:
-        """The shared expert's gate_proj / up_proj and its gate read the normed x, its down_proj its F_s-wide product."""
-        of, width = super().inputs()
-        return ({**of, "mlp.shared_expert.gate_proj": "xn2", "mlp.shared_expert.up_proj": "xn2",
-                 "mlp.shared_expert_gate": "xn2", "mlp.shared_expert.down_proj": "shared"},
-                {**width, "shared": self.shared_size})
+        return self.shared_linears()
 
     def describe(self) -> str:
         return super().describe() + f", {self.num_experts} experts of {self.expert_size} (top {self.top_k}) + a shared one"
-
-    def extra_block_saved(self, run: RunShape) -> list[Term]:
-        N, s, D = run.tokens, run.s, self.hidden_size
-        return super().extra_block_saved(run) + [
-            Term("shared expert: sigmoid gate x output", N * (D + 1) * s, "(D + 1) x s per token")]

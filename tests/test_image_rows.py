@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -364,8 +365,8 @@ def test_the_token_store_keeps_image_rows_as_the_readers_make_them(vlm, own_data
     name, read = STORE_READERS[kind]
     data = str(own_data / name)
     ref = read(data, tok, max_len=256, images=images)
-    stores = [store_build.open_or_build(tmp_path / f"cache{w}", [data], kind, read, tok, {"max_len": 256, "images": images},
-                                        workers=w) for w in (1, 2)]
+    stores = [store_build.open_or_build(tmp_path / f"cache{w}", [data], kind, read, tok,
+                                        {"max_len": 256, "images": images}, workers=w) for w in (1, 2)]
     for store in stores:
         assert list(store) == list(ref) and store[-1] == ref[-1]
         assert store.carries("images").tolist() == [bool(ex.get("images")) for ex in ref]
@@ -381,9 +382,9 @@ def test_the_token_store_keeps_image_rows_as_the_readers_make_them(vlm, own_data
 
 
 def test_a_changed_or_removed_image_rebuilds_the_store(vlm, own_data, tmp_path, capsys):
-    """The store records each image file's size and mtime: one changed (another size: another token count) is a
-    new build, with a note, equal to the in-memory rows again; one removed is the reader's one line (file and row);
-    other processing settings (max_pixels) are another store."""
+    """The store records each image file's size and mtime: one changed (another size: another token count), or
+    only touched, is a new build, with a note, equal to the in-memory rows again; one removed is the reader's one
+    line (file and row); other processing settings (max_pixels) are another store."""
     tok, images = image_reading(vlm)
     data, cache = str(own_data / "rows.jsonl"), tmp_path / "cache"
 
@@ -392,17 +393,23 @@ def test_a_changed_or_removed_image_rebuilds_the_store(vlm, own_data, tmp_path, 
                                          workers=1)
 
     first = opened()
+    assert "token store built" in capsys.readouterr().out
+    assert opened().folder == first.folder and "token store built" not in capsys.readouterr().out  # a cache hit
     pad = images.token_id
     assert first[1]["input_ids"].count(pad) == 10
-    assert opened().folder == first.folder and "built" not in capsys.readouterr().out.split("\n", 2)[-1]
-    capsys.readouterr()
     Image.fromarray(np.zeros((40, 40, 3), dtype=np.uint8)).save(own_data / "img" / "b.png")  # 40 x 17 before
     again = opened()
     out = capsys.readouterr().out
-    assert f"note: data_cache: {first.folder}: out of date (image {own_data / 'img' / 'b.png'} changed since the build)" \
-           f" — rebuilding it" in out and "token store built" in out
+    changed = f"image {own_data / 'img' / 'b.png'} changed since the build"
+    assert f"note: data_cache: {first.folder}: out of date ({changed}) — rebuilding it" in out
+    assert "token store built" in out
     assert again.folder == first.folder and again[1]["input_ids"].count(pad) == 16
     assert list(again) == list(read_sft(data, tok, max_len=256, images=images))
+    a = own_data / "img" / "a.png"
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))  # the same bytes, touched: rebuilt too
+    capsys.readouterr()
+    opened()
+    assert f"out of date (image {a} changed since the build)" in capsys.readouterr().out
     other = dataclasses.replace(images, spec=dataclasses.replace(images.spec, max_pixels=16 * 16))
     assert opened(other).folder != first.folder
     (own_data / "img" / "c.png").unlink()
@@ -424,8 +431,9 @@ def test_an_image_gone_after_the_store_opened_is_one_line_naming_file_and_row(vl
     with pytest.raises(UserError, match=rf"^{data}:2: image {own_data / 'img' / 'b.png'} does not exist"):
         collate([store[0], store[1]])
     capsys.readouterr()
-    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={data}", f"out={tmp_path / 'out'}",
-                    "max_steps=1", "device=cpu", "max_len=256", f"data_cache={tmp_path / 'cache'}"])
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={data}",
+                    f"out={tmp_path / 'out'}", "max_steps=1", "device=cpu", "max_len=256",
+                    f"data_cache={tmp_path / 'cache'}"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and f"{data}:2: image {own_data / 'img' / 'b.png'} does not exist" in lines[0]
     assert not (tmp_path / "out").exists()
@@ -446,8 +454,8 @@ def test_a_run_on_the_store_logs_the_losses_of_the_in_memory_run(vlm, own_data, 
         capsys.readouterr()
         code = run_cli([str(REPO / "recipes" / recipe), f"model={vlm['model']}", f"data={own_data / name}",
                         f"out={out}", "max_steps=2", batch, "lora_r=4", "lora_alpha=8", "device=cpu",
-                        "max_len=256", "log_every=1", f"eval_data={own_data / name}", "eval_every=2", f"data_cache={cache}",
-                        "data_workers=2"])
+                        "max_len=256", "log_every=1", f"eval_data={own_data / name}", "eval_every=2",
+                        f"data_cache={cache}", "data_workers=2"])
         log, err = capsys.readouterr()
         assert code == 0, err
         assert ("token store built" in log + err) == (cache != "false")

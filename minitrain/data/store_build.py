@@ -234,7 +234,8 @@ class PartWriter:
         for f in self._files.values():
             f.close()
         write_image_files(self.folder, self.image_files)
-        return {"n": self.n, "order": self.order, "values": self.values, "texts": self.texts, "per_chunk": self.per_chunk,
+        return {"n": self.n, "order": self.order, "values": self.values, "texts": self.texts,
+                "per_chunk": self.per_chunk,
                 "per_source": self.per_source, "counts": {k: getattr(self, k) for k in COUNTS}, "shapes": self.shapes}
 
 

@@ -52,6 +52,7 @@ from minitrain.data.packing import collate_packed_causal
 from minitrain.data.files import data_sources
 from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_source, mixture, read_preference, read_prompts,
                                     read_seq2seq, read_sft, read_unpaired)
+from minitrain.data.store import carries
 from minitrain.data.store_build import default_cache, open_or_build
 from minitrain.device import base_dtype, pick_device, resolve_attention
 from minitrain.errors import UserError
@@ -568,8 +569,8 @@ def read_data(cfg: Any, data: str, kind: str, tok: Tokenizer, options: dict[str,
                 f"memory; pass data_cache=<a writable folder> to keep a token store")
             cache = "false"
     # GRPO's prompts carry their rows' other columns for the reward functions: kept in memory, never in a store
-    # image rows too: the token store does not keep image paths yet
-    if cache.lower() in ("false", "off", "no", "none", "0", "") or kind == "prompts" or options.get("images"):
+    # (image rows of the other readers go into it: their paths and data row kept, the images decoded per batch)
+    if cache.lower() in ("false", "off", "no", "none", "0", "") or kind == "prompts":
         parts = [read(s, tok, **options) for s in sources]
         examples = parts[0] if len(parts) == 1 else Examples(
             [ex for p in parts for ex in p], path=data,
@@ -610,7 +611,7 @@ def load_image_examples(cfg: Any, tok: Tokenizer, kind: str, **options: Any
     images are refused under `packing=true` or `shared_prompt=true`, whose rows do not carry them yet."""
     images = image_rows(cfg, tok)
     train, evals = load_examples(cfg, tok, kind, **options, **({"images": images} if images else {}))
-    if images is not None and any(ex.get("images") for examples in (train, evals or []) for ex in examples):
+    if images is not None and any(carries(examples).any() for examples in (train, evals or [])):
         for key, what in (("packing", "packed"), ("shared_prompt", "run as one shared-prompt row")):
             if getattr(cfg, key, False):
                 raise UserError(f"{key}=true: {cfg.data} has rows with images, which are not {what} yet — set "

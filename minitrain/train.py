@@ -44,6 +44,7 @@ from minitrain.audit import preflight
 from minitrain.config import checkpointed_blocks, to_dict
 from minitrain.data.batcher import Batcher
 from minitrain.data.collate import IGNORE_INDEX
+from minitrain.data.store import carries
 from minitrain.device import resolve_precision, set_attention
 from minitrain.ema import EMA, attach
 from minitrain.errors import UserError
@@ -544,8 +545,9 @@ def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg
     rows, the shortest of them, so that the path from the images (a trained tower or projector) is audited.
     """
     lengths = np.asarray(_lengths(examples), dtype=np.float64)
-    if getattr(examples, "batch_lengths", None) is None and any(ex.get("images") for ex in examples):
-        lengths[[not ex.get("images") for ex in examples]] = np.inf
+    marks = carries(examples, "images")  # a token store's from its offsets, without building the examples
+    if marks.any():
+        lengths[~marks] = np.inf
     return _to_device(collate([audit_slice(examples[int(np.argmin(lengths))])]), device)
 
 

@@ -322,6 +322,21 @@ def test_rows_equal_the_processor(g3dir):
     assert [ex["input_ids"].count(images.token_id) for ex in examples] == [4, 4, 12, 0]
 
 
+def test_the_token_store_keeps_gemma3_image_rows(g3dir, tmp_path, monkeypatch):
+    """Gemma 3's image rows (each `<start_of_image>` expanded, its frame's newlines tokenized with the text) read
+    back from the token store, built by 2 workers over chunks of one row, equal to the reader's lists; Gemma 3's
+    processing (`SquareSpec`: size, soft tokens) is in the store's fingerprint."""
+    from minitrain.data import store_build
+    from minitrain.data.readers import read_sft
+
+    monkeypatch.setattr(store_build, "CHUNK", 1)
+    examples, images, tok = rows_of(g3dir)
+    store = store_build.open_or_build(tmp_path, [str(g3dir["data"])], "sft", read_sft, tok,
+                                      {"max_len": 256, "images": images}, workers=2)
+    assert list(store) == list(examples) and store.carries("images").tolist() == [True, True, True, False]
+    assert store.header["fingerprint"]["options"]["images"]["spec"]["tokens_per_image"] == 4
+
+
 def test_collated_loss_equals_transformers(g3dir):
     from minitrain.data.collate import collate_causal
     from minitrain.data.images import collate_images

@@ -7,12 +7,17 @@ Rows in TRL's shape (content parts `{"type": "image", "image": path}`) and with 
 relative to the data file's folder. Checked: each image's placeholder expanded to its token count, image
 tokens and the prompt masked, images decoded per batch; the loss of a collated batch equals transformers'
 on the same ids and pixels; a LoRA SFT run from the CLI with the tower frozen (no adapter on it, the
-audit quiet); one-line errors for a missing image and for images given to a text-only checkpoint.
+audit quiet); one-line errors for a missing image and for images given to a text-only checkpoint. The token
+store (`data_cache=`) keeps SFT, DPO and KTO image rows (paths and data row) equal to the readers' lists, built
+by one worker or two, rebuilt when an image file changes; runs on it log the losses of the in-memory runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +33,13 @@ from test_qwen3_vl import VISION as VISION3
 import models
 from minitrain.cli import run_cli
 from minitrain.data.collate import IGNORE_INDEX, collate_causal
+from minitrain.data import store_build
 from minitrain.data.images import ImageRows, ImageSpec, collate_images
-from minitrain.data.readers import read_sft
+from minitrain.data.readers import read_preference, read_sft, read_unpaired
+from minitrain.data.store import carries
 from minitrain.errors import UserError
+from minitrain.objectives.kto import add_kl_rows
+from minitrain.run import with_images
 from minitrain.text.tokenizer import Tokenizer
 from minitrain.weights import load_pretrained
 
@@ -307,3 +316,152 @@ def test_packing_refuses_image_rows_and_packs_text_rows(vlm, tmp_path, capsys):
     code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={text}", f"out={tmp_path / 'out'}",
                     "max_steps=1", "device=cpu", "packing=true", "batch_size=2", "lora_r=4"])
     assert code == 0, capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the token store (data_cache=)
+
+
+def pair_rows(data: Path) -> Path:
+    """data/pairs.jsonl (DPO) and data/kto.jsonl (KTO) beside rows.jsonl: prompts with images (a part with a path, an
+    images column) and one without; returns the folder."""
+    ask = [{"role": "user", "content": [part("img/a.png"), text("What is it?")]}]
+    two = [{"role": "user", "content": "Compare them."}]
+    plain = [{"role": "user", "content": "Say hi."}]
+    pairs = [{"prompt": ask, "chosen": "A red cat.", "rejected": "Nothing."},
+             {"images": ["img/c.png", "img/b.png"], "prompt": two, "chosen": "The same.", "rejected": "Unlike."},
+             {"prompt": plain, "chosen": "Hi.", "rejected": "No."}]
+    (data / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    kto = [{"prompt": p["prompt"], "completion": p[k], "label": k == "chosen", **({"images": p["images"]}
+                                                                               if "images" in p else {})}
+           for p in pairs for k in ("chosen", "rejected")]
+    (data / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kto))
+    return data
+
+
+@pytest.fixture
+def own_data(vlm, tmp_path) -> Path:
+    """A copy of the rows and images (rows.jsonl, pairs.jsonl, kto.jsonl, img/) that a test may change."""
+    shutil.copytree(vlm["data"].parent, tmp_path / "data")
+    return pair_rows(tmp_path / "data")
+
+
+def image_reading(vlm) -> tuple[Tokenizer, ImageRows]:
+    tok = Tokenizer.from_folder(vlm["model"])
+    config = json.loads((vlm["model"] / "config.json").read_text())
+    return tok, ImageRows.from_checkpoint(config, PRE, lambda i: tok.decode([i], skip_special=False))
+
+
+STORE_READERS = {"sft": ("rows.jsonl", read_sft), "preference": ("pairs.jsonl", read_preference),
+                 "unpaired": ("kto.jsonl", read_unpaired)}
+
+
+@pytest.mark.parametrize("kind", list(STORE_READERS))
+def test_the_token_store_keeps_image_rows_as_the_readers_make_them(vlm, own_data, tmp_path, monkeypatch, kind):
+    """SFT, DPO and KTO rows with images (and one without) read back from the store equal to the readers' lists,
+    every key (`images` and `where` only on rows with images, as in memory); 2 workers write the same arrays as
+    1 (chunks of one row: each worker takes every other row)."""
+    monkeypatch.setattr(store_build, "CHUNK", 1)
+    tok, images = image_reading(vlm)
+    name, read = STORE_READERS[kind]
+    data = str(own_data / name)
+    ref = read(data, tok, max_len=256, images=images)
+    stores = [store_build.open_or_build(tmp_path / f"cache{w}", [data], kind, read, tok,
+                                        {"max_len": 256, "images": images}, workers=w) for w in (1, 2)]
+    for store in stores:
+        assert list(store) == list(ref) and store[-1] == ref[-1]
+        assert store.carries("images").tolist() == [bool(ex.get("images")) for ex in ref]
+        assert [store[i].get("where") for i in range(len(ref))] == [ex.get("where") for ex in ref]
+    assert any("images" in ex for ex in ref) and not all("images" in ex for ex in ref)
+    assert stores[0].header["sums"] == stores[1].header["sums"]  # the same bytes in every array
+    assert sorted(stores[0].header["sums"]) == sorted(
+        [f"{k}.{s}" for k in stores[0].lists for s in ("ids", "off")] + [f"{k}.val" for k in stores[0].values]
+        + [f"{k}.{s}" for k in ("images", "where") for s in ("txt", "off")] + ["image_files.txt", "image_files.stat"])
+    if kind == "unpaired":  # KTO's KL rows: the prompt's images with the row
+        kl_store, kl_ref = add_kl_rows(stores[1], 2), add_kl_rows(ref, 2)
+        assert list(kl_store) == list(kl_ref) and kl_store.carries("images").tolist() == carries(kl_ref).tolist()
+
+
+def test_a_changed_or_removed_image_rebuilds_the_store(vlm, own_data, tmp_path, capsys):
+    """The store records each image file's size and mtime: one changed (another size: another token count), or
+    only touched, is a new build, with a note, equal to the in-memory rows again; one removed is the reader's one
+    line (file and row); other processing settings (max_pixels) are another store."""
+    tok, images = image_reading(vlm)
+    data, cache = str(own_data / "rows.jsonl"), tmp_path / "cache"
+
+    def opened(reading=images):
+        return store_build.open_or_build(cache, [data], "sft", read_sft, tok, {"max_len": 256, "images": reading},
+                                         workers=1)
+
+    first = opened()
+    assert "token store built" in capsys.readouterr().out
+    assert opened().folder == first.folder and "token store built" not in capsys.readouterr().out  # a cache hit
+    pad = images.token_id
+    assert first[1]["input_ids"].count(pad) == 10
+    Image.fromarray(np.zeros((40, 40, 3), dtype=np.uint8)).save(own_data / "img" / "b.png")  # 40 x 17 before
+    again = opened()
+    out = capsys.readouterr().out
+    changed = f"image {own_data / 'img' / 'b.png'} changed since the build"
+    assert f"note: data_cache: {first.folder}: out of date ({changed}) — rebuilding it" in out
+    assert "token store built" in out
+    assert again.folder == first.folder and again[1]["input_ids"].count(pad) == 16
+    assert list(again) == list(read_sft(data, tok, max_len=256, images=images))
+    a = own_data / "img" / "a.png"
+    os.utime(a, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns + 10**9))  # the same bytes, touched: rebuilt too
+    capsys.readouterr()
+    opened()
+    assert f"out of date (image {a} changed since the build)" in capsys.readouterr().out
+    other = dataclasses.replace(images, spec=dataclasses.replace(images.spec, max_pixels=16 * 16))
+    assert opened(other).folder != first.folder
+    (own_data / "img" / "c.png").unlink()
+    with pytest.raises(UserError, match=rf"^{data}:3: image {own_data / 'img' / 'c.png'} does not exist"):
+        opened()
+
+
+def test_an_image_gone_after_the_store_opened_is_one_line_naming_file_and_row(vlm, own_data, tmp_path, capsys):
+    """An image removed once the run has opened the store: the batch that decodes it is one line naming the file
+    and the data row (kept in the store); from the command line, a store whose image is gone is rebuilt and the
+    row is named the same way, exit 2, nothing written."""
+    tok, images = image_reading(vlm)
+    data = own_data / "rows.jsonl"
+    store = store_build.open_or_build(tmp_path / "cache", [str(data)], "sft", read_sft, tok,
+                                      {"max_len": 256, "images": images}, workers=2)
+    (own_data / "img" / "b.png").unlink()
+    collate = with_images(lambda ex: collate_causal(ex, tok.pad_id), images)
+    assert collate([store[0]])["image_grid_thw"].tolist() == [[1, 4, 8]]
+    with pytest.raises(UserError, match=rf"^{data}:2: image {own_data / 'img' / 'b.png'} does not exist"):
+        collate([store[0], store[1]])
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={data}",
+                    f"out={tmp_path / 'out'}", "max_steps=1", "device=cpu", "max_len=256",
+                    f"data_cache={tmp_path / 'cache'}"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"{data}:2: image {own_data / 'img' / 'b.png'} does not exist" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+CLI_RUNS = {"sft": ("sft.py", "rows.jsonl", "batch_size=2"), "dpo": ("dpo_mistral.py", "pairs.jsonl", "batch_size=2"),
+            "kto": ("kto_mistral.py", "kto.jsonl", "batch_size=3")}
+
+
+@pytest.mark.parametrize("method", list(CLI_RUNS))
+def test_a_run_on_the_store_logs_the_losses_of_the_in_memory_run(vlm, own_data, tmp_path, capsys, method):
+    """SFT, DPO and KTO on image rows from the command line: data_cache=<folder> (2 workers; eval_data in a store
+    too) logs the same loss and evaluation lines, bit for bit, as data_cache=false."""
+    recipe, name, batch = CLI_RUNS[method]
+    runs = {}
+    for cache in ("false", str(tmp_path / "cache")):
+        out = tmp_path / f"out-{len(runs)}"
+        capsys.readouterr()
+        code = run_cli([str(REPO / "recipes" / recipe), f"model={vlm['model']}", f"data={own_data / name}",
+                        f"out={out}", "max_steps=2", batch, "lora_r=4", "lora_alpha=8", "device=cpu",
+                        "max_len=256", "log_every=1", f"eval_data={own_data / name}", "eval_every=2",
+                        f"data_cache={cache}", "data_workers=2"])
+        log, err = capsys.readouterr()
+        assert code == 0, err
+        assert ("token store built" in log + err) == (cache != "false")
+        keep = ("step", "loss", "grad_norm", "lr", "tokens", "kl", "rewards/chosen", "rewards/margins")
+        runs[cache] = ([{k: v for k, v in json.loads(line).items() if k in keep}
+                        for line in (out / "metrics.jsonl").read_text().splitlines()],
+                       (out / "eval.jsonl").read_text())
+    (lists, evals), (stored, stored_evals) = runs.values()
+    assert [r["step"] for r in lists if "loss" in r] == [1, 2] and lists == stored and evals == stored_evals

@@ -9,9 +9,13 @@ A store is a folder:
     <key>.off          int64, n + 1 offsets into `<key>.ids`
     <key>.val          int64, one number per example (KTO's `label`, `prompt_len`; a float, a reward
                        model's `margin`, as its float64 bits)
+    <key>.txt          utf-8, every example's `<key>` text one after the other (`TEXTS`: image rows' paths,
+                       joined by NUL, and their data row), with its n + 1 offsets in `<key>.off`
+    image_files.txt    the image files the rows name (NUL-joined), and in `image_files.stat` (int64) the size
+                       and modification time of each when the build read it: `stale_images` compares them
 
 `TokenStore(folder)` is a read-only sequence of example dicts: `store[i]` builds example `i`'s lists
-from the mapped arrays, so nothing is held per example but what the memory map pages in; `lengths`
+(and texts) from the mapped arrays, so nothing is held per example but what the memory map pages in; `lengths`
 / `batch_lengths` are numpy arrays of the offsets' differences, `column(key)` a per-example number;
 `list_max` / `target_counts` per-example figures read from the arrays in blocks. `store.take(indices)` is a view
 (`eval_split`, a mixture's weights) holding only the index array.
@@ -22,7 +26,8 @@ store, fsyncs, and renames it into place, so a kill or a second run never leaves
 is later read. A store whose header checksum or file sizes do not match is rebuilt, with a note; so
 is one whose arrays do not match their checksums (`TokenStore.verify`: a byte flipped on disk), which
 a run checks when it opens a store of at most `VERIFY_BYTES`, and always on `resume=true`
-(`minitrain cache verify` checks every store of a cache folder).
+(`minitrain cache verify` checks every store of a cache folder), and one whose rows name an image file
+that changed since the build (`stale_images`: an image's size sets its token count).
 The build itself (workers over row chunks, merged in order) is `minitrain.data.store_build`.
 """
 
@@ -44,10 +49,19 @@ HEADER = "header.json"
 ID_DTYPE = np.int32
 COUNTS = ("truncated", "skipped", "bos_in_text", "identical")
 BLOCK = 1 << 16  # examples per block when a method reads a whole array (list_max, target_counts)
+# the text columns of image rows (a vision-language checkpoint's), key -> "list" (strings joined by NUL) or "str":
+# the image paths, and the data row (`where`) that names a file that cannot be read when a batch decodes it. The
+# readers write both only beside images: an example without them is stored empty and read back without the keys
+TEXTS = {"images": "list", "where": "str"}
+IMAGE_FILES = "image_files"  # <IMAGE_FILES>.txt / .stat: the image files of the rows, as the build read them
 
 
 class Damaged(Exception):
     """A store folder that does not read back as written (the message says what differs)."""
+
+
+class Stale(Damaged):
+    """A store whose rows name an image file that changed since the build (rebuilt like a damaged one)."""
 
 
 def header_checksum(header: dict[str, Any]) -> str:
@@ -92,6 +106,9 @@ class TokenStore(Sequence):
         self._off = {k: _map(self.folder / f"{k}.off", np.int64) for k in self.lists}
         self._val = {k: _map(self.folder / f"{k}.val", np.float64 if kind == "float" else np.int64)
                      for k, kind in self.values.items()}
+        self.texts = dict(header.get("texts") or {})  # key -> "list" | "str" (`TEXTS`)
+        self._txt = {k: _map(self.folder / f"{k}.txt", np.uint8) for k in self.texts}
+        self._toff = {k: _map(self.folder / f"{k}.off", np.int64) for k in self.texts}
         self.order = list(header["order"])  # the example dict's keys in the readers' order
         self.extra: dict[str, np.ndarray] = {}  # per-example floats added after the build (`set_values`)
 
@@ -121,7 +138,31 @@ class TokenStore(Sequence):
             else:
                 v = self._val[k][i].item()
                 ex[k] = bool(v) if self.values[k] == "bool" else v
+        for k, kind in self.texts.items():  # after the lists and numbers, as the readers add them
+            off = self._toff[k]
+            if off[i + 1] > off[i]:  # empty: the example has no such key
+                text = self._txt[k][off[i]:off[i + 1]].tobytes().decode("utf-8", "surrogateescape")
+                ex[k] = text.split("\0") if kind == "list" else text
         return _with_extra(ex, self.extra, i)
+
+    def carries(self, key: str) -> np.ndarray:
+        """Per example, whether it has the text `key` (`images`: a row with images), from the offsets alone."""
+        if key not in self.texts:
+            return np.zeros(self.n, dtype=bool)
+        return np.diff(self._toff[key]) > 0
+
+    def stale_images(self) -> str | None:
+        """What changed since the build among the image files the rows name (None: nothing): a file missing, or
+        its size or modification time not those the build read (an image's size sets its token count). One
+        `stat` per file."""
+        for name, (size, mtime) in read_image_files(self.folder).items():
+            try:
+                st = os.stat(name)
+            except OSError:
+                return f"image {name} is gone"
+            if (st.st_size, st.st_mtime_ns) != (size, mtime):
+                return f"image {name} changed since the build"
+        return None
 
     def __iter__(self) -> Iterator[dict]:
         for i in range(self.n):
@@ -219,6 +260,9 @@ class StoreView(Sequence):
     def column(self, key: str) -> np.ndarray:
         return self.store.column(key)[self.indices]
 
+    def carries(self, key: str) -> np.ndarray:
+        return self.store.carries(key)[self.indices]
+
     def list_max(self, key: str) -> np.ndarray:
         return self.store.list_max(key)[self.indices]
 
@@ -227,6 +271,34 @@ class StoreView(Sequence):
 
     def take(self, indices, path: str | None = None) -> StoreView:
         return StoreView(self.store, self.indices[np.asarray(indices, dtype=np.int64)], path=path)
+
+
+def carries(examples: Sequence[dict], key: str = "images") -> np.ndarray:
+    """Per example, whether it has `key` (`images`: a row with images): a store's from its offsets (no example
+    built), else from the examples' dicts."""
+    got = getattr(examples, "carries", None)
+    if got is not None:
+        return got(key)
+    return np.array([bool(ex.get(key)) for ex in examples], dtype=bool)
+
+
+def write_image_files(folder: Path, files: dict[str, tuple[int, int]]) -> None:
+    """`image_files.txt` (the paths, NUL-joined, in name order) and `image_files.stat` (int64: size, mtime_ns
+    each) in `folder`; nothing when there are none."""
+    if not files:
+        return
+    names = sorted(files)
+    (folder / f"{IMAGE_FILES}.txt").write_bytes("\0".join(names).encode("utf-8", "surrogateescape"))
+    np.asarray([files[n] for n in names], dtype=np.int64).reshape(-1, 2).tofile(folder / f"{IMAGE_FILES}.stat")
+
+
+def read_image_files(folder: Path) -> dict[str, tuple[int, int]]:
+    """What `write_image_files` wrote in `folder`: path -> (size, mtime_ns) ({} when there are none)."""
+    if not (folder / f"{IMAGE_FILES}.txt").is_file():
+        return {}
+    names = (folder / f"{IMAGE_FILES}.txt").read_bytes().decode("utf-8", "surrogateescape").split("\0")
+    stats = np.fromfile(folder / f"{IMAGE_FILES}.stat", dtype=np.int64).reshape(-1, 2).tolist()
+    return {n: tuple(st) for n, st in zip(names, stats)}
 
 
 def _columns(columns: dict[str, Sequence[float]], n: int) -> dict[str, np.ndarray]:

@@ -6,8 +6,11 @@ from `cache`, building it when it is missing or damaged.
 The fingerprint is everything that made the examples: each data file (resolved path, size, mtime and
 a hash of its first and last MiB), the tokenizer (its files, special ids, bos rule, chat format,
 templates and `chat_template_kwargs`), the reader and its options (`fields`, `max_len`, truncation,
-...), the source weights, and the source code of the readers and the text package (a change in how
-rows become ids rebuilds).
+..., and for a vision-language checkpoint how it reads images: `ImageRows`, its processor spec), the
+source weights, and the source code of the readers, the image rows and the text package (a change in
+how rows become ids rebuilds). The image files the rows name are only known once the rows are read:
+each worker records every image file's size and mtime as it reads its row (`image_files.*` in the
+store), and a run that opens the store compares them (`TokenStore.stale_images`), rebuilding on a change.
 
 The build: rows are cut into chunks of `CHUNK` rows; worker `w` of `K` reads every row but parses and
 tokenizes only chunks `c` with `c % K == w` (`files.Pick`), through the reader itself (`into=`: a
@@ -21,6 +24,7 @@ disk or an error leaves nothing that is later read (and a full disk removes what
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -42,13 +46,17 @@ from minitrain.data.store import (
     COUNTS,
     HEADER,
     ID_DTYPE,
+    TEXTS,
     VERIFY_BYTES,
     VERSION,
     Damaged,
+    Stale,
     TokenStore,
     file_sum,
     fsync_folder,
     header_checksum,
+    read_image_files,
+    write_image_files,
 )
 from minitrain.errors import UserError
 from minitrain.progress import log
@@ -57,7 +65,7 @@ CHUNK = 1024  # rows per chunk handed to one worker
 FLUSH = 1 << 20  # buffered tokens per key before a write
 SAMPLE = 1 << 20  # bytes hashed at each end of a data file
 PROGRESS_EVERY = 5.0  # seconds between progress lines
-CODE = ("data/files.py", "data/rows.py", "data/readers.py", "data/store.py", "data/store_build.py",
+CODE = ("data/files.py", "data/rows.py", "data/readers.py", "data/images.py", "data/store.py", "data/store_build.py",
         "text/tokenizer.py", "text/backends.py", "text/chat_template.py", "text/chat_formats.py")
 
 
@@ -115,6 +123,17 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
+def described(value: Any) -> Any:
+    """A reader option as plain JSON values: a dataclass (`ImageRows` and its processor spec: the image token,
+    the placeholder text, patch and merge sizes, min / max pixels, mean and std, ...) as its class and fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"class": type(value).__name__,
+                **{f.name: described(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, (list, tuple)):
+        return [described(v) for v in value]
+    return value
+
+
 def fingerprint(sources: list[str], kind: str, tok: Any, options: dict[str, Any],
                 weights: list[float] | None = None) -> dict[str, Any]:
     try:
@@ -122,7 +141,8 @@ def fingerprint(sources: list[str], kind: str, tok: Any, options: dict[str, Any]
     except OSError as e:
         raise UserError(f"{e.filename}: cannot read ({e.strerror or e}) — check the data path") from None
     return {"version": VERSION, "kind": kind, "sources": list(sources), "files": files, "weights": weights,
-            "options": options, "tokenizer": tokenizer_fingerprint(tok), "code": code_fingerprint()}
+            "options": {k: described(v) for k, v in options.items()}, "tokenizer": tokenizer_fingerprint(tok),
+            "code": code_fingerprint()}
 
 
 def store_name(sources: list[str], kind: str, fp: dict[str, Any]) -> str:
@@ -136,10 +156,13 @@ def store_name(sources: list[str], kind: str, fp: dict[str, Any]) -> str:
 
 class PartWriter:
     """What a reader appends examples to (`into=`): flat arrays in `folder`, plus the readers'
-    counts, examples per chunk (for the merge) and per source."""
+    counts, examples per chunk (for the merge) and per source. `texts`: the text columns to keep
+    (`store.TEXTS`, image rows), and then each image file's size and mtime as its row was read."""
 
-    def __init__(self, folder: Path, pick: Pick):
+    def __init__(self, folder: Path, pick: Pick, texts: dict[str, str] | None = None):
         self.folder, self.pick = folder, pick
+        self.texts = dict(texts or {})
+        self.image_files: dict[str, tuple[int, int]] = {}  # path -> (size, mtime_ns) when its row was read
         folder.mkdir(parents=True)
         for k in COUNTS:
             setattr(self, k, 0)
@@ -156,14 +179,16 @@ class PartWriter:
 
     def append(self, ex: dict[str, Any]) -> None:
         if self.order is None:
-            self.order = list(ex)
+            self.order = [k for k in ex if k not in self.texts]
             self.values = {k: "bool" if isinstance(v, bool) else "float" if isinstance(v, float) else "int"
-                           for k, v in ex.items() if not isinstance(v, list)}
+                           for k, v in ex.items() if k in self.order and not isinstance(v, list)}
             for k in self.order:
                 if k in self.values:
                     self._open(f"{k}.val")
                 else:
                     self._open(f"{k}.ids"), self._open(f"{k}.len")
+            for k in self.texts:
+                self._open(f"{k}.txt"), self._open(f"{k}.len")
         for k in self.order:
             v = ex[k]
             if k in self.values:
@@ -174,6 +199,15 @@ class PartWriter:
                 self._buf.setdefault(f"{k}.ids", []).extend(v)
                 self._buf.setdefault(f"{k}.len", []).append(len(v))
                 self._pending += len(v)
+        for k, kind in self.texts.items():  # absent: stored empty (the store reads it back absent)
+            v = ex.get(k)
+            data = (("\0".join(v) if kind == "list" else v) if v else "").encode("utf-8", "surrogateescape")
+            self._buf.setdefault(f"{k}.txt", bytearray()).extend(data)
+            self._buf.setdefault(f"{k}.len", []).append(len(data))
+            self._pending += len(data)
+        for path in ex.get("images", ()) if "images" in self.texts else ():
+            if path not in self.image_files:  # just read by the reader (its header: the token count)
+                self.image_files[path] = _stat(path)
         self.n += 1
         chunk = (self.pick.i - 1) // CHUNK
         self.per_chunk[chunk] = self.per_chunk.get(chunk, 0) + 1
@@ -187,8 +221,11 @@ class PartWriter:
     def flush(self) -> None:
         for name, buf in self._buf.items():
             if buf:
-                dtype = ID_DTYPE if name.endswith(".ids") else np.int64
-                self._files[name].write(np.asarray(buf, dtype=dtype).tobytes())
+                if name.endswith(".txt"):
+                    self._files[name].write(buf)
+                else:
+                    dtype = ID_DTYPE if name.endswith(".ids") else np.int64
+                    self._files[name].write(np.asarray(buf, dtype=dtype).tobytes())
                 buf.clear()
         self._pending = 0
 
@@ -196,8 +233,18 @@ class PartWriter:
         self.flush()
         for f in self._files.values():
             f.close()
-        return {"n": self.n, "order": self.order, "values": self.values, "per_chunk": self.per_chunk,
+        write_image_files(self.folder, self.image_files)
+        return {"n": self.n, "order": self.order, "values": self.values, "texts": self.texts,
+                "per_chunk": self.per_chunk,
                 "per_source": self.per_source, "counts": {k: getattr(self, k) for k in COUNTS}, "shapes": self.shapes}
+
+
+def _stat(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:  # gone already: the next open finds it gone and rebuilds (the reader then names it)
+        return -1, -1
+    return st.st_size, st.st_mtime_ns
 
 
 def _rows(sources: list[str], split: str | None, pick: Pick, writer: PartWriter,
@@ -218,7 +265,8 @@ def _part(w: int, k: int, folder: Path, sources: list[str], split: str | None, r
           options: dict[str, Any], tick: Callable[[int], None]) -> dict[str, Any]:
     """Worker `w` of `k`: its chunks of rows into `folder` (see the module doc)."""
     pick = Pick(lambda i: (i // CHUNK) % k == w)
-    writer = PartWriter(folder, pick)
+    # a vision-language checkpoint's reader (`images=`: how it reads them) makes image rows: their texts kept too
+    writer = PartWriter(folder, pick, TEXTS if options.get("images") is not None else None)
     try:
         read(sources[0], tok, rows=_rows(sources, split, pick, writer, tick), into=writer, **options)
     except UserError as e:
@@ -355,6 +403,7 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
     order = first["order"] if first else []
     values = first["values"] if first else {}
     lists = [key for key in order if key not in values]
+    texts = parts[0]["texts"]  # (every part's)
     n = sum(p["n"] for p in parts)
     # the examples of each chunk, in row order: (part, start, count)
     cursor = [0] * k
@@ -365,19 +414,20 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
         if cnt:
             pieces.append((w, cursor[w], cnt))
             cursor[w] += cnt
-    for key in lists:
+    # the ragged columns: token-id lists (int32 `.ids`) and texts (utf-8 `.txt`), each with its offsets
+    for key, suffix, dtype in [(key, "ids", ID_DTYPE) for key in lists] + [(key, "txt", np.uint8) for key in texts]:
         lens = [_read(tmp / f"part-{w}" / f"{key}.len", np.int64) for w in range(k)]
         starts = [np.concatenate([[0], np.cumsum(x)]) for x in lens]
         # each part's ids are copied piece by piece as bytes (read, not mapped: a 10M-row merge would
         # otherwise count every page it copied in the process's RSS)
-        paths = [tmp / f"part-{w}" / f"{key}.ids" for w in range(k)]
+        paths = [tmp / f"part-{w}" / f"{key}.{suffix}" for w in range(k)]
         ids = [open(p, "rb") if p.exists() else None for p in paths]  # noqa: SIM115 -- closed below (a part
         # without examples wrote no file and gives no piece)
-        width = np.dtype(ID_DTYPE).itemsize
+        width = np.dtype(dtype).itemsize
         off = np.zeros(n + 1, dtype=np.int64)
         at = 0
         try:
-            with open(tmp / f"{key}.ids", "wb") as out:
+            with open(tmp / f"{key}.{suffix}", "wb") as out:
                 for w, s, cnt in pieces:
                     a, b = starts[w][s], starts[w][s + cnt]
                     ids[w].seek(int(a) * width)
@@ -393,6 +443,12 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
         vals = [_read(tmp / f"part-{w}" / f"{key}.val", np.int64) for w in range(k)]
         np.concatenate([vals[w][s : s + cnt] for w, s, cnt in pieces] or [np.zeros(0, np.int64)]).tofile(
             tmp / f"{key}.val")
+    image_files: dict[str, tuple[int, int]] = {}
+    for w in range(k):
+        for name, st in read_image_files(tmp / f"part-{w}").items():
+            # two workers that read one file at two sizes (edited mid-build): out of date at the next open
+            image_files[name] = st if image_files.get(name, st) == st else (-1, -1)
+    write_image_files(tmp, image_files)
     for w in range(k):
         shutil.rmtree(tmp / f"part-{w}")
     per_source = [sum(p["per_source"].get(s, 0) for p in parts) for s in range(len(sources))]
@@ -405,6 +461,7 @@ def _merge(tmp: Path, parts: list[dict[str, Any]], sources: list[str], fp: dict[
     files = {f.name: f.stat().st_size for f in tmp.iterdir()}
     sums = {name: file_sum(tmp / name) for name in files}
     header = {"version": VERSION, "n": n, "path": ",".join(sources), "lists": lists, "values": values, "order": order,
+              "texts": texts,
               "files": files, "sums": sums, "counts": counts, "shapes": shapes, "per_source": per_source, "fingerprint": fp}
     header["checksum"] = header_checksum(header)
     (tmp / HEADER).write_text(json.dumps(header, indent=1, default=str), encoding="utf-8")
@@ -451,7 +508,8 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
             try:
                 return _opened(folder, verify)
             except Damaged as e:
-                log(f"note: data_cache: {folder}: damaged ({e}) — rebuilding it")
+                log(f"note: data_cache: {folder}: {'out of date' if isinstance(e, Stale) else 'damaged'} ({e}) — "
+                    f"rebuilding it")
                 shutil.rmtree(folder, ignore_errors=True)
         for stale in cache.glob(f".tmp-{folder.name}-*"):  # a build killed before its rename: ours to remove now
             shutil.rmtree(stale, ignore_errors=True)
@@ -483,8 +541,12 @@ def open_or_build(cache: str | Path, sources: list[str], kind: str, read: Callab
 
 
 def _opened(folder: Path, verify: bool | None = False) -> TokenStore:
-    """The store in `folder`, its use recorded; its arrays checked as `open_or_build` says (None: never)."""
+    """The store in `folder`, its use recorded; its arrays checked as `open_or_build` says, and its rows' image
+    files against the build's (`Stale`) (None: neither, a store just built)."""
     store = TokenStore(folder)
+    stale = store.stale_images() if verify is not None else None
+    if stale:
+        raise Stale(stale)
     if verify or (verify is not None and store.array_bytes <= VERIFY_BYTES):
         store.verify()
     elif verify is not None:

@@ -41,6 +41,7 @@ from torch import nn
 from minitrain.parallel import distributed
 from minitrain.data.collate import IGNORE_INDEX, collate_preference
 from minitrain.data.images import ImageSpec, SquareSpec, collate_images
+from minitrain.data.store import carries
 from minitrain.objectives.configs import KTOConfig
 from minitrain.objectives.reference import (AdapterSnapshotReference, BaseReference, attach_precomputed, dropout_off,
                                             num_pairs, precompute_reference, reference_logps)
@@ -131,6 +132,10 @@ class KLRows(Sequence):
     def __iter__(self) -> Iterator[dict]:
         for i in range(len(self)):
             yield self[i]
+
+    def carries(self, key: str) -> np.ndarray:
+        """Per row, whether it has `key` (`images`; its KL row has the same prompt): a store's from its offsets."""
+        return carries(self.examples, key)
 
     @property
     def batch_lengths(self) -> np.ndarray:

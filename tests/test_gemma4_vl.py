@@ -1,0 +1,252 @@
+"""Multimodal Gemma 4 (`models/gemma4_vl.py`) against transformers' `Gemma4ForConditionalGeneration`.
+
+A tiny random checkpoint saved once per module by transformers 5 (fp32; norms and layer scalars perturbed so that
+they matter): a 2-layer vision tower (32 wide, 2 heads of 16, patches of 4 pixels, pooled 2 x 2), a one-layer
+audio tower (carried, never built) and a 3-layer Gemma 4 language model with per-layer inputs, a shared layer,
+proportional RoPE, a window of 5 tokens and `use_bidirectional_attention: "vision"`. The images come from
+transformers' own image processor (`Gemma4ImageProcessorPil`, unresized: 6 and 2 soft tokens, the second
+padded). Compared: logits with images in a padded batch (the sliding layers' two-way attention within an image,
+the global layers causal), the causal variant without "vision", text-only logits, greedy generation after image
+prompts, a LoRA adapter in peft with images, a saved folder in transformers. The image processor and the rows:
+tests/test_images.py and tests/test_image_rows.py; the command line: `test_lora_sft_on_image_rows_from_the_cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+import models
+from minitrain.weights import load_pretrained
+
+IMAGE, BOI, EOI = 120, 123, 124
+TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, global_head_dim=32, sliding_window=5, max_position_embeddings=256, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, num_hidden_layers=3, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=128, num_kv_shared_layers=1, final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                "rope_theta": 100.0}},
+            use_bidirectional_attention="vision")
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=16, patch_size=4, position_embedding_size=16, pooling_kernel_size=2)
+AUDIO = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+             output_proj_dims=32)
+TOKENS = dict(image_token_id=IMAGE, video_token_id=121, audio_token_id=122, boi_token_id=BOI, eoi_token_id=EOI,
+              boa_token_id=125, eoa_token_index=126)
+
+
+def tiny_config(**text):
+    return transformers.Gemma4Config(text_config={**TEXT, **text}, vision_config=VISION, audio_config=AUDIO, **TOKENS)
+
+
+def perturb(model):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "position_embedding" in name:
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.add_(0.2 * torch.randn_like(b))
+    return model
+
+
+@pytest.fixture(scope="module")
+def g4v(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("gemma4_vl")
+    perturb(transformers.Gemma4ForConditionalGeneration(tiny_config())).save_pretrained(d)
+    return d
+
+
+def pixels():
+    """Two images through transformers' image processor, unresized: 16 x 24 pixels (4 x 6 patches, 6 soft tokens)
+    and 8 x 16 (2 x 4 patches, 2 soft tokens)."""
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((16, 24), (8, 16))]
+    out = transformers.Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)(
+        images=images, do_resize=False, return_tensors="pt")
+    assert list(out["num_soft_tokens_per_image"]) == [6, 2]
+    return out["pixel_values"], out["image_position_ids"]
+
+
+def image_run(n: int) -> list[int]:
+    return [BOI] + [IMAGE] * n + [EOI]
+
+
+def batch():
+    """Row 0: both images; row 1: text, right-padded."""
+    g = torch.Generator().manual_seed(0)
+    text = lambda n: torch.randint(3, 120, (n,), generator=g).tolist()  # noqa: E731
+    row0 = text(3) + image_run(6) + text(4) + image_run(2) + text(5)
+    T = len(row0)
+    ids = torch.tensor([row0, text(T)])
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    ids[1, 15:] = 0
+    return ids, mask
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def hf_logits(hf, ids, mask, pv, pos):
+    """transformers' training forward: `mm_token_type_ids` (1 at the image tokens), as its processor returns."""
+    return hf(input_ids=ids, attention_mask=mask, pixel_values=pv, image_position_ids=pos,
+              mm_token_type_ids=(ids == IMAGE).long()).logits
+
+
+def load_hf(folder):
+    return transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def load_ours(folder):
+    return load_pretrained(folder, models.from_hf_config).eval()
+
+
+def test_logits_with_images_equal_transformers(g4v, tmp_path):
+    hf, ours = load_hf(g4v), load_ours(g4v)
+    assert not any(k.startswith(("model.audio_tower", "model.embed_audio")) for k in ours.state_dict())
+    ids, mask = batch()
+    pv, pos = pixels()
+    real = mask.bool()
+    with torch.no_grad():
+        ref = hf_logits(hf, ids, mask, pv, pos)
+        got = ours.lm_head(ours(ids, mask, pixel_values=pv, image_position_ids=pos))
+        print(f"max relative logit difference with images: {rel(got[real], ref[real]):.2e}")
+        assert rel(got[real], ref[real]) <= 1e-4
+        # the two-way attention matters (transformers without mm_token_type_ids: causal everywhere)
+        causal = hf(input_ids=ids, attention_mask=mask, pixel_values=pv, image_position_ids=pos).logits
+        assert rel(causal[real], ref[real]) > 1e-3
+        # text alone (an image token among the text embeds as the pad token, as transformers)
+        text = ids[1:, :15].clone()
+        text[0, 3] = IMAGE
+        assert rel(ours.lm_head(ours(text)), hf(input_ids=text).logits) <= 1e-4
+        # the images matter
+        other = ours.lm_head(ours(ids, mask, pixel_values=pv.flip(-1), image_position_ids=pos))
+        assert rel(other[:1], got[:1]) > 1e-3
+    # without use_bidirectional_attention: causal everywhere, as transformers then
+    shutil.copytree(g4v, tmp_path / "causal")
+    config = json.loads((g4v / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = None
+    (tmp_path / "causal" / "config.json").write_text(json.dumps(config))
+    plain = load_ours(tmp_path / "causal")
+    with torch.no_grad():
+        got = plain.lm_head(plain(ids, mask, pixel_values=pv, image_position_ids=pos))
+        ref = hf_logits(load_hf(tmp_path / "causal"), ids, mask, pv, pos)
+    assert rel(got[real], ref[real]) <= 1e-4 and rel(got[real], causal[real]) <= 1e-4
+
+
+def test_image_count_mismatch_is_refused(g4v):
+    ours = load_ours(g4v)
+    ids, mask = batch()
+    pv, pos = pixels()
+    with pytest.raises(ValueError, match="8 image tokens for 6 image features"):
+        ours(ids, mask, pixel_values=pv[:1], image_position_ids=pos[:1])
+
+
+def test_config_round_trip(g4v):
+    d = json.loads((g4v / "config.json").read_text())
+    cfg = models.config_from_hf(d)
+    assert (cfg.vision.patch_size, cfg.vision.pooling_kernel_size, cfg.image_token_id) == (4, 2, IMAGE)
+    again = cfg.to_hf()
+    assert models.config_from_hf(json.loads(json.dumps(again))) == cfg
+    assert again["vision_config"] == d["vision_config"] and again["audio_config"] == d["audio_config"]
+    with pytest.raises(ValueError, match="rope_type 'axial'"):
+        models.config_from_hf({**d, "vision_config": {**d["vision_config"],
+                                                      "rope_parameters": {"rope_type": "default"}}})
+    with pytest.raises(ValueError, match=r"\['nonsense'\]"):
+        models.config_from_hf({**d, "vision_config": {**d["vision_config"], "nonsense": 1}})
+
+
+def test_greedy_generation_after_images_equals_transformers(g4v):
+    """Prompts with images (row 1 left-padded, one image each): greedy tokens equal `generate`."""
+    hf, ours = load_hf(g4v), load_ours(g4v)
+    ids, _ = batch()
+    pv, pos = pixels()
+    prompt0 = ids[0, :20]  # both images
+    g = torch.Generator().manual_seed(3)
+    prompt1 = torch.tensor(torch.randint(3, 120, (4,), generator=g).tolist() + image_run(2) + [7, 8])
+    T = 20
+    ids = torch.zeros(2, T + 2, dtype=torch.long)
+    ids[0, 2:], ids[1, -len(prompt1):] = prompt0, prompt1
+    mask = (torch.arange(T + 2)[None] >= torch.tensor([[2], [T + 2 - len(prompt1)]])).long()
+    pv3, pos3 = torch.cat([pv, pv[1:]]), torch.cat([pos, pos[1:]])
+    ref = hf.generate(input_ids=ids, attention_mask=mask, pixel_values=pv3, image_position_ids=pos3,
+                      mm_token_type_ids=(ids == IMAGE).long(), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    got = models.family(ours).generate(ours, ids, mask, max_new_tokens=8, eos_token_id=[], pixel_values=pv3,
+                                       image_position_ids=pos3)
+    assert torch.equal(got, ref)
+
+
+def lora_saved(folder: Path, targets: tuple[str, ...], adapter: Path):
+    """Our model of `folder` with LoRA on `targets` (r 4, its B drawn at random), saved in peft's format."""
+    from minitrain.adapters.lora import LoRAConfig, apply_lora
+    from minitrain.adapters.peft_format import save_adapter
+
+    ours = load_ours(folder)
+    cfg = LoRAConfig(r=4, alpha=8, targets=targets)
+    apply_lora(ours, cfg)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    save_adapter(ours, adapter, cfg)
+    return ours
+
+
+def test_lora_adapter_loads_in_peft_with_images(g4v, tmp_path):
+    """LoRA on the language model's projections, saved in peft's format: peft puts it on
+    `AutoModelForImageTextToText` (the same module names) with our logits on a batch with images; none on the
+    tower, whose attention and MLP have the same leaf names."""
+    peft = pytest.importorskip("peft")
+    ours = lora_saved(g4v, ("q_proj", "v_proj", "gate_proj", "down_proj"), tmp_path)
+    assert not [n for n, _ in ours.named_parameters() if "lora_" in n and "language_model" not in n]
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(g4v, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
+    assert not [n for n, _ in ref.named_parameters() if "lora_" in n and "language_model" not in n]
+    ids, mask = batch()
+    pv, pos = pixels()
+    real = mask.bool()
+    with torch.no_grad():
+        a = hf_logits(ref, ids, mask, pv, pos)
+        b = ours.lm_head(ours(ids, mask, pixel_values=pv, image_position_ids=pos))
+        with ref.disable_adapter():
+            plain = hf_logits(ref, ids, mask, pv, pos)
+    print(f"max relative logit difference, LoRA in peft with images: {rel(b[real], a[real]):.2e}")
+    assert rel(b[real], a[real]) <= 1e-5 and rel(plain[real], a[real]) > 1e-3
+
+
+def test_a_saved_folder_loads_in_transformers(g4v, tmp_path):
+    """`save_pretrained` (full fine-tuning, merge) writes a folder transformers loads with the same logits with
+    images; a changed tower arrives, the audio tower's tensors are written back bit for bit."""
+    from safetensors.torch import load_file
+
+    from minitrain.weights import save_pretrained
+
+    ours = load_ours(g4v)
+    with torch.no_grad():
+        ours.model.vision_tower.encoder.layers[0].input_layernorm.weight.add_(0.1)
+    save_pretrained(ours, tmp_path / "saved", json.loads((g4v / "config.json").read_text()))
+    before, after = load_file(g4v / "model.safetensors"), load_file(tmp_path / "saved" / "model.safetensors")
+    assert set(after) == set(before)
+    audio = [k for k in before if k.startswith(("model.audio_tower.", "model.embed_audio."))]
+    assert audio and all(torch.equal(after[k], before[k]) for k in audio)
+    hf = load_hf(tmp_path / "saved")
+    ids, mask = batch()
+    pv, pos = pixels()
+    with torch.no_grad():
+        a = hf_logits(hf, ids, mask, pv, pos)
+        b = ours.lm_head(ours(ids, mask, pixel_values=pv, image_position_ids=pos))
+    assert rel(b[mask.bool()], a[mask.bool()]) <= 1e-4

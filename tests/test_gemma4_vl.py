@@ -37,7 +37,7 @@ TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention
                                                 "rope_theta": 100.0}},
             use_bidirectional_attention="vision")
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-              head_dim=16, patch_size=4, position_embedding_size=16, pooling_kernel_size=2)
+              head_dim=16, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
 AUDIO = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
              output_proj_dims=32)
 TOKENS = dict(image_token_id=IMAGE, video_token_id=121, audio_token_id=122, boi_token_id=BOI, eoi_token_id=EOI,
@@ -100,10 +100,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def hf_logits(hf, ids, mask, pv, pos):
+def hf_logits(hf, ids, mask, pv, pos, image: int = IMAGE):
     """transformers' training forward: `mm_token_type_ids` (1 at the image tokens), as its processor returns."""
     return hf(input_ids=ids, attention_mask=mask, pixel_values=pv, image_position_ids=pos,
-              mm_token_type_ids=(ids == IMAGE).long()).logits
+              mm_token_type_ids=(ids == image).long()).logits
 
 
 def load_hf(folder):
@@ -250,3 +250,201 @@ def test_a_saved_folder_loads_in_transformers(g4v, tmp_path):
         a = hf_logits(hf, ids, mask, pv, pos)
         b = ours.lm_head(ours(ids, mask, pixel_values=pv, image_position_ids=pos))
     assert rel(b[mask.bool()], a[mask.bool()]) <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# A checkpoint folder with its tokenizer, chat template and image processor: rows, processor, CLI
+# --------------------------------------------------------------------------------------------
+
+PRE = {"image_processor_type": "Gemma4ImageProcessor", "processor_class": "Gemma4Processor", "patch_size": 4,
+       "pooling_kernel_size": 2, "max_soft_tokens": 70}
+MEDIA = ["<|image>", "<image|>", "<|audio>", "<audio|>"]  # boi, eoi, boa, eoa (`<|image|>` etc.: the template's)
+
+
+def g4_folder(d: Path) -> Path:
+    """A tiny Gemma 4 folder: a Gemma-shaped tokenizer with Gemma 4's special tokens (the processor finds the
+    media ones as `extra_special_tokens`), Gemma 4's chat template, preprocessor_config.json, the model above
+    over its vocabulary."""
+    from _tok import add_special_tokens, make_gemma_tokenizer
+    from test_chat_template import GEMMA4
+
+    make_gemma_tokenizer(d)
+    (d / "tokenizer.model").unlink()  # tokenizer.json alone holds the added tokens
+    ids = add_special_tokens(d, GEMMA4 + MEDIA)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["extra_special_tokens"] = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                                  "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    (d / "chat_template.jinja").write_text((Path(__file__).parent / "fixtures" / "chat_templates" / "gemma4.jinja")
+                                           .read_text())
+    (d / "preprocessor_config.json").write_text(json.dumps(PRE))
+    cfg = transformers.Gemma4Config(
+        text_config={**TEXT, "vocab_size": 448, "vocab_size_per_layer_input": 448, "eos_token_id": [1, ids["<turn|>"]]},
+        vision_config=VISION, audio_config=AUDIO, image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+        audio_token_id=ids["<|audio|>"], boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
+        boa_token_id=ids["<|audio>"], eoa_token_index=ids["<audio|>"])
+    torch.manual_seed(0)
+    perturb(transformers.Gemma4ForConditionalGeneration(cfg)).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def g4dir(tmp_path_factory) -> dict[str, Path]:
+    from test_gemma3_vl import write_rows
+
+    root = tmp_path_factory.mktemp("gemma4_rows")
+    return {"root": root, "model": g4_folder(root / "model"), "data": write_rows(root / "data")}
+
+
+def processor(folder: Path):
+    """transformers' `Gemma4Processor` of the folder, built by hand: its video processor needs torchvision, which
+    the test extras lack (the video processor is never called on image rows)."""
+    from unittest import mock
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    kw = {k: v for k, v in PRE.items() if not k.endswith(("_type", "_class"))}
+    with mock.patch.object(transformers.processing_utils.ProcessorMixin, "check_argument_for_proper_class",
+                           lambda self, name, arg: None):
+        return transformers.Gemma4Processor(
+            feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+            image_processor=transformers.Gemma4ImageProcessorPil(**kw), tokenizer=tok, video_processor=None,
+            chat_template=(folder / "chat_template.jinja").read_text())
+
+
+def rows_of(g4dir):
+    from minitrain.data.images import ImageRows
+    from minitrain.data.readers import read_sft
+    from minitrain.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(g4dir["model"])
+    config = json.loads((g4dir["model"] / "config.json").read_text())
+    images = ImageRows.from_checkpoint(config, PRE, lambda i: tok.decode([i], skip_special=False))
+    return read_sft(g4dir["data"], tok, max_len=512, images=images), images, tok
+
+
+def test_rows_equal_the_processor(g4dir):
+    """Each row's ids (the chat with every `<|image|>` expanded to `<|image>` + its soft tokens + `<image|>`) equal
+    the Gemma 4 processor's `apply_chat_template` on the same chat; image tokens and the prompt take no loss; the
+    collated pixel values and patch positions equal the processor's."""
+    from test_gemma3_vl import trl_messages
+
+    from minitrain.data.collate import IGNORE_INDEX, collate_causal
+    from minitrain.data.images import collate_images
+
+    examples, images, tok = rows_of(g4dir)
+    assert images.placeholder == "<|image|>" and images.wrap is not None
+    hf = processor(g4dir["model"])
+    rows = [json.loads(line) for line in g4dir["data"].read_text().splitlines()]
+    base = g4dir["data"].parent
+    for ex, row in zip(examples, rows):
+        ref = hf.apply_chat_template(trl_messages(row, base), tokenize=True, return_dict=True, return_tensors="np")
+        assert ex["input_ids"] == ref["input_ids"][0].tolist()
+        batch = collate_images([ex], lambda e: collate_causal(e, tok.pad_id), images.spec)
+        if "pixel_values" in ref:
+            assert np.array_equal(batch["pixel_values"].numpy(), ref["pixel_values"])
+            assert np.array_equal(batch["image_position_ids"].numpy(), ref["image_position_ids"])
+        else:
+            assert "pixel_values" not in batch
+        assert all(label == IGNORE_INDEX for i, label in zip(ex["input_ids"], ex["labels"])
+                   if i in (images.token_id, *images.wrap))
+        target = tok.decode([i for i, label in zip(ex["input_ids"], ex["labels"]) if label != IGNORE_INDEX])
+        assert target.strip().removesuffix("<turn|>").strip() in ("It is red.", "A blue square.",
+                                                                  "The first is smaller.", "Fine.")
+    counts = [ex["input_ids"].count(images.token_id) for ex in examples]
+    assert all(counts[:3]) and counts[3] == 0  # one, one and three images; none
+
+
+def test_collated_loss_equals_transformers(g4dir):
+    from minitrain.data.collate import collate_causal
+    from minitrain.data.images import collate_images
+    from minitrain.objectives.sft import sft
+
+    examples, images, tok = rows_of(g4dir)
+    batch = collate_images(examples, lambda ex: collate_causal(ex, tok.pad_id), images.spec)
+    assert batch["pixel_values"].shape == (5, 280, 48) and batch["image_position_ids"].shape == (5, 280, 2)
+    ours = load_ours(g4dir["model"])
+    hf = load_hf(g4dir["model"])
+    with torch.no_grad():
+        loss_sum, count, _ = sft(ours, batch)
+        ref = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                 pixel_values=batch["pixel_values"], image_position_ids=batch["image_position_ids"],
+                 mm_token_type_ids=(batch["input_ids"] == images.token_id).long()).loss
+    assert abs(float(loss_sum / count) - float(ref)) <= 1e-5 * float(ref)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_lora_sft_on_image_rows_from_the_cli(g4dir, capsys):
+    """`python -m minitrain recipes/sft.py model=... data=...` on image rows: LoRA on the language model, the tower
+    frozen and quiet in the audit, the loss falling over 4 steps of the same batch; the adapter loads in peft on
+    `AutoModelForImageTextToText` with our logits on the rows' images."""
+    from minitrain.adapters.peft_format import load_adapter
+    from minitrain.cli import run_cli
+    from minitrain.data.collate import collate_causal
+    from minitrain.data.images import collate_images
+
+    peft = pytest.importorskip("peft")
+    out = g4dir["root"] / "out"
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={g4dir['model']}", f"data={g4dir['data']}",
+                    f"out={out}", "max_steps=4", "batch_size=4", "lora_r=4", "lora_alpha=8", "device=cpu",
+                    "max_len=512", "lr=1e-2", "warmup=0", "eval_data="])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err and "vision_tower" not in log + err
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    print(f"CLI LoRA SFT losses: {losses}")
+    assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+    adapter = next(out.rglob("adapter_model.safetensors")).parent
+    from safetensors import safe_open
+
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        assert all("language_model" in k for k in f.keys())
+    ref = peft.PeftModel.from_pretrained(transformers.AutoModelForImageTextToText.from_pretrained(
+        g4dir["model"], dtype=torch.float32), adapter).eval()
+    ours = load_ours(g4dir["model"])
+    load_adapter(ours, adapter)
+    examples, images, tok = rows_of(g4dir)
+    b = collate_images(examples[:3], lambda ex: collate_causal(ex, tok.pad_id), images.spec)
+    with torch.no_grad():
+        a = hf_logits(ref, b["input_ids"], b["attention_mask"], b["pixel_values"], b["image_position_ids"],
+                      images.token_id)
+        o = ours.lm_head(ours(b["input_ids"], b["attention_mask"], pixel_values=b["pixel_values"],
+                              image_position_ids=b["image_position_ids"]))
+    real = b["attention_mask"].bool()
+    assert rel(o[real], a[real]) <= 1e-5
+
+
+def test_full_finetuning_on_image_rows_writes_a_folder_transformers_loads(g4dir, capsys):
+    """finetune=full from the CLI: the audit reaches the tower and its embedder on an image row; the written folder
+    (the audio tower bit for bit) loads in transformers with our logits on an image batch."""
+    from safetensors.torch import load_file
+
+    from minitrain.cli import run_cli
+    from minitrain.data.collate import collate_causal
+    from minitrain.data.images import collate_images
+
+    out = g4dir["root"] / "full"
+    capsys.readouterr()
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={g4dir['model']}", f"data={g4dir['data']}",
+                    f"out={out}", "max_steps=1", "batch_size=2", "finetune=full", "device=cpu", "max_len=512",
+                    "eval_data="])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err
+    folder = out / "model"
+    ours, base = load_ours(folder), load_ours(g4dir["model"])
+    for name in ("vision_tower.patch_embedder.input_proj.weight", "embed_vision.embedding_projection.weight"):
+        assert not torch.equal(ours.model.get_parameter(name), base.model.get_parameter(name)), name
+    before, after = load_file(g4dir["model"] / "model.safetensors"), load_file(folder / "model.safetensors")
+    audio = [k for k in before if k.startswith(("model.audio_tower.", "model.embed_audio."))]
+    assert set(after) == set(before) and audio and all(torch.equal(after[k], before[k]) for k in audio)
+    examples, images, tok = rows_of(g4dir)
+    b = collate_images(examples[:3], lambda ex: collate_causal(ex, tok.pad_id), images.spec)
+    with torch.no_grad():
+        a = hf_logits(load_hf(folder), b["input_ids"], b["attention_mask"], b["pixel_values"],
+                      b["image_position_ids"], images.token_id)
+        o = ours.lm_head(ours(b["input_ids"], b["attention_mask"], pixel_values=b["pixel_values"],
+                              image_position_ids=b["image_position_ids"]))
+    real = b["attention_mask"].bool()
+    assert rel(o[real], a[real]) <= 1e-4

@@ -448,3 +448,14 @@ def test_full_finetuning_on_image_rows_writes_a_folder_transformers_loads(g4dir,
                               image_position_ids=b["image_position_ids"]))
     real = b["attention_mask"].bool()
     assert rel(o[real], a[real]) <= 1e-4
+
+
+def test_the_memory_plan_of_the_tower_is_one_line(g4dir, capsys):
+    """`minitrain plan` (and a CUDA run's memory check) on a Gemma 4 folder with a vision tower: one line naming
+    what is not planned yet and how to skip it, exit 2."""
+    from minitrain.commands import plan
+
+    capsys.readouterr()
+    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={g4dir['model']}", f"data={g4dir['data']}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vision tower" in err[0] and "memory_check=false" in err[0], err

@@ -471,6 +471,8 @@ class Gemma4Model(DecoderBody):
         if not P:
             return x
         token = self.embed_tokens_per_layer(input_ids)
+        if placed is not None:  # the row the features' places read (the pad token's) learns nothing from them,
+            token = torch.where(placed[0][..., None].to(token.device), token.detach(), token)  # as HF's padding_idx
         token = (token * torch.tensor(P**0.5, dtype=token.dtype)).unflatten(-1, (-1, P))  # (B, T, L, P)
         context = self.per_layer_projection_norm((self.per_layer_model_projection(x) * D**-0.5).unflatten(-1, (-1, P)))
         per_layer = (context + token) * 2**-0.5

@@ -29,7 +29,8 @@ Language model. The processor writes each image as `<|image>` + `<|image|>` x (i
 where the chat template wrote `<|image|>`; the features replace the embeddings of the `<|image|>` tokens
 (`image_token_id`), in order, after the sqrt(D) scaling (they are not scaled). Every image / audio / video
 token id is embedded as the pad token first, for the embeddings and for the per-layer inputs' token part (as
-transformers); the per-layer inputs' context part reads the embeddings with the features in place. With
+transformers, whose `padding_idx` keeps the pad row's gradient at zero: ours takes none from the image places); the
+per-layer inputs' context part reads the embeddings with the features in place. With
 `use_bidirectional_attention: "vision"` (the larger sizes), a forward with images lets each image's tokens
 attend to each other both ways in the sliding layers only; the global layers stay causal (transformers'
 `create_masks_for_vision_model`); without it, causal everywhere. Decoded tokens attend causally.

@@ -147,6 +147,29 @@ def test_logits_with_images_equal_transformers(g4v, tmp_path):
     assert rel(got[real], ref[real]) <= 1e-4 and rel(got[real], causal[real]) <= 1e-4
 
 
+def test_every_gradient_with_images_equals_transformers(g4v):
+    """The loss of a padded batch with images and the gradient of every parameter, the tower's and its embedder's
+    included (the pooling, the axial RoPE, the padding patches' mask), equal transformers'."""
+    hf, ours = load_hf(g4v).train(), load_ours(g4v).train().requires_grad_(True)
+    ids, mask = batch()
+    pv, pos = pixels()
+    labels = ids.masked_fill((mask == 0) | (ids == IMAGE), -100)
+    loss_ref = hf(input_ids=ids, attention_mask=mask, pixel_values=pv, image_position_ids=pos,
+                  mm_token_type_ids=(ids == IMAGE).long(), labels=labels).loss
+    loss_ref.backward()
+    logits = ours.output_projection(ours(ids, mask, pixel_values=pv, image_position_ids=pos))
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    loss.backward()
+    assert float(loss) == pytest.approx(float(loss_ref), rel=1e-5)
+    theirs = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    mine = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert set(mine) == {n for n in theirs if not n.startswith(("model.audio_tower.", "model.embed_audio."))}
+    assert any(n.startswith("model.vision_tower.") for n in mine)
+    worst = max(float((g - theirs[n]).norm() / theirs[n].norm().clamp(min=1e-12)) for n, g in mine.items())
+    print(f"max relative gradient difference with images: {worst:.2e}")
+    assert worst <= 1e-4
+
+
 def test_image_count_mismatch_is_refused(g4v):
     ours = load_ours(g4v)
     ids, mask = batch()

@@ -6,9 +6,13 @@ audio tower (carried, never built) and a 3-layer Gemma 4 language model with per
 proportional RoPE, a window of 5 tokens and `use_bidirectional_attention: "vision"`. The images come from
 transformers' own image processor (`Gemma4ImageProcessorPil`, unresized: 6 and 2 soft tokens, the second
 padded). Compared: logits with images in a padded batch (the sliding layers' two-way attention within an image,
-the global layers causal), the causal variant without "vision", text-only logits, greedy generation after image
-prompts, a LoRA adapter in peft with images, a saved folder in transformers. The image processor and the rows:
-tests/test_images.py and tests/test_image_rows.py; the command line: `test_lora_sft_on_image_rows_from_the_cli`.
+the global layers causal), the causal variant without "vision", text-only logits, every gradient (the tower's
+included), a tower with clipped linears and standardized features, greedy generation after image prompts, a
+LoRA adapter in peft with images, a saved folder in transformers. Then a folder with a Gemma-shaped tokenizer,
+Gemma 4's chat template and image processor config: image rows equal `Gemma4Processor.apply_chat_template`'s,
+the collated loss transformers', LoRA SFT and full fine-tuning on image rows from the command line, the memory
+plan's one-line refusal. The awkward images: tests/test_images.py; DPO / KTO / GRPO with images:
+tests/test_vl_families_rl.py; LoRA on the tower: tests/test_vl_lora.py.
 """
 
 from __future__ import annotations
@@ -145,6 +149,38 @@ def test_logits_with_images_equal_transformers(g4v, tmp_path):
         got = plain.lm_head(plain(ids, mask, pixel_values=pv, image_position_ids=pos))
         ref = hf_logits(load_hf(tmp_path / "causal"), ids, mask, pv, pos)
     assert rel(got[real], ref[real]) <= 1e-4 and rel(got[real], causal[real]) <= 1e-4
+
+
+def test_clipped_linears_and_standardized_features_equal_transformers(tmp_path):
+    """A tower with `use_clipped_linears` (its linears' inputs and outputs clamped by stored bounds, set here so
+    that they bite) and `standardize` ((x - std_bias) * std_scale after the pooling): logits with images equal."""
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    cfg.vision_config.use_clipped_linears = cfg.vision_config.standardize = True
+    hf = perturb(transformers.Gemma4ForConditionalGeneration(cfg)).eval()
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith(("input_min", "input_max", "output_min", "output_max")):
+                b.fill_((-1 if name.endswith("min") else 1) * (0.5 if "input" in name else 0.2))
+            elif name.endswith("std_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+            elif name.endswith("std_scale"):
+                b.copy_(1 + 0.1 * torch.randn_like(b))
+    hf.save_pretrained(tmp_path)
+    ours = load_ours(tmp_path)
+    assert ours.model.vision_tower.encoder.layers[0].mlp.up_proj.clipped
+    ids, mask = batch()
+    pv, pos = pixels()
+    real = mask.bool()
+    with torch.no_grad():
+        ref = hf_logits(load_hf(tmp_path), ids, mask, pv, pos)
+        got = ours.lm_head(ours(ids, mask, pixel_values=pv, image_position_ids=pos))
+        unclipped = load_ours(tmp_path)
+        for m in unclipped.modules():
+            if hasattr(m, "clipped"):
+                m.clipped = False
+        loose = unclipped.lm_head(unclipped(ids, mask, pixel_values=pv, image_position_ids=pos))
+    assert rel(got[real], ref[real]) <= 1e-4 and rel(loose[real], ref[real]) > 1e-3
 
 
 def test_every_gradient_with_images_equals_transformers(g4v):

@@ -3,7 +3,8 @@ multimodal projector and the Gemma 3 text model of gemma.py, importing only torc
 gemma.py.
 
 Read top to bottom: config (the text config is gemma.py's `GemmaConfig` of the `text_config`; the tower's
-its own dataclass), the tower, the projector, the attention rule of image tokens, the model.
+its own dataclass), the tower, the projector, the model (the attention rule of image tokens: layers.py's
+`image_masks`, which Gemma 4 shares).
 
 Vision tower (SigLIP, transformers' `SiglipVisionModel` without its pooling head). An image resized to
 `image_size` square (`minitrain.data.images`, pixel values (n, 3, S, S)) is cut into (S / patch)**2 patches

@@ -5,7 +5,8 @@ sinks, gated MLPs, the expert block, masks, the KV cache, the body's forward, ge
 file (llama.py: LLaMA / Mistral / Qwen2 / Qwen3; gemma.py: Gemma 2 / Gemma 3 text; phi3.py: Phi-3;
 moe.py: Qwen3-MoE / Qwen2-MoE / Mixtral; gpt_oss.py: gpt-oss; qwen3_5.py: Qwen3.5, dense and MoE; gemma4.py: Gemma 4;
 qwen2_5_vl.py: Qwen2.5-VL, its vision tower too; qwen3_vl.py: Qwen3-VL, Qwen2.5-VL's file with its own tower,
-DeepStack and interleaved M-RoPE; gemma3_vl.py: multimodal Gemma 3, its SigLIP tower and projector; t5.py)
+DeepStack and interleaved M-RoPE; gemma3_vl.py: multimodal Gemma 3, its SigLIP tower and projector; gemma4_vl.py: multimodal Gemma 4, its vision
+tower and embedder; t5.py)
 imports only torch and that floor (a multimodal family also its text family), holds what is
 particular to it, and exposes `config_from_hf(d)`. `from_hf_config` picks the family from a `config.json` dict.
 """
@@ -35,7 +36,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen3_5_moe_text": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
     "qwen3_5_moe": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
     "gemma4_text": ("gemma4", "Gemma4ForCausalLM"),
-    "gemma4": ("gemma4", "Gemma4ForConditionalGeneration"),
+    "gemma4": ("gemma4_vl", "Gemma4ForConditionalGeneration"),
     "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "gemma3": ("gemma3_vl", "Gemma3ForConditionalGeneration"),

@@ -3,7 +3,8 @@ multimodal projector and the Gemma 3 text model of gemma.py, importing only torc
 gemma.py.
 
 Read top to bottom: config (the text config is gemma.py's `GemmaConfig` of the `text_config`; the tower's
-its own dataclass), the tower, the projector, the attention rule of image tokens, the model.
+its own dataclass), the tower, the projector, the model (the attention rule of image tokens: layers.py's
+`image_masks`, which Gemma 4 shares).
 
 Vision tower (SigLIP, transformers' `SiglipVisionModel` without its pooling head). An image resized to
 `image_size` square (`minitrain.data.images`, pixel values (n, 3, S, S)) is cut into (S / patch)**2 patches
@@ -53,6 +54,7 @@ from models.layers import (
     check_fields,
     drop_ignored,
     generate,
+    image_blocks,
     multimodal_to_hf,
     require_zero,
 )
@@ -266,60 +268,15 @@ class Projector(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
-# The attention rule of image tokens, the model
+# The model (the attention rule of image tokens: `image_masks` in layers.py)
 # --------------------------------------------------------------------------------------------
-
-
-def image_blocks(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """(B, T) -> each token's image block: runs of `image_token_id` numbered 0, 1, ... in each row, -1 for text
-    (transformers' `get_block_sequence_ids_for_mask` of the processor's `token_type_ids`)."""
-    is_image = input_ids == image_token_id
-    starts = is_image & ~F.pad(is_image, (1, 0))[:, :-1]
-    return torch.where(is_image, starts.long().cumsum(1) - 1, -1)
-
-
-def image_masks(valid: torch.Tensor, blocks: torch.Tensor, windows: Collection[int | None]
-                ) -> dict[int | None, torch.Tensor]:
-    """Per sliding window (None: global), the bool (B, 1, T, T) mask of a forward with images, True = may
-    attend: (causal or the same image block) and a real key and (with a window) fewer than `window` slots
-    back; every position sees itself (no empty row)."""
-    T = blocks.shape[1]
-    i = torch.arange(T, device=blocks.device)
-    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)  # (B, T, T)
-    base = ((i[None, :] <= i[:, None]) | same) & valid[:, None, :]
-    out = {}
-    for w in windows:
-        m = base if w is None else base & (i[None, :] > i[:, None] - w)
-        out[w] = (m | (i[None, :] == i[:, None]))[:, None]
-    return out
-
-
-class Gemma3VLTextModel(GemmaModel):
-    """Gemma 3's text body (`model.language_model.`) that takes the image-block attention of a forward
-    with images (`forward_images`)."""
-
-    def forward_images(self, x: torch.Tensor, attention_mask: torch.Tensor | None, blocks: torch.Tensor,
-                       cache: KVCache | None, hidden_layers: Collection[int], attention_layers: Collection[int]):
-        """x (B, T, D) the embeddings with the image features in place; `blocks` (`image_blocks`). Positions
-        count the real tokens, as the plain forward's."""
-        B, T = blocks.shape
-        valid = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
-                 else attention_mask.to(x.device).bool())
-        key_valid = cache.begin(valid) if cache is not None else valid
-        position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
-        masks = image_masks(key_valid, blocks.to(x.device), set(self.windows))
-        out = self._layers(x, self.rope_tables(position_ids, x.dtype), [masks[w] for w in self.windows], cache,
-                           hidden_layers, attention_layers)
-        if cache is not None:
-            cache.end(T)
-        return out
 
 
 class Gemma3Model(LanguageModel):
     """transformers' `model.`: the language model, the tower (`vision_tower`), the projector."""
 
     def __init__(self, config: Gemma3VLConfig) -> None:
-        super().__init__(Gemma3VLTextModel(config.text()))
+        super().__init__(GemmaModel(config.text()))
         self.vision_tower = VisionTower(config.vision)
         self.multi_modal_projector = Projector(config)
 

@@ -1,6 +1,6 @@
-"""Gemma 4 (text: `Gemma4ForCausalLM`, model_type `gemma4_text`; and the language model of the multimodal
-`Gemma4ForConditionalGeneration`, model_type `gemma4`), importing only torch and the shared floor
-(`models/layers.py`).
+"""Gemma 4 (text: `Gemma4ForCausalLM`, model_type `gemma4_text`; the language model of the multimodal
+`Gemma4ForConditionalGeneration`, model_type `gemma4`, whose vision tower is gemma4_vl.py's), importing only
+torch and the shared floor (`models/layers.py`).
 
 Gemma 3's block (sandwich norms around attention and the GeGLU MLP, embeddings scaled by
 sqrt(hidden_size) rounded to their dtype, sliding and global layers) with these differences:
@@ -76,8 +76,7 @@ from models.layers import (
     text_config_of,
 )
 
-__all__ = ["Gemma4Config", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "KVCache", "generate",
-           "config_from_hf"]
+__all__ = ["Gemma4Config", "Gemma4ForCausalLM", "KVCache", "generate", "config_from_hf"]
 
 # transformers' defaults when a config.json leaves `rope_parameters` out
 DEFAULT_ROPE = {
@@ -458,15 +457,22 @@ class Gemma4Model(DecoderBody):
             self.per_layer_model_projection = nn.Linear(D, L * P, bias=False)
             self.per_layer_projection_norm = RMSNormCastLast(P, c.rms_norm_eps)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor,
+              placed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids (B, T) -> the scaled embeddings (B, T, D), followed by the per-layer inputs (L P
-        channels, layer by layer) when the model has them; `_layers` splits them off."""
+        channels, layer by layer) when the model has them; `_layers` splits them off. `placed`: (where
+        (B, T) bool, features (N, D)), features that replace the embeddings there (a multimodal model's images)
+        before the per-layer inputs' context part reads them; the token part reads `input_ids` as given."""
         D, P = self.config.hidden_size, self.config.ple
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(D**0.5, dtype=x.dtype)  # the factor rounded to the dtype first, as HF
+        if placed is not None:
+            x = x.masked_scatter(placed[0][..., None].to(x.device), placed[1].to(x.dtype))
         if not P:
             return x
         token = self.embed_tokens_per_layer(input_ids)
+        if placed is not None:  # the row the features' places read (the pad token's) learns nothing from them,
+            token = torch.where(placed[0][..., None].to(token.device), token.detach(), token)  # as HF's padding_idx
         token = (token * torch.tensor(P**0.5, dtype=token.dtype)).unflatten(-1, (-1, P))  # (B, T, L, P)
         context = self.per_layer_projection_norm((self.per_layer_model_projection(x) * D**-0.5).unflatten(-1, (-1, P)))
         per_layer = (context + token) * 2**-0.5
@@ -514,18 +520,6 @@ class Gemma4ForCausalLM(CausalLM):
         shared = [i for i, s in enumerate(config.kv_sources()) if s is not None]
         unused = [rf"^{prefix}layers\.{i}\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\." for i in shared]
         self.ignore_checkpoint_keys = self.carry_checkpoint_keys = (*self.ignore_checkpoint_keys, *unused)
-
-
-class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
-    """The language model of a multimodal Gemma 4 checkpoint under the multimodal class's names
-    (`model.language_model.*`, `lm_head`). Everything else under `model.` (the vision and audio towers,
-    their embedders) is neither built nor read, and a save (full fine-tuning, minitrain merge) writes it
-    back as it was read from the source folder."""
-
-    ignore_checkpoint_keys = hf_only_modules = (r"^model\.(?!language_model\.)",)
-
-    def __init__(self, config: Gemma4Config) -> None:
-        super().__init__(config, multimodal=True)
 
 
 def config_from_hf(d: dict[str, Any]) -> Gemma4Config:

@@ -592,6 +592,33 @@ def attention_mask_4d(key_valid: torch.Tensor, q_start: int, sliding_window: int
     return allowed[:, None]  # (B, 1, T, S)
 
 
+def image_blocks(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """(B, T) -> each token's image block: runs of `image_token_id` numbered 0, 1, ... in each row, -1 for text
+    (transformers' `get_block_sequence_ids_for_mask` of the processor's `token_type_ids` / `mm_token_type_ids`)."""
+    is_image = input_ids == image_token_id
+    starts = is_image & ~F.pad(is_image, (1, 0))[:, :-1]
+    return torch.where(is_image, starts.long().cumsum(1) - 1, -1)
+
+
+def image_masks(valid: torch.Tensor, blocks: torch.Tensor, windows: Collection[int | None],
+                both_ways: Collection[int | None] | None = None) -> dict[int | None, torch.Tensor]:
+    """Per sliding window (None: global), the bool (B, 1, T, T) mask of a forward with images, True = may
+    attend: (causal or, for the windows in `both_ways` (default: every one), the same image block) and a real
+    key and (with a window) fewer than `window` slots back; every position sees itself (no empty row).
+    Gemma 3 lets an image's tokens see each other both ways in every layer; Gemma 4 in its sliding layers only."""
+    T = blocks.shape[1]
+    i = torch.arange(T, device=blocks.device)
+    causal = (i[None, :] <= i[:, None])[None] & valid[:, None, :]  # (B, T, T)
+    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    out = {}
+    for w in windows:
+        m = causal | same & valid[:, None, :] if both_ways is None or w in both_ways else causal
+        if w is not None:
+            m = m & (i[None, :] > i[:, None] - w)
+        out[w] = (m | (i[None, :] == i[:, None]))[:, None]
+    return out
+
+
 @dataclass(frozen=True)
 class Ragged:
     """An unpadded batch's layout, given to the layers in place of a mask: the batch's sequences
@@ -1554,6 +1581,25 @@ class DecoderBody(nn.Module):
         }
         out = self._layers(x, tables, [masks[w] for w in self.windows], cache, hidden_layers, attention_layers,
                            additions)
+        if cache is not None:
+            cache.end(T)
+        return out
+
+    def forward_images(self, x: torch.Tensor, attention_mask: torch.Tensor | None, blocks: torch.Tensor,
+                       cache: KVCache | None, hidden_layers: Collection[int] = (), attention_layers: Collection[int] = (),
+                       both_ways: Collection[int | None] | None = None) -> torch.Tensor | Captured:
+        """A forward with images (training, or a cache's first call): x (B, T, ...) the embeddings with the image
+        features in place, `blocks` (`image_blocks`); each image's tokens attend to each other both ways in the
+        layers whose window is in `both_ways` (None: every layer; `image_masks`). Positions count the real
+        tokens, as the plain forward's."""
+        B, T = blocks.shape
+        valid = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
+                 else attention_mask.to(x.device).bool())
+        key_valid = cache.begin(valid) if cache is not None else valid
+        position_ids = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+        masks = image_masks(key_valid, blocks.to(x.device), set(self.windows), both_ways)
+        out = self._layers(x, self.rope_tables(position_ids, x.dtype), [masks[w] for w in self.windows], cache,
+                           hidden_layers, attention_layers)
         if cache is not None:
             cache.end(T)
         return out

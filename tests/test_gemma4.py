@@ -15,7 +15,7 @@ Tiny random checkpoints saved once per session by transformers 5 (fp32; norms an
 Compared with transformers: logits on padded batches (left, right, none; measured equal to the bit),
 every parameter's gradient and a LoRA step's (against peft), greedy generation and GRPO's sampler through
 the cache (shared keys included), the saved folder. The multimodal `gemma4` checkpoint (a vision and an
-audio tower): its language model loads alone, peft on `AutoModelForImageTextToText` takes our adapter,
+audio tower): its language model and vision tower load, the audio tower is carried, peft on `AutoModelForImageTextToText` takes our adapter,
 merge and full fine-tuning write the towers back bit for bit. Through the CLI: LoRA SFT (packed and
 padded), DPO (shared prompt), exact resume on the MoE size; GGUF export and the MoE size's memory plan
 refuse in one line.
@@ -429,9 +429,10 @@ def load_multimodal(folder):
 TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
 
-def test_multimodal_checkpoint_loads_its_language_model_only(multimodal, monkeypatch):
-    """Text logits equal the multimodal class's (left padding); the towers' tensors are never read (one
-    read per tensor of ours); `to_hf` gives back the multimodal config."""
+def test_multimodal_checkpoint_loads_its_language_model_and_vision_tower(multimodal, monkeypatch):
+    """Text logits equal the multimodal class's (left padding); the audio tower's tensors are never read (one
+    read per tensor of ours: the language model, the vision tower and its embedder, tests/test_gemma4_vl.py);
+    `to_hf` gives back the multimodal config."""
     import minitrain.weights as weights
 
     read = []
@@ -439,8 +440,10 @@ def test_multimodal_checkpoint_loads_its_language_model_only(multimodal, monkeyp
     monkeypatch.setattr(weights, "read_tensor", lambda *a: read.append(a[-1]) or real_read(*a))
     ours = load_ours(multimodal)
     names = set(ours.state_dict())
-    assert all(k.startswith(("model.language_model.", "lm_head.")) for k in names)
-    assert len(read) == len(names) - 1  # the tied lm_head is the embedding: no tower tensor read
+    assert all(k.startswith(("model.language_model.", "lm_head.", "model.vision_tower.", "model.embed_vision."))
+               for k in names)
+    assert any(k.startswith("model.vision_tower.") for k in names)
+    assert len(read) == len(names) - 1  # the tied lm_head is the embedding: no audio tensor read
     ids, mask = batch(40, "left", high=120)
     a = ours.output_projection(hidden(ours, ids, mask))
     with torch.no_grad():
@@ -549,15 +552,18 @@ def test_lora_sft_packed_and_dpo_through_the_cli(cli_model, tmp_path, capsys):
 
 
 def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, tmp_path, capsys):
-    """`finetune=full` through the CLI on the multimodal folder: the written folder holds every tower
-    tensor bit-identical to the input, a trained language model, and loads in transformers as the
-    multimodal class with our text logits."""
+    """`finetune=full` through the CLI on text rows, the multimodal folder without its vision_config (so that no
+    tower is built: with one, text rows leave it off the loss's path, which the audit refuses; images:
+    tests/test_gemma4_vl.py): the written folder holds every tower tensor bit-identical to the input, a trained
+    language model, and loads in transformers as the multimodal class with our text logits."""
     from _tok import make_bpe_tokenizer
 
     from minitrain.cli import run_cli
 
     model = tmp_path / "model"
     shutil.copytree(multimodal, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vision_config": None}))
     make_bpe_tokenizer(model)
     keys = {"model": model, "data": sft_rows(tmp_path), "eval_data": "", "out": tmp_path / "out", "max_steps": 2,
             "batch_size": 2, "max_len": 64, "finetune": "full", "lr": 1e-3}

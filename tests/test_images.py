@@ -5,7 +5,10 @@ grey (L), RGBA, a palette image with a transparent colour, a CMYK JPEG, a 16-bit
 `<|image_pad|>` expanded equal the text expanded by the processor's own `replace_image_token`, tokenized. (The
 whole `Qwen2_5_VLProcessor` / `Qwen3VLProcessor` cannot be built here: its video processor needs torchvision.)
 
-Each check runs for two checkpoints' processors: Qwen2.5-VL's (the Qwen2-VL image processor's defaults,
+Gemma 4's (`Gemma4ImageProcessorPil`: each image within a patch budget, patches padded to it) on the same
+images: pixel values, patch positions and soft-token counts to the bit.
+
+Each Qwen check runs for two checkpoints' processors: Qwen2.5-VL's (the Qwen2-VL image processor's defaults,
 patches of 14, CLIP's mean and std) and Qwen3-VL's (the same image processor as the Hub's Qwen3-VL
 `preprocessor_config.json` sets it: patches of 16, mean and std 0.5; its sizes made small here), our
 `ImageSpec` read from the same dict transformers' processor is built from.
@@ -113,6 +116,43 @@ def test_expanded_ids_equal_the_processor(images, tmp_path, processor):
     ids, starts = expand_placeholders(tok("".join(parts))["input_ids"], pad, counts)
     assert ids == tok(expanded)["input_ids"]
     assert [ids[s:s + c] == [pad] * c for s, c in zip(starts, counts)] == [True] * 3
+
+
+# Gemma 4's image processor (`Gemma4ImageProcessorPil`) with the smallest budget it takes, at the Hub's patches of
+# 16 pooled 3 x 3, and at patches of 8 pooled 2 x 2 (as a small tower would have them)
+GEMMA4 = [dict(max_soft_tokens=70), dict(max_soft_tokens=70, patch_size=8, pooling_kernel_size=2)]
+
+
+@pytest.mark.parametrize("kw", GEMMA4, ids=["p16k3", "p8k2"])
+def test_gemma4_pixel_values_and_positions_equal_the_processor(images, kw):
+    """Each awkward image resized within the patch budget, its aspect kept (the wide and tall ones at one pooled
+    row / column), cut into patches and padded to the budget: pixel values, patch positions and soft-token
+    counts (from the header alone) equal to the bit."""
+    from minitrain.data.images import BudgetSpec, processor_spec
+
+    hf = transformers.Gemma4ImageProcessorPil(**kw)
+    spec = processor_spec({"image_processor_type": "Gemma4ImageProcessor", **kw}, {"model_type": "gemma4"})
+    assert spec == BudgetSpec(**kw)
+    for name, path in images.items():
+        with Image.open(path) as im:
+            ref = hf(images=[im], return_tensors="np")
+            count = spec.count(im.height, im.width)
+        pixels, positions = load_image(path, spec)
+        assert pixels.dtype == np.float32 and np.array_equal(pixels, ref["pixel_values"][0]), name
+        assert np.array_equal(positions, ref["image_position_ids"][0]), name
+        assert count == ref["num_soft_tokens_per_image"][0] == (positions[:, 0] >= 0).sum() // spec.pooling_kernel_size ** 2
+
+
+def test_gemma4_processor_settings_we_cannot_honour_are_one_line():
+    from minitrain.data.images import processor_spec
+
+    gemma4 = {"model_type": "gemma4", "vision_config": {"patch_size": 16, "pooling_kernel_size": 3}}
+    with pytest.raises(UserError, match="max_soft_tokens=100"):
+        processor_spec({"image_processor_type": "Gemma4ImageProcessor", "max_soft_tokens": 100}, gemma4)
+    with pytest.raises(UserError, match="patch_size=14 is not the tower's 16"):
+        processor_spec({"image_processor_type": "Gemma4ImageProcessor", "patch_size": 14}, gemma4)
+    with pytest.raises(UserError, match="do_resize=false"):
+        processor_spec({"image_processor_type": "Gemma4ImageProcessorPil", "do_resize": False}, gemma4)
 
 
 def test_a_missing_or_broken_image_is_one_line(tmp_path):

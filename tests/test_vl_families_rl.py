@@ -1,7 +1,7 @@
-"""DPO, KTO and GRPO with images on a tiny multimodal Gemma 3 (the folder of tests/test_gemma3_vl.py) and a tiny
-Qwen3-VL (tests/test_image_rows.py's), the rows of tests/test_vl_preference.py, tests/test_vl_kto.py and
-tests/test_vl_grpo.py (whose TRL parity runs on Qwen2.5-VL; the code is the same for the three families: only the
-image processing, the placeholders and the tower differ).
+"""DPO, KTO and GRPO with images on a tiny multimodal Gemma 3 (the folder of tests/test_gemma3_vl.py), a tiny
+Qwen3-VL (tests/test_image_rows.py's) and a tiny multimodal Gemma 4 (tests/test_gemma4_vl.py's), the rows of
+tests/test_vl_preference.py, tests/test_vl_kto.py and tests/test_vl_grpo.py (whose TRL parity runs on Qwen2.5-VL;
+the code is the same for every family: only the image processing, the placeholders and the tower differ).
 
 - Image prompts read by `read_prompts` are the ids transformers' `Gemma3Processor` makes of the same chats and
   images (`\\n\\n<start_of_image>` + soft tokens + `<end_of_image>\\n\\n`), and greedy sampling (G = 2 rows per
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_gemma3_vl import g3_folder
+from test_gemma4_vl import g4_folder
 from test_image_rows import vl_folder, write_images
 from test_vl_grpo import PROMPTS, REWARDS
 from test_vl_kto import ROWS
@@ -48,6 +49,11 @@ def rl_files(root: Path, folder) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def g3(tmp_path_factory) -> dict[str, Path]:
     return rl_files(tmp_path_factory.mktemp("vl_gemma3_rl"), g3_folder)
+
+
+@pytest.fixture(scope="module")
+def g4(tmp_path_factory) -> dict[str, Path]:
+    return rl_files(tmp_path_factory.mktemp("vl_gemma4_rl"), g4_folder)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +102,7 @@ def test_image_prompts_and_greedy_sampling_equal_transformers(g3):
     ("kto_mistral.py", "rows.jsonl", ["batch_size=3"], 0.5),
     ("grpo_qwen.py", "prompts.jsonl", ["batch_size=2", "num_generations=2", "max_completion_length=4",
                                        "rewards={root}/rewards.py:image_count"], None)])
-@pytest.mark.parametrize("family", ["g3", "qwen3"])
+@pytest.mark.parametrize("family", ["g3", "qwen3", "g4"])
 def test_lora_from_the_cli_with_images(request, capsys, family, recipe, data, args, first):
     g3 = request.getfixturevalue(family)
     out = g3["root"] / recipe.removesuffix(".py")

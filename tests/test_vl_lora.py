@@ -1,14 +1,15 @@
-"""Adapters on the vision side of Qwen2.5-VL, Qwen3-VL and multimodal Gemma 3, and what reads them, one table of
-the three families (the tiny checkpoints of tests/test_qwen2_5_vl.py, tests/test_qwen3_vl.py and
-tests/test_gemma3_vl.py, saved by transformers):
+"""Adapters on the vision side of Qwen2.5-VL, Qwen3-VL, multimodal Gemma 3 and Gemma 4, and what reads them, one
+table of the four families (the tiny checkpoints of tests/test_qwen2_5_vl.py, tests/test_qwen3_vl.py,
+tests/test_gemma3_vl.py and tests/test_gemma4_vl.py, saved by transformers):
 
 - LoRA whose `lora_targets` is one regular expression naming the merger (Qwen; with the language model's
-  projections) or the tower's last layer (Gemma 3, whose projector holds no linear) trains them: the adapter
+  projections) or the tower's last layer (Gemma 3, whose projector holds no linear; Gemma 4, whose embedder's
+  one linear is left to full fine-tuning here) trains them: the adapter
   saved in peft's format loads in peft on transformers' class with our logits on an image batch;
 - `minitrain merge` of that adapter writes a folder that transformers loads as the multimodal class with the
   logits of peft's `merge_and_unload` on the same batch (the tower and merger folded as well);
 - the gradient audit: healthy with the vision side trained (LoRA there, or `finetune=full`), and a planted
-  `.detach()` between the merger / projector and the language model is one problem naming that module, with
+  `.detach()` between the merger / projector / embedder and the language model is one problem naming that module, with
   the vision side's trained tensors unreachable. (A frozen tower gives no alarm through the CLI run's audit
   line: tests/test_image_rows.py, tests/test_gemma3_vl.py.)
 """
@@ -24,6 +25,11 @@ from test_gemma3_vl import SOFT
 from test_gemma3_vl import batch as gemma_batch
 from test_gemma3_vl import g3  # noqa: F401  (the session fixture)
 from test_gemma3_vl import hf_logits as gemma_logits
+from test_gemma4_vl import IMAGE as GEMMA4_IMAGE
+from test_gemma4_vl import batch as gemma4_batch
+from test_gemma4_vl import g4v  # noqa: F401  (the module fixture)
+from test_gemma4_vl import hf_logits as gemma4_logits
+from test_gemma4_vl import pixels as gemma4_pixels
 from test_qwen2_5_vl import IMAGE, rel, vl  # noqa: F401  (vl: the session fixture)
 from test_qwen2_5_vl import batch as qwen_batch
 from test_qwen2_5_vl import hf_logits as qwen_logits
@@ -44,8 +50,10 @@ FAMILIES = {
     "qwen3_vl": ("vl3", "Qwen3VLForConditionalGeneration", LM + r"|model\.visual\.merger\..*", "model.visual.merger"),
     "gemma3": ("g3", "Gemma3ForConditionalGeneration", LM + r"|model\.vision_tower\.encoder\.layers\.1\..*",
                "model.multi_modal_projector"),
+    "gemma4": ("g4v", "Gemma4ForConditionalGeneration", LM + r"|model\.vision_tower\.encoder\.layers\.1\..*",
+               "model.embed_vision"),
 }
-VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "model.embed_vision.")
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -58,6 +66,9 @@ def images(name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
     if name == "gemma3":
         ids, mask, pixels = gemma_batch()
         return ids, mask, {"pixel_values": pixels}
+    if name == "gemma4":
+        (ids, mask), (pixels, positions) = gemma4_batch(), gemma4_pixels()
+        return ids, mask, {"pixel_values": pixels, "image_position_ids": positions}
     ids, mask, pixels, grid = qwen_batch()
     return ids, mask, {"pixel_values": pixels, "image_grid_thw": grid}
 
@@ -65,6 +76,8 @@ def images(name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
 def hf_logits(name: str, hf, ids, mask, inputs: dict) -> torch.Tensor:
     if name == "gemma3":
         return gemma_logits(hf, ids, mask, inputs["pixel_values"])
+    if name == "gemma4":
+        return gemma4_logits(hf, ids, mask, inputs["pixel_values"], inputs["image_position_ids"])
     return qwen_logits(hf, ids, mask, inputs["pixel_values"], inputs["image_grid_thw"])
 
 
@@ -87,7 +100,8 @@ def adapted(folder: Path, targets: str, out: Path | None = None, scale: float = 
 
 def sft_batch(name: str) -> dict:
     ids, mask, inputs = images(name)
-    labels = ids.masked_fill((mask == 0) | (ids == (SOFT if name == "gemma3" else IMAGE)), -100)
+    image = {"gemma3": SOFT, "gemma4": GEMMA4_IMAGE}.get(name, IMAGE)
+    labels = ids.masked_fill((mask == 0) | (ids == image), -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, **inputs}
 
 
@@ -102,7 +116,7 @@ def test_a_regex_adapts_the_merger_and_peft_loads_it(family, tmp_path):
     hf = getattr(transformers, FAMILIES[name][1]).from_pretrained(folder, dtype=torch.float32)
     ref = peft.PeftModel.from_pretrained(hf, tmp_path).eval()
     assert {n.removeprefix("base_model.model.").replace(".default", "") for n, _ in ref.named_parameters()
-            if "lora_" in n and any(v in n for v in (".visual.", ".vision_tower."))} == vision
+            if "lora_" in n and any(v in n for v in (".visual.", ".vision_tower.", ".embed_vision."))} == vision
     ids, mask, inputs = images(name)
     real = mask.bool()
     with torch.no_grad():
@@ -167,7 +181,7 @@ def test_a_detached_merger_is_caught(family, how, monkeypatch):
     assert f"the output of {module} does not require grad" in report.problems[0]
     dead = {t.name for t in report.tensors if t.status == UNREACHABLE}
     assert dead and all(n.startswith(VISION) for n in dead)
-    assert any(n.startswith(module + ".") for n in dead) or name == "gemma3" and how == "lora"
+    assert any(n.startswith(module + ".") for n in dead) or name in ("gemma3", "gemma4") and how == "lora"
 
 
 def test_a_regex_must_be_the_only_target():

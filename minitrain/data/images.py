@@ -4,6 +4,7 @@ it in the ids, with the same numbers as transformers' image processor (its Pillo
 
     Qwen2VLImageProcessor   Qwen2-VL / Qwen2.5-VL (`ImageSpec`): each image at its own size, in patches
     Gemma3ImageProcessor    Gemma 3 (`SquareSpec`): every image resized to one square, a fixed token count
+    Gemma4ImageProcessor    Gemma 4 (`BudgetSpec`): each image at its own size within a patch budget, padded to it
 
 The steps, in the processor's order (the first, third and fourth shared: `normalised`):
     decode      Pillow opens the file; an image with transparency is laid over white, every mode
@@ -11,9 +12,12 @@ The steps, in the processor's order (the first, third and fourth shared: `normal
     resize      Qwen: `smart_resize`: both sides the nearest multiple of `patch_size * merge_size`, scaled
                 down when the area is over `max_pixels` and up when under `min_pixels`, the aspect kept;
                 Pillow's bicubic resize (always, even to the same size). Gemma 3: to `size` (height x width,
-                the tower's image_size), the aspect not kept, with the config's `resample` (bilinear)
+                the tower's image_size), the aspect not kept, with the config's `resample` (bilinear). Gemma 4:
+                the largest size, the aspect kept, within `max_soft_tokens * pooling_kernel_size**2` patches
+                whose sides are multiples of `pooling_kernel_size * patch_size` (`budget_size`), bicubic
     rescale     x * rescale_factor (1 / 255) in float64, stored as float32
-    normalise   (x - mean) / std per channel (Qwen: CLIP's mean and std; Gemma 3: 0.5 and 0.5), float32
+    normalise   (x - mean) / std per channel (Qwen: CLIP's mean and std; Gemma 3: 0.5 and 0.5; Gemma 4: none,
+                its tower maps [0, 1] itself), float32
     Qwen:
     patchify    (C, H, W) -> one row per patch of C x temporal_patch_size x p x p values (an image repeats
                 its one frame), patches ordered merge block by merge block (row-major), row-major inside
@@ -23,6 +27,11 @@ The steps, in the processor's order (the first, third and fourth shared: `normal
                 writes as `\n\n<start_of_image>` + `<image_soft_token>` x n + `<end_of_image>\n\n` in place
                 of the `<start_of_image>` the chat template writes (`ImageRows.expand`). Pan-and-scan crops
                 (`do_pan_and_scan: true`) are refused.
+    Gemma 4:    (H / p) (W / p) patches, each a row of p x p x C values (row-major patches, channels last),
+                zero rows after them up to the budget (`pixel_values` (images, budget, p p C)); each patch's (x, y)
+                in its grid, (-1, -1) on the padding (`image_position_ids`); patches / pooling_kernel_size**2
+                soft tokens, which the processor writes as `<|image>` + `<|image|>` x n + `<image|>` in place of
+                the `<|image|>` the chat template writes (`ImageRows.wrap`).
 
 Qwen3-VL's checkpoints use the same image processor, set by their own `preprocessor_config.json` (patches of 16
 pixels, mean and std 0.5): `ImageSpec.from_preprocessor_config` reads either.
@@ -164,11 +173,108 @@ class SquareSpec:
         return {"pixel_values": torch.from_numpy(np.stack(pixels))}
 
 
+GEMMA4_SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the budgets transformers' Gemma 4 image processor accepts
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """Gemma 4's image processor (`Gemma4ImageProcessor`, its Pillow path): each image resized, its aspect kept,
+    to `budget_size` with Pillow's bicubic filter, rescaled (normalised only with `do_normalize`), cut into
+    patches of `patch_size` and padded to the budget of `max_soft_tokens * pooling_kernel_size**2` patches."""
+
+    patch_size: int = 16
+    max_soft_tokens: int = 280
+    pooling_kernel_size: int = 3
+    resample: int = 3
+    rescale_factor: float = 1 / 255
+    image_mean: tuple[float, ...] = (0.0, 0.0, 0.0)
+    image_std: tuple[float, ...] = (1.0, 1.0, 1.0)
+
+    @classmethod
+    def from_preprocessor_config(cls, d: dict, config: dict | None = None) -> "BudgetSpec":
+        """From a `preprocessor_config.json` dict and config.json's (`vision_config`: the patch size and pooling
+        the processor's must equal). A step switched off, or a budget transformers refuses, is one line."""
+        where = "preprocessor_config.json"
+        off = [k for k in ("do_resize", "do_rescale", "do_convert_rgb") if d.get(k) is False]
+        if off:
+            raise UserError(f"{where}: {off[0]}=false is not supported — minitrain resizes, rescales and converts to "
+                            "RGB as the checkpoint was trained; remove it")
+        vision = (config or {}).get("vision_config") or {}
+        spec = cls(patch_size=int(d.get("patch_size", vision.get("patch_size", cls.patch_size))),
+                   max_soft_tokens=int(d.get("max_soft_tokens", cls.max_soft_tokens)),
+                   pooling_kernel_size=int(d.get("pooling_kernel_size",
+                                                 vision.get("pooling_kernel_size", cls.pooling_kernel_size))),
+                   resample=int(d.get("resample", cls.resample)),
+                   rescale_factor=float(d.get("rescale_factor", cls.rescale_factor)),
+                   **({"image_mean": tuple(d.get("image_mean", cls.image_mean)),
+                       "image_std": tuple(d.get("image_std", cls.image_std))} if d.get("do_normalize") else {}))
+        if spec.max_soft_tokens not in GEMMA4_SOFT_TOKENS:
+            raise UserError(f"{where}: max_soft_tokens={spec.max_soft_tokens} — Gemma 4's processor takes one of "
+                            f"{GEMMA4_SOFT_TOKENS}")
+        for key in ("patch_size", "pooling_kernel_size"):
+            if key in vision and vision[key] != getattr(spec, key):
+                raise UserError(f"{where}: {key}={getattr(spec, key)} is not the tower's {vision[key]} "
+                                "(config.json's vision_config) — restore the checkpoint's file")
+        return spec
+
+    @property
+    def budget(self) -> int:
+        """The patches every image is padded to."""
+        return self.max_soft_tokens * self.pooling_kernel_size ** 2
+
+    def budget_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) -> the size the image is resized to (transformers' `get_aspect_ratio_preserving_size`);
+        ValueError where that refuses."""
+        side = self.pooling_kernel_size * self.patch_size
+        target = self.budget * self.patch_size ** 2
+        factor = math.sqrt(target / (height * width))
+        h, w = math.floor(factor * height / side) * side, math.floor(factor * width / side) * side
+        if h == 0 and w == 0:
+            raise ValueError(f"it would be resized to 0 x 0 pixels (sides are multiples of {side})")
+        longest = self.budget // self.pooling_kernel_size ** 2 * side
+        if h == 0:
+            h, w = side, min(math.floor(width / height) * side, longest)
+        elif w == 0:
+            h, w = min(math.floor(height / width) * side, longest), side
+        if h * w > target:
+            raise ValueError(f"resized to {h} x {w} it would exceed {self.budget} patches")
+        return h, w
+
+    def count(self, height: int, width: int) -> int:
+        """The soft tokens of an image of (height, width) pixels."""
+        H, W = self.budget_size(height, width)
+        return (H // self.patch_size) * (W // self.patch_size) // self.pooling_kernel_size ** 2
+
+    def read(self, image) -> tuple[np.ndarray, np.ndarray]:
+        """A Pillow image -> (patches (budget, p p C) float32, zero rows after the real ones; positions (budget, 2)
+        int64, each patch's (x, y), -1 after)."""
+        p = self.patch_size
+        H, W = self.budget_size(image.height, image.width)
+        x = normalised(image, (H, W), self.resample, self.rescale_factor, self.image_mean, self.image_std)
+        C, h, w = x.shape[0], H // p, W // p
+        patches = np.zeros((self.budget, p * p * C), np.float32)
+        patches[:h * w] = x.reshape(C, h, p, w, p).transpose(1, 3, 2, 4, 0).reshape(h * w, -1)
+        positions = np.full((self.budget, 2), -1, np.int64)
+        positions[:h * w] = np.stack(np.meshgrid(np.arange(w), np.arange(h), indexing="xy"), -1).reshape(-1, 2)
+        return patches, positions
+
+    @staticmethod
+    def batch(pixels: list[np.ndarray], positions: list) -> dict:
+        """A batch's images, in order: `pixel_values` (images, budget, p p C), `image_position_ids` (images,
+        budget, 2)."""
+        import torch
+
+        return {"pixel_values": torch.from_numpy(np.stack(pixels)),
+                "image_position_ids": torch.from_numpy(np.stack(positions))}
+
+
 # image_processor_type (without transformers' "Fast" / "Pil" suffixes) -> its spec
-PROCESSORS = {"Qwen2VLImageProcessor": ImageSpec, "Gemma3ImageProcessor": SquareSpec}
+PROCESSORS = {"Qwen2VLImageProcessor": ImageSpec, "Gemma3ImageProcessor": SquareSpec,
+              "Gemma4ImageProcessor": BudgetSpec}
+DEFAULT_PROCESSOR = {"gemma3": "Gemma3ImageProcessor", "gemma4": "Gemma4ImageProcessor"}  # by config.json's model_type
 
 
-def processor_spec(preprocessor: dict | None, config: dict) -> "ImageSpec | SquareSpec":
+def processor_spec(preprocessor: dict | None, config: dict) -> "ImageSpec | SquareSpec | BudgetSpec":
     """The image processing of a checkpoint: its `preprocessor_config.json` dict's `image_processor_type`
     (without one, or without the file: by config.json's model_type; Qwen2-VL's by default)."""
     d = preprocessor or {}
@@ -176,7 +282,7 @@ def processor_spec(preprocessor: dict | None, config: dict) -> "ImageSpec | Squa
     for suffix in ("Fast", "Pil"):
         kind = kind.removesuffix(suffix)
     if not kind:
-        kind = "Gemma3ImageProcessor" if config.get("model_type") == "gemma3" else "Qwen2VLImageProcessor"
+        kind = DEFAULT_PROCESSOR.get(config.get("model_type"), "Qwen2VLImageProcessor")
     if kind not in PROCESSORS:
         raise UserError(f"preprocessor_config.json: image_processor_type {d.get('image_processor_type')!r} is not "
                         f"supported — minitrain reads images as {', '.join(PROCESSORS)}")
@@ -249,7 +355,7 @@ def opened(path: str | Path, where: str = ""):
         raise UserError(f"{at}image {path} cannot be read ({e}) — replace or remove it") from None
 
 
-def load_image(path: str | Path, spec: ImageSpec | SquareSpec, where: str = "") -> tuple[np.ndarray, Any]:
+def load_image(path: str | Path, spec: ImageSpec | SquareSpec | BudgetSpec, where: str = "") -> tuple[np.ndarray, Any]:
     """`spec.read` of the image file `path` (Qwen: `process`, its pixels and grid); a missing or unreadable
     file is one UserError naming it (and `where`, the data row it came from)."""
     with opened(path, where) as image:
@@ -283,14 +389,16 @@ class ImageRows:
     for one image (Qwen2.5-VL: `<|vision_start|><|image_pad|><|vision_end|>`; Gemma 3: `<start_of_image>`, as
     its chat template writes), `token_id` (the one token that stands for the image's features, repeated once
     per feature), `spec` (the image processing). Gemma 3 (`boi` set): the placeholder is the `boi` token, which
-    the processor replaces with `frame` + boi + soft tokens + `eoi` + `frame` (`expand`)."""
+    the processor replaces with `frame` + boi + soft tokens + `eoi` + `frame` (`expand`). Gemma 4 (`wrap` set):
+    the placeholder is the soft token, repeated and written between `wrap`'s two ids."""
 
     placeholder: str
     token_id: int
-    spec: ImageSpec | SquareSpec
+    spec: ImageSpec | SquareSpec | BudgetSpec
     boi: int | None = None
     eoi: int | None = None
     frame: str = "\n\n"
+    wrap: tuple[int, int] | None = None
 
     @classmethod
     def from_checkpoint(cls, config: dict, preprocessor: dict | None, decode) -> "ImageRows | None":
@@ -300,6 +408,12 @@ class ImageRows:
             boi, eoi = int(config.get("boi_token_index", 255_999)), int(config.get("eoi_token_index", 256_000))
             return cls(decode(boi), int(config.get("image_token_index", 262_144)),
                        processor_spec(preprocessor, config), boi=boi, eoi=eoi)
+        if config.get("model_type") == "gemma4":
+            if not isinstance(config.get("vision_config"), dict):
+                return None  # a folder without the vision tower: text rows only
+            image = int(config.get("image_token_id", 258_880))
+            wrap = (int(config.get("boi_token_id", 255_999)), int(config.get("eoi_token_id", 258_882)))
+            return cls(decode(image), image, processor_spec(preprocessor, config), wrap=wrap)
         image = config.get("image_token_id")
         if image is None:
             return None
@@ -335,10 +449,14 @@ class ImageRows:
         the text on each side, which is tokenized again (the special tokens split the text, so each stretch
         between two of them is tokenized alone, as in the processor's whole text); `tok` the tokenizer."""
         if self.boi is None:
-            out, n = [], iter(counts)
+            expand_placeholders(ids, self.token_id, counts, where)  # the count of images
+            before, after = ([self.wrap[0]], [self.wrap[1]]) if self.wrap else ([], [])
+            out_ids, out_labels, n = [], [], iter(counts)
             for t, label in zip(ids, labels):
-                out += [IGNORE_INDEX] * next(n, 1) if t == self.token_id else [label]
-            return expand_placeholders(ids, self.token_id, counts, where)[0], out
+                run = [*before, *[t] * next(n), *after] if t == self.token_id else [t]
+                out_ids += run
+                out_labels += [IGNORE_INDEX] * len(run) if t == self.token_id else [label]
+            return out_ids, out_labels
         expand_placeholders(ids, self.boi, counts, where)  # the count of images
         special = {tok.token_to_id(s) for s in tok.special_strings()} | {self.boi, self.eoi, self.token_id}
         items: list[list] = []  # [ids, labels, prefix, suffix] of text stretches; [id, label] of special tokens
@@ -422,9 +540,11 @@ def image_messages(messages: list[dict], column: list | None, base: Path, placeh
     return out, [p if p.is_absolute() else base / p for p in paths]
 
 
-def collate_images(examples, collate, spec: ImageSpec | SquareSpec, copies: int = 1, group: int = 1) -> dict:
+def collate_images(examples, collate, spec: ImageSpec | SquareSpec | BudgetSpec, copies: int = 1, group: int = 1
+                   ) -> dict:
     """`collate(examples)` plus, when the examples carry images, `spec.batch` of them (Qwen: `pixel_values`
-    (patches, C t p p) float32 and `image_grid_thw` (images, 3); Gemma 3: `pixel_values` (images, C, H, W)):
+    (patches, C t p p) float32 and `image_grid_thw` (images, 3); Gemma 3: `pixel_values` (images, C, H, W);
+    Gemma 4: `pixel_values` (images, budget, p p C) and `image_position_ids` (images, budget, 2)):
     each image decoded now, for this batch only, once, in order. `copies`: the examples' images that many
     times over (a preference batch's rows are [chosen; rejected], each pair's images in both: 2). `group` > 1:
     also `group_pixel_values` (and `group_image_grid_thw`), each example's images `group` times in a row, for

@@ -733,9 +733,9 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration, MoeCau
     forward over the MoE sizes' language model (the load-balancing loss and expert metrics of `MoeCausalLM`)."""
 
     def checkpoint_parts(self) -> dict[str, tuple[str, tuple]]:
-        """The flat layout's keys (`Qwen2_5_VLForConditionalGeneration.checkpoint_parts`) and the per-expert ones
-        under `model.language_model.`."""
-        return {**super().checkpoint_parts(), **expert_parts(self.config, "model.language_model")}
+        """The per-expert keys under `model.language_model.` (the layout transformers 5 saves; not the flat one,
+        whose fused expert keys would be a second source of the same parameters)."""
+        return expert_parts(self.config, "model.language_model")
 
 
 def config_from_hf(d: dict[str, Any]) -> Qwen3_5Config:

@@ -132,6 +132,6 @@ def test_config_round_trip_and_refusals(vl35):
     assert transformers.Qwen3_5Config(**again).text_config.rope_parameters["mrope_section"] == [1, 1, 2]
     with pytest.raises(ValueError, match="deepstack_visual_indexes is not a Qwen3.5 field"):
         models.config_from_hf({**d, "vision_config": {**d["vision_config"], "deepstack_visual_indexes": [0]}})
-    rope = {**d["text_config"]["rope_parameters"], "mrope_section": [2, 2, 2]}
-    with pytest.raises(ValueError, match=r"mrope_section \[2, 2, 2\]"):
+    rope = {**d["text_config"]["rope_parameters"], "mrope_section": [2, 2]}
+    with pytest.raises(ValueError, match=r"mrope_section \[2, 2\] — it must be three counts"):
         models.config_from_hf({**d, "text_config": {**d["text_config"], "rope_parameters": rope}})

@@ -5,9 +5,9 @@ tests/test_qwen3_vl.py (Qwen3.5: without DeepStack), tests/test_gemma3_vl.py, wi
 transformers' config classes:
 - the parameters the plan counts (the tower's, merger's / projector's and DeepStack mergers' included) equal the
   model built from config.json; the frozen weights' bytes equal the plan's to the byte;
-- a LoRA SFT step and a full fine-tuning step (Qwen3.5: LoRA only, as its text plan) on a batch of image rows (padded, most positions image tokens)
-  peak within 20% of the plan (`minitrain.plan.measure`), where the tower's share is large enough that leaving it
-  out (the text family's plan) would fail;
+- a LoRA SFT step and a full fine-tuning step (Qwen3.5: LoRA only, as its text plan) on a batch of image rows
+  (padded, most positions image tokens) peak within 20% of the plan (`minitrain.plan.measure`), where the tower's
+  share is large enough that leaving it out (the text family's plan) would fail;
 - `minitrain plan` on a folder prints the plan (the worst case: every position an image token).
 """
 

@@ -58,7 +58,7 @@ def save_tiny(d: Path, moe: bool = False) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vl35(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("qwen3_5_vl"))
 

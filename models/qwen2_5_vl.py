@@ -9,7 +9,9 @@ merger), the language model's positions (`rope_index`), the model.
 Qwen3-VL (qwen3_vl.py) is this file with other parts: its config subclasses this one (the class attributes
 `text_family`, `vision_class`, `default_mrope`, `interleaved` and `mrope_axes`), its model this model (its
 `vision_tower`, and `image_features`, whose DeepStack features the language model adds to its first layers'
-outputs); the positions, generation, checkpoint layouts and the forward are shared.
+outputs); the positions, generation, checkpoint layouts and the forward are shared. Multimodal Qwen3.5
+(qwen3_5.py) is Qwen3-VL's model with its own language model (`text_model`, whose RoPE reads 3-D positions
+through `MRopeBody`).
 
 The modules are transformers' (`model.language_model.layers.N.*`, `model.visual.blocks.N.*`, `lm_head`), so
 peft's adapters on transformers' class name the same modules. The Hub's checkpoints (and transformers 5's

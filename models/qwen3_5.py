@@ -1,6 +1,7 @@
 """Qwen3.5 (dense `qwen3_5_text`, mixture-of-experts `qwen3_5_moe_text`): a hybrid of Gated DeltaNet layers
 (linear attention with a recurrent state and a short causal convolution) and gated full-attention layers,
-importing only torch and the shared floor (`models/layers.py`).
+importing only torch and the shared floor (`models/layers.py`); the multimodal folders also Qwen3-VL's file
+(`models/qwen3_vl.py`, over `models/qwen2_5_vl.py`) for their tower and image forward.
 
 Read top to bottom: config, the gated delta rule (chunked for training and prefill, recurrent for
 decoding), the causal convolution, the DeltaNet layer, the attention, block, model.
@@ -19,7 +20,7 @@ decoding), the causal convolution, the DeltaNet layer, the attention, block, mod
 - Full attention: Qwen3's (per-head q / k norms) with an output gate (q_proj gives a query and a gate
   per head; the output is scaled by sigmoid(gate) before o_proj) and RoPE on the first
   `partial_rotary_factor` of each head's dims. Qwen3.5's multimodal RoPE (`mrope_section`) gives a
-  text token the same position on its three axes, which is plain RoPE: text positions only here.
+  text token the same position on its three axes, which is plain RoPE.
 - Every norm but the gated one is (1 + weight) x / rms(x), Gemma's form (`OffsetRMSNorm`).
 - The MLP: a SwiGLU of `intermediate_size` (dense), or in the MoE sizes (35B-A3B, 122B-A10B, 397B-A17B) on
   every layer the floor's `SparseMoeBlock`: a softmax over `num_experts` router logits (`mlp.gate`), its
@@ -28,6 +29,13 @@ decoding), the causal convolution, the DeltaNet layer, the attention, block, mod
   expert (`mlp.shared_expert`, a SwiGLU of `shared_expert_intermediate_size`) scaled by
   sigmoid(`mlp.shared_expert_gate` x). Files with one tensor per expert and projection (what
   transformers 5's `save_pretrained` writes: `mlp.experts.3.gate_proj.weight`) load too (`checkpoint_parts`).
+
+Multimodal folders (`Qwen3_5ForConditionalGeneration`, `qwen3_5`; `qwen3_5_moe`): Qwen3-VL's model over this
+language model: its tower (`model.visual.*`: Qwen3-VL's without DeepStack, as transformers' `Qwen3_5VisionModel`),
+the images' features in the `<|image_pad|>` places, 3-D positions for the image tokens (`rope_index`: an image at
+(start, start + row, start + column) of its merged grid, the text after it at start + max(rows, columns)) that the
+attention layers turn with Qwen3-VL's interleaved sections over their rotated dims (`Qwen3_5VLConfig.mrope_axes`),
+generation after an image prompt counting on from its largest position. Not yet: videos.
 
 State never crosses a sequence boundary: a padded batch, a packed row and a batch run without its
 padding tell each DeltaNet layer where sequences start (`segment_starts`), and the scan and the

@@ -136,3 +136,19 @@ def test_config_round_trip_and_refusals(vl35):
     rope = {**d["text_config"]["rope_parameters"], "mrope_section": [2, 2]}
     with pytest.raises(ValueError, match=r"mrope_section \[2, 2\] — it must be three counts"):
         models.config_from_hf({**d, "text_config": {**d["text_config"], "rope_parameters": rope}})
+
+
+def test_transformers_default_config_builds_its_shapes(tmp_path):
+    """transformers' default `Qwen3_5Config` (a 32-layer model, the tower of its vision defaults) as config.json:
+    built on the meta device, our model has transformers' parameter names and shapes; the sections of its RoPE
+    (11, 11, 10) cover the 32 rotated frequencies of a 256-wide head."""
+    cfg = transformers.Qwen3_5Config()
+    cfg.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    with torch.device("meta"):
+        ours, hf = models.from_hf_config(d), transformers.Qwen3_5ForConditionalGeneration(cfg)
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(ours) == shapes(hf)
+    ours_cfg = models.config_from_hf(d)
+    assert ours_cfg.mrope_section == [11, 11, 10] and ours_cfg.rotary_dim // 2 == 32
+    assert ours_cfg.vision.depth == cfg.vision_config.depth and ours_cfg.vision.deepstack_visual_indexes == []

@@ -360,7 +360,8 @@ def lora_config(cfg: Any) -> LoRAConfig:
                       rslora=cfg.rslora, modules_to_save=list(cfg.modules_to_save))
 
 
-def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None) -> LoRAConfig | None:
+def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None, train_towers: bool = True
+                    ) -> LoRAConfig | None:
     """Give `model` its adapters, freeze everything else, print what trains; returns the LoRAConfig.
 
     `lora`: the adapters to apply when the recipe derives them itself (LRC's per-layer ranks);
@@ -370,12 +371,17 @@ def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None) 
     (`modules_to_save`) are kept in fp32 whatever the base dtype (rule 8).
 
     `finetune=full`: no adapters; every floating-point parameter trains, in fp32, and None is
-    returned (`finish` then saves the model itself). Integer tensors stay frozen (rule 3).
+    returned (`finish` then saves the model itself). Integer tensors stay frozen (rule 3). `train_towers`
+    False (the rows hold no image): a vision-language model's `towers` stay frozen too, since no loss reaches
+    them, and are saved as they were read.
     """
     if full_finetune(cfg):
         if cfg.modules_to_save:
             log(f"note: modules_to_save={','.join(cfg.modules_to_save)} is not used: finetune=full trains every module")
-        unfreeze_all(model)
+        towers = () if train_towers else tuple(getattr(model, "towers", ()))
+        unfreeze_all(model, towers)
+        if towers:
+            log(f"note: finetune=full: no row has an image, so {', '.join(towers)} stays frozen (no loss reaches it)")
         _check_resume_tensors(model, cfg)
         log(full_report(model))
         return None
@@ -400,12 +406,13 @@ def attach_adapters(model: nn.Module, cfg: Any, lora: LoRAConfig | None = None) 
     return lcfg
 
 
-def unfreeze_all(model: nn.Module) -> int:
+def unfreeze_all(model: nn.Module, frozen: Sequence[str] = ()) -> int:
     """Full fine-tuning: every floating-point parameter trains, as fp32 master weights; returns how many
-    tensors train. Integer tensors (none in a float model) stay frozen: they cannot train (rule 3)."""
+    tensors train. Integer tensors (none in a float model) stay frozen: they cannot train (rule 3); so do
+    the modules named in `frozen` (and what is inside them)."""
     n = 0
-    for p in model.parameters():
-        trains = p.dtype.is_floating_point
+    for name, p in model.named_parameters():
+        trains = p.dtype.is_floating_point and not any(name.startswith(m + ".") for m in frozen)
         if trains and p.dtype != torch.float32:
             p.data = p.data.float()
         p.requires_grad_(trains)
@@ -598,7 +605,8 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     if model.is_encoder_decoder:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
                         f"use recipes/lora_t5.py for it")
-    lora = attach_adapters(model, cfg)
+    with_rows_of_images = images is not None and any(ex.get("images") for ex in train_examples)
+    lora = attach_adapters(model, cfg, train_towers=with_rows_of_images)
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
     return Job(model, sft, train_examples, with_images(collate, images), eval_examples, lora, tok, images)

@@ -3,7 +3,8 @@
 layers.py is the floor the decoder families share (norms, RoPE, attention with windows / soft caps /
 sinks, gated MLPs, the expert block, masks, the KV cache, the body's forward, generation). Each family
 file (llama.py: LLaMA / Mistral / Qwen2 / Qwen3; gemma.py: Gemma 2 / Gemma 3 text; phi3.py: Phi-3;
-moe.py: Qwen3-MoE / Qwen2-MoE / Mixtral; gpt_oss.py: gpt-oss; qwen3_5.py: Qwen3.5, dense and MoE; gemma4.py: Gemma 4;
+moe.py: Qwen3-MoE / Qwen2-MoE / Mixtral; gpt_oss.py: gpt-oss; qwen3_5.py: Qwen3.5, dense and MoE (multimodal: over
+qwen3_vl.py's tower); gemma4.py: Gemma 4;
 qwen2_5_vl.py: Qwen2.5-VL, its vision tower too; qwen3_vl.py: Qwen3-VL, Qwen2.5-VL's file with its own tower,
 DeepStack and interleaved M-RoPE; gemma3_vl.py: multimodal Gemma 3, its SigLIP tower and projector; gemma4_vl.py: multimodal Gemma 4, its vision
 tower and embedder; t5.py)

@@ -9,7 +9,9 @@ merger), the language model's positions (`rope_index`), the model.
 Qwen3-VL (qwen3_vl.py) is this file with other parts: its config subclasses this one (the class attributes
 `text_family`, `vision_class`, `default_mrope`, `interleaved` and `mrope_axes`), its model this model (its
 `vision_tower`, and `image_features`, whose DeepStack features the language model adds to its first layers'
-outputs); the positions, generation, checkpoint layouts and the forward are shared.
+outputs); the positions, generation, checkpoint layouts and the forward are shared. Multimodal Qwen3.5
+(qwen3_5.py) is Qwen3-VL's model with its own language model (`text_model`, whose RoPE reads 3-D positions
+through `MRopeBody`).
 
 The modules are transformers' (`model.language_model.layers.N.*`, `model.visual.blocks.N.*`, `lm_head`), so
 peft's adapters on transformers' class name the same modules. The Hub's checkpoints (and transformers 5's
@@ -399,7 +401,22 @@ def rope_index(input_ids: torch.Tensor, valid: torch.Tensor, grid_thw: torch.Ten
     return pos.to(input_ids.device)
 
 
-class Qwen2_5_VLTextModel(LlamaModel):
+class MRopeBody:
+    """A decoder body (a `DecoderBody` subclass comes after this in the bases) whose RoPE reads 3-D positions
+    (3, B, T) too: each rotated feature turns with the axis `config.mrope_axes()` gives it (Qwen3.5's body too)."""
+
+    def rope_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if position_ids.dim() == 2:  # text: the three axes agree, so the sections make plain RoPE
+            return super().rope_tables(position_ids, dtype)
+        rotary = self.rotary["rope"]
+        cos, sin = (torch.stack(t) for t in zip(*(rotary(p, dtype) for p in position_ids)))  # (3, B, T, rd)
+        axis = self.config.mrope_axes().to(cos.device)  # (rd,)
+        pick = axis.view(1, 1, 1, -1).expand(1, *cos.shape[1:])
+        table = cos.gather(0, pick)[0], sin.gather(0, pick)[0]  # (B, T, rd)
+        return [table] * len(self.layers)
+
+
+class Qwen2_5_VLTextModel(MRopeBody, LlamaModel):
     """Qwen2's body (`model.language_model.`) whose RoPE reads 3-D positions (3, B, T) too (`mrope_section`)."""
 
     def __init__(self, config: Qwen2_5_VLConfig) -> None:
@@ -407,23 +424,13 @@ class Qwen2_5_VLTextModel(LlamaModel):
         text = replace(config, model_type=config.text_family)  # the layers are Qwen2's (q/k/v biases), Qwen3's
         self.build(lambda c, i: LlamaDecoderLayer(text, i))
 
-    def rope_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if position_ids.dim() == 2:  # text: the three axes agree, so the sections make plain RoPE
-            return super().rope_tables(position_ids, dtype)
-        rotary = self.rotary["rope"]
-        cos, sin = (torch.stack(t) for t in zip(*(rotary(p, dtype) for p in position_ids)))  # (3, B, T, hd)
-        axis = self.config.mrope_axes().to(cos.device)  # (hd,)
-        pick = axis.view(1, 1, 1, -1).expand(1, *cos.shape[1:])
-        table = cos.gather(0, pick)[0], sin.gather(0, pick)[0]  # (B, T, hd)
-        return [table] * len(self.layers)
-
 
 class Qwen2_5_VLModel(LanguageModel):
     """transformers' `model.`: the language model (`language_model`) and the tower (`visual`)."""
 
-    def __init__(self, config: Qwen2_5_VLConfig, tower: type[nn.Module]) -> None:
-        super().__init__(Qwen2_5_VLTextModel(config))
-        self.visual = tower(config.vision)
+    def __init__(self, body: nn.Module, visual: nn.Module) -> None:
+        super().__init__(body)
+        self.visual = visual
 
 
 class Qwen2_5_VLForConditionalGeneration(CausalLM):
@@ -440,9 +447,10 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         """The ids that stand for image features in the input, never an output (a sampler does not draw them)."""
         return (self.config.image_token_id,)
     vision_tower = VisionTower  # the class of `model.visual` (Qwen3-VL's subclass has its own)
+    text_model = Qwen2_5_VLTextModel  # the class of `model.language_model` (Qwen3.5's: its own body)
 
     def __init__(self, config: Qwen2_5_VLConfig) -> None:
-        super().__init__(config, Qwen2_5_VLModel(config, self.vision_tower))
+        super().__init__(config, Qwen2_5_VLModel(self.text_model(config), self.vision_tower(config.vision)))
 
     def forward(
         self,

@@ -1,6 +1,7 @@
 """Qwen3.5 (dense `qwen3_5_text`, mixture-of-experts `qwen3_5_moe_text`): a hybrid of Gated DeltaNet layers
 (linear attention with a recurrent state and a short causal convolution) and gated full-attention layers,
-importing only torch and the shared floor (`models/layers.py`).
+importing only torch and the shared floor (`models/layers.py`); the multimodal folders also Qwen3-VL's file
+(`models/qwen3_vl.py`, over `models/qwen2_5_vl.py`) for their tower and image forward.
 
 Read top to bottom: config, the gated delta rule (chunked for training and prefill, recurrent for
 decoding), the causal convolution, the DeltaNet layer, the attention, block, model.
@@ -19,7 +20,7 @@ decoding), the causal convolution, the DeltaNet layer, the attention, block, mod
 - Full attention: Qwen3's (per-head q / k norms) with an output gate (q_proj gives a query and a gate
   per head; the output is scaled by sigmoid(gate) before o_proj) and RoPE on the first
   `partial_rotary_factor` of each head's dims. Qwen3.5's multimodal RoPE (`mrope_section`) gives a
-  text token the same position on its three axes, which is plain RoPE: text positions only here.
+  text token the same position on its three axes, which is plain RoPE.
 - Every norm but the gated one is (1 + weight) x / rms(x), Gemma's form (`OffsetRMSNorm`).
 - The MLP: a SwiGLU of `intermediate_size` (dense), or in the MoE sizes (35B-A3B, 122B-A10B, 397B-A17B) on
   every layer the floor's `SparseMoeBlock`: a softmax over `num_experts` router logits (`mlp.gate`), its
@@ -29,6 +30,13 @@ decoding), the causal convolution, the DeltaNet layer, the attention, block, mod
   sigmoid(`mlp.shared_expert_gate` x). Files with one tensor per expert and projection (what
   transformers 5's `save_pretrained` writes: `mlp.experts.3.gate_proj.weight`) load too (`checkpoint_parts`).
 
+Multimodal folders (`Qwen3_5ForConditionalGeneration`, `qwen3_5`; `qwen3_5_moe`): Qwen3-VL's model over this
+language model: its tower (`model.visual.*`: Qwen3-VL's without DeepStack, as transformers' `Qwen3_5VisionModel`),
+the images' features in the `<|image_pad|>` places, 3-D positions for the image tokens (`rope_index`: an image at
+(start, start + row, start + column) of its merged grid, the text after it at start + max(rows, columns)) that the
+attention layers turn with Qwen3-VL's interleaved sections over their rotated dims (`Qwen3_5VLConfig.mrope_axes`),
+generation after an image prompt counting on from its largest position. Not yet: videos.
+
 State never crosses a sequence boundary: a padded batch, a packed row and a batch run without its
 padding tell each DeltaNet layer where sequences start (`segment_starts`), and the scan and the
 convolution restart there. Rows of several sequences that share a prefix (DPO's shared prompt, GRPO's
@@ -37,7 +45,7 @@ prompt + completions) run as one row per sequence, each [prefix; sequence] (`_fo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Collection, Sequence
 
 import torch
@@ -53,7 +61,6 @@ from models.layers import (
     Experts,
     GatedMLP,
     KVCache,
-    LanguageModel,
     MoeCausalLM,
     OffsetRMSNorm,
     Ragged,
@@ -73,8 +80,10 @@ from models.layers import (
     require_zero,
     text_config_of,
 )
+from models.qwen2_5_vl import MRopeBody, vision_from_hf
+from models.qwen3_vl import VISION_DEFAULTS, Qwen3VLForConditionalGeneration, Qwen3VLVisionConfig, interleaved_axes
 
-__all__ = ["Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+__all__ = ["Qwen3_5Config", "Qwen3_5VLConfig", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
            "Qwen3_5MoeForConditionalGeneration", "KVCache", "generate", "config_from_hf", "chunk_gated_delta_rule",
            "recurrent_gated_delta_rule"]
 
@@ -251,12 +260,30 @@ class Qwen3_5Config:
                    model_type=model_type)
 
     @classmethod
-    def from_multimodal(cls, d: dict[str, Any]) -> "Qwen3_5Config":
+    def from_multimodal(cls, d: dict[str, Any]) -> "Qwen3_5VLConfig":
         """A multimodal Qwen3.5 (`Qwen3_5ForConditionalGeneration`, model_type "qwen3_5";
         `Qwen3_5MoeForConditionalGeneration`, "qwen3_5_moe"): its language model's config (`text_config`;
-        the outer `tie_word_embeddings` is the one transformers honours), the rest kept for `to_hf`. The
-        vision tower is not built."""
-        return text_config_of(d, cls.from_hf, MULTIMODAL_TYPES[d["model_type"]], tie_default=False)
+        the outer `tie_word_embeddings` is the one transformers honours), the rest kept for `to_hf`, and what
+        the images need (`Qwen3_5VLConfig`)."""
+        text = d.get("text_config")
+        rope = (text.get("rope_parameters") or text.get("rope_scaling") or {}) if isinstance(text, dict) else {}
+        base = text_config_of(d, cls.from_hf, MULTIMODAL_TYPES[d["model_type"]], tie_default=False)
+        section = list(rope.get("mrope_section") or DEFAULT_MROPE)
+        # (transformers reads sections past the rotated frequencies as reaching the end: its default (11, 11, 10)
+        # on a narrower head too, so no sum is required)
+        if len(section) != 3 or not all(isinstance(n, int) and n >= 0 for n in section):
+            raise ValueError(f"config.json: mrope_section {section} — it must be three counts (temporal, height, "
+                             "width)")
+        vision = d.get("vision_config")
+        if not isinstance(vision, dict):
+            raise ValueError(f"config.json: a {d['model_type']} config without vision_config — restore the checkpoint's "
+                             "config.json")
+        if "deepstack_visual_indexes" in vision:
+            raise ValueError("config.json: vision_config deepstack_visual_indexes is not a Qwen3.5 field (its tower has "
+                             "no DeepStack) — remove it")
+        return Qwen3_5VLConfig(**{f.name: getattr(base, f.name) for f in fields(Qwen3_5Config)},
+                               vision=vision_from_hf(Qwen3VLVisionConfig, vision, VISION_TOWER_DEFAULTS, "qwen3_5"),
+                               mrope_section=section, image_token_id=int(d.get("image_token_id", IMAGE_TOKEN_ID)))
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict transformers loads (v5's `rope_parameters`); a multimodal checkpoint's
@@ -273,6 +300,39 @@ class Qwen3_5Config:
         d.pop("rope_scaling")
         d.pop("full_attention_interval")  # layer_types says it
         return multimodal_to_hf(d, d.pop("multimodal"), "qwen3_5_moe_text" if self.moe else "qwen3_5_text")
+
+
+# transformers' defaults of a multimodal config: Qwen3-VL's tower without DeepStack, the M-RoPE sections (of
+# the rotated quarter of a 256-wide head), the image placeholder
+VISION_TOWER_DEFAULTS = {**VISION_DEFAULTS, "deepstack_visual_indexes": []}
+DEFAULT_MROPE = (11, 11, 10)
+IMAGE_TOKEN_ID = 248056
+
+
+@dataclass
+class Qwen3_5VLConfig(Qwen3_5Config):
+    """A multimodal checkpoint's config (model_type "qwen3_5" / "qwen3_5_moe"): the language model's, plus the
+    tower's (`vision`: Qwen3-VL's dataclass, no DeepStack layers), `mrope_section` (how many of a head's rotated
+    frequencies follow the temporal, height and width axes, interleaved as Qwen3-VL's) and `image_token_id`."""
+
+    vision: Qwen3VLVisionConfig | None = None
+    mrope_section: list[int] | None = None
+    image_token_id: int = IMAGE_TOKEN_ID
+
+    @property
+    def family(self) -> str:
+        """The name the image forward's messages give (Qwen2.5-VL's `family`)."""
+        return self.model_type
+
+    def mrope_axes(self) -> torch.Tensor:
+        """The axis each of the `rotary_dim` rotated features turns with (`interleaved_axes`)."""
+        return interleaved_axes(self.rotary_dim // 2, self.mrope_section)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The language model's `to_hf` inside the multimodal config read, its M-RoPE sections written back."""
+        out = Qwen3_5Config(**{f.name: getattr(self, f.name) for f in fields(Qwen3_5Config)}).to_hf()
+        out["text_config"]["rope_parameters"].update(mrope_section=list(self.mrope_section), mrope_interleaved=True)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -643,16 +703,21 @@ class Qwen3_5ForCausalLM(CausalLM):
         super().__init__(config, Qwen3_5Model(config))
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The language model of a multimodal Qwen3.5 checkpoint under the multimodal class's names
-    (`model.language_model.*`, `lm_head`). A save (full fine-tuning, minitrain merge) writes the towers and
-    the `mtp.*` head back as they were read from the source folder (`carry_checkpoint_keys`)."""
+class Qwen3_5VLTextModel(MRopeBody, Qwen3_5Model):
+    """Qwen3.5's body (`model.language_model.`) whose attention layers' RoPE reads 3-D positions (3, B, T) too."""
 
-    ignore_checkpoint_keys = carry_checkpoint_keys = (r"^mtp\.", r"^model\.visual\.")
-    hf_only_modules = (r"^model\.visual\.",)  # transformers' class builds the tower: adapters name full paths
 
-    def __init__(self, config: Qwen3_5Config) -> None:
-        CausalLM.__init__(self, config, LanguageModel(Qwen3_5Model(config)))
+class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """A multimodal Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`): Qwen3-VL's model (its tower
+    `model.visual.*`, without DeepStack; the images' features in the `<|image_pad|>` places, 3-D positions by
+    `rope_index`, interleaved M-RoPE over the rotated dims) over Qwen3.5's language model
+    (`model.language_model.*`, `lm_head`). A save (full fine-tuning, minitrain merge) writes the `mtp.*` head
+    back as it was read from the source folder (`carry_checkpoint_keys`)."""
+
+    block_types = (Qwen3_5DecoderLayer,)
+    text_model = Qwen3_5VLTextModel
+    ignore_checkpoint_keys = (r"^mtp\.", r"\.rotary_emb\.inv_freq$")
+    carry_checkpoint_keys = (r"^mtp\.",)
 
 
 class Qwen3_5MoeForCausalLM(MoeCausalLM, Qwen3_5ForCausalLM):
@@ -660,20 +725,27 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM, Qwen3_5ForCausalLM):
     read from fused keys or the per-expert ones (`checkpoint_parts`)."""
 
     def checkpoint_parts(self) -> dict[str, tuple[str, tuple]]:
-        """The per-expert checkpoint keys (`mlp.experts.{e}.{gate,up,down}_proj.weight`) -> (the fused
-        parameter, the index each fills), under the multimodal class's `model.language_model.` when this is its."""
-        c = self.config
-        body = "model.language_model" if c.multimodal is not None else "model"
-        parts: dict[str, tuple[str, tuple]] = {}
-        for i in range(c.num_hidden_layers):
-            mlp = f"{body}.layers.{i}.mlp"
-            parts.update(per_expert_keys(mlp, mlp, c.num_experts, c.moe_intermediate_size))
-        return parts
+        return expert_parts(self.config, "model")
 
 
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration):
-    """The language model of a multimodal Qwen3.5 MoE checkpoint (`Qwen3_5MoeForConditionalGeneration`),
-    the towers carried as `Qwen3_5ForConditionalGeneration` carries them."""
+def expert_parts(c: Qwen3_5Config, body: str) -> dict[str, tuple[str, tuple]]:
+    """The per-expert checkpoint keys (`{body}.layers.N.mlp.experts.{e}.{gate,up,down}_proj.weight`) -> (the fused
+    parameter, the index each fills)."""
+    parts: dict[str, tuple[str, tuple]] = {}
+    for i in range(c.num_hidden_layers):
+        mlp = f"{body}.layers.{i}.mlp"
+        parts.update(per_expert_keys(mlp, mlp, c.num_experts, c.moe_intermediate_size))
+    return parts
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration, MoeCausalLM):
+    """A multimodal Qwen3.5 MoE checkpoint (`Qwen3_5MoeForConditionalGeneration`): the same tower and image
+    forward over the MoE sizes' language model (the load-balancing loss and expert metrics of `MoeCausalLM`)."""
+
+    def checkpoint_parts(self) -> dict[str, tuple[str, tuple]]:
+        """The per-expert keys under `model.language_model.` (the layout transformers 5 saves; not the flat one,
+        whose fused expert keys would be a second source of the same parameters)."""
+        return expert_parts(self.config, "model.language_model")
 
 
 def config_from_hf(d: dict[str, Any]) -> Qwen3_5Config:

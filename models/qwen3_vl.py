@@ -50,14 +50,14 @@ from models.qwen2_5_vl import (
 )
 
 __all__ = ["Qwen3VLConfig", "Qwen3VLVisionConfig", "Qwen3VLForConditionalGeneration", "KVCache", "generate",
-           "config_from_hf", "rope_index"]
+           "config_from_hf", "rope_index", "interleaved_axes"]
 
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
 
 # transformers' defaults for the vision config's fields
-_VISION_DEFAULTS: dict[str, Any] = dict(
+VISION_DEFAULTS: dict[str, Any] = dict(
     depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304, num_heads=16, in_channels=3,
     patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584, num_position_embeddings=2304,
     deepstack_visual_indexes=[8, 16, 24], rope_theta=10000.0)
@@ -95,7 +95,7 @@ class Qwen3VLVisionConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "Qwen3VLVisionConfig":
-        return vision_from_hf(cls, d, _VISION_DEFAULTS, "qwen3_vl")
+        return vision_from_hf(cls, d, VISION_DEFAULTS, "qwen3_vl")
 
 
 @dataclass
@@ -110,12 +110,17 @@ class Qwen3VLConfig(Qwen2_5_VLConfig):
     interleaved: ClassVar[bool] = True
 
     def mrope_axes(self) -> torch.Tensor:
-        """Frequency j of the hd/2 follows height when j % 3 == 1 and j < 3 mrope_section[1], width when
-        j % 3 == 2 and j < 3 mrope_section[2], else the temporal axis; the same in both halves."""
-        j = torch.arange(self.head_dim // 2)
-        _, h, w = self.mrope_section
-        axis = torch.where((j % 3 == 1) & (j < 3 * h), 1, torch.where((j % 3 == 2) & (j < 3 * w), 2, 0))
-        return torch.cat([axis, axis])
+        return interleaved_axes(self.head_dim // 2, self.mrope_section)
+
+
+def interleaved_axes(n: int, section: Sequence[int]) -> torch.Tensor:
+    """The axis (0 temporal, 1 height, 2 width) of each of the 2n rotated features (n frequencies, rotate-half
+    layout): frequency j follows height when j % 3 == 1 and j < 3 section[1], width when j % 3 == 2 and
+    j < 3 section[2], else the temporal axis; the same in both halves (Qwen3-VL's and Qwen3.5's M-RoPE)."""
+    j = torch.arange(n)
+    _, h, w = section
+    axis = torch.where((j % 3 == 1) & (j < 3 * h), 1, torch.where((j % 3 == 2) & (j < 3 * w), 2, 0))
+    return torch.cat([axis, axis])
 
 
 # --------------------------------------------------------------------------------------------

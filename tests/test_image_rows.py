@@ -1,7 +1,8 @@
 """Image rows (`minitrain/data/images.py`, `read_sft`) and SFT on them from the command line, on a tiny
 Qwen2.5-VL folder (the model of tests/test_qwen2_5_vl.py with a Qwen-shaped tokenizer that knows the vision
 tokens, ChatML, and a preprocessor_config.json with patches of 4 pixels); the rows, the collated loss, LoRA SFT
-and full fine-tuning from the CLI also on the same folder with tests/test_qwen3_vl.py's Qwen3-VL model.
+and full fine-tuning from the CLI also on the same folder with tests/test_qwen3_vl.py's Qwen3-VL model and
+tests/test_qwen3_5_vl.py's multimodal Qwen3.5 model (whose loss falls over a few steps).
 
 Rows in TRL's shape (content parts `{"type": "image", "image": path}`) and with an `images` column; paths
 relative to the data file's folder. Checked: each image's placeholder expanded to its token count, image
@@ -27,6 +28,8 @@ import transformers
 from _tok import add_special_tokens, make_bpe_tokenizer, make_qwen_tokenizer
 from PIL import Image
 from test_qwen2_5_vl import TEXT, VISION
+from test_qwen3_5_vl import TEXT as TEXT35
+from test_qwen3_5_vl import VISION as VISION35
 from test_qwen3_vl import TEXT as TEXT3
 from test_qwen3_vl import VISION as VISION3
 
@@ -54,7 +57,8 @@ PRE = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels":
 
 # family -> transformers' config and model classes, the text and vision configs
 FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TEXT, VISION),
-            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT3, VISION3)}
+            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT3, VISION3),
+            "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", TEXT35, VISION35)}
 
 
 def hf_class(family: str):
@@ -126,10 +130,17 @@ def vlm3(tmp_path_factory) -> dict[str, Path]:
             "family": "qwen3_vl"}
 
 
+@pytest.fixture(scope="module")
+def vlm35(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("image_rows_qwen3_5")
+    return {"root": root, "model": vl_folder(root / "model", "qwen3_5"), "data": write_rows(root / "data"),
+            "family": "qwen3_5"}
+
+
 @pytest.fixture(params=list(FAMILIES))
 def any_vlm(request) -> dict[str, Path]:
-    """The Qwen2.5-VL folder, then the Qwen3-VL one."""
-    return request.getfixturevalue("vlm" if request.param == "qwen2_5_vl" else "vlm3")
+    """The Qwen2.5-VL folder, then the Qwen3-VL one, then the multimodal Qwen3.5 one."""
+    return request.getfixturevalue({"qwen2_5_vl": "vlm", "qwen3_vl": "vlm3", "qwen3_5": "vlm35"}[request.param])
 
 
 def rows_of(vlm) -> tuple[list[dict], ImageRows, Tokenizer]:
@@ -198,6 +209,20 @@ def test_lora_sft_from_the_cli_with_the_tower_frozen(any_vlm, capsys):
     assert any("layers.0.mlp.gate_proj" in k for k in keys)
 
 
+def test_qwen3_5_sft_from_the_cli_lowers_the_loss(vlm35, capsys):
+    """A multimodal Qwen3.5 folder (Gated DeltaNet and attention layers) trains on image rows from the command line:
+    LoRA on the language model, the tower frozen, the loss of the same two batches falling over the epochs."""
+    out = vlm35["root"] / "falls"
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm35['model']}", f"data={vlm35['data']}",
+                    f"out={out}", "max_steps=8", "batch_size=2", "lora_r=8", "lora_alpha=16", "lr=1e-2",
+                    "schedule=constant", "device=cpu", "max_len=256"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 8 and losses[-2] + losses[-1] < 0.8 * (losses[0] + losses[1]), losses
+
+
 def test_missing_image_names_file_and_row(vlm, tmp_path):
     bad = tmp_path / "rows.jsonl"
     bad.write_text(json.dumps({"images": ["nope.png"], "messages": [
@@ -209,11 +234,14 @@ def test_missing_image_names_file_and_row(vlm, tmp_path):
         read_sft(bad, tok, max_len=256, images=images)
 
 
-def test_images_for_a_text_only_checkpoint_is_one_line(vlm, hf_causal, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+def test_images_for_a_text_only_checkpoint_is_one_line(vlm, hf_causal, tmp_path, capsys, family):
     import shutil
 
-    model = tmp_path / "llama"
-    shutil.copytree(hf_causal("image_rows_llama"), model)
+    from test_qwen3_5 import QWEN35
+
+    model = tmp_path / family
+    shutil.copytree(hf_causal("image_rows_llama") if family == "llama" else hf_causal("qwen3_5", **QWEN35), model)
     make_bpe_tokenizer(model)
     capsys.readouterr()
     code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={model}", f"data={vlm['data']}",

@@ -941,7 +941,8 @@ def qwen3_5_moe_config() -> dict:
 def test_qwen3_5_params_weights_and_adapters_exact():
     """Both kinds of block counted as the model built from config.json holds them: parameters (the
     DeltaNet convolution, decay and gated norm, the gated q_proj), weight bytes, and LoRA tensors on the
-    attention, DeltaNet and MLP linears; a multimodal config.json plans its text model."""
+    attention, DeltaNet and MLP linears; a multimodal config.json plans its text model and the tower
+    (`minitrain.plan.vision`) as the model built from it holds them."""
     hf = hf_config(**QWEN3_5)
     shape = shape_from_hf(hf)
     with torch.device("meta"):
@@ -952,14 +953,24 @@ def test_qwen3_5_params_weights_and_adapters_exact():
     assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute="bf16"))) == tensor_bytes(frozen)
     lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
     assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=ALL + DELTANET))) == lora
-    multimodal = {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": hf}
-    assert shape_from_hf(multimodal).num_params() == shape.num_params()
+    multimodal = {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": hf, "vision_config": {}}
+    check_multimodal_params(multimodal, shape)
+
+
+def check_multimodal_params(multimodal: dict, text_shape) -> None:
+    """A multimodal Qwen3.5 config.json (the tower of transformers' defaults): the language model as the text
+    config's shape, plus the tower, as the model built from it on the meta device holds them."""
+    with torch.device("meta"):
+        meta = models.from_hf_config(multimodal)
+    shape = shape_from_hf(multimodal)
+    assert shape.num_params() == sum(p.numel() for p in meta.parameters())
+    assert shape.num_params() - sum(shape.tower.tensors) == text_shape.num_params()
 
 
 def test_qwen3_5_moe_params_weights_and_adapters_exact():
     """The MoE sizes as the model built from config.json holds them: every expert and router, the shared
     expert and its gate; LoRA tensors on the linears (the shared expert's by LLaMA's names), on the experts
-    (each expert's pair) and all-linear; a multimodal config.json plans its text model."""
+    (each expert's pair) and all-linear; a multimodal config.json plans its text model and the tower."""
     hf = qwen3_5_moe_config()
     shape = shape_from_hf(hf)
     with torch.device("meta"):
@@ -971,7 +982,7 @@ def test_qwen3_5_moe_params_weights_and_adapters_exact():
         assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute="bf16"))) == tensor_bytes(frozen)
         lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
         assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=targets))) == lora
-    assert shape_from_hf({"model_type": "qwen3_5_moe", "text_config": hf}).num_params() == shape.num_params()
+    check_multimodal_params({"model_type": "qwen3_5_moe", "text_config": hf, "vision_config": {}}, shape)
 
 
 @pytest.mark.parametrize("quantize", ["nf4", "int8"])
@@ -1041,7 +1052,8 @@ def test_qwen3_5_deltanet_memory_grows_with_the_sequence_not_its_square():
 
 
 def test_plan_tool_on_a_qwen3_5_folder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": hf_config(**QWEN3_5)}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": hf_config(**QWEN3_5),
+                                                      "vision_config": {}}))
     out = plan_cli(str(ROOT / "recipes" / "sft_llama.py"), f"model={tmp_path}", "batch_size=1", "max_len=512")
     assert out.returncode == 0, out.stderr
     assert "3 Gated DeltaNet, 1 full attention" in out.stdout and "predicted peak" in out.stdout

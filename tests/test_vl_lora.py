@@ -1,6 +1,6 @@
-"""Adapters on the vision side of Qwen2.5-VL, Qwen3-VL, multimodal Gemma 3 and Gemma 4, and what reads them, one
-table of the four families (the tiny checkpoints of tests/test_qwen2_5_vl.py, tests/test_qwen3_vl.py,
-tests/test_gemma3_vl.py and tests/test_gemma4_vl.py, saved by transformers):
+"""Adapters on the vision side of Qwen2.5-VL, Qwen3-VL, multimodal Qwen3.5, Gemma 3 and Gemma 4, and what reads
+them, one table of the five families (the tiny checkpoints of tests/test_qwen2_5_vl.py, tests/test_qwen3_vl.py,
+tests/test_qwen3_5_vl.py, tests/test_gemma3_vl.py and tests/test_gemma4_vl.py, saved by transformers):
 
 - LoRA whose `lora_targets` is one regular expression naming the merger (Qwen; with the language model's
   projections) or the tower's last layer (Gemma 3, whose projector holds no linear; Gemma 4, whose embedder's
@@ -33,6 +33,7 @@ from test_gemma4_vl import pixels as gemma4_pixels
 from test_qwen2_5_vl import IMAGE, rel, vl  # noqa: F401  (vl: the session fixture)
 from test_qwen2_5_vl import batch as qwen_batch
 from test_qwen2_5_vl import hf_logits as qwen_logits
+from test_qwen3_5_vl import vl35  # noqa: F401  (the session fixture)
 from test_qwen3_vl import vl3  # noqa: F401  (the session fixture)
 
 import models
@@ -48,6 +49,7 @@ LM = r"model\.language_model\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj
 FAMILIES = {
     "qwen2_5_vl": ("vl", "Qwen2_5_VLForConditionalGeneration", LM + r"|model\.visual\.merger\..*", "model.visual.merger"),
     "qwen3_vl": ("vl3", "Qwen3VLForConditionalGeneration", LM + r"|model\.visual\.merger\..*", "model.visual.merger"),
+    "qwen3_5": ("vl35", "Qwen3_5ForConditionalGeneration", LM + r"|model\.visual\.merger\..*", "model.visual.merger"),
     "gemma3": ("g3", "Gemma3ForConditionalGeneration", LM + r"|model\.vision_tower\.encoder\.layers\.1\..*",
                "model.multi_modal_projector"),
     "gemma4": ("g4v", "Gemma4ForConditionalGeneration", LM + r"|model\.vision_tower\.encoder\.layers\.1\..*",

@@ -38,6 +38,7 @@ def export(model_dir: str, out: str, adapter_dir: str | None = None, kind: str =
     except ImportError:
         raise UserError("the gguf package is not installed — pip install 'minitrain[export]' "
                         "(or pip install gguf)") from None
+    from minitrain.adapters.lora import in_tower
     from minitrain.adapters.merge import merged_state_dict
     from minitrain.adapters.peft_format import load_adapter
     from minitrain.checkpoint import check_adapter_base
@@ -77,7 +78,10 @@ def export(model_dir: str, out: str, adapter_dir: str | None = None, kind: str =
             model.resize_token_embeddings(vocab)
         load_adapter(model, adapter_dir)
     config = dict(model.hf_config, vocab_size=model.input_embeddings.num_embeddings)
-    return write_gguf(merged_state_dict(model, dtype=torch.float32), config, tok_dir, out, kind)
+    # a multimodal folder's language model: its towers (`model.towers`, Qwen3.5's vision tower) are not part of
+    # llama.cpp's model file (llama.cpp reads a tower from a separate mmproj file)
+    state = {k: v for k, v in merged_state_dict(model, dtype=torch.float32).items() if not in_tower(model, k)}
+    return write_gguf(state, config, tok_dir, out, kind)
 
 
 def main(argv: list[str]) -> int:

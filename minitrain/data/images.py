@@ -33,7 +33,7 @@ The steps, in the processor's order (the first, third and fourth shared: `normal
                 soft tokens, which the processor writes as `<|image>` + `<|image|>` x n + `<image|>` in place of
                 the `<|image|>` the chat template writes (`ImageRows.wrap`).
 
-Qwen3-VL's checkpoints use the same image processor, set by their own `preprocessor_config.json` (patches of 16
+Qwen3-VL's and multimodal Qwen3.5's checkpoints use the same image processor, set by their own `preprocessor_config.json` (patches of 16
 pixels, mean and std 0.5): `ImageSpec.from_preprocessor_config` reads either.
 
 Pillow is the optional `vision` extra: without it, one line naming the extra (`pillow`).

@@ -10,7 +10,7 @@ Modules, in reading order:
     moe        a mixture-of-experts checkpoint's terms (Qwen3-MoE, Mixtral): every expert in memory
     qwen3_5    Qwen3.5's Gated DeltaNet and gated attention blocks: chunk and state terms; its MoE sizes
     gemma4     Gemma 4's blocks, each its own: per-layer embeddings, kv-shared layers, the double-wide MLP
-    vision     the vision-language checkpoints (Qwen2.5-VL, Qwen3-VL, Gemma 3): the text family's terms + the tower
+    vision     the vision-language checkpoints (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3): the text family's terms + the tower
     t5         T5's encoder-decoder terms
     sharded    one rank's memory under torchrun: parallel=fsdp (FSDP2's shards, gathered blocks) and ddp
     fit        the check a run makes before loading (`memory_check`, `auto_fit`, `gpu_mem`)

@@ -73,12 +73,12 @@ from minitrain.plan.moe import MoeShape, Qwen2MoeShape
 from minitrain.plan.gemma4 import Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5Shape
 from minitrain.plan.t5 import T5Shape
-from minitrain.plan.vision import Gemma3VLShape, QwenVLShape
+from minitrain.plan.vision import Gemma3VLShape, Qwen3_5MoeVLShape, Qwen3_5VLShape, QwenVLShape
 
 
 def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape | T5Shape":
     """The shape of the family `config.json`'s model_type names (LLaMA / Mistral / Qwen, Gemma,
-    Phi-3, the MoE families, Qwen3.5, Gemma 4, Qwen2.5-VL / Qwen3-VL / multimodal Gemma 3, T5)."""
+    Phi-3, the MoE families, Qwen3.5, Gemma 4, Qwen2.5-VL / Qwen3-VL / multimodal Qwen3.5 / Gemma 3, T5)."""
     kind = d.get("model_type")
     if kind == "t5":
         return T5Shape.from_hf(d, where)
@@ -93,7 +93,7 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
         return Gemma4Shape.from_hf(d, where)
     if kind in Qwen3_5Shape.MODEL_TYPES:
         return Qwen3_5Shape.from_hf(d, where)
-    for vl in (QwenVLShape, Gemma3VLShape):
+    for vl in (QwenVLShape, Qwen3_5VLShape, Qwen3_5MoeVLShape, Gemma3VLShape):
         if kind in vl.MODEL_TYPES:
             return vl.from_hf(d, where)
     return ModelShape.from_hf(d, where)

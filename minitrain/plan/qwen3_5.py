@@ -65,16 +65,12 @@ class Qwen3_5Shape(ByBlock, ModelShape):
     mixer: str | None = None
     FAMILY: ClassVar[str] = "Qwen3.5"
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
-    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5_moe_text")  # the multimodal ones: plan/vision.py
     MOE_DEFAULTS: ClassVar[dict[str, Any]] = {}  # transformers' class defaults of the MoE fields
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Qwen3_5Shape":
-        """The dense sizes' shape, or the MoE sizes' (`Qwen3_5MoeShape`); a multimodal config.json's language model."""
-        kind = d.get("model_type")
-        if kind in ("qwen3_5", "qwen3_5_moe"):  # the multimodal checkpoint: its language model
-            d = {**d.get("text_config", {}), "model_type": f"{kind}_text",
-                 "tie_word_embeddings": d.get("tie_word_embeddings", False)}
+        """The dense sizes' shape, or the MoE sizes' (`Qwen3_5MoeShape`)."""
         if d.get("model_type") == "qwen3_5_moe_text" and cls is Qwen3_5Shape:
             return Qwen3_5MoeShape.from_hf(d, where)
         full = {**DEFAULTS, **cls.MOE_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}

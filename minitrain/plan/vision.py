@@ -1,7 +1,8 @@
-"""The memory plan of the vision-language checkpoints: Qwen2.5-VL, Qwen3-VL and multimodal Gemma 3
-(`models/qwen2_5_vl.py`, `models/qwen3_vl.py`, `models/gemma3_vl.py`).
+"""The memory plan of the vision-language checkpoints: Qwen2.5-VL, Qwen3-VL, multimodal Qwen3.5 (dense and MoE)
+and multimodal Gemma 3 (`models/qwen2_5_vl.py`, `models/qwen3_vl.py`, `models/qwen3_5.py`, `models/gemma3_vl.py`).
 
-The language model is planned as its text family (Qwen2's, Qwen3's, Gemma 3's shape, from `text_config`);
+The language model is planned as its text family (Qwen2's, Qwen3's, Qwen3.5's block by block, Gemma 3's shape,
+from `text_config`; Qwen3.5's tower is Qwen3-VL's without DeepStack);
 the image placeholders are positions of its rows, so `seq` already counts them. The tower adds (`Tower`, from
 `vision_config`; P = patches, `patches_per_token` per placeholder: merge**2 for Qwen, the pooling kernel**2
 for Gemma 3):
@@ -21,7 +22,8 @@ for Gemma 3):
 
 `RunShape.image_tokens`: the placeholders in a micro-batch; None (what `run_shape` gives a recipe) counts
 every position of every row as one: the worst case, since how many images a row holds is the data's.
-Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process, measured against the CPU
+Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process (Qwen3.5: LoRA / QLoRA only, as
+its text plan), measured against the CPU
 (tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
 (autocast's bf16 tensors and copies unmodelled: the plan 1.16 x the measured peak, on the safe side); the
 tower's own forward working set (one block at a time) is not a moment; the adapters of a regular-expression
@@ -36,6 +38,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import GemmaShape, ModelShape
+from minitrain.plan.qwen3_5 import Qwen3_5MoeShape, Qwen3_5Shape
 from minitrain.plan.run_shape import RunShape, Term
 
 # transformers' defaults for the vision_config fields a config.json may leave out
@@ -46,8 +49,11 @@ _QWEN3 = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, 
               deepstack_visual_indexes=[8, 16, 24])
 _SIGLIP = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, num_channels=3,
                image_size=224, patch_size=16)
+# the towers of Qwen3-VL's design (Qwen3.5's: no DeepStack) -> transformers' defaults of their vision_config
+_QWEN3_TOWERS = {"qwen3_vl": _QWEN3,
+                 **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), {**_QWEN3, "deepstack_visual_indexes": []})}
 # floats a block keeps per patch: (x Dv, x Fv, + heads, + the norms' statistics)
-_BLOCK = {"qwen2_5_vl": (13, 4, 2), "qwen3_vl": (11, 2, 4), "gemma3": (8, 2, 4)}
+_BLOCK = {"qwen2_5_vl": (13, 4, 2), "gemma3": (8, 2, 4), **dict.fromkeys(_QWEN3_TOWERS, (11, 2, 4))}
 
 
 def _linear(i: int, o: int) -> list[int]:
@@ -84,12 +90,12 @@ class Tower:
             outside = 3 * Dv + 2 + (3 * Dv + 1) / k2
             return cls(kind, v["num_hidden_layers"], Dv, F, v["num_attention_heads"], C * p * p, k2, tuple(tensors),
                        outside)
-        v = {**(_QWEN3 if kind == "qwen3_vl" else _QWEN2_5), **d}
+        v = {**_QWEN3_TOWERS.get(kind, _QWEN2_5), **d}
         Dv, F, Do, m = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"], v["spatial_merge_size"]
         patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
         hd, M = Dv // v["num_heads"], Dv * m * m
         attn = _linear(Dv, 3 * Dv) + _linear(Dv, Dv)
-        if kind == "qwen3_vl":
+        if kind in _QWEN3_TOWERS:
             deep = len(v["deepstack_visual_indexes"])
             block = [Dv] * 4 + attn + _linear(Dv, F) + _linear(F, Dv)
             merger = [Dv, Dv] + _linear(M, M) + _linear(M, Do)
@@ -207,3 +213,28 @@ class Gemma3VLShape(WithTower, GemmaShape):
     tower: Tower | None = None
     MODEL_TYPES: ClassVar[dict[str, str]] = {"gemma3": "gemma3_text"}
     UNPADS_ON_CPU: ClassVar[bool] = False
+
+
+class WithTowerByBlock(WithTower):
+    """Qwen3.5's multimodal shapes: the tower's terms over the text plan, whose refusals (finetune=full among them)
+    hold too."""
+
+    def check_run(self, run: RunShape) -> None:
+        super().check_run(run)
+        Qwen3_5Shape.check_run(self, run)
+
+
+@dataclass(frozen=True)
+class Qwen3_5VLShape(WithTowerByBlock, Qwen3_5Shape):
+    """Multimodal Qwen3.5 (`qwen3_5`): Qwen3.5's language model planned block by block, Qwen3-VL's tower."""
+
+    tower: Tower | None = None
+    MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen3_5": "qwen3_5_text"}
+
+
+@dataclass(frozen=True)
+class Qwen3_5MoeVLShape(WithTowerByBlock, Qwen3_5MoeShape):
+    """Multimodal Qwen3.5 MoE (`qwen3_5_moe`): the MoE sizes' language model, the same tower."""
+
+    tower: Tower | None = None
+    MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen3_5_moe": "qwen3_5_moe_text"}

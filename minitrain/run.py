@@ -605,8 +605,7 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     if model.is_encoder_decoder:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
                         f"use recipes/lora_t5.py for it")
-    with_rows_of_images = images is not None and any(ex.get("images") for ex in train_examples)
-    lora = attach_adapters(model, cfg, train_towers=with_rows_of_images)
+    lora = attach_adapters(model, cfg, train_towers=rows_have_images(images, train_examples))
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
     return Job(model, sft, train_examples, with_images(collate, images), eval_examples, lora, tok, images)
@@ -625,6 +624,13 @@ def load_image_examples(cfg: Any, tok: Tokenizer, kind: str, **options: Any
                 raise UserError(f"{key}=true: {cfg.data} has rows with images, which are not {what} yet — set "
                                 f"{key}=false")
     return train, evals, images
+
+
+def rows_have_images(images: ImageRows | None, examples) -> bool:
+    """Whether a vision-language checkpoint's (`images`: how it reads them) training rows carry an image: under
+    `finetune=full` its towers train only then (`attach_adapters`' `train_towers`). A token store answers from its
+    offsets, without building the examples."""
+    return images is not None and bool(carries(examples).any())
 
 
 def with_images(collate: Callable[[list[dict]], dict], images: ImageRows | None, copies: int = 1, group: int = 1

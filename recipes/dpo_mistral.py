@@ -65,7 +65,8 @@ from minitrain.objectives.preference import make_pair_objective
 from minitrain.objectives.reference import make_reference, precompute_reference
 from minitrain.progress import log
 from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,
-                           load_image_examples, load_model, load_tokenizer, prepare_out_dir, with_images)
+                           load_image_examples, load_model, load_tokenizer, prepare_out_dir, rows_have_images,
+                           with_images)
 from minitrain.train import train
 
 DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
@@ -119,7 +120,7 @@ def setup(config: PreferenceConfig) -> Job:
     model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — DPO here trains causal LMs")
-    lora = attach_adapters(model, config)
+    lora = attach_adapters(model, config, train_towers=rows_have_images(images, train_examples))
     if config.loss_type in REFERENCE_FREE:  # orpo / cpo / simpo: one forward per pair, no reference
         reference, ref = None, "none (reference-free: one forward per pair)"
     else:

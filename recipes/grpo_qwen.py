@@ -67,7 +67,7 @@ from minitrain.objectives.rewards import load_rewards
 from minitrain.objectives.tools import ToolKit, json_schema, load_tools
 from minitrain.progress import log, strict_json
 from minitrain.run import (Job, attach_adapters, check_out_dir, finish, load_image_examples, load_model,
-                           load_tokenizer, prepare_out_dir, with_images)
+                           load_tokenizer, prepare_out_dir, rows_have_images, with_images)
 from minitrain.train import train
 
 DEMO = demo_dir() / "grpo"  # demo/grpo in a clone, minitrain/demo/grpo in an installed wheel
@@ -175,7 +175,7 @@ def setup(config: GRPOConfig) -> Job:
     model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — GRPO here trains causal LMs")
-    lora = attach_adapters(model, config)
+    lora = attach_adapters(model, config, train_towers=rows_have_images(images, train_examples))
     reference = make_reference(model, config.init_adapter) if config.beta else None
     ends = eos_ids(tok, model)
     agent = None

@@ -40,7 +40,8 @@ from minitrain.objectives.kto import KTOObjective, add_kl_rows, collate_kto, pre
 from minitrain.objectives.reference import make_reference
 from minitrain.progress import log
 from minitrain.run import (Job, attach_adapters, check_out_dir, eval_log, evaluate_at_start, evaluate_only, finish,
-                           load_image_examples, load_model, load_tokenizer, prepare_out_dir, with_images)
+                           load_image_examples, load_model, load_tokenizer, prepare_out_dir, rows_have_images,
+                           with_images)
 from minitrain.train import train
 
 DEMO = demo_dir()  # demo/ in a clone, minitrain/demo in an installed wheel
@@ -74,7 +75,7 @@ def setup(config: KTOConfig) -> Job:
     model, tok = load_model(config, models.from_hf_config, tok)
     if model.is_encoder_decoder:
         raise UserError(f"{config.model}: is an encoder-decoder (T5) model — KTO here trains causal LMs")
-    lora = attach_adapters(model, config)
+    lora = attach_adapters(model, config, train_towers=rows_have_images(images, train_examples))
     reference = make_reference(model, config.init_adapter)  # before any step: the snapshot is Stage A
     train_examples = add_kl_rows(train_examples, config.batch_size)  # each KL row made when its example is read
     eval_examples = add_kl_rows(eval_examples, config.batch_size) if eval_examples else eval_examples

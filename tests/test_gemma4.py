@@ -552,18 +552,16 @@ def test_lora_sft_packed_and_dpo_through_the_cli(cli_model, tmp_path, capsys):
 
 
 def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, tmp_path, capsys):
-    """`finetune=full` through the CLI on text rows, the multimodal folder without its vision_config (so that no
-    tower is built: with one, text rows leave it off the loss's path, which the audit refuses; images:
-    tests/test_gemma4_vl.py): the written folder holds every tower tensor bit-identical to the input, a trained
-    language model, and loads in transformers as the multimodal class with our text logits."""
+    """`finetune=full` through the CLI on text rows of the multimodal folder (its vision tower built and, with no
+    image in the rows, frozen; images: tests/test_gemma4_vl.py): the written folder holds every tower tensor
+    bit-identical to the input, the audio tower's too, a trained language model, and loads in transformers as the
+    multimodal class with our text logits."""
     from _tok import make_bpe_tokenizer
 
     from minitrain.cli import run_cli
 
     model = tmp_path / "model"
     shutil.copytree(multimodal, model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "vision_config": None}))
     make_bpe_tokenizer(model)
     keys = {"model": model, "data": sft_rows(tmp_path), "eval_data": "", "out": tmp_path / "out", "max_steps": 2,
             "batch_size": 2, "max_len": 64, "finetune": "full", "lr": 1e-3}

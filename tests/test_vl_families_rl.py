@@ -118,3 +118,27 @@ def test_lora_from_the_cli_with_images(request, capsys, family, recipe, data, ar
     if first is not None:
         assert rows[0]["loss"] == pytest.approx(first, abs=1e-6)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", ["g4", "qwen35"])
+def test_full_fine_tuning_on_text_rows_keeps_the_towers_frozen(request, capsys, family):
+    """`finetune=full` of ORPO (DPO's recipe; a reference-free loss, as full fine-tuning needs) on text-only pairs
+    of a vision-language folder: no loss reaches the towers, so they stay frozen (the audit healthy, not an
+    unreachable tower) and the written folder holds them bit for bit, while the language model trains."""
+    from safetensors.torch import load_file
+
+    vl = request.getfixturevalue(family)
+    root = vl["root"] / "text_orpo"
+    root.mkdir()
+    rows = [{"prompt": "Say yes.", "chosen": "yes", "rejected": "no"},
+            {"prompt": "Say no.", "chosen": "no", "rejected": "yes"}]
+    (root / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cli_run("dpo_mistral.py", [f"model={vl['model']}", f"data={root / 'rows.jsonl'}", "max_steps=1", "batch_size=2",
+                               "finetune=full", "loss_type=orpo"], root / "out", capsys)
+    model = models.from_hf_config(json.loads((vl["model"] / "config.json").read_text()))
+    towers = tuple(f"{t}." for t in model.towers)
+    before = load_file(vl["model"] / "model.safetensors")
+    after = load_file(next((root / "out").rglob("model.safetensors")))
+    frozen = [k for k in before if k.startswith(towers)]
+    assert frozen and all(torch.equal(after[k], before[k]) for k in frozen)
+    assert any(not torch.equal(after[k], before[k]) for k in before if ".language_model." in k)

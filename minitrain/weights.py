@@ -243,6 +243,8 @@ def load_pretrained(
                             del waiting[param]
                             _assign_converted(model, folder, param, convert(*(got[k] for k in keys)), dtype)
                             del got
+                            if tensor_hook is not None:  # whole now: the hook may take it (quantize experts)
+                                tensor_hook(model, param, model.get_parameter(param).detach())
                     elif not (tensor_hook is not None and tensor_hook(model, key, t)):
                         _assign(model, key, t)
                     loaded.add(key)
@@ -368,10 +370,10 @@ def _check_against_model(model: nn.Module, folder: Path, headers: dict[Path, tup
     inputs = {k for keys, _ in conversions.values() for k in keys}
     unexpected = [k for k in ckpt if k not in expected and k not in parts and k not in inputs] + duplicated
     unexpected += [f"{k} (and its parts)" for k in of_param if k in ckpt and any(p in ckpt for p in of_param[k])]
-    mismatched = [
+    mismatched = [  # (a conversion's input may share its parameter's name: its result is checked as it is placed)
         f"{k}: checkpoint {tuple(ckpt[k][0])} vs model {tuple(t.shape)}"
         for k, t in expected.items()
-        if k in ckpt and list(t.shape) != list(ckpt[k][0])
+        if k in ckpt and k not in inputs and list(t.shape) != list(ckpt[k][0])
     ]
     mismatched += [f"{k}: checkpoint {tuple(ckpt[k][0])} vs model {tuple(expected[param][index].shape)}"
                    for k, (param, index) in parts.items()

@@ -6,7 +6,7 @@ file (llama.py: LLaMA / Mistral / Qwen2 / Qwen3; gemma.py: Gemma 2 / Gemma 3 tex
 moe.py: Qwen3-MoE / Qwen2-MoE / Mixtral; gpt_oss.py: gpt-oss; qwen3_5.py: Qwen3.5, dense and MoE (multimodal: over
 qwen3_vl.py's tower); gemma4.py: Gemma 4;
 qwen2_5_vl.py: Qwen2.5-VL, its vision tower too; qwen3_vl.py: Qwen3-VL, Qwen2.5-VL's file with its own tower,
-DeepStack and interleaved M-RoPE; gemma3_vl.py: multimodal Gemma 3, its SigLIP tower and projector; gemma4_vl.py: multimodal Gemma 4, its vision
+DeepStack and interleaved M-RoPE; qwen3_vl_moe.py: Qwen3-VL-MoE, Qwen3-VL's model over moe.py's language model; gemma3_vl.py: multimodal Gemma 3, its SigLIP tower and projector; gemma4_vl.py: multimodal Gemma 4, its vision
 tower and embedder; t5.py)
 imports only torch and that floor (a multimodal family also its text family), holds what is
 particular to it, and exposes `config_from_hf(d)`. `from_hf_config` picks the family from a `config.json` dict.
@@ -40,6 +40,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "gemma4": ("gemma4_vl", "Gemma4ForConditionalGeneration"),
     "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
     "gemma3": ("gemma3_vl", "Gemma3ForConditionalGeneration"),
     "t5": ("t5", "T5ForConditionalGeneration"),
 }
@@ -51,9 +52,6 @@ def config_from_hf(config: dict[str, Any]):
     model_type = config.get("model_type")
     if model_type in FAMILIES:
         return importlib.import_module(f"models.{FAMILIES[model_type][0]}").config_from_hf(config)
-    if model_type == "qwen3_vl_moe":
-        raise ValueError("config.json: model_type 'qwen3_vl_moe' (Qwen3-VL's mixture-of-experts sizes) is not supported "
-                         "yet — use a dense Qwen3-VL checkpoint (model_type 'qwen3_vl')")
     raise ValueError(
         f"config.json: model_type {model_type!r} is not supported — minitrain loads {', '.join(SUPPORTED)}"
     )

@@ -149,6 +149,7 @@ class Qwen2_5_VLConfig(LlamaConfig):
     family: ClassVar[str] = "qwen2_5_vl"
     interleaved: ClassVar[bool] = False
     text_family: ClassVar[str] = "qwen2"
+    text_class: ClassVar[type] = LlamaConfig  # the text model's config class (Qwen3-VL-MoE's: MoeConfig)
     vision_class: ClassVar[type] = VisionConfig
     default_mrope: ClassVar[tuple[int, ...]] = (16, 24, 24)
 
@@ -184,7 +185,7 @@ class Qwen2_5_VLConfig(LlamaConfig):
             rope["rope_type"] = "default"
             rope.pop("type", None)
         text["rope_parameters"] = rope or None
-        base = LlamaConfig.from_hf(text)
+        base = cls.text_class.from_hf(text)
         hd = base.head_dim
         section = list(section if section is not None else cls.default_mrope)
         if sum(section) != hd // 2:
@@ -200,14 +201,14 @@ class Qwen2_5_VLConfig(LlamaConfig):
             raise ValueError(f"config.json: field(s) {unknown} are not understood by minitrain's {cls.family} "
                              "model — remove them if harmless")
         tokens = {k: outer.get(k, v) for k, v in _TOKEN_DEFAULTS.items()}
-        kw = {f.name: getattr(base, f.name) for f in fields(LlamaConfig)}
+        kw = {f.name: getattr(base, f.name) for f in fields(cls.text_class)}
         return cls(**{**kw, "model_type": cls.family}, mrope_section=section,
                    vision=cls.vision_class.from_hf(d["vision_config"]), multimodal=outer, **tokens)
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json transformers loads: the multimodal config read, the text config written anew."""
-        text = LlamaConfig.to_hf(LlamaConfig(**{f.name: getattr(self, f.name) for f in fields(LlamaConfig)
-                                                if f.name != "model_type"}, model_type=self.text_family))
+        text = self.text_class(**{f.name: getattr(self, f.name) for f in fields(self.text_class)
+                                  if f.name != "model_type"}, model_type=self.text_family).to_hf()
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
                                    "mrope_section": list(self.mrope_section)}
         if self.interleaved:

@@ -25,8 +25,9 @@ Qwen3-VL applies whatever the flag says; a config that sets it false is refused)
 Checkpoints: transformers 5 saves, and the Hub's Qwen3-VL folders hold, `model.language_model.*` and
 `model.visual.*`: our module tree, key for key; the flat layout (`model.layers.*`, `visual.*`) loads too.
 
-Not yet: videos (`pixel_values_videos`, timestamps), Qwen3-VL-MoE (`qwen3_vl_moe`, refused in one line),
-rows of several sequences with images (packing).
+Qwen3-VL-MoE (`qwen3_vl_moe`) is this model over Qwen3-MoE's language model: models/qwen3_vl_moe.py.
+
+Not yet: videos (`pixel_values_videos`, timestamps), rows of several sequences with images (packing).
 """
 
 from __future__ import annotations

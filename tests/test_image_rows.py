@@ -58,7 +58,11 @@ PRE = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels":
 # family -> transformers' config and model classes, the text and vision configs
 FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TEXT, VISION),
             "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT3, VISION3),
-            "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", TEXT35, VISION35)}
+            "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", TEXT35, VISION35),
+            # Qwen3-VL's over a Qwen3-MoE language model: layer 0 dense, the others 4 experts of 24 (top 2)
+            "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                             dict(TEXT3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                  mlp_only_layers=[0]), VISION3)}
 
 
 def hf_class(family: str):
@@ -137,10 +141,18 @@ def vlm35(tmp_path_factory) -> dict[str, Path]:
             "family": "qwen3_5"}
 
 
+@pytest.fixture(scope="module")
+def vlm3moe(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("image_rows_qwen3_vl_moe")
+    return {"root": root, "model": vl_folder(root / "model", "qwen3_vl_moe"), "data": write_rows(root / "data"),
+            "family": "qwen3_vl_moe"}
+
+
 @pytest.fixture(params=list(FAMILIES))
 def any_vlm(request) -> dict[str, Path]:
-    """The Qwen2.5-VL folder, then the Qwen3-VL one, then the multimodal Qwen3.5 one."""
-    return request.getfixturevalue({"qwen2_5_vl": "vlm", "qwen3_vl": "vlm3", "qwen3_5": "vlm35"}[request.param])
+    """The Qwen2.5-VL folder, then the Qwen3-VL one, the multimodal Qwen3.5 one and the Qwen3-VL-MoE one."""
+    return request.getfixturevalue({"qwen2_5_vl": "vlm", "qwen3_vl": "vlm3", "qwen3_5": "vlm35",
+                                    "qwen3_vl_moe": "vlm3moe"}[request.param])
 
 
 def rows_of(vlm) -> tuple[list[dict], ImageRows, Tokenizer]:

@@ -181,3 +181,21 @@ def test_a_saved_folder_loads_in_transformers(vlmoe, tmp_path):
     with torch.no_grad():  # as after fine-tuning: not the weights transformers saved
         ours.model.language_model.layers[0].mlp.experts.down_proj.mul_(1.5)
     check_saved_folder(ours, vlmoe, transformers.Qwen3VLMoeForConditionalGeneration, tmp_path)
+
+
+def test_fsdp_reads_the_saved_layout_by_rows_and_refuses_the_transposed_one(vlmoe, tmp_path):
+    """parallel=fsdp reads each rank's rows of whole tensors: a folder in transformers' layout (its saves, ours)
+    needs no conversion and is deferred; the Hub's transposed experts are refused in one line."""
+    from minitrain.errors import UserError
+    from minitrain.parallel import fsdp
+    from minitrain.weights import open_pretrained
+
+    built, headers = open_pretrained(vlmoe, models.from_hf_config)
+    fsdp.defer_weights(built, vlmoe, headers, torch.float32, torch.device("cpu"))
+    tensors = {k: (v.transpose(1, 2).contiguous() if ".experts." in k else v)
+               for k, v in load_file(vlmoe / "model.safetensors").items()}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((vlmoe / "config.json").read_text())
+    built, headers = open_pretrained(tmp_path, models.from_hf_config)
+    with pytest.raises(UserError, match="experts in another form \\(one tensor per expert, transposed, or MXFP4\\)"):
+        fsdp.defer_weights(built, tmp_path, headers, torch.float32, torch.device("cpu"))

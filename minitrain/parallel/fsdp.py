@@ -63,11 +63,16 @@ class Pending:
 
 def defer_weights(model: nn.Module, folder: Path, headers: Headers, dtype: torch.dtype, device: torch.device) -> None:
     """Leave `model` on meta, its floating parameters in `dtype`; `prepare` reads each rank's rows."""
-    converted = set(checkpoint_parts(model)) | {k for keys, _ in checkpoint_conversions(model).values() for k in keys}
-    if any(k in converted for header, _ in headers.values() for k in header):
+    stored = {k: list(info["shape"]) for header, _ in headers.values() for k, info in header.items()}
+    converted = set(checkpoint_parts(model))
+    for param, (keys, _) in checkpoint_conversions(model).items():
+        # (a parameter stored under its own name in its own shape needs no conversion: Qwen3-VL-MoE's saves)
+        if not (keys == (param,) and stored.get(param) == list(model.get_parameter(param).shape)):
+            converted |= set(keys)
+    if any(k in converted for k in stored):
         raise UserError(f"{folder}: parallel=fsdp reads whole tensors by rows, and this checkpoint stores the "
-                        "experts in another form (one tensor per expert, or MXFP4) — use parallel=ddp, or save the "
-                        "model once with minitrain (fused experts in a float dtype) and shard that")
+                        "experts in another form (one tensor per expert, transposed, or MXFP4) — use parallel=ddp, "
+                        "or save the model once with minitrain (fused experts in a float dtype) and shard that")
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)  # meta to meta: no memory

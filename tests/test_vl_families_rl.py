@@ -1,5 +1,5 @@
 """DPO, KTO and GRPO with images on a tiny multimodal Gemma 3 (the folder of tests/test_gemma3_vl.py), a tiny
-Qwen3-VL and a tiny multimodal Qwen3.5 (tests/test_image_rows.py's) and a tiny multimodal Gemma 4
+Qwen3-VL, Qwen3-VL-MoE and multimodal Qwen3.5 (tests/test_image_rows.py's) and a tiny multimodal Gemma 4
 (tests/test_gemma4_vl.py's), the rows of tests/test_vl_preference.py, tests/test_vl_kto.py and
 tests/test_vl_grpo.py (whose TRL parity runs on Qwen2.5-VL; the code is the same for every family: only the
 image processing, the placeholders and the tower differ).
@@ -63,6 +63,11 @@ def qwen3(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def qwen3moe(tmp_path_factory) -> dict[str, Path]:
+    return rl_files(tmp_path_factory.mktemp("vl_qwen3_vl_moe_rl"), lambda d: vl_folder(d, "qwen3_vl_moe"))
+
+
+@pytest.fixture(scope="module")
 def qwen35(tmp_path_factory) -> dict[str, Path]:
     return rl_files(tmp_path_factory.mktemp("vl_qwen3_5_rl"), lambda d: vl_folder(d, "qwen3_5"))
 
@@ -108,7 +113,7 @@ def test_image_prompts_and_greedy_sampling_equal_transformers(g3):
     ("kto_mistral.py", "rows.jsonl", ["batch_size=3"], 0.5),
     ("grpo_qwen.py", "prompts.jsonl", ["batch_size=2", "num_generations=2", "max_completion_length=4",
                                        "rewards={root}/rewards.py:image_count"], None)])
-@pytest.mark.parametrize("family", ["g3", "qwen3", "qwen35", "g4"])
+@pytest.mark.parametrize("family", ["g3", "qwen3", "qwen3moe", "qwen35", "g4"])
 def test_lora_from_the_cli_with_images(request, capsys, family, recipe, data, args, first):
     g3 = request.getfixturevalue(family)
     out = g3["root"] / recipe.removesuffix(".py")

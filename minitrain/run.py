@@ -605,7 +605,12 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
     if model.is_encoder_decoder:
         raise UserError(f"{cfg.model}: is an encoder-decoder (T5) model — this recipe trains causal LMs; "
                         f"use recipes/lora_t5.py for it")
-    lora = attach_adapters(model, cfg, train_towers=rows_have_images(images, train_examples))
+    with_images_in_rows = rows_have_images(images, train_examples)
+    if getattr(cfg, "packing", False) and not getattr(model, "packs_images", False) and (
+            with_images_in_rows or rows_have_images(images, eval_examples or [])):
+        raise UserError(f"packing=true: {cfg.data} has rows with images, which {model.config.model_type} does not pack "
+                        f"yet (Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE do) — set packing=false")
+    lora = attach_adapters(model, cfg, train_towers=with_images_in_rows)
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
     return Job(model, sft, train_examples, with_images(collate, images), eval_examples, lora, tok, images)
@@ -615,12 +620,13 @@ def load_image_examples(cfg: Any, tok: Tokenizer, kind: str, **options: Any
                         ) -> tuple[list[dict], list[dict] | None, ImageRows | None]:
     """`load_examples` with the rows' images read as the checkpoint `cfg.model` reads them (`image_rows`;
     a text-only checkpoint refuses rows with images): (train, eval, how images are read or None). Rows with
-    images are refused under `packing=true` or `shared_prompt=true`, whose rows do not carry them yet."""
+    images are refused under `shared_prompt=true`, and under `packing=true` but for SFT on the families whose
+    forward packs them (`packs_images`: Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), whose rows do not carry them yet."""
     images = image_rows(cfg, tok)
     train, evals = load_examples(cfg, tok, kind, **options, **({"images": images} if images else {}))
     if images is not None and any(carries(examples).any() for examples in (train, evals or [])):
         for key, what in (("packing", "packed"), ("shared_prompt", "run as one shared-prompt row")):
-            if getattr(cfg, key, False):
+            if getattr(cfg, key, False) and not (key == "packing" and kind == "sft"):  # (SFT: `sft_job` asks the model)
                 raise UserError(f"{key}=true: {cfg.data} has rows with images, which are not {what} yet — set "
                                 f"{key}=false")
     return train, evals, images

@@ -848,6 +848,17 @@ def document_mask_mod(document_ids: torch.Tensor, position_ids: torch.Tensor,
     return mask_mod
 
 
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> each token's index in its run of equal document ids (packed rows: its position in its
+    sequence), what windows and layouts read where a model's RoPE positions are not token counts
+    (Qwen's 3-D M-RoPE over images)."""
+    T = document_ids.shape[1]
+    t = torch.arange(T, device=document_ids.device).expand_as(document_ids)
+    start = torch.ones_like(document_ids, dtype=torch.bool)
+    start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return t - torch.where(start, t, 0).cummax(dim=1).values
+
+
 def document_mask(document_ids: torch.Tensor, position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
     """`document_mask_mod` as a dense bool (B, 1, T, T) mask, True = may attend (the SDPA path)."""
     B, T = document_ids.shape
@@ -1529,7 +1540,7 @@ class DecoderBody(nn.Module):
         stream's first values when the caller made them (a vision-language model's image features
         scattered into the text embeddings), in place of `embed(input_ids)`. `additions`: (B, T, D) tensors,
         `additions[i]` added to the output of layer i (Qwen3-VL's DeepStack: features of the vision tower's
-        middle layers at the image positions, zeros elsewhere); not with rows of several sequences.
+        middle layers at the image positions, zeros elsewhere).
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left or right), for the T new
         tokens only (the cache remembers earlier ones). position_ids default to the count of real
@@ -1554,10 +1565,8 @@ class DecoderBody(nn.Module):
         B, T = input_ids.shape
         x = self.embed(input_ids) if embeds is None else embeds  # (B, T, D)
         if document_ids is not None or (attention_mask is not None and attention_mask.dim() == 4):
-            if additions:
-                raise ValueError("additions to the layers' outputs go in a plain forward, not rows of several sequences")
             return self._forward_block_mask(x, attention_mask, position_ids, document_ids, cache,
-                                            hidden_layers, attention_layers)
+                                            hidden_layers, attention_layers, additions)
         valid = (
             torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
             if attention_mask is None
@@ -1653,8 +1662,8 @@ class DecoderBody(nn.Module):
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                             document_ids: torch.Tensor | None, cache: KVCache | None,
-                            hidden_layers: Collection[int] = (), attention_layers: Collection[int] = ()
-                            ) -> torch.Tensor | Captured:
+                            hidden_layers: Collection[int] = (), attention_layers: Collection[int] = (),
+                            additions: Sequence[torch.Tensor] = ()) -> torch.Tensor | Captured:
         """Several sequences in one row (packed rows, DPO's [prompt, chosen, rejected], GRPO's [prompt,
         completions]): the caller gives each token's position_ids (B, T) and the layout, as a bool mask
         (B, 1, T, T), True = may attend, and / or as `document_ids` (B, T). Each layer's sliding
@@ -1663,19 +1672,25 @@ class DecoderBody(nn.Module):
         `packed_attention` (set by the engine; "sdpa" by default) picks how: "sdpa" runs the dense
         mask (the caller's, else `document_mask` of the ids); "flex" builds one FlexAttention
         `BlockMask` per window from the ids (`Documents`), which the layers read instead. A forward that
-        captures attention probabilities (distillation) keeps the dense mask."""
+        captures attention probabilities (distillation) keeps the dense mask. 3-D position_ids (3, B, T) (Qwen's
+        M-RoPE over images, with `document_ids`) turn RoPE; the windows and the layout read each token's index in
+        its sequence (`document_positions`). `additions` as `forward`'s."""
         if cache is not None or position_ids is None:
             raise ValueError("a 4-D attention_mask or document_ids need position_ids and no KV cache")
-        pos = position_ids.to(x.device)
+        rope = position_ids.to(x.device)
+        if rope.dim() == 3 and document_ids is None:
+            raise ValueError("3-D position_ids in rows of several sequences need their document_ids")
+        pos = document_positions(document_ids.to(x.device)) if rope.dim() == 3 else rope
+        tables = self.rope_tables(rope, x.dtype)
         if document_ids is not None and (mask is None or mask.dim() == 2) and not (hidden_layers or attention_layers):
             layout = self.document_layout(document_ids, pos)  # on a CPU: each sequence alone, no (T, T) mask
             if layout is not None:
                 return forward_unpadded(x, document_ids.to(x.device) >= 0, layout,
-                                        list(zip(self.layers, self.rope_tables(pos, x.dtype), self.windows)), self.norm)
+                                        list(zip(self.layers, tables, self.windows)), self.norm, additions=additions)
         flex = self.packed_attention == "flex" and not (hidden_layers or attention_layers)
         masks = row_masks(mask, pos, document_ids, set(self.windows), flex)
-        return self._layers(x, self.rope_tables(pos, x.dtype), [masks[w] for w in self.windows], None,
-                            hidden_layers, attention_layers)
+        return self._layers(x, tables, [masks[w] for w in self.windows], None, hidden_layers, attention_layers,
+                            additions)
 
 
 class LanguageModel(nn.Module):

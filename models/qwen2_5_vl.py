@@ -42,7 +42,10 @@ Generation: a prompt with images goes in the cache's first call (`generate(..., 
 image_grid_thw=)`); each row's offset (its largest prompt position + 1 - its real tokens) stays in the cache
 (`states[ROPE_DELTA]`) and the tokens after the prompt count on from it, as transformers' `rope_deltas`.
 
-Not yet: videos (`pixel_values_videos`), rows of several sequences with images (packing).
+Rows of several sequences (packing: `document_ids`) carry images too: each sequence's 3-D positions start
+again (`rope_index`), the images in the order the sequences lie in the rows.
+
+Not yet: videos (`pixel_values_videos`).
 """
 
 from __future__ import annotations
@@ -371,21 +374,27 @@ ROPE_DELTA = -1
 
 
 def rope_index(input_ids: torch.Tensor, valid: torch.Tensor, grid_thw: torch.Tensor | None, image_token_id: int,
-               merge: int) -> torch.Tensor:
+               merge: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The 3-D positions (3, B, T) of a batch: text tokens count on all three axes; each run of image tokens
     (one image, `grid_thw` (n, 3) in order over the rows) gets its merged grid's (start, start + row,
-    start + column), and the next token start + max(rows, columns). Padding (valid False) gets 0."""
+    start + column), and the next token start + max(rows, columns). Padding (valid False) gets 0. With
+    `document_ids` (B, T) (packed rows), the count starts again at each sequence, as for each alone."""
     B, T = input_ids.shape
     pos = torch.zeros(3, B, T, dtype=torch.long)
     grids = iter([] if grid_thw is None else grid_thw.tolist())
     ids, valid = input_ids.cpu(), valid.cpu().bool()
+    docs = None if document_ids is None else document_ids.cpu()
     for b in range(B):
         row = ids[b][valid[b]]
         is_image = (row == image_token_id).tolist()
+        d = [0] * len(row) if docs is None else docs[b][valid[b]].tolist()
+        new = [t > 0 and d[t] != d[t - 1] for t in range(len(row))]  # a sequence starts here
         parts, start, i = [], 0, 0
         while i < len(row):
-            j = i
-            while j < len(row) and is_image[j] == is_image[i]:
+            if new[i]:
+                start = 0
+            j = i + 1
+            while j < len(row) and is_image[j] == is_image[i] and not new[j]:
                 j += 1
             if not is_image[i]:
                 parts.append(torch.arange(start, start + j - i).expand(3, -1))
@@ -442,6 +451,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
     block_types = (LlamaDecoderLayer,)
     ignore_checkpoint_keys = (r"\.rotary_emb\.inv_freq$",)
     towers = ("model.visual",)  # frozen unless a regex target names it (LoRA suffixes adapt the language model)
+    packs_images = True  # rows of several sequences (`document_ids`) may carry images (Qwen3.5's may not yet)
 
     @property
     def placeholder_ids(self) -> tuple[int, ...]:
@@ -472,9 +482,12 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
                 position_ids = self._continued_positions(input_ids, attention_mask, cache)
             return super().forward(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
                                    document_ids)
-        if cache is not None and cache.length or document_ids is not None:
-            raise ValueError(f"{self.config.family}: images go in a plain forward or a cache's first call (the prompt), not in "
-                             "packed rows or a continued cache — not yet")
+        if cache is not None and cache.length:
+            raise ValueError(f"{self.config.family}: images go in a plain forward, packed rows or a cache's first call "
+                             "(the prompt), not in a continued cache")
+        if document_ids is not None and not self.packs_images:
+            raise ValueError(f"{self.config.family}: images in packed rows are not supported yet — pack rows without "
+                             "images, or set packing=false")
         placeholders = input_ids == self.config.image_token_id
         features, deep = self.image_features(pixel_values, image_grid_thw)
         if int(placeholders.sum()) != features.shape[0]:
@@ -486,14 +499,16 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         x = x.masked_scatter(at, features.to(x.dtype))
         additions = [torch.zeros_like(x).masked_scatter(at, f.to(x.dtype)) for f in deep]  # (B, T, D) each
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        if position_ids is None:
+        if document_ids is not None:  # packed rows: the collator's positions count tokens; these restart per sequence
+            valid = document_ids >= 0
+        if position_ids is None or document_ids is not None:
             position_ids = rope_index(input_ids, valid, image_grid_thw, self.config.image_token_id,
-                                      self.config.vision.spatial_merge_size)
+                                      self.config.vision.spatial_merge_size, document_ids)
             if cache is not None:  # the tokens after the prompt continue from its largest position
                 last = position_ids.masked_fill(~valid.to(position_ids.device), -1).amax(dim=(0, 2))  # (B,)
                 cache.states[ROPE_DELTA] = ((last + 1 - valid.sum(1).to(last.device))[:, None],)
-        return text(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, embeds=x,
-                    additions=additions)
+        return text(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, document_ids,
+                    embeds=x, additions=additions)
 
     def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:

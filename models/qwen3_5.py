@@ -716,6 +716,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     block_types = (Qwen3_5DecoderLayer,)
     text_model = Qwen3_5VLTextModel
+    packs_images = False  # its DeltaNet body's packed path takes no 3-D positions yet
     ignore_checkpoint_keys = (r"^mtp\.", r"\.rotary_emb\.inv_freq$")
     carry_checkpoint_keys = (r"^mtp\.",)
 

@@ -27,7 +27,7 @@ Checkpoints: transformers 5 saves, and the Hub's Qwen3-VL folders hold, `model.l
 
 Qwen3-VL-MoE (`qwen3_vl_moe`) is this model over Qwen3-MoE's language model: models/qwen3_vl_moe.py.
 
-Not yet: videos (`pixel_values_videos`, timestamps), rows of several sequences with images (packing).
+Not yet: videos (`pixel_values_videos`, timestamps).
 """
 
 from __future__ import annotations

@@ -343,12 +343,26 @@ def test_full_finetuning_trains_the_tower_and_writes_a_folder_transformers_loads
     assert float((b[real] - a.logits[real]).norm() / a.logits[real].norm()) <= 1e-4
 
 
-def test_packing_refuses_image_rows_and_packs_text_rows(vlm, tmp_path, capsys):
+def test_packed_image_rows_train_as_padded_ones_and_qwen3_5_refuses_them(vlm, vlm35, tmp_path, capsys):
+    """packing=true on image rows (Qwen2.5-VL; Qwen3-VL and Qwen3-VL-MoE run the same forward, whose packed
+    logits tests/test_qwen2_5_vl.py compares): the four rows in one micro-batch give the first step's loss of the
+    padded run; a multimodal Qwen3.5 folder, whose forward does not pack images yet, refuses in one line, exit
+    2, nothing written; text rows pack on a vision-language folder."""
+    losses = {}
+    for packing in ("false", "true"):
+        out = tmp_path / f"out-{packing}"
+        capsys.readouterr()
+        code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", f"out={out}",
+                        "max_steps=1", "batch_size=4", "lora_r=4", "device=cpu", "max_len=256", f"packing={packing}"])
+        assert code == 0, capsys.readouterr().err
+        losses[packing] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-6), losses
     capsys.readouterr()
-    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}",
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm35['model']}", f"data={vlm35['data']}",
                     f"out={tmp_path / 'out'}", "max_steps=1", "device=cpu", "packing=true"])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and "not packed yet" in lines[0], lines
+    assert code == 2 and len(lines) == 1 and "qwen3_5 does not pack yet" in lines[0], lines
+    assert not (tmp_path / "out").exists()
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
                                                      {"role": "assistant", "content": w}]}) + "\n"

@@ -69,6 +69,47 @@ def batch():
     return ids, mask, pixels, grid
 
 
+def check_packed_rows_equal_each_alone(ours) -> None:
+    """The three sequences of `batch()` packed by the SFT collator (`collate_packed_causal`: row 0 holds
+    sequences 0 and 2, row 1 sequence 1) with their images in the order they lie in the rows
+    (`packed_order`): each sequence's logits equal its own forward's, on the CPU's per-sequence path and on the
+    dense mask (a captured layer), with and without the images in place."""
+    from minitrain.data.images import packed_order
+    from minitrain.data.packing import collate_packed_causal
+
+    ids, mask, pixels, grid = batch()
+    lengths = [60, 60, 20]  # (20 of the text row's 40: two rows of 80 pack tighter than three of 60)
+    seqs = [ids[b, :n].tolist() for b, n in enumerate(lengths)]
+    per_image = grid.prod(-1).tolist()
+    images_of = [[0, 1], [2], []]  # each sequence's images (grid rows)
+    starts = [sum(per_image[:i]) for i in range(len(per_image))]
+    packed = collate_packed_causal([{"input_ids": x, "labels": x} for x in seqs], pad_id=0, max_len=100)
+    order = packed_order(packed["sequence_ids"])
+    assert packed["input_ids"].shape[0] == 2 and order != sorted(order)  # two rows; not in the examples' order
+    shuffled = [i for s in order for i in images_of[s]]
+    p_pixels = torch.cat([pixels[starts[i]:starts[i] + per_image[i]] for i in shuffled])
+    p_grid = grid[shuffled]
+    from models.qwen2_5_vl import rope_index
+
+    merge = ours.config.vision.spatial_merge_size
+    pos = rope_index(packed["input_ids"], packed["document_ids"] >= 0, p_grid, IMAGE, merge, packed["document_ids"])
+    for s in range(3):  # each sequence's 3-D positions start again, as its own (attention alone would not tell)
+        own = rope_index(ids[s:s + 1, :lengths[s]], torch.ones(1, lengths[s], dtype=torch.bool),
+                         grid[images_of[s]] if images_of[s] else None, IMAGE, merge)
+        assert torch.equal(pos[:, packed["sequence_ids"] == s], own[:, 0])
+    with torch.no_grad():
+        alone = [ours.lm_head(ours(ids[s:s + 1, :lengths[s]], pixel_values=torch.cat(
+                     [pixels[starts[i]:starts[i] + per_image[i]] for i in images_of[s]]) if images_of[s] else None,
+                     image_grid_thw=grid[images_of[s]] if images_of[s] else None))[0] for s in range(3)]
+        for layers in ((), (1,)):
+            out = ours(packed["input_ids"], position_ids=packed["position_ids"], document_ids=packed["document_ids"],
+                       pixel_values=p_pixels, image_grid_thw=p_grid, hidden_layers=layers)
+            got = ours.lm_head(out.hidden if layers else out)
+            for s in range(3):
+                at = packed["sequence_ids"] == s
+                assert rel(got[at], alone[s]) <= 1e-5, (layers, s, rel(got[at], alone[s]))
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -227,3 +268,8 @@ def test_greedy_generation_of_text_equals_transformers(vl):
 def test_greedy_generation_after_images_equals_transformers(vl):
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
     check_generation_after_images(hf, load_pretrained(vl, models.from_hf_config).eval())
+
+
+def test_packed_rows_with_images_equal_each_sequence_alone(vl):
+    """Packing (`packing=true` on image rows): each sequence's 3-D positions start again, its images in place."""
+    check_packed_rows_equal_each_alone(load_pretrained(vl, models.from_hf_config).eval())

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_qwen2_5_vl import IMAGE, batch, check_generation_after_images, check_lora_in_peft, check_saved_folder, \
+from test_qwen2_5_vl import IMAGE, batch, check_generation_after_images, check_lora_in_peft, \
+    check_packed_rows_equal_each_alone, check_saved_folder, \
     hf_logits, rel
 
 import models
@@ -178,3 +179,8 @@ def test_a_saved_folder_loads_in_transformers(vl3, tmp_path):
         ours.model.visual.deepstack_merger_list[1].linear_fc1.weight.mul_(1.5)
         ours.model.language_model.layers[0].self_attn.q_norm.weight.add_(0.3)
     check_saved_folder(ours, vl3, transformers.Qwen3VLForConditionalGeneration, tmp_path)
+
+
+def test_packed_rows_with_images_equal_each_sequence_alone(pair):
+    """Packed image rows: each sequence's logits as its own forward's (DeepStack's features added in the packed rows too)."""
+    check_packed_rows_equal_each_alone(pair[1])

@@ -18,7 +18,8 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_qwen2_5_vl import IMAGE, batch, check_generation_after_images, check_saved_folder, hf_logits, rel
+from test_qwen2_5_vl import IMAGE, batch, check_generation_after_images, check_packed_rows_equal_each_alone, \
+    check_saved_folder, hf_logits, rel
 from test_qwen3_vl import TEXT, VISION
 
 import models
@@ -199,3 +200,8 @@ def test_fsdp_reads_the_saved_layout_by_rows_and_refuses_the_transposed_one(vlmo
     built, headers = open_pretrained(tmp_path, models.from_hf_config)
     with pytest.raises(UserError, match="experts in another form \\(one tensor per expert, transposed, or MXFP4\\)"):
         fsdp.defer_weights(built, tmp_path, headers, torch.float32, torch.device("cpu"))
+
+
+def test_packed_rows_with_images_equal_each_sequence_alone(pair):
+    """Packed image rows: each sequence's logits as its own forward's (the experts over every sequence's tokens)."""
+    check_packed_rows_equal_each_alone(pair[1])

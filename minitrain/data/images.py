@@ -548,8 +548,11 @@ def collate_images(examples, collate, spec: ImageSpec | SquareSpec | BudgetSpec,
     each image decoded now, for this batch only, once, in order. `copies`: the examples' images that many
     times over (a preference batch's rows are [chosen; rejected], each pair's images in both: 2). `group` > 1:
     also `group_pixel_values` (and `group_image_grid_thw`), each example's images `group` times in a row, for
-    the rows of GRPO's groups (prompt i's G completions are rows i G .. i G + G - 1)."""
+    the rows of GRPO's groups (prompt i's G completions are rows i G .. i G + G - 1). Packed rows (the batch's
+    `sequence_ids`: the packer may reorder the examples): the images in the order the examples lie in the rows."""
     batch = collate(examples)
+    if "sequence_ids" in batch:
+        examples = [examples[i] for i in packed_order(batch["sequence_ids"])]
     decoded = [[load_image(path, spec, ex.get("where", "")) for path in ex.get("images", ())] for ex in examples]
     images = [image for _ in range(copies) for mine in decoded for image in mine]
     if images:
@@ -558,3 +561,12 @@ def collate_images(examples, collate, spec: ImageSpec | SquareSpec | BudgetSpec,
             grouped = spec.batch(*zip(*[image for mine in decoded for _ in range(group) for image in mine]))
             batch.update({f"group_{k}": v for k, v in grouped.items()})
     return batch
+
+
+def packed_order(sequence_ids) -> list[int]:
+    """(B, T) each token's example (-1: padding) -> the examples in the order they lie in the rows, row by row."""
+    seen: dict[int, None] = {}
+    for i in sequence_ids.flatten().tolist():
+        if i >= 0:
+            seen.setdefault(i)
+    return list(seen)

@@ -52,7 +52,8 @@ def causal_hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     DPO's shared prompt) with their `document_ids` and `position_ids` (the model builds the mask its
     `packed_attention` needs: a dense one for SDPA, or FlexAttention's block mask)."""
     if "document_ids" in batch:
-        return model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"])
+        return model(batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+                     **image_inputs(batch))
     return model(batch["input_ids"], batch.get("attention_mask"), **image_inputs(batch))
 
 

@@ -1,6 +1,7 @@
 """The training loop: one function, top to bottom (nanoGPT `train.py`, llm.c's training section).
 
-    micro-batches -> forward under autocast -> objective's loss SUM + target count -> backward
+    micro-batches (rows with images: the next one collated in a background thread while one trains,
+    `minitrain.data.prefetch`) -> forward under autocast -> objective's loss SUM + target count -> backward
     -> at the optimizer step: grads / total count of the window, clip (log the pre-clip norm),
        AdamW step with the LR of this optimizer step, zero grads
     -> metrics.jsonl (one line per step, flushed; + tensorboard with report_to) + progress (a tqdm bar
@@ -141,7 +142,10 @@ def train(
     FLOPs per second, all ranks: `minitrain.plan.flops`), mfu (per device, on CUDA devices of known
     peak), peak_mem_mb (and planned_peak_mb, the plan's figure, on CUDA or with `gpu_mem`:
     `minitrain.plan.fit`),
-    epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
+    epoch, tokens_seen, skipped_steps, data_wait (rows with images, when `collate` is marked `decodes_images`,
+    as `minitrain.run.with_images` marks it: while a micro-batch trains, the next one, or the next step's
+    first, is collated in one background thread; data_wait is the share of the step's time the loop waited
+    for its batches, rank 0's), the objective's metrics averaged over the window, and
     on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
     and eval_fn's.
 

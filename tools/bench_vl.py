@@ -246,7 +246,7 @@ def run(side: str, a: argparse.Namespace, root: Path, rep: int) -> dict:
         later = r["rows"][1:]
         dts = [row["tokens"] / row["tokens_per_s"] for row in later]
         s["wait_share"] = sum(row["data_wait"] * dt for row, dt in zip(later, dts)) / sum(dts)
-        waited = f", waiting for batches {s['wait_share']:.1%} of the steps' time"
+        waited = f", waiting for batches {s['wait_share']:.2%} of the steps' time"
     print(f"  {side} run {rep}: {s['images_per_cpu_s']:.1f} images/CPU-s, peak RSS {s['peak_rss_mb']:.0f} MiB, "
           f"image decoding {s['decode_share']:.1%} of the steps' CPU time{waited}", flush=True)
     return s
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.vision_dim} tower; {a.side} px images, batch {a.batch} x accum {a.accum}, {a.steps} steps, 1 thread, "
           f"medians of {a.repeats}) | {med['mt']['images_per_cpu_s']:.2f} | {med['hf']['images_per_cpu_s']:.2f} | "
           f"**{ratio:.2f}x** | {med['mt']['peak_rss_mb']:.0f} / {med['hf']['peak_rss_mb']:.0f} MiB | "
-          f"{med['mt']['decode_share']:.1%} / {med['hf']['decode_share']:.1%} | {med['mt']['wait_share']:.1%} |")
+          f"{med['mt']['decode_share']:.1%} / {med['hf']['decode_share']:.1%} | {med['mt']['wait_share']:.2%} |")
     return 0
 
 

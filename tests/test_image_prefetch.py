@@ -4,7 +4,7 @@ the loop in `minitrain/train.py`), on tests/test_image_rows.py's tiny Qwen2.5-VL
 Checked: SFT from the command line logs the same losses, gradient norms and token counts, bit for bit, whether
 the worker made the batches or the loop collated each itself, and the worker made every batch but the run's
 first (`data_wait` logged each step); a run cut after step 1 (`stop_after=1`) and resumed equals the
-uninterrupted one; an image gone once training started is one line naming the file and the data row, exit 2,
+uninterrupted one, and so does one stopped by SIGINT; an image gone once training started is one line naming the file and the data row, exit 2,
 at the step that uses it (the steps before it logged); a batch made ahead and never used is dropped silently;
 no worker thread is left running; under torchrun each rank prefetches its own share, the run equal to one
 process's.
@@ -94,6 +94,30 @@ def test_a_run_cut_after_step_1_and_resumed_equals_the_uninterrupted_run(vlm, tm
     assert [{k: r[k] for k in SAME} for r in got] == [{k: r[k] for k in SAME} for r in want]
     a, b = (load_file(tmp_path / run / "adapter" / "adapter_model.safetensors") for run in ("whole", "cut"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigint_mid_step_leaves_no_worker_and_the_resume_equals_the_run(vlm, tmp_path, capsys, monkeypatch):
+    """SIGINT while step 2's first micro-batch trains (its second made ahead): the step finishes, the checkpoint is
+    saved, exit 130 with no worker left; the next step's first batch, made ahead, is dropped; resumed, the run
+    logs the uninterrupted run's losses."""
+    import os
+    import signal
+
+    class Signals(Counted):
+        def get(self, indices):
+            if len(Counted.taken) == 2:  # step 2's first micro-batch
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().get(indices)
+
+    assert sft(vlm, tmp_path / "whole") == 0
+    monkeypatch.setattr(minitrain.train, "Prefetch", Signals)
+    Counted.taken = []
+    assert sft(vlm, tmp_path / "cut") == 130, capsys.readouterr().err
+    assert not workers_alive() and [r["step"] for r in rows(tmp_path / "cut")] == [1, 2]
+    monkeypatch.setattr(minitrain.train, "Prefetch", Prefetch)
+    assert sft(vlm, tmp_path / "cut", "resume=true") == 0, capsys.readouterr().err
+    want, got = rows(tmp_path / "whole"), rows(tmp_path / "cut")
+    assert [{k: r[k] for k in SAME} for r in got] == [{k: r[k] for k in SAME} for r in want]
 
 
 def test_an_image_gone_during_training_is_one_line_at_the_step_that_uses_it(vlm, tmp_path, capsys, monkeypatch):

@@ -4,10 +4,10 @@ the loop in `minitrain/train.py`), on tests/test_image_rows.py's tiny Qwen2.5-VL
 Checked: SFT from the command line logs the same losses, gradient norms and token counts, bit for bit, whether
 the worker made the batches or the loop collated each itself, and the worker made every batch but the run's
 first (`data_wait` logged each step); a run cut after step 1 (`stop_after=1`) and resumed equals the
-uninterrupted one, and so does one stopped by SIGINT; an image gone once training started is one line naming the file and the data row, exit 2,
-at the step that uses it (the steps before it logged); a batch made ahead and never used is dropped silently;
-no worker thread is left running; under torchrun each rank prefetches its own share, the run equal to one
-process's.
+uninterrupted one, and so does one stopped by SIGINT; an image gone once training started is one line naming
+the file and the data row, exit 2, at the step that uses it (the steps before it logged); a batch made ahead
+and never used is dropped silently; no worker thread is left running; under torchrun the run equals one
+process's (each rank prefetches its own share).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
     load_examples(cfg, tok, kind)  JSONL -> token-id examples (train, eval): before the weights, so a
                                    bad row costs seconds, not minutes of loading
                                    (load_image_examples: also the rows' images, for a vision-language
-                                   checkpoint; with_images(collate, ...) decodes them per batch)
+                                   checkpoint; with_images(collate, ...) decodes them per batch, ahead of the step)
     load_model(cfg, build, tok)    weights streamed into `build(config.json)` (+ quantized)
     attach_adapters(model, cfg)    LoRA (or a saved adapter, trainable), freeze the rest, report;
                                    finetune=full: every float parameter trains instead
@@ -643,10 +643,13 @@ def with_images(collate: Callable[[list[dict]], dict], images: ImageRows | None,
                 ) -> Callable[[list[dict]], dict]:
     """`collate`, plus each batch's images decoded when it is collated, never all at once (`collate_images`:
     `copies` 2 for preference rows [chosen; rejected], `group` G for GRPO's rows); `collate` itself for a
-    text-only checkpoint."""
+    text-only checkpoint. Marked `decodes_images`: on rows with images the training loop collates the next
+    micro-batch with it in a background thread while one trains (`minitrain.data.prefetch`)."""
     if images is None:
         return collate
-    return functools.partial(collate_images, collate=collate, spec=images.spec, copies=copies, group=group)
+    out = functools.partial(collate_images, collate=collate, spec=images.spec, copies=copies, group=group)
+    out.decodes_images = True
+    return out
 
 
 def image_rows(cfg: Any, tok: Tokenizer) -> ImageRows | None:

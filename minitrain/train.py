@@ -1,6 +1,7 @@
 """The training loop: one function, top to bottom (nanoGPT `train.py`, llm.c's training section).
 
-    micro-batches -> forward under autocast -> objective's loss SUM + target count -> backward
+    micro-batches (rows with images: the next one collated in a background thread while one trains,
+    `minitrain.data.prefetch`) -> forward under autocast -> objective's loss SUM + target count -> backward
     -> at the optimizer step: grads / total count of the window, clip (log the pre-clip norm),
        AdamW step with the LR of this optimizer step, zero grads
     -> metrics.jsonl (one line per step, flushed; + tensorboard with report_to) + progress (a tqdm bar
@@ -20,6 +21,7 @@ checkpoint and raise `Interrupted` (exit 130 / 143 from the CLI).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import os
@@ -44,6 +46,7 @@ from minitrain.audit import preflight
 from minitrain.config import checkpointed_blocks, to_dict
 from minitrain.data.batcher import Batcher
 from minitrain.data.collate import IGNORE_INDEX
+from minitrain.data.prefetch import Prefetch
 from minitrain.data.store import carries
 from minitrain.device import resolve_precision, set_attention
 from minitrain.ema import EMA, attach
@@ -139,7 +142,10 @@ def train(
     FLOPs per second, all ranks: `minitrain.plan.flops`), mfu (per device, on CUDA devices of known
     peak), peak_mem_mb (and planned_peak_mb, the plan's figure, on CUDA or with `gpu_mem`:
     `minitrain.plan.fit`),
-    epoch, tokens_seen, skipped_steps, the objective's metrics averaged over the window, and
+    epoch, tokens_seen, skipped_steps, data_wait (rows with images, when `collate` is marked `decodes_images`,
+    as `minitrain.run.with_images` marks it: while a micro-batch trains, the next one, or the next step's
+    first, is collated in one background thread; data_wait is the share of the step's time the loop waited
+    for its batches, rank 0's), the objective's metrics averaged over the window, and
     on evaluation steps the held-out pass's metrics (`eval/loss`, `eval/ppl` when token-level, ...)
     and eval_fn's.
 
@@ -311,6 +317,12 @@ def train(
             if rank == 0 else None)
     progress = Progress(total_steps, step, log, enabled=rank == 0)  # a bar on a terminal, plain lines in a log
     stream = _micro_batches(batcher)
+    # rows with images: the next micro-batch is collated (its images decoded) in a background thread while one
+    # trains (`minitrain.data.prefetch`); the batches after the window's come from a copy of the batcher, so
+    # the one saved in checkpoints never runs ahead of the batches used. Text rows: collated in the loop.
+    prefetch = (Prefetch(collate, train_examples)
+                if getattr(collate, "decodes_images", False) and carries(train_examples).any() else None)
+    following = _following(batcher) if prefetch is not None else None
     summary: dict[str, Any] = {"loss": None}
     model.train()
     flop_counter = FlopCounter.of(model)  # model FLOPs per token (minitrain.plan.flops: the formula)
@@ -323,16 +335,24 @@ def train(
             t0 = time.perf_counter()
             if window is None:  # (kept when an fp16 overflow makes us redo the same window)
                 window = [next(stream) for _ in range(cfg.grad_accum)]
+                nexts = [next(following) for _ in window] if following is not None else None  # each one's next
                 first_mb = counters["micro_batches"]
                 counters["micro_batches"] += len(window)
             # ---- one accumulation window: grad_accum micro-batches, loss SUMs backpropagated
             window_loss = torch.zeros((), device=device)  # fp32, summed over the window
             window_count = torch.zeros((), device=device)
             finite, metric_sums, metric_counts, tokens, flops = [], {}, {}, 0, 0.0
-            for idx in window:
+            waited = prefetch.wait if prefetch is not None else 0.0
+            for j, idx in enumerate(window):
                 mine = idx[rank::world]  # this rank's share of the global micro-batch
                 empty = not mine  # a short last batch left this rank nothing: one example at weight 0
-                cpu_batch = collate([train_examples[i] for i in (mine or idx[:1])])
+                if prefetch is None:
+                    cpu_batch = collate([train_examples[i] for i in (mine or idx[:1])])
+                else:  # the worker's batch when it made this one (its error raised here), else collated now
+                    cpu_batch = prefetch.get(mine or idx[:1])
+                    if j + 1 < len(window) or step + 1 < total_steps:  # the next one, decoded while this trains
+                        ahead = nexts[j]
+                        prefetch.ahead(ahead[rank::world] or ahead[:1])
                 if empty:
                     cpu_batch["placeholder"] = True  # for objectives that gather across ranks (GRPO's batch std)
                 else:
@@ -430,6 +450,8 @@ def train(
                    "flops_per_s": flops / dt,
                    **({"mfu": flops / dt / world / peak_flops} if peak_flops else {}),
                    **{k: v / metric_counts[k] for k, v in metric_sums.items()}}
+            if prefetch is not None:  # the share of the step spent waiting for its batches (rank 0's)
+                row["data_wait"] = (prefetch.wait - waited) / dt
             summary["loss"] = row["loss"]
             stop_early = False
             if evaluating:  # one held-out pass: the objective's own when it has one (DPO), else the generic
@@ -470,6 +492,8 @@ def train(
                 log(f"step {step}: stopping early (eval_fn asked to), {total_steps - step} steps not run")
                 break
     finally:
+        if prefetch is not None:
+            prefetch.close()  # nothing left running, whatever ended the loop
         stop.restore()
         progress.close()
         if metrics_f:
@@ -784,6 +808,15 @@ def _micro_batches(batcher: Any) -> Iterator[list[int]]:
     """An endless stream of micro-batches (lists of example indices), epoch after epoch."""
     while True:
         yield from batcher
+
+
+def _following(batcher: Batcher) -> Iterator[list[int]]:
+    """The stream of `_micro_batches(batcher)` one micro-batch ahead, from a copy of the batcher: its n-th
+    item is the micro-batch after the real stream's n-th. The real batcher's position, which checkpoints save,
+    is left as it is."""
+    ahead = _micro_batches(copy.copy(batcher))  # (its own epoch and position; the lengths shared, read only)
+    next(ahead)
+    return ahead
 
 
 def _reduce_and_scale_grads(params: list[torch.Tensor], scale: float, world: int, model: nn.Module) -> None:

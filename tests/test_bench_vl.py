@@ -70,7 +70,7 @@ def reported(s: dict) -> bool:
 def test_a_minitrain_run_is_timed_with_its_decoding(tiny):
     a, root = tiny
     s = bench_vl.run("mt", a, root, rep=0)
-    assert s["side"] == "mt" and reported(s)
+    assert s["side"] == "mt" and reported(s) and 0 <= s["wait_share"] < 1  # the loop's wait (data_wait)
     calls = json.loads((Path(a.cache) / "mt-0" / "out" / "decode.json").read_text())
     assert len(calls) >= a.steps * a.batch  # every image of every step decoded through the timed function
 

@@ -13,15 +13,17 @@ model's q, k, v, o, gate, up, down (the tower frozen), the loss on the assistant
 template with `{% generation %}` markers: minitrain's `chat_template=`, TRL's `assistant_only_loss`),
 AdamW at a constant 1e-4, no warmup, clipping at 1, no eval, no checkpoint during the run, no length grouping,
 no gradient checkpointing, one thread (OMP_NUM_THREADS=1). Each side decodes each batch's images when it
-collates it (minitrain: `collate_images`; TRL: its collator, from the paths).
+collates it (minitrain: `collate_images`, the next micro-batch's in its one background thread while one trains,
+`minitrain/data/prefetch.py`; TRL: its collator, from the paths, in the training thread: dataloader_num_workers=0).
 
 Measured per run (each a fresh subprocess, `tools/bench.py`'s `timed_run`): images per CPU-second of the
 child over steps 2..N (step 1 excluded: warm-up), peak RSS, and the share of those steps' CPU time spent
-decoding and processing images (minitrain: `minitrain.data.images.load_image`; TRL: its image processor
-with the file reads): the run's process is started by this file (`--worker`), which times that function
+decoding and processing images (minitrain: `minitrain.data.images.load_image`, in whichever thread calls it;
+TRL: its image processor with the file reads): the run's process is started by this file (`--worker`), which times that function
 and then runs the side as usual (`minitrain.cli.run_cli` of recipes/sft.py; `trl.SFTTrainer`). Runs
-interleaved mt, hf, hf, mt, ...; medians. Prints one Markdown row; figures belong in BENCHMARKS.md only
-from a quiet machine.
+interleaved mt, hf, hf, mt, ...; medians. For minitrain also the share of the steps' wall time the loop
+waited for its batches (metrics.jsonl's `data_wait`, steps 2..N weighted by their time): what decoding ahead
+left of the decoding share. Prints one Markdown row; figures belong in BENCHMARKS.md only from a quiet machine.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -129,23 +132,24 @@ def prepare(a: argparse.Namespace) -> Path:
 
 class DecodeClock:
     """Times the calls of the functions it wraps (`wrap`), nested calls once: each outermost call's (CPU
-    seconds of the process when it ended, its CPU seconds). One thread: CPU time is the time waited."""
+    seconds of the process when it ended, the CPU seconds of its thread). minitrain decodes in a background
+    thread while the training thread computes, so the call's own thread's clock, not the process's."""
 
     def __init__(self):
-        self.calls: list[tuple[float, float]] = []
-        self.depth = 0
+        self.calls: list[tuple[float, float]] = []  # (list.append: atomic under the GIL)
+        self.local = threading.local()  # the nesting depth of each thread
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
-            self.depth += 1
-            t = time.process_time()
+            depth = getattr(self.local, "depth", 0)
+            self.local.depth = depth + 1
+            t = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.depth -= 1
-                if not self.depth:
-                    end = time.process_time()
-                    self.calls.append((end, end - t))
+                self.local.depth = depth
+                if not depth:
+                    self.calls.append((time.process_time(), time.thread_time() - t))
         return timed
 
 
@@ -237,8 +241,14 @@ def run(side: str, a: argparse.Namespace, root: Path, rep: int) -> dict:
     per_cpu = (lambda x: x / cpu) if cpu > 0 else (lambda x: float("nan"))  # a tiny run: steps within one tick
     s = {"side": side, "images_per_cpu_s": per_cpu(per_step * (len(r["rows"]) - 1)), "peak_rss_mb": r["peak_rss_mb"],
          "decode_share": per_cpu(late)}
+    waited = ""
+    if side == "mt":  # the loop's wait for its batches over steps 2..N: each step's data_wait share x its seconds
+        later = r["rows"][1:]
+        dts = [row["tokens"] / row["tokens_per_s"] for row in later]
+        s["wait_share"] = sum(row["data_wait"] * dt for row, dt in zip(later, dts)) / sum(dts)
+        waited = f", waiting for batches {s['wait_share']:.2%} of the steps' time"
     print(f"  {side} run {rep}: {s['images_per_cpu_s']:.1f} images/CPU-s, peak RSS {s['peak_rss_mb']:.0f} MiB, "
-          f"image decoding {s['decode_share']:.1%} of the steps' CPU time", flush=True)
+          f"image decoding {s['decode_share']:.1%} of the steps' CPU time{waited}", flush=True)
     return s
 
 
@@ -276,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.vision_dim} tower; {a.side} px images, batch {a.batch} x accum {a.accum}, {a.steps} steps, 1 thread, "
           f"medians of {a.repeats}) | {med['mt']['images_per_cpu_s']:.2f} | {med['hf']['images_per_cpu_s']:.2f} | "
           f"**{ratio:.2f}x** | {med['mt']['peak_rss_mb']:.0f} / {med['hf']['peak_rss_mb']:.0f} MiB | "
-          f"{med['mt']['decode_share']:.1%} / {med['hf']['decode_share']:.1%} |")
+          f"{med['mt']['decode_share']:.1%} / {med['hf']['decode_share']:.1%} | {med['mt']['wait_share']:.2%} |")
     return 0
 
 

@@ -124,8 +124,8 @@ def write_metadata(writer: Any, c: Mapping[str, Any]) -> None:
     writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     writer.add_shared_kv_layers(shared)
     writer.add_embedding_length_per_layer_input(c.get("hidden_size_per_layer_input") or 0)
-    if c.get("final_logit_softcapping"):
-        writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+    # always written: without the key llama.cpp caps at its default, 30 (0: no cap, as a config without one)
+    writer.add_final_logit_softcapping(float(c.get("final_logit_softcapping") or 0.0))
     if c.get("enable_moe_block"):
         writer.add_expert_count(c["num_experts"])
         writer.add_expert_used_count(c["top_k_experts"])

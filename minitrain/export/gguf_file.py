@@ -423,7 +423,7 @@ def write_gguf(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tok
         writer.add_name(name or out.stem)
         write_metadata(writer, config, fam)
         writer.add_file_type(ftype)
-        add_vocab(writer, tokenizer, config["vocab_size"])
+        add_vocab(writer, tokenizer, config["vocab_size"], fam.arch)
         for tname, t in tensors.items():
             data = t.numpy()
             want = qtype if data.ndim > 1 and not tname.endswith(F32_KEPT) else gguf.GGMLQuantizationType.F32

@@ -12,7 +12,8 @@ tiny checkpoint saved by transformers with a tokenizer of that family's shape:
   puts one ("▁") before the text that follows a special token inside the string, where
   transformers does not;
 - next-token logits of a prompt: an f32 file with an f32 KV cache within 1e-5 x max|logit| (the
-  conversion is exact; Gemma within 1e-3: llama.cpp's CPU GELU reads an f16 table), f16 within 3e-3 x max|logit| (f16 keeps 11 bits), bf16 within
+  conversion is exact; Gemma within 1e-3: llama.cpp's CPU GELU reads an f16 table; Gemma 4, with a second GELU per
+  layer, 3e-3, and exact to 1e-5 with its GELUs taken out), f16 within 3e-3 x max|logit| (f16 keeps 11 bits), bf16 within
   2e-2 (8 bits), q8_0 within 5e-2 x max|logit| (8-bit weights, and llama.cpp's CPU matmul quantizes
   activations to 8 bits too);
 - 32 greedy tokens (f16): our greedy sequence is fed to llama.cpp and its argmax at every step must

@@ -27,7 +27,9 @@ What changes on the way (as llama.cpp's own converter does it, convert_hf_to_ggu
   value heads the value heads are reordered from grouped by key head to tiled (rows of the value part of
   `in_proj_qkv`, of `in_proj_z`, `in_proj_a`, `in_proj_b`, `A_log`, `dt_bias` and of the convolution's
   value channels; columns of `out_proj`), the order llama.cpp's broadcast reads; the layer pattern is
-  written as `full_attention_interval`, the multimodal RoPE sections as `rope.dimension_sections`.
+  written as `full_attention_interval`, the multimodal RoPE sections as `rope.dimension_sections`;
+- Gemma 4 (`gemma4`; a multimodal folder's language model): its keys, RoPE tensor and checks are
+  `gguf_gemma4.py`'s.
 
 `check_exportable(config)` refuses, in one line, what llama.cpp would run differently from the
 checkpoint: another family, a RoPE scaling it does not take, a sliding window shorter than the context

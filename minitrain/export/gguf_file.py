@@ -354,7 +354,8 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], f
     config = text_config(config)
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == fam.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    tied = config.get("tie_word_embeddings", fam.arch in ("gemma2", "gemma3", "gemma4"))  # Gemma ties unless it says otherwise
+    # Gemma ties unless it says otherwise
+    tied = config.get("tie_word_embeddings", fam.arch in ("gemma2", "gemma3", "gemma4"))
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():

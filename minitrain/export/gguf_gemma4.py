@@ -89,11 +89,10 @@ def check(c: Mapping[str, Any]) -> None:
     if full.get("rope_type", "default") not in ("default", "proportional"):
         raise UserError(f"config.json: rope_parameters.full_attention rope_type {full.get('rope_type')!r} — "
                         f"llama.cpp's gemma4 takes the default or proportional RoPE there; not exported")
-    if (c.get("hidden_size_per_layer_input") or 0) and c.get("vocab_size_per_layer_input", c["vocab_size"]) != \
-            c["vocab_size"]:
-        raise UserError(f"config.json: vocab_size_per_layer_input={c.get('vocab_size_per_layer_input')} — llama.cpp's "
-                        f"gemma4 reads one per-layer embedding row per token of the vocabulary ({c['vocab_size']}); "
-                        f"not exported")
+    rows = c.get("vocab_size_per_layer_input", c["vocab_size"])
+    if (c.get("hidden_size_per_layer_input") or 0) and rows != c["vocab_size"]:
+        raise UserError(f"config.json: vocab_size_per_layer_input={rows} — llama.cpp's gemma4 reads one per-layer "
+                        f"embedding row per token of the vocabulary ({c['vocab_size']}); not exported")
 
 
 def write_metadata(writer: Any, c: Mapping[str, Any]) -> None:

@@ -155,8 +155,9 @@ def _gemma4(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float], li
     data = _read(path)
     model = data.get("model") or {}
     if model.get("type") != "BPE" or not model.get("byte_fallback"):
-        raise UserError(f"{path}: a {model.get('type')} tokenizer{'' if model.get('byte_fallback') else ' without byte fallback'}"
-                        f" — llama.cpp's gemma4 tokenizer is a BPE with byte fallback (Gemma's); not exported")
+        what = f"a {model.get('type')} tokenizer" + ("" if model.get("byte_fallback") else " without byte fallback")
+        raise UserError(f"{path}: {what} — llama.cpp's gemma4 tokenizer is a BPE with byte fallback (Gemma's); "
+                        f"not exported")
     vocab: dict[str, int] = dict(model["vocab"])
     added = {t["id"]: t for t in data.get("added_tokens", [])}
     n = max([vocab_size, *(i + 1 for i in vocab.values()), *(i + 1 for i in added)])

@@ -576,7 +576,7 @@ def test_gemma4_is_exact_but_for_gelu(family, tmp_path, capsys, name):
     assert diff <= F32_TOL * float(np.abs(ours).max())
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "gemma4"])
 def test_llama_cpp_runs_the_adapter_folded_in(family, tmp_path, capsys, name):
     """A PEFT adapter exported with the base: llama.cpp's logits are ours with the adapter, to f16
     precision, while the adapter moves them far more than that."""
@@ -613,7 +613,8 @@ def test_llama_cpp_runs_the_adapter_folded_in(family, tmp_path, capsys, name):
     diff = float(np.abs(np.array(llm.scores[: len(prompt)]) - ours).max())
     moved = float(np.abs(ours - before).max())
     print(f"{name} + adapter: max|logit diff| {diff:.3g}; the adapter moves the logits by up to {moved:.3g}")
-    assert diff <= F16_TOL * float(np.abs(ours).max()) and moved > 100 * diff
+    tol = F16_TOL * (LOOSER_BY if name in GEMMA4 else 1)
+    assert diff <= tol * float(np.abs(ours).max()) and moved > 100 * diff
 
 
 @pytest.mark.parametrize("name", ["llama3_rope", "phi3_longrope", "gpt_oss"])

@@ -144,8 +144,8 @@ def rope_freqs(c: Mapping[str, Any]) -> torch.Tensor:
 
 
 def rename(key: str) -> str:
-    """A Gemma 4 key whose llama.cpp name the gguf package's table does not give: the router's scale and the
-    per-expert scale (written under their llama.cpp names), the unsuffixed `layer_scalar` and fused experts."""
+    """The llama.cpp name of a Gemma 4 key the gguf package's table has no row for (the router's `scale`, the
+    per-expert scale); any other key as it is (the table names it: `layer_scalar`, the fused experts, ...)."""
     stem = key.split(".router.")[0].split(".experts.")[0]
     bid = stem.rsplit(".", 1)[-1]
     if key.endswith(".router.scale"):

@@ -17,8 +17,8 @@ every parameter's gradient and a LoRA step's (against peft), greedy generation a
 the cache (shared keys included), the saved folder. The multimodal `gemma4` checkpoint (a vision and an
 audio tower): its language model and vision tower load, the audio tower is carried, peft on `AutoModelForImageTextToText` takes our adapter,
 merge and full fine-tuning write the towers back bit for bit. Through the CLI: LoRA SFT (packed and
-padded), DPO (shared prompt), exact resume on the MoE size; GGUF export and the MoE size's memory plan
-refuse in one line.
+padded), DPO (shared prompt), exact resume on the MoE size; GGUF export of a kv-sharing layout llama.cpp would
+run otherwise and the MoE size's memory plan refuse in one line (GGUF export itself: tests/test_gguf.py).
 """
 
 from __future__ import annotations
@@ -582,16 +582,16 @@ def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, t
 
 
 def test_what_does_not_apply_yet_is_one_line(g4, tmp_path, capsys):
-    """GGUF export (llama.cpp reads Gemma 4, our writer does not write it yet: the line says so and how to
-    convert instead) and the memory plan of the MoE size each refuse in one line with exit 2, writing nothing;
-    the dense sizes' plan prints its table."""
+    """GGUF export of the `e2b` layout (its sliding shared layer reuses layer 2's keys, llama.cpp's gemma4 would give
+    it layer 1's: tests/test_gguf.py exports the layouts llama.cpp computes) and the memory plan of the MoE size each
+    refuse in one line with exit 2, writing nothing; the dense sizes' plan prints its table."""
     from minitrain.commands import export, plan
 
     model = g4("e2b")
     capsys.readouterr()
     assert export.main(["--model", str(model), "--out", str(tmp_path / "m.gguf"), "--type", "f32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "llama.cpp reads Gemma 4" in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and "num_kv_shared_layers=2" in err[0], err
     assert not (tmp_path / "m.gguf").exists()
     data = sft_rows(tmp_path)
     assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={model}", f"data={data}"]) == 0  # the dense sizes

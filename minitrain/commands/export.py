@@ -3,7 +3,8 @@
     minitrain export --model path/to/Qwen3-0.6B --adapter runs/sft/adapter --out sft.gguf --type q8_0
     minitrain export --model demo/model --out demo.gguf                # f16, no adapter
 
-Families: LLaMA, Mistral, Qwen2 / 2.5, Qwen3, Gemma 2, Gemma 3 (text) and Phi-3. The base is loaded
+Families: LLaMA, Mistral, Qwen2 / 2.5, Qwen3, Gemma 2, Gemma 3 (text), Gemma 4, Phi-3, the MoE families,
+gpt-oss and Qwen3.5 (docs/evaluate-and-export.md). The base is loaded
 in fp32 and the adapter folded in there (W + scaling * B @ A, `minitrain.adapters.merge`), then the
 weights are renamed, re-laid-out and stored as llama.cpp expects them (`minitrain.export.gguf_file`)
 in `--type` f16 (default), bf16, q8_0 or f32, with the tokenizer (the adapter folder's if it was saved

@@ -27,7 +27,9 @@ What changes on the way (as llama.cpp's own converter does it, convert_hf_to_ggu
   value heads the value heads are reordered from grouped by key head to tiled (rows of the value part of
   `in_proj_qkv`, of `in_proj_z`, `in_proj_a`, `in_proj_b`, `A_log`, `dt_bias` and of the convolution's
   value channels; columns of `out_proj`), the order llama.cpp's broadcast reads; the layer pattern is
-  written as `full_attention_interval`, the multimodal RoPE sections as `rope.dimension_sections`.
+  written as `full_attention_interval`, the multimodal RoPE sections as `rope.dimension_sections`;
+- Gemma 4 (`gemma4`; a multimodal folder's language model): its keys, RoPE tensor and checks are
+  `gguf_gemma4.py`'s.
 
 `check_exportable(config)` refuses, in one line, what llama.cpp would run differently from the
 checkpoint: another family, a RoPE scaling it does not take, a sliding window shorter than the context
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 
 from minitrain.errors import UserError
+from minitrain.export import gguf_gemma4 as gemma4
 from minitrain.export.gguf_vocab import add_vocab
 
 TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -85,18 +88,13 @@ FAMILIES = {
     "gpt_oss": Family("gpt-oss", False, False),
     "qwen3_5_moe_text": Family("qwen35moe", False, True),
     "qwen3_5_moe": Family("qwen35moe", False, True),
+    "gemma4_text": Family("gemma4", False, False),  # Gemma 4 scales by w: stored as it is (gguf_gemma4.py)
+    "gemma4": Family("gemma4", False, False),
 }
 DELTANET = ("qwen35", "qwen35moe")  # the architectures with Qwen3.5's Gated DeltaNet layers
 GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's gpt-oss graph clamps its SwiGLU here, whatever the config says
 # the top-k routing weights renormalised to sum to 1 (`norm_topk_prob`), as llama.cpp's graph has it
 RENORMALISES = {"qwen2_moe": False, "qwen3_moe": True}
-# architectures llama.cpp reads that this writer does not write yet: what to do instead
-NOT_WRITTEN = {
-    kind: "llama.cpp reads Gemma 4 (its `gemma4` architecture, in llama-cpp-python 0.3.36 too), but minitrain's "
-          "GGUF writer does not lay out its per-layer embeddings, shared keys and proportional RoPE yet — write "
-          "the model with `minitrain merge`, then convert that folder with llama.cpp's convert_hf_to_gguf.py"
-    for kind in ("gemma4_text", "gemma4")
-}
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # llama.cpp scales queries by hidden / heads there
 
 
@@ -144,11 +142,12 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
     """The family of config.json, or a `UserError` saying what llama.cpp cannot run as the checkpoint does."""
     config = text_config(config)
     kind = config.get("model_type")
-    if kind in NOT_WRITTEN:
-        raise UserError(f"config.json: model_type {kind!r}: {NOT_WRITTEN[kind]}")
     if kind not in FAMILIES:
         raise UserError(f"config.json: model_type {kind!r} — GGUF export takes {', '.join(FAMILIES)}")
     fam = FAMILIES[kind]
+    if fam.arch == "gemma4":  # RoPE per layer type, and what else llama.cpp's gemma4 would compute otherwise
+        gemma4.check(config)
+        return fam
     rs = rope_scaling(config)
     allowed = {"llama": ("linear", "llama3"), "qwen2": ("linear", "yarn"), "qwen3": ("linear", "yarn"),
                "qwen2moe": ("linear", "yarn"), "qwen3moe": ("linear", "yarn"),
@@ -207,6 +206,9 @@ def check_exportable(config: Mapping[str, Any]) -> Family:
 def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
     """The architecture's hyper-parameters under llama.cpp's keys."""
     c = config
+    if fam.arch == "gemma4":
+        gemma4.write_metadata(writer, c)
+        return
     writer.add_context_length(c.get("max_position_embeddings", 4096))
     writer.add_embedding_length(c["hidden_size"])
     writer.add_block_count(c["num_hidden_layers"])
@@ -281,6 +283,8 @@ def write_metadata(writer: Any, config: Mapping[str, Any], fam: Family) -> None:
 
 def extra_tensors(config: Mapping[str, Any], fam: Family) -> dict[str, torch.Tensor]:
     """llama.cpp's RoPE factor tensors: LLaMA 3.1's `rope_freqs`, Phi-3's long / short factors."""
+    if fam.arch == "gemma4":
+        return {"rope_freqs.weight": gemma4.rope_freqs(config)}
     rs, hd = rope_scaling(config), head_dim(config)
     if rs.get("rope_type") == "llama3":
         theta = rs.get("rope_theta") or 10000.0
@@ -350,7 +354,8 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], f
     config = text_config(config)
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == fam.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    tied = config.get("tie_word_embeddings", fam.arch in ("gemma2", "gemma3"))  # Gemma ties unless it says otherwise
+    # Gemma ties unless it says otherwise
+    tied = config.get("tie_word_embeddings", fam.arch in ("gemma2", "gemma3", "gemma4"))
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
@@ -382,7 +387,10 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], f
                 out[names.get_name(stem + "down_proj") + (".bias" if bias else ".weight")] = (
                     t if bias else t.transpose(-1, -2).contiguous())
             continue
-        if key.endswith(".experts.gate_up_proj"):  # (E, 2F, D): gate rows first, then up
+        if fam.arch == "gemma4" and gemma4.rename(key) != key:
+            out[gemma4.rename(key)] = t
+            continue
+        if key.endswith(".experts.gate_up_proj") and fam.arch != "gemma4":  # (E, 2F, D): gate rows first, then up
             half = t.shape[1] // 2
             stem = key.removesuffix("gate_up_proj")
             out[names.get_name(stem + "gate_proj") + ".weight"] = t[:, :half].contiguous()
@@ -418,7 +426,7 @@ def write_gguf(state: Mapping[str, torch.Tensor], config: Mapping[str, Any], tok
         writer.add_name(name or out.stem)
         write_metadata(writer, config, fam)
         writer.add_file_type(ftype)
-        add_vocab(writer, tokenizer, config["vocab_size"])
+        add_vocab(writer, tokenizer, config["vocab_size"], fam.arch)
         for tname, t in tensors.items():
             data = t.numpy()
             want = qtype if data.ndim > 1 and not tname.endswith(F32_KEPT) else gguf.GGMLQuantizationType.F32

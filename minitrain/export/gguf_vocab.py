@@ -36,10 +36,20 @@ def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-def add_vocab(writer: Any, folder: str | Path, vocab_size: int) -> str:
+def add_vocab(writer: Any, folder: str | Path, vocab_size: int, arch: str = "") -> str:
     """Write the tokenizer of `folder` into `writer` (a `gguf.GGUFWriter`); returns which shape it
-    was ("sentencepiece" or "bpe"). `vocab_size`: the model's embedding rows (config.json)."""
+    was ("sentencepiece", "bpe" or "gemma4"). `vocab_size`: the model's embedding rows (config.json);
+    `arch`: llama.cpp's architecture (Gemma 4's tokenizer.json is written as its own `gemma4` model)."""
     folder = Path(folder)
+    if arch == "gemma4" and (folder / "tokenizer.json").is_file():
+        tokens, scores, types = _gemma4(folder, vocab_size)
+        writer.add_tokenizer_model("gemma4")  # llama.cpp names its pre-tokenizer itself
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(False)
+        _specials(_special_vocab(folder, len(tokens), load_merges=True), folder).add_to_gguf(writer, quiet=True)
+        return "gemma4"
     metaspace = (folder / "tokenizer.json").is_file() and _metaspace(_read(folder / "tokenizer.json"))
     if (folder / "tokenizer.model").is_file() or metaspace:  # llama.cpp's sentencepiece (`llama`) vocabulary
         read = _sentencepiece if (folder / "tokenizer.model").is_file() else _metaspace_bpe
@@ -125,6 +135,42 @@ def _sentencepiece(folder: Path, vocab_size: int) -> tuple[list[bytes], list[flo
         tokens[i], scores[i] = (text if special else text.replace("\u2581", " ")).encode("utf-8"), -1000.0
     space = sp.EncodeAsPieces("a")[:1] == ["\u2581a"] or sp.EncodeAsPieces("a")[:1] == ["\u2581"]
     return tokens, scores, types, space
+
+
+# Gemma 4's tokens that llama.cpp's converter types user-defined (always rendered: the chat parser reads them)
+GEMMA4_VISIBLE = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
+                  '<|"|>')
+
+
+def _gemma4(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+    """Gemma 4's tokenizer.json (a BPE over "▁"-spaced text with byte fallback) as llama.cpp's `gemma4`
+    vocabulary, as its converter writes it (`LlamaHfVocab`): the pieces by id as they are, every score -1000
+    (the merges rank the pairs), types: byte pieces <0xNN>, added special tokens control (GEMMA4_VISIBLE
+    user-defined), other added tokens user-defined; ids up to vocab_size filled with unused `[PADn]`."""
+    import re
+
+    from gguf import TokenType
+
+    path = folder / "tokenizer.json"
+    data = _read(path)
+    model = data.get("model") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        what = f"a {model.get('type')} tokenizer" + ("" if model.get("byte_fallback") else " without byte fallback")
+        raise UserError(f"{path}: {what} — llama.cpp's gemma4 tokenizer is a BPE with byte fallback (Gemma's); "
+                        f"not exported")
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {t["id"]: t for t in data.get("added_tokens", [])}
+    n = max([vocab_size, *(i + 1 for i in vocab.values()), *(i + 1 for i in added)])
+    tokens = [f"[PAD{i}]".encode() for i in range(n)]
+    scores, types = [-1000.0] * n, [int(TokenType.UNUSED)] * n
+    for text, i in vocab.items():
+        byte = re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text)
+        tokens[i], types[i] = text.encode("utf-8"), int(TokenType.BYTE if byte else TokenType.NORMAL)
+    for i, t in added.items():
+        tokens[i] = t["content"].encode("utf-8")
+        special = t.get("special") and t["content"] not in GEMMA4_VISIBLE
+        types[i] = int(TokenType.CONTROL if special else TokenType.USER_DEFINED)
+    return tokens, scores, types
 
 
 def _metaspace(data: dict[str, Any]) -> bool:

@@ -1,5 +1,5 @@
 """The memory plan of Gemma 4 text (`models/gemma4.py`): layers that differ by kind, block by block (a multimodal
-folder with a vision tower is refused in one line: the tower is not planned yet).
+folder with a vision tower: `minitrain.plan.vision.Gemma4VLShape`, the tower's terms over this plan).
 
 Gemma 3's method (`GemmaShape`: four sandwich norms keeping their fp32 inputs, GeGLU's three F-wide
 tensors, q / k norms, the soft-capped head's checkpointed loss chunks) over layers that are not alike,
@@ -64,9 +64,6 @@ class Gemma4Shape(ByBlock, GemmaShape):
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Gemma4Shape":
         if d.get("model_type") == "gemma4":  # the multimodal checkpoint: its language model
-            if isinstance(d.get("vision_config"), dict):
-                raise UserError(f"{where}: vision_config — the memory plan models Gemma 4's language model, not yet its "
-                                "vision tower (models/gemma4_vl.py); memory_check=false skips the plan")
             d = {**d.get("text_config", {}), "model_type": "gemma4_text",
                  "tie_word_embeddings": d.get("tie_word_embeddings", True)}
         if d.get("enable_moe_block"):

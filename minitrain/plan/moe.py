@@ -19,7 +19,8 @@ Full fine-tuning: every expert and router trains in fp32 (`all_tensors`, `block_
 and autocast's bf16 copies); a block keeps the gathered rows its experts' `gate_up_proj` read for their
 weight gradients besides LLaMA's full terms.
 
-`ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) add them too.
+`ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) and Gemma 4's
+(`minitrain.plan.gemma4`: its experts and router under their own module names, `EXPERTS` / `ROUTER`) add them too.
 Modelled: LoRA / QLoRA and full fine-tuning in one process, every layer sparse (measured against the CPU
 in tests/test_plan.py). Several ranks, a teacher, gpt-oss, and a Qwen3-MoE / Qwen2-MoE with dense layers
 (`mlp_only_layers`, `decoder_sparse_step`) are refused with one line.
@@ -49,6 +50,8 @@ class ExpertBlocks:
     num_experts: int
     top_k: int
     expert_size: int
+    EXPERTS: ClassVar[str] = "mlp.experts"  # the experts' module path in a block (Gemma 4's: `experts`)
+    ROUTER: ClassVar[str] = "mlp.gate"  # the router's (Gemma 4's: `router`), which `modules_to_save` may train
 
     def expert_weights(self) -> dict[str, tuple[int, int]]:
         """Each sparse block's expert weights: name -> (in, out) of one expert's matrix."""
@@ -60,7 +63,7 @@ class ExpertBlocks:
         if "all-linear" in targets:
             return list(self.expert_weights())
         picked = {ALIASES[t] for t in targets if t in ALIASES and self.ALIASED}
-        picked |= {n for n in self.expert_weights() for t in targets if matches(f"mlp.experts.{n}", t)}
+        picked |= {n for n in self.expert_weights() for t in targets if matches(f"{self.EXPERTS}.{n}", t)}
         return [n for n in self.expert_weights() if n in picked]
 
     def expert_matrices(self) -> int:
@@ -98,7 +101,11 @@ class ExpertBlocks:
             i, o = self.expert_weights()[name]
             r = run.rank(i, o)
             out += [E * r * i, E * o * r] * L
-        return out + [E * self.hidden_size] * L * sum(matches("mlp.gate", m) for m in run.modules_to_save)
+        return out + self.router_tensors() * L * sum(matches(self.ROUTER, m) for m in run.modules_to_save)
+
+    def router_tensors(self) -> list[int]:
+        """Numel of each of one block's router's parameters."""
+        return [self.num_experts * self.hidden_size]
 
     def expert_summary(self, run: RunShape) -> str:
         experts = self.adapted_experts(run.lora_targets)

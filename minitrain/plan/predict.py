@@ -242,7 +242,10 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
     out: list[tuple[str, int, int]] = []
 
     def add(keys: str, new: RunShape) -> None:
-        peak = predict(model, new).peak
+        try:
+            peak = predict(model, new).peak
+        except UserError:  # a change the plan does not model (Gemma 4's MoE size under quantize=) is not suggested
+            return
         if peak < base:
             out.append((keys, base - peak, peak))
 

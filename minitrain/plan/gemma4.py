@@ -1,5 +1,6 @@
 """The memory plan of Gemma 4 text (`models/gemma4.py`): layers that differ by kind, block by block (a multimodal
-folder with a vision tower: `minitrain.plan.vision.Gemma4VLShape`, the tower's terms over this plan).
+folder with a vision tower: `minitrain.plan.vision.Gemma4VLShape` / `Gemma4MoeVLShape`, the tower's terms over
+this plan).
 
 Gemma 3's method (`GemmaShape`: four sandwich norms keeping their fp32 inputs, GeGLU's three F-wide
 tensors, q / k norms, the soft-capped head's checkpointed loss chunks) over layers that are not alike,
@@ -72,11 +73,7 @@ class Gemma4Shape(ByBlock, GemmaShape):
         if d.get("model_type") == "gemma4":  # the multimodal checkpoint: its language model
             d = {**d.get("text_config", {}), "model_type": "gemma4_text",
                  "tie_word_embeddings": d.get("tie_word_embeddings", True)}
-        if d.get("enable_moe_block") and not hasattr(cls, "expert_weights"):
-            if cls is not Gemma4Shape:
-                raise UserError(f"{where}: enable_moe_block with a vision_config — the memory plan models Gemma 4's "
-                                "MoE size as a language model, not yet with its vision tower; memory_check=false "
-                                "skips the plan")
+        if d.get("enable_moe_block") and cls is Gemma4Shape:  # (the multimodal one: plan.vision's Gemma4MoeVLShape)
             return Gemma4MoeShape.from_hf(d, where)
         full = {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True, "global_head_dim": 512,
                 "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "sliding_window": 512,

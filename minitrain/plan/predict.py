@@ -73,7 +73,8 @@ from minitrain.plan.moe import MoeShape, Qwen2MoeShape
 from minitrain.plan.gemma4 import Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5Shape
 from minitrain.plan.t5 import T5Shape
-from minitrain.plan.vision import Gemma3VLShape, Gemma4VLShape, Qwen3_5MoeVLShape, Qwen3_5VLShape, QwenVLShape
+from minitrain.plan.vision import (Gemma3VLShape, Gemma4MoeVLShape, Gemma4VLShape, Qwen3_5MoeVLShape, Qwen3_5VLShape,
+                                   QwenVLShape)
 
 
 def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape | T5Shape":
@@ -90,7 +91,8 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
         if kind in moe.FAMILIES:
             return moe.from_hf(d, where)
     if kind in Gemma4VLShape.MODEL_TYPES and isinstance(d.get("vision_config"), dict):
-        return Gemma4VLShape.from_hf(d, where)
+        moe = (d.get("text_config") or {}).get("enable_moe_block")
+        return (Gemma4MoeVLShape if moe else Gemma4VLShape).from_hf(d, where)
     if kind in Gemma4Shape.MODEL_TYPES:
         return Gemma4Shape.from_hf(d, where)
     if kind in Qwen3_5Shape.MODEL_TYPES:

@@ -45,8 +45,8 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import ByBlock, GemmaShape, ModelShape
-from minitrain.plan.gemma4 import Gemma4Shape
+from minitrain.plan.decoder import GemmaShape, ModelShape
+from minitrain.plan.gemma4 import Gemma4MoeShape, Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5MoeShape, Qwen3_5Shape
 from minitrain.plan.run_shape import RunShape, Term
 
@@ -250,7 +250,7 @@ class WithTowerByBlock(WithTower):
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)
-        ByBlock.check_run(self, run)
+        super(WithTower, self).check_run(run)  # the text plan's (`ByBlock`'s, Gemma 4 MoE's quantize=)
 
 
 @dataclass(frozen=True)
@@ -269,15 +269,13 @@ class Qwen3_5MoeVLShape(WithTowerByBlock, Qwen3_5MoeShape):
     MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
-@dataclass(frozen=True)
-class Gemma4VLShape(WithTowerByBlock, Gemma4Shape):
+class Gemma4Tower(WithTowerByBlock):
     """Multimodal Gemma 4 (`gemma4` with a `vision_config`): Gemma 4's language model planned block by block, its
     tower frozen (a regular-expression `lora_targets` that reaches the tower is refused: its activations are not
     planned). The tower runs before the language model, without a graph: its moment is the pixels and its
     forward's working set (`tower_forward`)."""
 
-    tower: Tower | None = None
-    max_soft_tokens: int = 280  # Gemma4ImageProcessor's default budget (a folder's preprocessor_config.json may differ)
+    max_soft_tokens: int
     MODEL_TYPES: ClassVar[dict[str, str]] = {"gemma4": "gemma4_text"}
     TOWER_NAMES: ClassVar[tuple[str, ...]] = ("model.vision_tower.encoder.layers.0.self_attn.q_proj.linear",
                                               "model.vision_tower.patch_embedder.input_proj",
@@ -309,3 +307,19 @@ class Gemma4VLShape(WithTowerByBlock, Gemma4Shape):
         pixels = self.tower_terms(run)
         moments["vision tower forward (no grad)"] = pixels + [self.tower_forward(run)]
         return moments, notes
+
+
+@dataclass(frozen=True)
+class Gemma4VLShape(Gemma4Tower, Gemma4Shape):
+    """Multimodal Gemma 4's dense sizes."""
+
+    tower: Tower | None = None
+    max_soft_tokens: int = 280  # Gemma4ImageProcessor's default budget (a folder's preprocessor_config.json may differ)
+
+
+@dataclass(frozen=True)
+class Gemma4MoeVLShape(Gemma4Tower, Gemma4MoeShape):
+    """Multimodal Gemma 4's MoE size (26B-A4B, `enable_moe_block` in its `text_config`)."""
+
+    tower: Tower | None = None
+    max_soft_tokens: int = 280

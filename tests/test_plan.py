@@ -879,6 +879,8 @@ def test_moe_weights_and_adapters_exact(name, quantize):
         assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=targets))) == lora
 
 
+# planned / measured when written (the weighted rows index_add_ keeps counted): 0.979, 1.052, 0.977, 0.946, 0.975,
+# 1.170, 1.078; full 0.962, 0.976, 0.986, 1.053, 1.000 (without those rows qwen3_moe fp32 planned 0.895)
 MOE_CASES = {"qwen3_moe fp32": dict(), "qwen3_moe fp32 ckpt": dict(ckpt=True), "mixtral fp32": dict(),
              "qwen3_moe fp32 attention only": dict(targets=ATTN), "qwen2_moe fp32": dict(),
              "qwen2_moe fp32 ckpt": dict(ckpt=True), "qwen2_moe bf16": dict(compute="bf16"),
@@ -1012,7 +1014,7 @@ QWEN3_5_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(comp
 @pytest.mark.parametrize("case", list(QWEN3_5_CASES))
 def test_qwen3_5_step_peak_within_20_percent(case):
     """A LoRA SFT step on every linear (DeltaNet's too; the MoE sizes: the experts and the shared expert) of
-    a padded batch, several chunks long (measured, MoE: 0.97, 0.87 with checkpointing, 1.09 under bf16)."""
+    a padded batch, several chunks long (measured, MoE: 1.03, 0.92 with checkpointing, 1.14 under bf16)."""
     if case.startswith("moe"):
         check_sft_step(qwen3_5_moe_config(), ALL + DELTANET + EXPERTS, case, **QWEN3_5_CASES[case])
     else:

@@ -21,8 +21,7 @@ so each block is planned on its own (`layer_view`) and the model's linears are k
 
 The MoE size (`enable_moe_block`, 26B-A4B: `Gemma4MoeShape`) adds `minitrain.plan.moe.ExpertBlocks`' terms
 (every expert, the router, the expert adapters, the routing tensors) beside the dense MLP, with the router's
-scale and per-expert scale, three more norms, the experts' GeGLU (K x F_e rows) and the weighted rows
-`index_add_` keeps.
+scale and per-expert scale, three more norms and the experts' GeGLU (K x F_e rows).
 
 Modelled: LoRA / QLoRA runs in one process of the dense sizes and LoRA runs of the MoE size (its QLoRA, full
 fine-tuning, several ranks, distillation and GRPO's sampler are refused with one line); measured against the CPU
@@ -253,14 +252,12 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
 
     def extra_block_saved(self, run: RunShape) -> list[Term]:
         """The experts' GeGLU (K x F_e rows: the first product's output, GELU's output), the routing tensors
-        (`ExpertBlocks`), the weighted rows `index_add_` keeps (K x D, read off a saved-tensors hook), the router's
-        and the three more norms' fp32 inputs (fp32: the two post norms' own; under autocast also the router's and
+        (`ExpertBlocks`), the router's and the three more norms' fp32 inputs (fp32: the two post norms' own; under autocast also the router's and
         the pre norm's copies of x) and rsqrts."""
-        N, s, D, K, KF = run.tokens, run.s, self.hidden_size, self.top_k, self.top_k * self.expert_size
+        N, s, D, KF = run.tokens, run.s, self.hidden_size, self.top_k * self.expert_size
         norms = 2 if s == 4 else 4
         return super().extra_block_saved(run) + [
             Term("experts: GeGLU (gate, act, up)", N * 3 * KF * s, "3 x K F_e x s per token"),
-            Term("experts: weighted rows (index_add_'s source)", N * K * D * s, "K x D x s per token"),
             Term("MoE norms and router: fp32 inputs + rsqrt", N * (norms * D * 4 + 4 * 4),
                  f"{norms} x D x 4 + 16 per token")]
 

@@ -12,7 +12,8 @@ the experts: E gated MLPs of width F_e, of which each token goes through K. What
 - activations: per token the K (token, expert) rows go through SwiGLU, so the gated MLP's terms are
   LLaMA's with F = K x F_e; besides, each sparse block keeps the router's logits and fp32
   probabilities, the K choices and weights, the gathered rows an adapted `gate_up_proj` reads, the
-  rows an adapted `down_proj` reads and the experts' outputs before their routing weights.
+  rows an adapted `down_proj` reads, the experts' outputs before their routing weights and after them (what
+  `index_add_` keeps).
 
 Qwen2-MoE (`Qwen2MoeShape`) adds a shared expert to every block (`SharedExpert`, as Qwen3.5's MoE sizes).
 Full fine-tuning: every expert and router trains in fp32 (`all_tensors`, `block_matrices`: the gradients
@@ -137,12 +138,13 @@ class ExpertBlocks:
         N, s, D, E, K, F = run.tokens, run.s, self.hidden_size, self.num_experts, self.top_k, self.expert_size
         adapted = list(self.expert_weights()) if run.full else self.adapted_experts(run.lora_targets)
         per = E * (s + 4) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
+        per += K * D * s  # the weighted outputs, which `index_add_` keeps (read off a saved-tensors hook)
         per += K * D * s if "gate_up_proj" in adapted else 0  # the gathered rows gate_up's weight grad reads
         # the product down's weight grad reads (full fine-tuning: `_full_block_saved` counts it, as F)
         per += K * F * s if "down_proj" in adapted and not run.full else 0
         if not run.full:  # the expert LoRA B inputs
             per += sum(K * run.rank(*self.expert_weights()[n]) * s for n in adapted)
-        return [Term("experts: routing, gathered rows, outputs, adapter inputs", N * per, f"{per:,} B per token")]
+        return [Term("experts: routing, gathered rows, outputs (twice), adapter inputs", N * per, f"{per:,} B per token")]
 
 
 class SharedExpert:

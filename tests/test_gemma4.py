@@ -583,8 +583,9 @@ def test_full_fine_tuning_a_multimodal_checkpoint_keeps_its_towers(multimodal, t
 
 def test_what_does_not_apply_yet_is_one_line(g4, tmp_path, capsys):
     """GGUF export of the `e2b` layout (its sliding shared layer reuses layer 2's keys, llama.cpp's gemma4 would give
-    it layer 1's: tests/test_gguf.py exports the layouts llama.cpp computes) and the memory plan of the MoE size each
-    refuse in one line with exit 2, writing nothing; the dense sizes' plan prints its table."""
+    it layer 1's: tests/test_gguf.py exports the layouts llama.cpp computes) and the memory plan of the MoE size
+    under quantize= each refuse in one line with exit 2, writing nothing; the dense and MoE sizes' plans print
+    their tables."""
     from minitrain.commands import export, plan
 
     model = g4("e2b")
@@ -598,9 +599,11 @@ def test_what_does_not_apply_yet_is_one_line(g4, tmp_path, capsys):
     assert "2 sharing k/v" in capsys.readouterr().out
     moe = g4("moe")
     capsys.readouterr()
-    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={moe}", f"data={data}"]) == 2
+    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={moe}", f"data={data}", "quantize=none"]) == 0
+    assert "experts of" in capsys.readouterr().out  # the MoE size
+    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={moe}", f"data={data}", "quantize=nf4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "enable_moe_block" in err[0] and "memory plan" in err[0], err
+    assert len(err) == 1 and "quantize=nf4" in err[0] and "memory plan" in err[0], err
 
 
 def test_moe_size_resumes_exactly_through_the_cli(g4, tmp_path, capsys):

@@ -509,12 +509,17 @@ def test_full_finetuning_on_image_rows_writes_a_folder_transformers_loads(g4dir,
     assert rel(o[real], a[real]) <= 1e-4
 
 
-def test_the_memory_plan_of_the_tower_is_one_line(g4dir, capsys):
-    """`minitrain plan` (and a CUDA run's memory check) on a Gemma 4 folder with a vision tower: one line naming
-    what is not planned yet and how to skip it, exit 2."""
+def test_the_memory_plan_counts_the_tower(g4dir, capsys):
+    """`minitrain plan` (and a CUDA run's memory check) on a Gemma 4 folder with a vision tower: the tower's
+    weights, the pixels and its forward (tests/test_plan_vision.py measures them); finetune=full is one line,
+    as the text plan's."""
     from minitrain.commands import plan
 
     capsys.readouterr()
-    assert plan.main([str(REPO / "recipes" / "sft.py"), f"model={g4dir['model']}", f"data={g4dir['data']}"]) == 2
+    args = [str(REPO / "recipes" / "sft.py"), f"model={g4dir['model']}", f"data={g4dir['data']}"]
+    assert plan.main(args) == 0
+    out = capsys.readouterr().out
+    assert "weights: vision tower + projector" in out and "pixel values" in out, out
+    assert plan.main([*args, "finetune=full"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "vision tower" in err[0] and "memory_check=false" in err[0], err
+    assert len(err) == 1 and "finetune=full" in err[0] and "memory_check=false" in err[0], err

@@ -879,6 +879,8 @@ def test_moe_weights_and_adapters_exact(name, quantize):
         assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=targets))) == lora
 
 
+# planned / measured when written (the weighted rows index_add_ keeps counted): 0.979, 1.052, 0.977, 0.946, 0.975,
+# 1.170, 1.078; full 0.962, 0.976, 0.986, 1.053, 1.000 (without those rows qwen3_moe fp32 planned 0.895)
 MOE_CASES = {"qwen3_moe fp32": dict(), "qwen3_moe fp32 ckpt": dict(ckpt=True), "mixtral fp32": dict(),
              "qwen3_moe fp32 attention only": dict(targets=ATTN), "qwen2_moe fp32": dict(),
              "qwen2_moe fp32 ckpt": dict(ckpt=True), "qwen2_moe bf16": dict(compute="bf16"),
@@ -1012,7 +1014,7 @@ QWEN3_5_CASES = {"fp32": dict(), "fp32 ckpt": dict(ckpt=True), "bf16": dict(comp
 @pytest.mark.parametrize("case", list(QWEN3_5_CASES))
 def test_qwen3_5_step_peak_within_20_percent(case):
     """A LoRA SFT step on every linear (DeltaNet's too; the MoE sizes: the experts and the shared expert) of
-    a padded batch, several chunks long (measured, MoE: 0.97, 0.87 with checkpointing, 1.09 under bf16)."""
+    a padded batch, several chunks long (measured, MoE: 1.03, 0.92 with checkpointing, 1.14 under bf16)."""
     if case.startswith("moe"):
         check_sft_step(qwen3_5_moe_config(), ALL + DELTANET + EXPERTS, case, **QWEN3_5_CASES[case])
     else:
@@ -1076,7 +1078,7 @@ GEMMA4 = dict(model_type="gemma4_text", num_hidden_layers=5, num_key_value_heads
 def test_gemma4_params_weights_and_adapters_exact():
     """Every block as the model built from config.json holds it (shared layers without k / v, k = v
     global layers without v_proj, double-wide MLPs, the PLE table and projection, layer scalars);
-    a multimodal config.json plans its text model; the expert block is one line."""
+    a multimodal config.json plans its text model."""
     hf = hf_config(**GEMMA4)
     shape = shape_from_hf(hf)
     with torch.device("meta"):
@@ -1088,8 +1090,6 @@ def test_gemma4_params_weights_and_adapters_exact():
     lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
     assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=ALL))) == lora
     assert shape_from_hf({"model_type": "gemma4", "text_config": hf}).num_params() == shape.num_params()
-    with pytest.raises(UserError, match="dense Gemma 4 sizes"):
-        shape_from_hf(hf_config(**GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2))
 
 
 GEMMA4_CASES = {"fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16")}  # fp32 without: 1.02 (measured once)
@@ -1098,6 +1098,44 @@ GEMMA4_CASES = {"fp32 ckpt": dict(ckpt=True), "bf16": dict(compute="bf16")}  # f
 @pytest.mark.parametrize("case", list(GEMMA4_CASES))
 def test_gemma4_step_peak_within_20_percent(case):
     check_sft_step(hf_config(**GEMMA4), ALL, case, **GEMMA4_CASES[case])
+
+
+# the MoE size (26B-A4B's shape at plan-test sizes): the expert block beside every layer's dense MLP
+GEMMA4_MOE = dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=128)
+GEMMA4_MOE_TARGETS = {"all linears + experts": ALL + ("experts.gate_up_proj",), "attention + experts": ATTN
+                      + ("gate_up_proj", "experts.down_proj")}
+
+
+@pytest.mark.parametrize("targets", list(GEMMA4_MOE_TARGETS))
+def test_gemma4_moe_params_weights_and_adapters_exact(targets):
+    """The experts (E x 3 x D x F_e a block), the router (E x D, its scale and per-expert scale) and the three more
+    norms beside the dense MLP, as the built model holds them; the frozen bytes to the byte; the adapters on the
+    experts (`down_proj` names the dense MLP's and the experts') and the linears as LoRA puts them."""
+    hf = hf_config(**GEMMA4_MOE)
+    shape = shape_from_hf(hf)
+    with torch.device("meta"):
+        meta = models.from_hf_config(hf)
+    assert shape.num_params() == sum(p.numel() for p in meta.parameters()) + sum(b.numel() for b in meta.buffers())
+    names = GEMMA4_MOE_TARGETS[targets]
+    model = build(hf, torch.bfloat16, names)
+    frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+    assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute="bf16"))) == tensor_bytes(frozen)
+    lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=names))) == lora
+    with pytest.raises(UserError, match="Gemma 4's MoE size"):
+        predict(shape, RunShape(rows=1, seq=8, quantize="nf4", lora_targets=names))
+
+
+# planned / measured when written: 1.15 (checkpointed: the recomputed block's experts' tensors are counted beside the
+# dense MLP's backward, where autograd has probably freed them, running the later MoE branch's backward first (not
+# verified with a hook); the dense size: 1.06),
+# 1.028, 1.03 (bf16); the dense plan alone 0.92, 0.75, 0.73
+GEMMA4_MOE_CASES = {"fp32 ckpt": dict(ckpt=True), "fp32": dict(), "bf16": dict(compute="bf16")}
+
+
+@pytest.mark.parametrize("case", list(GEMMA4_MOE_CASES))
+def test_gemma4_moe_step_peak_within_20_percent(case):
+    check_sft_step(hf_config(**GEMMA4_MOE), ALL + ("experts.gate_up_proj",), case, **GEMMA4_MOE_CASES[case])
 
 
 def test_plan_tool_on_a_gemma4_folder(tmp_path):

@@ -22,7 +22,8 @@ import pytest
 import torch
 import transformers
 from test_gemma3_vl import VISION as GEMMA3_VISION
-from test_plan import ALL, DELTANET, ROOT, build, full_model, measured_step, tensor_bytes
+from test_gemma4_vl import AUDIO as GEMMA4_AUDIO
+from test_plan import ALL, DELTANET, GEMMA4, ROOT, build, full_model, hf_config, measured_step, tensor_bytes
 from test_qwen2_5_vl import VISION as QWEN2_5_VISION
 from test_qwen3_vl import HUB_2B
 from test_qwen3_vl import VISION as QWEN3_VISION
@@ -196,3 +197,113 @@ def test_plan_tool_on_a_folder(configs, tmp_path):
                           "batch_size=1", "max_len=256", "finetune=full"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "vision tower" in out.stdout and "predicted peak" in out.stdout
+
+
+# ----------------------------------------------------------------------------- multimodal Gemma 4
+
+# test_plan's Gemma 4 language model (per-layer inputs, k = v global layers, shared k / v) and a tower of
+# 16-pixel patches pooled 4 x 4 (tests/test_gemma4_vl.py's, wider)
+GEMMA4_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, head_dim=16, patch_size=16, position_embedding_size=64, pooling_kernel_size=4)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory) -> dict:
+    text = {k: v for k, v in hf_config(**GEMMA4, vocab_size=160).items() if k != "model_type"}
+    d = tmp_path_factory.mktemp("gemma4_vl")
+    transformers.Gemma4Config(text_config=text, vision_config=GEMMA4_VISION, audio_config=GEMMA4_AUDIO,
+                              image_token_id=IMAGE, video_token_id=151, audio_token_id=154, boi_token_id=152,
+                              eoi_token_id=153, boa_token_id=155, eoa_token_index=156).save_pretrained(d)
+    return json.loads((d / "config.json").read_text())
+
+
+def gemma4_batch(side: int, per_row: int, rows: int = 2, T: int = 192) -> tuple[dict, int]:
+    """Rows of T ids with `per_row` images of side x side patches each (each filling its budget: side**2 / 16 soft
+    tokens), row 1 right-padded; pixels and positions as Gemma 4's processor gives them."""
+    g = torch.Generator().manual_seed(0)
+    tokens = side * side // 16
+    ids = []
+    for _ in range(rows):
+        row = []
+        for _ in range(per_row):
+            row += torch.randint(3, 140, (1,), generator=g).tolist() + [152] + [IMAGE] * tokens + [153]
+        ids.append(row + torch.randint(3, 140, (T - len(row),), generator=g).tolist())
+    ids = torch.tensor(ids)
+    mask = torch.ones_like(ids)
+    mask[1, T - 8:] = 0
+    ids[1, T - 8:] = 0
+    labels = ids.masked_fill((ids == IMAGE) | (mask == 0), -100)
+    labels[:, : T // 2] = -100
+    n = rows * per_row
+    y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    positions = torch.stack([x.flatten(), y.flatten()], -1)[None].repeat(n, 1, 1)
+    pixels = torch.rand(n, side * side, 3 * 16 * 16, generator=g)
+    return ({"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels,
+             "image_position_ids": positions}, int((ids == IMAGE).sum()))
+
+
+def test_gemma4_params_and_weights_exact(gemma4):
+    """The tower (patch embedder, position table, blocks) and embed_vision counted as the model built from the
+    config.json holds them (buffers too: the language model's layer scalars); under LoRA the frozen bytes to the
+    byte and the adapters on the language model only."""
+    shape = shape_from_hf(gemma4)
+    with torch.device("meta"):
+        meta = models.from_hf_config(gemma4)
+    assert shape.num_params() == sum(p.numel() for p in meta.parameters()) + sum(b.numel() for b in meta.buffers())
+    model = built(gemma4, False, torch.bfloat16)
+    frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+    assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute="bf16"))) == tensor_bytes(frozen)
+    lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_targets=ALL))) == lora
+
+
+def test_gemma4_moe_with_a_tower_counted_as_built(gemma4):
+    """The multimodal MoE size (26B-A4B's folder: `enable_moe_block` in its text_config): the experts and the
+    tower, every parameter as built; its quantize= is one line, as the text plan's."""
+    hf = {**gemma4, "text_config": {**gemma4["text_config"], "enable_moe_block": True, "num_experts": 4,
+                                    "top_k_experts": 2, "moe_intermediate_size": 64}}
+    shape = shape_from_hf(hf)
+    with torch.device("meta"):
+        meta = models.from_hf_config(hf)
+    assert shape.num_params() == sum(p.numel() for p in meta.parameters()) + sum(b.numel() for b in meta.buffers())
+    assert shape.num_experts == 4 and shape.tower.kind == "gemma4"
+    with pytest.raises(UserError, match="Gemma 4's MoE size"):
+        predict(shape, RunShape(rows=1, seq=64, quantize="nf4"))
+    assert predict(shape, RunShape(rows=1, seq=64, lora_targets=ALL)).peak > 0
+
+
+# planned / measured when written: 1.05, 0.991 (bf16), 1.045 (the tower's forward the peak)
+GEMMA4_CASES = {"lora": (8, 16, "fp32", False), "lora bf16": (8, 16, "bf16", False),
+                "lora large images ckpt": (32, 2, "fp32", True)}
+
+
+@pytest.mark.parametrize("case", list(GEMMA4_CASES))
+def test_gemma4_step_peak_within_20_percent(gemma4, case):
+    """LoRA SFT steps on image rows, the tower frozen: its pixels in every moment and its forward (no graph) a
+    moment of its own, the peak where the images are large and the language model's blocks checkpointed."""
+    side, per_row, compute, ckpt = GEMMA4_CASES[case]
+    batch, images = gemma4_batch(side, per_row)
+    model = built(gemma4, False, torch.bfloat16 if compute == "bf16" else torch.float32)
+    if ckpt:  # the language model's blocks
+        enable_checkpointing(model)
+    measured = measured_step(model, sft, batch, autocast=compute == "bf16")
+    run = RunShape(rows=2, seq=192, compute=compute, lora_targets=ALL, targets=int((batch["labels"][:, 1:] != -100).sum()),
+                   device="cpu", real_tokens=int(batch["attention_mask"].sum()), image_tokens=images, checkpointing=ckpt)
+    shape = replace(shape_from_hf(gemma4), max_soft_tokens=side * side // 16)
+    plan = predict(shape, run)
+    predicted = plan.activation_peak + plan.term("gradients")
+    assert 0.8 <= predicted / measured <= 1.2, (case, plan.peak_moment, fmt_bytes(predicted), fmt_bytes(measured))
+    if ckpt:  # the tower's forward is the peak: the text plan alone misses
+        assert plan.peak_moment == "vision tower forward (no grad)"
+        text = predict(replace(shape, tower=replace(shape.tower, patches_per_token=0)), run)
+        assert not 0.8 <= (text.activation_peak + text.term("gradients")) / measured <= 1.2
+
+
+def test_gemma4_refusals(gemma4):
+    """finetune=full (as the text plan) and a regular expression reaching the tower are one line each."""
+    shape = shape_from_hf(gemma4)
+    with pytest.raises(UserError, match="Gemma 4 LoRA / QLoRA"):
+        predict(shape, RunShape(rows=1, seq=64, full=True))
+    with pytest.raises(UserError, match="vision tower"):
+        predict(shape, RunShape(rows=1, seq=64, lora_targets=(r"model\.vision_tower\..*\.linear",)))
+    assert predict(shape, RunShape(rows=1, seq=64, lora_targets=(r"model\.language_model\..*_proj",))).peak > 0

@@ -1,5 +1,6 @@
 """The memory plan of Gemma 4 text (`models/gemma4.py`): layers that differ by kind, block by block (a multimodal
-folder with a vision tower is refused in one line: the tower is not planned yet).
+folder with a vision tower: `minitrain.plan.vision.Gemma4VLShape` / `Gemma4MoeVLShape`, the tower's terms over
+this plan).
 
 Gemma 3's method (`GemmaShape`: four sandwich norms keeping their fp32 inputs, GeGLU's three F-wide
 tensors, q / k norms, the soft-capped head's checkpointed loss chunks) over layers that are not alike,
@@ -18,9 +19,13 @@ so each block is planned on its own (`layer_view`) and the model's linears are k
   block keeps GELU's input (P x s) and a fifth norm's fp32 input (D x 4);
 - a padded CPU batch keeps its padding (`Gemma4Model.unpadded = False`): every token and the masks count.
 
-Modelled: LoRA / QLoRA runs in one process of the dense sizes (the expert block of the 26B-A4B size is
-refused with one line, as are full fine-tuning, several ranks, distillation and GRPO's sampler); measured
-against the CPU on LoRA SFT steps (fp32 with checkpointing, bf16 autocast). Under nf4 / int8 the PLE
+The MoE size (`enable_moe_block`, 26B-A4B: `Gemma4MoeShape`) adds `minitrain.plan.moe.ExpertBlocks`' terms
+(every expert, the router, the expert adapters, the routing tensors) beside the dense MLP, with the router's
+scale and per-expert scale, three more norms and the experts' GeGLU (K x F_e rows).
+
+Modelled: LoRA / QLoRA runs in one process of the dense sizes and LoRA runs of the MoE size (its QLoRA, full
+fine-tuning, several ranks, distillation and GRPO's sampler are refused with one line); measured against the CPU
+on LoRA SFT steps (fp32, fp32 with checkpointing, bf16 autocast). Under nf4 / int8 the PLE
 projection is counted as a float weight; on CUDA one bool mask is counted where sliding and global
 layers build two.
 """
@@ -32,6 +37,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved
+from minitrain.plan.moe import ExpertBlocks
 from minitrain.plan.run_shape import RunShape, Term
 
 GLOBAL = "full_attention"
@@ -64,14 +70,10 @@ class Gemma4Shape(ByBlock, GemmaShape):
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Gemma4Shape":
         if d.get("model_type") == "gemma4":  # the multimodal checkpoint: its language model
-            if isinstance(d.get("vision_config"), dict):
-                raise UserError(f"{where}: vision_config — the memory plan models Gemma 4's language model, not yet its "
-                                "vision tower (models/gemma4_vl.py); memory_check=false skips the plan")
             d = {**d.get("text_config", {}), "model_type": "gemma4_text",
                  "tie_word_embeddings": d.get("tie_word_embeddings", True)}
-        if d.get("enable_moe_block"):
-            raise UserError(f"{where}: enable_moe_block — the memory plan models the dense Gemma 4 sizes, not the "
-                            f"expert block; memory_check=false skips the plan")
+        if d.get("enable_moe_block") and cls is Gemma4Shape:  # (the multimodal one: plan.vision's Gemma4MoeVLShape)
+            return Gemma4MoeShape.from_hf(d, where)
         full = {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True, "global_head_dim": 512,
                 "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144, "sliding_window": 512,
                 **{k: v for k, v in d.items() if v is not None}}
@@ -88,7 +90,13 @@ class Gemma4Shape(ByBlock, GemmaShape):
                    global_head_dim=full["global_head_dim"], global_kv_heads=kv or dims["num_key_value_heads"],
                    k_eq_v=k_eq_v, kv_shared=full.get("num_kv_shared_layers", 0),
                    double_wide=bool(full.get("use_double_wide_mlp", False)),
-                   ple=full["hidden_size_per_layer_input"] or 0, ple_vocab=full["vocab_size_per_layer_input"])
+                   ple=full["hidden_size_per_layer_input"] or 0, ple_vocab=full["vocab_size_per_layer_input"],
+                   **cls.expert_fields(full))
+
+    @classmethod
+    def expert_fields(cls, full: dict[str, Any]) -> dict[str, Any]:
+        """The MoE size's fields (`Gemma4MoeShape`); none for the dense sizes."""
+        return {}
 
     # ------------------------------------------------------------------ one block's view
 
@@ -210,3 +218,55 @@ class Gemma4Shape(ByBlock, GemmaShape):
             return []
         w = self.hidden_size + self.num_hidden_layers * self.ple
         return [Term("per-layer inputs (with the embeddings)", run.tokens * w * run.s, "(D + L P) x s per token")]
+
+
+@dataclass(frozen=True)
+class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
+    """Gemma 4's MoE size (`enable_moe_block`, 26B-A4B): every block's dense MLP, and beside it the floor's expert
+    block (E GeGLU experts of F_e, top K) behind Gemma 4's router (`router.proj` E x D, `scale` D,
+    `per_expert_scale` E) with three more norms. LoRA reaches the experts by `experts.gate_up_proj` /
+    `experts.down_proj` (or their suffixes: `down_proj` adapts the dense MLP's and the experts', as peft); the
+    quantized experts are refused (not yet trained under QLoRA)."""
+
+    num_experts: int = 128
+    top_k: int = 8
+    expert_size: int = 704
+    ALIASED: ClassVar[bool] = False  # `gate_proj` / `up_proj` name the dense MLP's linears
+    EXPERTS: ClassVar[str] = "experts"
+    ROUTER: ClassVar[str] = "router"
+
+    @classmethod
+    def expert_fields(cls, full: dict[str, Any]) -> dict[str, Any]:
+        Fe = full.get("moe_intermediate_size") or full.get("expert_intermediate_size")
+        return dict(num_experts=full["num_experts"], top_k=full["top_k_experts"], expert_size=Fe)
+
+    def router_tensors(self) -> list[int]:
+        return [self.num_experts * self.hidden_size, self.hidden_size, self.num_experts]
+
+    def small_params(self) -> tuple[int, str]:
+        """Gemma 4's, + per block three norms and the router's scale and per-expert scale."""
+        n, formula = super().small_params()
+        per = 4 * self.hidden_size + self.num_experts
+        L = self.num_hidden_layers
+        return n + L * per, f"{formula} + {L} x {per:,} (MoE norms, router scales)"
+
+    def extra_block_saved(self, run: RunShape) -> list[Term]:
+        """The experts' GeGLU (K x F_e rows: the first product's output, GELU's output), the routing tensors
+        (`ExpertBlocks`), the router's and the three more norms' fp32 inputs (fp32: the two post norms' own; under autocast also the router's and
+        the pre norm's copies of x) and rsqrts."""
+        N, s, D, KF = run.tokens, run.s, self.hidden_size, self.top_k * self.expert_size
+        norms = 2 if s == 4 else 4
+        return super().extra_block_saved(run) + [
+            Term("experts: GeGLU (gate, act, up)", N * 3 * KF * s, "3 x K F_e x s per token"),
+            Term("MoE norms and router: fp32 inputs + rsqrt", N * (norms * D * 4 + 4 * 4),
+                 f"{norms} x D x 4 + 16 per token")]
+
+    def describe(self) -> str:
+        return (super().describe()
+                + f"; {self.num_experts} experts of {self.expert_size} (top {self.top_k}) beside the MLP")
+
+    def check_run(self, run: RunShape) -> None:
+        super().check_run(run)
+        if run.quantize != "none":
+            raise UserError(f"quantize={run.quantize}: the memory plan models Gemma 4's MoE size in LoRA runs on a "
+                            "float base (QLoRA on its experts not yet) — memory_check=false skips the plan")

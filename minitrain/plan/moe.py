@@ -12,14 +12,16 @@ the experts: E gated MLPs of width F_e, of which each token goes through K. What
 - activations: per token the K (token, expert) rows go through SwiGLU, so the gated MLP's terms are
   LLaMA's with F = K x F_e; besides, each sparse block keeps the router's logits and fp32
   probabilities, the K choices and weights, the gathered rows an adapted `gate_up_proj` reads, the
-  rows an adapted `down_proj` reads and the experts' outputs before their routing weights.
+  rows an adapted `down_proj` reads, the experts' outputs before their routing weights and after them (what
+  `index_add_` keeps).
 
 Qwen2-MoE (`Qwen2MoeShape`) adds a shared expert to every block (`SharedExpert`, as Qwen3.5's MoE sizes).
 Full fine-tuning: every expert and router trains in fp32 (`all_tensors`, `block_matrices`: the gradients
 and autocast's bf16 copies); a block keeps the gathered rows its experts' `gate_up_proj` read for their
 weight gradients besides LLaMA's full terms.
 
-`ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) add them too.
+`ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) and Gemma 4's
+(`minitrain.plan.gemma4`: its experts and router under their own module names, `EXPERTS` / `ROUTER`) add them too.
 Modelled: LoRA / QLoRA and full fine-tuning in one process, every layer sparse (measured against the CPU
 in tests/test_plan.py). Several ranks, a teacher, gpt-oss, and a Qwen3-MoE / Qwen2-MoE with dense layers
 (`mlp_only_layers`, `decoder_sparse_step`) are refused with one line.
@@ -49,6 +51,8 @@ class ExpertBlocks:
     num_experts: int
     top_k: int
     expert_size: int
+    EXPERTS: ClassVar[str] = "mlp.experts"  # the experts' module path in a block (Gemma 4's: `experts`)
+    ROUTER: ClassVar[str] = "mlp.gate"  # the router's (Gemma 4's: `router`), which `modules_to_save` may train
 
     def expert_weights(self) -> dict[str, tuple[int, int]]:
         """Each sparse block's expert weights: name -> (in, out) of one expert's matrix."""
@@ -60,7 +64,7 @@ class ExpertBlocks:
         if "all-linear" in targets:
             return list(self.expert_weights())
         picked = {ALIASES[t] for t in targets if t in ALIASES and self.ALIASED}
-        picked |= {n for n in self.expert_weights() for t in targets if matches(f"mlp.experts.{n}", t)}
+        picked |= {n for n in self.expert_weights() for t in targets if matches(f"{self.EXPERTS}.{n}", t)}
         return [n for n in self.expert_weights() if n in picked]
 
     def expert_matrices(self) -> int:
@@ -98,7 +102,11 @@ class ExpertBlocks:
             i, o = self.expert_weights()[name]
             r = run.rank(i, o)
             out += [E * r * i, E * o * r] * L
-        return out + [E * self.hidden_size] * L * sum(matches("mlp.gate", m) for m in run.modules_to_save)
+        return out + self.router_tensors() * L * sum(matches(self.ROUTER, m) for m in run.modules_to_save)
+
+    def router_tensors(self) -> list[int]:
+        """Numel of each of one block's router's parameters."""
+        return [self.num_experts * self.hidden_size]
 
     def expert_summary(self, run: RunShape) -> str:
         experts = self.adapted_experts(run.lora_targets)
@@ -130,12 +138,13 @@ class ExpertBlocks:
         N, s, D, E, K, F = run.tokens, run.s, self.hidden_size, self.num_experts, self.top_k, self.expert_size
         adapted = list(self.expert_weights()) if run.full else self.adapted_experts(run.lora_targets)
         per = E * (s + 4) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
+        per += K * D * s  # the weighted outputs, which `index_add_` keeps (read off a saved-tensors hook)
         per += K * D * s if "gate_up_proj" in adapted else 0  # the gathered rows gate_up's weight grad reads
         # the product down's weight grad reads (full fine-tuning: `_full_block_saved` counts it, as F)
         per += K * F * s if "down_proj" in adapted and not run.full else 0
         if not run.full:  # the expert LoRA B inputs
             per += sum(K * run.rank(*self.expert_weights()[n]) * s for n in adapted)
-        return [Term("experts: routing, gathered rows, outputs, adapter inputs", N * per, f"{per:,} B per token")]
+        return [Term("experts: routing, gathered rows, outputs (twice), adapter inputs", N * per, f"{per:,} B per token")]
 
 
 class SharedExpert:

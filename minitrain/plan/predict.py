@@ -73,7 +73,8 @@ from minitrain.plan.moe import MoeShape, Qwen2MoeShape
 from minitrain.plan.gemma4 import Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5Shape
 from minitrain.plan.t5 import T5Shape
-from minitrain.plan.vision import Gemma3VLShape, Qwen3_5MoeVLShape, Qwen3_5VLShape, QwenVLShape
+from minitrain.plan.vision import (Gemma3VLShape, Gemma4MoeVLShape, Gemma4VLShape, Qwen3_5MoeVLShape, Qwen3_5VLShape,
+                                   QwenVLShape)
 
 
 def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape | T5Shape":
@@ -89,6 +90,9 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
     for moe in (MoeShape, Qwen2MoeShape):
         if kind in moe.FAMILIES:
             return moe.from_hf(d, where)
+    if kind in Gemma4VLShape.MODEL_TYPES and isinstance(d.get("vision_config"), dict):
+        moe = (d.get("text_config") or {}).get("enable_moe_block")
+        return (Gemma4MoeVLShape if moe else Gemma4VLShape).from_hf(d, where)
     if kind in Gemma4Shape.MODEL_TYPES:
         return Gemma4Shape.from_hf(d, where)
     if kind in Qwen3_5Shape.MODEL_TYPES:
@@ -240,7 +244,10 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
     out: list[tuple[str, int, int]] = []
 
     def add(keys: str, new: RunShape) -> None:
-        peak = predict(model, new).peak
+        try:
+            peak = predict(model, new).peak
+        except UserError:  # a change the plan does not model (Gemma 4's MoE size under quantize=) is not suggested
+            return
         if peak < base:
             out.append((keys, base - peak, peak))
 

@@ -1,5 +1,6 @@
-"""The memory plan of the vision-language checkpoints: Qwen2.5-VL, Qwen3-VL, multimodal Qwen3.5 (dense and MoE)
-and multimodal Gemma 3 (`models/qwen2_5_vl.py`, `models/qwen3_vl.py`, `models/qwen3_5.py`, `models/gemma3_vl.py`).
+"""The memory plan of the vision-language checkpoints: Qwen2.5-VL, Qwen3-VL, multimodal Qwen3.5 (dense and MoE),
+multimodal Gemma 3 and Gemma 4 (`models/qwen2_5_vl.py`, `models/qwen3_vl.py`, `models/qwen3_5.py`,
+`models/gemma3_vl.py`, `models/gemma4_vl.py`).
 
 The language model is planned as its text family (Qwen2's, Qwen3's, Qwen3.5's block by block, Gemma 3's shape,
 from `text_config`; Qwen3.5's tower is Qwen3-VL's without DeepStack);
@@ -20,6 +21,12 @@ for Gemma 3):
   and the merger / projector (and Qwen3-VL's DeepStack mergers), kept until the backward reaches the tower,
   after the language model's: the "vision tower backward" moment holds every language-model gradient then.
 
+Gemma 4 (`Gemma4VLShape`, over its block-by-block text plan): each image padded to its budget of patches (k**2
+a soft token when the image fills it), the pixels with their int64 positions; the frozen tower's forward is a
+moment of its own (the pixels' scaled copies, one block's working set, or the pooler's one-hot over the budget:
+`max_soft_tokens`, the processor's default 280 unless told), before the language model's. LoRA / QLoRA on the
+language model only: `finetune=full` and a regular-expression `lora_targets` reaching the tower are refused.
+
 `RunShape.image_tokens`: the placeholders in a micro-batch; None (what `run_shape` gives a recipe) counts
 every position of every row as one: the worst case, since how many images a row holds is the data's.
 Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process (Qwen3.5: LoRA / QLoRA only, as
@@ -33,11 +40,13 @@ in the compute dtype (notes say so).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import GemmaShape, ModelShape
+from minitrain.plan.gemma4 import Gemma4MoeShape, Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5MoeShape, Qwen3_5Shape
 from minitrain.plan.run_shape import RunShape, Term
 
@@ -49,6 +58,8 @@ _QWEN3 = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, 
               deepstack_visual_indexes=[8, 16, 24])
 _SIGLIP = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, num_channels=3,
                image_size=224, patch_size=16)
+_GEMMA4 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12, head_dim=64,
+               pooling_kernel_size=3, patch_size=16, position_embedding_size=10240)  # Gemma4VisionConfig's
 # the towers of Qwen3-VL's design (Qwen3.5's: no DeepStack) -> transformers' defaults of their vision_config
 _QWEN3_TOWERS = {"qwen3_vl": _QWEN3,
                  **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), {**_QWEN3, "deepstack_visual_indexes": []})}
@@ -77,6 +88,8 @@ class Tower:
 
     @classmethod
     def from_hf(cls, kind: str, d: dict[str, Any], text_width: int, tokens_per_image: int) -> "Tower":
+        if kind == "gemma4":
+            return cls.gemma4(d, text_width)
         if kind == "gemma3":
             v = {**_SIGLIP, **d}
             Dv, F, C, p = v["hidden_size"], v["intermediate_size"], v["num_channels"], v["patch_size"]
@@ -111,6 +124,22 @@ class Tower:
             outside = 2 * hd + 5 * Dv + 1  # rotary tables; the merger's RMSNorm (3 Dv + 1), fc1 and GELU
         return cls(kind, v["depth"], Dv, F, v["num_heads"], patch, m * m, tuple(tensors), outside)
 
+    @classmethod
+    def gemma4(cls, d: dict[str, Any], text_width: int) -> "Tower":
+        """Gemma 4's tower (models/gemma4_vl.py): the patch embedder (`input_proj`, the x / y position table), the
+        sandwich blocks (q / k / v / o, q / k norms, four norms, GeGLU), the clipped linears' bounds and the
+        standardisation's buffers when the config has them, `embed_vision`'s projection. Each image is padded to
+        the budget (`max_soft_tokens` k**2 patches): an image that fills it has k**2 patches a soft token; a patch's
+        values come with its int64 (x, y) position (4 floats' bytes)."""
+        v = {**_GEMMA4, **d}
+        Dv, F, H, hd, p = v["hidden_size"], v["intermediate_size"], v["num_attention_heads"], v["head_dim"], v["patch_size"]
+        clips = 7 * 4 if v.get("use_clipped_linears") else 0  # input / output min / max of each linear
+        layer = [Dv * H * hd] * 4 + [hd, hd] + [Dv] * 4 + [Dv * F] * 3 + [1] * clips
+        tensors = ([3 * p * p * Dv, 2 * v["position_embedding_size"] * Dv] + layer * v["num_hidden_layers"]
+                   + [Dv] * (2 if v.get("standardize") else 0) + [Dv * text_width])
+        return cls("gemma4", v["num_hidden_layers"], Dv, F, H, 3 * p * p + 4, v["pooling_kernel_size"] ** 2,
+                   tuple(tensors), 0.0)
+
     def saved_per_patch(self) -> float:
         """Floats a trained tower keeps for backward per patch (all its blocks and the rest)."""
         d, f, stats = _BLOCK[self.kind]
@@ -130,7 +159,7 @@ class WithTower:
         if not isinstance(text, dict) or not isinstance(vision, dict):
             raise UserError(f"{where}: a {kind} config without text_config / vision_config — restore the "
                             "checkpoint's config.json")
-        tied = d.get("tie_word_embeddings", kind == "gemma3")  # the outer one is what transformers honours
+        tied = d.get("tie_word_embeddings", kind in ("gemma3", "gemma4"))  # the outer one is what transformers honours
         shape = super().from_hf({**text, "model_type": cls.MODEL_TYPES[kind], "tie_word_embeddings": tied}, where)
         per_image = int(d.get("mm_tokens_per_image", 256))
         return replace(shape, tower=Tower.from_hf(kind, vision, shape.hidden_size, per_image))
@@ -153,7 +182,7 @@ class WithTower:
     def weight_terms(self, run: RunShape) -> list[Term]:
         s = 4 if run.full else run.s
         n = sum(self.tower.tensors)
-        what = "vision tower + " + ("projector" if self.tower.kind == "gemma3" else "merger")
+        what = "vision tower + " + ("projector" if self.tower.kind in ("gemma3", "gemma4") else "merger")
         return super().weight_terms(run) + [Term(f"weights: {what}", n * s, f"{n:,} x {s} B")]
 
     def adapted_summary(self, run: RunShape) -> str:
@@ -216,12 +245,12 @@ class Gemma3VLShape(WithTower, GemmaShape):
 
 
 class WithTowerByBlock(WithTower):
-    """Qwen3.5's multimodal shapes: the tower's terms over the text plan, whose refusals (finetune=full among them)
-    hold too."""
+    """Multimodal Qwen3.5 and Gemma 4: the tower's terms over the text plan, whose refusals (finetune=full among
+    them) hold too."""
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)
-        Qwen3_5Shape.check_run(self, run)
+        super(WithTower, self).check_run(run)  # the text plan's (`ByBlock`'s, Gemma 4 MoE's quantize=)
 
 
 @dataclass(frozen=True)
@@ -238,3 +267,59 @@ class Qwen3_5MoeVLShape(WithTowerByBlock, Qwen3_5MoeShape):
 
     tower: Tower | None = None
     MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+class Gemma4Tower(WithTowerByBlock):
+    """Multimodal Gemma 4 (`gemma4` with a `vision_config`): Gemma 4's language model planned block by block, its
+    tower frozen (a regular-expression `lora_targets` that reaches the tower is refused: its activations are not
+    planned). The tower runs before the language model, without a graph: its moment is the pixels and its
+    forward's working set (`tower_forward`)."""
+
+    max_soft_tokens: int
+    MODEL_TYPES: ClassVar[dict[str, str]] = {"gemma4": "gemma4_text"}
+    TOWER_NAMES: ClassVar[tuple[str, ...]] = ("model.vision_tower.encoder.layers.0.self_attn.q_proj.linear",
+                                              "model.vision_tower.patch_embedder.input_proj",
+                                              "model.embed_vision.embedding_projection")
+
+    def check_run(self, run: RunShape) -> None:
+        super().check_run(run)
+        for t in run.lora_targets:
+            if any(re.fullmatch(t, n) for n in self.TOWER_NAMES):
+                raise UserError(f"lora_targets {t!r} reaches Gemma 4's vision tower — the memory plan models its "
+                                "tower frozen (LoRA on the language model); memory_check=false skips the plan")
+
+    def tower_forward(self, run: RunShape) -> Term:
+        """The tower's forward, nothing kept, at its largest of (per patch): the patch embedder's two fp32 copies of
+        the pixels (2 (x - 0.5)); one block's working set (the residual, its norm, q / k / v, the GeGLU's inputs:
+        about 5 Dv + 2 Fv in the compute dtype; SDPA on a CPU works in tiles); the pooler's one-hot weights over the
+        budget's soft tokens (int64 + fp32) beside the residual. (Read off measured forwards.)"""
+        t, P, s = self.tower, self.image_tokens(run) * self.tower.patches_per_token, run.s
+        pixels = 2 * (t.patch_values - 4) * 4
+        block = (5 * t.width + 2 * t.ffn) * s
+        pool = self.max_soft_tokens * 12 + t.width * 4
+        per = max(pixels, block, pool)
+        what = {pixels: "the pixels' two scaled copies", block: "one block (5 Dv + 2 Fv)",
+                pool: f"the pooler's one-hot over {self.max_soft_tokens} soft tokens"}[per]
+        return Term(f"vision tower forward: {what}", P * per, f"{P:,} patches x {per:,} B")
+
+    def moments(self, run: RunShape) -> tuple[dict[str, list[Term]], list[str]]:
+        moments, notes = super().moments(run)
+        pixels = self.tower_terms(run)
+        moments["vision tower forward (no grad)"] = pixels + [self.tower_forward(run)]
+        return moments, notes
+
+
+@dataclass(frozen=True)
+class Gemma4VLShape(Gemma4Tower, Gemma4Shape):
+    """Multimodal Gemma 4's dense sizes."""
+
+    tower: Tower | None = None
+    max_soft_tokens: int = 280  # Gemma4ImageProcessor's default budget (a folder's preprocessor_config.json may differ)
+
+
+@dataclass(frozen=True)
+class Gemma4MoeVLShape(Gemma4Tower, Gemma4MoeShape):
+    """Multimodal Gemma 4's MoE size (26B-A4B, `enable_moe_block` in its `text_config`)."""
+
+    tower: Tower | None = None
+    max_soft_tokens: int = 280

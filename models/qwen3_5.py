@@ -658,11 +658,15 @@ class Qwen3_5Model(DecoderBody):
 
     def _forward_block_mask(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                             document_ids: torch.Tensor | None, cache: KVCache | None,
-                            hidden_layers: Collection[int] = (), attention_layers: Collection[int] = ()):
+                            hidden_layers: Collection[int] = (), attention_layers: Collection[int] = (),
+                            additions: Sequence[torch.Tensor] = ()):
         """Rows of several sequences. A row whose documents share a prefix (document id 0, DPO's prompt,
         GRPO's prompt) runs as one row per document, [prefix; document], since a recurrent state cannot
         branch inside a row; each token's hidden state is that of its first copy (the prefix's: from its
-        first document's row). Without a shared prefix, as the floor (restarts at each document)."""
+        first document's row). Without a shared prefix, as the floor (restarts at each document). `additions`
+        (DeepStack's) are not taken: Qwen3.5 has none, and its images do not go in packed rows yet."""
+        if additions:
+            raise ValueError("qwen3_5: additions to the layers' outputs in rows of several sequences — not supported")
         if document_ids is None and mask is not None and position_ids is not None:
             _check_no_shared_prefix(mask)
         if document_ids is None or position_ids is None or cache is not None or not bool((document_ids == 0).any()):

@@ -37,23 +37,31 @@ def tiny_config(**text):
                                       video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
 
 
-@pytest.fixture(scope="session")
-def vl3(tmp_path_factory) -> Path:
+def saved_tiny(hf_class, config, d: Path) -> Path:
+    """transformers' `hf_class(config)` drawn from seed 0, its norms perturbed (so that they matter), saved in `d`."""
     torch.manual_seed(0)
-    model = transformers.Qwen3VLForConditionalGeneration(tiny_config())
+    model = hf_class(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    d = tmp_path_factory.mktemp("qwen3_vl")
     model.save_pretrained(d)
     return d
 
 
+def loaded_pair(hf_class, folder: Path):
+    """(transformers' model, ours) of `folder`, in eval mode."""
+    return hf_class.from_pretrained(folder, dtype=torch.float32).eval(), load_pretrained(folder, models.from_hf_config).eval()
+
+
+@pytest.fixture(scope="session")
+def vl3(tmp_path_factory) -> Path:
+    return saved_tiny(transformers.Qwen3VLForConditionalGeneration, tiny_config(), tmp_path_factory.mktemp("qwen3_vl"))
+
+
 @pytest.fixture(scope="module")
 def pair(vl3):
-    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(vl3, dtype=torch.float32).eval()
-    return hf, load_pretrained(vl3, models.from_hf_config).eval()
+    return loaded_pair(transformers.Qwen3VLForConditionalGeneration, vl3)
 
 
 def test_logits_with_images_equal_transformers(pair):

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_qwen2_5_vl import IMAGE, batch, check_generation_after_images, check_packed_rows_equal_each_alone, \
     check_saved_folder, hf_logits, rel
-from test_qwen3_vl import TEXT, VISION
+from test_qwen3_vl import TEXT, VISION, loaded_pair, saved_tiny
 
 import models
 from minitrain.weights import load_pretrained
@@ -36,21 +36,13 @@ def tiny_config(**text):
 
 @pytest.fixture(scope="session")
 def vlmoe(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    model = transformers.Qwen3VLMoeForConditionalGeneration(tiny_config())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    d = tmp_path_factory.mktemp("qwen3_vl_moe")
-    model.save_pretrained(d)
-    return d
+    return saved_tiny(transformers.Qwen3VLMoeForConditionalGeneration, tiny_config(),
+                      tmp_path_factory.mktemp("qwen3_vl_moe"))
 
 
 @pytest.fixture(scope="module")
 def pair(vlmoe):
-    hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(vlmoe, dtype=torch.float32).eval()
-    return hf, load_pretrained(vlmoe, models.from_hf_config).eval()
+    return loaded_pair(transformers.Qwen3VLMoeForConditionalGeneration, vlmoe)
 
 
 def test_logits_and_aux_loss_with_images_equal_transformers(pair):

@@ -23,7 +23,7 @@ import torch
 import transformers
 from test_gemma3_vl import VISION as GEMMA3_VISION
 from test_gemma4_vl import AUDIO as GEMMA4_AUDIO
-from test_plan import ALL, DELTANET, GEMMA4, ROOT, build, full_model, hf_config, measured_step, tensor_bytes
+from test_plan import ALL, ATTN, DELTANET, GEMMA4, ROOT, build, full_model, hf_config, measured_step, tensor_bytes
 from test_qwen2_5_vl import VISION as QWEN2_5_VISION
 from test_qwen3_vl import HUB_2B
 from test_qwen3_vl import VISION as QWEN3_VISION
@@ -43,7 +43,7 @@ ROPE = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.
 # the DeltaNet linears too (test_plan measures the text plan so)
 QWEN3_5 = dict(layer_types=["linear_attention", "full_attention"], head_dim=64, linear_key_head_dim=16,
                linear_value_head_dim=48, linear_num_key_heads=2, linear_num_value_heads=4)
-TARGETS = {"qwen3_5": ALL + DELTANET}
+TARGETS = {"qwen3_5": ALL + DELTANET, "qwen3_vl_moe": ATTN + ("experts.gate_up_proj", "experts.down_proj")}
 WIDE = {"out_hidden_size": 128}  # the merger's output: the language model's width
 FAMILIES = {
     "qwen2_5_vl": lambda: transformers.Qwen2_5_VLConfig(
@@ -57,6 +57,12 @@ FAMILIES = {
                                                              "partial_rotary_factor": 0.25}},
         vision_config={k: v for k, v in {**QWEN3_VISION, **WIDE}.items() if k != "deepstack_visual_indexes"},
         image_token_id=IMAGE, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153),
+    # every layer sparse (the MoE plan's rule): 4 experts of 96, top 2
+    "qwen3_vl_moe": lambda: transformers.Qwen3VLMoeConfig(
+        text_config={**TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+                     "rope_parameters": {**ROPE, "mrope_interleaved": True}},
+        vision_config={**QWEN3_VISION, **WIDE}, image_token_id=IMAGE, video_token_id=151, vision_start_token_id=152,
+        vision_end_token_id=153),
     "gemma3": lambda: transformers.Gemma3Config(
         text_config={**TEXT, "sliding_window": 64, "query_pre_attn_scalar": 32,
                      "layer_types": ["sliding_attention", "full_attention"]},
@@ -142,13 +148,15 @@ def test_the_hub_qwen3_vl_2b_counted_as_built():
 
 # planned / measured when written: LoRA 0.98, 0.918, 1.021 (bf16: 1.005); full 0.987, 0.931, 0.972 (the text
 # family's plan alone: 0.554, 0.571, 0.491 of the full steps); full bf16 1.159 (the tower's activations counted
-# as fp32: on the safe side); full with the language model's blocks checkpointed 0.947; Qwen3.5 LoRA 1.108
+# as fp32: on the safe side); full with the language model's blocks checkpointed 0.947; Qwen3.5 LoRA 1.108;
+# Qwen3-VL-MoE LoRA 0.921, full 0.969
 CASES = {"qwen2_5_vl lora": ("qwen2_5_vl", False, "fp32", False), "qwen2_5_vl full": ("qwen2_5_vl", True, "fp32", False),
          "qwen3_vl lora": ("qwen3_vl", False, "fp32", False), "qwen3_vl full": ("qwen3_vl", True, "fp32", False),
          "gemma3 lora": ("gemma3", False, "fp32", False), "gemma3 full": ("gemma3", True, "fp32", False),
          "qwen3_5 lora": ("qwen3_5", False, "fp32", False),
          "qwen3_vl lora bf16": ("qwen3_vl", False, "bf16", False), "qwen2_5_vl full bf16": ("qwen2_5_vl", True, "bf16", False),
-         "qwen3_vl full ckpt": ("qwen3_vl", True, "fp32", True)}
+         "qwen3_vl full ckpt": ("qwen3_vl", True, "fp32", True),
+         "qwen3_vl_moe lora": ("qwen3_vl_moe", False, "fp32", False), "qwen3_vl_moe full": ("qwen3_vl_moe", True, "fp32", False)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -74,7 +74,7 @@ from minitrain.plan.gemma4 import Gemma4Shape
 from minitrain.plan.qwen3_5 import Qwen3_5Shape
 from minitrain.plan.t5 import T5Shape
 from minitrain.plan.vision import (Gemma3VLShape, Gemma4MoeVLShape, Gemma4VLShape, Qwen3_5MoeVLShape, Qwen3_5VLShape,
-                                   QwenVLShape)
+                                   QwenVLMoeShape, QwenVLShape)
 
 
 def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape | T5Shape":
@@ -97,7 +97,7 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
         return Gemma4Shape.from_hf(d, where)
     if kind in Qwen3_5Shape.MODEL_TYPES:
         return Qwen3_5Shape.from_hf(d, where)
-    for vl in (QwenVLShape, Qwen3_5VLShape, Qwen3_5MoeVLShape, Gemma3VLShape):
+    for vl in (QwenVLShape, QwenVLMoeShape, Qwen3_5VLShape, Qwen3_5MoeVLShape, Gemma3VLShape):
         if kind in vl.MODEL_TYPES:
             return vl.from_hf(d, where)
     return ModelShape.from_hf(d, where)

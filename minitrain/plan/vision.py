@@ -1,9 +1,9 @@
-"""The memory plan of the vision-language checkpoints: Qwen2.5-VL, Qwen3-VL, multimodal Qwen3.5 (dense and MoE),
-multimodal Gemma 3 and Gemma 4 (`models/qwen2_5_vl.py`, `models/qwen3_vl.py`, `models/qwen3_5.py`,
-`models/gemma3_vl.py`, `models/gemma4_vl.py`).
+"""The memory plan of the vision-language checkpoints: Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, multimodal Qwen3.5 (dense
+and MoE), multimodal Gemma 3 and Gemma 4 (`models/qwen2_5_vl.py`, `models/qwen3_vl.py`, `models/qwen3_vl_moe.py`,
+`models/qwen3_5.py`, `models/gemma3_vl.py`, `models/gemma4_vl.py`).
 
-The language model is planned as its text family (Qwen2's, Qwen3's, Qwen3.5's block by block, Gemma 3's shape,
-from `text_config`; Qwen3.5's tower is Qwen3-VL's without DeepStack);
+The language model is planned as its text family (Qwen2's, Qwen3's, Qwen3-MoE's, Qwen3.5's block by block, Gemma
+3's shape, from `text_config`; Qwen3.5's tower is Qwen3-VL's without DeepStack);
 the image placeholders are positions of its rows, so `seq` already counts them. The tower adds (`Tower`, from
 `vision_config`; P = patches, `patches_per_token` per placeholder: merge**2 for Qwen, the pooling kernel**2
 for Gemma 3):
@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 from minitrain.errors import UserError
 from minitrain.plan.decoder import GemmaShape, ModelShape
 from minitrain.plan.gemma4 import Gemma4MoeShape, Gemma4Shape
+from minitrain.plan.moe import MoeShape
 from minitrain.plan.qwen3_5 import Qwen3_5MoeShape, Qwen3_5Shape
 from minitrain.plan.run_shape import RunShape, Term
 
@@ -61,7 +62,7 @@ _SIGLIP = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, nu
 _GEMMA4 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12, head_dim=64,
                pooling_kernel_size=3, patch_size=16, position_embedding_size=10240)  # Gemma4VisionConfig's
 # the towers of Qwen3-VL's design (Qwen3.5's: no DeepStack) -> transformers' defaults of their vision_config
-_QWEN3_TOWERS = {"qwen3_vl": _QWEN3,
+_QWEN3_TOWERS = {"qwen3_vl": _QWEN3, "qwen3_vl_moe": _QWEN3,
                  **dict.fromkeys(("qwen3_5", "qwen3_5_moe"), {**_QWEN3, "deepstack_visual_indexes": []})}
 # floats a block keeps per patch: (x Dv, x Fv, + heads, + the norms' statistics)
 _BLOCK = {"qwen2_5_vl": (13, 4, 2), "gemma3": (8, 2, 4), **dict.fromkeys(_QWEN3_TOWERS, (11, 2, 4))}
@@ -232,6 +233,15 @@ class QwenVLShape(WithTower, ModelShape):
 
     tower: Tower | None = None
     MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+
+
+@dataclass(frozen=True)
+class QwenVLMoeShape(WithTower, MoeShape):
+    """Qwen3-VL-MoE: Qwen3-VL's tower over a Qwen3-MoE language model (`minitrain.plan.moe`: every expert in
+    memory; every layer sparse, as that plan requires)."""
+
+    tower: Tower | None = None
+    MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen3_vl_moe": "qwen3_moe"}
 
 
 @dataclass(frozen=True)

@@ -1087,8 +1087,10 @@ def test_gemma4_params_weights_and_adapters_exact():
     model = build(hf, torch.bfloat16, ALL)
     frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
     assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute="bf16"))) == tensor_bytes(frozen)
-    lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
-    assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=ALL))) == lora
+    for targets in (ALL, ("all-linear",)):  # all-linear: the model's per_layer_model_projection too
+        model = build(hf, torch.bfloat16, targets)
+        lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
+        assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=targets))) == lora
     assert shape_from_hf({"model_type": "gemma4", "text_config": hf}).num_params() == shape.num_params()
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved
+from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved, matches
 from minitrain.plan.moe import ExpertBlocks
 from minitrain.plan.run_shape import RunShape, Term
 
@@ -167,6 +167,16 @@ class Gemma4Shape(ByBlock, GemmaShape):
         per = [(self.NORMS + (1 if P else 0)) * D + 1 + v.head_dim * (1 if self.shares(i) else 2)
                for i, v in ((i, self.layer_view(i)) for i in range(L))]
         return sum(per) + D + (P if P else 0), f"{sum(per):,} in blocks + {D}" + (f" + {P} (PLE norm)" if P else "")
+
+    def trainable_tensors(self, run: RunShape) -> list[int]:
+        """The blocks' adapters (and modules_to_save), plus LoRA on the model's `per_layer_model_projection` (D ->
+        L x P, outside the blocks) when the targets reach it: all-linear, or its name."""
+        out = super().trainable_tensors(run)
+        if self.ple and not run.full and any(t == "all-linear" or matches("per_layer_model_projection", t)
+                                             for t in run.lora_targets):
+            D, n = self.hidden_size, self.num_hidden_layers * self.ple
+            out += [run.rank(D, n) * D, n * run.rank(D, n)]
+        return out
 
     def ple_params(self) -> int:
         """The per-layer embeddings' table (vocab_size_per_layer_input x L P) and projection (D x L P)."""

@@ -167,8 +167,10 @@ def test_a_batch_made_ahead_and_never_used_is_dropped_silently():
 @pytest.mark.slow
 def test_torchrun_ranks_prefetch_their_share(vlm, tmp_path):
     """2 ddp ranks (batch_size 2: one example each per micro-batch), each prefetching its share: the same ranks'
-    collectives, and the losses of one process to 1e-5 (the ranks sum in another order)."""
-    from test_torchrun_resume import launch
+    collectives, and the losses of one process to 1e-5 (the ranks sum in another order); cut after step 1 and
+    resumed with resume=true at 2 ranks (the batch order peeked ahead never saved), it ends as the uninterrupted
+    2-rank run: the same steps' losses and adapter."""
+    from test_torchrun_resume import assert_equal_runs, launch
 
     args = [str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={vlm['data']}", "batch_size=2",
             "grad_accum=2", "max_steps=2", "lora_r=4", "lora_alpha=8", "device=cpu", "max_len=256", "log_every=1"]
@@ -178,3 +180,9 @@ def test_torchrun_ranks_prefetch_their_share(vlm, tmp_path):
     assert [r["step"] for r in two] == [1, 2] and all("data_wait" in r for r in two)
     for a, b in zip(one, two):
         assert a["tokens"] == b["tokens"] and abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+    cut = [*args, f"out={tmp_path / 'cut'}", "save_every=1"]
+    launch(2, [*cut, "stop_after=1"])
+    assert [r["step"] for r in rows(tmp_path / "cut")] == [1]
+    launch(2, [*cut, "resume=true"])
+    assert [r["step"] for r in rows(tmp_path / "cut")] == [1, 2]
+    assert_equal_runs(tmp_path / "cut", tmp_path / "two", tol=0.0)

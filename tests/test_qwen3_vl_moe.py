@@ -197,3 +197,28 @@ def test_fsdp_reads_the_saved_layout_by_rows_and_refuses_the_transposed_one(vlmo
 def test_packed_rows_with_images_equal_each_sequence_alone(pair):
     """Packed image rows: each sequence's logits as its own forward's (the experts over every sequence's tokens)."""
     check_packed_rows_equal_each_alone(pair[1])
+
+
+@pytest.mark.slow
+def test_fsdp_lora_from_torchrun_resumes_and_equals_one_process(tmp_path):
+    """`python -m torch.distributed.run ... -m minitrain recipes/sft.py parallel=fsdp` on a Qwen3-VL-MoE folder saved
+    by transformers (its experts in the model's layout, read by rows: `fsdp.defer_weights`), LoRA on the attention
+    and the experts, cut after step 1 and finished with resume=true at 2 ranks (the ranks' collectives compared in
+    each launch): the losses and adapter of one process."""
+    from test_image_rows import vl_folder
+    from test_torchrun_resume import assert_equal_runs, launch, rows
+
+    model = vl_folder(tmp_path / "model", "qwen3_vl_moe")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
+                                                     {"role": "assistant", "content": w}]}) + "\n"
+                            for w in ("one", "two", "three", "four", "five", "six", "seven", "eight")))
+    args = ["recipes/sft.py",
+        f"model={model}", f"data={data}", "batch_size=2", "max_steps=2", "lora_r=4", "lora_alpha=8", "lr=1e-2",
+        "device=cpu", "max_len=64", "log_every=1", "lora_targets=q_proj,v_proj,experts.gate_up_proj,experts.down_proj"]
+    launch(1, [*args, f"out={tmp_path / 'one'}"])
+    cut = [*args, f"out={tmp_path / 'fsdp'}", "parallel=fsdp", "save_every=1"]
+    launch(2, [*cut, "stop_after=1"])
+    assert [r["step"] for r in rows(tmp_path / "fsdp")] == [1]
+    launch(2, [*cut, "resume=true"])
+    assert_equal_runs(tmp_path / "fsdp", tmp_path / "one", tol=1e-5)

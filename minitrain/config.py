@@ -122,6 +122,10 @@ class TrainConfig:
                                  "the blocks that attend are computed; CUDA only: it has no backward on a CPU); "
                                  "auto = flex on CUDA with compile=true, else sdpa",
                          choices=("auto", "sdpa", "flex"))
+    kernels: str = doc("auto", "Qwen3.5's Gated DeltaNet layers on CUDA: auto = flash-linear-attention's Triton "
+                               "kernels when the kernels extra is installed (pip install \"minitrain[kernels]\"), else "
+                               "the torch path; fla = those kernels or one line saying why not; torch = the torch path",
+                       choices=("auto", "fla", "torch"))
     parallel: str = doc("ddp", "under torchrun: ddp (each rank holds the model, gradients summed) or fsdp "
                                "(FSDP2 shards blocks, gradients and optimizer state); fsdp needs torchrun",
                         choices=("ddp", "fsdp"))

@@ -55,6 +55,7 @@ from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_sourc
 from minitrain.data.store import carries
 from minitrain.data.store_build import default_cache, open_or_build
 from minitrain.device import base_dtype, pick_device, resolve_attention
+from minitrain.kernels import resolve_kernels
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft
 from minitrain.progress import log, strict_json
@@ -328,6 +329,7 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     # `attention=` refused here, before anything is written; `train` sets it on the model it compiles
     # (not on a model that only runs eagerly, as distillation's teacher: eager FlexAttention is slow)
     resolve_attention(getattr(cfg, "attention", "auto"), model, device, compiled=False)
+    resolve_kernels(getattr(cfg, "kernels", "auto"), model, device)  # likewise `kernels=`
     emb = getattr(model, "input_embeddings", None)
     if isinstance(emb, nn.Embedding) and tok.vocab_size > emb.num_embeddings:
         raise UserError(f"{folder}: the tokenizer has {tok.vocab_size} ids but the model's embedding has "

@@ -49,6 +49,7 @@ from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.prefetch import Prefetch
 from minitrain.data.store import carries
 from minitrain.device import resolve_precision, set_attention
+from minitrain.kernels import use_kernels
 from minitrain.ema import EMA, attach
 from minitrain.errors import UserError
 from minitrain.optim import AdamW
@@ -190,6 +191,7 @@ def train(
     params = [p for _, p in named]
     amp_dtype, scaler = resolve_precision(cfg.precision, device)
     set_attention(cfg, model, device, log)  # rows of several sequences: sdpa or flex (`attention=`)
+    use_kernels(model, getattr(cfg, "kernels", "auto"), device, log)  # Qwen3.5's DeltaNet on CUDA: fla's kernels
 
     # ---- size the run in optimizer steps (rule 1) and say so before step 1
     total_steps, warmup_steps, micro_per_epoch = resolve_steps(

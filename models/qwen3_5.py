@@ -469,6 +469,18 @@ def ragged_starts(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
     return starts
 
 
+def sequence_bounds(starts: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """The batch's sequences laid end to end (B * T tokens, row-major) as cumulative offsets (N + 1,) int64
+    (flash-attention's and `fla`'s `cu_seqlens`): a sequence starts at each row's first token and wherever
+    `starts` (B, T) bool (the tokens that start a sequence, `segment_starts`; None: none do) says so."""
+    first = torch.zeros(B, T, dtype=torch.bool, device=device)
+    first[:, 0] = True
+    if starts is not None:
+        first |= starts.to(device)
+    at = first.flatten().nonzero().squeeze(1)
+    return torch.cat([at, at.new_tensor([B * T])])
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, head: torch.Tensor | None,
                 segments: torch.Tensor | None) -> torch.Tensor:
     """Depthwise causal convolution over time: x (B, C, T), weight (C, 1, K), `head` (B, C, K-1) the
@@ -535,9 +547,16 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
 
+    # kernels for the convolution and the scan, set per layer by `minitrain.kernels` (fla's Triton kernels on
+    # CUDA): `conv(mixed (B, C, T), weight (C, 1, K), bounds)` -> silu(conv) (B, C, T) and `rule(q, k, v, g, beta,
+    # bounds)` -> o (B, T, H, dv), over the sequences `bounds` gives (`sequence_bounds`); used without a cache only
+    kernels: Any = None
+
     def forward(self, x: torch.Tensor, segments: Any, cache: KVCache | None = None) -> torch.Tensor:
         if isinstance(segments, Ragged):  # one row, a restart at each sequence
             return self.forward(x[None], ragged_starts(segments.lengths, x.device))[0]
+        if self.kernels is not None and cache is None:
+            return self._forward_kernels(x, segments)
         B, T, _ = x.shape
         prior = cache.states.get(self.layer_idx) if cache is not None else None
         if segments is not None:
@@ -549,11 +568,7 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x).transpose(1, 2)  # (B, C, T)
         conv_segments = None if segments is None else F.pad(segments, (K - 1, 0))
         mixed_conv = F.silu(causal_conv(mixed, self.conv1d.weight, prior[0] if prior else None, conv_segments))
-        q, k, v = mixed_conv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = q.unflatten(-1, (self.n_k, self.dk)), k.unflatten(-1, (self.n_k, self.dk))
-        v = v.unflatten(-1, (self.n_v, self.dv))
-        beta = self.in_proj_b(x).sigmoid()  # (B, T, Hv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (B, T, Hv) log decay
+        q, k, v, g, beta = self._split(x, mixed_conv)
         state = prior[1] if prior else None
         if prior is not None and T == 1:
             o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
@@ -565,8 +580,26 @@ class GatedDeltaNet(nn.Module):
                 tail = conv_segments[:, -(K - 1):]
                 head = head * (tail == conv_segments[:, -1:])[:, None].to(head.dtype)
             cache.states[self.layer_idx] = (head.detach(), state.detach())
+        return self._output(x, o)
+
+    def _split(self, x: torch.Tensor, mixed_conv: torch.Tensor):
+        """(q, k, v, g, beta) from the convolution's output (B, C, T) and the layer's input x (B, T, D)."""
+        q, k, v = mixed_conv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.unflatten(-1, (self.n_k, self.dk)), k.unflatten(-1, (self.n_k, self.dk))
+        v = v.unflatten(-1, (self.n_v, self.dv))
+        beta = self.in_proj_b(x).sigmoid()  # (B, T, Hv)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (B, T, Hv) log decay
+        return q, k, v, g, beta
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         z = self.in_proj_z(x).unflatten(-1, (self.n_v, self.dv))
         return self.out_proj(self.norm(o, z).flatten(-2))
+
+    def _forward_kernels(self, x: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+        """The forward through `self.kernels` (no cache): the same values as the torch path, to the kernels' rounding."""
+        bounds = sequence_bounds(starts, *x.shape[:2], x.device)
+        mixed_conv = self.kernels.conv(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight, bounds)
+        return self._output(x, self.kernels.rule(*self._split(x, mixed_conv), bounds))
 
 
 # --------------------------------------------------------------------------------------------

@@ -106,6 +106,9 @@ def models_dir(hf_causal, tmp_path_factory, mxfp4_checkpoint) -> Path:  # noqa: 
         return d
 
     moe("gpt_oss_mxfp4", mxfp4_checkpoint)
+    from test_qwen3_5 import QWEN35
+
+    moe("qwen3_5", hf_causal("qwen3_5", **QWEN35))  # (the same folder as tests/test_qwen3_5.py's)
     d = moe("moe_unknown_field", hub_checkpoint(hf_causal, "qwen3_moe"))  # a field that would change the routing
     (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "moe_layer_freq": 2}))
     d = moe("moe_missing_expert", hub_checkpoint(hf_causal, "qwen3_moe"))

@@ -7,7 +7,9 @@
   adapter gradients equal the padded batch's (GQA, a sliding window shorter than the sequences);
 - nf4 / int8 QLoRA on CUDA: logits and adapter gradients equal peft + bitsandbytes (transformers'
   `BitsAndBytesConfig` loading of the same checkpoint) with the same adapter values;
-- FSDP2 on one GPU (torchrun, NCCL) over an nf4 base trains the adapter the plain QLoRA run trains.
+- FSDP2 on one GPU (torchrun, NCCL) over an nf4 base trains the adapter the plain QLoRA run trains;
+- with flash-linear-attention installed (the `kernels` extra), its kernels on Qwen3.5's DeltaNet layers give the
+  torch path's logits and gradients on padded and packed rows.
 """
 
 from __future__ import annotations
@@ -259,3 +261,46 @@ def test_flex_attention_head_dims_forward_and_backward(head_dim):
     ref.float().square().sum().backward()
     for a, b in zip(flex, [ref.detach().float()] + [t.grad.float() for t in (q, k, v)]):
         assert (a - b).norm() / b.norm() < 2e-2, head_dim
+
+
+@pytest.mark.skipif(not __import__("minitrain.kernels", fromlist=["x"]).fla_installed(),
+                    reason="needs flash-linear-attention (the kernels extra)")
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_fla_kernels_equal_torch_path(hf_causal, amp):
+    """fla's chunked kernels on Qwen3.5's Gated DeltaNet layers (`minitrain.kernels`, kernels=auto on CUDA) give
+    the torch path's logits and gradients on a left-padded batch over several chunks and on a packed row of
+    three documents: each sequence restarts the scan and the convolution where the torch path does. fp32:
+    within 2e-3 of the largest value (Triton's dots in tf32), bf16 autocast: 3e-2 (the kernels scan in bf16
+    inputs, the torch path in fp32). Head dims of 32: fla's kernels want at least 16."""
+    from minitrain.kernels import FlaDeltaNet, attach
+    from test_qwen3_5 import QWEN35
+
+    folder = hf_causal("qwen3_5_fla", **{**QWEN35, "hidden_size": 128, "linear_key_head_dim": 32,
+                                         "linear_value_head_dim": 32, "head_dim": 32})
+    model = load_pretrained(folder, models.from_hf_config, device="cuda").requires_grad_(True).train()
+    g = torch.Generator().manual_seed(0)
+    padded = torch.randint(3, 128, (2, 200), generator=g), torch.ones(2, 200, dtype=torch.long)
+    padded[1][1, :57] = 0
+    lengths = [70, 101, 25]
+    packed = dict(document_ids=torch.cat([torch.full((1, n), i + 1) for i, n in enumerate(lengths)], 1),
+                  position_ids=torch.cat([torch.arange(n)[None] for n in lengths], 1))
+    cases = [((padded[0], padded[1]), {}), ((torch.randint(3, 128, (1, sum(lengths)), generator=g), None), packed)]
+    tol = 2e-3 if amp is None else 3e-2
+
+    def run(args, kw):
+        model.zero_grad(set_to_none=True)
+        args = [a.cuda() if a is not None else None for a in args]
+        with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+            out = model(*args, **{k: v.cuda() for k, v in kw.items()}).float()
+        (out * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
+        return out.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    for args, kw in cases:
+        attach(model, None)
+        ref, ref_grads = run(args, kw)
+        attach(model, FlaDeltaNet())
+        out, grads = run(args, kw)
+        real = args[1].cuda().bool() if args[1] is not None else torch.ones_like(ref[..., 0], dtype=torch.bool)
+        assert float((out[real] - ref[real]).abs().max() / ref[real].abs().max()) <= tol
+        for name, grad in grads.items():
+            assert float((grad - ref_grads[name]).abs().max() / ref_grads[name].abs().max().clamp(min=1e-12)) <= tol, name

@@ -1,6 +1,6 @@
 """Everything only a GPU can show, in one command:
 
-    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo,moe] [--write BENCHMARKS.md] [--append]
+    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo,moe,deltanet] [--write BENCHMARKS.md] [--append]
                               [--logs DIR] [--sft-steps 8] [--sft-rows 4] [--sft-seq 1024] [--skip-hf]
     python tools/gpu_check.py --tiny [--write FILE]   # every part on tiny shapes (on the CPU without a GPU)
 
@@ -30,6 +30,12 @@ Parts (each side of each comparison in its own process, so that its peak memory 
    weights, r=16 on the attention and every expert, checkpointing every block): minitrain's grouped
    experts (`torch._grouped_mm`) against transformers' `grouped_mm` experts + peft (`target_parameters`);
    MFU counts the active parameters (each token's 8 experts), the same count for both.
+8. `deltanet`: the gated delta rule of one Qwen3.5 DeltaNet layer (`DELTANET`: 16 q / k heads and 32 value
+   heads of 128, 4096 tokens as 4 packed sequences, bf16 inputs): forward + backward of minitrain's chunked
+   torch path against flash-linear-attention's `chunk_gated_delta_rule` (the `kernels` extra, which
+   `kernels=auto` uses on CUDA), their outputs' largest difference, in this process. The device machine
+   reaches no network: carry the wheels (`pip download flash-linear-attention fla-core einops -d wheels`,
+   then `pip install --no-index --find-links wheels flash-linear-attention` there).
 
 Tokens/s, MFU (`minitrain.plan.flops`: model FLOPs / s / the device's dense bf16 peak, the same count
 for both stacks) and peak allocated memory go to a dated section between `<!-- gpu:begin -->` and
@@ -53,6 +59,7 @@ Run it in calls of under 10 minutes each, the parts that have never run on a GPU
     python tools/gpu_check.py --parts sft --append --logs gpu_logs         # 6.5 min on 28 Nov
     python tools/gpu_check.py --parts grpo --append --logs gpu_logs        # 2.5 min on 28 Nov
     python tools/gpu_check.py --parts moe --append --logs gpu_logs         # not run yet: about 3 min (estimate)
+    python tools/gpu_check.py --parts deltanet --append --logs gpu_logs    # not run yet: under 1 min (estimate)
 
 A lease holds the first two; the next lease goes on where it stopped. The section is written after
 every part, so a call cut short keeps what finished; `--append` keeps the sections already between the
@@ -90,10 +97,13 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048
                      num_hidden_layers=MOE_LAYERS, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                      rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
                      bos_token_id=151643, eos_token_id=151645)
+# one DeltaNet layer's rule: (q / k heads, value heads, head dim, tokens, packed sequences)
+DELTANET = dict(heads=16, value_heads=32, dim=128, tokens=4096, sequences=4)
+DELTANET_TINY = dict(heads=2, value_heads=4, dim=16, tokens=96, sequences=3)
 MOE_TINY = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16)  # with TINY
 # on Qwen3-MoE, LLaMA's MLP names are the experts' (as peft 0.21 maps them): attention + every expert
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PARTS = ("tests", "dpo", "sft", "packed", "qlora", "grpo", "moe")
+PARTS = ("tests", "dpo", "sft", "packed", "qlora", "grpo", "moe", "deltanet")
 GB = 1e9
 
 # one lever at a time: TrainConfig keys over the base (bf16, per-block compile on CUDA)
@@ -357,6 +367,53 @@ def child_grpo(a: argparse.Namespace) -> dict:
     return result
 
 
+def child_deltanet(a: argparse.Namespace) -> dict:
+    """Forward + backward of the gated delta rule, minitrain's torch path against fla's kernels (`DELTANET`)."""
+    import torch
+
+    from minitrain.kernels import fla_installed
+    from models.qwen3_5 import chunk_gated_delta_rule
+
+    dev = device()
+    c = DELTANET_TINY if a.tiny else DELTANET
+    T, H, HV, d, n = c["tokens"], c["heads"], c["value_heads"], c["dim"], c["sequences"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(dev)  # noqa: E731
+    q, k, v = make(1, T, H, d).bfloat16(), make(1, T, H, d).bfloat16(), make(1, T, HV, d).bfloat16()
+    g_log = -torch.rand(1, T, HV, generator=g).to(dev) * 0.2  # log decays in (-0.2, 0]
+    beta = torch.rand(1, T, HV, generator=g).to(dev).bfloat16()
+    cu = torch.arange(n + 1, device=dev) * (T // n)
+    cu[-1] = T
+    starts = torch.zeros(1, T, dtype=torch.bool, device=dev)
+    starts[0, cu[1:-1]] = True
+    segments = starts.long().cumsum(1)
+    grad_out = make(1, T, HV, d).bfloat16()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def timed(f) -> tuple[float, torch.Tensor]:
+        ins = [t.detach().requires_grad_(t.is_floating_point()) for t in (q, k, v, g_log, beta)]
+        out = f(*ins)
+        out.backward(grad_out)
+        sync()
+        times = []
+        for _ in range(2 if a.tiny else 5):
+            t0 = time.perf_counter()
+            f(*ins).backward(grad_out)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return min(times), out.detach().float()
+
+    torch_s, ref = timed(lambda *x: chunk_gated_delta_rule(*x, segments=segments)[0])
+    result = {"shape": c, "torch_ms": 1e3 * torch_s, "torch_tokens_per_s": T / torch_s}
+    if not fla_installed() or dev.type != "cuda":
+        return {**result, "fla": "flash-linear-attention is not installed" if not fla_installed() else "needs CUDA"}
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+
+    fla_s, out = timed(lambda *x: fla_rule(*x, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0])
+    diff = float((out - ref).abs().max() / ref.abs().max())
+    return {**result, "fla_ms": 1e3 * fla_s, "fla_tokens_per_s": T / fla_s, "max_rel_diff": diff}
+
+
 def _against_generate(ours, hf: dict, ids, mask, n: int, cache, timed) -> dict:
     """The sampler against transformers' `generate` on the same weights (greedy, no eos), each timed
     on its second call: tokens/s of each and how many rows came out equal."""
@@ -513,6 +570,21 @@ def render(results: dict, when: str, device: str) -> str:
                       f"peak {_gb(g.get('step_peak_allocated_bytes'))} (the policy without checkpointing)"]
         else:
             lines += ["", f"- GRPO: {g.get('error', 'not run')}"]
+    dn = results.get("deltanet")
+    if dn is not None:
+        if "torch_ms" not in dn:
+            lines += ["", f"- Gated DeltaNet rule: {dn.get('error', 'not run')}"]
+        else:
+            c = dn["shape"]
+            head = (f"- Gated DeltaNet rule, forward + backward ({c['tokens']} tokens as {c['sequences']} packed "
+                    f"sequences, {c['heads']} q / k heads, {c['value_heads']} value heads of {c['dim']}, bf16): minitrain's "
+                    f"torch path {dn['torch_ms']:.1f} ms ({dn['torch_tokens_per_s']:.0f} tokens/s)")
+            if "fla_ms" in dn:
+                head += (f", fla's `chunk_gated_delta_rule` {dn['fla_ms']:.1f} ms ({dn['fla_ms'] / dn['torch_ms']:.2f}x "
+                         f"the time); outputs within {dn['max_rel_diff']:.1e} of the largest")
+            else:
+                head += f"; fla: {dn['fla']}"
+            lines += ["", head]
     return "\n".join(lines) + "\n"
 
 
@@ -549,7 +621,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--append", action="store_true",
                    help="keep the sections already between the markers and add this run's below them "
                         "(the second call of a check split in two)")
-    p.add_argument("--child", choices=("mt_sft", "hf_sft", "grpo"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     bad = [x for x in a.parts if x not in PARTS]
@@ -626,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     if "grpo" in a.parts:
         results["grpo"] = _child("grpo", a, 90 * big)
         print("grpo:", results["grpo"], flush=True)
+    if "deltanet" in a.parts:
+        results["deltanet"] = _child("deltanet", a, 30 * big)
+        print("deltanet:", results["deltanet"], flush=True)
     print(publish())
     if target:
         print(f"written to {target}")
@@ -635,13 +710,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-CHILDREN = {"mt_sft": child_mt_sft, "hf_sft": child_hf_sft, "grpo": child_grpo}
+CHILDREN = {"mt_sft": child_mt_sft, "hf_sft": child_hf_sft, "grpo": child_grpo, "deltanet": child_deltanet}
 
 
 def failures(results: dict) -> list[str]:
     """The parts that did not run (an optional side that is not installed or needs CUDA aside)."""
     out = ["tests"] if results.get("tests", {}).get("rc") else []
-    out += [k for k in ("dpo", "dpo_compile", "grpo") if "error" in results.get(k, {})]
+    out += [k for k in ("dpo", "dpo_compile", "grpo", "deltanet") if "error" in results.get(k, {})]
     return out + [f"{part} {k}" for part in ("sft", "packed", "qlora", "moe") for k, r in results.get(part, {}).items()
                   if "error" in r and not r.get("optional")]
 

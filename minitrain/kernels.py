@@ -67,9 +67,9 @@ class FlaDeltaNet:
 
 
 def deltanet_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules of `model` that take linear-attention kernels (a class attribute `kernels`: Qwen3.5's
-    `GatedDeltaNet`)."""
-    return [m for m in model.modules() if "kernels" in vars(type(m)) and hasattr(m, "_forward_kernels")]
+    """The modules of `model` that take linear-attention kernels (a `kernels` attribute and a
+    `_forward_kernels` method: Qwen3.5's `GatedDeltaNet`)."""
+    return [m for m in model.modules() if hasattr(m, "kernels") and hasattr(m, "_forward_kernels")]
 
 
 def attach(model: nn.Module, kernels: object | None) -> int:

@@ -30,6 +30,7 @@ import functools
 import hashlib
 import json
 import shutil
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -48,6 +49,7 @@ from minitrain.audit import preflight
 from minitrain.config import check_model_folder, to_dict, to_json
 from minitrain.data.collate import collate_causal
 from minitrain.data.images import ImageRows, collate_images
+from minitrain.data.videos import VideoRows
 from minitrain.data.packing import collate_packed_causal
 from minitrain.data.files import data_sources
 from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_source, mixture, read_preference, read_prompts,
@@ -610,6 +612,8 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
             with_images_in_rows or rows_have_images(images, eval_examples or [])):
         raise UserError(f"packing=true: {cfg.data} has rows with images, which {model.config.model_type} does not pack "
                         f"yet (Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE do) — set packing=false")
+    if getattr(cfg, "packing", False) and any(carries(e, "videos").any() for e in (train_examples, eval_examples or [])):
+        raise UserError(f"packing=true: {cfg.data} has rows with videos, which are not packed yet — set packing=false")
     lora = attach_adapters(model, cfg, train_towers=with_images_in_rows)
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))
@@ -647,21 +651,32 @@ def with_images(collate: Callable[[list[dict]], dict], images: ImageRows | None,
     micro-batch with it in a background thread while one trains (`minitrain.data.prefetch`)."""
     if images is None:
         return collate
-    out = functools.partial(collate_images, collate=collate, spec=images.spec, copies=copies, group=group)
+    out = functools.partial(collate_images, collate=collate, spec=images.spec, copies=copies, group=group,
+                            videos=images.videos)
     out.decodes_images = True
     return out
 
 
 def image_rows(cfg: Any, tok: Tokenizer) -> ImageRows | None:
     """How the checkpoint `cfg.model` reads images in rows (its config.json's `image_token_id`, or a multimodal
-    Gemma 3's token ids; its preprocessor_config.json), or None for a text-only checkpoint."""
+    Gemma 3's token ids; its preprocessor_config.json), or None for a text-only checkpoint; and videos
+    (`ImageRows.videos`: Qwen2.5-VL's and Qwen3-VL's, their video_preprocessor_config.json)."""
     config = read_config(cfg.model)
     pre = Path(cfg.model) / "preprocessor_config.json"
     try:
         preprocessor = json.loads(pre.read_text(encoding="utf-8")) if pre.is_file() else None
     except (OSError, ValueError) as e:
         raise UserError(f"{pre}: cannot be read ({e}) — restore the checkpoint's file") from None
-    return ImageRows.from_checkpoint(config, preprocessor, lambda i: tok.decode([i], skip_special=False))
+    decode = lambda i: tok.decode([i], skip_special=False)  # noqa: E731
+    images = ImageRows.from_checkpoint(config, preprocessor, decode)
+    if images is None:
+        return None
+    video = Path(cfg.model) / "video_preprocessor_config.json"  # without it, transformers reads the image one's
+    try:
+        processor = json.loads(video.read_text(encoding="utf-8")) if video.is_file() else preprocessor
+    except (OSError, ValueError) as e:
+        raise UserError(f"{video}: cannot be read ({e}) — restore the checkpoint's file") from None
+    return dataclasses.replace(images, videos=VideoRows.from_checkpoint(config, processor, decode))
 
 
 # ----------------------------------------------------------------------------- held-out evaluation

@@ -393,9 +393,10 @@ def rope_index(input_ids: torch.Tensor, valid: torch.Tensor, grid_thw: torch.Ten
     steps = iter([] if intervals is None else intervals.cpu())
     ids, valid = input_ids.cpu(), valid.cpu().bool()
     docs = None if document_ids is None else document_ids.cpu()
+    video = -1 if video_grid_thw is None or video_token_id is None else video_token_id  # no videos: text
     for b in range(B):
         row = ids[b][valid[b]]
-        kind = ((row == image_token_id).long() + 2 * (row == (-1 if video_token_id is None else video_token_id)).long()).tolist()  # 0 text, 1 image, 2 video
+        kind = ((row == image_token_id).long() + 2 * (row == video).long()).tolist()  # 0 text, 1 image, 2 video
         d = [0] * len(row) if docs is None else docs[b][valid[b]].tolist()
         new = [t > 0 and d[t] != d[t - 1] for t in range(len(row))]  # a sequence starts here
         parts, start, i = [], 0, 0

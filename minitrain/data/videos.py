@@ -29,12 +29,14 @@ The steps, in the processor's order:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.images import CLIP_MEAN, CLIP_STD, opened, pillow, smart_resize, to_rgb
 from minitrain.errors import UserError
 
@@ -217,3 +219,135 @@ def video_ids(spec: VideoSpec, frames: int, grid: tuple[int, int, int], fps: flo
     for t in spec.timestamps(frames, fps):
         out += encode(f"<{t:.1f} seconds>") + [start] + [pad] * n + [end]
     return out
+
+
+# --------------------------------------------------------------------------- video rows
+
+# config.json's model_type -> whether its video processor is Qwen3-VL's (`VideoSpec.whole`); the families whose
+# forward reads videos
+VIDEO_FAMILIES = {"qwen2_5_vl": False, "qwen3_vl": True, "qwen3_vl_moe": True}
+
+
+@dataclass(frozen=True)
+class VideoRows:
+    """How a vision-language checkpoint reads videos in chat rows: `placeholder`, the text the chat template
+    writes for one video (`<|vision_start|><|video_pad|><|vision_end|>`), the ids `pad` (`video_token_id`),
+    `start` and `end`, the processing (`spec`). A row's video is kept as `entry`: JSON text of its frame files
+    (or animated file) and fps, which the token store keeps as it is; the frames are decoded per batch."""
+
+    placeholder: str
+    pad: int
+    start: int
+    end: int
+    spec: VideoSpec
+
+    @classmethod
+    def from_checkpoint(cls, config: dict, processor: dict | None, decode) -> "VideoRows | None":
+        """From config.json's dict and the video processor's config (None: the processor's defaults); None for a
+        checkpoint whose forward reads no videos. `decode(id)` is the tokenizer's text of a token id."""
+        whole = VIDEO_FAMILIES.get(config.get("model_type"))
+        if whole is None or config.get("video_token_id") is None:
+            return None
+        pad, start, end = (int(config[k]) for k in ("video_token_id", "vision_start_token_id", "vision_end_token_id"))
+        return cls(decode(start) + decode(pad) + decode(end), pad, start, end,
+                   VideoSpec.from_preprocessor_config(processor, config.get("vision_config"), whole))
+
+    @staticmethod
+    def entry(files: list[Path] | Path, fps: float) -> str:
+        """A video as an example keeps it: JSON text of {"frames": paths (or the animated file's), "fps"}."""
+        return json.dumps({"frames": str(files) if isinstance(files, Path) else [str(f) for f in files], "fps": fps})
+
+    @staticmethod
+    def files(entry: str) -> tuple[list[Path] | Path, float]:
+        """`entry`'s frame files (or animated file) and fps."""
+        d = json.loads(entry)
+        frames = d["frames"]
+        return (Path(frames) if isinstance(frames, str) else [Path(f) for f in frames]), float(d["fps"])
+
+    def grid(self, entry: str, where: str) -> tuple[int, tuple[int, int, int]]:
+        """(frames, patch grid) of a video from its files' headers."""
+        n, h, w = frame_count_and_size(self.files(entry)[0], where)
+        try:
+            return n, self.spec.grid_of(n, h, w)
+        except ValueError as e:
+            raise UserError(f"{where}: video {self.files(entry)[0]}: {e} — give more frames, or crop or pad them"
+                            ) from None
+
+    def expand(self, ids: list[int], labels: list[int], entries: list[str], tok, where: str
+               ) -> tuple[list[int], list[int]]:
+        """A chat's ids and labels with each video's `pad` replaced by its tokens (`video_ids`; -100 on all of
+        them: a video is input, never a target). Placeholders unlike the videos in count: one line."""
+        found = ids.count(self.pad)
+        if found != len(entries):
+            raise UserError(f"{where}: {found} video placeholder(s) in the text for {len(entries)} video(s) — give "
+                            "one {\"type\": \"video\"} part per video")
+        out_ids, out_labels, videos = [], [], iter(entries)
+        for t, label in zip(ids, labels):
+            if t != self.pad:
+                out_ids.append(t)
+                out_labels.append(label)
+                continue
+            entry = next(videos)
+            n, grid = self.grid(entry, where)
+            run = video_ids(self.spec, n, grid, self.files(entry)[1], self.pad, self.start, self.end,
+                            lambda s: tok.encode(s, continuation=True))
+            out_ids += run
+            out_labels += [IGNORE_INDEX] * len(run)
+        return out_ids, out_labels
+
+    def read(self, entry: str, where: str) -> tuple[np.ndarray, tuple[int, int, int], float]:
+        """A video decoded: (pixel values, grid, seconds per temporal patch)."""
+        files, fps = self.files(entry)
+        pixels, grid = self.spec.read(frames_of(files, where))
+        return pixels, grid, self.spec.seconds_per_patch(fps)
+
+
+def video_messages(messages: list[dict], column: list | None, base: Path, placeholder: str | None, where: str
+                   ) -> tuple[list[dict], list[str]]:
+    """A chat whose contents may hold video parts (`{"type": "video", "video": [frame paths] or "clip.gif",
+    "fps": optional}`) -> (the messages with each video part a text part `placeholder`; the videos in order as
+    `VideoRows.entry`, paths resolved against `base`). A part without "video" takes the next of the row's
+    `videos` column; a column with no video parts puts its videos before the first user turn's text.
+    `placeholder` None (a checkpoint that reads no videos, or a recipe that takes none): a video is one line."""
+    column = list(column or [])
+    entries: list[str] = []
+
+    def take(video, fps, i) -> dict:
+        if placeholder is None:
+            raise UserError(f"{where}: messages[{i}] has a video, which is not read here: the checkpoint reads no "
+                            "videos (Qwen2.5-VL and Qwen3-VL do, with a video_token_id in config.json), or this recipe "
+                            "takes none yet (SFT does) — drop the video or use such a checkpoint with SFT")
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
+            raise UserError(f'{where}: messages[{i}]: a video\'s "fps" must be a positive number, got {fps!r} — fix it')
+        entries.append(VideoRows.entry(frame_files(video, base, where), float(fps)))
+        return {"type": "text", "text": placeholder}
+
+    out, parts_seen = [], 0
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "video" for p in content):
+            parts = []
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "video":
+                    parts_seen += 1
+                    video = p.get("video", p.get("path"))
+                    if video is None:
+                        if not column:
+                            raise UserError(f'{where}: messages[{i}] has a video part without "video" and the row\'s '
+                                            '"videos" column has no video left — give "video": [frame paths]')
+                        video = column.pop(0)
+                    p = take(video, p.get("fps", DEFAULT_FPS), i)
+                parts.append(p)
+            m = {**m, "content": parts}
+        out.append(m)
+    if column and parts_seen:
+        raise UserError(f'{where}: {len(column)} video(s) of the "videos" column have no video part to go to — give '
+                        'one {"type": "video"} part per video')
+    if column:
+        first = next((k for k, m in enumerate(out) if isinstance(m, dict) and m.get("role") == "user"), None)
+        if first is None:
+            raise UserError(f'{where}: the row has a "videos" column but no user message to put them in')
+        content = out[first].get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": str(content or "")}]
+        out[first] = {**out[first], "content": [take(v, DEFAULT_FPS, first) for v in column] + parts}
+    return out, entries

@@ -637,10 +637,10 @@ def load_image_examples(cfg: Any, tok: Tokenizer, kind: str, **options: Any
 
 
 def rows_have_images(images: ImageRows | None, examples) -> bool:
-    """Whether a vision-language checkpoint's (`images`: how it reads them) training rows carry an image: under
-    `finetune=full` its towers train only then (`attach_adapters`' `train_towers`). A token store answers from its
+    """Whether a vision-language checkpoint's (`images`: how it reads them) training rows carry an image or a video:
+    under `finetune=full` its towers train only then (`attach_adapters`' `train_towers`). A token store answers from its
     offsets, without building the examples."""
-    return images is not None and bool(carries(examples).any())
+    return images is not None and bool(carries(examples).any() or carries(examples, "videos").any())
 
 
 def with_images(collate: Callable[[list[dict]], dict], images: ImageRows | None, copies: int = 1, group: int = 1

@@ -128,6 +128,20 @@ def check_video_logits(hf, ours, frames_apart: bool) -> None:
         assert rel(got, ref) <= 1e-4, rel(got, ref)
 
 
+def check_generation_after_videos(hf, ours, frames_apart: bool) -> None:
+    """`video_batch`'s two rows with videos as prompts (an image too in row 0): greedy generation equals
+    transformers', the tokens after the prompt counting on from its largest 3-D position."""
+    ids, _, pixels, grid, videos, vgrid = video_batch(frames_apart)
+    ids, seconds = ids[:2], torch.tensor([2 / 3, 1.0])
+    media = dict(pixel_values=pixels, image_grid_thw=grid, pixel_values_videos=videos, video_grid_thw=vgrid,
+                 **({} if frames_apart else {"second_per_grid_ts": seconds}))  # (Qwen3-VL's generate takes no seconds)
+    ref = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **media, max_new_tokens=6, do_sample=False,
+                      mm_token_type_ids=(ids == IMAGE).long() + 2 * (ids == VIDEO).long(), eos_token_id=None,
+                      pad_token_id=0)
+    got = models.family(ours).generate(ours, ids, torch.ones_like(ids), max_new_tokens=6, eos_token_id=[], **media)
+    assert torch.equal(got, ref)
+
+
 def check_packed_rows_equal_each_alone(ours) -> None:
     """The three sequences of `batch()` packed by the SFT collator (`collate_packed_causal`: row 0 holds
     sequences 0 and 2, row 1 sequence 1) with their images in the order they lie in the rows
@@ -332,6 +346,11 @@ def test_greedy_generation_after_images_equals_transformers(vl):
 def test_logits_with_videos_equal_transformers(vl):
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
     check_video_logits(hf, load_pretrained(vl, models.from_hf_config).eval(), frames_apart=False)
+
+
+def test_greedy_generation_after_videos_equals_transformers(vl):
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    check_generation_after_videos(hf, load_pretrained(vl, models.from_hf_config).eval(), frames_apart=False)
 
 
 def test_packed_rows_with_images_equal_each_sequence_alone(vl):

@@ -612,8 +612,6 @@ def sft_job(cfg: Any, build: Callable[[dict[str, Any]], nn.Module]) -> Job:
             with_images_in_rows or rows_have_images(images, eval_examples or [])):
         raise UserError(f"packing=true: {cfg.data} has rows with images, which {model.config.model_type} does not pack "
                         f"yet (Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE do) — set packing=false")
-    if getattr(cfg, "packing", False) and any(carries(e, "videos").any() for e in (train_examples, eval_examples or [])):
-        raise UserError(f"packing=true: {cfg.data} has rows with videos, which are not packed yet — set packing=false")
     lora = attach_adapters(model, cfg, train_towers=with_images_in_rows)
     collate = (functools.partial(collate_packed_causal, pad_id=tok.pad_id, max_len=cfg.max_len)
                if getattr(cfg, "packing", False) else functools.partial(collate_causal, pad_id=tok.pad_id))

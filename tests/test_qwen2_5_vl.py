@@ -108,6 +108,14 @@ def check_video_logits(hf, ours, frames_apart: bool) -> None:
     seconds = torch.tensor([2 / 3, 1.0])
     kinds = lambda x: (x == IMAGE).long() + 2 * (x == VIDEO).long()  # noqa: E731  (the processor's mm_token_type_ids)
     real = mask.bool()
+    # the 3-D positions: transformers' get_rope_index's, exactly (padding aside)
+    from models.qwen2_5_vl import rope_index
+
+    extra = {} if frames_apart else {"second_per_grid_ts": seconds}
+    want = hf.model.get_rope_index(ids, kinds(ids), grid, vgrid, attention_mask=mask, **extra)[0]
+    videos_walked, steps = ours.video_positions(vgrid, seconds)
+    got = rope_index(ids, real, grid, IMAGE, 2, None, videos_walked, VIDEO, steps)
+    assert torch.equal(got[:, real], want[:, real])
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
                  pixel_values_videos=videos, video_grid_thw=vgrid, second_per_grid_ts=seconds,

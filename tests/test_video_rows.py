@@ -205,6 +205,8 @@ def chat(*content) -> dict:
 def test_bad_video_rows_are_one_line(vlm, tmp_path, capsys):
     err = bad_run(vlm, tmp_path, capsys, [chat(video(["clip/f0.png", "clip/gone.png"]), text("?"))])
     assert "bad_" in err and ":1: image " in err and "clip/gone.png does not exist" in err
+    err = bad_run(vlm, tmp_path, capsys, [chat(video(["clip/f0.png", "clip/g0.png"]))])
+    assert ":1: video frame " in err and "g0.png is 16x16, the first frame 28x20 — give frames of one size" in err
     err = bad_run(vlm, tmp_path, capsys, [chat(video("clip/movie.mp4"))])
     assert "video clip/movie.mp4: minitrain reads a video as its frames — give" in err
     err = bad_run(vlm, tmp_path, capsys, [chat(text("<|vision_start|><|video_pad|><|vision_end|>"),

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from minitrain.data.collate import IGNORE_INDEX
-from minitrain.data.images import CLIP_MEAN, CLIP_STD, opened, pillow, smart_resize, to_rgb
+from minitrain.data.images import CLIP_MEAN, CLIP_STD, opened, smart_resize, to_rgb
 from minitrain.errors import UserError
 
 DEFAULT_FPS = 2.0
@@ -178,32 +178,42 @@ def frame_files(video, base: Path, where: str) -> list[Path] | Path:
 def frames_of(files: list[Path] | Path, where: str = "") -> list:
     """The decoded frames (Pillow images) of `frame_files`' answer; a missing or unreadable file, or frames of
     different sizes, is one UserError naming it (and `where`, the data row)."""
-    Image = pillow()
+    out = []
     if isinstance(files, Path):  # an animated GIF / WebP
-        out = []
         with opened(files, where) as image:
             for k in range(getattr(image, "n_frames", 1)):
                 image.seek(k)
                 out.append(image.convert("RGBA") if image.mode == "P" else image.copy())
         return out
-    out = []
     for f in files:
         with opened(f, where) as image:
             image.load()
-            out.append(image.copy() if isinstance(image, Image.Image) else image)
-        if out[-1].size != out[0].size:
-            raise UserError(f"{where + ': ' if where else ''}video frame {f} is {out[-1].width}x{out[-1].height}, "
-                            f"the first frame {out[0].width}x{out[0].height} — give frames of one size")
+            out.append(image.copy())
+        same_size(f, out[-1].size, out[0].size, where)
     return out
+
+
+def same_size(file: Path, size: tuple[int, int], first: tuple[int, int], where: str) -> None:
+    """A frame of another (width, height) than the first: one line naming it."""
+    if size != first:
+        raise UserError(f"{where + ': ' if where else ''}video frame {file} is {size[0]}x{size[1]}, the first frame "
+                        f"{first[0]}x{first[1]} — give frames of one size")
 
 
 def frame_count_and_size(files: list[Path] | Path, where: str) -> tuple[int, int, int]:
     """(frames, height, width) of a video from its files' headers (no pixel decoded; an animated file's
-    `n_frames`)."""
-    with opened(files if isinstance(files, Path) else files[0], where) as image:
-        n = getattr(image, "n_frames", 1) if isinstance(files, Path) else len(files)
-        w, h = image.size
-    return n, h, w
+    `n_frames`); every frame file's header read: a missing one, or one of another size, is one line."""
+    if isinstance(files, Path):
+        with opened(files, where) as image:
+            n, (w, h) = getattr(image, "n_frames", 1), image.size
+        return n, h, w
+    sizes = []
+    for f in files:
+        with opened(f, where) as image:
+            sizes.append(image.size)
+        same_size(f, sizes[-1], sizes[0], where)
+    w, h = sizes[0]
+    return len(files), h, w
 
 
 def video_ids(spec: VideoSpec, frames: int, grid: tuple[int, int, int], fps: float, pad: int, start: int, end: int,

@@ -173,6 +173,22 @@ def test_lora_sft_from_the_cli_with_the_tower_frozen(vlm, capsys):
     assert keys and not [k for k in keys if "visual" in k]
 
 
+def test_rows_with_videos_and_no_image_train_from_the_cli(vlm, tmp_path, capsys):
+    """Video rows beside text rows (no image anywhere): the audit's short example keeps its video whole, and the
+    frames are decoded ahead of the step (`data_wait` logged)."""
+    rows = [json.loads(line) for line in vlm["data"].read_text().splitlines()]
+    data = vlm["data"].parent / "no_images.jsonl"
+    data.write_text("".join(json.dumps(rows[i]) + "\n" for i in (0, 1, 3)))
+    out = tmp_path / "out"
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={data}", f"out={out}",
+                    "max_steps=2", "batch_size=1", "lora_r=4", "device=cpu", "max_len=512"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    assert "audit: healthy" in log + err
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all("data_wait" in m for m in metrics)
+
+
 def test_packed_video_rows_train_as_padded_ones(vlm, tmp_path, capsys):
     """packing=true on video rows: the four rows in one micro-batch (packed into one row, its sequences' 3-D positions
     starting again, the videos in the order the packer lays them out) give the first step's loss of the padded run."""

@@ -84,8 +84,8 @@ def vl_folder(d: Path, family: str = "qwen2_5_vl", video: dict | None = None) ->
     cfg = getattr(transformers, config_class)(
         text_config={**text, "vocab_size": 320, "eos_token_id": Tokenizer.from_folder(d).token_to_id("<|im_end|>")},
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids.get("<|video_pad|>", 0), vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"])
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids.get("<|video_pad|>", 0),
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(0)
     hf_class(family)(cfg).save_pretrained(d)
     return d

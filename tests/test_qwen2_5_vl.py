@@ -124,15 +124,16 @@ def check_video_logits(hf, ours, frames_apart: bool) -> None:
                                 video_grid_thw=vgrid, second_per_grid_ts=seconds))
         assert rel(got[real], ref[real]) <= 1e-4, rel(got[real], ref[real])
         # the video matters: other frames, other logits
-        other = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid, pixel_values_videos=videos.flip(0),
-                                  video_grid_thw=vgrid, second_per_grid_ts=seconds))
+        other = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid,
+                                  pixel_values_videos=videos.flip(0), video_grid_thw=vgrid, second_per_grid_ts=seconds))
         assert rel(other[:2], got[:2]) > 1e-3
         # a video alone (no image in the batch)
         one = vgrid[1:]
         alone = videos[-int(one.prod()):]
         ref = hf(input_ids=ids[1:2], pixel_values_videos=alone, video_grid_thw=one, second_per_grid_ts=seconds[1:],
                  mm_token_type_ids=kinds(ids[1:2])).logits
-        got = ours.lm_head(ours(ids[1:2], pixel_values_videos=alone, video_grid_thw=one, second_per_grid_ts=seconds[1:]))
+        got = ours.lm_head(ours(ids[1:2], pixel_values_videos=alone, video_grid_thw=one,
+                                second_per_grid_ts=seconds[1:]))
         assert rel(got, ref) <= 1e-4, rel(got, ref)
 
 

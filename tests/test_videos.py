@@ -113,11 +113,11 @@ def test_an_animated_gif_reads_as_its_frames(folder, tmp_path, kind):
 
 
 def test_a_container_file_a_missing_frame_and_mixed_sizes_are_one_line(folder, tmp_path):
-    with pytest.raises(UserError, match=r"rows.jsonl:2: video clip.mp4: minitrain reads a video as its frames — give"):
+    with pytest.raises(UserError, match=r"rows.jsonl:2: video clip.mp4: minitrain reads a video as its frames"):
         frame_files("clip.mp4", tmp_path, "rows.jsonl:2")
     with pytest.raises(UserError, match=r"rows.jsonl:3: image .*gone.png does not exist"):
         frames_of(frame_files(["odd0.png", "gone.png"], folder, "rows.jsonl:3"), "rows.jsonl:3")
-    with pytest.raises(UserError, match=r"video frame .*wide0.png is 200x12, the first frame 50x30 — give frames of one"):
+    with pytest.raises(UserError, match=r"video frame .*wide0.png is 200x12, the first frame 50x30 — give frames"):
         frames_of(frame_files(["odd0.png", "wide0.png"], folder, "x"), "x")
     with pytest.raises(UserError, match="a video must be a list of frame image paths"):
         frame_files([], folder, "x")

@@ -423,8 +423,8 @@ def _prompt_images(row: Row, prompt: str | list, path: str | Path, images: Image
     """A preference / unpaired / GRPO prompt with its images read out (`_image_chat`): (the prompt, image paths).
     A string prompt beside an `images` column is refused: the images need a chat to sit in. Videos are SFT's only."""
     if row.has("videos"):
-        raise UserError(f'{row.where}: the row has "videos", which this recipe does not read yet (SFT does) — drop them '
-                        "or train with SFT")
+        raise UserError(f'{row.where}: the row has "videos", which this recipe does not read yet (SFT does) — drop '
+                        "them or train with SFT")
     if isinstance(prompt, list):
         return _image_chat(row, prompt, path, images) if _has_parts(row, prompt) else (prompt, [])
     if row.has("images"):

@@ -66,7 +66,8 @@ CHUNK = 1024  # rows per chunk handed to one worker
 FLUSH = 1 << 20  # buffered tokens per key before a write
 SAMPLE = 1 << 20  # bytes hashed at each end of a data file
 PROGRESS_EVERY = 5.0  # seconds between progress lines
-CODE = ("data/files.py", "data/rows.py", "data/readers.py", "data/images.py", "data/videos.py", "data/store.py", "data/store_build.py",
+CODE = ("data/files.py", "data/rows.py", "data/readers.py", "data/images.py", "data/videos.py", "data/store.py",
+        "data/store_build.py",
         "text/tokenizer.py", "text/backends.py", "text/chat_template.py", "text/chat_formats.py")
 
 

@@ -4,8 +4,9 @@ checkpoint's model type names (`VideoSpec.from_checkpoint`):
 
     Qwen2VLVideoProcessor   Qwen2.5-VL: `<|video_pad|>` x grid / merge**2 between the chat template's
                             `<|vision_start|>` and `<|vision_end|>`
-    Qwen3VLVideoProcessor   Qwen3-VL (and -MoE): each temporal patch written as `<t seconds>` + `<|vision_start|>`
-                            + `<|video_pad|>` x h w / merge**2 + `<|vision_end|>`, in place of the template's `<|video_pad|>`
+    Qwen3VLVideoProcessor   Qwen3-VL (and -MoE): each temporal patch written as `<t seconds>` +
+                            `<|vision_start|>` + `<|video_pad|>` x h w / merge**2 + `<|vision_end|>`, in place of
+                            the template's `<|video_pad|>`
 
 A video is a list of frame image files (`{"type": "video", "video": ["f0.png", ...]}`, TRL's and transformers'
 shape), or an animated GIF / WebP, whose frames Pillow decodes. No container is read (.mp4 and the like need a
@@ -132,7 +133,7 @@ class VideoSpec:
         import torch
         import torch.nn.functional as F
 
-        x = torch.from_numpy(np.stack([np.asarray(to_rgb(f)) for f in frames])).permute(0, 3, 1, 2)  # (n, C, H, W) uint8
+        x = torch.from_numpy(np.stack([np.asarray(to_rgb(f)) for f in frames])).permute(0, 3, 1, 2)  # (n, C, H, W)
         n, C, H0, W0 = x.shape
         H, W = self.size(n, H0, W0)
         if (H, W) != (H0, W0):
@@ -328,7 +329,8 @@ def video_messages(messages: list[dict], column: list | None, base: Path, placeh
                             "videos (Qwen2.5-VL and Qwen3-VL do, with a video_token_id in config.json), or this recipe "
                             "takes none yet (SFT does) — drop the video or use such a checkpoint with SFT")
         if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps <= 0:
-            raise UserError(f'{where}: messages[{i}]: a video\'s "fps" must be a positive number, got {fps!r} — fix it')
+            raise UserError(f'{where}: messages[{i}]: a video\'s "fps" must be a positive number, got {fps!r} — '
+                            "fix it")
         entries.append(VideoRows.entry(frame_files(video, base, where), float(fps)))
         return {"type": "text", "text": placeholder}
 

@@ -189,6 +189,25 @@ def test_rows_with_videos_and_no_image_train_from_the_cli(vlm, tmp_path, capsys)
     assert len(metrics) == 2 and all("data_wait" in m for m in metrics)
 
 
+def test_full_finetuning_on_video_rows_trains_the_tower(vlm, tmp_path, capsys):
+    """finetune=full on video rows with no image: the audit reaches the tower through a video, one step changes it,
+    and the written folder keeps the video processor's config."""
+    rows = [json.loads(line) for line in vlm["data"].read_text().splitlines()]
+    data = vlm["data"].parent / "videos_only.jsonl"
+    data.write_text("".join(json.dumps(rows[i]) + "\n" for i in (0, 1)))
+    out = tmp_path / "full"
+    code = run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={data}", f"out={out}",
+                    "max_steps=1", "batch_size=2", "finetune=full", "device=cpu", "max_len=512"])
+    log, err = capsys.readouterr()
+    assert code == 0, err
+    n = len(list(hf_class(vlm["family"]).from_pretrained(vlm["model"], dtype=torch.float32).parameters()))
+    assert f"audit: healthy — {n} of {n} trainable tensors" in log + err
+    folder = out / "model"
+    assert json.loads((folder / "video_preprocessor_config.json").read_text()) == VIDEO[FAMILY[vlm["family"]]]
+    ours, base = (load_pretrained(d, models.from_hf_config) for d in (folder, vlm["model"]))
+    assert not torch.equal(ours.model.visual.patch_embed.proj.weight, base.model.visual.patch_embed.proj.weight)
+
+
 def test_packed_video_rows_train_as_padded_ones(vlm, tmp_path, capsys):
     """packing=true on video rows: the four rows in one micro-batch (packed into one row, its sequences' 3-D positions
     starting again, the videos in the order the packer lays them out) give the first step's loss of the padded run."""

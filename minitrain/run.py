@@ -26,11 +26,11 @@ passes the builder (`models.from_hf_config`) in.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import shutil
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -49,13 +49,13 @@ from minitrain.audit import preflight
 from minitrain.config import check_model_folder, to_dict, to_json
 from minitrain.data.collate import collate_causal
 from minitrain.data.images import ImageRows, collate_images
-from minitrain.data.videos import VideoRows
 from minitrain.data.packing import collate_packed_causal
 from minitrain.data.files import data_sources
 from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_source, mixture, read_preference, read_prompts,
                                     read_seq2seq, read_sft, read_unpaired)
 from minitrain.data.store import carries
 from minitrain.data.store_build import default_cache, open_or_build
+from minitrain.data.videos import VideoRows
 from minitrain.device import base_dtype, pick_device, resolve_attention
 from minitrain.errors import UserError
 from minitrain.objectives.sft import sft

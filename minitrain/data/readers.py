@@ -32,8 +32,8 @@ import numpy as np
 from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.files import read_rows
 from minitrain.data.images import ImageRows, image_messages
-from minitrain.data.videos import video_messages
 from minitrain.data.rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields, in_force
+from minitrain.data.videos import video_messages
 from minitrain.errors import UserError
 from minitrain.text.chat_formats import common_prefix_len
 from minitrain.text.tokenizer import Tokenizer

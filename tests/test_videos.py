@@ -121,3 +121,33 @@ def test_a_container_file_a_missing_frame_and_mixed_sizes_are_one_line(folder, t
         frames_of(frame_files(["odd0.png", "wide0.png"], folder, "x"), "x")
     with pytest.raises(UserError, match="a video must be a list of frame image paths"):
         frame_files([], folder, "x")
+
+
+HUB_QWEN2_5_VL = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+                  "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                  "image_std": [0.26862954, 0.26130258, 0.27577711], "image_processor_type": "Qwen2VLImageProcessor",
+                  "processor_class": "Qwen2_5_VLProcessor"}  # the Hub's Qwen2.5-VL preprocessor_config.json
+
+
+@pytest.mark.parametrize("case", ["saved_qwen2", "saved_qwen3", "hub_qwen2_5_vl"])
+def test_the_video_config_is_read_as_transformers_reads_it(tmp_path, case):
+    """A folder with transformers' own `video_preprocessor_config.json` (Qwen2-VL's, Qwen3-VL's processor saved),
+    or only the Hub's Qwen2.5-VL `preprocessor_config.json` (which transformers' video processor reads then): our
+    spec has the sizes, patches, mean and std of `AutoVideoProcessor.from_pretrained`."""
+    pytest.importorskip("torchvision")
+    import json
+
+    if case == "saved_qwen2":
+        transformers.Qwen2VLVideoProcessor(**QWEN2).save_pretrained(tmp_path)
+    elif case == "saved_qwen3":
+        transformers.Qwen3VLVideoProcessor(**QWEN3).save_pretrained(tmp_path)
+    else:
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps(HUB_QWEN2_5_VL))
+    ref = transformers.AutoVideoProcessor.from_pretrained(tmp_path)
+    name = "video_preprocessor_config.json" if case.startswith("saved") else "preprocessor_config.json"
+    spec = VideoSpec.from_preprocessor_config(json.loads((tmp_path / name).read_text()), whole=case == "saved_qwen3")
+    assert type(ref).__name__ == ("Qwen3VLVideoProcessor" if case == "saved_qwen3" else "Qwen2VLVideoProcessor")
+    assert (spec.min_pixels, spec.max_pixels) == (ref.size["shortest_edge"], ref.size["longest_edge"])
+    assert (spec.patch_size, spec.temporal_patch_size, spec.merge_size) == (ref.patch_size, ref.temporal_patch_size,
+                                                                           ref.merge_size)
+    assert spec.image_mean == tuple(ref.image_mean) and spec.image_std == tuple(ref.image_std)

@@ -151,3 +151,9 @@ def test_the_video_config_is_read_as_transformers_reads_it(tmp_path, case):
     assert (spec.patch_size, spec.temporal_patch_size, spec.merge_size) == (ref.patch_size, ref.temporal_patch_size,
                                                                            ref.merge_size)
     assert spec.image_mean == tuple(ref.image_mean) and spec.image_std == tuple(ref.image_std)
+
+
+def test_settings_minitrain_does_not_follow_are_one_line():
+    for bad in ({"cap_pixels_per_frame": True}, {"do_normalize": False}):
+        with pytest.raises(UserError, match="video_preprocessor_config.json: .* is not supported yet"):
+            VideoSpec.from_preprocessor_config(bad)

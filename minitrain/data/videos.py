@@ -71,6 +71,11 @@ class VideoSpec:
         `preprocessor_config.json`) over the processor's defaults (Qwen3-VL's with `whole`); patch sizes it does
         not give are the tower's (`vision`). Qwen2's processor lets `min_pixels` / `max_pixels` override `size`."""
         d, vision = d or {}, vision or {}
+        off = [k for k in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb") if d.get(k) is False]
+        if off or d.get("cap_pixels_per_frame"):
+            what = f"{off[0]}=false" if off else "cap_pixels_per_frame=true (a total pixel budget over the frames)"
+            raise UserError(f"video_preprocessor_config.json: {what} is not supported yet — minitrain processes "
+                            "videos as transformers' default (each frame resized within size, rescaled, normalised)")
         base = QWEN3_VIDEO if whole else QWEN2_VIDEO
         size = d.get("size") or {}
         lo, hi = size.get("shortest_edge", base["min_pixels"]), size.get("longest_edge", base["max_pixels"])

@@ -26,6 +26,7 @@ passes the builder (`models.from_hf_config`) in.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -54,6 +55,7 @@ from minitrain.data.readers import (Examples, held_out, hold_out, kept_per_sourc
                                     read_seq2seq, read_sft, read_unpaired)
 from minitrain.data.store import carries
 from minitrain.data.store_build import default_cache, open_or_build
+from minitrain.data.videos import VideoRows
 from minitrain.device import base_dtype, pick_device, resolve_attention
 from minitrain.kernels import resolve_kernels
 from minitrain.errors import UserError
@@ -635,10 +637,10 @@ def load_image_examples(cfg: Any, tok: Tokenizer, kind: str, **options: Any
 
 
 def rows_have_images(images: ImageRows | None, examples) -> bool:
-    """Whether a vision-language checkpoint's (`images`: how it reads them) training rows carry an image: under
-    `finetune=full` its towers train only then (`attach_adapters`' `train_towers`). A token store answers from its
+    """Whether a vision-language checkpoint's (`images`: how it reads them) training rows carry an image or a video:
+    under `finetune=full` its towers train only then (`attach_adapters`' `train_towers`). A token store answers from its
     offsets, without building the examples."""
-    return images is not None and bool(carries(examples).any())
+    return images is not None and bool(carries(examples).any() or carries(examples, "videos").any())
 
 
 def with_images(collate: Callable[[list[dict]], dict], images: ImageRows | None, copies: int = 1, group: int = 1
@@ -649,21 +651,32 @@ def with_images(collate: Callable[[list[dict]], dict], images: ImageRows | None,
     micro-batch with it in a background thread while one trains (`minitrain.data.prefetch`)."""
     if images is None:
         return collate
-    out = functools.partial(collate_images, collate=collate, spec=images.spec, copies=copies, group=group)
+    out = functools.partial(collate_images, collate=collate, spec=images.spec, copies=copies, group=group,
+                            videos=images.videos)
     out.decodes_images = True
     return out
 
 
 def image_rows(cfg: Any, tok: Tokenizer) -> ImageRows | None:
     """How the checkpoint `cfg.model` reads images in rows (its config.json's `image_token_id`, or a multimodal
-    Gemma 3's token ids; its preprocessor_config.json), or None for a text-only checkpoint."""
+    Gemma 3's token ids; its preprocessor_config.json), or None for a text-only checkpoint; and videos
+    (`ImageRows.videos`: Qwen2.5-VL's and Qwen3-VL's, their video_preprocessor_config.json)."""
     config = read_config(cfg.model)
     pre = Path(cfg.model) / "preprocessor_config.json"
     try:
         preprocessor = json.loads(pre.read_text(encoding="utf-8")) if pre.is_file() else None
     except (OSError, ValueError) as e:
         raise UserError(f"{pre}: cannot be read ({e}) — restore the checkpoint's file") from None
-    return ImageRows.from_checkpoint(config, preprocessor, lambda i: tok.decode([i], skip_special=False))
+    decode = lambda i: tok.decode([i], skip_special=False)  # noqa: E731
+    images = ImageRows.from_checkpoint(config, preprocessor, decode)
+    if images is None:
+        return None
+    video = Path(cfg.model) / "video_preprocessor_config.json"  # without it, transformers reads the image one's
+    try:
+        processor = json.loads(video.read_text(encoding="utf-8")) if video.is_file() else preprocessor
+    except (OSError, ValueError) as e:
+        raise UserError(f"{video}: cannot be read ({e}) — restore the checkpoint's file") from None
+    return dataclasses.replace(images, videos=VideoRows.from_checkpoint(config, processor, decode))
 
 
 # ----------------------------------------------------------------------------- held-out evaluation

@@ -323,7 +323,7 @@ def train(
     # trains (`minitrain.data.prefetch`); the batches after the window's come from a copy of the batcher, so
     # the one saved in checkpoints never runs ahead of the batches used. Text rows: collated in the loop.
     prefetch = (Prefetch(collate, train_examples)
-                if getattr(collate, "decodes_images", False) and carries(train_examples).any() else None)
+                if getattr(collate, "decodes_images", False) and carries_media(train_examples).any() else None)
     following = _following(batcher) if prefetch is not None else None
     summary: dict[str, Any] = {"loss": None}
     model.train()
@@ -517,6 +517,11 @@ def train(
 AUDIT_SLICE = 16  # tokens kept on each side of the first target by `audit_slice`
 
 
+def carries_media(examples) -> np.ndarray:
+    """Per example, whether it has images or videos (a token store's from its offsets, without building them)."""
+    return carries(examples, "images") | carries(examples, "videos")
+
+
 def audit_slice(ex: dict, keep: int = AUDIT_SLICE) -> dict:
     """A short window of one example for the audit: `keep` tokens before its first target and
     `keep` from it, cut from `input_ids` and `labels`, and from every `<name>_ids` list and its
@@ -525,11 +530,11 @@ def audit_slice(ex: dict, keep: int = AUDIT_SLICE) -> dict:
     The window is taken in each id list with the same offsets as in its labels, so a causal
     example stays aligned (position t still predicts token t + 1) and at least one target stays
     in it; seq2seq's encoder ids are cut with the decoder's window, which keeps both non-empty.
-    Other keys (a precomputed reference log-prob) are kept as they are. An example with images is kept
-    whole: each image's placeholder tokens must all stay with it.
+    Other keys (a precomputed reference log-prob) are kept as they are. An example with images or videos is
+    kept whole: each one's placeholder tokens must all stay with it.
     """
     out = dict(ex)
-    if out.get("images"):
+    if out.get("images") or out.get("videos"):
         return out
     for key, ids in ex.items():
         if not key.endswith("ids") or not isinstance(ids, (list, tuple)):
@@ -567,11 +572,11 @@ def audit_batch(examples: list[dict], collate: Callable[[list[dict]], dict], cfg
 
     Whether a tensor is reachable from the loss does not depend on the batch's size or length,
     so the preflight costs a fraction of a step instead of two full micro-batches; on long-row
-    data (an 890-token shortest row) even one full example was a third of the time to step 1. With image
-    rows, the shortest of them, so that the path from the images (a trained tower or projector) is audited.
+    data (an 890-token shortest row) even one full example was a third of the time to step 1. With image (or
+    video) rows, the shortest of them, so that the path from the images (a trained tower or projector) is audited.
     """
     lengths = np.asarray(_lengths(examples), dtype=np.float64)
-    marks = carries(examples, "images")  # a token store's from its offsets, without building the examples
+    marks = carries_media(examples)
     if marks.any():
         lengths[~marks] = np.inf
     return _to_device(collate([audit_slice(examples[int(np.argmin(lengths))])]), device)

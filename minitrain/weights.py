@@ -44,7 +44,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # saved from a base folder (tokenizer, its special tokens and chat template, generation defaults)
 SIDE_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer_config.json", "special_tokens_map.json",
               "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
-              "preprocessor_config.json", "processor_config.json")  # (the image processing of a vision model)
+              "preprocessor_config.json", "processor_config.json",  # (the image processing of a vision model)
+              "video_preprocessor_config.json")  # (its video processing)
 
 # safetensors dtype names -> torch dtypes (the format is little-endian, like every host we run on)
 _DTYPES: dict[str, torch.dtype] = {

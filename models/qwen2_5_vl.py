@@ -45,7 +45,11 @@ image_grid_thw=)`); each row's offset (its largest prompt position + 1 - its rea
 Rows of several sequences (packing: `document_ids`) carry images too: each sequence's 3-D positions start
 again (`rope_index`), the images in the order the sequences lie in the rows.
 
-Not yet: videos (`pixel_values_videos`).
+Videos (`pixel_values_videos`, `video_grid_thw`): the same tower on the frames, cut as an image's with
+`temporal_patch_size` frames to a patch (a frame's windows and full attention stay inside the frame); the features
+take the places of the `<|video_pad|>` tokens (`video_token_id`), and a video's tokens have positions (start +
+int(k * tokens_per_second * second_per_grid_ts), start + row, start + column) for temporal patch k
+(`video_positions`).
 """
 
 from __future__ import annotations
@@ -374,19 +378,25 @@ ROPE_DELTA = -1
 
 
 def rope_index(input_ids: torch.Tensor, valid: torch.Tensor, grid_thw: torch.Tensor | None, image_token_id: int,
-               merge: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+               merge: int, document_ids: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+               video_token_id: int | None = None, intervals: torch.Tensor | None = None) -> torch.Tensor:
     """The 3-D positions (3, B, T) of a batch: text tokens count on all three axes; each run of image tokens
     (one image, `grid_thw` (n, 3) in order over the rows) gets its merged grid's (start, start + row,
-    start + column), and the next token start + max(rows, columns). Padding (valid False) gets 0. With
-    `document_ids` (B, T) (packed rows), the count starts again at each sequence, as for each alone."""
+    start + column), and the next token start + max(rows, columns). A run of video tokens (`video_token_id`,
+    `video_grid_thw` (v, 3) in order) the same, its frame k at start + int(k * `intervals`[v]) on the temporal
+    axis (Qwen2.5-VL: tokens_per_second * seconds per temporal patch; 1 when None). Padding (valid False) gets 0.
+    With `document_ids` (B, T) (packed rows), the count starts again at each sequence, as for each alone."""
     B, T = input_ids.shape
     pos = torch.zeros(3, B, T, dtype=torch.long)
-    grids = iter([] if grid_thw is None else grid_thw.tolist())
+    grids = {1: iter([] if grid_thw is None else grid_thw.tolist()),
+             2: iter([] if video_grid_thw is None else video_grid_thw.tolist())}
+    steps = iter([] if intervals is None else intervals.cpu())
     ids, valid = input_ids.cpu(), valid.cpu().bool()
     docs = None if document_ids is None else document_ids.cpu()
+    video = -1 if video_grid_thw is None or video_token_id is None else video_token_id  # no videos: text
     for b in range(B):
         row = ids[b][valid[b]]
-        is_image = (row == image_token_id).tolist()
+        kind = ((row == image_token_id).long() + 2 * (row == video).long()).tolist()  # 0 text, 1 image, 2 video
         d = [0] * len(row) if docs is None else docs[b][valid[b]].tolist()
         new = [t > 0 and d[t] != d[t - 1] for t in range(len(row))]  # a sequence starts here
         parts, start, i = [], 0, 0
@@ -394,15 +404,18 @@ def rope_index(input_ids: torch.Tensor, valid: torch.Tensor, grid_thw: torch.Ten
             if new[i]:
                 start = 0
             j = i + 1
-            while j < len(row) and is_image[j] == is_image[i] and not new[j]:
+            while j < len(row) and kind[j] == kind[i] and not new[j]:
                 j += 1
-            if not is_image[i]:
+            if not kind[i]:
                 parts.append(torch.arange(start, start + j - i).expand(3, -1))
                 start += j - i
             else:
-                t, h, w = next(grids)
+                t, h, w = next(grids[kind[i]])
                 h, w = h // merge, w // merge
-                tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+                frames = torch.arange(t)
+                if kind[i] == 2 and intervals is not None:  # float32 and truncated, as transformers
+                    frames = (frames * next(steps)).long()
+                tt, hh, ww = torch.meshgrid(frames, torch.arange(h), torch.arange(w), indexing="ij")
                 parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + start)
                 start += max(h, w)
             i = j
@@ -474,10 +487,15 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         document_ids: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
     ):
         """input_ids (B, T) -> hidden (B, T, D); `pixel_values` (N, C t p p) and `image_grid_thw` (n, 3) as
-        the image processor makes them, the images in the order of their placeholders over the rows."""
-        if pixel_values is None:
+        the image processor makes them, the images in the order of their placeholders over the rows; the same
+        for videos (`pixel_values_videos`, `video_grid_thw`, their `<|video_pad|>` tokens), with
+        `second_per_grid_ts` (v,) the seconds each temporal patch spans (Qwen2.5-VL's positions; None: 1)."""
+        if pixel_values is None and pixel_values_videos is None:
             if cache is not None and ROPE_DELTA in cache.states and position_ids is None:
                 position_ids = self._continued_positions(input_ids, attention_mask, cache)
             return super().forward(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers,
@@ -488,27 +506,46 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         if document_ids is not None and not self.packs_images:
             raise ValueError(f"{self.config.family}: images in packed rows are not supported yet — pack rows without "
                              "images, or set packing=false")
-        placeholders = input_ids == self.config.image_token_id
-        features, deep = self.image_features(pixel_values, image_grid_thw)
-        if int(placeholders.sum()) != features.shape[0]:
-            raise ValueError(f"{self.config.family}: {int(placeholders.sum())} image placeholder tokens for "
-                             f"{features.shape[0]} image features — the ids and the images do not match")
         text = self.model.language_model
         x = text.embed(input_ids)
-        at = placeholders[..., None].to(x.device)
-        x = x.masked_scatter(at, features.to(x.dtype))
-        additions = [torch.zeros_like(x).masked_scatter(at, f.to(x.dtype)) for f in deep]  # (B, T, D) each
+        additions: list[torch.Tensor] = []
+        video_token = getattr(self.config, "video_token_id", None)  # (multimodal Qwen3.5's config has none yet)
+        for kind, token, pixels, grid in (("image", self.config.image_token_id, pixel_values, image_grid_thw),
+                                          ("video", video_token, pixel_values_videos, video_grid_thw)):
+            if pixels is None:
+                continue
+            placeholders = input_ids == token
+            features, deep = self.image_features(pixels, grid)  # the tower reads a video's frames as an image's
+            if int(placeholders.sum()) != features.shape[0]:
+                raise ValueError(f"{self.config.family}: {int(placeholders.sum())} {kind} placeholder tokens for "
+                                 f"{features.shape[0]} {kind} features — the ids and the {kind}s do not match")
+            at = placeholders[..., None].to(x.device)
+            x = x.masked_scatter(at, features.to(x.dtype))
+            deep = [torch.zeros_like(x).masked_scatter(at, f.to(x.dtype)) for f in deep]  # (B, T, D) each
+            additions = [a + d for a, d in zip(additions, deep)] if additions else deep
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if document_ids is not None:  # packed rows: the collator's positions count tokens; these restart per sequence
             valid = document_ids >= 0
         if position_ids is None or document_ids is not None:
+            videos, intervals = (None, None) if video_grid_thw is None else self.video_positions(video_grid_thw,
+                                                                                              second_per_grid_ts)
             position_ids = rope_index(input_ids, valid, image_grid_thw, self.config.image_token_id,
-                                      self.config.vision.spatial_merge_size, document_ids)
+                                      self.config.vision.spatial_merge_size, document_ids, videos, video_token,
+                                      intervals)
             if cache is not None:  # the tokens after the prompt continue from its largest position
                 last = position_ids.masked_fill(~valid.to(position_ids.device), -1).amax(dim=(0, 2))  # (B,)
                 cache.states[ROPE_DELTA] = ((last + 1 - valid.sum(1).to(last.device))[:, None],)
         return text(input_ids, attention_mask, position_ids, cache, hidden_layers, attention_layers, document_ids,
                     embeds=x, additions=additions)
+
+    def video_positions(self, video_grid_thw: torch.Tensor, second_per_grid_ts: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The videos' grids as `rope_index` walks them and each one's temporal step: Qwen2.5-VL's video is one run
+        of tokens whose temporal patch k sits at int(k * tokens_per_second * second_per_grid_ts) (float32, as
+        transformers; seconds 1 when not given)."""
+        seconds = (torch.ones(len(video_grid_thw)) if second_per_grid_ts is None
+                   else torch.as_tensor(second_per_grid_ts, dtype=torch.float32).cpu())
+        return video_grid_thw, self.config.vision.tokens_per_second * seconds
 
     def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:

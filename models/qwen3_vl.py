@@ -27,7 +27,10 @@ Checkpoints: transformers 5 saves, and the Hub's Qwen3-VL folders hold, `model.l
 
 Qwen3-VL-MoE (`qwen3_vl_moe`) is this model over Qwen3-MoE's language model: models/qwen3_vl_moe.py.
 
-Not yet: videos (`pixel_values_videos`, timestamps).
+Videos (`pixel_values_videos`, `video_grid_thw`): the tower reads their frames as an image's (DeepStack
+features too, added at the `<|video_pad|>` places); the processor writes each temporal patch as its own run
+`<t seconds><|vision_start|><|video_pad|> x n<|vision_end|>` (minitrain/data/videos.py), placed as an image of
+one frame (`video_positions`): time is in the text, not in the positions.
 """
 
 from __future__ import annotations
@@ -237,6 +240,13 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The tower's features and its DeepStack features (added to language layers 0, 1, ...)."""
         return self.model.visual(pixel_values, image_grid_thw)
+
+    def video_positions(self, video_grid_thw: torch.Tensor, second_per_grid_ts: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, None]:
+        """Each frame (temporal patch) of a video is a run of tokens of its own, placed as an image's (its timestamp
+        text between the runs): the grids (t, h, w) split into t grids (1, h, w); `second_per_grid_ts` unused."""
+        grid = video_grid_thw.cpu()
+        return torch.cat([grid[:, 1:].new_ones(len(grid), 1), grid[:, 1:]], 1).repeat_interleave(grid[:, 0], 0), None
 
 
 def config_from_hf(d: dict[str, Any]) -> Qwen3VLConfig:

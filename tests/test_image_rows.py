@@ -69,10 +69,13 @@ def hf_class(family: str):
     return getattr(transformers, FAMILIES[family][1])
 
 
-def vl_folder(d: Path, family: str = "qwen2_5_vl") -> Path:
-    """A tiny Qwen2.5-VL (Qwen3-VL) checkpoint folder with its tokenizer, chat template and image processor config."""
+def vl_folder(d: Path, family: str = "qwen2_5_vl", video: dict | None = None) -> Path:
+    """A tiny Qwen2.5-VL (Qwen3-VL) checkpoint folder with its tokenizer, chat template and image processor config;
+    `video`: with a `<|video_pad|>` token and this video_preprocessor_config.json."""
     make_qwen_tokenizer(d)
-    ids = add_special_tokens(d, VISION_TOKENS)
+    ids = add_special_tokens(d, VISION_TOKENS + (["<|video_pad|>"] if video else []))
+    if video:
+        (d / "video_preprocessor_config.json").write_text(json.dumps(video))
     tc = json.loads((d / "tokenizer_config.json").read_text())
     tc["chat_template"] = CHATML
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
@@ -81,8 +84,8 @@ def vl_folder(d: Path, family: str = "qwen2_5_vl") -> Path:
     cfg = getattr(transformers, config_class)(
         text_config={**text, "vocab_size": 320, "eos_token_id": Tokenizer.from_folder(d).token_to_id("<|im_end|>")},
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=0, vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"])
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids.get("<|video_pad|>", 0),
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(0)
     hf_class(family)(cfg).save_pretrained(d)
     return d
@@ -429,7 +432,8 @@ def test_the_token_store_keeps_image_rows_as_the_readers_make_them(vlm, own_data
     assert stores[0].header["sums"] == stores[1].header["sums"]  # the same bytes in every array
     assert sorted(stores[0].header["sums"]) == sorted(
         [f"{k}.{s}" for k in stores[0].lists for s in ("ids", "off")] + [f"{k}.val" for k in stores[0].values]
-        + [f"{k}.{s}" for k in ("images", "where") for s in ("txt", "off")] + ["image_files.txt", "image_files.stat"])
+        + [f"{k}.{s}" for k in ("images", "videos", "where") for s in ("txt", "off")]
+        + ["image_files.txt", "image_files.stat"])
     if kind == "unpaired":  # KTO's KL rows: the prompt's images with the row
         kl_store, kl_ref = add_kl_rows(stores[1], 2), add_kl_rows(ref, 2)
         assert list(kl_store) == list(kl_ref) and kl_store.carries("images").tolist() == carries(kl_ref).tolist()

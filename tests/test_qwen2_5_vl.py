@@ -20,7 +20,7 @@ import transformers
 import models
 from minitrain.weights import load_pretrained
 
-IMAGE, START, END = 150, 152, 153
+IMAGE, VIDEO, START, END = 150, 151, 152, 153
 TEXT = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
@@ -67,6 +67,88 @@ def batch():
     grid = torch.tensor(grids)
     pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g)
     return ids, mask, pixels, grid
+
+
+def video_batch(frames_apart: bool):
+    """Row 0: an image (4 x 4 patches) then a video (2 temporal patches of 6 x 8); row 1: a video (3 of 4 x 4);
+    row 2: text, right-padded. `frames_apart` (Qwen3-VL's processor): each temporal patch of a video its own
+    run of <|video_pad|> between <|vision_start|> and <|vision_end|>, text (its timestamp) before each."""
+    g = torch.Generator().manual_seed(1)
+    words = lambda n: torch.randint(3, 140, (n,), generator=g).tolist()  # noqa: E731
+    items = [[("image", (1, 4, 4)), ("video", (2, 6, 8))], [("video", (3, 4, 4))]]
+    rows = []
+    for row in items:
+        ids: list[int] = []
+        for kind, (t, h, w) in row:
+            if kind == "image":
+                ids += words(3) + [START] + [IMAGE] * (h * w // 4) + [END]
+            elif frames_apart:
+                ids += words(2) + [START] + sum((words(3) + [START] + [VIDEO] * (h * w // 4) + [END]
+                                                 for _ in range(t)), []) + [END]
+            else:
+                ids += words(3) + [START] + [VIDEO] * (t * h * w // 4) + [END]
+        rows.append(ids)
+    T = max(map(len, rows)) + 4
+    rows = [r + words(T - len(r)) for r in rows] + [words(T)]
+    ids = torch.tensor(rows)
+    mask = torch.ones_like(ids)
+    mask[2, 30:] = 0
+    ids[2, 30:] = 0
+    image_grid, video_grid = torch.tensor([(1, 4, 4)]), torch.tensor([(2, 6, 8), (3, 4, 4)])
+    pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=g)
+    videos = torch.randn(int(video_grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g)
+    return ids, mask, pixels, image_grid, videos, video_grid
+
+
+def check_video_logits(hf, ours, frames_apart: bool) -> None:
+    """`video_batch`'s logits (an image and a video in a row, a video alone in another, a padded text row; and
+    the video rows with no image input at all) equal transformers'; seconds per temporal patch 2/3 and 1 (the
+    first truncated on Qwen2.5-VL's temporal axis: 4 tokens a second x 2/3)."""
+    ids, mask, pixels, grid, videos, vgrid = video_batch(frames_apart)
+    seconds = torch.tensor([2 / 3, 1.0])
+    kinds = lambda x: (x == IMAGE).long() + 2 * (x == VIDEO).long()  # noqa: E731  (the processor's mm_token_type_ids)
+    real = mask.bool()
+    # the 3-D positions: transformers' get_rope_index's, exactly (padding aside)
+    from models.qwen2_5_vl import rope_index
+
+    extra = {} if frames_apart else {"second_per_grid_ts": seconds}
+    want = hf.model.get_rope_index(ids, kinds(ids), grid, vgrid, attention_mask=mask, **extra)[0]
+    videos_walked, steps = ours.video_positions(vgrid, seconds)
+    got = rope_index(ids, real, grid, IMAGE, 2, None, videos_walked, VIDEO, steps)
+    assert torch.equal(got[:, real], want[:, real])
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                 pixel_values_videos=videos, video_grid_thw=vgrid, second_per_grid_ts=seconds,
+                 mm_token_type_ids=kinds(ids)).logits
+        got = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid, pixel_values_videos=videos,
+                                video_grid_thw=vgrid, second_per_grid_ts=seconds))
+        assert rel(got[real], ref[real]) <= 1e-4, rel(got[real], ref[real])
+        # the video matters: other frames, other logits
+        other = ours.lm_head(ours(ids, mask, pixel_values=pixels, image_grid_thw=grid,
+                                  pixel_values_videos=videos.flip(0), video_grid_thw=vgrid, second_per_grid_ts=seconds))
+        assert rel(other[:2], got[:2]) > 1e-3
+        # a video alone (no image in the batch)
+        one = vgrid[1:]
+        alone = videos[-int(one.prod()):]
+        ref = hf(input_ids=ids[1:2], pixel_values_videos=alone, video_grid_thw=one, second_per_grid_ts=seconds[1:],
+                 mm_token_type_ids=kinds(ids[1:2])).logits
+        got = ours.lm_head(ours(ids[1:2], pixel_values_videos=alone, video_grid_thw=one,
+                                second_per_grid_ts=seconds[1:]))
+        assert rel(got, ref) <= 1e-4, rel(got, ref)
+
+
+def check_generation_after_videos(hf, ours, frames_apart: bool) -> None:
+    """`video_batch`'s two rows with videos as prompts (an image too in row 0): greedy generation equals
+    transformers', the tokens after the prompt counting on from its largest 3-D position."""
+    ids, _, pixels, grid, videos, vgrid = video_batch(frames_apart)
+    ids, seconds = ids[:2], torch.tensor([2 / 3, 1.0])
+    media = dict(pixel_values=pixels, image_grid_thw=grid, pixel_values_videos=videos, video_grid_thw=vgrid,
+                 **({} if frames_apart else {"second_per_grid_ts": seconds}))  # (Qwen3-VL's generate takes no seconds)
+    ref = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **media, max_new_tokens=6, do_sample=False,
+                      mm_token_type_ids=(ids == IMAGE).long() + 2 * (ids == VIDEO).long(), eos_token_id=None,
+                      pad_token_id=0)
+    got = models.family(ours).generate(ours, ids, torch.ones_like(ids), max_new_tokens=6, eos_token_id=[], **media)
+    assert torch.equal(got, ref)
 
 
 def check_packed_rows_equal_each_alone(ours) -> None:
@@ -268,6 +350,16 @@ def test_greedy_generation_of_text_equals_transformers(vl):
 def test_greedy_generation_after_images_equals_transformers(vl):
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
     check_generation_after_images(hf, load_pretrained(vl, models.from_hf_config).eval())
+
+
+def test_logits_with_videos_equal_transformers(vl):
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    check_video_logits(hf, load_pretrained(vl, models.from_hf_config).eval(), frames_apart=False)
+
+
+def test_greedy_generation_after_videos_equals_transformers(vl):
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl, dtype=torch.float32).eval()
+    check_generation_after_videos(hf, load_pretrained(vl, models.from_hf_config).eval(), frames_apart=False)
 
 
 def test_packed_rows_with_images_equal_each_sequence_alone(vl):

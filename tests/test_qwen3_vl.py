@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from test_qwen2_5_vl import IMAGE, batch, check_generation_after_images, check_lora_in_peft, \
-    check_packed_rows_equal_each_alone, check_saved_folder, \
+    check_generation_after_videos, check_packed_rows_equal_each_alone, check_saved_folder, check_video_logits, \
     hf_logits, rel
 
 import models
@@ -62,6 +62,16 @@ def vl3(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pair(vl3):
     return loaded_pair(transformers.Qwen3VLForConditionalGeneration, vl3)
+
+
+def test_logits_with_videos_equal_transformers(pair):
+    """Each temporal patch of a video its own run (after its timestamp text), DeepStack features at the video's
+    places too."""
+    check_video_logits(*pair, frames_apart=True)
+
+
+def test_greedy_generation_after_videos_equals_transformers(pair):
+    check_generation_after_videos(*pair, frames_apart=True)
 
 
 def test_logits_with_images_equal_transformers(pair):

@@ -19,7 +19,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_qwen2_5_vl import IMAGE, batch, check_generation_after_images, check_packed_rows_equal_each_alone, \
-    check_saved_folder, hf_logits, rel
+    check_saved_folder, check_video_logits, hf_logits, rel
 from test_qwen3_vl import TEXT, VISION, loaded_pair, saved_tiny
 
 import models
@@ -64,6 +64,11 @@ def test_logits_and_aux_loss_with_images_equal_transformers(pair):
         _, metrics = ours.router_aux_loss(mask)
     hf.eval(), ours.eval()
     assert metrics["aux_loss"] == pytest.approx(float(want), rel=1e-5)
+
+
+def test_logits_with_videos_equal_transformers(pair):
+    """Qwen3-VL's video forward (each temporal patch its own run, DeepStack at the video's places) over the experts."""
+    check_video_logits(*pair, frames_apart=True)
 
 
 def test_fused_experts_load_in_both_layouts(vlmoe, tmp_path):

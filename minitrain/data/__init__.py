@@ -14,6 +14,8 @@ Modules, in reading order:
     images   image files -> the pixel values (and patch grids) a vision tower reads, as the checkpoint's
              image processor (Qwen2-VL's, Gemma 3's), the placeholder tokens that stand for them; image
              rows' chats, each batch's images decoded when it is collated
+    videos   videos given as frame files -> the pixel values, grids and placeholder tokens of Qwen2.5-VL's and
+             Qwen3-VL's video processors; video parts of SFT rows
     prefetch the next micro-batch collated (its images decoded) in a background thread while one trains
     packing  a micro-batch's sequences packed into as few rows as fit
     store    the token store: a split's examples as flat arrays on disk, read through a memory map

@@ -399,6 +399,7 @@ class ImageRows:
     eoi: int | None = None
     frame: str = "\n\n"
     wrap: tuple[int, int] | None = None
+    videos: Any = None  # how it reads videos (`minitrain.data.videos.VideoRows`), None: it reads none
 
     @classmethod
     def from_checkpoint(cls, config: dict, preprocessor: dict | None, decode) -> "ImageRows | None":
@@ -523,6 +524,9 @@ def image_messages(messages: list[dict], column: list | None, base: Path, placeh
                                         f"{src!r} — fix the row")
                     paths.append(Path(src))
                     text += placeholder
+                elif kind == "video":
+                    raise UserError(f"{where}: messages[{i}] has a video, which is not read here: this recipe takes no "
+                                    "videos yet (SFT does, on Qwen2.5-VL and Qwen3-VL) — drop the video or use SFT")
                 else:
                     raise UserError(f"{where}: messages[{i}]: content part {part!r} — use {{\"type\": \"text\", "
                                     f"\"text\": ...}} or {{\"type\": \"image\", \"image\": \"path\"}}")
@@ -540,8 +544,8 @@ def image_messages(messages: list[dict], column: list | None, base: Path, placeh
     return out, [p if p.is_absolute() else base / p for p in paths]
 
 
-def collate_images(examples, collate, spec: ImageSpec | SquareSpec | BudgetSpec, copies: int = 1, group: int = 1
-                   ) -> dict:
+def collate_images(examples, collate, spec: ImageSpec | SquareSpec | BudgetSpec, copies: int = 1, group: int = 1,
+                   videos: Any = None) -> dict:
     """`collate(examples)` plus, when the examples carry images, `spec.batch` of them (Qwen: `pixel_values`
     (patches, C t p p) float32 and `image_grid_thw` (images, 3); Gemma 3: `pixel_values` (images, C, H, W);
     Gemma 4: `pixel_values` (images, budget, p p C) and `image_position_ids` (images, budget, 2)):
@@ -549,11 +553,16 @@ def collate_images(examples, collate, spec: ImageSpec | SquareSpec | BudgetSpec,
     times over (a preference batch's rows are [chosen; rejected], each pair's images in both: 2). `group` > 1:
     also `group_pixel_values` (and `group_image_grid_thw`), each example's images `group` times in a row, for
     the rows of GRPO's groups (prompt i's G completions are rows i G .. i G + G - 1). Packed rows (the batch's
-    `sequence_ids`: the packer may reorder the examples): the images in the order the examples lie in the rows."""
+    `sequence_ids`: the packer may reorder the examples): the images in the order the examples lie in the rows.
+    Videos (SFT's rows, `videos`: how the checkpoint reads them, `VideoRows`): `pixel_values_videos`,
+    `video_grid_thw` and `second_per_grid_ts`, each decoded now, in order."""
     batch = collate(examples)
     if "sequence_ids" in batch:
         examples = [examples[i] for i in packed_order(batch["sequence_ids"])]
     decoded = [[load_image(path, spec, ex.get("where", "")) for path in ex.get("images", ())] for ex in examples]
+    clips = [videos.read(entry, ex.get("where", "")) for ex in examples for entry in ex.get("videos", ())]
+    if clips:
+        batch.update(videos.spec.batch(*zip(*clips)))
     images = [image for _ in range(copies) for mine in decoded for image in mine]
     if images:
         batch.update(spec.batch(*zip(*images)))

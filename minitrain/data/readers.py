@@ -33,6 +33,7 @@ from minitrain.data.collate import IGNORE_INDEX
 from minitrain.data.files import read_rows
 from minitrain.data.images import ImageRows, image_messages
 from minitrain.data.rows import PREFERENCE_FIELDS, SEQ2SEQ_FIELDS, SFT_FIELDS, Row, check_fields, in_force
+from minitrain.data.videos import video_messages
 from minitrain.errors import UserError
 from minitrain.text.chat_formats import common_prefix_len
 from minitrain.text.tokenizer import Tokenizer
@@ -196,16 +197,20 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
                     {"role": "assistant", "content": row.text("completion")}]
             shape = "pair_chat"
         paths: list = []
+        clips: list[str] = []  # the videos (`VideoRows.entry`)
         if chat is not None and _has_parts(row, chat):
+            chat, clips = _video_chat(row, chat, path, images)
             chat, paths = _image_chat(row, chat, path, images)
         if chat is not None:
             ids, mask = _chat(tok, where, chat)
             labels = [i if m else IGNORE_INDEX for i, m in zip(ids, mask)]
             if paths:
                 ids, labels = images.expand(ids, labels, [images.tokens(p, where) for p in paths], tok, where)
-                if len(ids) > max_len:
-                    raise UserError(f"{where}: {len(ids)} tokens with its images, over max_len={max_len} — an image "
-                                    "row is never cut; raise max_len or lower the images' max_pixels")
+            if clips:
+                ids, labels = images.videos.expand(ids, labels, clips, tok, where)
+            if (paths or clips) and len(ids) > max_len:
+                raise UserError(f"{where}: {len(ids)} tokens with its images and videos, over max_len={max_len} — a "
+                                "row with images or videos is never cut; raise max_len or lower their max_pixels")
             if len(ids) > max_len:
                 out.truncated += 1
                 keep = _cut(list(range(len(ids))), max_len, truncation_side, 0)  # positions kept
@@ -234,9 +239,25 @@ def read_sft(path: str | Path, tok: Tokenizer, *, max_len: int, truncation_side:
             out.skipped += 1
             continue
         out.shapes[shape] += 1
-        out.append({"input_ids": ids, "labels": labels, "images": [str(p) for p in paths], "where": where}
-                   if paths else {"input_ids": ids, "labels": labels})
+        ex = {"input_ids": ids, "labels": labels}
+        if paths:
+            ex["images"] = [str(p) for p in paths]
+        if clips:
+            ex["videos"] = clips
+        out.append({**ex, "where": where} if paths or clips else ex)
     return out
+
+
+def _video_chat(row: Row, chat: list, path: str | Path, images: ImageRows | None) -> tuple[list, list[str]]:
+    """A chat's video parts (or a `videos` column) read out (`video_messages`): (its messages, each video part a
+    text part of the checkpoint's placeholder; the videos as `VideoRows.entry`). Videos need a checkpoint that
+    reads them (`images.videos`)."""
+    column = row.get("videos") if row.has("videos") else None
+    if column is not None and not isinstance(column, list):
+        raise UserError(f'{row.where}: "videos" must be a list of videos, each a list of frame paths — fix the row')
+    base = Path(path).parent if Path(path).is_file() else Path(path)
+    videos = images.videos if images is not None else None
+    return video_messages(chat, column, base, videos.placeholder if videos else None, row.where)
 
 
 def _image_chat(row: Row, chat: list, path: str | Path, images: ImageRows | None) -> tuple[list, list]:
@@ -394,12 +415,16 @@ def read_preference(path: str | Path, tok: Tokenizer, *, max_len: int, truncatio
 
 def _has_parts(row: Row, messages: list) -> bool:
     """Whether a chat has content lists (parts) or the row an `images` column: `_image_chat` reads it."""
-    return row.has("images") or any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+    return row.has("images") or row.has("videos") or any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                                         for m in messages)
 
 
 def _prompt_images(row: Row, prompt: str | list, path: str | Path, images: ImageRows | None) -> tuple[str | list, list]:
     """A preference / unpaired / GRPO prompt with its images read out (`_image_chat`): (the prompt, image paths).
-    A string prompt beside an `images` column is refused: the images need a chat to sit in."""
+    A string prompt beside an `images` column is refused: the images need a chat to sit in. Videos are SFT's only."""
+    if row.has("videos"):
+        raise UserError(f'{row.where}: the row has "videos", which this recipe does not read yet (SFT does) — drop '
+                        "them or train with SFT")
     if isinstance(prompt, list):
         return _image_chat(row, prompt, path, images) if _has_parts(row, prompt) else (prompt, [])
     if row.has("images"):

@@ -50,9 +50,10 @@ ID_DTYPE = np.int32
 COUNTS = ("truncated", "skipped", "bos_in_text", "identical")
 BLOCK = 1 << 16  # examples per block when a method reads a whole array (list_max, target_counts)
 # the text columns of image rows (a vision-language checkpoint's), key -> "list" (strings joined by NUL) or "str":
-# the image paths, and the data row (`where`) that names a file that cannot be read when a batch decodes it. The
-# readers write both only beside images: an example without them is stored empty and read back without the keys
-TEXTS = {"images": "list", "where": "str"}
+# the image paths, the videos (SFT's: each the JSON text of its frame paths and fps, `VideoRows.entry`), and the
+# data row (`where`) that names a file that cannot be read when a batch decodes it. The readers write them only
+# beside images or videos: an example without them is stored empty and read back without the keys
+TEXTS = {"images": "list", "videos": "list", "where": "str"}
 IMAGE_FILES = "image_files"  # <IMAGE_FILES>.txt / .stat: the image files of the rows, as the build read them
 
 

@@ -58,6 +58,7 @@ from minitrain.data.store import (
     read_image_files,
     write_image_files,
 )
+from minitrain.data.videos import VideoRows
 from minitrain.errors import UserError
 from minitrain.progress import log
 
@@ -65,7 +66,8 @@ CHUNK = 1024  # rows per chunk handed to one worker
 FLUSH = 1 << 20  # buffered tokens per key before a write
 SAMPLE = 1 << 20  # bytes hashed at each end of a data file
 PROGRESS_EVERY = 5.0  # seconds between progress lines
-CODE = ("data/files.py", "data/rows.py", "data/readers.py", "data/images.py", "data/store.py", "data/store_build.py",
+CODE = ("data/files.py", "data/rows.py", "data/readers.py", "data/images.py", "data/videos.py", "data/store.py",
+        "data/store_build.py",
         "text/tokenizer.py", "text/backends.py", "text/chat_template.py", "text/chat_formats.py")
 
 
@@ -208,6 +210,11 @@ class PartWriter:
         for path in ex.get("images", ()) if "images" in self.texts else ():
             if path not in self.image_files:  # just read by the reader (its header: the token count)
                 self.image_files[path] = _stat(path)
+        for entry in ex.get("videos", ()) if "videos" in self.texts else ():  # the frames' files: their count and size
+            files = VideoRows.files(entry)[0]
+            for path in map(str, [files] if isinstance(files, Path) else files):
+                if path not in self.image_files:
+                    self.image_files[path] = _stat(path)
         self.n += 1
         chunk = (self.pick.i - 1) // CHUNK
         self.per_chunk[chunk] = self.per_chunk.get(chunk, 0) + 1

@@ -61,7 +61,9 @@ def image_inputs(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Ten
     """A batch's images as a vision-language model's forward takes them (`minitrain.data.images.collate_images`:
     `pixel_values`, Qwen's `image_grid_thw`, Gemma 4's `image_position_ids`; `prefix` "group_": those of GRPO's
     rows); {} without images."""
-    return {k: batch[prefix + k] for k in ("pixel_values", "image_grid_thw", "image_position_ids") if prefix + k in batch}
+    keys = ("pixel_values", "image_grid_thw", "image_position_ids", "pixel_values_videos", "video_grid_thw",
+            "second_per_grid_ts")
+    return {k: batch[prefix + k] for k in keys if prefix + k in batch}
 
 
 def batch_token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:

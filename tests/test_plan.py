@@ -914,14 +914,6 @@ def test_moe_full_finetune_weights_grads_optimizer_exact(name):
     assert terms["optimizer (AdamW)"] == tensor_bytes(v for st in opt.state.values() for v in st.values())
 
 
-def test_moe_runs_the_plan_does_not_model_are_one_line():
-    for name in ("qwen3_moe", "qwen2_moe"):
-        with pytest.raises(UserError, match="every layer is sparse"):
-            shape_from_hf(hf_config(**MOE_FAMILIES[name], mlp_only_layers=[1]))
-    with pytest.raises(UserError, match="mixture-of-experts runs in one process"):
-        predict(shape_from_hf(hf_config(**MOE_FAMILIES["mixtral"])), RunShape(rows=1, seq=8, full=True, world=2))
-
-
 # ----------------------------------------------------------------------------- Qwen3.5 (Gated DeltaNet hybrid)
 
 # three DeltaNet layers and one gated attention layer; value heads repeat the key heads, dk != dv

@@ -4,13 +4,19 @@
   the parameters, the frozen weights' bytes (float, nf4, int8), the LoRA tensors (Qwen3-MoE's per-expert names
   leave a dense layer's MLP unadapted, as `minitrain.adapters.lora_experts.split_targets`), the full fine-tuning
   gradients and AdamW state, all exact against the model built from config.json; a LoRA and a full fine-tuning
-  SFT step's CPU peak within 20% of the plan (`check_sft_step`).
+  SFT step's CPU peak within 20% of the plan (`check_sft_step`);
+- gpt-oss (attention with sinks written out, sliding / full layers, the clamped SwiGLU experts with biases, the
+  router's bias): the same exact terms, what the model holds after loading a tiny MXFP4 folder (made by the
+  format's rules) equal to the plan's float weights, and LoRA / full fine-tuning steps within 20%.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import save_file
 from test_plan import (ALL, ATTN, MOE_FAMILIES, build, check_sft_step, full_model, hf_config, quant_state_tensors,
                        tensor_bytes)
 
@@ -21,6 +27,7 @@ from minitrain.plan.decoder import adapter_terms
 from minitrain.plan.predict import predict, shape_from_hf
 from minitrain.plan.run_shape import RunShape
 from minitrain.train import build_optimizer
+from minitrain.weights import load_pretrained
 
 # two of the four layers dense (mlp_only_layers: the last one among them on Qwen2-MoE; every second layer sparse),
 # a dense MLP wider than the experts' rows
@@ -92,6 +99,72 @@ def test_dense_layers_step_peak_within_20_percent(case):
     check_sft_step(dense_config(" ".join(case.split()[:2])), c.pop("targets"), case, **c)
 
 
+# ----------------------------------------------------------------------------- gpt-oss
+
+# sinks, alternating sliding (a window shorter than the measured rows) / full layers, 4 experts of 192 (top 2)
+GPT_OSS = dict(model_type="gpt_oss", num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+               intermediate_size=192, sliding_window=128)
+GPT_OSS_TARGETS = ATTN + ("experts.gate_up_proj", "experts.down_proj")
+
+
+def test_gpt_oss_params_weights_adapters_and_full_finetune_exact():
+    hf = hf_config(**GPT_OSS)
+    shape = shape_from_hf(hf)
+    for dtype, compute in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        model = build(hf, dtype, GPT_OSS_TARGETS)
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute=compute))) == tensor_bytes(frozen)
+    for targets in (GPT_OSS_TARGETS, ("all-linear",), ("q_proj", "mlp.experts.down_proj")):
+        lora = sorted(p.numel() for p in build(hf, torch.float32, targets).parameters() if p.requires_grad)
+        assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_targets=targets))) == lora, targets
+    model = full_model(hf)
+    run = RunShape(rows=2, seq=16, compute="bf16", full=True)
+    params = list(model.parameters())
+    assert sum(t.bytes for t in shape.weight_terms(run)) == tensor_bytes(params)
+    assert sum(shape.all_tensors()) == shape.num_params() == sum(p.numel() for p in params)
+    assert sorted(shape.all_tensors()) == sorted(p.numel() for p in params)
+    opt = build_optimizer(list(model.named_parameters()), 0.0, 1e-3)
+    model.output_projection(model(torch.randint(0, 2048, (2, 16)))).float().pow(2).mean().backward()
+    opt.step()
+    terms = {t.name: t.bytes for t in adapter_terms(shape, run)}
+    assert terms["gradients"] == tensor_bytes(p.grad for p in params)
+    assert terms["optimizer (AdamW)"] == tensor_bytes(v for st in opt.state.values() for v in st.values())
+
+
+def test_gpt_oss_mxfp4_folder_holds_the_planned_float_experts(tmp_path):
+    """A tiny MXFP4 folder (per expert and output row, 32 inputs as 16 bytes of E2M1 codes + one uint8 power of
+    two, `quantization_config.quant_method: mxfp4`): after loading, the model holds its experts dequantized in
+    the run's dtype and nothing packed, the bytes the plan counts."""
+    hf = hf_config(**GPT_OSS)
+    torch.manual_seed(0)
+    sd = {k: v.contiguous() for k, v in models.from_hf_config(hf).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, n_in, n_out = sd.pop(k).shape  # ours: (E, in, out); the file's rows are the outputs
+        sd[f"{k}_blocks"] = torch.randint(0, 256, (E, n_out, n_in // 32, 16), generator=g, dtype=torch.uint8)
+        sd[f"{k}_scales"] = torch.randint(121, 128, (E, n_out, n_in // 32), generator=g, dtype=torch.uint8)
+    save_file(sd, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "quantization_config": {"quant_method": "mxfp4"}}))
+    shape = shape_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    for dtype, compute in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        model = load_pretrained(tmp_path, models.from_hf_config, dtype=dtype)
+        held = list(model.parameters()) + list(model.buffers())
+        assert all(p.dtype == dtype for p in held)
+        assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute=compute))) == tensor_bytes(held)
+
+
+# planned / measured when written: see the report of the change that added them (test ids below)
+GPT_OSS_CASES = {"lora fp32": dict(), "lora fp32 ckpt": dict(ckpt=True), "lora bf16": dict(compute="bf16"),
+                 "full fp32": dict(full=True), "full bf16": dict(full=True, compute="bf16")}
+
+
+@pytest.mark.parametrize("case", list(GPT_OSS_CASES))
+def test_gpt_oss_step_peak_within_20_percent(case):
+    check_sft_step(hf_config(**GPT_OSS), GPT_OSS_TARGETS, case, **GPT_OSS_CASES[case])
+
+
 def test_moe_runs_the_plan_does_not_model_are_one_line():
     with pytest.raises(UserError, match="mixture-of-experts runs in one process"):
         predict(shape_from_hf(hf_config(**MOE_FAMILIES["mixtral"])), RunShape(rows=1, seq=8, full=True, world=2))
+    with pytest.raises(UserError, match="gpt-oss's experts .* are not ones minitrain quantizes"):
+        predict(shape_from_hf(hf_config(**GPT_OSS)), RunShape(rows=1, seq=8, quantize="nf4"))

@@ -28,7 +28,7 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
 
 PLANNED = ("LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5 (dense and MoE), Gemma 2, Gemma 3 (text and multimodal), "
            "Gemma 4 (dense, MoE, multimodal), Phi-3, Qwen2.5-VL, Qwen3-VL (dense and MoE), Qwen3-MoE, Qwen2-MoE, "
-           "Mixtral and T5")
+           "Mixtral, gpt-oss and T5")
 
 
 @dataclass(frozen=True)

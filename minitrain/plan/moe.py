@@ -26,7 +26,8 @@ weight gradients besides LLaMA's full terms.
 `ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) and Gemma 4's
 (`minitrain.plan.gemma4`: its experts and router under their own module names, `EXPERTS` / `ROUTER`) add them too.
 Modelled: LoRA / QLoRA and full fine-tuning in one process (measured against the CPU in tests/test_plan.py,
-with dense layers in tests/test_plan_moe.py). Several ranks, a teacher and gpt-oss are refused with one line.
+with dense layers in tests/test_plan_moe.py). Several ranks and a teacher are refused with one line. gpt-oss:
+`minitrain.plan.gpt_oss`, over these terms.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ExpertBlocks:
     expert_size: int
     EXPERTS: ClassVar[str] = "mlp.experts"  # the experts' module path in a block (Gemma 4's: `experts`)
     ROUTER: ClassVar[str] = "mlp.gate"  # the router's (Gemma 4's: `router`), which `modules_to_save` may train
+    PROBS: ClassVar[int] = 4  # bytes per expert of the router's probabilities (a softmax over every expert, fp32)
 
     @property
     def sparse_count(self) -> int:
@@ -151,7 +153,7 @@ class ExpertBlocks:
             return []
         N, s, D, E, K, F = run.tokens, run.s, self.hidden_size, self.num_experts, self.top_k, self.expert_size
         adapted = list(self.expert_weights()) if run.full else self.adapted_experts(run.lora_targets)
-        per = E * (s + 4) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
+        per = E * (s + self.PROBS) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
         per += K * D * s  # the weighted outputs, which `index_add_` keeps (read off a saved-tensors hook)
         per += K * D * s if "gate_up_proj" in adapted else 0  # the gathered rows gate_up's weight grad reads
         # the product down's weight grad reads (full fine-tuning: `_full_block_saved` counts it, as F)

@@ -7,18 +7,24 @@
   SFT step's CPU peak within 20% of the plan (`check_sft_step`);
 - gpt-oss (attention with sinks written out, sliding / full layers, the clamped SwiGLU experts with biases, the
   router's bias): the same exact terms, what the model holds after loading a tiny MXFP4 folder (made by the
-  format's rules) equal to the plan's float weights, and LoRA / full fine-tuning steps within 20%.
+  format's rules) equal to the plan's float weights, and LoRA / full fine-tuning steps within 20%;
+- several ranks: 2 gloo ranks (as tests/test_plan_fsdp.py), a Qwen3-MoE with dense layers and gpt-oss, LoRA on
+  the experts and full fine-tuning under `parallel=fsdp` (FSDP2 shards the experts by their first dim, E) and
+  LoRA under `parallel=ddp` (the loop's bucketed all-reduce): rank 0's shards (or whole model) and AdamW state
+  equal the plan's persistent terms to the byte, and its measured step peak plus those is within 20% of the plan.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from test_plan import (ALL, ATTN, MOE_FAMILIES, build, check_sft_step, full_model, hf_config, quant_state_tensors,
                        tensor_bytes)
+from test_plan_fsdp import launch_two
 
 import models
 from minitrain.adapters.lora import logical_numel
@@ -164,7 +170,85 @@ def test_gpt_oss_step_peak_within_20_percent(case):
 
 
 def test_moe_runs_the_plan_does_not_model_are_one_line():
-    with pytest.raises(UserError, match="mixture-of-experts runs in one process"):
-        predict(shape_from_hf(hf_config(**MOE_FAMILIES["mixtral"])), RunShape(rows=1, seq=8, full=True, world=2))
+    mixtral = shape_from_hf(hf_config(**MOE_FAMILIES["mixtral"]))
+    with pytest.raises(UserError, match="mixture-of-experts runs without a teacher"):
+        predict(mixtral, RunShape(rows=1, seq=8, teacher=mixtral))
+    with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp"):
+        predict(mixtral, RunShape(rows=2, seq=8, quantize="nf4", world=2, parallel="fsdp"))
+    with pytest.raises(UserError, match="a trained router under fsdp"):
+        predict(mixtral, RunShape(rows=2, seq=8, modules_to_save=("gate",), world=2, parallel="fsdp"))
     with pytest.raises(UserError, match="gpt-oss's experts .* are not ones minitrain quantizes"):
         predict(shape_from_hf(hf_config(**GPT_OSS)), RunShape(rows=1, seq=8, quantize="nf4"))
+
+
+# ----------------------------------------------------------------------------- several ranks, measured
+
+RANKS = {"qwen3_moe": (lambda: dense_config("qwen3_moe only"), ALL + ("experts.gate_up_proj",),
+                       ("lora fsdp", "full fsdp", "lora ddp")),
+         "gpt_oss": (lambda: hf_config(**GPT_OSS), GPT_OSS_TARGETS, ("lora fsdp", "full fsdp"))}
+ROWS, SEQ = 4, 128
+
+
+def ranks_worker(rank: int, out: str) -> None:
+    """One rank: per model and mode, build, shard (fsdp) or not (ddp), one warm-up step, one measured step."""
+    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.objectives.sft import sft
+    from minitrain.parallel import distributed, fsdp
+    from minitrain.plan.measure import measure_peak_allocated
+
+    results = {}
+    for name, (config, targets, modes) in RANKS.items():
+        for mode in modes:
+            torch.manual_seed(0)
+            model = models.from_hf_config(config())
+            if mode.startswith("lora"):
+                cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets))
+                apply_lora(model, cfg)
+                freeze_for_adapters(model, cfg)
+            if mode.endswith("fsdp"):
+                fsdp.shard(model, torch.device("cpu"))
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            opt = build_optimizer(named, 0.0, 1e-4)
+            ids = torch.randint(4, 2048, (ROWS // 2, SEQ), generator=torch.Generator().manual_seed(rank))
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+            def step(model=model, opt=opt, batch=batch, named=named, ddp=mode.endswith("ddp")):
+                loss, _, _ = sft(model, batch)
+                loss.backward()
+                if ddp:
+                    distributed.all_reduce_sum([p.grad for _, p in named])
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            step()  # the optimizer state exists from here on: the steady state
+            peak, _ = measure_peak_allocated(step)
+            local = [p.to_local() if distributed.is_sharded(p) else p for p in model.parameters()]
+            state = [v.to_local() if distributed.is_sharded(v) else v for st in opt.state.values() for v in st.values()]
+            results[f"{name} {mode}"] = dict(
+                frozen=tensor_bytes(t for t, p in zip(local, model.parameters()) if not p.requires_grad),
+                trained=tensor_bytes(t for t, p in zip(local, model.parameters()) if p.requires_grad),
+                optimizer=tensor_bytes(state), step_peak=peak)
+            del model, opt
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def test_two_ranks_measured_against_the_plan(tmp_path):
+    launch_two(tmp_path, "ranks_worker", str(tmp_path), module="test_plan_moe")
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    for name, (config, targets, modes) in RANKS.items():
+        for mode in modes:
+            m = rank0[f"{name} {mode}"]
+            run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,
+                           full=mode.startswith("full"), world=2, parallel=mode.split()[1])
+            plan = predict(shape_from_hf(config()), run)
+            got = {t.name: t.bytes for t in plan.persistent}
+            if mode.endswith("fsdp"):
+                assert m["frozen"] == got["weights: 1/N shard (FSDP2)"], (name, mode)
+                assert m["trained"] == got["trained tensors: 1/N shard"], (name, mode)
+                assert m["optimizer"] == got["optimizer (AdamW): 1/N shard"], (name, mode)
+            else:  # the whole model on each rank
+                assert m["frozen"] + m["trained"] == plan.persistent_bytes - got["gradients"] - got["optimizer (AdamW)"]
+                assert m["optimizer"] == got["optimizer (AdamW)"], (name, mode)
+            measured = m["frozen"] + m["trained"] + m["optimizer"] + m["step_peak"]  # (gradients: within the step)
+            print(f"{name} {mode}: planned / measured {plan.peak / measured:.3f} ({plan.peak_moment})")
+            assert measured == pytest.approx(plan.peak, rel=0.2), (name, mode, measured, plan.peak, plan.peak_moment)

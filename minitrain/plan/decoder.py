@@ -205,6 +205,11 @@ class ModelShape:
         L = self.num_hidden_layers
         return sum(self.block_view(i).block_matrices() for i in range(L - blocks, L))
 
+    def block_tensors(self, run: "RunShape") -> list[tuple[str, tuple[int, ...], bool]]:
+        """One block's parameters beyond its linears, norms and biases, as FSDP2 shards them by dim 0 (`minitrain.plan
+        .sharded`): (name, shape, whether it trains); none here (an MoE's experts, router and expert adapters)."""
+        return []
+
     def recomputed(self, run: "RunShape", k: int) -> int:
         """Which of the first k (checkpointed) blocks the plan's recompute moment shows: the last one."""
         return k - 1

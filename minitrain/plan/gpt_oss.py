@@ -16,7 +16,8 @@
 - routing: the top-K logits' softmax, so no fp32 probabilities over every expert (`ExpertBlocks` counts
   the router's logits, the choices and weights).
 
-Modelled: LoRA and full fine-tuning in one process (measured against the CPU in tests/test_plan_moe.py).
+Modelled: LoRA and full fine-tuning in one process and on several ranks (ddp, fsdp: `minitrain.plan.sharded`, each
+block's sinks and biases sharded with it), measured against the CPU in tests/test_plan_moe.py; a teacher is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ModelShape
-from minitrain.plan.moe import ExpertBlocks
+from minitrain.plan.moe import ExpertBlocks, check_moe_run
 from minitrain.plan.run_shape import RunShape, Term
 
 
@@ -63,6 +64,12 @@ class GptOssShape(ExpertBlocks, ModelShape):
         router's bias and the experts' biases."""
         E, D, F = self.num_experts, self.hidden_size, self.expert_size
         return [self.num_attention_heads, E, E * 2 * F, E * D]
+
+    def block_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        E, D, F = self.num_experts, self.hidden_size, self.expert_size
+        return super().block_tensors(run) + [
+            ("self_attn.sinks", (self.num_attention_heads,), run.full), ("mlp.router.bias", (E,), run.full),
+            ("mlp.experts.gate_up_proj_bias", (E, 2 * F), run.full), ("mlp.experts.down_proj_bias", (E, D), run.full)]
 
     def router_tensors(self) -> list[int]:
         return [self.num_experts * self.hidden_size, self.num_experts]
@@ -105,6 +112,4 @@ class GptOssShape(ExpertBlocks, ModelShape):
             raise UserError(f"quantize={run.quantize}: gpt-oss's experts (an in-out layout with biases, MXFP4 in its "
                             "checkpoints) are not ones minitrain quantizes — drop quantize= (LoRA on the dequantized "
                             "experts)")
-        if run.world > 1 or run.parallel == "fsdp" or run.teacher is not None:
-            raise UserError("the memory plan models mixture-of-experts runs in one process (not several ranks or "
-                            "a teacher) — memory_check=false skips the plan")
+        check_moe_run(self, run)

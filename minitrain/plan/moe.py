@@ -25,9 +25,12 @@ weight gradients besides LLaMA's full terms.
 
 `ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) and Gemma 4's
 (`minitrain.plan.gemma4`: its experts and router under their own module names, `EXPERTS` / `ROUTER`) add them too.
-Modelled: LoRA / QLoRA and full fine-tuning in one process (measured against the CPU in tests/test_plan.py,
-with dense layers in tests/test_plan_moe.py). Several ranks and a teacher are refused with one line. gpt-oss:
-`minitrain.plan.gpt_oss`, over these terms.
+Several ranks: `minitrain.plan.sharded` (ddp: the whole model per rank; fsdp: FSDP2 shards each expert weight,
+expert adapter and router by its first dim, E, with the block that holds it: `block_tensors`).
+Modelled: LoRA / QLoRA and full fine-tuning in one process and under ddp, LoRA and full fine-tuning on a float
+base under fsdp (measured against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in
+tests/test_plan_moe.py). A teacher, QLoRA under fsdp and a trained router under fsdp are refused with one line.
+gpt-oss: `minitrain.plan.gpt_oss`, over these terms.
 """
 
 from __future__ import annotations
@@ -122,6 +125,20 @@ class ExpertBlocks:
         """Numel of each of one block's router's parameters."""
         return [self.num_experts * self.hidden_size]
 
+    def block_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """A sparse block's experts (E first: FSDP2 gives each rank ceil(E / N) experts), router and expert
+        adapters (`ExpertLoRA`'s (E, r, in) and (E, out, r))."""
+        if not self.has_experts:
+            return super().block_tensors(run)
+        E, D = self.num_experts, self.hidden_size
+        out = [(f"{self.EXPERTS}.{n}", (E, o, i), run.full) for n, (i, o) in self.expert_weights().items()]
+        out += [(f"{self.ROUTER}.weight", (E, D), run.full)]
+        for n in ([] if run.full else self.adapted_experts(run.lora_targets)):
+            i, o = self.expert_weights()[n]
+            r = run.rank(i, o)
+            out += [(f"{n}.lora_A", (E, r, i), True), (f"{n}.lora_B", (E, o, r), True)]
+        return super().block_tensors(run) + out
+
     def expert_summary(self, run: RunShape) -> str:
         experts = self.adapted_experts(run.lora_targets)
         return f" + {len(experts)} expert weights x {self.sparse_count} blocks" if experts else ""
@@ -161,6 +178,19 @@ class ExpertBlocks:
         if not run.full:  # the expert LoRA B inputs
             per += sum(K * run.rank(*self.expert_weights()[n]) * s for n in adapted)
         return [Term("experts: routing, gathered rows, outputs (twice), adapter inputs", N * per, f"{per:,} B per token")]
+
+
+def check_moe_run(shape: ExpertBlocks, run: RunShape) -> None:
+    """The runs the plan of a Qwen-MoE / Mixtral / gpt-oss checkpoint does not model: one line each."""
+    if run.teacher is not None:
+        raise UserError("the memory plan models mixture-of-experts runs without a teacher — memory_check=false skips "
+                        "the plan")
+    if run.parallel == "fsdp" and run.quantize != "none" and not run.full:
+        raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models mixture-of-experts runs "
+                        "on a float base under fsdp — memory_check=false skips the plan")
+    if run.parallel == "fsdp" and not run.full and any(matches(shape.ROUTER, m) for m in run.modules_to_save):
+        raise UserError(f"modules_to_save={','.join(run.modules_to_save)} with parallel=fsdp: the memory plan does not "
+                        "model a trained router under fsdp — memory_check=false skips the plan")
 
 
 class SharedExpert:
@@ -301,9 +331,7 @@ class MoeShape(ExpertBlocks, ModelShape):
                 + (f"; {dense} dense MLP layers of {self.dense_size}" if dense else ""))
 
     def check_run(self, run: RunShape) -> None:
-        if run.world > 1 or run.parallel == "fsdp" or run.teacher is not None:
-            raise UserError("the memory plan models mixture-of-experts runs in one process (not several ranks or "
-                            "a teacher) — memory_check=false skips the plan")
+        check_moe_run(self, run)
 
 
 @dataclass(frozen=True)

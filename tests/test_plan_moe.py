@@ -105,6 +105,45 @@ def test_dense_layers_step_peak_within_20_percent(case):
     check_sft_step(dense_config(" ".join(case.split()[:2])), c.pop("targets"), case, **c)
 
 
+def qwen3_vl_moe_dense(tmp_path) -> dict:
+    """test_plan_vision's Qwen3-VL-MoE with its layer 0 dense (`mlp_only_layers`), as transformers writes it."""
+    import test_plan_vision as vision
+    import transformers
+
+    text = {**vision.TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+            "mlp_only_layers": [0], "rope_parameters": {**vision.ROPE, "mrope_interleaved": True}}
+    transformers.Qwen3VLMoeConfig(text_config=text, vision_config={**vision.QWEN3_VISION, **vision.WIDE},
+                                  image_token_id=vision.IMAGE, video_token_id=151, vision_start_token_id=152,
+                                  vision_end_token_id=153).save_pretrained(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+def test_qwen3_vl_moe_dense_layers_exact_and_step_within_20_percent(tmp_path):
+    """Qwen3-VL-MoE maps no per-expert name onto its experts: `gate_proj` / `up_proj` / `down_proj` adapt the dense
+    layer's linears (and `down_proj` the experts'); counted as built, and a LoRA step on image rows within 20%."""
+    from test_plan import measured_step
+    from test_plan_vision import image_batch
+
+    from minitrain.objectives.sft import sft
+
+    hf = qwen3_vl_moe_dense(tmp_path)
+    shape = shape_from_hf(hf)
+    with torch.device("meta"):
+        assert shape.num_params() == sum(p.numel() for p in models.from_hf_config(hf).parameters())
+    for targets in (ALL, ("all-linear",), ("gate_proj", "up_proj")):
+        model = build(hf, torch.float32, targets)
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        assert sum(t.bytes for t in shape.weight_terms(RunShape(rows=1, seq=8, compute="fp32"))) == tensor_bytes(frozen)
+        lora = sorted(p.numel() for p in model.parameters() if p.requires_grad)
+        assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_targets=targets))) == lora, targets
+    batch, images = image_batch("qwen3_vl_moe")
+    measured = measured_step(build(hf, torch.float32, ALL), sft, batch, autocast=False)
+    run = RunShape(rows=2, seq=192, compute="fp32", lora_targets=ALL, targets=int((batch["labels"][:, 1:] != -100).sum()),
+                   device="cpu", real_tokens=int(batch["attention_mask"].sum()), image_tokens=images)
+    plan = predict(shape, run)
+    assert 0.8 <= (plan.activation_peak + plan.term("gradients")) / measured <= 1.2, plan.peak_moment
+
+
 # ----------------------------------------------------------------------------- gpt-oss
 
 # sinks, alternating sliding (a window shorter than the measured rows) / full layers, 4 experts of 192 (top 2)

@@ -46,44 +46,55 @@ def dense_config(case: str) -> dict:
     return hf_config(**DENSE[case])
 
 
+def moe_config(name: str) -> dict:
+    """test_plan's every-layer-sparse families, the ones with dense layers (`DENSE`) and gpt-oss, by name."""
+    return hf_config(**{**MOE_FAMILIES, **DENSE, "gpt_oss": GPT_OSS}[name])
+
+
 @pytest.mark.parametrize("quantize", [None, "nf4", "int8"])
-@pytest.mark.parametrize("case", list(DENSE))
-def test_dense_layers_weights_and_adapters_exact(case, quantize):
-    hf = dense_config(case)
+@pytest.mark.parametrize("name", list(MOE_FAMILIES) + list(DENSE))
+def test_moe_weights_and_adapters_exact(name, quantize):
+    """Every expert in memory: the base's bytes (float, or nf4 / int8 linears and experts as the loader's
+    hook quantizes them, each expert apart) and the adapters (attention LoRA and each expert's pair, by
+    the per-expert names, by path, all-linear; a dense layer's MLP by its path) counted as the model built
+    from config.json holds them."""
+    hf = moe_config(name)
     torch.manual_seed(0)
     model = models.from_hf_config(hf)
-    assert sum(not hasattr(layer.mlp, "experts") for layer in model.model.layers) == 2
     shape = shape_from_hf(hf)
+    if name in DENSE:
+        assert sum(not hasattr(layer.mlp, "experts") for layer in model.model.layers) == 2
     if quantize:
         pytest.importorskip("bitsandbytes")
         from minitrain.adapters.quant import quantize_hook
 
         hook = quantize_hook(quantize, compute_dtype=torch.float32)
-        for name, p in list(model.named_parameters()):  # as the loader: every linear but the head
-            if name != "lm_head.weight":
-                assert hook(model, name, p.data) or not (p.dim() == 3 or name.endswith("proj.weight")), name
+        for name_, p in list(model.named_parameters()):  # as the loader: every linear but the head (the hook picks)
+            if name_ != "lm_head.weight":
+                assert hook(model, name_, p.data) or not (p.dim() == 3 or name_.endswith("proj.weight")), name_
     held = list(model.parameters()) + list(model.buffers())
     held += [t for p in model.parameters() for t in quant_state_tensors(p)]
     run = RunShape(rows=1, seq=8, compute="fp32", quantize=quantize or "none")
     assert sum(t.bytes for t in shape.weight_terms(run)) == tensor_bytes(held)
     assert shape.num_params() == sum(logical_numel(p) for p in model.parameters())
-    if quantize:
-        return
-    for targets in (ALL, ATTN + ("experts.down_proj",), ("q_proj", "mlp.experts.gate_up_proj"), ("all-linear",),
-                    ATTN + ("mlp.gate_proj", "mlp.up_proj")):
+    dense = [ATTN + ("mlp.gate_proj", "mlp.up_proj")] if name in DENSE else []
+    for targets in [ALL, ATTN + ("experts.down_proj",), ("q_proj", "mlp.experts.gate_up_proj"), ("all-linear",), *dense]:
         built = build(hf, torch.float32, targets)
         lora = sorted(p.numel() for p in built.parameters() if p.requires_grad)
         assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_r=16, lora_targets=targets))) == lora, targets
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe only", "qwen2_moe only"])
-def test_dense_layers_full_finetune_weights_grads_optimizer_exact(case):
-    hf = dense_config(case)
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "qwen3_moe only", "qwen2_moe only", "gpt_oss"])
+def test_moe_full_finetune_weights_grads_optimizer_exact(name):
+    """finetune=full on an MoE: every expert, router, shared expert, dense MLP (gpt-oss: sink and bias) trains;
+    the plan's fp32 weights, gradients and AdamW state are the bytes the model and torch's optimizer hold."""
+    hf = moe_config(name)
     model = full_model(hf)
     shape, run = shape_from_hf(hf), RunShape(rows=2, seq=16, compute="bf16", full=True)
     params = list(model.parameters())
     assert sum(t.bytes for t in shape.weight_terms(run)) == tensor_bytes(params)
-    assert sorted(shape.all_tensors()) == sorted(p.numel() for p in params)
+    assert sum(shape.all_tensors()) == sum(p.numel() for p in params) == shape.num_params()
+    assert sorted(shape.trainable_tensors(run)) == sorted(p.numel() for p in params)
     opt = build_optimizer(list(model.named_parameters()), 0.0, 1e-3)
     model.output_projection(model(torch.randint(0, 2048, (2, 16)))).float().pow(2).mean().backward()
     opt.step()
@@ -152,7 +163,8 @@ GPT_OSS = dict(model_type="gpt_oss", num_key_value_heads=2, head_dim=64, num_loc
 GPT_OSS_TARGETS = ATTN + ("experts.gate_up_proj", "experts.down_proj")
 
 
-def test_gpt_oss_params_weights_adapters_and_full_finetune_exact():
+def test_gpt_oss_weights_and_adapters_exact():
+    """The frozen base (fp32, bf16: sinks, router and expert biases among it) and the adapters as built."""
     hf = hf_config(**GPT_OSS)
     shape = shape_from_hf(hf)
     for dtype, compute in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
@@ -162,18 +174,6 @@ def test_gpt_oss_params_weights_adapters_and_full_finetune_exact():
     for targets in (GPT_OSS_TARGETS, ("all-linear",), ("q_proj", "mlp.experts.down_proj")):
         lora = sorted(p.numel() for p in build(hf, torch.float32, targets).parameters() if p.requires_grad)
         assert sorted(shape.trainable_tensors(RunShape(rows=1, seq=8, lora_targets=targets))) == lora, targets
-    model = full_model(hf)
-    run = RunShape(rows=2, seq=16, compute="bf16", full=True)
-    params = list(model.parameters())
-    assert sum(t.bytes for t in shape.weight_terms(run)) == tensor_bytes(params)
-    assert sum(shape.all_tensors()) == shape.num_params() == sum(p.numel() for p in params)
-    assert sorted(shape.all_tensors()) == sorted(p.numel() for p in params)
-    opt = build_optimizer(list(model.named_parameters()), 0.0, 1e-3)
-    model.output_projection(model(torch.randint(0, 2048, (2, 16)))).float().pow(2).mean().backward()
-    opt.step()
-    terms = {t.name: t.bytes for t in adapter_terms(shape, run)}
-    assert terms["gradients"] == tensor_bytes(p.grad for p in params)
-    assert terms["optimizer (AdamW)"] == tensor_bytes(v for st in opt.state.values() for v in st.values())
 
 
 def test_gpt_oss_mxfp4_folder_holds_the_planned_float_experts(tmp_path):

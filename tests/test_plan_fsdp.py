@@ -190,15 +190,15 @@ def measured_worker(rank: int, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def launch_two(tmp_path: Path, fn: str, *args) -> None:
+def launch_two(tmp_path: Path, fn: str, *args, module: str = "test_plan_fsdp") -> None:
     code = (f"import sys, torch, torch.distributed as dist\n"
             f"sys.path[:0] = [{str(HERE)!r}, {str(ROOT)!r}]\n"
             f"torch.set_num_threads(1)\n"
             f"rank = int(sys.argv[1])\n"
             f"dist.init_process_group('gloo', init_method={'file://' + str(tmp_path / 'rdv')!r}, rank=rank, "
             f"world_size=2)\n"
-            f"import test_plan_fsdp\n"
-            f"test_plan_fsdp.{fn}(rank, *{args!r})\n"
+            f"import {module}\n"
+            f"{module}.{fn}(rank, *{args!r})\n"
             f"dist.destroy_process_group()\n"
             f"sys.stdout.flush(); sys.stderr.flush()\n"
             f"import os; os._exit(0)\n")  # (gloo's threads at finalisation: see tests/test_distributed.py)

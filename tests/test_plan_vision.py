@@ -57,7 +57,7 @@ FAMILIES = {
                                                              "partial_rotary_factor": 0.25}},
         vision_config={k: v for k, v in {**QWEN3_VISION, **WIDE}.items() if k != "deepstack_visual_indexes"},
         image_token_id=IMAGE, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153),
-    # every layer sparse (the MoE plan's rule): 4 experts of 96, top 2
+    # every layer sparse: 4 experts of 96, top 2 (a dense layer: tests/test_plan_moe.py)
     "qwen3_vl_moe": lambda: transformers.Qwen3VLMoeConfig(
         text_config={**TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
                      "rope_parameters": {**ROPE, "mrope_interleaved": True}},

@@ -28,7 +28,7 @@ _INPUT_OF = {"self_attn.q_proj": "xn", "self_attn.k_proj": "xn", "self_attn.v_pr
 
 PLANNED = ("LLaMA, Mistral, Qwen2, Qwen3, Qwen3.5 (dense and MoE), Gemma 2, Gemma 3 (text and multimodal), "
            "Gemma 4 (dense, MoE, multimodal), Phi-3, Qwen2.5-VL, Qwen3-VL (dense and MoE), Qwen3-MoE, Qwen2-MoE, "
-           "Mixtral and T5")
+           "Mixtral, gpt-oss and T5")
 
 
 @dataclass(frozen=True)
@@ -188,16 +188,36 @@ class ModelShape:
     def all_tensors(self) -> list[int]:
         """Numel of every parameter tensor (a tied head once): what full fine-tuning trains."""
         L, D, V, F = self.num_hidden_layers, self.hidden_size, self.vocab_size, self.intermediate_size
-        block = [i * o for i, o in self.linears().values()] + [D] * self.NORMS
+        linears = [i * o for n, (i, o) in self.linears().items() for _ in range(self.layers_with(n))]
+        block = [D] * self.NORMS
         block += [self.head_dim] * 2 if self.qk_norm else []
         block += [self.q_width, self.kv_width, self.kv_width] if self.qkv_bias else []
         block += ([D] if self.o_bias else []) + ([F, F, D] if self.mlp_bias else [])
-        return [V * D] * (1 if self.tie_word_embeddings else 2) + block * L + [D]
+        return [V * D] * (1 if self.tie_word_embeddings else 2) + linears + block * L + [D]
 
     def block_matrices(self) -> int:
         """Numel of one block's weight matrices: what its weight gradients and autocast's bf16 copies hold
         under full fine-tuning (here its linears; an MoE's experts and router too)."""
         return sum(i * o for i, o in self.linears().values())
+
+    def last_matrices(self, blocks: int) -> int:
+        """Numel of the last `blocks` blocks' weight matrices (each its view's `block_matrices`)."""
+        L = self.num_hidden_layers
+        return sum(self.block_view(i).block_matrices() for i in range(L - blocks, L))
+
+    def block_tensors(self, run: "RunShape") -> list[tuple[str, tuple[int, ...], bool]]:
+        """One block's parameters beyond its linears, norms and biases, as FSDP2 shards them by dim 0 (`minitrain.plan
+        .sharded`): (name, shape, whether it trains); none here (an MoE's experts, router and expert adapters)."""
+        return []
+
+    def recomputed(self, run: "RunShape", k: int) -> int:
+        """Which of the first k (checkpointed) blocks the plan's recompute moment shows: the last one."""
+        return k - 1
+
+    def never_adapted(self) -> frozenset[str]:
+        """Leaf names of block linears LoRA leaves unadapted whatever the targets (an MoE's `expert_aliases`,
+        which peft moves onto the experts: `minitrain.adapters.lora_experts.split_targets`); none here."""
+        return frozenset()
 
     def trainable_tensors(self, run: "RunShape") -> list[int]:
         return trainable_tensors(self, run)
@@ -245,7 +265,7 @@ def matches(name: str, target: str) -> bool:
 def adapted_linears(model: ModelShape, targets: tuple[str, ...] | list[str]) -> list[str]:
     """Block linears (`self_attn.q_proj`, ...) that LoRA wraps for these target suffixes (on a
     model with fused linears, LLaMA's names select the fused ones, as `minitrain.adapters.lora` reads them)."""
-    names = list(model.linears())
+    names = [n for n in model.linears() if n.rsplit(".", 1)[-1] not in model.never_adapted()]
     if "all-linear" in targets:
         return names
     if model.FUSED:
@@ -399,7 +419,7 @@ def _weight_copies(model: ModelShape, run: RunShape, blocks: int, head: bool) ->
     `blocks` blocks' linears (+ the head's, while the loss runs), kept by the matmuls for backward."""
     if not run.full or run.s == 4:
         return []
-    n = blocks * model.block_matrices()
+    n = model.last_matrices(blocks)
     n += model.vocab_size * model.hidden_size if head else 0
     return [Term("autocast: bf16 copies of the weights", n * run.s,
                  f"{n:,} x {run.s} B ({blocks} blocks' weights{' + head' if head else ''})")]
@@ -416,7 +436,7 @@ def _full_grads(model: ModelShape, run: RunShape) -> dict[str, list[Term]]:
 def _grads_of(model: ModelShape, blocks: int) -> Term:
     """Full fine-tuning: the fp32 gradients of the head, the final norm and the last `blocks` blocks."""
     D, V = model.hidden_size, model.vocab_size
-    n = V * D + D + blocks * (model.block_matrices() + 2 * D)
+    n = V * D + D + model.last_matrices(blocks) + blocks * 2 * D
     which = {0: "", 1: ", one block"}.get(blocks, f", {blocks} blocks")
     return Term(f"gradients: head, final norm{which}",
                 n * 4, f"{n:,} x 4 B")
@@ -640,10 +660,11 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     if k < L:  # the last block kept its activations: its backward runs with everything kept
         moments["last block backward"] = front + kept + bwd + _weight_copies(model, run, L - k, head=False)
     if k:  # block k-1, the last checkpointed one, recomputed (the blocks after it are done and freed)
-        fwd, kbwd = _block_forward(model.block_view(k - 1), run), _block_backward(model.block_view(k - 1), run)
+        j = model.recomputed(run, k)
+        fwd, kbwd = _block_forward(model.block_view(j), run), _block_backward(model.block_view(j), run)
         worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in kbwd) else kbwd
         name = "last block backward" if k == L else "last checkpointed block backward (recomputed)"
-        moments[name] = (front + inputs + [Term("one block recomputed", per_layer[k - 1], "block_saved")] + worst
+        moments[name] = (front + inputs + [Term("one block recomputed", per_layer[j], "block_saved")] + worst
                          + _weight_copies(model, run, 1, head=False))  # a recompute: its own
         if run.full and k < L:  # the gradients of the blocks after it and of this one, set_to_none until then
             moments[name].append(_grads_of(model, L - k + 1))

@@ -15,16 +15,22 @@ the experts: E gated MLPs of width F_e, of which each token goes through K. What
   rows an adapted `down_proj` reads, the experts' outputs before their routing weights and after them (what
   `index_add_` keeps).
 
-Qwen2-MoE (`Qwen2MoeShape`) adds a shared expert to every block (`SharedExpert`, as Qwen3.5's MoE sizes).
+Qwen2-MoE (`Qwen2MoeShape`) adds a shared expert to every sparse block (`SharedExpert`, as Qwen3.5's MoE sizes).
+Qwen's dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step`) hold LLaMA's SwiGLU of
+`intermediate_size` in place of the experts: their blocks are planned on their own (`MoeShape.block_view`), and
+on Qwen3-MoE their `gate_proj` / `up_proj` / `down_proj` stay unadapted (peft moves those names onto the experts).
 Full fine-tuning: every expert and router trains in fp32 (`all_tensors`, `block_matrices`: the gradients
 and autocast's bf16 copies); a block keeps the gathered rows its experts' `gate_up_proj` read for their
 weight gradients besides LLaMA's full terms.
 
 `ExpertBlocks` holds these expert terms; Qwen3.5's MoE sizes (`minitrain.plan.qwen3_5`) and Gemma 4's
 (`minitrain.plan.gemma4`: its experts and router under their own module names, `EXPERTS` / `ROUTER`) add them too.
-Modelled: LoRA / QLoRA and full fine-tuning in one process, every layer sparse (measured against the CPU
-in tests/test_plan.py). Several ranks, a teacher, gpt-oss, and a Qwen3-MoE / Qwen2-MoE with dense layers
-(`mlp_only_layers`, `decoder_sparse_step`) are refused with one line.
+Several ranks: `minitrain.plan.sharded` (ddp: the whole model per rank; fsdp: FSDP2 shards each expert weight,
+expert adapter and router by its first dim, E, with the block that holds it: `block_tensors`).
+Modelled: LoRA / QLoRA and full fine-tuning in one process and under ddp, LoRA and full fine-tuning on a float
+base under fsdp (measured against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in
+tests/test_plan_moe.py). A teacher, QLoRA under fsdp and a trained router under fsdp are refused with one line.
+gpt-oss: `minitrain.plan.gpt_oss`, over these terms.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import ModelShape, matches
+from minitrain.plan.decoder import ModelShape, block_saved, matches
 from minitrain.plan.run_shape import RunShape, Term, int8_bytes, nf4_bytes
 
 NF4_CODE = 16 * 4  # the nf4 value table (fp32), which each quantized weight keeps once
@@ -53,6 +59,17 @@ class ExpertBlocks:
     expert_size: int
     EXPERTS: ClassVar[str] = "mlp.experts"  # the experts' module path in a block (Gemma 4's: `experts`)
     ROUTER: ClassVar[str] = "mlp.gate"  # the router's (Gemma 4's: `router`), which `modules_to_save` may train
+    PROBS: ClassVar[int] = 4  # bytes per expert of the router's probabilities (a softmax over every expert, fp32)
+
+    @property
+    def sparse_count(self) -> int:
+        """The blocks whose MLP is the experts (every block here; a Qwen-MoE's dense layers: `MoeShape`)."""
+        return self.num_hidden_layers
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether this shape (the whole model, or one block's view) holds experts (a dense layer's view: no)."""
+        return True
 
     def expert_weights(self) -> dict[str, tuple[int, int]]:
         """Each sparse block's expert weights: name -> (in, out) of one expert's matrix."""
@@ -73,12 +90,12 @@ class ExpertBlocks:
 
     def expert_params(self) -> int:
         """The experts' and routers' parameters."""
-        return self.num_hidden_layers * self.expert_matrices()
+        return self.sparse_count * self.expert_matrices()
 
     def expert_weight_terms(self, run: RunShape) -> list[Term]:
         if run.full:  # full fine-tuning loads every weight in fp32: they are the master weights
             run = replace(run, compute="fp32")
-        E, D, L, s = self.num_experts, self.hidden_size, self.num_hidden_layers, run.s
+        E, D, L, s = self.num_experts, self.hidden_size, self.sparse_count, run.s
         if run.quantize == "nf4":  # each matrix's packed weights and absmax; one nf4 table per weight
             per = sum(nf4_bytes(i * o, double_quant=False) - NF4_CODE for i, o in self.expert_weights().values())
             per += 2 * NF4_CODE / E
@@ -94,7 +111,7 @@ class ExpertBlocks:
 
     def expert_tensors(self, run: RunShape) -> list[int]:
         """Numel of each expert adapter tensor (and a trained router's)."""
-        E, L = self.num_experts, self.num_hidden_layers
+        E, L = self.num_experts, self.sparse_count
         if run.full:  # every weight, the experts' and routers' among them (`all_tensors`)
             return []
         out = []
@@ -108,9 +125,23 @@ class ExpertBlocks:
         """Numel of each of one block's router's parameters."""
         return [self.num_experts * self.hidden_size]
 
+    def block_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """A sparse block's experts (E first: FSDP2 gives each rank ceil(E / N) experts), router and expert
+        adapters (`ExpertLoRA`'s (E, r, in) and (E, out, r))."""
+        if not self.has_experts:
+            return super().block_tensors(run)
+        E, D = self.num_experts, self.hidden_size
+        out = [(f"{self.EXPERTS}.{n}", (E, o, i), run.full) for n, (i, o) in self.expert_weights().items()]
+        out += [(f"{self.ROUTER}.weight", (E, D), run.full)]
+        for n in ([] if run.full else self.adapted_experts(run.lora_targets)):
+            i, o = self.expert_weights()[n]
+            r = run.rank(i, o)
+            out += [(f"{n}.lora_A", (E, r, i), True), (f"{n}.lora_B", (E, o, r), True)]
+        return super().block_tensors(run) + out
+
     def expert_summary(self, run: RunShape) -> str:
         experts = self.adapted_experts(run.lora_targets)
-        return f" + {len(experts)} expert weights x {self.num_hidden_layers} blocks" if experts else ""
+        return f" + {len(experts)} expert weights x {self.sparse_count} blocks" if experts else ""
 
     # the family's terms plus the experts' (this class comes first in the shape's bases)
     def num_params(self) -> int:
@@ -119,10 +150,10 @@ class ExpertBlocks:
     def all_tensors(self) -> list[int]:
         E, D = self.num_experts, self.hidden_size
         per = [E * i * o for i, o in self.expert_weights().values()] + [E * D]
-        return super().all_tensors() + per * self.num_hidden_layers
+        return super().all_tensors() + per * self.sparse_count
 
     def block_matrices(self) -> int:
-        return super().block_matrices() + self.expert_matrices()
+        return super().block_matrices() + (self.expert_matrices() if self.has_experts else 0)
 
     def weight_terms(self, run: RunShape) -> list[Term]:
         return super().weight_terms(run) + self.expert_weight_terms(run)
@@ -135,9 +166,11 @@ class ExpertBlocks:
 
     def extra_block_saved(self, run: RunShape) -> list[Term]:
         """What a sparse block keeps beyond the gated MLP's K x F_e-wide tensors (the module docstring)."""
+        if not self.has_experts:
+            return []
         N, s, D, E, K, F = run.tokens, run.s, self.hidden_size, self.num_experts, self.top_k, self.expert_size
         adapted = list(self.expert_weights()) if run.full else self.adapted_experts(run.lora_targets)
-        per = E * (s + 4) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
+        per = E * (s + self.PROBS) + K * (8 + 8 + 2 * s) + K * D * s  # logits, fp32 probs; choices, order; weights; outputs
         per += K * D * s  # the weighted outputs, which `index_add_` keeps (read off a saved-tensors hook)
         per += K * D * s if "gate_up_proj" in adapted else 0  # the gathered rows gate_up's weight grad reads
         # the product down's weight grad reads (full fine-tuning: `_full_block_saved` counts it, as F)
@@ -145,6 +178,19 @@ class ExpertBlocks:
         if not run.full:  # the expert LoRA B inputs
             per += sum(K * run.rank(*self.expert_weights()[n]) * s for n in adapted)
         return [Term("experts: routing, gathered rows, outputs (twice), adapter inputs", N * per, f"{per:,} B per token")]
+
+
+def check_moe_run(shape: ExpertBlocks, run: RunShape) -> None:
+    """The runs the plan of a Qwen-MoE / Mixtral / gpt-oss checkpoint does not model: one line each."""
+    if run.teacher is not None:
+        raise UserError("the memory plan models mixture-of-experts runs without a teacher — memory_check=false skips "
+                        "the plan")
+    if run.parallel == "fsdp" and run.quantize != "none" and not run.full:
+        raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models mixture-of-experts runs "
+                        "on a float base under fsdp — memory_check=false skips the plan")
+    if run.parallel == "fsdp" and not run.full and any(matches(shape.ROUTER, m) for m in run.modules_to_save):
+        raise UserError(f"modules_to_save={','.join(run.modules_to_save)} with parallel=fsdp: the memory plan does not "
+                        "model a trained router under fsdp — memory_check=false skips the plan")
 
 
 class SharedExpert:
@@ -168,6 +214,8 @@ class SharedExpert:
 
     def extra_block_saved(self, run: RunShape) -> list[Term]:
         N, s, D = run.tokens, run.s, self.hidden_size
+        if not self.has_experts:
+            return super().extra_block_saved(run)
         return super().extra_block_saved(run) + [
             Term("shared expert: sigmoid gate x output", N * (D + 1) * s, "(D + 1) x s per token")]
 
@@ -175,15 +223,24 @@ class SharedExpert:
 @dataclass(frozen=True)
 class MoeShape(ExpertBlocks, ModelShape):
     """A Qwen3-MoE / Mixtral checkpoint's dims. `intermediate_size` is the gated MLP's width per token
-    (K x F_e: the rows its K experts compute), `expert_size` each expert's F_e."""
+    (K x F_e: the rows its K experts compute), `expert_size` each expert's F_e.
+
+    Qwen's dense layers (`mlp_only_layers`, `decoder_sparse_step`): `sparse` says which layers hold the experts
+    (empty: every one) and the others a SwiGLU of `dense_size`; a shape with `layer` set is that block's view
+    (its MLP's linears, width and terms), planned block by block. On Qwen3-MoE the per-expert names map onto the
+    experts, so a dense layer's `gate_proj` / `up_proj` / `down_proj` stay unadapted (`never_adapted`)."""
 
     num_experts: int = 8
     top_k: int = 2
     expert_size: int = 0
+    sparse: tuple[bool, ...] = ()
+    dense_size: int = 0
+    layer: int | None = None
     ALIASED: ClassVar[bool] = True  # the per-expert names (`gate_proj`, `w1`, ...) reach the experts
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral")
     DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {  # transformers' class defaults
-        "qwen3_moe": dict(num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+        "qwen3_moe": dict(num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          intermediate_size=6144),
         "mixtral": dict(num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
     }
 
@@ -192,10 +249,6 @@ class MoeShape(ExpertBlocks, ModelShape):
         kind = d.get("model_type")
         defaults = cls.DEFAULTS.get(kind, {})
         full = {**defaults, **{k: v for k, v in d.items() if v is not None}}
-        if kind == "qwen3_moe" and (full.get("mlp_only_layers") or full.get("decoder_sparse_step", 1) != 1):
-            raise UserError(f"{where}: dense layers among the sparse ones (mlp_only_layers / decoder_sparse_step) — "
-                            f"the memory plan models mixture-of-experts checkpoints whose every layer is sparse; "
-                            f"memory_check=false skips the plan")
         E = full.get("num_local_experts") or full.get("num_experts")
         K = full["num_experts_per_tok"]
         Fe = full["intermediate_size"] if kind == "mixtral" else full["moe_intermediate_size"]
@@ -203,25 +256,87 @@ class MoeShape(ExpertBlocks, ModelShape):
         window = full.get("sliding_window") if kind == "mixtral" or full.get("use_sliding_window") else None
         bias = bool(full.get("attention_bias", False)) and kind == "qwen3_moe"
         return cls(**dims, sliding_window=window, qkv_bias=bias, o_bias=bias, qk_norm=kind == "qwen3_moe",
-                   num_experts=E, top_k=K, expert_size=Fe)
+                   num_experts=E, top_k=K, expert_size=Fe, **cls.dense_layers(full, dims["num_hidden_layers"]))
+
+    @staticmethod
+    def dense_layers(full: dict[str, Any], L: int) -> dict[str, Any]:
+        """`sparse` and `dense_size` from Qwen's `mlp_only_layers` / `decoder_sparse_step` (as
+        `models.moe.MoeConfig.sparse_layers`); none when every layer is sparse (Mixtral's always are)."""
+        if full.get("model_type") == "mixtral":
+            return {}
+        dense, step = full.get("mlp_only_layers") or [], full.get("decoder_sparse_step") or 1
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(L))
+        return {} if all(sparse) else dict(sparse=sparse, dense_size=full["intermediate_size"])
+
+    @property
+    def sparse_count(self) -> int:
+        return sum(self.sparse) if self.sparse else self.num_hidden_layers
+
+    @property
+    def has_experts(self) -> bool:
+        return self.sparse_count > 0 if self.layer is None or not self.sparse else self.sparse[self.layer]
+
+    def block_view(self, i: int) -> "MoeShape":
+        """Block i's shape: the model's own when every layer is sparse, else its MLP's (experts or dense)."""
+        if not self.sparse:
+            return self
+        return replace(self, layer=i, intermediate_size=self.intermediate_size if self.sparse[i] else self.dense_size)
+
+    def saved_per_layer(self, run: RunShape) -> list[int]:
+        if not self.sparse:
+            return super().saved_per_layer(run)
+        per = {k: sum(t.bytes for t in block_saved(self.block_view(self.sparse.index(k)), run)) for k in set(self.sparse)}
+        return [per[k] for k in self.sparse]
+
+    def recomputed(self, run: RunShape, k: int) -> int:
+        """The checkpointed block whose recompute keeps the most (a sparse one, where dense layers come after)."""
+        per = self.saved_per_layer(run)
+        return max(range(k), key=lambda i: (per[i], i))
+
+    def sparse_linears(self) -> dict[str, tuple[int, int]]:
+        """A sparse block's linears beside the experts (Qwen2-MoE's shared expert; none here)."""
+        return {}
+
+    def dense_linears(self) -> dict[str, tuple[int, int]]:
+        D, F = self.hidden_size, self.dense_size
+        return {"mlp.gate_proj": (D, F), "mlp.up_proj": (D, F), "mlp.down_proj": (F, D)}
 
     def linears(self) -> dict[str, tuple[int, int]]:
-        """Each block's linears: the attention's (the experts are 3-D weights, `expert_weights`)."""
-        return {k: v for k, v in super().linears().items() if k.startswith("self_attn.")}
+        """Each block's linears: the attention's (the experts are 3-D weights, `expert_weights`), and the
+        MLP's of the blocks that have them (a block's view: its own)."""
+        out = {k: v for k, v in super().linears().items() if k.startswith("self_attn.")}
+        whole = self.layer is None
+        if self.has_experts:
+            out.update(self.sparse_linears())
+        if self.sparse and (self.sparse_count < self.num_hidden_layers if whole else not self.sparse[self.layer]):
+            out.update(self.dense_linears())
+        return out
+
+    def layers_with(self, name: str) -> int:
+        if self.layer is not None:
+            return 1
+        if name in self.sparse_linears():
+            return self.sparse_count
+        if name.startswith("mlp."):
+            return self.num_hidden_layers - self.sparse_count
+        return self.num_hidden_layers
+
+    def never_adapted(self) -> frozenset[str]:
+        return frozenset(ALIASES) if self.ALIASED else frozenset()
 
     def describe(self) -> str:
+        dense = self.num_hidden_layers - self.sparse_count
         return (f"{self.num_hidden_layers} layers, hidden {self.hidden_size}, {self.num_experts} experts of "
-                f"{self.expert_size} (top {self.top_k}), vocab {self.vocab_size:,}")
+                f"{self.expert_size} (top {self.top_k}), vocab {self.vocab_size:,}"
+                + (f"; {dense} dense MLP layers of {self.dense_size}" if dense else ""))
 
     def check_run(self, run: RunShape) -> None:
-        if run.world > 1 or run.parallel == "fsdp" or run.teacher is not None:
-            raise UserError("the memory plan models mixture-of-experts runs in one process (not several ranks or "
-                            "a teacher) — memory_check=false skips the plan")
+        check_moe_run(self, run)
 
 
 @dataclass(frozen=True)
 class Qwen2MoeShape(SharedExpert, MoeShape):
-    """A Qwen2-MoE checkpoint's dims: Qwen2's attention (q / k / v biases) and, in every block, the routed
+    """A Qwen2-MoE checkpoint's dims: Qwen2's attention (q / k / v biases) and, in every sparse block, the routed
     experts (top K, not renormalised by default: no difference in memory) beside the shared expert."""
 
     shared_size: int = 5632
@@ -229,24 +344,26 @@ class Qwen2MoeShape(SharedExpert, MoeShape):
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe",)
     DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {  # transformers' class defaults
         "qwen2_moe": dict(num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
-                          shared_expert_intermediate_size=5632),
+                          shared_expert_intermediate_size=5632, intermediate_size=5632),
     }
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str = "config.json") -> "Qwen2MoeShape":
         full = {**cls.DEFAULTS["qwen2_moe"], **{k: v for k, v in d.items() if v is not None}}
-        if full.get("mlp_only_layers") or full.get("decoder_sparse_step", 1) != 1:
-            raise UserError(f"{where}: dense layers among the sparse ones (mlp_only_layers / decoder_sparse_step) — "
-                            f"the memory plan models mixture-of-experts checkpoints whose every layer is sparse; "
-                            f"memory_check=false skips the plan")
         K, Fe, Fs = full["num_experts_per_tok"], full["moe_intermediate_size"], full["shared_expert_intermediate_size"]
         dims = cls._dims({**full, "intermediate_size": K * Fe + Fs}, where, {})
         window = full.get("sliding_window") if full.get("use_sliding_window") else None
         return cls(**dims, sliding_window=window, qkv_bias=bool(full.get("qkv_bias", True)),
-                   num_experts=full["num_experts"], top_k=K, expert_size=Fe, shared_size=Fs)
+                   num_experts=full["num_experts"], top_k=K, expert_size=Fe, shared_size=Fs,
+                   **cls.dense_layers(full, dims["num_hidden_layers"]))
 
-    def linears(self) -> dict[str, tuple[int, int]]:
-        return {**super().linears(), **self.shared_linears()}
+    def recomputed(self, run: RunShape, k: int) -> int:
+        """The checkpointed block whose recompute keeps the most (a sparse one, where dense layers come after)."""
+        per = self.saved_per_layer(run)
+        return max(range(k), key=lambda i: (per[i], i))
+
+    def sparse_linears(self) -> dict[str, tuple[int, int]]:
+        return self.shared_linears()
 
     def describe(self) -> str:
         return super().describe() + f" + a shared one of {self.shared_size}"

@@ -4,7 +4,8 @@ Plain functions over two small descriptions: a model shape (the dims of a checkp
 `config.json` only, never the weights: `ModelShape` for LLaMA / Mistral / Qwen2 / Qwen3 (biases
 and per-head q/k norms are fields), `GemmaShape` for Gemma 2 / Gemma 3 text, `Phi3Shape` for
 Phi-3's fused projections (`minitrain.plan.decoder`), `Qwen3_5Shape` (`minitrain.plan.qwen3_5`) and
-`Gemma4Shape` (`minitrain.plan.gemma4`) planned block by block, the vision-language checkpoints with their
+`Gemma4Shape` (`minitrain.plan.gemma4`) planned block by block, the mixture-of-experts checkpoints
+(`minitrain.plan.moe`, `minitrain.plan.gpt_oss`), the vision-language checkpoints with their
 towers (`minitrain.plan.vision`), `T5Shape` for T5 v1.0, v1.1 and FLAN-T5
 (`minitrain.plan.t5`); `shape_from_hf` picks one) and `RunShape` (`minitrain.plan.run_shape`:
 micro-batch, lengths, dtype, quantization, adapter, checkpointing, DPO reference mode; `run_shape`
@@ -71,6 +72,7 @@ from minitrain.plan.decoder import (GemmaShape, ModelShape, Phi3Shape, adapter_t
 from minitrain.plan.run_shape import DTYPE_BYTES, Plan, RunShape, Term
 from minitrain.plan.moe import MoeShape, Qwen2MoeShape
 from minitrain.plan.gemma4 import Gemma4Shape
+from minitrain.plan.gpt_oss import GptOssShape
 from minitrain.plan.qwen3_5 import Qwen3_5Shape
 from minitrain.plan.t5 import T5Shape
 from minitrain.plan.vision import (Gemma3VLShape, Gemma4MoeVLShape, Gemma4VLShape, Qwen3_5MoeVLShape, Qwen3_5VLShape,
@@ -87,7 +89,7 @@ def shape_from_hf(d: dict[str, Any], where: str = "config.json") -> "ModelShape 
         return GemmaShape.from_hf(d, where)
     if kind in Phi3Shape.FAMILIES:
         return Phi3Shape.from_hf(d, where)
-    for moe in (MoeShape, Qwen2MoeShape):
+    for moe in (MoeShape, Qwen2MoeShape, GptOssShape):
         if kind in moe.FAMILIES:
             return moe.from_hf(d, where)
     if kind in Gemma4VLShape.MODEL_TYPES and isinstance(d.get("vision_config"), dict):

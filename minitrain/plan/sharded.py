@@ -48,6 +48,10 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
   embeddings' too when they are the root's; sharded by rows, the embeddings' are made 1/N).
 - the optimizer step updates the shards: AdamW's foreach temporaries are 1/N.
 
+A mixture-of-experts block (`minitrain.plan.moe`, `minitrain.plan.gpt_oss`) holds its experts' 3-D weights, router
+and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank); blocks that differ (Qwen's
+dense layers among the sparse ones) are each their own, and the gathered block is the largest one.
+
 Not modelled under fsdp: T5 (the plan covers the decoder-only families there), the reference
 model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process).
 """
@@ -119,16 +123,41 @@ def vocab_sharded(model: ModelShape, run: RunShape) -> bool:
     return getattr(model, "plain_head", True) and not adapted("lm_head") and not adapted("model.embed_tokens")
 
 
-def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[Tensor]]:
-    """(the root's tensors, one block's tensors), as `fully_shard` groups them: each block holds its
-    linears (in the run's format), norms, biases and adapters; the root holds the rest, the embeddings
-    and the head among them (`vocab`: which of the root's are those)."""
-    from minitrain.plan.decoder import adapted_linears, matches
+def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """(the root's tensors, each block's tensors), as `fully_shard` groups them: each block holds its
+    linears (in the run's format), norms, biases and adapters (an MoE's experts, router and expert adapters
+    too: `block_tensors`); the root holds the rest, the embeddings and the head among them (`vocab`: which of
+    the root's are those). Blocks alike are one list L times; a model planned block by block (an MoE's dense
+    layers) has each block's own."""
+    from minitrain.plan.decoder import matches
 
     full = run.full
     s = 4 if full else run.s  # the loader's dtype: fp32 master weights for full fine-tuning
     a = DTYPE_BYTES[run.adapter_dtype]
-    D, V = model.hidden_size, model.vocab_size
+    D, V, L = model.hidden_size, model.vocab_size, model.num_hidden_layers
+    views = [model.block_view(i) for i in range(L)]
+    blocks = [_block(views[0], run)] * L if all(v is model for v in views) else [_block(v, run) for v in views]
+    root = [Tensor("embed_tokens", (V, D), s, full)]
+    if not model.tie_word_embeddings:
+        root.append(Tensor("lm_head", (V, D), s, full))  # (names: `vocab` below)
+    root.append(Tensor("norm", (D,), s, full))
+    if not full:
+        for m in run.modules_to_save:  # a trained copy beside the frozen one
+            if matches("lm_head", m) or matches("model.embed_tokens", m):
+                root.append(Tensor(m, (V, D), a, True))
+            elif matches("model.norm", m):
+                root.append(Tensor(m, (D,), a, True))
+    return root, blocks
+
+
+def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
+    """One block's tensors (the shape is that block's view)."""
+    from minitrain.plan.decoder import adapted_linears
+
+    full = run.full
+    s = 4 if full else run.s
+    a = DTYPE_BYTES[run.adapter_dtype]
+    D = model.hidden_size
     block: list[Tensor] = []
     for name, (i, o) in model.linears().items():
         if run.quantize == "none" or full:
@@ -159,17 +188,8 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[Ten
             i, o = lin[name]
             r = run.rank(i, o)
             block += [Tensor(name + ".lora_A", (r, i), a, True), Tensor(name + ".lora_B", (o, r), a, True)]
-    root = [Tensor("embed_tokens", (V, D), s, full)]
-    if not model.tie_word_embeddings:
-        root.append(Tensor("lm_head", (V, D), s, full))  # (names: `vocab` below)
-    root.append(Tensor("norm", (D,), s, full))
-    if not full:
-        for m in run.modules_to_save:  # a trained copy beside the frozen one
-            if matches("lm_head", m) or matches("model.embed_tokens", m):
-                root.append(Tensor(m, (V, D), a, True))
-            elif matches("model.norm", m):
-                root.append(Tensor(m, (D,), a, True))
-    return root, block
+    return block + [Tensor(name, shape, a if trained and not full else s, trained)
+                    for name, shape, trained in model.block_tensors(run)]
 
 
 def vocab(root: list[Tensor]) -> list[Tensor]:
@@ -193,14 +213,17 @@ def _grad(t: Tensor, run: RunShape) -> Tensor:
 def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     """Rank 0's plan under FSDP2 from `local`, the plan of one device computing rank 0's rows."""
     N, L = run.world, model.num_hidden_layers
-    every_root, block = parameters(model, run)
+    every_root, blocks = parameters(model, run)
     outside = vocab(every_root) if vocab_sharded(model, run) else []  # minitrain's, by rows: never gathered whole
     root = [t for t in every_root if t not in outside]  # FSDP2's root
-    trained = [t for t in every_root + block * L if t.trainable]
+    every = every_root + [t for b in blocks for t in b]
+    trained = [t for t in every if t.trainable]
     grads = [_grad(t, run) for t in trained]
     root_grads = [_grad(t, run) for t in root if t.trainable]
-    block_grads = [_grad(t, run) for t in block if t.trainable]
-    base = [t for t in every_root + block * L if not t.trainable]
+    # the gathered block and its gradients: the largest block's (every block's, when they are alike)
+    block = max(blocks, key=lambda b: _sum(b, "padded", N))
+    block_grads = max(([_grad(t, run) for t in b if t.trainable] for b in blocks), key=lambda g: _sum(g, "padded", N))
+    base = [t for t in every if not t.trainable]
     n_train = sum(t.numel for t in trained)
     persistent = [
         Term("weights: 1/N shard (FSDP2)", _sum(base, "shard", N),
@@ -260,7 +283,7 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     if root_grads:  # the root's reduce-scatter, after every block's (its parameters resharded first)
         whole = _sum(root_grads, "padded", N)
         vocab_shards = _sum([_grad(t, run) for t in outside if t.trainable], "shard", N)
-        block_shards = _sum(block_grads, "shard", N) * L + vocab_shards
+        block_shards = sum(_sum([_grad(t, run) for t in b if t.trainable], "shard", N) for b in blocks) + vocab_shards
         moments["end of backward (FSDP: the root's reduce-scatter)"] = [
             Term("gradients: the blocks' 1/N shards", block_shards,
                  f"{L} blocks" + (" + embeddings, head" if outside else "")),

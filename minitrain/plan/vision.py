@@ -238,9 +238,11 @@ class QwenVLShape(WithTower, ModelShape):
 @dataclass(frozen=True)
 class QwenVLMoeShape(WithTower, MoeShape):
     """Qwen3-VL-MoE: Qwen3-VL's tower over a Qwen3-MoE language model (`minitrain.plan.moe`: every expert in
-    memory; every layer sparse, as that plan requires)."""
+    memory, dense layers where `mlp_only_layers` / `decoder_sparse_step` put them). No per-expert name reaches
+    its experts (peft maps none): `gate_proj` / `up_proj` / `down_proj` name the dense layers' linears."""
 
     tower: Tower | None = None
+    ALIASED: ClassVar[bool] = False
     MODEL_TYPES: ClassVar[dict[str, str]] = {"qwen3_vl_moe": "qwen3_moe"}
 
 

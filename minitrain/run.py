@@ -659,24 +659,42 @@ def with_images(collate: Callable[[list[dict]], dict], images: ImageRows | None,
 
 def image_rows(cfg: Any, tok: Tokenizer) -> ImageRows | None:
     """How the checkpoint `cfg.model` reads images in rows (its config.json's `image_token_id`, or a multimodal
-    Gemma 3's token ids; its preprocessor_config.json), or None for a text-only checkpoint; and videos
-    (`ImageRows.videos`: Qwen2.5-VL's and Qwen3-VL's, their video_preprocessor_config.json)."""
+    Gemma 3's token ids; its image processor's config, `processor_configs`), or None for a text-only checkpoint;
+    and videos (`ImageRows.videos`: Qwen2.5-VL's and Qwen3-VL's, with their video processor's config)."""
     config = read_config(cfg.model)
-    pre = Path(cfg.model) / "preprocessor_config.json"
-    try:
-        preprocessor = json.loads(pre.read_text(encoding="utf-8")) if pre.is_file() else None
-    except (OSError, ValueError) as e:
-        raise UserError(f"{pre}: cannot be read ({e}) — restore the checkpoint's file") from None
+    image, video = processor_configs(Path(cfg.model))
     decode = lambda i: tok.decode([i], skip_special=False)  # noqa: E731
-    images = ImageRows.from_checkpoint(config, preprocessor, decode)
+    images = ImageRows.from_checkpoint(config, image, decode)
     if images is None:
         return None
-    video = Path(cfg.model) / "video_preprocessor_config.json"  # without it, transformers reads the image one's
-    try:
-        processor = json.loads(video.read_text(encoding="utf-8")) if video.is_file() else preprocessor
-    except (OSError, ValueError) as e:
-        raise UserError(f"{video}: cannot be read ({e}) — restore the checkpoint's file") from None
-    return dataclasses.replace(images, videos=VideoRows.from_checkpoint(config, processor, decode))
+    return dataclasses.replace(images, videos=VideoRows.from_checkpoint(config, video, decode))
+
+
+def processor_configs(folder: Path) -> tuple[dict | None, dict | None]:
+    """A checkpoint's image and video processor configs, read where transformers 5 reads them: nested in
+    processor_config.json (its `image_processor` / `video_processor`, what transformers 5's `save_pretrained`
+    writes), else preprocessor_config.json, and for videos video_preprocessor_config.json, then
+    preprocessor_config.json (the Hub's files). None: not given (the processor's defaults)."""
+    def read(name: str) -> dict | None:
+        path = folder / name
+        if not path.is_file():
+            return None
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path}: cannot be read ({e}) — restore the checkpoint's file") from None
+        if not isinstance(d, dict):
+            raise UserError(f"{path}: not a JSON object — restore the checkpoint's file")
+        return d
+
+    nested = read("processor_config.json") or {}
+    image, video = (nested.get(k) if isinstance(nested.get(k), dict) else None
+                    for k in ("image_processor", "video_processor"))
+    if image is None:
+        image = read("preprocessor_config.json")
+    if video is None:
+        video = read("video_preprocessor_config.json") or read("preprocessor_config.json")
+    return image, video
 
 
 # ----------------------------------------------------------------------------- held-out evaluation

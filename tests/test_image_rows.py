@@ -249,6 +249,37 @@ def test_missing_image_names_file_and_row(vlm, tmp_path):
         read_sft(bad, tok, max_len=256, images=images)
 
 
+def test_processor_config_read_where_transformers_reads_it(vlm, tmp_path):
+    """transformers 5's `save_pretrained` writes the image (and video) processor's config nested in
+    processor_config.json, without preprocessor_config.json: it is read from there, and ahead of a
+    preprocessor_config.json beside it, as `AutoImageProcessor` / `AutoVideoProcessor` read them (here: another
+    max_pixels and min_pixels, which change every image's size; before, the processor's defaults were used)."""
+    from minitrain.run import image_rows
+
+    folder = tmp_path / "model"
+    shutil.copytree(vlm["model"], folder)
+    nested = {**PRE, "max_pixels": 16 * 16, "min_pixels": 32}
+    video = {**nested, "max_pixels": 24 * 24, "video_processor_type": "Qwen2VLVideoProcessor"}
+    tok = Tokenizer.from_folder(folder)
+    cfg = type("Cfg", (), {"model": str(folder)})
+    for layout in ("nested only", "nested beside preprocessor_config.json"):
+        if layout == "nested only":
+            (folder / "preprocessor_config.json").unlink()
+        else:
+            (folder / "preprocessor_config.json").write_text(json.dumps(PRE))
+        (folder / "processor_config.json").write_text(json.dumps(
+            {"image_processor": nested, "video_processor": video, "processor_class": "Qwen2_5_VLProcessor"}))
+        rows = image_rows(cfg, tok)
+        hf = transformers.AutoImageProcessor.from_pretrained(folder)
+        assert (rows.spec.min_pixels, rows.spec.max_pixels) == (hf.size["shortest_edge"], hf.size["longest_edge"]) == (32, 256)
+        assert rows.videos.spec.max_pixels == 24 * 24 != rows.spec.max_pixels, layout
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    assert image_rows(cfg, tok).spec.max_pixels == PRE["max_pixels"]  # the Hub's layout: nothing nested
+    (folder / "processor_config.json").write_text("{oops")
+    with pytest.raises(UserError, match=r"processor_config\.json: cannot be read .* restore the checkpoint's file"):
+        image_rows(cfg, tok)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
 def test_images_for_a_text_only_checkpoint_is_one_line(vlm, hf_causal, tmp_path, capsys, family):
     import shutil

@@ -2,6 +2,14 @@
 
     python tools/bench_vl.py [--repeats 3] [--steps 10] [--batch 4] [--accum 1] [--side 224]
                              [--layers 4] [--dim 256] [--vision-depth 4] [--vision-dim 128] [--vocab 32000]
+    python tools/bench_vl.py --device cuda --shape qwen2_5_vl_7b --layers 4 --vision-depth 32 [--out r.json]
+
+`--device cuda` (what `tools/gpu_check.py --parts vl` runs): the same two sides on the GPU in bf16 (minitrain's
+`precision=bf16`, TRL's `bf16=True`, the weights saved in bf16), measured in images per second over steps 2..N
+and the CUDA allocator's peak; `--shape qwen2_5_vl_7b` gives Qwen2.5-VL-7B's widths (language model 3584 wide,
+MLP 18944, 28 heads / 4 KV heads, vocab 152064, untied head; tower 1280 wide, 16 heads, MLP 3420, out 3584, full
+attention in blocks 7, 15, 23, 31), `--layers` / `--vision-depth` of its layers and blocks. `--out` writes the
+medians as JSON.
 
 Both sides train the same checkpoint on the same rows: a Qwen2.5-VL shape with random weights saved by
 transformers (default: a 4-layer, 256-wide language model with a 32000-id vocabulary, a 4-block, 128-wide
@@ -81,7 +89,7 @@ def prepare(a: argparse.Namespace) -> Path:
     """The cache folder: model/ (config, weights, tokenizer, preprocessor config), rows.jsonl, images/,
     template.jinja; made once per shape."""
     key = "-".join(str(getattr(a, k)) for k in ("steps", "batch", "accum", "side", "layers", "dim", "vision_depth",
-                                               "vision_dim", "vocab", "seed"))
+                                               "vision_dim", "vocab", "seed", "shape"))
     root = Path(a.cache) / f"vl-{key}"
     if (root / "rows.jsonl").is_file():
         return root
@@ -107,11 +115,18 @@ def prepare(a: argparse.Namespace) -> Path:
     vision = dict(depth=a.vision_depth, hidden_size=a.vision_dim, intermediate_size=a.vision_dim * 2, num_heads=4,
                   out_hidden_size=a.dim, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=list(range(1, a.vision_depth, 2)))
+    if a.shape == "qwen2_5_vl_7b":  # Qwen2.5-VL-7B's widths, `--layers` / `--vision-depth` of them
+        text.update(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                    num_key_value_heads=4, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+        vision.update(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                      fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < a.vision_depth])
     cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                                         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                                         vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(a.seed)
-    transformers.Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(model)
+    built = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    (built.to(torch.bfloat16) if a.shape != "small" else built).save_pretrained(model)
     rng, np_rng = random.Random(a.seed), np.random.default_rng(a.seed)
     (root / "images").mkdir()
     rows = []
@@ -166,8 +181,9 @@ def mt_worker(spec: dict) -> int:
                     f"max_steps={spec['steps']}", f"batch_size={spec['batch']}", f"grad_accum={spec['accum']}",
                     f"lr={LR}", "warmup=0", "schedule=constant", "weight_decay=0", "max_grad_norm=1.0", "lora_r=16",
                     "lora_alpha=32", "lora_dropout=0", f"lora_targets={','.join(LM_TARGETS)}", "group_by_length=false",
-                    "device=cpu", "precision=fp32", "threads=1", "max_len=4096", "data_cache=false", "save_every=0",
-                    "overwrite=true", f"seed={spec['seed']}"])
+                    *(["device=cpu", "precision=fp32", "threads=1"] if spec["device"] == "cpu" else
+                      ["device=cuda", "precision=bf16"]),
+                    "max_len=4096", "data_cache=false", "save_every=0", "overwrite=true", f"seed={spec['seed']}"])
     Path(spec["out"], "decode.json").write_text(json.dumps(clock.calls))
     return code
 
@@ -184,9 +200,12 @@ def hf_worker(spec: dict) -> int:
     out.mkdir(parents=True, exist_ok=True)
     clock = open(out / "steps.jsonl", "w", buffering=1)
 
+    cuda = spec["device"] == "cuda"
+
     class StepClock(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            clock.write(json.dumps({"step": state.global_step}) + "\n")
+            peak = {"peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20} if cuda else {}
+            clock.write(json.dumps({"step": state.global_step, **peak}) + "\n")
 
     proc = processor(root / "model")
     timer = DecodeClock()
@@ -194,10 +213,11 @@ def hf_worker(spec: dict) -> int:
         setattr(proc.image_processor, name, timer.wrap(getattr(proc.image_processor, name)))
     rows = [json.loads(line) for line in (root / "rows.jsonl").read_text().splitlines()]
     data = datasets.Dataset.from_list(rows)  # images as paths: read when a batch is collated
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(root / "model", dtype=torch.float32)
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        root / "model", dtype=torch.bfloat16 if cuda else torch.float32)
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=PEFT_TARGETS)
     args = trl.SFTConfig(
-        output_dir=str(out / "trainer"), report_to=[], use_cpu=True, bf16=False, max_steps=spec["steps"],
+        output_dir=str(out / "trainer"), report_to=[], use_cpu=not cuda, bf16=cuda, max_steps=spec["steps"],
         per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=spec["accum"], learning_rate=LR,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
         assistant_only_loss=True, max_length=None, gradient_checkpointing=False, logging_steps=1,
@@ -224,7 +244,7 @@ def run(side: str, a: argparse.Namespace, root: Path, rep: int) -> dict:
     work = Path(a.cache) / f"{side}-{rep}"
     out = work / "out"
     spec = {"side": side, "root": str(root), "out": str(out), "steps": a.steps, "batch": a.batch, "accum": a.accum,
-            "seed": a.seed}
+            "seed": a.seed, "device": a.device}
     work.mkdir(parents=True, exist_ok=True)
     (work / "spec.json").write_text(json.dumps(spec))
     steps = out / ("metrics.jsonl" if side == "mt" else "steps.jsonl")
@@ -241,6 +261,10 @@ def run(side: str, a: argparse.Namespace, root: Path, rep: int) -> dict:
     per_cpu = (lambda x: x / cpu) if cpu > 0 else (lambda x: float("nan"))  # a tiny run: steps within one tick
     s = {"side": side, "images_per_cpu_s": per_cpu(per_step * (len(r["rows"]) - 1)), "peak_rss_mb": r["peak_rss_mb"],
          "decode_share": per_cpu(late)}
+    if a.device == "cuda":  # the GPU's figures: images per second of wall time, the allocator's peak
+        wall = r["times"][-1] - r["times"][0]
+        s["images_per_s"] = per_step * (len(r["rows"]) - 1) / wall if wall > 0 else float("nan")
+        s["peak_mem_mb"] = max(row.get("peak_mem_mb", 0.0) for row in r["rows"])
     waited = ""
     if side == "mt":  # the loop's wait for its batches over steps 2..N: each step's data_wait share x its seconds
         later = r["rows"][1:]
@@ -267,6 +291,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", default="/tmp/minitrain_bench_vl")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--shape", choices=("small", "qwen2_5_vl_7b"), default="small",
+                    help="small: --dim / --vision-dim / --vocab; qwen2_5_vl_7b: Qwen2.5-VL-7B's widths")
+    ap.add_argument("--out", help="write the medians (both sides) here as JSON")
     return ap.parse_args(argv)
 
 
@@ -281,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, side in enumerate(order):
         results[side].append(run(side, a, root, i))
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "side"} for side, rs in results.items()}
+    if a.out:
+        Path(a.out).write_text(json.dumps(med))
     ratio = med["mt"]["images_per_cpu_s"] / med["hf"]["images_per_cpu_s"]
     print(f"| LoRA SFT on image rows (Qwen2.5-VL shape: {a.layers} x {a.dim} language model, {a.vision_depth} x "
           f"{a.vision_dim} tower; {a.side} px images, batch {a.batch} x accum {a.accum}, {a.steps} steps, 1 thread, "

@@ -1,6 +1,6 @@
 """Everything only a GPU can show, in one command:
 
-    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo,moe,deltanet] [--write BENCHMARKS.md] [--append]
+    python tools/gpu_check.py [--parts tests,dpo,sft,packed,qlora,grpo,moe,deltanet,vl] [--write BENCHMARKS.md] [--append]
                               [--logs DIR] [--sft-steps 8] [--sft-rows 4] [--sft-seq 1024] [--skip-hf]
     python tools/gpu_check.py --tiny [--write FILE]   # every part on tiny shapes (on the CPU without a GPU)
 
@@ -36,6 +36,10 @@ Parts (each side of each comparison in its own process, so that its peak memory 
    `kernels=auto` uses on CUDA), their outputs' largest difference, in this process. The device machine
    reaches no network: carry the wheels (`pip download flash-linear-attention fla-core einops -d wheels`,
    then `pip install --no-index --find-links wheels flash-linear-attention` there).
+9. `vl`: LoRA SFT on image rows, a Qwen2.5-VL-7B shape cut to `VL_LAYERS` language layers (its whole 32-block
+   tower, random bf16 weights, one 448 x 448 image and a short answer a row, batch 4): minitrain against TRL's
+   `SFTTrainer` (`tools/bench_vl.py --device cuda`, each side in its own process), images per second and the
+   CUDA allocator's peak.
 
 Tokens/s, MFU (`minitrain.plan.flops`: model FLOPs / s / the device's dense bf16 peak, the same count
 for both stacks) and peak allocated memory go to a dated section between `<!-- gpu:begin -->` and
@@ -60,6 +64,7 @@ Run it in calls of under 10 minutes each, the parts that have never run on a GPU
     python tools/gpu_check.py --parts grpo --append --logs gpu_logs        # 2.5 min on 28 Nov
     python tools/gpu_check.py --parts moe --append --logs gpu_logs         # not run yet: about 3 min (estimate)
     python tools/gpu_check.py --parts deltanet --append --logs gpu_logs    # not run yet: under 1 min (estimate)
+    python tools/gpu_check.py --parts vl --append --logs gpu_logs          # not run yet: about 4 min (estimate)
 
 A lease holds the first two; the next lease goes on where it stopped. The section is written after
 every part, so a call cut short keeps what finished; `--append` keeps the sections already between the
@@ -97,13 +102,14 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048
                      num_hidden_layers=MOE_LAYERS, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                      rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
                      bos_token_id=151643, eos_token_id=151645)
+VL_LAYERS = 4  # of Qwen2.5-VL-7B's 28 language layers (the tower whole)
 # one DeltaNet layer's rule: (q / k heads, value heads, head dim, tokens, packed sequences)
 DELTANET = dict(heads=16, value_heads=32, dim=128, tokens=4096, sequences=4)
 DELTANET_TINY = dict(heads=2, value_heads=4, dim=16, tokens=96, sequences=3)
 MOE_TINY = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16)  # with TINY
 # on Qwen3-MoE, LLaMA's MLP names are the experts' (as peft 0.21 maps them): attention + every expert
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PARTS = ("tests", "dpo", "sft", "packed", "qlora", "grpo", "moe", "deltanet")
+PARTS = ("tests", "dpo", "sft", "packed", "qlora", "grpo", "moe", "deltanet", "vl")
 GB = 1e9
 
 # one lever at a time: TrainConfig keys over the base (bf16, per-block compile on CUDA)
@@ -570,6 +576,22 @@ def render(results: dict, when: str, device: str) -> str:
                       f"peak {_gb(g.get('step_peak_allocated_bytes'))} (the policy without checkpointing)"]
         else:
             lines += ["", f"- GRPO: {g.get('error', 'not run')}"]
+    vl = results.get("vl")
+    if vl is not None:
+        if "mt" not in vl:
+            lines += ["", f"- LoRA SFT on image rows: {vl.get('error', 'not run')}"]
+        else:
+            mt, hf = vl["mt"], vl["hf"]
+            what = "tiny shape" if vl.get("tiny") else f"Qwen2.5-VL-7B shape, {VL_LAYERS} language layers, the whole tower"
+            if "images_per_s" in mt:
+                lines += ["", f"- LoRA SFT on image rows ({what}, bf16, 448 px, batch 4): minitrain "
+                              f"{mt['images_per_s']:.1f} images/s, TRL's SFTTrainer {hf['images_per_s']:.1f} "
+                              f"({mt['images_per_s'] / hf['images_per_s']:.2f}x); peak allocated "
+                              f"{mt['peak_mem_mb'] / 1024:.1f} / {hf['peak_mem_mb'] / 1024:.1f} GiB "
+                              f"({mt['peak_mem_mb'] / hf['peak_mem_mb']:.2f}x)"]
+            else:
+                lines += ["", f"- LoRA SFT on image rows ({what}, CPU): minitrain {mt['images_per_cpu_s']:.1f} images per "
+                              f"CPU-second, TRL {hf['images_per_cpu_s']:.1f}"]
     dn = results.get("deltanet")
     if dn is not None:
         if "torch_ms" not in dn:
@@ -698,6 +720,19 @@ def main(argv: list[str] | None = None) -> int:
     if "grpo" in a.parts:
         results["grpo"] = _child("grpo", a, 90 * big)
         print("grpo:", results["grpo"], flush=True)
+    if "vl" in a.parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            shape = (["--device", "cpu", "--layers", "1", "--dim", "64", "--vision-depth", "2", "--vision-dim", "32",
+                      "--vocab", "500", "--side", "56", "--steps", "3", "--batch", "2"] if a.tiny else
+                     ["--device", "cuda", "--shape", "qwen2_5_vl_7b", "--layers", str(VL_LAYERS), "--vision-depth", "32",
+                      "--side", "448", "--steps", "8", "--batch", "4"])
+            rc, out, secs = _sub([str(ROOT / "tools" / "bench_vl.py"), *shape, "--repeats", "1", "--cache", tmp,
+                                  "--out", f"{tmp}/vl.json"], 150 * big, _log(a, "vl"))
+            done = Path(f"{tmp}/vl.json")
+            results["vl"] = json.loads(done.read_text()) if rc == 0 and done.exists() else {"error": f"exit {rc}: {out[-400:]}"}
+        results["vl"]["tiny"] = a.tiny
+        print("vl:", results["vl"], flush=True)
+        publish()
     if "deltanet" in a.parts:
         results["deltanet"] = _child("deltanet", a, 30 * big)
         print("deltanet:", results["deltanet"], flush=True)
@@ -716,7 +751,7 @@ CHILDREN = {"mt_sft": child_mt_sft, "hf_sft": child_hf_sft, "grpo": child_grpo, 
 def failures(results: dict) -> list[str]:
     """The parts that did not run (an optional side that is not installed or needs CUDA aside)."""
     out = ["tests"] if results.get("tests", {}).get("rc") else []
-    out += [k for k in ("dpo", "dpo_compile", "grpo", "deltanet") if "error" in results.get(k, {})]
+    out += [k for k in ("dpo", "dpo_compile", "grpo", "deltanet", "vl") if "error" in results.get(k, {})]
     return out + [f"{part} {k}" for part in ("sft", "packed", "qlora", "moe") for k, r in results.get(part, {}).items()
                   if "error" in r and not r.get("optional")]
 

@@ -233,15 +233,18 @@ RANKS = {"qwen3_moe": (lambda: dense_config("qwen3_moe only"), ALL + ("experts.g
 ROWS, SEQ = 4, 128
 
 
-def ranks_worker(rank: int, out: str) -> None:
-    """One rank: per model and mode, build, shard (fsdp) or not (ddp), one warm-up step, one measured step."""
+def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
+    """One rank: per model and mode of `module`'s `RANKS`, build, shard (fsdp) or not (ddp), one warm-up step, one
+    measured step."""
+    import importlib
+
     from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.objectives.sft import sft
     from minitrain.parallel import distributed, fsdp
     from minitrain.plan.measure import measure_peak_allocated
 
     results = {}
-    for name, (config, targets, modes) in RANKS.items():
+    for name, (config, targets, modes) in importlib.import_module(module).RANKS.items():
         for mode in modes:
             torch.manual_seed(0)
             model = models.from_hf_config(config())
@@ -277,9 +280,17 @@ def ranks_worker(rank: int, out: str) -> None:
 
 
 def test_two_ranks_measured_against_the_plan(tmp_path):
-    launch_two(tmp_path, "ranks_worker", str(tmp_path), module="test_plan_moe")
+    check_two_ranks(tmp_path, "test_plan_moe")
+
+
+def check_two_ranks(tmp_path: Path, module: str) -> None:
+    """Run `ranks_worker` on 2 gloo ranks over `module`'s `RANKS`; rank 0's shards, AdamW state and peak against the
+    plan."""
+    import importlib
+
+    launch_two(tmp_path, "ranks_worker", str(tmp_path), module, module="test_plan_moe")
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    for name, (config, targets, modes) in RANKS.items():
+    for name, (config, targets, modes) in importlib.import_module(module).RANKS.items():
         for mode in modes:
             m = rank0[f"{name} {mode}"]
             run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved, matches
-from minitrain.plan.moe import ExpertBlocks
+from minitrain.plan.moe import ExpertBlocks, check_moe_run
 from minitrain.plan.run_shape import RunShape, Term
 
 GLOBAL = "full_attention"
@@ -139,6 +139,28 @@ class Gemma4Shape(ByBlock, GemmaShape):
         out = {}
         for i in range(self.num_hidden_layers):
             out.update({f"{self.group(i)}.{n}": v for n, v in self.layer_view(i).block_linears().items()})
+        return out
+
+    def block_norms(self) -> list[tuple[str, int]]:
+        """A layer view's norms: the four sandwich norms, PLE's, the q norm and (unless shared) the k norm."""
+        D, hd = self.hidden_size, self.head_dim
+        norms = [(f"norm{k}", D) for k in range(self.NORMS + (1 if self.ple else 0))] + [("self_attn.q_norm", hd)]
+        return norms + ([] if self.shares(self.layer) else [("self_attn.k_norm", hd)])
+
+    def root_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """The per-layer embeddings' table (vocab_size_per_layer_input x L P), their projection (L P x D), its norm
+        (P), and LoRA on the projection when the targets reach it (`trainable_tensors`)."""
+        if not self.ple:
+            return []
+        D, n = self.hidden_size, self.num_hidden_layers * self.ple
+        out = [("model.embed_tokens_per_layer", (self.ple_vocab, n), run.full),
+               ("model.per_layer_model_projection", (n, D), run.full),
+               ("model.per_layer_projection_norm", (self.ple,), run.full)]
+        targets = run.lora_targets
+        if not run.full and any(t == "all-linear" or matches("per_layer_model_projection", t) for t in targets):
+            r = run.rank(D, n)
+            out += [("per_layer_model_projection.lora_A", (r, D), True),
+                    ("per_layer_model_projection.lora_B", (n, r), True)]
         return out
 
     def layers_with(self, name: str) -> int:
@@ -260,6 +282,14 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
         L = self.num_hidden_layers
         return n + L * per, f"{formula} + {L} x {per:,} (MoE norms, router scales)"
 
+    def block_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """`ExpertBlocks`' (experts, `router.proj` as the router, expert adapters), + the router's scale (D) and
+        per-expert scale (E) and the three more norms (D each)."""
+        D = self.hidden_size
+        extra = [("router.scale", (D,)), ("router.per_expert_scale", (self.num_experts,))]
+        extra += [(f"moe_norm{k}", (D,)) for k in range(3)]
+        return super().block_tensors(run) + [(n, shape, run.full) for n, shape in extra]
+
     def extra_block_saved(self, run: RunShape) -> list[Term]:
         """The experts' GeGLU (K x F_e rows: the first product's output, GELU's output), the routing tensors
         (`ExpertBlocks`), the router's and the three more norms' fp32 inputs (fp32: the two post norms' own; under autocast also the router's and
@@ -277,6 +307,7 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)
+        check_moe_run(self, run)
         if run.quantize != "none":
             raise UserError(f"quantize={run.quantize}: the memory plan models Gemma 4's MoE size in LoRA runs on a "
                             "float base (QLoRA on its experts not yet) — memory_check=false skips the plan")

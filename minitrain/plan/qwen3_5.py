@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, ModelShape, block_saved
-from minitrain.plan.moe import ExpertBlocks, SharedExpert
+from minitrain.plan.moe import ExpertBlocks, SharedExpert, check_moe_run
 from minitrain.plan.run_shape import RunShape, Term
 
 CHUNK = 64  # models.qwen3_5.GatedDeltaNet.chunk_size
@@ -168,6 +168,21 @@ class Qwen3_5Shape(ByBlock, ModelShape):
         return super().attention_saved(run) + [
             Term("output gate: attention output + sigmoid", N * 2 * q * s, "2 x Hq x s per token")]
 
+    def block_norms(self) -> list[tuple[str, int]]:
+        """A DeltaNet block's norms: its two and the gated norm (dv); a full-attention block's: Qwen3's."""
+        if self.mixer != "linear_attention":
+            return super().block_norms()
+        return [("norm0", self.hidden_size), ("norm1", self.hidden_size), ("linear_attn.norm", self.value_dim)]
+
+    def block_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """A DeltaNet block's convolution (Ch, 1, K), dt_bias and A_log (H each), as FSDP2 shards them."""
+        if self.mixer != "linear_attention":
+            return super().block_tensors(run)
+        H = self.value_heads
+        conv = (self.channels, 1, self.conv_kernel)
+        return super().block_tensors(run) + [("linear_attn.conv1d", conv, run.full),
+                                             ("linear_attn.dt_bias", (H,), run.full), ("linear_attn.A_log", (H,), run.full)]
+
     def deltanet_saved(self, run: RunShape) -> list[Term]:
         """What a DeltaNet layer keeps beyond its linears' inputs (the module docstring)."""
         N, s, H, dk, dv, K = run.tokens, run.s, self.value_heads, self.key_dim, self.value_dim, self.conv_kernel
@@ -215,6 +230,10 @@ class Qwen3_5MoeShape(SharedExpert, ExpertBlocks, Qwen3_5Shape):
 
     def mlp_linears(self) -> dict[str, tuple[int, int]]:
         return self.shared_linears()
+
+    def check_run(self, run: RunShape) -> None:
+        super().check_run(run)
+        check_moe_run(self, run)
 
     def describe(self) -> str:
         return super().describe() + f", {self.num_experts} experts of {self.expert_size} (top {self.top_k}) + a shared one"

@@ -141,6 +141,8 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[lis
     if not model.tie_word_embeddings:
         root.append(Tensor("lm_head", (V, D), s, full))  # (names: `vocab` below)
     root.append(Tensor("norm", (D,), s, full))
+    root += [Tensor(name, shape, a if trained and not full else s, trained)
+             for name, shape, trained in model.root_tensors(run)]
     if not full:
         for m in run.modules_to_save:  # a trained copy beside the frozen one
             if matches("lm_head", m) or matches("model.embed_tokens", m):
@@ -178,10 +180,7 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
     if model.mlp_bias:
         F = model.intermediate_size
         biases += [("mlp.gate_proj.bias", F), ("mlp.up_proj.bias", F), ("mlp.down_proj.bias", D)]
-    norms = [(f"norm{k}", D) for k in range(model.NORMS)]
-    if model.qk_norm:
-        norms += [("self_attn.q_norm", model.head_dim), ("self_attn.k_norm", model.head_dim)]
-    block += [Tensor(n, (d,), s, full) for n, d in biases + norms]
+    block += [Tensor(n, (d,), s, full) for n, d in biases + model.block_norms()]
     if not full:
         lin = model.linears()
         for name in adapted_linears(model, run.lora_targets):
@@ -193,8 +192,10 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
 
 
 def vocab(root: list[Tensor]) -> list[Tensor]:
-    """The root's matrices: the embeddings, the head and a trained copy of either (modules_to_save)."""
-    return [t for t in root if len(t.shape) == 2]
+    """The root's vocabulary matrices: the embeddings, the head and a trained copy of either (modules_to_save)."""
+    from minitrain.plan.decoder import matches
+
+    return [t for t in root if matches("lm_head", t.name) or matches("model.embed_tokens", t.name)]
 
 
 def _sum(tensors: list[Tensor], how: str, world: int = 1) -> int:

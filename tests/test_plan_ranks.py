@@ -1,0 +1,76 @@
+"""The per-rank memory plan (`minitrain.plan.sharded`) of Qwen3.5 and Gemma 4, dense and MoE.
+
+- the tensors FSDP2 shards, against the model built from config.json: each block's parameters (Qwen3.5's DeltaNet
+  layers: in_proj_qkv / z / b / a, conv1d, dt_bias, A_log, the gated norm, out_proj; its gated attention's q_proj
+  of 2 x the heads, q / k norms; Gemma 4's kv-shared layers without k / v or k norm, the per-layer input's gate,
+  projection and norm; the MoE sizes' experts, routers, shared expert) and the root's (Gemma 4's per-layer
+  embeddings, their projection and its norm), each rank's ceil(dim 0 / N) rows, to the byte;
+- 2 gloo ranks (`test_plan_moe.ranks_worker`, as tests/test_plan_fsdp.py): LoRA under `parallel=fsdp` and
+  `parallel=ddp`, rank 0's shards (or whole model) and AdamW state equal to the plan's persistent terms to the byte,
+  and its measured step peak plus those within 20% of the plan;
+- what the plan does not model under several ranks is one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_plan import ALL, ATTN, DELTANET, EXPERTS, GEMMA4, GEMMA4_MOE, QWEN3_5, build, hf_config, qwen3_5_moe_config
+from test_plan_moe import check_two_ranks
+
+from minitrain.errors import UserError
+from minitrain.plan import sharded
+from minitrain.plan.predict import predict, shape_from_hf
+from minitrain.plan.run_shape import RunShape
+
+CONFIGS = {"qwen3_5": lambda: hf_config(**QWEN3_5), "qwen3_5_moe": qwen3_5_moe_config,
+           "gemma4": lambda: hf_config(**GEMMA4), "gemma4_moe": lambda: hf_config(**GEMMA4_MOE)}
+TARGETS = {"qwen3_5": ALL + DELTANET, "qwen3_5_moe": ALL + DELTANET + EXPERTS, "gemma4": ("all-linear",),
+           "gemma4_moe": ALL + ("experts.gate_up_proj",)}
+
+
+def rows(t: torch.Tensor, world: int) -> int:
+    """Bytes of rank 0's shard of `t`: torch.chunk's first piece of dim 0, as FSDP2 cuts it."""
+    return torch.chunk(t, world)[0].nbytes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_shards_exact_against_the_built_model(name, world):
+    """Every parameter of each block and of the root, frozen and trained, as the plan lists them, against the model
+    built from config.json with LoRA on the family's linears (Gemma 4: all-linear, its root's projection too)."""
+    hf = CONFIGS[name]()
+    model = build(hf, torch.float32, TARGETS[name], r=8)
+    run = RunShape(rows=world, seq=8, compute="fp32", lora_r=8, lora_targets=TARGETS[name], world=world,
+                   parallel="fsdp")
+    root, blocks = sharded.parameters(shape_from_hf(hf), run)
+    layers = model.model.layers
+    assert len(blocks) == len(layers)
+    for layer, planned in zip(layers, blocks):
+        for trained in (False, True):
+            held = [p for p in layer.parameters() if p.requires_grad == trained]
+            assert sorted(rows(p, world) for p in held) == sorted(
+                t.shard_bytes(world) for t in planned if t.trainable == trained), (name, trained)
+    in_blocks = {id(p) for p in layers.parameters()}
+    held = [p for p in model.parameters() if id(p) not in in_blocks]
+    assert sorted((rows(p, world), p.requires_grad) for p in held) == sorted(
+        (t.shard_bytes(world), t.trainable) for t in root)
+
+
+def test_runs_the_plan_does_not_model_on_several_ranks_are_one_line():
+    qwen, gemma_moe = shape_from_hf(hf_config(**QWEN3_5)), shape_from_hf(hf_config(**GEMMA4_MOE))
+    with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp: the memory plan models Qwen3.5 runs"):
+        predict(qwen, RunShape(rows=2, seq=8, quantize="nf4", lora_targets=ATTN, world=2, parallel="fsdp"))
+    with pytest.raises(UserError, match="a trained router under fsdp"):
+        predict(gemma_moe, RunShape(rows=2, seq=8, modules_to_save=("router",), world=2, parallel="fsdp"))
+    with pytest.raises(UserError, match="not finetune=full"):
+        predict(qwen, RunShape(rows=2, seq=8, full=True, world=2, parallel="fsdp"))
+
+
+# ----------------------------------------------------------------------------- 2 ranks, measured
+
+RANKS = {name: (CONFIGS[name], TARGETS[name], ("lora fsdp", "lora ddp")) for name in CONFIGS}
+
+
+def test_two_ranks_measured_against_the_plan(tmp_path):
+    check_two_ranks(tmp_path, "test_plan_ranks")

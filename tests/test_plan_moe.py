@@ -274,7 +274,7 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
             results[f"{name} {mode}"] = dict(
                 frozen=tensor_bytes(t for t, p in zip(local, model.parameters()) if not p.requires_grad),
                 trained=tensor_bytes(t for t, p in zip(local, model.parameters()) if p.requires_grad),
-                optimizer=tensor_bytes(state), step_peak=peak)
+                optimizer=tensor_bytes(state), step_peak=peak, buffers=tensor_bytes(model.buffers()))
             del model, opt
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -301,8 +301,9 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
                 assert m["frozen"] == got["weights: 1/N shard (FSDP2)"], (name, mode)
                 assert m["trained"] == got["trained tensors: 1/N shard"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW): 1/N shard"], (name, mode)
-            else:  # the whole model on each rank
-                assert m["frozen"] + m["trained"] == plan.persistent_bytes - got["gradients"] - got["optimizer (AdamW)"]
+            else:  # the whole model on each rank (Gemma 4's `layer_scalar` buffers among its weights)
+                held = m["frozen"] + m["trained"] + m["buffers"]
+                assert held == plan.persistent_bytes - got["gradients"] - got["optimizer (AdamW)"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW)"], (name, mode)
             measured = m["frozen"] + m["trained"] + m["optimizer"] + m["step_peak"]  # (gradients: within the step)
             print(f"{name} {mode}: planned / measured {plan.peak / measured:.3f} ({plan.peak_moment})")

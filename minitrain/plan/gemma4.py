@@ -24,8 +24,13 @@ The MoE size (`enable_moe_block`, 26B-A4B: `Gemma4MoeShape`) adds `minitrain.pla
 scale and per-expert scale, three more norms and the experts' GeGLU (K x F_e rows).
 
 Modelled: LoRA / QLoRA runs in one process of the dense sizes and LoRA runs of the MoE size (its QLoRA, full
-fine-tuning, several ranks, distillation and GRPO's sampler are refused with one line); measured against the CPU
-on LoRA SFT steps (fp32, fp32 with checkpointing, bf16 autocast). Under nf4 / int8 the PLE
+fine-tuning, distillation and GRPO's sampler are refused with one line); measured against the CPU
+on LoRA SFT steps (fp32, fp32 with checkpointing, bf16 autocast).
+Several ranks (`minitrain.plan.sharded`): a kv-shared block without k / v or k norm, the per-layer input's norm
+(`block_norms`), the MoE size's router scales and three more norms (`block_tensors`), and in the root the per-layer
+embeddings, their projection and its norm (`root_tensors`; `layer_scalar` is a buffer, whole on each rank and not in
+the fsdp shards); LoRA under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py), QLoRA under fsdp
+refused. Under nf4 / int8 the PLE
 projection is counted as a float weight; on CUDA one bool mask is counted where sliding and global
 layers build two.
 """

@@ -25,8 +25,11 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
 The MoE sizes (`Qwen3_5MoeShape`): every MLP the experts, counted as `minitrain.plan.moe` counts them, and a
 shared expert. Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
 steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
-shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning, several ranks,
-distillation and GRPO's sampler (its hybrid cache) are refused with one line. The DeltaNet backward's own
+shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning,
+distillation and GRPO's sampler (its hybrid cache) are refused with one line.
+Several ranks (`minitrain.plan.sharded`): a DeltaNet block's conv1d, dt_bias, A_log and gated norm (`block_tensors`,
+`block_norms`) sharded with its linears; LoRA under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py),
+QLoRA under fsdp refused. The DeltaNet backward's own
 working set is not modelled: the last block, whose backward runs with everything kept, is a
 full-attention one in the released layouts.
 """

@@ -13,9 +13,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from test_plan import ALL, ATTN, DELTANET, EXPERTS, GEMMA4, GEMMA4_MOE, QWEN3_5, build, hf_config, qwen3_5_moe_config
+from test_plan import (ALL, ATTN, DELTANET, EXPERTS, GEMMA4, GEMMA4_MOE, QWEN3_5, ROOT, build, hf_config, plan_cli,
+                       qwen3_5_moe_config)
 from test_plan_moe import check_two_ranks
 
 from minitrain.errors import UserError
@@ -65,6 +68,18 @@ def test_runs_the_plan_does_not_model_on_several_ranks_are_one_line():
         predict(gemma_moe, RunShape(rows=2, seq=8, modules_to_save=("router",), world=2, parallel="fsdp"))
     with pytest.raises(UserError, match="not finetune=full"):
         predict(qwen, RunShape(rows=2, seq=8, full=True, world=2, parallel="fsdp"))
+
+
+def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(**QWEN3_5)))
+    args = (str(ROOT / "recipes" / "sft_llama.py"), f"model={tmp_path}", "data=x.jsonl", "batch_size=4", "max_len=256",
+            "--world", "2", "--parallel", "fsdp", "--device", "cpu")
+    out = plan_cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 of 2 (fsdp)" in out.stdout and "weights: 1/N shard (FSDP2)" in out.stdout
+    bad = plan_cli(*args, "quantize=nf4")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: quantize=nf4 with parallel=fsdp") and bad.stderr.count(
+        "\n") == 1
 
 
 # ----------------------------------------------------------------------------- 2 ranks, measured

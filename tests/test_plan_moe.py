@@ -248,7 +248,14 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
         for mode in modes:
             torch.manual_seed(0)
             model = models.from_hf_config(config())
-            if mode.startswith("lora"):
+            if mode.startswith("qlora"):  # nf4 linears, as the loader's hook quantizes them (ddp: the whole model)
+                from minitrain.adapters.quant import quantize_hook
+
+                hook = quantize_hook("nf4", compute_dtype=torch.float32)
+                for n, p in list(model.named_parameters()):
+                    if n != "lm_head.weight" and "embed" not in n and p.dim() == 2:
+                        hook(model, n, p.data)
+            if not mode.startswith("full"):
                 cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets))
                 apply_lora(model, cfg)
                 freeze_for_adapters(model, cfg)
@@ -271,8 +278,9 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
             peak, _ = measure_peak_allocated(step)
             local = [p.to_local() if distributed.is_sharded(p) else p for p in model.parameters()]
             state = [v.to_local() if distributed.is_sharded(v) else v for st in opt.state.values() for v in st.values()]
+            quant = [t for p in model.parameters() for t in quant_state_tensors(p)]
             results[f"{name} {mode}"] = dict(
-                frozen=tensor_bytes(t for t, p in zip(local, model.parameters()) if not p.requires_grad),
+                frozen=tensor_bytes([t for t, p in zip(local, model.parameters()) if not p.requires_grad] + quant),
                 trained=tensor_bytes(t for t, p in zip(local, model.parameters()) if p.requires_grad),
                 optimizer=tensor_bytes(state), step_peak=peak, buffers=tensor_bytes(model.buffers()))
             del model, opt
@@ -294,7 +302,8 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
         for mode in modes:
             m = rank0[f"{name} {mode}"]
             run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,
-                           full=mode.startswith("full"), world=2, parallel=mode.split()[1])
+                           full=mode.startswith("full"), world=2, parallel=mode.split()[1],
+                           quantize="nf4" if mode.startswith("qlora") else "none")
             plan = predict(shape_from_hf(config()), run)
             got = {t.name: t.bytes for t in plan.persistent}
             if mode.endswith("fsdp"):

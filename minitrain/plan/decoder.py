@@ -210,12 +210,21 @@ class ModelShape:
         .sharded`): (name, shape, whether it trains); none here (an MoE's experts, router and expert adapters)."""
         return []
 
-    def block_norms(self) -> list[tuple[str, int]]:
-        """One block's norm weights as FSDP2 shards them (`minitrain.plan.sharded`): (name, size); NORMS of D, and
-        Qwen3's q / k norms (a hybrid's blocks differ: Qwen3.5's DeltaNet layers, Gemma 4's kv-shared ones)."""
-        norms = [(f"norm{k}", self.hidden_size) for k in range(self.NORMS)]
+    def block_vectors(self) -> list[tuple[str, int]]:
+        """One block's biases and norm weights as FSDP2 shards them (`minitrain.plan.sharded`): (name, size); NORMS
+        of D, Qwen3's q / k norms (a hybrid's blocks differ: Qwen3.5's DeltaNet layers, Gemma 4's kv-shared ones)."""
+        D, F = self.hidden_size, self.intermediate_size
+        out = []
+        if self.qkv_bias:
+            out += [("self_attn.q_proj.bias", self.q_width), ("self_attn.k_proj.bias", self.kv_width),
+                    ("self_attn.v_proj.bias", self.kv_width)]
+        if self.o_bias:
+            out.append(("self_attn.o_proj.bias", D))
+        if self.mlp_bias:
+            out += [("mlp.gate_proj.bias", F), ("mlp.up_proj.bias", F), ("mlp.down_proj.bias", D)]
+        out += [(f"norm{k}", D) for k in range(self.NORMS)]
         qk = [("self_attn.q_norm", self.head_dim), ("self_attn.k_norm", self.head_dim)]
-        return norms + (qk if self.qk_norm else [])
+        return out + (qk if self.qk_norm else [])
 
     def root_tensors(self, run: "RunShape") -> list[tuple[str, tuple[int, ...], bool]]:
         """The root's parameters beyond the embeddings, the head and the final norm, as `block_tensors`: none here

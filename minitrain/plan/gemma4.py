@@ -146,7 +146,7 @@ class Gemma4Shape(ByBlock, GemmaShape):
             out.update({f"{self.group(i)}.{n}": v for n, v in self.layer_view(i).block_linears().items()})
         return out
 
-    def block_norms(self) -> list[tuple[str, int]]:
+    def block_vectors(self) -> list[tuple[str, int]]:
         """A layer view's norms: the four sandwich norms, PLE's, the q norm and (unless shared) the k norm."""
         D, hd = self.hidden_size, self.head_dim
         norms = [(f"norm{k}", D) for k in range(self.NORMS + (1 if self.ple else 0))] + [("self_attn.q_norm", hd)]

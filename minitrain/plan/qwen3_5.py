@@ -171,10 +171,11 @@ class Qwen3_5Shape(ByBlock, ModelShape):
         return super().attention_saved(run) + [
             Term("output gate: attention output + sigmoid", N * 2 * q * s, "2 x Hq x s per token")]
 
-    def block_norms(self) -> list[tuple[str, int]]:
-        """A DeltaNet block's norms: its two and the gated norm (dv); a full-attention block's: Qwen3's."""
+    def block_vectors(self) -> list[tuple[str, int]]:
+        """A DeltaNet block's norms: its two and the gated norm (dv); a full-attention block's: Qwen3's, its q bias
+        (`attention_bias`) as wide as the gated q_proj."""
         if self.mixer != "linear_attention":
-            return super().block_norms()
+            return [(n, 2 * d if n == "self_attn.q_proj.bias" else d) for n, d in super().block_vectors()]
         return [("norm0", self.hidden_size), ("norm1", self.hidden_size), ("linear_attn.norm", self.value_dim)]
 
     def block_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:

@@ -161,7 +161,6 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
     full = run.full
     s = 4 if full else run.s
     a = DTYPE_BYTES[run.adapter_dtype]
-    D = model.hidden_size
     block: list[Tensor] = []
     for name, (i, o) in model.linears().items():
         if run.quantize == "none" or full:
@@ -173,16 +172,7 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
         else:  # (ternary is refused under fsdp: 1/N of its bytes)
             b, _ = linears_bytes([(i, o, 1)], run)
             block.append(Tensor(name, (b,), 1))
-    biases = []
-    if model.qkv_bias:
-        biases += [("self_attn.q_proj.bias", model.q_width), ("self_attn.k_proj.bias", model.kv_width),
-                   ("self_attn.v_proj.bias", model.kv_width)]
-    if model.o_bias:
-        biases.append(("self_attn.o_proj.bias", D))
-    if model.mlp_bias:
-        F = model.intermediate_size
-        biases += [("mlp.gate_proj.bias", F), ("mlp.up_proj.bias", F), ("mlp.down_proj.bias", D)]
-    block += [Tensor(n, (d,), s, full) for n, d in biases + model.block_norms()]
+    block += [Tensor(n, (d,), s, full) for n, d in model.block_vectors()]
     if not full:
         lin = model.linears()
         for name in adapted_linears(model, run.lora_targets):

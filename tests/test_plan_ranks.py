@@ -30,8 +30,11 @@ CONFIGS = {"qwen3_5": lambda: hf_config(**QWEN3_5), "qwen3_5_moe": qwen3_5_moe_c
            "gemma4": lambda: hf_config(**GEMMA4), "gemma4_moe": lambda: hf_config(**GEMMA4_MOE)}
 TARGETS = {"qwen3_5": ALL + DELTANET, "qwen3_5_moe": ALL + DELTANET + EXPERTS, "gemma4": ("all-linear",),
            "gemma4_moe": ALL + ("experts.gate_up_proj",)}
-# the shards only: Qwen3.5's attention_bias (the gated q_proj's bias 2 x the heads wide; none on DeltaNet's)
-SHARDED = {**CONFIGS, "qwen3_5 bias": lambda: hf_config(**QWEN3_5, attention_bias=True)}
+# the shards only: Qwen3.5's attention_bias (the gated q_proj's bias 2 x the heads wide; none on DeltaNet's), a
+# 31B-shaped Gemma 4 (no per-layer inputs, no kv-shared layers)
+SHARDED = {**CONFIGS, "qwen3_5 bias": lambda: hf_config(**QWEN3_5, attention_bias=True),
+           "gemma4 31b": lambda: hf_config(**{**GEMMA4, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+                                              "use_double_wide_mlp": False})}
 
 
 def rows(t: torch.Tensor, world: int) -> int:

@@ -6,9 +6,9 @@
   projection and norm; the MoE sizes' experts, routers, shared expert) and the root's (Gemma 4's per-layer
   embeddings, their projection and its norm), each rank's ceil(dim 0 / N) rows, to the byte;
 - 2 gloo ranks (`test_plan_moe.ranks_worker`, as tests/test_plan_fsdp.py): LoRA under `parallel=fsdp` and
-  `parallel=ddp` (and dense Qwen3.5's QLoRA under ddp), rank 0's shards (or whole model) and AdamW state equal to the plan's persistent terms to the byte,
-  and its measured step peak plus those within 20% of the plan;
-- what the plan does not model under several ranks is one line.
+  `parallel=ddp` (and dense Qwen3.5's QLoRA under ddp), rank 0's shards (or whole model) and AdamW state equal to
+  the plan's persistent terms to the byte, and its measured step peak plus those within 20% of the plan;
+- the tool plans a rank of a Qwen3.5 folder; what the plan does not model under several ranks is one line.
 """
 
 from __future__ import annotations

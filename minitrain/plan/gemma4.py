@@ -27,7 +27,7 @@ Modelled: LoRA / QLoRA runs in one process of the dense sizes and LoRA runs of t
 fine-tuning, distillation and GRPO's sampler are refused with one line); measured against the CPU
 on LoRA SFT steps (fp32, fp32 with checkpointing, bf16 autocast).
 Several ranks (`minitrain.plan.sharded`): a kv-shared block without k / v or k norm, the per-layer input's norm
-(`block_norms`), the MoE size's router scales and three more norms (`block_tensors`), and in the root the per-layer
+(`block_vectors`), the MoE size's router scales and three more norms (`block_tensors`), and in the root the per-layer
 embeddings, their projection and its norm (`root_tensors`; `layer_scalar` is a buffer, whole on each rank and not in
 the fsdp shards); LoRA under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py), QLoRA under fsdp
 refused. Under nf4 / int8 the PLE

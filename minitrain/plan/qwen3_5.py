@@ -28,8 +28,8 @@ steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeas
 shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning,
 distillation and GRPO's sampler (its hybrid cache) are refused with one line.
 Several ranks (`minitrain.plan.sharded`): a DeltaNet block's conv1d, dt_bias, A_log and gated norm (`block_tensors`,
-`block_norms`) sharded with its linears; LoRA under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py),
-QLoRA under fsdp refused. The DeltaNet backward's own
+`block_vectors`) sharded with its linears; LoRA under ddp and fsdp (and QLoRA under ddp) measured on 2 gloo ranks
+(tests/test_plan_ranks.py), QLoRA under fsdp refused. The DeltaNet backward's own
 working set is not modelled: the last block, whose backward runs with everything kept, is a
 full-attention one in the released layouts.
 """
@@ -184,8 +184,8 @@ class Qwen3_5Shape(ByBlock, ModelShape):
             return super().block_tensors(run)
         H = self.value_heads
         conv = (self.channels, 1, self.conv_kernel)
-        return super().block_tensors(run) + [("linear_attn.conv1d", conv, run.full),
-                                             ("linear_attn.dt_bias", (H,), run.full), ("linear_attn.A_log", (H,), run.full)]
+        own = [("linear_attn.conv1d", conv), ("linear_attn.dt_bias", (H,)), ("linear_attn.A_log", (H,))]
+        return super().block_tensors(run) + [(n, shape, run.full) for n, shape in own]
 
     def deltanet_saved(self, run: RunShape) -> list[Term]:
         """What a DeltaNet layer keeps beyond its linears' inputs (the module docstring)."""

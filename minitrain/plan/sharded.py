@@ -50,9 +50,10 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
 
 A mixture-of-experts block (`minitrain.plan.moe`, `minitrain.plan.gpt_oss`) holds its experts' 3-D weights, router
 and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank); blocks that differ (Qwen's
-dense layers among the sparse ones) are each their own, and the gathered block is the largest one. A hybrid's blocks differ by kind too (Qwen3.5's DeltaNet and attention
-layers, Gemma 4's kv-shared ones: each block's `block_norms` and `block_tensors`), and a root may hold more than the
-vocabulary (Gemma 4's per-layer embeddings: `root_tensors`).
+dense layers among the sparse ones) are each their own, and the gathered block is the largest one. A hybrid's
+blocks differ by kind too (Qwen3.5's DeltaNet and attention layers, Gemma 4's kv-shared ones: each block's
+`block_vectors` and `block_tensors`), and a root may hold more than the vocabulary (Gemma 4's per-layer
+embeddings: `root_tensors`).
 
 Not modelled under fsdp: T5 (the plan covers the decoder-only families there), the reference
 model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process).

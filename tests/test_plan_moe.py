@@ -32,7 +32,7 @@ from minitrain.errors import UserError
 from minitrain.plan.decoder import adapter_terms
 from minitrain.plan.predict import predict, shape_from_hf
 from minitrain.plan.run_shape import RunShape
-from minitrain.train import build_optimizer
+from minitrain.train import build_optimizer, enable_checkpointing
 from minitrain.weights import load_pretrained
 
 # two of the four layers dense (mlp_only_layers: the last one among them on Qwen2-MoE; every second layer sparse),
@@ -259,14 +259,16 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
                 cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets))
                 apply_lora(model, cfg)
                 freeze_for_adapters(model, cfg)
-            if mode.endswith("fsdp"):
+            if mode.endswith("ckpt"):  # (before sharding, as `train` does)
+                enable_checkpointing(model)
+            if mode.split()[1] == "fsdp":
                 fsdp.shard(model, torch.device("cpu"))
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             opt = build_optimizer(named, 0.0, 1e-4)
             ids = torch.randint(4, 2048, (ROWS // 2, SEQ), generator=torch.Generator().manual_seed(rank))
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
-            def step(model=model, opt=opt, batch=batch, named=named, ddp=mode.endswith("ddp")):
+            def step(model=model, opt=opt, batch=batch, named=named, ddp=mode.split()[1] == "ddp"):
                 loss, _, _ = sft(model, batch)
                 loss.backward()
                 if ddp:
@@ -303,10 +305,10 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
             m = rank0[f"{name} {mode}"]
             run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,
                            full=mode.startswith("full"), world=2, parallel=mode.split()[1],
-                           quantize="nf4" if mode.startswith("qlora") else "none")
+                           quantize="nf4" if mode.startswith("qlora") else "none", checkpointing=mode.endswith("ckpt"))
             plan = predict(shape_from_hf(config()), run)
             got = {t.name: t.bytes for t in plan.persistent}
-            if mode.endswith("fsdp"):
+            if run.parallel == "fsdp":
                 assert m["frozen"] == got["weights: 1/N shard (FSDP2)"], (name, mode)
                 assert m["trained"] == got["trained tensors: 1/N shard"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW): 1/N shard"], (name, mode)

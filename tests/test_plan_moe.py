@@ -32,7 +32,7 @@ from minitrain.errors import UserError
 from minitrain.plan.decoder import adapter_terms
 from minitrain.plan.predict import predict, shape_from_hf
 from minitrain.plan.run_shape import RunShape
-from minitrain.train import build_optimizer
+from minitrain.train import build_optimizer, enable_checkpointing
 from minitrain.weights import load_pretrained
 
 # two of the four layers dense (mlp_only_layers: the last one among them on Qwen2-MoE; every second layer sparse),
@@ -233,30 +233,42 @@ RANKS = {"qwen3_moe": (lambda: dense_config("qwen3_moe only"), ALL + ("experts.g
 ROWS, SEQ = 4, 128
 
 
-def ranks_worker(rank: int, out: str) -> None:
-    """One rank: per model and mode, build, shard (fsdp) or not (ddp), one warm-up step, one measured step."""
+def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
+    """One rank: per model and mode of `module`'s `RANKS`, build, shard (fsdp) or not (ddp), one warm-up step, one
+    measured step."""
+    import importlib
+
     from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
     from minitrain.objectives.sft import sft
     from minitrain.parallel import distributed, fsdp
     from minitrain.plan.measure import measure_peak_allocated
 
     results = {}
-    for name, (config, targets, modes) in RANKS.items():
+    for name, (config, targets, modes) in importlib.import_module(module).RANKS.items():
         for mode in modes:
             torch.manual_seed(0)
             model = models.from_hf_config(config())
-            if mode.startswith("lora"):
+            if mode.startswith("qlora"):  # nf4 linears, as the loader's hook quantizes them (ddp: the whole model)
+                from minitrain.adapters.quant import quantize_hook
+
+                hook = quantize_hook("nf4", compute_dtype=torch.float32)
+                for n, p in list(model.named_parameters()):
+                    if n != "lm_head.weight" and "embed" not in n and p.dim() == 2:
+                        hook(model, n, p.data)
+            if not mode.startswith("full"):
                 cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets))
                 apply_lora(model, cfg)
                 freeze_for_adapters(model, cfg)
-            if mode.endswith("fsdp"):
+            if mode.endswith("ckpt"):  # (before sharding, as `train` does)
+                enable_checkpointing(model)
+            if mode.split()[1] == "fsdp":
                 fsdp.shard(model, torch.device("cpu"))
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             opt = build_optimizer(named, 0.0, 1e-4)
             ids = torch.randint(4, 2048, (ROWS // 2, SEQ), generator=torch.Generator().manual_seed(rank))
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
-            def step(model=model, opt=opt, batch=batch, named=named, ddp=mode.endswith("ddp")):
+            def step(model=model, opt=opt, batch=batch, named=named, ddp=mode.split()[1] == "ddp"):
                 loss, _, _ = sft(model, batch)
                 loss.backward()
                 if ddp:
@@ -268,30 +280,41 @@ def ranks_worker(rank: int, out: str) -> None:
             peak, _ = measure_peak_allocated(step)
             local = [p.to_local() if distributed.is_sharded(p) else p for p in model.parameters()]
             state = [v.to_local() if distributed.is_sharded(v) else v for st in opt.state.values() for v in st.values()]
+            quant = [t for p in model.parameters() for t in quant_state_tensors(p)]
             results[f"{name} {mode}"] = dict(
-                frozen=tensor_bytes(t for t, p in zip(local, model.parameters()) if not p.requires_grad),
+                frozen=tensor_bytes([t for t, p in zip(local, model.parameters()) if not p.requires_grad] + quant),
                 trained=tensor_bytes(t for t, p in zip(local, model.parameters()) if p.requires_grad),
-                optimizer=tensor_bytes(state), step_peak=peak)
+                optimizer=tensor_bytes(state), step_peak=peak, buffers=tensor_bytes(model.buffers()))
             del model, opt
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def test_two_ranks_measured_against_the_plan(tmp_path):
-    launch_two(tmp_path, "ranks_worker", str(tmp_path), module="test_plan_moe")
+    check_two_ranks(tmp_path, "test_plan_moe")
+
+
+def check_two_ranks(tmp_path: Path, module: str) -> None:
+    """Run `ranks_worker` on 2 gloo ranks over `module`'s `RANKS`; rank 0's shards, AdamW state and peak against the
+    plan."""
+    import importlib
+
+    launch_two(tmp_path, "ranks_worker", str(tmp_path), module, module="test_plan_moe")
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    for name, (config, targets, modes) in RANKS.items():
+    for name, (config, targets, modes) in importlib.import_module(module).RANKS.items():
         for mode in modes:
             m = rank0[f"{name} {mode}"]
             run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,
-                           full=mode.startswith("full"), world=2, parallel=mode.split()[1])
+                           full=mode.startswith("full"), world=2, parallel=mode.split()[1],
+                           quantize="nf4" if mode.startswith("qlora") else "none", checkpointing=mode.endswith("ckpt"))
             plan = predict(shape_from_hf(config()), run)
             got = {t.name: t.bytes for t in plan.persistent}
-            if mode.endswith("fsdp"):
+            if run.parallel == "fsdp":
                 assert m["frozen"] == got["weights: 1/N shard (FSDP2)"], (name, mode)
                 assert m["trained"] == got["trained tensors: 1/N shard"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW): 1/N shard"], (name, mode)
-            else:  # the whole model on each rank
-                assert m["frozen"] + m["trained"] == plan.persistent_bytes - got["gradients"] - got["optimizer (AdamW)"]
+            else:  # the whole model on each rank (Gemma 4's `layer_scalar` buffers among its weights)
+                held = m["frozen"] + m["trained"] + m["buffers"]
+                assert held == plan.persistent_bytes - got["gradients"] - got["optimizer (AdamW)"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW)"], (name, mode)
             measured = m["frozen"] + m["trained"] + m["optimizer"] + m["step_peak"]  # (gradients: within the step)
             print(f"{name} {mode}: planned / measured {plan.peak / measured:.3f} ({plan.peak_moment})")

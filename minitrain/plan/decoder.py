@@ -210,6 +210,27 @@ class ModelShape:
         .sharded`): (name, shape, whether it trains); none here (an MoE's experts, router and expert adapters)."""
         return []
 
+    def block_vectors(self) -> list[tuple[str, int]]:
+        """One block's biases and norm weights as FSDP2 shards them (`minitrain.plan.sharded`): (name, size); NORMS
+        of D, Qwen3's q / k norms (a hybrid's blocks differ: Qwen3.5's DeltaNet layers, Gemma 4's kv-shared ones)."""
+        D, F = self.hidden_size, self.intermediate_size
+        out = []
+        if self.qkv_bias:
+            out += [("self_attn.q_proj.bias", self.q_width), ("self_attn.k_proj.bias", self.kv_width),
+                    ("self_attn.v_proj.bias", self.kv_width)]
+        if self.o_bias:
+            out.append(("self_attn.o_proj.bias", D))
+        if self.mlp_bias:
+            out += [("mlp.gate_proj.bias", F), ("mlp.up_proj.bias", F), ("mlp.down_proj.bias", D)]
+        out += [(f"norm{k}", D) for k in range(self.NORMS)]
+        qk = [("self_attn.q_norm", self.head_dim), ("self_attn.k_norm", self.head_dim)]
+        return out + (qk if self.qk_norm else [])
+
+    def root_tensors(self, run: "RunShape") -> list[tuple[str, tuple[int, ...], bool]]:
+        """The root's parameters beyond the embeddings, the head and the final norm, as `block_tensors`: none here
+        (Gemma 4's per-layer embeddings and their projection)."""
+        return []
+
     def recomputed(self, run: "RunShape", k: int) -> int:
         """Which of the first k (checkpointed) blocks the plan's recompute moment shows: the last one."""
         return k - 1
@@ -249,10 +270,13 @@ class ByBlock:
         return f"{sum(self.layers_with(n) for n in adapted_linears(self, run.lora_targets))} linears"
 
     def check_run(self, run: "RunShape") -> None:
-        if run.full or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None or run.sample_rows:
-            raise UserError(f"the memory plan models {self.FAMILY} LoRA / QLoRA runs in one process (not "
-                            "finetune=full, several ranks, a teacher or GRPO's sampler) — memory_check=false skips "
+        if run.full or run.teacher is not None or run.sample_rows:
+            raise UserError(f"the memory plan models {self.FAMILY} LoRA / QLoRA runs in one process and on several "
+                            "ranks (not finetune=full, a teacher or GRPO's sampler) — memory_check=false skips "
                             "the plan")
+        if run.parallel == "fsdp" and run.quantize != "none":
+            raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models {self.FAMILY} runs "
+                            "on a float base under fsdp — memory_check=false skips the plan")
 
 
 # ----------------------------------------------------------------------------- weights and adapters

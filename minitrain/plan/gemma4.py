@@ -24,8 +24,13 @@ The MoE size (`enable_moe_block`, 26B-A4B: `Gemma4MoeShape`) adds `minitrain.pla
 scale and per-expert scale, three more norms and the experts' GeGLU (K x F_e rows).
 
 Modelled: LoRA / QLoRA runs in one process of the dense sizes and LoRA runs of the MoE size (its QLoRA, full
-fine-tuning, several ranks, distillation and GRPO's sampler are refused with one line); measured against the CPU
-on LoRA SFT steps (fp32, fp32 with checkpointing, bf16 autocast). Under nf4 / int8 the PLE
+fine-tuning, distillation and GRPO's sampler are refused with one line); measured against the CPU
+on LoRA SFT steps (fp32, fp32 with checkpointing, bf16 autocast).
+Several ranks (`minitrain.plan.sharded`): a kv-shared block without k / v or k norm, the per-layer input's norm
+(`block_vectors`), the MoE size's router scales and three more norms (`block_tensors`), and in the root the per-layer
+embeddings, their projection and its norm (`root_tensors`; `layer_scalar` is a buffer, whole on each rank and not in
+the fsdp shards); LoRA under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py), QLoRA under fsdp
+refused. Under nf4 / int8 the PLE
 projection is counted as a float weight; on CUDA one bool mask is counted where sliding and global
 layers build two.
 """
@@ -37,7 +42,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved, matches
-from minitrain.plan.moe import ExpertBlocks
+from minitrain.plan.moe import ExpertBlocks, check_moe_run
 from minitrain.plan.run_shape import RunShape, Term
 
 GLOBAL = "full_attention"
@@ -139,6 +144,28 @@ class Gemma4Shape(ByBlock, GemmaShape):
         out = {}
         for i in range(self.num_hidden_layers):
             out.update({f"{self.group(i)}.{n}": v for n, v in self.layer_view(i).block_linears().items()})
+        return out
+
+    def block_vectors(self) -> list[tuple[str, int]]:
+        """A layer view's norms: the four sandwich norms, PLE's, the q norm and (unless shared) the k norm."""
+        D, hd = self.hidden_size, self.head_dim
+        norms = [(f"norm{k}", D) for k in range(self.NORMS + (1 if self.ple else 0))] + [("self_attn.q_norm", hd)]
+        return norms + ([] if self.shares(self.layer) else [("self_attn.k_norm", hd)])
+
+    def root_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """The per-layer embeddings' table (vocab_size_per_layer_input x L P), their projection (L P x D), its norm
+        (P), and LoRA on the projection when the targets reach it (`trainable_tensors`)."""
+        if not self.ple:
+            return []
+        D, n = self.hidden_size, self.num_hidden_layers * self.ple
+        out = [("model.embed_tokens_per_layer", (self.ple_vocab, n), run.full),
+               ("model.per_layer_model_projection", (n, D), run.full),
+               ("model.per_layer_projection_norm", (self.ple,), run.full)]
+        targets = run.lora_targets
+        if not run.full and any(t == "all-linear" or matches("per_layer_model_projection", t) for t in targets):
+            r = run.rank(D, n)
+            out += [("per_layer_model_projection.lora_A", (r, D), True),
+                    ("per_layer_model_projection.lora_B", (n, r), True)]
         return out
 
     def layers_with(self, name: str) -> int:
@@ -260,6 +287,14 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
         L = self.num_hidden_layers
         return n + L * per, f"{formula} + {L} x {per:,} (MoE norms, router scales)"
 
+    def block_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """`ExpertBlocks`' (experts, `router.proj` as the router, expert adapters), + the router's scale (D) and
+        per-expert scale (E) and the three more norms (D each)."""
+        D = self.hidden_size
+        extra = [("router.scale", (D,)), ("router.per_expert_scale", (self.num_experts,))]
+        extra += [(f"moe_norm{k}", (D,)) for k in range(3)]
+        return super().block_tensors(run) + [(n, shape, run.full) for n, shape in extra]
+
     def extra_block_saved(self, run: RunShape) -> list[Term]:
         """The experts' GeGLU (K x F_e rows: the first product's output, GELU's output), the routing tensors
         (`ExpertBlocks`), the router's and the three more norms' fp32 inputs (fp32: the two post norms' own; under autocast also the router's and
@@ -277,6 +312,7 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)
+        check_moe_run(self, run)
         if run.quantize != "none":
             raise UserError(f"quantize={run.quantize}: the memory plan models Gemma 4's MoE size in LoRA runs on a "
                             "float base (QLoRA on its experts not yet) — memory_check=false skips the plan")

@@ -29,7 +29,7 @@ Several ranks: `minitrain.plan.sharded` (ddp: the whole model per rank; fsdp: FS
 expert adapter and router by its first dim, E, with the block that holds it: `block_tensors`).
 Modelled: LoRA / QLoRA and full fine-tuning in one process and under ddp, LoRA and full fine-tuning on a float
 base under fsdp (measured against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in
-tests/test_plan_moe.py). A teacher, QLoRA under fsdp and a trained router under fsdp are refused with one line.
+tests/test_plan_moe.py; Qwen3.5's and Gemma 4's MoE sizes, LoRA on 2 ranks, in tests/test_plan_ranks.py). A teacher, QLoRA under fsdp and a trained router under fsdp are refused with one line.
 gpt-oss: `minitrain.plan.gpt_oss`, over these terms.
 """
 

@@ -25,8 +25,11 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
 The MoE sizes (`Qwen3_5MoeShape`): every MLP the experts, counted as `minitrain.plan.moe` counts them, and a
 shared expert. Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
 steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
-shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning, several ranks,
-distillation and GRPO's sampler (its hybrid cache) are refused with one line. The DeltaNet backward's own
+shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning,
+distillation and GRPO's sampler (its hybrid cache) are refused with one line.
+Several ranks (`minitrain.plan.sharded`): a DeltaNet block's conv1d, dt_bias, A_log and gated norm (`block_tensors`,
+`block_vectors`) sharded with its linears; LoRA under ddp and fsdp (and QLoRA under ddp) measured on 2 gloo ranks
+(tests/test_plan_ranks.py), QLoRA under fsdp refused. The DeltaNet backward's own
 working set is not modelled: the last block, whose backward runs with everything kept, is a
 full-attention one in the released layouts.
 """
@@ -39,7 +42,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, ModelShape, block_saved
-from minitrain.plan.moe import ExpertBlocks, SharedExpert
+from minitrain.plan.moe import ExpertBlocks, SharedExpert, check_moe_run
 from minitrain.plan.run_shape import RunShape, Term
 
 CHUNK = 64  # models.qwen3_5.GatedDeltaNet.chunk_size
@@ -168,6 +171,22 @@ class Qwen3_5Shape(ByBlock, ModelShape):
         return super().attention_saved(run) + [
             Term("output gate: attention output + sigmoid", N * 2 * q * s, "2 x Hq x s per token")]
 
+    def block_vectors(self) -> list[tuple[str, int]]:
+        """A DeltaNet block's norms: its two and the gated norm (dv); a full-attention block's: Qwen3's, its q bias
+        (`attention_bias`) as wide as the gated q_proj."""
+        if self.mixer != "linear_attention":
+            return [(n, 2 * d if n == "self_attn.q_proj.bias" else d) for n, d in super().block_vectors()]
+        return [("norm0", self.hidden_size), ("norm1", self.hidden_size), ("linear_attn.norm", self.value_dim)]
+
+    def block_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """A DeltaNet block's convolution (Ch, 1, K), dt_bias and A_log (H each), as FSDP2 shards them."""
+        if self.mixer != "linear_attention":
+            return super().block_tensors(run)
+        H = self.value_heads
+        conv = (self.channels, 1, self.conv_kernel)
+        own = [("linear_attn.conv1d", conv), ("linear_attn.dt_bias", (H,)), ("linear_attn.A_log", (H,))]
+        return super().block_tensors(run) + [(n, shape, run.full) for n, shape in own]
+
     def deltanet_saved(self, run: RunShape) -> list[Term]:
         """What a DeltaNet layer keeps beyond its linears' inputs (the module docstring)."""
         N, s, H, dk, dv, K = run.tokens, run.s, self.value_heads, self.key_dim, self.value_dim, self.conv_kernel
@@ -215,6 +234,10 @@ class Qwen3_5MoeShape(SharedExpert, ExpertBlocks, Qwen3_5Shape):
 
     def mlp_linears(self) -> dict[str, tuple[int, int]]:
         return self.shared_linears()
+
+    def check_run(self, run: RunShape) -> None:
+        super().check_run(run)
+        check_moe_run(self, run)
 
     def describe(self) -> str:
         return super().describe() + f", {self.num_experts} experts of {self.expert_size} (top {self.top_k}) + a shared one"

@@ -50,7 +50,10 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
 
 A mixture-of-experts block (`minitrain.plan.moe`, `minitrain.plan.gpt_oss`) holds its experts' 3-D weights, router
 and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank); blocks that differ (Qwen's
-dense layers among the sparse ones) are each their own, and the gathered block is the largest one.
+dense layers among the sparse ones) are each their own, and the gathered block is the largest one. A hybrid's
+blocks differ by kind too (Qwen3.5's DeltaNet and attention layers, Gemma 4's kv-shared ones: each block's
+`block_vectors` and `block_tensors`), and a root may hold more than the vocabulary (Gemma 4's per-layer
+embeddings: `root_tensors`).
 
 Not modelled under fsdp: T5 (the plan covers the decoder-only families there), the reference
 model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process).
@@ -141,6 +144,8 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[lis
     if not model.tie_word_embeddings:
         root.append(Tensor("lm_head", (V, D), s, full))  # (names: `vocab` below)
     root.append(Tensor("norm", (D,), s, full))
+    root += [Tensor(name, shape, a if trained and not full else s, trained)
+             for name, shape, trained in model.root_tensors(run)]
     if not full:
         for m in run.modules_to_save:  # a trained copy beside the frozen one
             if matches("lm_head", m) or matches("model.embed_tokens", m):
@@ -157,7 +162,6 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
     full = run.full
     s = 4 if full else run.s
     a = DTYPE_BYTES[run.adapter_dtype]
-    D = model.hidden_size
     block: list[Tensor] = []
     for name, (i, o) in model.linears().items():
         if run.quantize == "none" or full:
@@ -169,19 +173,7 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
         else:  # (ternary is refused under fsdp: 1/N of its bytes)
             b, _ = linears_bytes([(i, o, 1)], run)
             block.append(Tensor(name, (b,), 1))
-    biases = []
-    if model.qkv_bias:
-        biases += [("self_attn.q_proj.bias", model.q_width), ("self_attn.k_proj.bias", model.kv_width),
-                   ("self_attn.v_proj.bias", model.kv_width)]
-    if model.o_bias:
-        biases.append(("self_attn.o_proj.bias", D))
-    if model.mlp_bias:
-        F = model.intermediate_size
-        biases += [("mlp.gate_proj.bias", F), ("mlp.up_proj.bias", F), ("mlp.down_proj.bias", D)]
-    norms = [(f"norm{k}", D) for k in range(model.NORMS)]
-    if model.qk_norm:
-        norms += [("self_attn.q_norm", model.head_dim), ("self_attn.k_norm", model.head_dim)]
-    block += [Tensor(n, (d,), s, full) for n, d in biases + norms]
+    block += [Tensor(n, (d,), s, full) for n, d in model.block_vectors()]
     if not full:
         lin = model.linears()
         for name in adapted_linears(model, run.lora_targets):
@@ -193,8 +185,10 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
 
 
 def vocab(root: list[Tensor]) -> list[Tensor]:
-    """The root's matrices: the embeddings, the head and a trained copy of either (modules_to_save)."""
-    return [t for t in root if len(t.shape) == 2]
+    """The root's vocabulary matrices: the embeddings, the head and a trained copy of either (modules_to_save)."""
+    from minitrain.plan.decoder import matches
+
+    return [t for t in root if matches("lm_head", t.name) or matches("model.embed_tokens", t.name)]
 
 
 def _sum(tensors: list[Tensor], how: str, world: int = 1) -> int:

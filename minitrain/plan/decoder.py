@@ -218,6 +218,13 @@ class ModelShape:
         """What a block keeps beyond LLaMA's (`block_saved`): none here; an MoE's routing and experts."""
         return []
 
+    def recompute_peaks(self, run: "RunShape", saved: int) -> list[list["Term"]]:
+        """This block recomputed under checkpointing, then its backward: the candidate peaks beyond the block
+        inputs (its `saved` bytes with its backward's or its forward's working set); `llama_moments` takes the
+        largest. Qwen3.5's DeltaNet blocks add one inside their forward."""
+        one = Term("one block recomputed", saved, "block_saved")
+        return [[one] + _block_backward(self, run), [one] + _block_forward(self, run)]
+
 
 class ByBlock:
     """What a shape planned block by block shares (Qwen3.5, Gemma 4: `saved_per_layer` from a view of
@@ -394,30 +401,35 @@ def _full_block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     return terms
 
 
-def _weight_copies(model: ModelShape, run: RunShape, blocks: int, head: bool) -> list[Term]:
+def _matrices(model: ModelShape, blocks: range) -> int:
+    """Numel of these blocks' weight matrices (`block_matrices` of each block's view: a hybrid's differ)."""
+    return sum(model.block_view(i).block_matrices() for i in blocks)
+
+
+def _weight_copies(model: ModelShape, run: RunShape, blocks: range, head: bool) -> list[Term]:
     """Full fine-tuning under bf16 autocast: the cast cache's bf16 copy of the fp32 weights of
-    `blocks` blocks' linears (+ the head's, while the loss runs), kept by the matmuls for backward."""
+    these blocks' linears (+ the head's, while the loss runs), kept by the matmuls for backward."""
     if not run.full or run.s == 4:
         return []
-    n = blocks * model.block_matrices()
+    n = _matrices(model, blocks)
     n += model.vocab_size * model.hidden_size if head else 0
     return [Term("autocast: bf16 copies of the weights", n * run.s,
-                 f"{n:,} x {run.s} B ({blocks} blocks' weights{' + head' if head else ''})")]
+                 f"{n:,} x {run.s} B ({len(blocks)} blocks' weights{' + head' if head else ''})")]
 
 
 def _full_grads(model: ModelShape, run: RunShape) -> dict[str, list[Term]]:
     """Full fine-tuning: which fp32 gradients exist at each moment. The loop zeroes them with
     set_to_none, so none live through the forward: the head's (and final norm's) appear in the
-    loss backward, one block's more at the first block's backward, all of them at the AdamW step."""
-    return {"loss backward": [_grads_of(model, 0)], "last block backward": [_grads_of(model, 1)],
+    loss backward, a block's more at each block's backward (`llama_moments`), all of them at the AdamW step."""
+    return {"loss backward": [_grads_of(model, range(0))],
             "optimizer step": [Term("gradients", sum(model.all_tensors()) * 4, "every weight's, fp32")]}
 
 
-def _grads_of(model: ModelShape, blocks: int) -> Term:
-    """Full fine-tuning: the fp32 gradients of the head, the final norm and the last `blocks` blocks."""
+def _grads_of(model: ModelShape, blocks: range) -> Term:
+    """Full fine-tuning: the fp32 gradients of the head, the final norm and these blocks (the last ones)."""
     D, V = model.hidden_size, model.vocab_size
-    n = V * D + D + blocks * (model.block_matrices() + 2 * D)
-    which = {0: "", 1: ", one block"}.get(blocks, f", {blocks} blocks")
+    n = V * D + D + _matrices(model, blocks) + len(blocks) * 2 * D
+    which = {0: "", 1: ", one block"}.get(len(blocks), f", {len(blocks)} blocks")
     return Term(f"gradients: head, final norm{which}",
                 n * 4, f"{n:,} x 4 B")
 
@@ -622,7 +634,6 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     """LLaMA's candidate peaks (activations and transients) and notes."""
     L, N, s, D = model.num_hidden_layers, run.tokens, run.s, model.hidden_size
     per_layer = model.saved_per_layer(run)
-    bwd = _block_backward(model.block_view(L - 1), run)  # the last block's
     msaved = _model_saved(model, run)
     lfwd, lbwd, n = (logits_terms if run.teacher is None else _kd_logits)(model, run)
     res = 4 if run.full else s  # full fine-tuning: the fp32 embedding makes the residual stream fp32
@@ -631,22 +642,37 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     after = sum(per_layer[k:])
     kept = inputs + ([Term(f"saved activations x {L - k} blocks", after,
                            f"{after / N:,.0f} B per token over {L - k} blocks")] if k < L else [])
-    copies = _weight_copies(model, run, L, head=True)  # the forward's: with checkpointing too (autocast's cache)
+    copies = _weight_copies(model, run, range(L), head=True)  # the forward's: with checkpointing too (autocast's cache)
     front = [t for t in msaved if "final norm" not in t.name]
     moments = {
         "end of forward (loss forward)": msaved + kept + lfwd + copies,
         "loss backward": msaved + kept + lbwd + copies,
     }
-    if k < L:  # the last block kept its activations: its backward runs with everything kept
-        moments["last block backward"] = front + kept + bwd + _weight_copies(model, run, L - k, head=False)
-    if k:  # block k-1, the last checkpointed one, recomputed (the blocks after it are done and freed)
-        fwd, kbwd = _block_forward(model.block_view(k - 1), run), _block_backward(model.block_view(k - 1), run)
-        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in kbwd) else kbwd
+    total = lambda terms: sum(t.bytes for t in terms)  # noqa: E731
+    # full fine-tuning: the gradients (set_to_none until then) of the last block, or of the last checkpointed one and
+    # those after it, whichever block peaks (an earlier block's backward holds a few more, which its own terms
+    # over-count by about as much: measured on LLaMA)
+    grads_from = lambda first: [_grads_of(model, range(first, L))] if run.full else []  # noqa: E731
+
+    def backward_of(j: int) -> list[Term]:
+        """Block j (kept its activations) backward: the blocks before it still hold theirs."""
+        held = [Term(f"saved activations x {j + 1 - k} blocks", sum(per_layer[k:j + 1]),
+                     f"{sum(per_layer[k:j + 1]) / N:,.0f} B per token over {j + 1 - k} blocks")]
+        return (front + inputs + held + _block_backward(model.block_view(j), run)
+                + _weight_copies(model, run, range(k, L), head=False) + grads_from(L - 1))
+
+    def recomputed(i: int) -> list[Term]:
+        """Checkpointed block i recomputed, then its backward (the blocks after it are done and freed)."""
+        worst = max(model.block_view(i).recompute_peaks(run, per_layer[i]), key=total)
+        return (front + inputs + worst
+                + _weight_copies(model, run, range(i, i + 1), head=False) + grads_from(k - 1))  # a recompute: its own copies
+
+    # the last block, or in a hybrid (Qwen3.5, Gemma 4) a block of another kind whose own terms hold more
+    if k < L:
+        moments["last block backward"] = max((backward_of(j) for j in reversed(range(k, L))), key=total)
+    if k:
         name = "last block backward" if k == L else "last checkpointed block backward (recomputed)"
-        moments[name] = (front + inputs + [Term("one block recomputed", per_layer[k - 1], "block_saved")] + worst
-                         + _weight_copies(model, run, 1, head=False))  # a recompute: its own
-        if run.full and k < L:  # the gradients of the blocks after it and of this one, set_to_none until then
-            moments[name].append(_grads_of(model, L - k + 1))
+        moments[name] = max((recomputed(i) for i in reversed(range(k))), key=total)
     if run.full:
         for name, grads in _full_grads(model, run).items():
             moments[name] = moments.get(name, []) + grads

@@ -16,6 +16,13 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
   right-hand side, each chunk's updates u: (4 dk + dv) H x 4) and six scalars per head; and per chunk
   the recurrent state S entering it (H dk dv x 4). So memory grows with the sequence times the chunk,
   never with the sequence squared;
+- under checkpointing, the block whose recompute and backward hold the most is the peak, not the last
+  one (a DeltaNet block keeps more than an attention block). A DeltaNet block's recompute peaks at the end
+  of its delta rule (the stack of the chunks' outputs), before the block keeps its later tensors: beside
+  what it keeps, per padded token and value head, the chunks' outputs (dv x s), the padded v, the solve's
+  right-hand side and the decayed keys that nothing keeps ((2 dk + 2 dv) x 4), and under autocast the fp32
+  padded q and k (2 dk x 4: the matmuls keep bf16 copies). Its backward holds less than the block keeps:
+  the rule's tensors are freed as it goes (measured on the CPU: the largest moment is SwiGLU's backward);
 - a full-attention layer: Qwen3's (q / k norms) with the output gate, whose product keeps the
   attention output and sigmoid's output (2 Hq x s) and gives o_proj its own input; RoPE tables of the
   rotary dims only (`partial_rotary_factor`);
@@ -26,9 +33,7 @@ The MoE sizes (`Qwen3_5MoeShape`): every MLP the experts, counted as `minitrain.
 shared expert. Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
 steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
 shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning, several ranks,
-distillation and GRPO's sampler (its hybrid cache) are refused with one line. The DeltaNet backward's own
-working set is not modelled: the last block, whose backward runs with everything kept, is a
-full-attention one in the released layouts.
+distillation and GRPO's sampler (its hybrid cache) are refused with one line.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import ByBlock, ModelShape, block_saved
+from minitrain.plan.decoder import ByBlock, ModelShape, adapted_linears, block_saved
 from minitrain.plan.moe import ExpertBlocks, SharedExpert
 from minitrain.plan.run_shape import RunShape, Term
 
@@ -46,6 +51,7 @@ CHUNK = 64  # models.qwen3_5.GatedDeltaNet.chunk_size
 DEFAULTS = dict(num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
                 linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                 linear_num_value_heads=32, full_attention_interval=4)  # transformers' class defaults
+EARLY = ("in_proj_qkv", "in_proj_a", "in_proj_b")  # the linears a DeltaNet block runs before its delta rule
 DELTANET = {"linear_attn.in_proj_qkv": "xn", "linear_attn.in_proj_z": "xn", "linear_attn.in_proj_b": "xn",
             "linear_attn.in_proj_a": "xn", "linear_attn.out_proj": "dn"}
 
@@ -173,8 +179,7 @@ class Qwen3_5Shape(ByBlock, ModelShape):
         N, s, H, dk, dv, K = run.tokens, run.s, self.value_heads, self.key_dim, self.value_dim, self.conv_kernel
         repeated = self.value_heads > self.key_heads  # else q, k are views of SiLU's output, kept whole
         per = self.channels * s + K * 4 + (2 * H * dk * 4 if repeated else self.channels * s) + 2 * H * 4 + 2 * H * 4
-        rows = 1 if run.real_tokens is not None else run.rows  # a ragged batch: one row, end to end
-        padded = rows * math.ceil(N / rows / CHUNK) * CHUNK
+        padded = padded_tokens(run)
         chunks = padded // CHUNK
         per_padded = 8 * H * CHUNK * 4 + CHUNK + (4 * dk + dv) * H * 4 + 6 * H * 4
         return [Term("DeltaNet: conv output, tap masks, q / k norm inputs, beta, decay", N * per,
@@ -184,6 +189,29 @@ class Qwen3_5Shape(ByBlock, ModelShape):
                 Term("DeltaNet: the state entering each chunk", chunks * H * dk * dv * 4,
                      f"{chunks} chunks x H x dk x dv x 4"),
                 Term("DeltaNet: gated RMSNorm (fp32)", N * (4 * H * dv + H) * 4, "(4 H dv + H) x 4 per token")]
+
+    def recompute_peaks(self, run: RunShape, saved: int) -> list[list[Term]]:
+        """A DeltaNet block's recompute peaks at the end of the chunked delta rule (the stack of its chunks'
+        outputs), before the block keeps its later tensors (the gated norm's, out_proj's and in_proj_z's inputs,
+        the MLP's), beside the rule's own tensors that nothing keeps (the module docstring)."""
+        peaks = super().recompute_peaks(run, saved)
+        if self.mixer != "linear_attention":
+            return peaks
+        early = [n for n in adapted_linears(self, run.lora_targets) if n.rsplit(".", 1)[-1] in EARLY]
+        late = ("DeltaNet: gated RMSNorm", "gated MLP", "experts", "shared expert")
+        kept = sum(t.bytes for t in block_saved(self, replace(run, lora_targets=tuple(early)))
+                   if not t.name.startswith(late)) - run.tokens * self.hidden_size * 4  # (the MLP's norm: not yet)
+        H, dk, dv, s = self.value_heads, self.key_dim, self.value_dim, run.s
+        per = H * ((2 * dk + 2 * dv) * 4 + dv * s + (2 * dk * 4 if s < 4 else 0))
+        return peaks + [[Term("one block recomputed, up to the end of the delta rule", kept, "block_saved, in part"),
+                         Term("DeltaNet: the delta rule's chunk outputs and unkept tensors", padded_tokens(run) * per,
+                              f"padded tokens x H x ((2 dk + 2 dv) x 4 + dv x s{' + 2 dk x 4' if s < 4 else ''})")]]
+
+
+def padded_tokens(run: RunShape) -> int:
+    """The tokens the chunked delta rule runs over: each row padded to whole chunks (a ragged batch: one row)."""
+    rows = 1 if run.real_tokens is not None else run.rows
+    return rows * math.ceil(run.tokens / rows / CHUNK) * CHUNK
 
 
 @dataclass(frozen=True)

@@ -1049,8 +1049,8 @@ def test_qwen3_5_deltanet_memory_grows_with_the_sequence_not_its_square():
         return shape.saved_per_layer(RunShape(rows=1, seq=seq, lora_targets=ALL + DELTANET, mask=False))[lin]
 
     assert saved(8192) == 2 * saved(4096) == 4 * saved(2048)
-    with pytest.raises(UserError, match="Qwen3.5 LoRA / QLoRA runs in one process"):
-        predict(shape, RunShape(rows=1, seq=8, full=True))
+    with pytest.raises(UserError, match="Qwen3.5 LoRA / QLoRA and full fine-tuning runs in one process"):
+        predict(shape, RunShape(rows=1, seq=8, full=True, world=2))
 
 
 def test_plan_tool_on_a_qwen3_5_folder(tmp_path):

@@ -218,6 +218,10 @@ class ModelShape:
         """What a block keeps beyond LLaMA's (`block_saved`): none here; an MoE's routing and experts."""
         return []
 
+    def full_block_saved(self, run: "RunShape") -> list["Term"]:
+        """What full fine-tuning adds to a block's saved tensors (`_full_block_saved`)."""
+        return _full_block_saved(self, run)
+
     def recompute_peaks(self, run: "RunShape", saved: int) -> list[list["Term"]]:
         """This block recomputed under checkpointing, then its backward: the candidate peaks beyond the block
         inputs (its `saved` bytes with its backward's or its forward's working set); `llama_moments` takes the
@@ -231,15 +235,31 @@ class ByBlock:
     one block): its adapted linears counted over the blocks that hold them, and the runs it models."""
 
     FAMILY: ClassVar[str] = ""
+    FULL: ClassVar[bool] = False  # whether finetune=full is modelled
 
     def adapted_summary(self, run: "RunShape") -> str:
+        if run.full:
+            return "every weight (full fine-tuning)"
         return f"{sum(self.layers_with(n) for n in adapted_linears(self, run.lora_targets))} linears"
 
+    def block_small(self, i: int) -> list[int]:
+        """Numel of block i's tensors besides its linears (norms, biases, ...): what `all_tensors` adds."""
+        raise NotImplementedError
+
+    def all_tensors(self) -> list[int]:
+        """Every parameter tensor, block by block (a tied head once)."""
+        V, D = self.vocab_size, self.hidden_size
+        blocks = [n for i in range(self.num_hidden_layers)
+                  for n in [a * b for a, b in self.block_view(i).linears().values()] + self.block_small(i)]
+        return [V * D] * (1 if self.tie_word_embeddings else 2) + blocks + [D]
+
     def check_run(self, run: "RunShape") -> None:
-        if run.full or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None or run.sample_rows:
-            raise UserError(f"the memory plan models {self.FAMILY} LoRA / QLoRA runs in one process (not "
-                            "finetune=full, several ranks, a teacher or GRPO's sampler) — memory_check=false skips "
-                            "the plan")
+        if (run.full and not self.FULL) or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None \
+                or run.sample_rows:
+            what = "LoRA / QLoRA and full fine-tuning" if self.FULL else "LoRA / QLoRA"
+            raise UserError(f"the memory plan models {self.FAMILY} {what} runs in one process (not "
+                            f"{'' if self.FULL else 'finetune=full, '}several ranks, a teacher or GRPO's sampler) — "
+                            "memory_check=false skips the plan")
 
 
 # ----------------------------------------------------------------------------- weights and adapters
@@ -360,7 +380,7 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     terms += model.attention_saved(run)
     terms.append(Term("gated MLP: gate, act, up", N * 3 * F * s, "3 x F x s per token"))
     if run.full:
-        return terms + _full_block_saved(model, run) + model.extra_block_saved(run)
+        return terms + model.full_block_saved(run) + model.extra_block_saved(run)
     kept_attn = not any(t.name.startswith("attention q, k, v, out") for t in terms)  # SDPA keeps its output
     if run.cast_copies:
         kept = sum(lin[n][0] for n in adapted)  # one copy per adapter

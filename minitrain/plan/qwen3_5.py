@@ -30,10 +30,16 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
   on `out_proj` the gated norm's output (H dv x s).
 
 The MoE sizes (`Qwen3_5MoeShape`): every MLP the experts, counted as `minitrain.plan.moe` counts them, and a
-shared expert. Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
-steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
-shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning, several ranks,
-distillation and GRPO's sampler (its hybrid cache) are refused with one line.
+shared expert.
+
+Full fine-tuning (`finetune=full`): every weight in fp32 with its gradient and AdamW moments (`all_tensors`, block
+by block); an attention block keeps LLaMA's full terms and o_proj's own input, a DeltaNet block its linears' inputs,
+its convolution's input and its gated norm's normalised value (`full_block_saved`).
+
+Modelled: LoRA / QLoRA and full fine-tuning in one process; measured against the CPU (tests/test_plan.py,
+tests/test_plan_hybrid.py) on SFT steps (fp32, bf16 autocast, checkpointing, rows several chunks long); DPO / KTO
+use the same terms, unmeasured for this family (a shared-prompt row, which runs as one row per sequence, is not
+modelled). Several ranks, distillation and GRPO's sampler (its hybrid cache) are refused with one line.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class Qwen3_5Shape(ByBlock, ModelShape):
     value_dim: int = 128
     mixer: str | None = None
     FAMILY: ClassVar[str] = "Qwen3.5"
+    FULL: ClassVar[bool] = True
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5_moe_text")  # the multimodal ones: plan/vision.py
     MOE_DEFAULTS: ClassVar[dict[str, Any]] = {}  # transformers' class defaults of the MoE fields
@@ -157,6 +164,30 @@ class Qwen3_5Shape(ByBlock, ModelShape):
         delta = self.channels * self.conv_kernel + 2 * self.value_heads + self.value_dim
         n = self.num_hidden_layers * 2 * D + full * attn + lin * delta + D
         return n, f"{self.num_hidden_layers} x 2 x {D} + {full} x {attn:,} + {lin} x {delta:,} + {D}"
+
+    def block_small(self, i: int) -> list[int]:
+        """Block i's two norms; an attention layer's q / k norms (+ biases, q_proj's gate-wide); a DeltaNet layer's
+        convolution, dt_bias, A_log and gated norm (as `small_params` counts them)."""
+        D, hd, q, kv = self.hidden_size, self.head_dim, self.q_width, self.kv_width
+        if self.layer_types[i] == "linear_attention":
+            return [D, D, self.channels * self.conv_kernel, self.value_heads, self.value_heads, self.value_dim]
+        return [D, D, hd, hd] + ([2 * q, kv, kv, D] if self.qkv_bias else [])
+
+    def full_block_saved(self, run: RunShape) -> list[Term]:
+        """Full fine-tuning: an attention block keeps LLaMA's terms and o_proj's own input (the gated product); a
+        DeltaNet block its two norms' normalised inputs, the inputs of its linears (in fp32 in_proj_* share the normed
+        x; under autocast each keeps its own cast; out_proj the gated norm's output), the convolution's input and
+        the gated norm's normalised value (for their weights' gradients)."""
+        N, s, D, F = run.tokens, run.s, self.hidden_size, self.intermediate_size
+        if self.mixer != "linear_attention":
+            return super().full_block_saved(run) + [Term("o_proj's input: the gated product", N * self.q_width * s,
+                                                         "Hq x s per token")]
+        Hdv, casts = self.value_heads * self.value_dim, 6 * D if s < 4 else 2 * D  # in_proj_* x 4, gate, up
+        return [Term("norms' normalised inputs (weight grads)", N * 2 * D * 4, "2 x D x 4 per token"),
+                Term("linear inputs kept for weight grads", N * (casts + F + Hdv) * s,
+                     f"({'6' if s < 4 else '2'} D + F + H dv) x {s} B per token"),
+                Term("DeltaNet: the convolution's input, the gated norm's normalised value",
+                     N * (self.channels * s + Hdv * 4), "Ch x s + H dv x 4 per token")]
 
     def describe(self) -> str:
         lin = self.layer_types.count("linear_attention")

@@ -29,7 +29,7 @@ language model only: `finetune=full` and a regular-expression `lora_targets` rea
 
 `RunShape.image_tokens`: the placeholders in a micro-batch; None (what `run_shape` gives a recipe) counts
 every position of every row as one: the worst case, since how many images a row holds is the data's.
-Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process (Qwen3.5: LoRA / QLoRA only, as
+Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process (Gemma 4: LoRA / QLoRA only, as
 its text plan), measured against the CPU
 (tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
 (autocast's bf16 tensors and copies unmodelled: the plan 1.16 x the measured peak, on the safe side); the
@@ -255,8 +255,8 @@ class Gemma3VLShape(WithTower, GemmaShape):
 
 
 class WithTowerByBlock(WithTower):
-    """Multimodal Qwen3.5 and Gemma 4: the tower's terms over the text plan, whose refusals (finetune=full among
-    them) hold too."""
+    """Multimodal Qwen3.5 and Gemma 4: the tower's terms over the text plan, whose refusals (Gemma 4's finetune=full
+    among them) hold too."""
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)

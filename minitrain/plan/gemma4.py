@@ -23,9 +23,13 @@ The MoE size (`enable_moe_block`, 26B-A4B: `Gemma4MoeShape`) adds `minitrain.pla
 (every expert, the router, the expert adapters, the routing tensors) beside the dense MLP, with the router's
 scale and per-expert scale, three more norms and the experts' GeGLU (K x F_e rows).
 
-Modelled: LoRA / QLoRA runs in one process of the dense sizes and LoRA runs of the MoE size (its QLoRA, full
-fine-tuning, several ranks, distillation and GRPO's sampler are refused with one line); measured against the CPU
-on LoRA SFT steps (fp32, fp32 with checkpointing, bf16 autocast). Under nf4 / int8 the PLE
+Full fine-tuning (`finetune=full`): every parameter in fp32 with its gradient and AdamW moments (`all_tensors`:
+`layer_scalar` is a buffer, a weight never trained); a block keeps LLaMA's full terms, the two more sandwich
+norms' (and PLE's) normalised inputs and the inputs of the per-layer input's gate and projection.
+
+Modelled: LoRA / QLoRA runs in one process of the dense sizes, LoRA runs of the MoE size, and full fine-tuning of
+both (the MoE size's QLoRA, several ranks, distillation and GRPO's sampler are refused with one line); measured
+against the CPU on SFT steps (fp32, fp32 with checkpointing, bf16 autocast; full fine-tuning in tests/test_plan_hybrid.py). Under nf4 / int8 the PLE
 projection is counted as a float weight; on CUDA one bool mask is counted where sliding and global
 layers build two.
 """
@@ -62,6 +66,7 @@ class Gemma4Shape(ByBlock, GemmaShape):
     ple_vocab: int = 0
     layer: int | None = None
     FAMILY: ClassVar[str] = "Gemma 4"
+    FULL: ClassVar[bool] = True
     FAMILIES: ClassVar[tuple[str, ...]] = ("gemma4_text",)
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gemma4_text", "gemma4")
     NORMS: ClassVar[int] = 4
@@ -168,6 +173,26 @@ class Gemma4Shape(ByBlock, GemmaShape):
                for i, v in ((i, self.layer_view(i)) for i in range(L))]
         return sum(per) + D + (P if P else 0), f"{sum(per):,} in blocks + {D}" + (f" + {P} (PLE norm)" if P else "")
 
+    def block_small(self, i: int) -> list[int]:
+        """Block i's sandwich norms (+ PLE's), q norm and k norm (own keys only), as `small_params` counts them
+        (`layer_scalar` is a buffer: counted as a weight, never trained)."""
+        v = self.layer_view(i)
+        return [self.hidden_size] * (self.NORMS + (1 if self.ple else 0)) + [v.head_dim] * (1 if self.shares(i) else 2)
+
+    def full_block_saved(self, run: RunShape) -> list[Term]:
+        """Full fine-tuning: LLaMA's terms, + the normalised inputs of the two more sandwich norms (and PLE's) for
+        their weights' gradients, and the inputs of the per-layer input's gate and projection."""
+        N, s, D, P = run.tokens, run.s, self.hidden_size, self.ple
+        norms = 2 + (1 if P else 0)
+        return super().full_block_saved(run) + [
+            Term("more norms' normalised inputs (weight grads)", N * norms * D * 4, f"{norms} x D x 4 per token"),
+            Term("per-layer input: its linears' inputs (weight grads)", N * (D + P) * s if P else 0, "(D + P) x s per token")]
+
+    def all_tensors(self) -> list[int]:
+        """Every parameter: the blocks' (`ByBlock`), the per-layer embeddings' table, projection and its norm."""
+        L, P = self.num_hidden_layers, self.ple
+        return super().all_tensors() + ([self.ple_vocab * L * P, self.hidden_size * L * P, P] if P else [])
+
     def trainable_tensors(self, run: RunShape) -> list[int]:
         """The blocks' adapters (and modules_to_save), plus LoRA on the model's `per_layer_model_projection` (D ->
         L x P, outside the blocks) when the targets reach it: all-linear, or its name."""
@@ -190,8 +215,9 @@ class Gemma4Shape(ByBlock, GemmaShape):
         terms = super().weight_terms(run)
         if self.ple:
             L, P = self.num_hidden_layers, self.ple
-            terms.append(Term("weights: per-layer embeddings + projection", self.ple_params() * run.s,
-                              f"({self.ple_vocab:,} + {self.hidden_size:,}) x {L} x {P} x {run.s} B"))
+            s = 4 if run.full else run.s  # full fine-tuning: fp32, as every weight
+            terms.append(Term("weights: per-layer embeddings + projection", self.ple_params() * s,
+                              f"({self.ple_vocab:,} + {self.hidden_size:,}) x {L} x {P} x {s} B"))
         return terms
 
     def saved_per_layer(self, run: RunShape) -> list[int]:
@@ -252,6 +278,11 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
 
     def router_tensors(self) -> list[int]:
         return [self.num_experts * self.hidden_size, self.hidden_size, self.num_experts]
+
+    def block_small(self, i: int) -> list[int]:
+        """Gemma 4's, + the three MoE norms and the router's scale and per-expert scale."""
+        D = self.hidden_size
+        return super().block_small(i) + [D] * 4 + [self.num_experts]
 
     def small_params(self) -> tuple[int, str]:
         """Gemma 4's, + per block three norms and the router's scale and per-expert scale."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import models
+from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
 from minitrain.objectives.sft import sft
 from minitrain.plan.predict import predict, shape_from_hf
 from minitrain.plan.run_shape import RunShape, fmt_bytes
@@ -17,17 +19,39 @@ from minitrain.train import enable_checkpointing
 from test_plan import ALL, DELTANET, QWEN3_5, batch_of, build, full_model, hf_config, measured_step
 
 
+def quantized(hf: dict, kind: str, dtype=torch.float32) -> torch.nn.Module:
+    """The model built from config.json with the loader's quantize hook applied to every weight it takes (the
+    linears but the head, and each expert apart)."""
+    from minitrain.adapters.quant import quantize_hook
+
+    torch.manual_seed(0)
+    model = models.from_hf_config(hf).to(dtype)
+    hook = quantize_hook(kind, compute_dtype=dtype)
+    for n, p in list(model.named_parameters()):
+        if n != "lm_head.weight" and "embed" not in n and p.dim() >= 2:
+            hook(model, n, p.data)
+    return model
+
+
 def check_step(hf: dict, targets, rows: int, seq: int, ckpt: bool = False, compute: str = "fp32",
-               full: bool = False) -> float:
-    """plan / measured of one SFT step (LoRA on `targets`, or `full`) on `rows` padded rows of `seq`, within 20%."""
-    model = full_model(hf) if full else build(hf, torch.bfloat16 if compute == "bf16" else torch.float32, targets)
+               full: bool = False, quantize: str = "none") -> float:
+    """plan / measured of one SFT step (LoRA on `targets`, or `full`; `quantize`: QLoRA) on `rows` padded rows of
+    `seq`, within 20%."""
+    dtype = torch.bfloat16 if compute == "bf16" else torch.float32
+    if quantize != "none":
+        model = quantized(hf, quantize, dtype)
+        cfg = LoRAConfig(r=16, alpha=32, dropout=0.0, targets=list(targets))
+        apply_lora(model, cfg)
+        freeze_for_adapters(model, cfg)
+    else:
+        model = full_model(hf) if full else build(hf, dtype, targets)
     if ckpt:
         enable_checkpointing(model)
     batch = batch_of(rows, seq, hf["vocab_size"])
     measured = measured_step(model, sft, batch, autocast=compute == "bf16")
     run = RunShape(rows=rows, seq=seq, compute=compute, lora_targets=() if full else targets, checkpointing=ckpt,
                    targets=int((batch["labels"][:, 1:] != -100).sum()), device="cpu",
-                   real_tokens=int(batch["attention_mask"].sum()), full=full)
+                   real_tokens=int(batch["attention_mask"].sum()), full=full, quantize=quantize)
     plan = predict(shape_from_hf(hf), run)
     ratio = (plan.activation_peak + plan.term("gradients")) / measured
     assert 0.8 <= ratio <= 1.2, (plan.peak_moment, fmt_bytes(plan.activation_peak), fmt_bytes(measured), ratio)
@@ -134,3 +158,84 @@ def test_gemma4_full_finetune_step_peak_within_20_percent(case):
 
     size, kw = GEMMA4_FULL[case]
     check_step(hf_config(**(GEMMA4_MOE if size == "moe" else GEMMA4)), (), 4, 256, full=True, **kw)
+
+
+# ----------------------------------------------------------------------------- QLoRA on Gemma 4's experts
+
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_gemma4_moe_qlora_trains_the_experts(kind, tmp_path):
+    """quantize=nf4 / int8 on Gemma 4's MoE size (a checkpoint transformers wrote): each expert's matrix is what
+    bitsandbytes makes of it alone, the router stays float; LoRA on the experts and the attention trains (the loss
+    goes down over a few AdamW steps on one batch, the experts' B moves off zero)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from test_gemma4 import CONFIGS, TEXT, batch, load_ours, perturb
+    from test_moe import _bnb_expert
+    import transformers
+
+    from minitrain.adapters.quant import quantize_hook
+    from minitrain.train import build_optimizer
+    from minitrain.weights import load_pretrained
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model("gemma4_text", **TEXT, **CONFIGS["moe"])
+    perturb(transformers.AutoModelForCausalLM.from_config(cfg)).save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, models.from_hf_config, tensor_hook=quantize_hook(kind, torch.float32))
+    ref = load_ours(tmp_path)
+    for name in ("gate_up_proj", "down_proj"):
+        store, w = model.model.layers[0].experts.get_submodule(name), ref.model.layers[0].experts.get_parameter(name)
+        assert all(torch.equal(store.matrix(e), _bnb_expert(bnb, w[e], kind)) for e in range(w.shape[0])), name
+    router = model.model.layers[0].router
+    assert all(p.is_floating_point() for p in router.parameters())
+    cfg = LoRAConfig(r=4, alpha=8, targets=["q_proj", "v_proj", *EXPERTS])
+    apply_lora(model.train(), cfg)
+    freeze_for_adapters(model, cfg)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert any(".experts." in n for n, _ in named)
+    opt = build_optimizer(named, 0.0, 1e-2, torch.device("cpu"))
+    ids, mask = batch(24, "right")
+    rows = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    losses = []
+    for _ in range(6):
+        loss_sum, count, _ = sft(model, {k: v.clone() for k, v in rows.items()})
+        (loss_sum / count).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss_sum) / float(count))
+    assert losses[-1] < 0.8 * losses[0], losses
+    b = dict(named)["model.layers.0.experts.deltas.gate_up_proj.lora_B.weight"]
+    assert float(b.abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("size", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_gemma4_quantized_weights_exact(size, kind):
+    """A QLoRA base as the loader's hook quantizes it: every linear (the per-layer embeddings' projection too) and, on
+    the MoE size, each expert apart (the router stays float)."""
+    pytest.importorskip("bitsandbytes")
+    from test_plan import GEMMA4, GEMMA4_MOE, quant_state_tensors, tensor_bytes
+
+    hf = hf_config(**(GEMMA4_MOE if size == "moe" else GEMMA4))
+    model = quantized(hf, kind)
+    held = list(model.parameters()) + list(model.buffers())
+    held += [t for p in model.parameters() for t in quant_state_tensors(p)]
+    run = RunShape(rows=1, seq=8, compute="fp32", quantize=kind)
+    assert sum(t.bytes for t in shape_from_hf(hf).weight_terms(run)) == tensor_bytes(held)
+
+
+# measured when written: 1.028, 1.028, 1.030, 1.172 (checkpointed: the recomputed block's experts' tensors beside the
+# dense MLP's backward, as the float base's 1.15 in tests/test_plan.py). Not measured: int8 with checkpointing, which
+# the plan under-counts on every family (LLaMA 0.61: the recompute of an int8 base's linears)
+GEMMA4_QLORA = {"nf4 fp32": ("nf4", dict()), "int8 fp32": ("int8", dict()), "nf4 bf16": ("nf4", dict(compute="bf16")),
+                "nf4 fp32 ckpt": ("nf4", dict(ckpt=True))}
+
+
+@pytest.mark.parametrize("case", list(GEMMA4_QLORA))
+def test_gemma4_moe_qlora_step_peak_within_20_percent(case):
+    pytest.importorskip("bitsandbytes")
+    from test_plan import GEMMA4_MOE
+
+    kind, kw = GEMMA4_QLORA[case]
+    check_step(hf_config(**GEMMA4_MOE), ALL + EXPERTS, 4, 256, quantize=kind, **kw)

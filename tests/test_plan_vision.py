@@ -266,7 +266,7 @@ def test_gemma4_params_and_weights_exact(gemma4):
 
 def test_gemma4_moe_with_a_tower_counted_as_built(gemma4):
     """The multimodal MoE size (26B-A4B's folder: `enable_moe_block` in its text_config): the experts and the
-    tower, every parameter as built; its quantize= is one line, as the text plan's."""
+    tower, every parameter as built; its QLoRA planned, as the text plan's."""
     hf = {**gemma4, "text_config": {**gemma4["text_config"], "enable_moe_block": True, "num_experts": 4,
                                     "top_k_experts": 2, "moe_intermediate_size": 64}}
     shape = shape_from_hf(hf)
@@ -274,9 +274,8 @@ def test_gemma4_moe_with_a_tower_counted_as_built(gemma4):
         meta = models.from_hf_config(hf)
     assert shape.num_params() == sum(p.numel() for p in meta.parameters()) + sum(b.numel() for b in meta.buffers())
     assert shape.num_experts == 4 and shape.tower.kind == "gemma4"
-    with pytest.raises(UserError, match="Gemma 4's MoE size"):
-        predict(shape, RunShape(rows=1, seq=64, quantize="nf4"))
-    assert predict(shape, RunShape(rows=1, seq=64, lora_targets=ALL)).peak > 0
+    lora = predict(shape, RunShape(rows=1, seq=64, lora_targets=ALL))
+    assert 0 < predict(shape, RunShape(rows=1, seq=64, lora_targets=ALL, quantize="nf4")).peak < lora.peak
 
 
 # planned / measured when written: 1.05, 0.991 (bf16), 1.045 (the tower's forward the peak)

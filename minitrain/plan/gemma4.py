@@ -27,11 +27,11 @@ Full fine-tuning (`finetune=full`): every parameter in fp32 with its gradient an
 `layer_scalar` is a buffer, a weight never trained); a block keeps LLaMA's full terms, the two more sandwich
 norms' (and PLE's) normalised inputs and the inputs of the per-layer input's gate and projection.
 
-Modelled: LoRA / QLoRA runs in one process of the dense sizes, LoRA runs of the MoE size, and full fine-tuning of
-both (the MoE size's QLoRA, several ranks, distillation and GRPO's sampler are refused with one line); measured
-against the CPU on SFT steps (fp32, fp32 with checkpointing, bf16 autocast; full fine-tuning in tests/test_plan_hybrid.py). Under nf4 / int8 the PLE
-projection is counted as a float weight; on CUDA one bool mask is counted where sliding and global
-layers build two.
+Modelled: LoRA / QLoRA and full fine-tuning runs in one process, of the dense sizes and the MoE size (its experts
+quantized each expert apart under nf4 / int8, as `minitrain.plan.moe` counts them); several ranks, distillation
+and GRPO's sampler are refused with one line. Measured against the CPU on SFT steps (fp32, fp32 with
+checkpointing, bf16 autocast; full fine-tuning and the MoE size's QLoRA in tests/test_plan_hybrid.py). On CUDA
+one bool mask is counted where sliding and global layers build two.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved, matches
 from minitrain.plan.moe import ExpertBlocks
-from minitrain.plan.run_shape import RunShape, Term
+from minitrain.plan.run_shape import RunShape, Term, linears_bytes
 
 GLOBAL = "full_attention"
 
@@ -211,13 +210,15 @@ class Gemma4Shape(ByBlock, GemmaShape):
         return super().num_params() + self.ple_params()
 
     def weight_terms(self, run: RunShape) -> list[Term]:
-        """LLaMA's, + the per-layer embeddings in the compute dtype (the projection too, under nf4 / int8)."""
+        """LLaMA's, + the per-layer embeddings' table in the compute dtype and their projection, a linear in the run's
+        format (the loader quantizes it)."""
         terms = super().weight_terms(run)
         if self.ple:
             L, P = self.num_hidden_layers, self.ple
-            s = 4 if run.full else run.s  # full fine-tuning: fp32, as every weight
-            terms.append(Term("weights: per-layer embeddings + projection", self.ple_params() * s,
-                              f"({self.ple_vocab:,} + {self.hidden_size:,}) x {L} x {P} x {s} B"))
+            run = replace(run, compute="fp32") if run.full else run  # full fine-tuning: fp32, as every weight
+            proj, formula = linears_bytes([(self.hidden_size, L * P, 1)], run)
+            terms.append(Term("weights: per-layer embeddings + projection", self.ple_vocab * L * P * run.s + proj,
+                              f"{self.ple_vocab:,} x {L} x {P} x {run.s} B + projection: {formula}"))
         return terms
 
     def saved_per_layer(self, run: RunShape) -> list[int]:
@@ -261,8 +262,8 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
     """Gemma 4's MoE size (`enable_moe_block`, 26B-A4B): every block's dense MLP, and beside it the floor's expert
     block (E GeGLU experts of F_e, top K) behind Gemma 4's router (`router.proj` E x D, `scale` D,
     `per_expert_scale` E) with three more norms. LoRA reaches the experts by `experts.gate_up_proj` /
-    `experts.down_proj` (or their suffixes: `down_proj` adapts the dense MLP's and the experts', as peft); the
-    quantized experts are refused (not yet trained under QLoRA)."""
+    `experts.down_proj` (or their suffixes: `down_proj` adapts the dense MLP's and the experts', as peft); under
+    nf4 / int8 the experts are quantized each expert apart (`minitrain.adapters.quant_experts`), the router float."""
 
     num_experts: int = 128
     top_k: int = 8
@@ -306,8 +307,3 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
         return (super().describe()
                 + f"; {self.num_experts} experts of {self.expert_size} (top {self.top_k}) beside the MLP")
 
-    def check_run(self, run: RunShape) -> None:
-        super().check_run(run)
-        if run.quantize != "none":
-            raise UserError(f"quantize={run.quantize}: the memory plan models Gemma 4's MoE size in LoRA runs on a "
-                            "float base (QLoRA on its experts not yet) — memory_check=false skips the plan")

@@ -239,3 +239,33 @@ def test_gemma4_moe_qlora_step_peak_within_20_percent(case):
 
     kind, kw = GEMMA4_QLORA[case]
     check_step(hf_config(**GEMMA4_MOE), ALL + EXPERTS, 4, 256, quantize=kind, **kw)
+
+
+# ----------------------------------------------------------------------------- GRPO's hybrid cache
+
+
+def test_qwen3_5_sampler_cache_is_what_the_cache_holds():
+    """GRPO's sampler on Qwen3.5: the plan's cache is the bytes the cache holds after sampling (left-padded prompts,
+    each completed twice): the attention layers' keys and values, the DeltaNet layers' states."""
+    from minitrain.objectives.sampling import sample
+    from test_plan import tensor_bytes
+
+    hf = hf_config(**QWEN3_5)
+    torch.manual_seed(0)
+    model = models.from_hf_config(hf).eval()
+    ids = torch.randint(3, 2048, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    caches = []
+
+    def new_cache(n):
+        caches.append(models.family(model).KVCache(n))
+        return caches[-1]
+
+    sample(model, ids, mask, new_cache=new_cache, num_generations=2, max_new_tokens=20, greedy=True)
+    cache = caches[0]
+    held = tensor_bytes([*cache.keys.values(), *cache.values.values(), *(t for st in cache.states.values() for t in st)])
+    run = RunShape(rows=4, seq=32, sample_rows=4, lora_targets=ALL, compute="fp32")  # (the model in fp32)
+    terms = shape_from_hf(hf).sampler_cache(run)
+    assert sum(t.bytes for t in terms) == held
+    assert "GRPO sampling (KV cache, no grad)" in predict(shape_from_hf(hf), run).moments

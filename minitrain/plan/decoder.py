@@ -218,6 +218,12 @@ class ModelShape:
         """What a block keeps beyond LLaMA's (`block_saved`): none here; an MoE's routing and experts."""
         return []
 
+    def sampler_cache(self, run: "RunShape") -> list["Term"]:
+        """GRPO's sampler cache: every layer's keys and values for `sample_rows` rows x `seq` slots (compute dtype)."""
+        R, T, L = run.sample_rows, run.seq, self.num_hidden_layers
+        kv = R * T * L * 2 * self.num_key_value_heads * self.head_dim * run.s
+        return [Term("sampler: KV cache", kv, f"{R} rows x {T} slots x {L} layers x 2 x {self.kv_width} x {run.s} B")]
+
     def full_block_saved(self, run: "RunShape") -> list["Term"]:
         """What full fine-tuning adds to a block's saved tensors (`_full_block_saved`)."""
         return _full_block_saved(self, run)
@@ -236,6 +242,7 @@ class ByBlock:
 
     FAMILY: ClassVar[str] = ""
     FULL: ClassVar[bool] = False  # whether finetune=full is modelled
+    SAMPLER: ClassVar[bool] = False  # whether GRPO's sampler (its cache) is modelled
 
     def adapted_summary(self, run: "RunShape") -> str:
         if run.full:
@@ -254,12 +261,14 @@ class ByBlock:
         return [V * D] * (1 if self.tie_word_embeddings else 2) + blocks + [D]
 
     def check_run(self, run: "RunShape") -> None:
-        if (run.full and not self.FULL) or run.world > 1 or run.parallel == "fsdp" or run.teacher is not None \
-                or run.sample_rows:
+        refused = [what for what, asked in (("finetune=full", run.full and not self.FULL),
+                                            ("several ranks", run.world > 1 or run.parallel == "fsdp"),
+                                            ("a teacher", run.teacher is not None),
+                                            ("GRPO's sampler", run.sample_rows and not self.SAMPLER)) if asked]
+        if refused:
             what = "LoRA / QLoRA and full fine-tuning" if self.FULL else "LoRA / QLoRA"
             raise UserError(f"the memory plan models {self.FAMILY} {what} runs in one process (not "
-                            f"{'' if self.FULL else 'finetune=full, '}several ranks, a teacher or GRPO's sampler) — "
-                            "memory_check=false skips the plan")
+                            f"{', '.join(refused)}) — memory_check=false skips the plan")
 
 
 # ----------------------------------------------------------------------------- weights and adapters
@@ -802,9 +811,8 @@ def sampling_terms(model: ModelShape, run: RunShape) -> list[Term]:
     """GRPO's rollout (`minitrain.objectives.sampling`), a moment of its own: no graph, before the
     policy forward. The KV cache of every layer for `sample_rows` rows x `seq` slots, in the compute
     dtype, and one decoding step's hidden states and fp32 logits (with the filtered copy and softmax)."""
-    R, T, L = run.sample_rows, run.seq, model.num_hidden_layers
-    kv = R * T * L * 2 * model.num_key_value_heads * model.head_dim * run.s
-    return [Term("sampler: KV cache", kv, f"{R} rows x {T} slots x {L} layers x 2 x {model.kv_width} x {run.s} B"),
+    R, T = run.sample_rows, run.seq
+    return model.sampler_cache(run) + [
             Term("sampler: prefill hidden states", R * T * model.hidden_size * run.s * 2, "rows x T x D x s x 2"),
             Term("sampler: one step's logits (fp32, filtered, softmax)", R * model.vocab_size * 4 * 3,
                  "rows x V x 4 B x 3")]

@@ -39,7 +39,9 @@ its convolution's input and its gated norm's normalised value (`full_block_saved
 Modelled: LoRA / QLoRA and full fine-tuning in one process; measured against the CPU (tests/test_plan.py,
 tests/test_plan_hybrid.py) on SFT steps (fp32, bf16 autocast, checkpointing, rows several chunks long); DPO / KTO
 use the same terms, unmeasured for this family (a shared-prompt row, which runs as one row per sequence, is not
-modelled). Several ranks, distillation and GRPO's sampler (its hybrid cache) are refused with one line.
+modelled). GRPO's sampler: its hybrid cache (`sampler_cache`: the attention layers' keys and values, the DeltaNet
+layers' states), equal to what the cache holds after sampling; a GRPO step's peak is not measured for this family.
+Several ranks and distillation are refused with one line.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Qwen3_5Shape(ByBlock, ModelShape):
     mixer: str | None = None
     FAMILY: ClassVar[str] = "Qwen3.5"
     FULL: ClassVar[bool] = True
+    SAMPLER: ClassVar[bool] = True
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5_moe_text")  # the multimodal ones: plan/vision.py
     MOE_DEFAULTS: ClassVar[dict[str, Any]] = {}  # transformers' class defaults of the MoE fields
@@ -188,6 +191,19 @@ class Qwen3_5Shape(ByBlock, ModelShape):
                      f"({'6' if s < 4 else '2'} D + F + H dv) x {s} B per token"),
                 Term("DeltaNet: the convolution's input, the gated norm's normalised value",
                      N * (self.channels * s + Hdv * 4), "Ch x s + H dv x 4 per token")]
+
+    def sampler_cache(self, run: RunShape) -> list[Term]:
+        """GRPO's hybrid cache: keys and values of the attention layers only; a DeltaNet layer's state per row, its
+        convolution's window (the last decoding step's K inputs, which the K - 1 kept are a view of: Ch x K x s) and
+        its recurrent state (H x dk x dv, fp32)."""
+        R, T, s = run.sample_rows, run.seq, run.s
+        full, lin = self.layer_types.count("full_attention"), self.layer_types.count("linear_attention")
+        kv = R * T * full * 2 * self.kv_width * s
+        K, H = self.conv_kernel, self.value_heads
+        state = R * lin * (self.channels * K * s + H * self.key_dim * self.value_dim * 4)
+        return [Term("sampler: KV cache (attention layers)", kv, f"{R} rows x {T} slots x {full} layers x 2 x "
+                                                                  f"{self.kv_width} x {s} B"),
+                Term("sampler: DeltaNet states", state, f"{R} rows x {lin} layers x (Ch x K x {s} + H dk dv x 4) B")]
 
     def describe(self) -> str:
         lin = self.layer_types.count("linear_attention")

@@ -200,11 +200,6 @@ class ModelShape:
         under full fine-tuning (here its linears; an MoE's experts and router too)."""
         return sum(i * o for i, o in self.linears().values())
 
-    def last_matrices(self, blocks: int) -> int:
-        """Numel of the last `blocks` blocks' weight matrices (each its view's `block_matrices`)."""
-        L = self.num_hidden_layers
-        return sum(self.block_view(i).block_matrices() for i in range(L - blocks, L))
-
     def block_tensors(self, run: "RunShape") -> list[tuple[str, tuple[int, ...], bool]]:
         """One block's parameters beyond its linears, norms and biases, as FSDP2 shards them by dim 0 (`minitrain.plan
         .sharded`): (name, shape, whether it trains); none here (an MoE's experts, router and expert adapters)."""
@@ -231,10 +226,6 @@ class ModelShape:
         (Gemma 4's per-layer embeddings and their projection)."""
         return []
 
-    def recomputed(self, run: "RunShape", k: int) -> int:
-        """Which of the first k (checkpointed) blocks the plan's recompute moment shows: the last one."""
-        return k - 1
-
     def never_adapted(self) -> frozenset[str]:
         """Leaf names of block linears LoRA leaves unadapted whatever the targets (an MoE's `expert_aliases`,
         which peft moves onto the experts: `minitrain.adapters.lora_experts.split_targets`); none here."""
@@ -259,21 +250,58 @@ class ModelShape:
         """What a block keeps beyond LLaMA's (`block_saved`): none here; an MoE's routing and experts."""
         return []
 
+    def sampler_cache(self, run: "RunShape") -> list["Term"]:
+        """GRPO's sampler cache: every layer's keys and values for `sample_rows` rows x `seq` slots (compute dtype)."""
+        R, T, L = run.sample_rows, run.seq, self.num_hidden_layers
+        kv = R * T * L * 2 * self.num_key_value_heads * self.head_dim * run.s
+        return [Term("sampler: KV cache", kv, f"{R} rows x {T} slots x {L} layers x 2 x {self.kv_width} x {run.s} B")]
+
+    def full_block_saved(self, run: "RunShape") -> list["Term"]:
+        """What full fine-tuning adds to a block's saved tensors (`_full_block_saved`)."""
+        return _full_block_saved(self, run)
+
+    def recompute_peaks(self, run: "RunShape", saved: int) -> list[list["Term"]]:
+        """This block recomputed under checkpointing, then its backward: the candidate peaks beyond the block
+        inputs (its `saved` bytes with its backward's or its forward's working set); `llama_moments` takes the
+        largest. Qwen3.5's DeltaNet blocks add one inside their forward."""
+        one = Term("one block recomputed", saved, "block_saved")
+        return [[one] + _block_backward(self, run), [one] + _block_forward(self, run)]
+
 
 class ByBlock:
     """What a shape planned block by block shares (Qwen3.5, Gemma 4: `saved_per_layer` from a view of
     one block): its adapted linears counted over the blocks that hold them, and the runs it models."""
 
     FAMILY: ClassVar[str] = ""
+    FULL: ClassVar[bool] = False  # whether finetune=full is modelled
+    SAMPLER: ClassVar[bool] = False  # whether GRPO's sampler (its cache) is modelled
 
     def adapted_summary(self, run: "RunShape") -> str:
+        if run.full:
+            return "every weight (full fine-tuning)"
         return f"{sum(self.layers_with(n) for n in adapted_linears(self, run.lora_targets))} linears"
 
+    def block_small(self, i: int) -> list[int]:
+        """Numel of block i's tensors besides its linears (norms, biases, ...): what `all_tensors` adds."""
+        raise NotImplementedError
+
+    def all_tensors(self) -> list[int]:
+        """Every parameter tensor, block by block (a tied head once)."""
+        V, D = self.vocab_size, self.hidden_size
+        blocks = [n for i in range(self.num_hidden_layers)
+                  for n in [a * b for a, b in self.block_view(i).linears().values()] + self.block_small(i)]
+        return [V * D] * (1 if self.tie_word_embeddings else 2) + blocks + [D]
+
     def check_run(self, run: "RunShape") -> None:
-        if run.full or run.teacher is not None or run.sample_rows:
+        several = run.world > 1 or run.parallel == "fsdp"
+        refused = [what for what, asked in (("finetune=full", run.full and not self.FULL),
+                                            ("finetune=full on several ranks", run.full and self.FULL and several),
+                                            ("a teacher", run.teacher is not None),
+                                            ("GRPO's sampler", run.sample_rows and not self.SAMPLER)) if asked]
+        if refused:
+            what = " and full fine-tuning in one process" if self.FULL else ""
             raise UserError(f"the memory plan models {self.FAMILY} LoRA / QLoRA runs in one process and on several "
-                            "ranks (not finetune=full, a teacher or GRPO's sampler) — memory_check=false skips "
-                            "the plan")
+                            f"ranks{what} (not {', '.join(refused)}) — memory_check=false skips the plan")
         if run.parallel == "fsdp" and run.quantize != "none":
             raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models {self.FAMILY} runs "
                             "on a float base under fsdp — memory_check=false skips the plan")
@@ -397,7 +425,7 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     terms += model.attention_saved(run)
     terms.append(Term("gated MLP: gate, act, up", N * 3 * F * s, "3 x F x s per token"))
     if run.full:
-        return terms + _full_block_saved(model, run) + model.extra_block_saved(run)
+        return terms + model.full_block_saved(run) + model.extra_block_saved(run)
     kept_attn = not any(t.name.startswith("attention q, k, v, out") for t in terms)  # SDPA keeps its output
     if run.cast_copies:
         kept = sum(lin[n][0] for n in adapted)  # one copy per adapter
@@ -438,30 +466,35 @@ def _full_block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     return terms
 
 
-def _weight_copies(model: ModelShape, run: RunShape, blocks: int, head: bool) -> list[Term]:
+def _matrices(model: ModelShape, blocks: range) -> int:
+    """Numel of these blocks' weight matrices (`block_matrices` of each block's view: a hybrid's differ)."""
+    return sum(model.block_view(i).block_matrices() for i in blocks)
+
+
+def _weight_copies(model: ModelShape, run: RunShape, blocks: range, head: bool) -> list[Term]:
     """Full fine-tuning under bf16 autocast: the cast cache's bf16 copy of the fp32 weights of
-    `blocks` blocks' linears (+ the head's, while the loss runs), kept by the matmuls for backward."""
+    these blocks' linears (+ the head's, while the loss runs), kept by the matmuls for backward."""
     if not run.full or run.s == 4:
         return []
-    n = model.last_matrices(blocks)
+    n = _matrices(model, blocks)
     n += model.vocab_size * model.hidden_size if head else 0
     return [Term("autocast: bf16 copies of the weights", n * run.s,
-                 f"{n:,} x {run.s} B ({blocks} blocks' weights{' + head' if head else ''})")]
+                 f"{n:,} x {run.s} B ({len(blocks)} blocks' weights{' + head' if head else ''})")]
 
 
 def _full_grads(model: ModelShape, run: RunShape) -> dict[str, list[Term]]:
     """Full fine-tuning: which fp32 gradients exist at each moment. The loop zeroes them with
     set_to_none, so none live through the forward: the head's (and final norm's) appear in the
-    loss backward, one block's more at the first block's backward, all of them at the AdamW step."""
-    return {"loss backward": [_grads_of(model, 0)], "last block backward": [_grads_of(model, 1)],
+    loss backward, a block's more at each block's backward (`llama_moments`), all of them at the AdamW step."""
+    return {"loss backward": [_grads_of(model, range(0))],
             "optimizer step": [Term("gradients", sum(model.all_tensors()) * 4, "every weight's, fp32")]}
 
 
-def _grads_of(model: ModelShape, blocks: int) -> Term:
-    """Full fine-tuning: the fp32 gradients of the head, the final norm and the last `blocks` blocks."""
+def _grads_of(model: ModelShape, blocks: range) -> Term:
+    """Full fine-tuning: the fp32 gradients of the head, the final norm and these blocks (the last ones)."""
     D, V = model.hidden_size, model.vocab_size
-    n = V * D + D + model.last_matrices(blocks) + blocks * 2 * D
-    which = {0: "", 1: ", one block"}.get(blocks, f", {blocks} blocks")
+    n = V * D + D + _matrices(model, blocks) + len(blocks) * 2 * D
+    which = {0: "", 1: ", one block"}.get(len(blocks), f", {len(blocks)} blocks")
     return Term(f"gradients: head, final norm{which}",
                 n * 4, f"{n:,} x 4 B")
 
@@ -666,7 +699,6 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     """LLaMA's candidate peaks (activations and transients) and notes."""
     L, N, s, D = model.num_hidden_layers, run.tokens, run.s, model.hidden_size
     per_layer = model.saved_per_layer(run)
-    bwd = _block_backward(model.block_view(L - 1), run)  # the last block's
     msaved = _model_saved(model, run)
     lfwd, lbwd, n = (logits_terms if run.teacher is None else _kd_logits)(model, run)
     res = 4 if run.full else s  # full fine-tuning: the fp32 embedding makes the residual stream fp32
@@ -675,23 +707,37 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     after = sum(per_layer[k:])
     kept = inputs + ([Term(f"saved activations x {L - k} blocks", after,
                            f"{after / N:,.0f} B per token over {L - k} blocks")] if k < L else [])
-    copies = _weight_copies(model, run, L, head=True)  # the forward's: with checkpointing too (autocast's cache)
+    copies = _weight_copies(model, run, range(L), head=True)  # the forward's: with checkpointing too (autocast's cache)
     front = [t for t in msaved if "final norm" not in t.name]
     moments = {
         "end of forward (loss forward)": msaved + kept + lfwd + copies,
         "loss backward": msaved + kept + lbwd + copies,
     }
-    if k < L:  # the last block kept its activations: its backward runs with everything kept
-        moments["last block backward"] = front + kept + bwd + _weight_copies(model, run, L - k, head=False)
-    if k:  # block k-1, the last checkpointed one, recomputed (the blocks after it are done and freed)
-        j = model.recomputed(run, k)
-        fwd, kbwd = _block_forward(model.block_view(j), run), _block_backward(model.block_view(j), run)
-        worst = fwd if sum(t.bytes for t in fwd) > sum(t.bytes for t in kbwd) else kbwd
+    total = lambda terms: sum(t.bytes for t in terms)  # noqa: E731
+    # full fine-tuning: the gradients (set_to_none until then) of the last block, or of the last checkpointed one and
+    # those after it, whichever block peaks (an earlier block's backward holds a few more, which its own terms
+    # over-count by about as much: measured on LLaMA)
+    grads_from = lambda first: [_grads_of(model, range(first, L))] if run.full else []  # noqa: E731
+
+    def backward_of(j: int) -> list[Term]:
+        """Block j (kept its activations) backward: the blocks before it still hold theirs."""
+        held = [Term(f"saved activations x {j + 1 - k} blocks", sum(per_layer[k:j + 1]),
+                     f"{sum(per_layer[k:j + 1]) / N:,.0f} B per token over {j + 1 - k} blocks")]
+        return (front + inputs + held + _block_backward(model.block_view(j), run)
+                + _weight_copies(model, run, range(k, L), head=False) + grads_from(L - 1))
+
+    def recomputed(i: int) -> list[Term]:
+        """Checkpointed block i recomputed, then its backward (the blocks after it are done and freed)."""
+        worst = max(model.block_view(i).recompute_peaks(run, per_layer[i]), key=total)
+        return (front + inputs + worst
+                + _weight_copies(model, run, range(i, i + 1), head=False) + grads_from(k - 1))  # a recompute: its own copies
+
+    # the last block, or in a hybrid (Qwen3.5, Gemma 4) a block of another kind whose own terms hold more
+    if k < L:
+        moments["last block backward"] = max((backward_of(j) for j in reversed(range(k, L))), key=total)
+    if k:
         name = "last block backward" if k == L else "last checkpointed block backward (recomputed)"
-        moments[name] = (front + inputs + [Term("one block recomputed", per_layer[j], "block_saved")] + worst
-                         + _weight_copies(model, run, 1, head=False))  # a recompute: its own
-        if run.full and k < L:  # the gradients of the blocks after it and of this one, set_to_none until then
-            moments[name].append(_grads_of(model, L - k + 1))
+        moments[name] = max((recomputed(i) for i in reversed(range(k))), key=total)
     if run.full:
         for name, grads in _full_grads(model, run).items():
             moments[name] = moments.get(name, []) + grads
@@ -801,9 +847,8 @@ def sampling_terms(model: ModelShape, run: RunShape) -> list[Term]:
     """GRPO's rollout (`minitrain.objectives.sampling`), a moment of its own: no graph, before the
     policy forward. The KV cache of every layer for `sample_rows` rows x `seq` slots, in the compute
     dtype, and one decoding step's hidden states and fp32 logits (with the filtered copy and softmax)."""
-    R, T, L = run.sample_rows, run.seq, model.num_hidden_layers
-    kv = R * T * L * 2 * model.num_key_value_heads * model.head_dim * run.s
-    return [Term("sampler: KV cache", kv, f"{R} rows x {T} slots x {L} layers x 2 x {model.kv_width} x {run.s} B"),
+    R, T = run.sample_rows, run.seq
+    return model.sampler_cache(run) + [
             Term("sampler: prefill hidden states", R * T * model.hidden_size * run.s * 2, "rows x T x D x s x 2"),
             Term("sampler: one step's logits (fp32, filtered, softmax)", R * model.vocab_size * 4 * 3,
                  "rows x V x 4 B x 3")]

@@ -23,15 +23,19 @@ The MoE size (`enable_moe_block`, 26B-A4B: `Gemma4MoeShape`) adds `minitrain.pla
 (every expert, the router, the expert adapters, the routing tensors) beside the dense MLP, with the router's
 scale and per-expert scale, three more norms and the experts' GeGLU (K x F_e rows).
 
-Modelled: LoRA / QLoRA runs in one process of the dense sizes and LoRA runs of the MoE size (its QLoRA, full
-fine-tuning, distillation and GRPO's sampler are refused with one line); measured against the CPU
-on LoRA SFT steps (fp32, fp32 with checkpointing, bf16 autocast).
-Several ranks (`minitrain.plan.sharded`): a kv-shared block without k / v or k norm, the per-layer input's norm
-(`block_vectors`), the MoE size's router scales and three more norms (`block_tensors`), and in the root the per-layer
-embeddings, their projection and its norm (`root_tensors`; `layer_scalar` is a buffer, whole on each rank and not in
-the fsdp shards); LoRA under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py), QLoRA under fsdp
-refused. Under nf4 / int8 the PLE
-projection is counted as a float weight; on CUDA one bool mask is counted where sliding and global
+Full fine-tuning (`finetune=full`): every parameter in fp32 with its gradient and AdamW moments (`all_tensors`:
+`layer_scalar` is a buffer, a weight never trained); a block keeps LLaMA's full terms, the two more sandwich
+norms' (and PLE's) normalised inputs and the inputs of the per-layer input's gate and projection.
+
+Modelled: LoRA / QLoRA runs, in one process and on several ranks, and full fine-tuning runs in one process, of the
+dense sizes and the MoE size (its experts quantized each expert apart under nf4 / int8, as `minitrain.plan.moe`
+counts them); distillation and GRPO's sampler are refused with one line. Measured against the CPU on SFT steps
+(fp32, fp32 with checkpointing, bf16 autocast; full fine-tuning and the MoE size's QLoRA in
+tests/test_plan_hybrid.py). Several ranks (`minitrain.plan.sharded`): a kv-shared block without k / v or k norm,
+the per-layer input's norm (`block_vectors`), the MoE size's router scales and three more norms (`block_tensors`),
+and in the root the per-layer embeddings, their projection and its norm (`root_tensors`; `layer_scalar` is a
+buffer, whole on each rank and not in the fsdp shards); LoRA under ddp and fsdp measured on 2 gloo ranks
+(tests/test_plan_ranks.py), QLoRA under fsdp refused. On CUDA one bool mask is counted where sliding and global
 layers build two.
 """
 
@@ -40,10 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from minitrain.errors import UserError
 from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved, matches
 from minitrain.plan.moe import ExpertBlocks, check_moe_run
-from minitrain.plan.run_shape import RunShape, Term
+from minitrain.plan.run_shape import RunShape, Term, linears_bytes
 
 GLOBAL = "full_attention"
 
@@ -67,6 +70,7 @@ class Gemma4Shape(ByBlock, GemmaShape):
     ple_vocab: int = 0
     layer: int | None = None
     FAMILY: ClassVar[str] = "Gemma 4"
+    FULL: ClassVar[bool] = True
     FAMILIES: ClassVar[tuple[str, ...]] = ("gemma4_text",)
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gemma4_text", "gemma4")
     NORMS: ClassVar[int] = 4
@@ -195,6 +199,26 @@ class Gemma4Shape(ByBlock, GemmaShape):
                for i, v in ((i, self.layer_view(i)) for i in range(L))]
         return sum(per) + D + (P if P else 0), f"{sum(per):,} in blocks + {D}" + (f" + {P} (PLE norm)" if P else "")
 
+    def block_small(self, i: int) -> list[int]:
+        """Block i's sandwich norms (+ PLE's), q norm and k norm (own keys only), as `small_params` counts them
+        (`layer_scalar` is a buffer: counted as a weight, never trained)."""
+        v = self.layer_view(i)
+        return [self.hidden_size] * (self.NORMS + (1 if self.ple else 0)) + [v.head_dim] * (1 if self.shares(i) else 2)
+
+    def full_block_saved(self, run: RunShape) -> list[Term]:
+        """Full fine-tuning: LLaMA's terms, + the normalised inputs of the two more sandwich norms (and PLE's) for
+        their weights' gradients, and the inputs of the per-layer input's gate and projection."""
+        N, s, D, P = run.tokens, run.s, self.hidden_size, self.ple
+        norms = 2 + (1 if P else 0)
+        return super().full_block_saved(run) + [
+            Term("more norms' normalised inputs (weight grads)", N * norms * D * 4, f"{norms} x D x 4 per token"),
+            Term("per-layer input: its linears' inputs (weight grads)", N * (D + P) * s if P else 0, "(D + P) x s per token")]
+
+    def all_tensors(self) -> list[int]:
+        """Every parameter: the blocks' (`ByBlock`), the per-layer embeddings' table, projection and its norm."""
+        L, P = self.num_hidden_layers, self.ple
+        return super().all_tensors() + ([self.ple_vocab * L * P, self.hidden_size * L * P, P] if P else [])
+
     def trainable_tensors(self, run: RunShape) -> list[int]:
         """The blocks' adapters (and modules_to_save), plus LoRA on the model's `per_layer_model_projection` (D ->
         L x P, outside the blocks) when the targets reach it: all-linear, or its name."""
@@ -213,12 +237,15 @@ class Gemma4Shape(ByBlock, GemmaShape):
         return super().num_params() + self.ple_params()
 
     def weight_terms(self, run: RunShape) -> list[Term]:
-        """LLaMA's, + the per-layer embeddings in the compute dtype (the projection too, under nf4 / int8)."""
+        """LLaMA's, + the per-layer embeddings' table in the compute dtype and their projection, a linear in the run's
+        format (the loader quantizes it)."""
         terms = super().weight_terms(run)
         if self.ple:
             L, P = self.num_hidden_layers, self.ple
-            terms.append(Term("weights: per-layer embeddings + projection", self.ple_params() * run.s,
-                              f"({self.ple_vocab:,} + {self.hidden_size:,}) x {L} x {P} x {run.s} B"))
+            run = replace(run, compute="fp32") if run.full else run  # full fine-tuning: fp32, as every weight
+            proj, formula = linears_bytes([(self.hidden_size, L * P, 1)], run)
+            terms.append(Term("weights: per-layer embeddings + projection", self.ple_vocab * L * P * run.s + proj,
+                              f"{self.ple_vocab:,} x {L} x {P} x {run.s} B + projection: {formula}"))
         return terms
 
     def saved_per_layer(self, run: RunShape) -> list[int]:
@@ -262,8 +289,8 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
     """Gemma 4's MoE size (`enable_moe_block`, 26B-A4B): every block's dense MLP, and beside it the floor's expert
     block (E GeGLU experts of F_e, top K) behind Gemma 4's router (`router.proj` E x D, `scale` D,
     `per_expert_scale` E) with three more norms. LoRA reaches the experts by `experts.gate_up_proj` /
-    `experts.down_proj` (or their suffixes: `down_proj` adapts the dense MLP's and the experts', as peft); the
-    quantized experts are refused (not yet trained under QLoRA)."""
+    `experts.down_proj` (or their suffixes: `down_proj` adapts the dense MLP's and the experts', as peft); under
+    nf4 / int8 the experts are quantized each expert apart (`minitrain.adapters.quant_experts`), the router float."""
 
     num_experts: int = 128
     top_k: int = 8
@@ -279,6 +306,11 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
 
     def router_tensors(self) -> list[int]:
         return [self.num_experts * self.hidden_size, self.hidden_size, self.num_experts]
+
+    def block_small(self, i: int) -> list[int]:
+        """Gemma 4's, + the three MoE norms and the router's scale and per-expert scale."""
+        D = self.hidden_size
+        return super().block_small(i) + [D] * 4 + [self.num_experts]
 
     def small_params(self) -> tuple[int, str]:
         """Gemma 4's, + per block three norms and the router's scale and per-expert scale."""
@@ -313,6 +345,3 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)
         check_moe_run(self, run)
-        if run.quantize != "none":
-            raise UserError(f"quantize={run.quantize}: the memory plan models Gemma 4's MoE size in LoRA runs on a "
-                            "float base (QLoRA on its experts not yet) — memory_check=false skips the plan")

@@ -288,11 +288,6 @@ class MoeShape(ExpertBlocks, ModelShape):
         per = {k: sum(t.bytes for t in block_saved(self.block_view(self.sparse.index(k)), run)) for k in set(self.sparse)}
         return [per[k] for k in self.sparse]
 
-    def recomputed(self, run: RunShape, k: int) -> int:
-        """The checkpointed block whose recompute keeps the most (a sparse one, where dense layers come after)."""
-        per = self.saved_per_layer(run)
-        return max(range(k), key=lambda i: (per[i], i))
-
     def sparse_linears(self) -> dict[str, tuple[int, int]]:
         """A sparse block's linears beside the experts (Qwen2-MoE's shared expert; none here)."""
         return {}
@@ -356,11 +351,6 @@ class Qwen2MoeShape(SharedExpert, MoeShape):
         return cls(**dims, sliding_window=window, qkv_bias=bool(full.get("qkv_bias", True)),
                    num_experts=full["num_experts"], top_k=K, expert_size=Fe, shared_size=Fs,
                    **cls.dense_layers(full, dims["num_hidden_layers"]))
-
-    def recomputed(self, run: RunShape, k: int) -> int:
-        """The checkpointed block whose recompute keeps the most (a sparse one, where dense layers come after)."""
-        per = self.saved_per_layer(run)
-        return max(range(k), key=lambda i: (per[i], i))
 
     def sparse_linears(self) -> dict[str, tuple[int, int]]:
         return self.shared_linears()

@@ -248,7 +248,7 @@ def suggestions(model: ModelShape, run: RunShape, batch_size: int, grad_accum: i
     def add(keys: str, new: RunShape) -> None:
         try:
             peak = predict(model, new).peak
-        except UserError:  # a change the plan does not model (Gemma 4's MoE size under quantize=) is not suggested
+        except UserError:  # a change the plan does not model (several ranks on a hybrid) is not suggested
             return
         if peak < base:
             out.append((keys, base - peak, peak))

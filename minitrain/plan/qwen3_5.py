@@ -16,6 +16,13 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
   right-hand side, each chunk's updates u: (4 dk + dv) H x 4) and six scalars per head; and per chunk
   the recurrent state S entering it (H dk dv x 4). So memory grows with the sequence times the chunk,
   never with the sequence squared;
+- under checkpointing, the block whose recompute and backward hold the most is the peak, not the last
+  one (a DeltaNet block keeps more than an attention block). A DeltaNet block's recompute peaks at the end
+  of its delta rule (the stack of the chunks' outputs), before the block keeps its later tensors: beside
+  what it keeps, per padded token and value head, the chunks' outputs (dv x s), the padded v, the solve's
+  right-hand side and the decayed keys that nothing keeps ((2 dk + 2 dv) x 4), and under autocast the fp32
+  padded q and k (2 dk x 4: the matmuls keep bf16 copies). Its backward holds less than the block keeps:
+  the rule's tensors are freed as it goes (measured on the CPU: the largest moment is SwiGLU's backward);
 - a full-attention layer: Qwen3's (q / k norms) with the output gate, whose product keeps the
   attention output and sigmoid's output (2 Hq x s) and gives o_proj its own input; RoPE tables of the
   rotary dims only (`partial_rotary_factor`);
@@ -23,15 +30,21 @@ LLaMA's fp32 input. What differs (read off the autograd graph of a LoRA SFT step
   on `out_proj` the gated norm's output (H dv x s).
 
 The MoE sizes (`Qwen3_5MoeShape`): every MLP the experts, counted as `minitrain.plan.moe` counts them, and a
-shared expert. Modelled: LoRA / QLoRA runs in one process; measured against the CPU (tests/test_plan.py) on LoRA SFT
-steps (fp32, bf16 autocast, checkpointing); DPO / KTO use the same terms, unmeasured for this family (a
-shared-prompt row, which runs as one row per sequence, is not modelled). Full fine-tuning,
-distillation and GRPO's sampler (its hybrid cache) are refused with one line.
-Several ranks (`minitrain.plan.sharded`): a DeltaNet block's conv1d, dt_bias, A_log and gated norm (`block_tensors`,
-`block_vectors`) sharded with its linears; LoRA under ddp and fsdp (and QLoRA under ddp) measured on 2 gloo ranks
-(tests/test_plan_ranks.py), QLoRA under fsdp refused. The DeltaNet backward's own
-working set is not modelled: the last block, whose backward runs with everything kept, is a
-full-attention one in the released layouts.
+shared expert.
+
+Full fine-tuning (`finetune=full`): every weight in fp32 with its gradient and AdamW moments (`all_tensors`, block
+by block); an attention block keeps LLaMA's full terms and o_proj's own input, a DeltaNet block its linears' inputs,
+its convolution's input and its gated norm's normalised value (`full_block_saved`).
+
+Modelled: LoRA / QLoRA runs in one process and on several ranks, and full fine-tuning in one process; measured
+against the CPU (tests/test_plan.py, tests/test_plan_hybrid.py) on SFT steps (fp32, bf16 autocast, checkpointing,
+rows several chunks long); DPO / KTO use the same terms, unmeasured for this family (a shared-prompt row, which runs
+as one row per sequence, is not modelled). GRPO's sampler: its hybrid cache (`sampler_cache`: the attention layers'
+keys and values, the DeltaNet layers' states), equal to what the cache holds after sampling; a GRPO step's peak is
+not measured for this family. Several ranks (`minitrain.plan.sharded`): a DeltaNet block's conv1d, dt_bias, A_log
+and gated norm (`block_tensors`, `block_vectors`) sharded with its linears; LoRA under ddp and fsdp (and QLoRA under
+ddp) measured on 2 gloo ranks (tests/test_plan_ranks.py); QLoRA under fsdp, full fine-tuning on several ranks and
+distillation are refused with one line.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.errors import UserError
-from minitrain.plan.decoder import ByBlock, ModelShape, block_saved
+from minitrain.plan.decoder import ByBlock, ModelShape, adapted_linears, block_saved
 from minitrain.plan.moe import ExpertBlocks, SharedExpert, check_moe_run
 from minitrain.plan.run_shape import RunShape, Term
 
@@ -49,6 +62,7 @@ CHUNK = 64  # models.qwen3_5.GatedDeltaNet.chunk_size
 DEFAULTS = dict(num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
                 linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                 linear_num_value_heads=32, full_attention_interval=4)  # transformers' class defaults
+EARLY = ("in_proj_qkv", "in_proj_a", "in_proj_b")  # the linears a DeltaNet block runs before its delta rule
 DELTANET = {"linear_attn.in_proj_qkv": "xn", "linear_attn.in_proj_z": "xn", "linear_attn.in_proj_b": "xn",
             "linear_attn.in_proj_a": "xn", "linear_attn.out_proj": "dn"}
 
@@ -67,6 +81,8 @@ class Qwen3_5Shape(ByBlock, ModelShape):
     value_dim: int = 128
     mixer: str | None = None
     FAMILY: ClassVar[str] = "Qwen3.5"
+    FULL: ClassVar[bool] = True
+    SAMPLER: ClassVar[bool] = True
     FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_5_text",)
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5_text", "qwen3_5_moe_text")  # the multimodal ones: plan/vision.py
     MOE_DEFAULTS: ClassVar[dict[str, Any]] = {}  # transformers' class defaults of the MoE fields
@@ -155,6 +171,43 @@ class Qwen3_5Shape(ByBlock, ModelShape):
         n = self.num_hidden_layers * 2 * D + full * attn + lin * delta + D
         return n, f"{self.num_hidden_layers} x 2 x {D} + {full} x {attn:,} + {lin} x {delta:,} + {D}"
 
+    def block_small(self, i: int) -> list[int]:
+        """Block i's two norms; an attention layer's q / k norms (+ biases, q_proj's gate-wide); a DeltaNet layer's
+        convolution, dt_bias, A_log and gated norm (as `small_params` counts them)."""
+        D, hd, q, kv = self.hidden_size, self.head_dim, self.q_width, self.kv_width
+        if self.layer_types[i] == "linear_attention":
+            return [D, D, self.channels * self.conv_kernel, self.value_heads, self.value_heads, self.value_dim]
+        return [D, D, hd, hd] + ([2 * q, kv, kv, D] if self.qkv_bias else [])
+
+    def full_block_saved(self, run: RunShape) -> list[Term]:
+        """Full fine-tuning: an attention block keeps LLaMA's terms and o_proj's own input (the gated product); a
+        DeltaNet block its two norms' normalised inputs, the inputs of its linears (in fp32 in_proj_* share the normed
+        x; under autocast each keeps its own cast; out_proj the gated norm's output), the convolution's input and
+        the gated norm's normalised value (for their weights' gradients)."""
+        N, s, D, F = run.tokens, run.s, self.hidden_size, self.intermediate_size
+        if self.mixer != "linear_attention":
+            return super().full_block_saved(run) + [Term("o_proj's input: the gated product", N * self.q_width * s,
+                                                         "Hq x s per token")]
+        Hdv, casts = self.value_heads * self.value_dim, 6 * D if s < 4 else 2 * D  # in_proj_* x 4, gate, up
+        return [Term("norms' normalised inputs (weight grads)", N * 2 * D * 4, "2 x D x 4 per token"),
+                Term("linear inputs kept for weight grads", N * (casts + F + Hdv) * s,
+                     f"({'6' if s < 4 else '2'} D + F + H dv) x {s} B per token"),
+                Term("DeltaNet: the convolution's input, the gated norm's normalised value",
+                     N * (self.channels * s + Hdv * 4), "Ch x s + H dv x 4 per token")]
+
+    def sampler_cache(self, run: RunShape) -> list[Term]:
+        """GRPO's hybrid cache: keys and values of the attention layers only; a DeltaNet layer's state per row, its
+        convolution's window (the last decoding step's K inputs, which the K - 1 kept are a view of: Ch x K x s) and
+        its recurrent state (H x dk x dv, fp32)."""
+        R, T, s = run.sample_rows, run.seq, run.s
+        full, lin = self.layer_types.count("full_attention"), self.layer_types.count("linear_attention")
+        kv = R * T * full * 2 * self.kv_width * s
+        K, H = self.conv_kernel, self.value_heads
+        state = R * lin * (self.channels * K * s + H * self.key_dim * self.value_dim * 4)
+        return [Term("sampler: KV cache (attention layers)", kv, f"{R} rows x {T} slots x {full} layers x 2 x "
+                                                                  f"{self.kv_width} x {s} B"),
+                Term("sampler: DeltaNet states", state, f"{R} rows x {lin} layers x (Ch x K x {s} + H dk dv x 4) B")]
+
     def describe(self) -> str:
         lin = self.layer_types.count("linear_attention")
         return (f"{self.num_hidden_layers} layers ({lin} Gated DeltaNet, {self.num_hidden_layers - lin} full "
@@ -192,8 +245,7 @@ class Qwen3_5Shape(ByBlock, ModelShape):
         N, s, H, dk, dv, K = run.tokens, run.s, self.value_heads, self.key_dim, self.value_dim, self.conv_kernel
         repeated = self.value_heads > self.key_heads  # else q, k are views of SiLU's output, kept whole
         per = self.channels * s + K * 4 + (2 * H * dk * 4 if repeated else self.channels * s) + 2 * H * 4 + 2 * H * 4
-        rows = 1 if run.real_tokens is not None else run.rows  # a ragged batch: one row, end to end
-        padded = rows * math.ceil(N / rows / CHUNK) * CHUNK
+        padded = padded_tokens(run)
         chunks = padded // CHUNK
         per_padded = 8 * H * CHUNK * 4 + CHUNK + (4 * dk + dv) * H * 4 + 6 * H * 4
         return [Term("DeltaNet: conv output, tap masks, q / k norm inputs, beta, decay", N * per,
@@ -203,6 +255,29 @@ class Qwen3_5Shape(ByBlock, ModelShape):
                 Term("DeltaNet: the state entering each chunk", chunks * H * dk * dv * 4,
                      f"{chunks} chunks x H x dk x dv x 4"),
                 Term("DeltaNet: gated RMSNorm (fp32)", N * (4 * H * dv + H) * 4, "(4 H dv + H) x 4 per token")]
+
+    def recompute_peaks(self, run: RunShape, saved: int) -> list[list[Term]]:
+        """A DeltaNet block's recompute peaks at the end of the chunked delta rule (the stack of its chunks'
+        outputs), before the block keeps its later tensors (the gated norm's, out_proj's and in_proj_z's inputs,
+        the MLP's), beside the rule's own tensors that nothing keeps (the module docstring)."""
+        peaks = super().recompute_peaks(run, saved)
+        if self.mixer != "linear_attention":
+            return peaks
+        early = [n for n in adapted_linears(self, run.lora_targets) if n.rsplit(".", 1)[-1] in EARLY]
+        late = ("DeltaNet: gated RMSNorm", "gated MLP", "experts", "shared expert")
+        kept = sum(t.bytes for t in block_saved(self, replace(run, lora_targets=tuple(early)))
+                   if not t.name.startswith(late)) - run.tokens * self.hidden_size * 4  # (the MLP's norm: not yet)
+        H, dk, dv, s = self.value_heads, self.key_dim, self.value_dim, run.s
+        per = H * ((2 * dk + 2 * dv) * 4 + dv * s + (2 * dk * 4 if s < 4 else 0))
+        return peaks + [[Term("one block recomputed, up to the end of the delta rule", kept, "block_saved, in part"),
+                         Term("DeltaNet: the delta rule's chunk outputs and unkept tensors", padded_tokens(run) * per,
+                              f"padded tokens x H x ((2 dk + 2 dv) x 4 + dv x s{' + 2 dk x 4' if s < 4 else ''})")]]
+
+
+def padded_tokens(run: RunShape) -> int:
+    """The tokens the chunked delta rule runs over: each row padded to whole chunks (a ragged batch: one row)."""
+    rows = 1 if run.real_tokens is not None else run.rows
+    return rows * math.ceil(run.tokens / rows / CHUNK) * CHUNK
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ language model only: `finetune=full` and a regular-expression `lora_targets` rea
 
 `RunShape.image_tokens`: the placeholders in a micro-batch; None (what `run_shape` gives a recipe) counts
 every position of every row as one: the worst case, since how many images a row holds is the data's.
-Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process (Qwen3.5: LoRA / QLoRA only, as
-its text plan), measured against the CPU
+Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process (multimodal Gemma 4: LoRA / QLoRA
+only), measured against the CPU
 (tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
 (autocast's bf16 tensors and copies unmodelled: the plan 1.16 x the measured peak, on the safe side); the
 tower's own forward working set (one block at a time) is not a moment; the adapters of a regular-expression
@@ -257,8 +257,7 @@ class Gemma3VLShape(WithTower, GemmaShape):
 
 
 class WithTowerByBlock(WithTower):
-    """Multimodal Qwen3.5 and Gemma 4: the tower's terms over the text plan, whose refusals (finetune=full among
-    them) hold too."""
+    """Multimodal Qwen3.5 and Gemma 4: the tower's terms over the text plan, whose refusals hold too."""
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)
@@ -295,6 +294,9 @@ class Gemma4Tower(WithTowerByBlock):
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)
+        if run.full:
+            raise UserError("finetune=full: the memory plan models multimodal Gemma 4 LoRA / QLoRA runs (full fine-tuning "
+                            "of its text model only) — memory_check=false skips the plan")
         for t in run.lora_targets:
             if any(re.fullmatch(t, n) for n in self.TOWER_NAMES):
                 raise UserError(f"lora_targets {t!r} reaches Gemma 4's vision tower — the memory plan models its "

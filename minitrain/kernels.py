@@ -45,8 +45,10 @@ class FlaDeltaNet:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         self._conv, self._rule = causal_conv1d, chunk_gated_delta_rule
+        # Triton kernels of their own: a compiled block calls them as they are (wrapped here, not where the class
+        # is defined: `torch.compiler.disable` imports dynamo, which a run without these kernels never needs)
+        self.conv, self.rule = torch.compiler.disable(self.conv), torch.compiler.disable(self.rule)
 
-    @torch.compiler.disable  # Triton kernels of their own: a compiled block calls them as they are
     def conv(self, mixed: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
         """silu(causal depthwise convolution) of mixed (B, C, T) with weight (C, 1, K), restarting at each
         sequence of `bounds` -> (B, C, T)."""
@@ -55,7 +57,6 @@ class FlaDeltaNet:
         y, _ = self._conv(x, weight.squeeze(1), activation="silu", cu_seqlens=bounds)
         return y.view(B, T, C).transpose(1, 2)
 
-    @torch.compiler.disable
     def rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              bounds: torch.Tensor) -> torch.Tensor:
         """The gated delta rule over each sequence of `bounds`, from a zero state: q, k (B, T, Hk, dk),

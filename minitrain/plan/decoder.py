@@ -299,9 +299,10 @@ class ByBlock:
                                             ("a teacher", run.teacher is not None),
                                             ("GRPO's sampler", run.sample_rows and not self.SAMPLER)) if asked]
         if refused:
-            what = " and full fine-tuning in one process" if self.FULL else ""
-            raise UserError(f"the memory plan models {self.FAMILY} LoRA / QLoRA runs in one process and on several "
-                            f"ranks{what} (not {', '.join(refused)}) — memory_check=false skips the plan")
+            what = ("LoRA / QLoRA and full fine-tuning runs in one process, and LoRA / QLoRA runs on several ranks"
+                    if self.FULL else "LoRA / QLoRA runs in one process and on several ranks")
+            raise UserError(f"the memory plan models {self.FAMILY} {what} (not {', '.join(refused)}) — "
+                            "memory_check=false skips the plan")
         if run.parallel == "fsdp" and run.quantize != "none":
             raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models {self.FAMILY} runs "
                             "on a float base under fsdp — memory_check=false skips the plan")

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -99,3 +100,38 @@ RANKS = {name: (CONFIGS[name], TARGETS[name], ("lora fsdp", "lora ddp") + MORE.g
 
 def test_two_ranks_measured_against_the_plan(tmp_path):
     check_two_ranks(tmp_path, "test_plan_ranks")
+
+
+def test_a_torchrun_run_checks_each_ranks_memory(hf_causal, tmp_path):
+    """Through the command, `python -m torch.distributed.run --nproc_per_node 2 -m minitrain recipes/sft.py` on a Qwen3.5
+    folder under `parallel=fsdp` with `gpu_mem=` (the budget a CUDA run reads from its device): the run's memory
+    check now plans each rank's share, where it skipped the plan with a note before. A budget that holds it: the
+    planned per-rank peak is logged and the run trains; one that does not: one line on rank 0's stderr and exit 2,
+    nothing written under out/."""
+    import shutil
+
+    from _tok import corpus, make_bpe_tokenizer
+    from test_qwen3_5 import QWEN35
+    from test_torchrun_resume import _env, command, launch
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_causal("qwen3_5", **QWEN35), model)  # (tests/test_qwen3_5.py's folder)
+    make_bpe_tokenizer(model)
+    lines = corpus(16, seed=5)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
+                            for i in range(8)))
+    args = [str(ROOT / "recipes" / "sft.py"), f"model={model}", f"data={data}", "eval_data=", "max_steps=1",
+            "batch_size=2", "max_len=64", "parallel=fsdp", "device=cpu", "save_every=0"]
+    p = launch(2, [*args, f"out={tmp_path / 'fits'}", "gpu_mem=8GiB"])
+    assert "memory: planned peak" in p.stdout and "fits: gpu_mem=8GiB gives" in p.stdout, p.stdout[-2000:]
+    assert "memory plan skipped" not in p.stdout + p.stderr
+    assert (tmp_path / "fits" / "adapter").is_dir()
+    # the ranks exit 2; torch's launcher then reports their exit codes (its own traceback) and exits 1
+    p = subprocess.run(command(2, [*args, f"out={tmp_path / 'small'}", "gpu_mem=1MiB"]), cwd=ROOT, env=_env(None),
+                       capture_output=True, text=True, timeout=600)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode != 0 and "exitcode: 2" in p.stderr, p.stderr[-3000:]
+    assert len(errors) == 1 and "memory: the plan needs" in errors[0] and "gpu_mem=1MiB gives" in errors[0], p.stderr
+    assert "minitrain/" not in p.stderr.partition("Traceback")[2]  # no traceback from our code: only the launcher's
+    assert not (tmp_path / "small").exists() or not any((tmp_path / "small").iterdir())

@@ -106,7 +106,8 @@ def test_a_torchrun_run_checks_each_ranks_memory(hf_causal, tmp_path):
     """Through the command, `python -m torch.distributed.run --nproc_per_node 2 -m minitrain recipes/sft.py` on a Qwen3.5
     folder under `parallel=fsdp` with `gpu_mem=` (the budget a CUDA run reads from its device): the run's memory
     check now plans each rank's share, where it skipped the plan with a note before. A budget that holds it: the
-    planned per-rank peak is logged and the run trains; one that does not: one line on rank 0's stderr and exit 2,
+    planned per-rank peak is logged and the run trains (cut after step 1 and resumed with resume=true, the
+    ranks' collective sequences equal in each launch: `test_torchrun_resume.launch`); one that does not: one line on rank 0's stderr and exit 2,
     nothing written under out/."""
     import shutil
 
@@ -121,12 +122,15 @@ def test_a_torchrun_run_checks_each_ranks_memory(hf_causal, tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]}) + "\n"
                             for i in range(8)))
-    args = [str(ROOT / "recipes" / "sft.py"), f"model={model}", f"data={data}", "eval_data=", "max_steps=1",
-            "batch_size=2", "max_len=64", "parallel=fsdp", "device=cpu", "save_every=0"]
-    p = launch(2, [*args, f"out={tmp_path / 'fits'}", "gpu_mem=8GiB"])
-    assert "memory: planned peak" in p.stdout and "fits: gpu_mem=8GiB gives" in p.stdout, p.stdout[-2000:]
-    assert "memory plan skipped" not in p.stdout + p.stderr
-    assert (tmp_path / "fits" / "adapter").is_dir()
+    args = [str(ROOT / "recipes" / "sft.py"), f"model={model}", f"data={data}", "eval_data=", "max_steps=2",
+            "batch_size=2", "max_len=64", "parallel=fsdp", "device=cpu", "save_every=1"]
+    fits = [*args, f"out={tmp_path / 'fits'}", "gpu_mem=8GiB"]
+    for p in (launch(2, [*fits, "stop_after=1"]), launch(2, [*fits, "resume=true"])):  # cut after step 1, resumed
+        assert "memory: planned peak" in p.stdout and "fits: gpu_mem=8GiB gives" in p.stdout, p.stdout[-2000:]
+        assert "memory plan skipped" not in p.stdout + p.stderr
+    steps = [json.loads(x)["step"] for x in (tmp_path / "fits" / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x)]
+    assert steps == [1, 2] and (tmp_path / "fits" / "adapter").is_dir()
     # the ranks exit 2; torch's launcher then reports their exit codes (its own traceback) and exits 1
     p = subprocess.run(command(2, [*args, f"out={tmp_path / 'small'}", "gpu_mem=1MiB"]), cwd=ROOT, env=_env(None),
                        capture_output=True, text=True, timeout=600)

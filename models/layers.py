@@ -1224,24 +1224,41 @@ class Router(nn.Module):
         return f"{D} -> {E} experts, top {self.top_k}, {self.scoring}{', renormalised' if self.norm_topk_prob else ''}"
 
 
+class LowRank(NamedTuple):
+    """A per-expert low-rank term beside a grouped product: expert e adds `scaling * x A[e]^T B[e]^T`,
+    a (E, r, in), b (E, out, r) (an expert adapter's factors, `minitrain.adapters.lora_experts`)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None,
-                   bias: torch.Tensor | None = None, in_out: bool = False) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, in_out: bool = False,
+                   low_rank: LowRank | None = None) -> torch.Tensor:
     """One grouped product: rows of x (M, in) sorted by expert, `counts[e]` rows for expert e, each
-    group times its expert's matrix -> (M, out).
+    group times its expert's matrix -> (M, out), plus `low_rank`'s term when given.
 
     weight (E, out, in) (`F.linear`'s layout, Qwen / Mixtral) or, with `in_out`, (E, in, out)
     (gpt-oss); bias (E, out) or None. On CUDA with bf16 operands whose sizes suit it,
     `torch._grouped_mm` runs every group in one kernel (no host sync); elsewhere a loop over the
     experts that received rows (`sizes`: counts as a list, one host sync per layer, made once by the
-    caller), each an ordinary matmul: a loop over at most E experts, never over tokens."""
+    caller), each an ordinary matmul: a loop over at most E experts, never over tokens. That loop is
+    one autograd node (`_GroupedProduct`: each expert's products written in place into one output,
+    the low-rank term added to it, and a backward written out) when its operands share a dtype and
+    autocast is off; otherwise each product is its own node."""
     w = weight if in_out else weight.transpose(1, 2)  # (E, in, out)
     if sizes is None and x.is_cuda and _grouped_mm_fits(x, w):
         y = torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))  # (M, out)
         if bias is not None:
             y = y + bias.to(y.dtype).repeat_interleave(counts, dim=0, output_size=x.shape[0])
-        return y
+        return y if low_rank is None else y + _low_rank_term(x, counts, sizes, low_rank)
     if sizes is None:
         sizes = counts.tolist()
+    operands = (x, weight, bias) if low_rank is None else (x, weight, bias, low_rank.a, low_rank.b)
+    if not torch.is_autocast_enabled(x.device.type) and len({t.dtype for t in operands if t is not None}) == 1:
+        a, b, scaling = low_rank if low_rank is not None else (None, None, 0.0)
+        return _GroupedProduct.apply(x, weight, bias, a, b, sizes, in_out, scaling)
     outs = []
     biases = bias.unbind(0) if bias is not None else [None] * len(sizes)
     # `unbind`, not w[e]: its backward is one stack, where each index's would fill a zero tensor the
@@ -1252,9 +1269,78 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
                 outs.append(xe @ we + be if be is not None else xe @ we)
             else:
                 outs.append(F.linear(xe, we, be))
-    if not outs:
-        return x.new_zeros(0, w.shape[-1])
-    return torch.cat(outs)
+    y = torch.cat(outs) if outs else x.new_zeros(0, w.shape[-1])
+    return y if low_rank is None else y + _low_rank_term(x, counts, sizes, low_rank)
+
+
+def _low_rank_term(x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None, low_rank: LowRank) -> torch.Tensor:
+    """`low_rank`'s term alone, as two grouped products (the CUDA and autocast paths)."""
+    a, b, scaling = low_rank
+    z = grouped_linear(x.to(a.dtype), a, counts, sizes) * scaling  # (M, r)
+    return grouped_linear(z, b, counts, sizes).to(x.dtype)  # (M, out)
+
+
+class _GroupedProduct(torch.autograd.Function):
+    """The CPU loop of `grouped_linear` as one node. Forward, per expert e with rows (slice s):
+    y[s] = x[s] W_e (+ bias_e) (+ scaling (x[s] A_e^T) B_e^T), each product written into y or added to
+    it in place (no concatenation, no separate sum); it keeps x and the (M, r) low-rank inputs z.
+    Backward, with g = dy[s] and gz = scaling g B_e: dx[s] = g W_e^T + gz A_e, dW_e = g^T x[s] (or
+    x[s]^T g), dbias_e = sum g, dB_e = scaling g^T z[s], dA_e = gz^T x[s]; each only when its input
+    needs it. An expert without rows gets zero gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, sizes, in_out, scaling):
+        out_features = weight.shape[2] if in_out else weight.shape[1]
+        y = x.new_empty(x.shape[0], out_features)
+        z = None if a is None else x.new_empty(x.shape[0], a.shape[1])
+        start = 0
+        for e, n in enumerate(sizes):
+            if n:
+                s = slice(start, start + n)
+                torch.mm(x[s], weight[e] if in_out else weight[e].t(), out=y[s])
+                if bias is not None:
+                    y[s] += bias[e]
+                if a is not None:
+                    torch.mm(x[s], a[e].t(), out=z[s])
+                    y[s].addmm_(z[s], b[e].t(), alpha=scaling)
+            start += n
+        ctx.save_for_backward(x, weight, a, b, z)
+        ctx.sizes, ctx.in_out, ctx.scaling, ctx.has_bias = sizes, in_out, scaling, bias is not None
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight, a, b, z = ctx.saved_tensors
+        sizes, in_out, scaling = ctx.sizes, ctx.in_out, ctx.scaling
+        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        dx = x.new_empty(x.shape) if need_x else None
+        dw = torch.zeros_like(weight) if need_w else None
+        dbias = dy.new_zeros(len(sizes), dy.shape[1]) if need_bias else None
+        da = torch.zeros_like(a) if need_a else None
+        db = torch.zeros_like(b) if need_b else None
+        start = 0
+        for e, n in enumerate(sizes):
+            if n:
+                s = slice(start, start + n)
+                g = dy[s]
+                if need_x:
+                    torch.mm(g, weight[e].t() if in_out else weight[e], out=dx[s])
+                if need_w:
+                    torch.mm(x[s].t(), g, out=dw[e]) if in_out else torch.mm(g.t(), x[s], out=dw[e])
+                if need_bias:
+                    torch.sum(g, dim=0, out=dbias[e])
+                if a is not None:
+                    if need_b:
+                        torch.mm(g.t(), z[s], out=db[e]).mul_(scaling)
+                    if need_x or need_a:
+                        gz = (g @ b[e]).mul_(scaling)  # (n, r)
+                        if need_x:
+                            dx[s].addmm_(gz, a[e])
+                        if need_a:
+                            torch.mm(gz.t(), x[s], out=da[e])
+            start += n
+        return dx, dw, dbias, da, db, None, None, None
 
 
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -1297,8 +1383,8 @@ class Experts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(E, D))
         self.act = activation(act)
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
-        # projection name -> a module `(x, counts, sizes, grouped_linear) -> (M, out)` added to that grouped
-        # product (or None for nothing): an adapter's per-expert low-rank update (minitrain.adapters.lora_experts)
+        # projection name -> a module whose call returns a `LowRank` added to that grouped product (or None for
+        # nothing): an adapter's per-expert low-rank update (minitrain.adapters.lora_experts)
         self.deltas = nn.ModuleDict()
 
     # the 3-D parameters an adapter may target, each one grouped product
@@ -1321,12 +1407,11 @@ class Experts(nn.Module):
         form (a module in the parameter's place: quantized experts) computes its product itself,
         called `(x, counts, sizes)` (out_in layout, no bias)."""
         w = getattr(self, name)
-        if isinstance(w, nn.Module):
-            y = w(x, counts, sizes)
-        else:
-            y = grouped_linear(x, w, counts, sizes, getattr(self, f"{name}_bias", None), self.in_out)
-        delta = self.deltas[name](x, counts, sizes, grouped_linear) if name in self.deltas else None
-        return y if delta is None else y + delta
+        low_rank = self.deltas[name]() if name in self.deltas else None
+        if not isinstance(w, nn.Module):
+            return grouped_linear(x, w, counts, sizes, getattr(self, f"{name}_bias", None), self.in_out, low_rank)
+        y = w(x, counts, sizes)
+        return y if low_rank is None else y + _low_rank_term(x, counts, sizes, low_rank)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         N, K = indices.shape

@@ -239,25 +239,42 @@ def test_moe_configs_we_cannot_honour_are_value_errors(config, named):
     assert str(e.value).startswith("config.json: ") and " — " in str(e.value)
 
 
-def test_grouped_linear_equals_a_loop_over_experts():
-    """The floor's grouped product (rows sorted by expert, empty experts skipped) against each
-    expert's own matmul, both layouts, with biases, forward and backward."""
-    from models.layers import grouped_linear
+@pytest.mark.parametrize("one_node", [True, False], ids=["one node", "a node per product"])
+def test_grouped_linear_equals_a_loop_over_experts(one_node):
+    """The floor's grouped product (rows sorted by expert, empty experts skipped), with and without a per-expert
+    low-rank term, against each expert's own matmul: both layouts, with biases, forward and every gradient
+    (fp64 gradcheck too). `one_node`: the CPU loop as one autograd node with its backward written out (operands of
+    one dtype); otherwise (an fp64 low-rank term beside fp32 weights) each product its own node."""
+    from models.layers import LowRank, grouped_linear
 
     torch.manual_seed(0)
     counts = torch.tensor([3, 0, 5, 1])
+    rows = torch.repeat_interleave(torch.arange(4), counts).tolist()
     x = torch.randn(9, 6, requires_grad=True)
     for in_out in (False, True):
         w = torch.randn(4, *((6, 7) if in_out else (7, 6)), requires_grad=True)
         b = torch.randn(4, 7, requires_grad=True)
-        got = grouped_linear(x, w, counts, None, b, in_out)
-        rows = torch.repeat_interleave(torch.arange(4), counts)
-        want = torch.stack([x[i] @ (w[e] if in_out else w[e].T) + b[e] for i, e in enumerate(rows.tolist())])
-        torch.testing.assert_close(got, want)
-        g = torch.randn_like(got)
-        grads = torch.autograd.grad(got, (x, w, b), g)
-        torch.testing.assert_close(grads, torch.autograd.grad(want, (x, w, b), g))
-        assert grads[1][1].abs().sum() == 0  # the expert without rows gets no gradient
+        A = torch.randn(4, 3, 6, requires_grad=True)
+        B = torch.randn(4, 7, 3, requires_grad=True)
+        for low_rank in (None, (A, B)):
+            factors = None if low_rank is None else [f if one_node else f.double() for f in low_rank]
+            got = grouped_linear(x, w, counts, None, b, in_out, None if factors is None else LowRank(*factors, 0.5))
+            assert (type(got.grad_fn).__name__ == "_GroupedProductBackward") == one_node or low_rank is None
+            want = torch.stack([x[i] @ (w[e] if in_out else w[e].T) + b[e]
+                                + (0 if factors is None else 0.5 * (x[i] @ factors[0][e].T.float()) @ factors[1][e].T.float())
+                                for i, e in enumerate(rows)])
+            inputs = (x, w, b) + (() if low_rank is None else low_rank)
+            torch.testing.assert_close(got, want)
+            g = torch.randn_like(got)
+            grads = torch.autograd.grad(got, inputs, g)
+            torch.testing.assert_close(grads, torch.autograd.grad(want, inputs, g))
+            assert all(t[1].abs().sum() == 0 for t in grads[1:])  # the expert without rows gets no gradient
+    if one_node:
+        f64 = [t.detach().double().requires_grad_() for t in (x, w, b, A, B)]
+        for in_out in (False, True):
+            f64[1] = torch.randn(4, *((6, 7) if in_out else (7, 6)), dtype=torch.float64, requires_grad=True)
+            assert torch.autograd.gradcheck(
+                lambda x, w, b, A, B: grouped_linear(x, w, counts, None, b, in_out, LowRank(A, B, 0.5)), f64)
 
 
 # ------------------------------------------------------------------------------------ MXFP4

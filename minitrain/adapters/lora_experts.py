@@ -2,11 +2,10 @@
 
 An experts module (the model contract: a module with `expert_projections`, the names of its 3-D
 parameters, each `(E, out, in)` or with `in_out` `(E, in, out)`, and a `deltas` ModuleDict whose
-entry for a projection, called `(x, counts, sizes, grouped)` with the module's grouped product, is added to
-that product) gets an `ExpertLoRA` per targeted
-projection: `lora_A` (E, r, in) and `lora_B` (E, out, r), the update of expert e `scaling * B[e] @ A[e]`,
-computed over the rows the experts module has already sorted by expert, one grouped product for A
-and one for B (the floor's `grouped_linear`, handed in), never a loop over tokens.
+entry for a projection, called, gives the factors the module adds to that product) gets an
+`ExpertLoRA` per targeted projection: `lora_A` (E, r, in) and `lora_B` (E, out, r), the update of
+expert e `scaling * B[e] @ A[e]`, computed by the floor's `grouped_linear` over the rows the experts
+module has already sorted by expert, inside its grouped product, never a loop over tokens.
 
 Targets (`split_targets`): an expert parameter is named by its path (`experts.gate_up_proj`,
 `mlp.experts.down_proj`: peft's `target_parameters`), by "all-linear", or by the names the model's
@@ -25,12 +24,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
 from minitrain.errors import UserError
+from models.layers import LowRank
 
 ALL_LINEAR = "all-linear"
 
@@ -49,8 +49,8 @@ class ExpertLoRA(nn.Module):
 
     Built from the experts module and the projection's name; `lora_A` (E, r, in) is drawn as peft
     draws its (E * r, in) matrix (kaiming-uniform, a = sqrt(5)) and `lora_B` (E, out, r) starts at
-    zero, so the model starts equal to its base. forward(x (M, in) sorted by expert, counts, sizes)
-    -> (M, out) in x's dtype, or None while disabled or merged."""
+    zero, so the model starts equal to its base. forward() -> the factors and scaling the experts
+    module's grouped product adds (`models.layers.LowRank`), or None while disabled or merged."""
 
     def __init__(self, experts: nn.Module, name: str, r: int, alpha: float, rslora: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -77,14 +77,12 @@ class ExpertLoRA(nn.Module):
             self.lora_A.weight.copy_(a.view_as(self.lora_A.weight))
             self.lora_B.weight.zero_()
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None,
-                grouped: Callable[..., torch.Tensor]) -> torch.Tensor | None:
-        """`grouped(x, weight (E, out, in), counts, sizes)`: the experts module's grouped product."""
+    def forward(self) -> LowRank | None:
+        """The factors the experts module adds to its grouped product, or None while disabled or merged.
+        (Called as a module, so that the audit's hooks see where and whether it ran with gradients on.)"""
         if self.disabled or self.merged:
             return None
-        a, b = self.lora_A.weight, self.lora_B.weight
-        z = grouped(x.to(a.dtype), a, counts, sizes) * self.scaling  # (M, r)
-        return grouped(z, b, counts, sizes).to(x.dtype)  # (M, out)
+        return LowRank(self.lora_A.weight, self.lora_B.weight, self.scaling)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B[e] @ A[e] for every expert, fp32, in the parameter's layout ((E, out, in), or

@@ -181,21 +181,30 @@ def test_a_saved_folder_loads_in_transformers(vlmoe, tmp_path):
     check_saved_folder(ours, vlmoe, transformers.Qwen3VLMoeForConditionalGeneration, tmp_path)
 
 
-def test_fsdp_reads_the_saved_layout_by_rows_and_refuses_the_transposed_one(vlmoe, tmp_path):
-    """parallel=fsdp reads each rank's rows of whole tensors: a folder in transformers' layout (its saves, ours)
-    needs no conversion and is deferred; the Hub's transposed experts are refused in one line."""
+def test_fsdp_defers_the_saved_layout_and_the_transposed_one(vlmoe, tmp_path):
+    """parallel=fsdp reads each rank's rows: a folder in transformers' layout (its saves, ours) needs no conversion;
+    the Hub's transposed experts are converted row by row (each rank its experts: `test_moe.py`'s MXFP4 test checks
+    that rows of a conversion are the conversion's rows). A conversion whose inputs are not cut along the
+    experts is refused in one line."""
     from minitrain.errors import UserError
     from minitrain.parallel import fsdp
     from minitrain.weights import open_pretrained
 
     built, headers = open_pretrained(vlmoe, models.from_hf_config)
+    assert not fsdp._conversions(built, {k: info["shape"] for h, _ in headers.values() for k, info in h.items()})
     fsdp.defer_weights(built, vlmoe, headers, torch.float32, torch.device("cpu"))
     tensors = {k: (v.transpose(1, 2).contiguous() if ".experts." in k else v)
                for k, v in load_file(vlmoe / "model.safetensors").items()}
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((vlmoe / "config.json").read_text())
     built, headers = open_pretrained(tmp_path, models.from_hf_config)
-    with pytest.raises(UserError, match="experts in another form \\(one tensor per expert, transposed, or MXFP4\\)"):
+    stored = {k: info["shape"] for h, _ in headers.values() for k, info in h.items()}
+    assert len(fsdp._conversions(built, stored)) == sum(".experts." in k for k in tensors)
+    fsdp.defer_weights(built, tmp_path, headers, torch.float32, torch.device("cpu"))
+    bad = {k: (v.transpose(0, 2).contiguous() if ".experts." in k else v) for k, v in tensors.items()}
+    save_file(bad, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    built, headers = open_pretrained(tmp_path, models.from_hf_config)
+    with pytest.raises(UserError, match="in a form whose rows are not its rows — use parallel=ddp"):
         fsdp.defer_weights(built, tmp_path, headers, torch.float32, torch.device("cpu"))
 
 

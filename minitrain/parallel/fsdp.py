@@ -62,22 +62,33 @@ class Pending:
 
 
 def defer_weights(model: nn.Module, folder: Path, headers: Headers, dtype: torch.dtype, device: torch.device) -> None:
-    """Leave `model` on meta, its floating parameters in `dtype`; `prepare` reads each rank's rows."""
+    """Leave `model` on meta, its floating parameters in `dtype`; `prepare` reads each rank's rows.
+
+    A checkpoint that stores a parameter in another form is read by rows too: the Hub's one tensor per expert
+    (`checkpoint_parts`: each rank reads the experts of its rows), another name (a multimodal checkpoint's Hub
+    layout), a conversion (`checkpoint_conversions`: gpt-oss's MXFP4 experts, transposed experts), whose
+    function acts row by row of dim 0, the experts, so that it is applied to each rank's rows of its inputs.
+    Only a conversion whose inputs are not cut along the parameter's dim 0 is refused."""
     stored = {k: list(info["shape"]) for header, _ in headers.values() for k, info in header.items()}
-    converted = set(checkpoint_parts(model))
-    for param, (keys, _) in checkpoint_conversions(model).items():
-        # (a parameter stored under its own name in its own shape needs no conversion: Qwen3-VL-MoE's saves)
-        if not (keys == (param,) and stored.get(param) == list(model.get_parameter(param).shape)):
-            converted |= set(keys)
-    if any(k in converted for k in stored):
-        raise UserError(f"{folder}: parallel=fsdp reads whole tensors by rows, and this checkpoint stores the "
-                        "experts in another form (one tensor per expert, transposed, or MXFP4) — use parallel=ddp, "
-                        "or save the model once with minitrain (fused experts in a float dtype) and shard that")
+    for param, (keys, _) in _conversions(model, stored).items():
+        rows = model.get_parameter(param).shape[0]
+        if any(stored[k][0] != rows for k in keys):
+            raise UserError(f"{folder}: parallel=fsdp reads whole tensors by rows, and this checkpoint stores "
+                            f"{param} in a form whose rows are not its rows — use parallel=ddp, or save the model "
+                            "once with minitrain (fused experts in a float dtype) and shard that")
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)  # meta to meta: no memory
         p.requires_grad_(False)
     setattr(model, _PENDING, Pending(folder, headers, dtype, device))
+
+
+def _conversions(model: nn.Module, stored: dict[str, list[int]]) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    """The model's `checkpoint_conversions` that this checkpoint needs (its inputs stored, and not the parameter
+    itself under its own name in its own shape: Qwen3-VL-MoE's saves)."""
+    return {param: (keys, fn) for param, (keys, fn) in checkpoint_conversions(model).items()
+            if all(k in stored for k in keys)
+            and not (keys == (param,) and stored[param] == list(model.get_parameter(param).shape))}
 
 
 def wanted(cfg: Any) -> bool:
@@ -296,9 +307,15 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
     aliases: dict[int, list[str]] = {}
     for name, p in params.items():
         aliases.setdefault(id(p), []).append(name)
+    parts: dict[str, list[tuple[str, tuple]]] = {}  # parameter -> the stored keys that fill it, each with its index
+    for key, (param, index) in checkpoint_parts(model).items():
+        if key in where:
+            parts.setdefault(param, []).append((key, index))
+    conversions = _conversions(model, {k: list(info["shape"]) for k, (_, _, info) in where.items()})
 
     def source(name: str, shape: tuple[int, ...] | None = None) -> tuple[Path, int, dict]:
-        key = next((a for a in aliases[id(params[name])] if a in where), None)
+        renamed = [k for k, index in parts.get(name, ()) if index == ()]  # stored whole under another name
+        key = next((a for a in [*aliases[id(params[name])], *renamed] if a in where), None)
         if key is None:
             raise UserError(f"parallel=fsdp: {name} is neither in the checkpoint nor made before sharding "
                             f"(an adapter minitrain does not shard) — use parallel=ddp")
@@ -316,6 +333,13 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
             if path not in files:
                 files[path] = opened.enter_context(open(path, "rb"))
             return files[path]
+
+        def rows_of(key: str, rows: tuple[int, int] | None) -> torch.Tensor:
+            nonlocal read
+            path, data_start, info = where[key]
+            t = read_tensor(file(path), path, data_start, info, rows=rows)
+            read += t.numel() * t.element_size()
+            return t
 
         quantized: dict[str, dict[str, torch.Tensor]] = {}  # a quantized layer's whole tensors, until placed
         for name, p in model.named_parameters():
@@ -338,6 +362,16 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
             if name in stash:
                 whole = stash.pop(name)
                 local.copy_(whole[rows[0]:rows[1]] if rows else whole)
+                continue
+            if name in conversions:  # the function of this rank's rows of its inputs (row by row: the experts)
+                keys, convert = conversions[name]
+                local.copy_(convert(*(rows_of(k, rows) for k in keys)))
+                continue
+            if any(index != () for _, index in parts.get(name, ())):  # one tensor per expert: this rank's experts
+                first = rows[0] if rows else 0
+                for key, (e, *rest) in parts[name]:
+                    if first <= e < first + local.shape[0]:
+                        local[(e - first, *rest)].copy_(rows_of(key, None))
                 continue
             path, data_start, info = source(name, tuple(p.shape))
             direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == stored_dtype(info)

@@ -248,13 +248,15 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
         for mode in modes:
             torch.manual_seed(0)
             model = models.from_hf_config(config())
-            if mode.startswith("qlora"):  # nf4 linears, as the loader's hook quantizes them (ddp: the whole model)
+            if quantized(mode) != "none" and mode.split()[1] == "ddp":  # as the loader's hook quantizes them
                 from minitrain.adapters.quant import quantize_hook
 
-                hook = quantize_hook("nf4", compute_dtype=torch.float32)
+                hook = quantize_hook(quantized(mode), compute_dtype=torch.float32)
                 for n, p in list(model.named_parameters()):
                     if n != "lm_head.weight" and "embed" not in n and p.dim() == 2:
                         hook(model, n, p.data)
+            elif quantized(mode) != "none":  # under fsdp: as rows FSDP2 cuts (`minitrain.adapters.quant_rows`)
+                by_rows(model, quantized(mode))
             if not mode.startswith("full"):
                 cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets))
                 apply_lora(model, cfg)
@@ -289,6 +291,27 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def quantized(mode: str) -> str:
+    """The base's format a mode of `RANKS` names: `qlora ...` nf4, `int8 ...` int8."""
+    return {"qlora": "nf4", "int8": "int8"}.get(mode.split()[0], "none")
+
+
+def by_rows(model: torch.nn.Module, kind: str) -> None:
+    """Swap the linears for `quant_rows`' layers as a sharded load does (`replace_linears`), each weight quantized
+    whole by the layer's own `quantized`, as `minitrain.parallel.fsdp._read_rows` does before keeping a rank's rows."""
+    from minitrain.adapters.quant_rows import replace_linears
+
+    whole = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    replace_linears(model, kind, torch.float32)
+    with torch.no_grad():
+        for n, m in model.named_modules():
+            if hasattr(m, "quantized"):
+                m.to_empty(device="cpu")
+                values = {**m.quantized(whole[n].weight), "bias": whole[n].bias}
+                for k, p in m.named_parameters():
+                    p.copy_(values[k])
+
+
 def test_two_ranks_measured_against_the_plan(tmp_path):
     check_two_ranks(tmp_path, "test_plan_moe")
 
@@ -305,7 +328,7 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
             m = rank0[f"{name} {mode}"]
             run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,
                            full=mode.startswith("full"), world=2, parallel=mode.split()[1],
-                           quantize="nf4" if mode.startswith("qlora") else "none", checkpointing=mode.endswith("ckpt"))
+                           quantize=quantized(mode), checkpointing=mode.endswith("ckpt"))
             plan = predict(shape_from_hf(config()), run)
             got = {t.name: t.bytes for t in plan.persistent}
             if run.parallel == "fsdp":

@@ -6,7 +6,8 @@
   projection and norm; the MoE sizes' experts, routers, shared expert) and the root's (Gemma 4's per-layer
   embeddings, their projection and its norm), each rank's ceil(dim 0 / N) rows, to the byte;
 - 2 gloo ranks (`test_plan_moe.ranks_worker`, as tests/test_plan_fsdp.py): LoRA under `parallel=fsdp` and
-  `parallel=ddp` (the dense sizes with checkpointing under fsdp too; dense Qwen3.5's QLoRA under ddp), rank 0's
+  `parallel=ddp` (the dense sizes with checkpointing under fsdp too; dense Qwen3.5's QLoRA under ddp; QLoRA under
+  fsdp, the base as rows: Qwen3.5 nf4, Gemma 4 int8 with its per-layer projection quantized in the root), rank 0's
   shards (or whole model) and AdamW state equal to the plan's persistent terms to the byte, and its measured step
   peak plus those within 20% of the plan;
 - the tool plans a rank of a Qwen3.5 folder; what the plan does not model under several ranks is one line.
@@ -69,8 +70,9 @@ def test_shards_exact_against_the_built_model(name, world):
 
 def test_runs_the_plan_does_not_model_on_several_ranks_are_one_line():
     qwen, gemma_moe = shape_from_hf(hf_config(**QWEN3_5)), shape_from_hf(hf_config(**GEMMA4_MOE))
-    with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp: the memory plan models Qwen3.5 runs"):
-        predict(qwen, RunShape(rows=2, seq=8, quantize="nf4", lora_targets=ATTN, world=2, parallel="fsdp"))
+    for moe in (shape_from_hf(qwen3_5_moe_config()), gemma_moe):  # the run refuses it: experts quantized per expert
+        with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp: a mixture-of-experts run refuses it"):
+            predict(moe, RunShape(rows=2, seq=8, quantize="nf4", lora_targets=ATTN, world=2, parallel="fsdp"))
     with pytest.raises(UserError, match="a trained router under fsdp"):
         predict(gemma_moe, RunShape(rows=2, seq=8, modules_to_save=("router",), world=2, parallel="fsdp"))
     with pytest.raises(UserError, match="not finetune=full"):
@@ -84,6 +86,9 @@ def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
     out = plan_cli(*args)
     assert out.returncode == 0, out.stderr
     assert "rank 0 of 2 (fsdp)" in out.stdout and "weights: 1/N shard (FSDP2)" in out.stdout
+    qlora = plan_cli(*args, "quantize=nf4")
+    assert qlora.returncode == 0 and "nf4 bytes" in qlora.stdout, qlora.stderr
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_5_moe_config()))
     bad = plan_cli(*args, "quantize=nf4")
     assert bad.returncode == 2 and bad.stderr.startswith("error: quantize=nf4 with parallel=fsdp") and bad.stderr.count(
         "\n") == 1
@@ -94,7 +99,9 @@ def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
 # rank 0's planned / measured peak when written (fsdp, ddp, fsdp with checkpointing): Qwen3.5 1.009-1.020, 1.004,
 # 1.039 (QLoRA under ddp, nf4 linears as the loader's hook makes them: 1.005); its MoE size 1.014-1.024, 1.014;
 # Gemma 4 1.022, 1.014, 1.108; its MoE size 0.946-1.025 (three runs), 1.025
-MORE = {"qwen3_5": ("qlora ddp", "lora fsdp ckpt"), "gemma4": ("lora fsdp ckpt",)}
+# QLoRA under fsdp (the base as rows, `quant_rows`: Qwen3.5 nf4, Gemma 4 int8, whose per-layer projection reads
+# P = 32 inputs, not a whole nf4 block): 1.018-1.038, 1.003
+MORE = {"qwen3_5": ("qlora ddp", "lora fsdp ckpt", "qlora fsdp"), "gemma4": ("lora fsdp ckpt", "int8 fsdp")}
 RANKS = {name: (CONFIGS[name], TARGETS[name], ("lora fsdp", "lora ddp") + MORE.get(name, ())) for name in CONFIGS}
 
 

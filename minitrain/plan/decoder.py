@@ -303,9 +303,6 @@ class ByBlock:
                     if self.FULL else "LoRA / QLoRA runs in one process and on several ranks")
             raise UserError(f"the memory plan models {self.FAMILY} {what} (not {', '.join(refused)}) — "
                             "memory_check=false skips the plan")
-        if run.parallel == "fsdp" and run.quantize != "none":
-            raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models {self.FAMILY} runs "
-                            "on a float base under fsdp — memory_check=false skips the plan")
 
 
 # ----------------------------------------------------------------------------- weights and adapters

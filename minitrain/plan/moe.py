@@ -186,8 +186,9 @@ def check_moe_run(shape: ExpertBlocks, run: RunShape) -> None:
         raise UserError("the memory plan models mixture-of-experts runs without a teacher — memory_check=false skips "
                         "the plan")
     if run.parallel == "fsdp" and run.quantize != "none" and not run.full:
-        raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models mixture-of-experts runs "
-                        "on a float base under fsdp — memory_check=false skips the plan")
+        raise UserError(f"quantize={run.quantize} with parallel=fsdp: a mixture-of-experts run refuses it (its experts "
+                        "are quantized whole per expert, not as rows FSDP2 can cut), so the plan does not model it — "
+                        "use parallel=ddp with quantize=")
     if run.parallel == "fsdp" and not run.full and any(matches(shape.ROUTER, m) for m in run.modules_to_save):
         raise UserError(f"modules_to_save={','.join(run.modules_to_save)} with parallel=fsdp: the memory plan does not "
                         "model a trained router under fsdp — memory_check=false skips the plan")

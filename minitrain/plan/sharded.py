@@ -70,6 +70,10 @@ if TYPE_CHECKING:
     from minitrain.plan.decoder import ModelShape
 
 
+# the root's linears beside the head (`root_tensors`), which the loader quantizes as it does the blocks' linears
+ROOT_LINEARS = ("model.per_layer_model_projection",)  # Gemma 4's projection of the per-layer inputs
+
+
 @dataclass(frozen=True)
 class Tensor:
     """One parameter: its shape (dim 0 is what FSDP2 shards), bytes per element, and whether it trains.
@@ -144,8 +148,11 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[lis
     if not model.tie_word_embeddings:
         root.append(Tensor("lm_head", (V, D), s, full))  # (names: `vocab` below)
     root.append(Tensor("norm", (D,), s, full))
-    root += [Tensor(name, shape, a if trained and not full else s, trained)
-             for name, shape, trained in model.root_tensors(run)]
+    for name, shape, trained in model.root_tensors(run):
+        if name in ROOT_LINEARS:  # (out, in): quantized as a block's linears are
+            root += _linear(name, shape[1], shape[0], run)
+        else:
+            root.append(Tensor(name, shape, a if trained and not full else s, trained))
     if not full:
         for m in run.modules_to_save:  # a trained copy beside the frozen one
             if matches("lm_head", m) or matches("model.embed_tokens", m):
@@ -162,17 +169,7 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
     full = run.full
     s = 4 if full else run.s
     a = DTYPE_BYTES[run.adapter_dtype]
-    block: list[Tensor] = []
-    for name, (i, o) in model.linears().items():
-        if run.quantize == "none" or full:
-            block.append(Tensor(name, (o, i), s, full))
-        elif run.quantize == "nf4":  # `minitrain.adapters.quant_rows.NF4Rows`: codes and fp32 scales, by rows
-            block += [Tensor(name, (o, -(-i // 2)), 1), Tensor(name + ".absmax", (o, -(-i // NF4_BLOCK)), 4)]
-        elif run.quantize == "int8":  # `Int8Rows`: int8 rows and one fp32 scale per row
-            block += [Tensor(name, (o, i), 1), Tensor(name + ".scb", (o,), 4)]
-        else:  # (ternary is refused under fsdp: 1/N of its bytes)
-            b, _ = linears_bytes([(i, o, 1)], run)
-            block.append(Tensor(name, (b,), 1))
+    block = [t for name, (i, o) in model.linears().items() for t in _linear(name, i, o, run)]
     block += [Tensor(n, (d,), s, full) for n, d in model.block_vectors()]
     if not full:
         lin = model.linears()
@@ -182,6 +179,18 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
             block += [Tensor(name + ".lora_A", (r, i), a, True), Tensor(name + ".lora_B", (o, r), a, True)]
     return block + [Tensor(name, shape, a if trained and not full else s, trained)
                     for name, shape, trained in model.block_tensors(run)]
+
+
+def _linear(name: str, i: int, o: int, run: RunShape) -> list[Tensor]:
+    """A frozen linear's weight (in -> out) in the run's format (full fine-tuning: fp32, trained)."""
+    if run.quantize == "none" or run.full:
+        return [Tensor(name, (o, i), 4 if run.full else run.s, run.full)]
+    if run.quantize == "nf4":  # `minitrain.adapters.quant_rows.NF4Rows`: codes and fp32 scales, by rows
+        return [Tensor(name, (o, -(-i // 2)), 1), Tensor(name + ".absmax", (o, -(-i // NF4_BLOCK)), 4)]
+    if run.quantize == "int8":  # `Int8Rows`: int8 rows and one fp32 scale per row
+        return [Tensor(name, (o, i), 1), Tensor(name + ".scb", (o,), 4)]
+    b, _ = linears_bytes([(i, o, 1)], run)  # (ternary is refused under fsdp: 1/N of its bytes)
+    return [Tensor(name, (b,), 1)]
 
 
 def vocab(root: list[Tensor]) -> list[Tensor]:

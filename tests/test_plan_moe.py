@@ -9,9 +9,10 @@
   router's bias): the same exact terms, what the model holds after loading a tiny MXFP4 folder (made by the
   format's rules) equal to the plan's float weights, and LoRA / full fine-tuning steps within 20%;
 - several ranks: 2 gloo ranks (as tests/test_plan_fsdp.py), a Qwen3-MoE with dense layers and gpt-oss, LoRA on
-  the experts and full fine-tuning under `parallel=fsdp` (FSDP2 shards the experts by their first dim, E) and
-  LoRA under `parallel=ddp` (the loop's bucketed all-reduce): rank 0's shards (or whole model) and AdamW state
-  equal the plan's persistent terms to the byte, and its measured step peak plus those is within 20% of the plan.
+  the experts and full fine-tuning under `parallel=fsdp` (FSDP2 shards the experts by their first dim, E), a
+  trained router (modules_to_save=gate) under fsdp and LoRA under `parallel=ddp` (the loop's bucketed all-reduce):
+  rank 0's shards (or whole model), AdamW state and modules_to_save's whole frozen copies equal the plan's
+  persistent terms to the byte, and its measured step peak plus those is within 20% of the plan.
 """
 
 from __future__ import annotations
@@ -217,8 +218,6 @@ def test_moe_runs_the_plan_does_not_model_are_one_line():
         predict(mixtral, RunShape(rows=1, seq=8, teacher=mixtral))
     with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp"):
         predict(mixtral, RunShape(rows=2, seq=8, quantize="nf4", world=2, parallel="fsdp"))
-    with pytest.raises(UserError, match="a trained router under fsdp"):
-        predict(mixtral, RunShape(rows=2, seq=8, modules_to_save=("gate",), world=2, parallel="fsdp"))
     with pytest.raises(UserError, match="gpt-oss's experts .* are not ones minitrain quantizes"):
         predict(shape_from_hf(hf_config(**GPT_OSS)), RunShape(rows=1, seq=8, quantize="nf4"))
 
@@ -226,9 +225,9 @@ def test_moe_runs_the_plan_does_not_model_are_one_line():
 # ----------------------------------------------------------------------------- several ranks, measured
 
 # rank 0's planned / measured peak when written: Qwen3-MoE (dense layers) LoRA fsdp 1.129, full fsdp 0.984, LoRA ddp
-# 1.017; gpt-oss LoRA fsdp 1.001, full fsdp 0.989
+# 1.017, LoRA with the router trained (modules_to_save=gate) under fsdp 1.108-1.122; gpt-oss LoRA fsdp 1.001, full fsdp 0.989
 RANKS = {"qwen3_moe": (lambda: dense_config("qwen3_moe only"), ALL + ("experts.gate_up_proj",),
-                       ("lora fsdp", "full fsdp", "lora ddp")),
+                       ("lora fsdp", "full fsdp", "lora ddp", "router fsdp")),
          "gpt_oss": (lambda: hf_config(**GPT_OSS), GPT_OSS_TARGETS, ("lora fsdp", "full fsdp"))}
 ROWS, SEQ = 4, 128
 
@@ -238,7 +237,7 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
     measured step."""
     import importlib
 
-    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.adapters.lora import LoRAConfig, applied, apply_lora, freeze_for_adapters
     from minitrain.objectives.sft import sft
     from minitrain.parallel import distributed, fsdp
     from minitrain.plan.measure import measure_peak_allocated
@@ -258,7 +257,7 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
             elif quantized(mode) != "none":  # under fsdp: as rows FSDP2 cuts (`minitrain.adapters.quant_rows`)
                 by_rows(model, quantized(mode))
             if not mode.startswith("full"):
-                cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets))
+                cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets), modules_to_save=saved(mode, config))
                 apply_lora(model, cfg)
                 freeze_for_adapters(model, cfg)
             if mode.endswith("ckpt"):  # (before sharding, as `train` does)
@@ -283,7 +282,8 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
             local = [p.to_local() if distributed.is_sharded(p) else p for p in model.parameters()]
             state = [v.to_local() if distributed.is_sharded(v) else v for st in opt.state.values() for v in st.values()]
             quant = [t for p in model.parameters() for t in quant_state_tensors(p)]
-            results[f"{name} {mode}"] = dict(
+            copies = [base for _, _, base in (applied(model).saved if applied(model) else ())]
+            results[f"{name} {mode}"] = dict(copies=tensor_bytes(copies),
                 frozen=tensor_bytes([t for t, p in zip(local, model.parameters()) if not p.requires_grad] + quant),
                 trained=tensor_bytes(t for t, p in zip(local, model.parameters()) if p.requires_grad),
                 optimizer=tensor_bytes(state), step_peak=peak, buffers=tensor_bytes(model.buffers()))
@@ -294,6 +294,12 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
 def quantized(mode: str) -> str:
     """The base's format a mode of `RANKS` names: `qlora ...` nf4, `int8 ...` int8."""
     return {"qlora": "nf4", "int8": "int8"}.get(mode.split()[0], "none")
+
+
+def saved(mode: str, config) -> tuple[str, ...]:
+    """The modules_to_save a mode of `RANKS` names: `router ...` the family's router (Qwen's `gate`, Gemma 4's
+    `router`), trained beside the LoRA targets."""
+    return (shape_from_hf(config()).ROUTER.rpartition(".")[2],) if mode.startswith("router") else ()
 
 
 def by_rows(model: torch.nn.Module, kind: str) -> None:
@@ -328,7 +334,8 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
             m = rank0[f"{name} {mode}"]
             run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,
                            full=mode.startswith("full"), world=2, parallel=mode.split()[1],
-                           quantize=quantized(mode), checkpointing=mode.endswith("ckpt"))
+                           quantize=quantized(mode), checkpointing=mode.endswith("ckpt"),
+                           modules_to_save=saved(mode, config))
             plan = predict(shape_from_hf(config()), run)
             got = {t.name: t.bytes for t in plan.persistent}
             if run.parallel == "fsdp":
@@ -339,6 +346,8 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
                 held = m["frozen"] + m["trained"] + m["buffers"]
                 assert held == plan.persistent_bytes - got["gradients"] - got["optimizer (AdamW)"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW)"], (name, mode)
-            measured = m["frozen"] + m["trained"] + m["optimizer"] + m["step_peak"]  # (gradients: within the step)
+            # a module_to_save's frozen base copy, whole on each rank (a plain tensor, outside FSDP2)
+            assert m["copies"] == got.get("modules_to_save: frozen base copies (whole)", 0), (name, mode)
+            measured = m["frozen"] + m["trained"] + m["optimizer"] + m["copies"] + m["step_peak"]  # (gradients: in the step)
             print(f"{name} {mode}: planned / measured {plan.peak / measured:.3f} ({plan.peak_moment})")
             assert measured == pytest.approx(plan.peak, rel=0.2), (name, mode, measured, plan.peak, plan.peak_moment)

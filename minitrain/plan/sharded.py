@@ -16,7 +16,8 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
 
 - persistent, 1/N: FSDP2 shards dim 0 of every parameter, padded to a multiple of N, so a rank
   holds ceil(rows / N) rows of each (a norm of D values: ceil(D / N)); frozen base weights and
-  trained tensors alike. A quantized base is held by rows (`minitrain.adapters.quant_rows`): nf4 as
+  trained tensors alike. A quantized base is held by rows (`minitrain.adapters.quant_rows`; Gemma 4's root holds
+  a linear the loader quantizes too, `ROOT_LINEARS`): nf4 as
   (out, in / 2) bytes of codes + (out, in / 64) fp32 scales (double quantization's nested scales
   stored dequantized), int8 as (out, in) int8 + (out,) fp32 scales; sharded the same way.
   The sharded gradients (one flat reduce-scatter output per block, padded) and AdamW's two moments
@@ -49,7 +50,10 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
 - the optimizer step updates the shards: AdamW's foreach temporaries are 1/N.
 
 A mixture-of-experts block (`minitrain.plan.moe`, `minitrain.plan.gpt_oss`) holds its experts' 3-D weights, router
-and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank); blocks that differ (Qwen's
+and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank). A block's module in
+`modules_to_save` (a router: `gate`, Gemma 4's `router`) trains its own tensors there, sharded as the rest
+(`saved_by`); `apply_lora`'s frozen copy of each (`Applied.saved`, what `disable_adapters` puts back) is a plain
+tensor outside FSDP2, whole on every rank in the load dtype. Blocks that differ (Qwen's
 dense layers among the sparse ones) are each their own, and the gathered block is the largest one. A hybrid's
 blocks differ by kind too (Qwen3.5's DeltaNet and attention layers, Gemma 4's kv-shared ones: each block's
 `block_vectors` and `block_tensors`), and a root may hold more than the vocabulary (Gemma 4's per-layer
@@ -171,14 +175,25 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
     a = DTYPE_BYTES[run.adapter_dtype]
     block = [t for name, (i, o) in model.linears().items() for t in _linear(name, i, o, run)]
     block += [Tensor(n, (d,), s, full) for n, d in model.block_vectors()]
+    block += [Tensor(name, shape, a if trained and not full else s, trained)
+              for name, shape, trained in model.block_tensors(run)]
+    if not full:  # a module of the block in modules_to_save (an MoE's router): its own tensors train
+        block = [replace(t, trainable=True, elem=a) if saved_by(t, run) else t for t in block]
     if not full:
         lin = model.linears()
         for name in adapted_linears(model, run.lora_targets):
             i, o = lin[name]
             r = run.rank(i, o)
             block += [Tensor(name + ".lora_A", (r, i), a, True), Tensor(name + ".lora_B", (o, r), a, True)]
-    return block + [Tensor(name, shape, a if trained and not full else s, trained)
-                    for name, shape, trained in model.block_tensors(run)]
+    return block
+
+
+def saved_by(t: Tensor, run: RunShape) -> bool:
+    """Whether `t`, a block's tensor, belongs to a module `run.modules_to_save` names (`mlp.gate.weight`: `gate`)."""
+    from minitrain.plan.decoder import matches
+
+    owner = t.name.rpartition(".")[0]
+    return any(matches(owner, m) for m in run.modules_to_save)
 
 
 def _linear(name: str, i: int, o: int, run: RunShape) -> list[Tensor]:
@@ -240,6 +255,10 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     shard_grads = Term("gradients: 1/N shard", _sum(grads, "shard", N), "reduce-scatter outputs, fp32")
     if not run.full:
         persistent.append(shard_grads)
+    copies = [t for b in blocks for t in b if not run.full and saved_by(t, run)]
+    if copies:  # `apply_lora` keeps each a frozen copy of its base value (`Applied.saved`), a plain tensor
+        persistent.append(Term("modules_to_save: frozen base copies (whole)", sum(t.numel for t in copies) * run.s,
+                               f"{len(copies)} tensors outside FSDP2, whole on every rank"))
     for t in local.persistent:  # what FSDP does not shard here
         if t.name.startswith("teacher") or t.name.startswith("DPO reference"):
             persistent.append(t)

@@ -8,7 +8,8 @@
 - 2 gloo ranks (`test_plan_moe.ranks_worker`, as tests/test_plan_fsdp.py): LoRA under `parallel=fsdp` and
   `parallel=ddp` (the dense sizes with checkpointing under fsdp too; dense Qwen3.5's QLoRA under ddp; QLoRA under
   fsdp, the base as rows: Qwen3.5 nf4, Gemma 4 int8 with its per-layer projection quantized in the root; Gemma 4
-  MoE's router trained under fsdp, its frozen copy whole on each rank), rank 0's
+  MoE's router trained under fsdp, its frozen copy whole on each rank; full fine-tuning under fsdp, and Qwen3.5's
+  under ddp), rank 0's
   shards (or whole model) and AdamW state equal to the plan's persistent terms to the byte, and its measured step
   peak plus those within 20% of the plan;
 - the tool plans a rank of a Qwen3.5 folder; what the plan does not model under several ranks is one line.
@@ -70,12 +71,9 @@ def test_shards_exact_against_the_built_model(name, world):
 
 
 def test_runs_the_plan_does_not_model_on_several_ranks_are_one_line():
-    qwen, gemma_moe = shape_from_hf(hf_config(**QWEN3_5)), shape_from_hf(hf_config(**GEMMA4_MOE))
-    for moe in (shape_from_hf(qwen3_5_moe_config()), gemma_moe):  # the run refuses it: experts quantized per expert
+    for moe in (shape_from_hf(qwen3_5_moe_config()), shape_from_hf(hf_config(**GEMMA4_MOE))):  # the run refuses it
         with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp: a mixture-of-experts run refuses it"):
             predict(moe, RunShape(rows=2, seq=8, quantize="nf4", lora_targets=ATTN, world=2, parallel="fsdp"))
-    with pytest.raises(UserError, match="not finetune=full"):
-        predict(qwen, RunShape(rows=2, seq=8, full=True, world=2, parallel="fsdp"))
 
 
 def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
@@ -100,9 +98,13 @@ def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
 # Gemma 4 1.022, 1.014, 1.108; its MoE size 0.946-1.025 (three runs), 1.025
 # QLoRA under fsdp (the base as rows, `quant_rows`: Qwen3.5 nf4, Gemma 4 int8, whose per-layer projection reads
 # P = 32 inputs, not a whole nf4 block): 1.018-1.038, 1.003
-# Gemma 4's MoE size with its router trained (modules_to_save=router: proj, scale, per-expert scale) under fsdp: 1.001
-MORE = {"qwen3_5": ("qlora ddp", "lora fsdp ckpt", "qlora fsdp"), "gemma4": ("lora fsdp ckpt", "int8 fsdp"),
-        "gemma4_moe": ("router fsdp",)}
+# Gemma 4's MoE size with its router trained (modules_to_save=router: proj, scale, per-expert scale) under fsdp: 1.001;
+# full fine-tuning (fp32 master weights, gradients, AdamW): Qwen3.5 fsdp 1.016-1.020, ddp 1.012; Gemma 4 fsdp
+# 0.988-1.039; its MoE size fsdp 0.929-0.978 (not kept, for the time: Qwen3.5's MoE size fsdp 1.008, Gemma 4 ddp
+# 1.028, its MoE size ddp 0.997)
+MORE = {"qwen3_5": ("qlora ddp", "lora fsdp ckpt", "qlora fsdp", "full fsdp", "full ddp"),
+        "gemma4": ("lora fsdp ckpt", "int8 fsdp", "full fsdp"),
+        "gemma4_moe": ("router fsdp", "full fsdp")}
 RANKS = {name: (CONFIGS[name], TARGETS[name], ("lora fsdp", "lora ddp") + MORE.get(name, ())) for name in CONFIGS}
 
 

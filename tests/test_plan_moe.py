@@ -18,7 +18,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -243,7 +245,7 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
     from minitrain.plan.measure import measure_peak_allocated
 
     results = {}
-    for name, (config, targets, modes) in importlib.import_module(module).RANKS.items():
+    for name, (config, targets, modes, *images) in importlib.import_module(module).RANKS.items():
         for mode in modes:
             torch.manual_seed(0)
             model = models.from_hf_config(config())
@@ -266,8 +268,11 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
                 fsdp.shard(model, torch.device("cpu"))
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             opt = build_optimizer(named, 0.0, 1e-4)
-            ids = torch.randint(4, 2048, (ROWS // 2, SEQ), generator=torch.Generator().manual_seed(rank))
-            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+            if images:  # this rank's rows of image rows (every rank the same ones)
+                batch, n_images = images[0].batch()
+            else:
+                ids = torch.randint(4, 2048, (ROWS // 2, SEQ), generator=torch.Generator().manual_seed(rank))
+                batch, n_images = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}, None
 
             def step(model=model, opt=opt, batch=batch, named=named, ddp=mode.split()[1] == "ddp"):
                 loss, _, _ = sft(model, batch)
@@ -283,12 +288,23 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
             state = [v.to_local() if distributed.is_sharded(v) else v for st in opt.state.values() for v in st.values()]
             quant = [t for p in model.parameters() for t in quant_state_tensors(p)]
             copies = [base for _, _, base in (applied(model).saved if applied(model) else ())]
-            results[f"{name} {mode}"] = dict(copies=tensor_bytes(copies),
+            rows = dict(seq=batch["input_ids"].shape[1], images=n_images, real=int(batch["attention_mask"].sum()),
+                        targets=int((batch["labels"][:, 1:] != -100).sum()))
+            results[f"{name} {mode}"] = dict(rows=rows, copies=tensor_bytes(copies),
                 frozen=tensor_bytes([t for t, p in zip(local, model.parameters()) if not p.requires_grad] + quant),
                 trained=tensor_bytes(t for t, p in zip(local, model.parameters()) if p.requires_grad),
                 optimizer=tensor_bytes(state), step_peak=peak, buffers=tensor_bytes(model.buffers()))
             del model, opt
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@dataclass(frozen=True)
+class Images:
+    """A `RANKS` entry's image rows (a multimodal folder): `batch()` -> (this rank's rows, their image tokens), and
+    the shape's fields the rows decide (Gemma 4's `max_soft_tokens`)."""
+
+    batch: Callable[[], tuple[dict, int]]
+    shape: dict = field(default_factory=dict)
 
 
 def quantized(mode: str) -> str:
@@ -329,14 +345,21 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
 
     launch_two(tmp_path, "ranks_worker", str(tmp_path), module, module="test_plan_moe")
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    for name, (config, targets, modes) in importlib.import_module(module).RANKS.items():
+    for name, (config, targets, modes, *images) in importlib.import_module(module).RANKS.items():
         for mode in modes:
             m = rank0[f"{name} {mode}"]
-            run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,
+            shape, rows = shape_from_hf(config()), m["rows"]
+            if images:  # image rows, the same on each rank (with padding); Gemma 4's budget of soft tokens
+                shape = replace(shape, **images[0].shape)
+                batch = dict(seq=rows["seq"], mask=True, image_tokens=2 * rows["images"], targets=2 * rows["targets"],
+                             real_tokens=2 * rows["real"])
+            else:
+                batch = dict(seq=SEQ, mask=False)
+            run = RunShape(rows=ROWS, **batch, compute="fp32", device="cpu", lora_r=8, lora_targets=targets,
                            full=mode.startswith("full"), world=2, parallel=mode.split()[1],
                            quantize=quantized(mode), checkpointing=mode.endswith("ckpt"),
                            modules_to_save=saved(mode, config))
-            plan = predict(shape_from_hf(config()), run)
+            plan = predict(shape, run)
             got = {t.name: t.bytes for t in plan.persistent}
             if run.parallel == "fsdp":
                 assert m["frozen"] == got["weights: 1/N shard (FSDP2)"], (name, mode)

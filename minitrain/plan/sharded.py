@@ -121,6 +121,7 @@ def local_run(run: RunShape) -> RunShape:
                    targets=None if run.targets is None else per_rank(run.targets, N),
                    real_tokens=None if run.real_tokens is None else per_rank(run.real_tokens, N),
                    reference_rows=run.reference_rows and per_rank(run.reference_rows, N),
+                   image_tokens=None if run.image_tokens is None else per_rank(run.image_tokens, N),
                    sample_rows=per_rank(run.sample_rows, N))
 
 

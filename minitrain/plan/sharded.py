@@ -59,8 +59,16 @@ blocks differ by kind too (Qwen3.5's DeltaNet and attention layers, Gemma 4's kv
 `block_vectors` and `block_tensors`), and a root may hold more than the vocabulary (Gemma 4's per-layer
 embeddings: `root_tensors`).
 
+A multimodal folder (`minitrain.plan.vision`: Qwen3.5's, Gemma 4's) keeps its tower in FSDP2's root (`fsdp.shard`
+wraps only the language model's blocks): the tower's parameters, by their shapes (`root_tensors`), are 1/N shards
+and gathered whole with the root; rank 0's image tokens are its share of the run's.
+
 Not modelled under fsdp: T5 (the plan covers the decoder-only families there), the reference
-model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process).
+model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process); buffers (Gemma 4's
+layer scalars, its tower's clip bounds) are whole on every rank and not counted. Refused (`check_run`): QLoRA of a
+mixture of experts (the run refuses it: its experts are quantized whole per expert), a multimodal folder's full
+fine-tuning on several ranks (its trained tower's gradients in the root: not measured) and its `quantize=` under
+fsdp (the tower's linears are quantized by rows too, which the tower's terms count in the compute dtype).
 """
 
 from __future__ import annotations

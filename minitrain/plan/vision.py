@@ -29,6 +29,12 @@ language model only: `finetune=full` and a regular-expression `lora_targets` rea
 
 `RunShape.image_tokens`: the placeholders in a micro-batch; None (what `run_shape` gives a recipe) counts
 every position of every row as one: the worst case, since how many images a row holds is the data's.
+Several ranks (multimodal Qwen3.5 and Gemma 4, `WithTowerByBlock`; LoRA / QLoRA on the language model, the tower
+frozen): `minitrain.plan.sharded`, the tower's parameters in FSDP2's root (`Tower.shapes`, `root_tensors`: the
+shapes the model holds, dim 0 what FSDP2 cuts), measured on 2 gloo ranks (tests/test_plan_ranks.py). Refused there:
+full fine-tuning (its tower's gradients in the root, unmeasured) and `quantize=` under fsdp (the tower's linears
+are quantized by rows too); the other vision-language families on several ranks.
+
 Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process (multimodal Gemma 4: LoRA / QLoRA
 only), measured against the CPU
 (tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
@@ -40,6 +46,7 @@ in the compute dtype (notes say so).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -73,13 +80,6 @@ def _linear(i: int, o: int) -> list[tuple[int, ...]]:
     return [(o, i), (o,)]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 @dataclass(frozen=True)
 class Tower:
     """A vision tower's dims as the plan counts them: `shapes` each parameter's (the merger or projector's too; dim 0
@@ -100,7 +100,7 @@ class Tower:
     @property
     def tensors(self) -> list[int]:
         """The numel of each parameter and buffer."""
-        return [_numel(t) for t in self.shapes] + list(self.buffers)
+        return [math.prod(t) for t in self.shapes] + list(self.buffers)
 
     @classmethod
     def from_hf(cls, kind: str, d: dict[str, Any], text_width: int, tokens_per_image: int) -> "Tower":

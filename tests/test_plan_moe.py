@@ -313,9 +313,11 @@ def quantized(mode: str) -> str:
 
 
 def saved(mode: str, config) -> tuple[str, ...]:
-    """The modules_to_save a mode of `RANKS` names: `router ...` the family's router (Qwen's `gate`, Gemma 4's
-    `router`), trained beside the LoRA targets."""
-    return (shape_from_hf(config()).ROUTER.rpartition(".")[2],) if mode.startswith("router") else ()
+    """The modules_to_save a mode of `RANKS` names, trained beside the LoRA targets: `router ...` the family's router
+    (Qwen's `gate`, Gemma 4's `router`), `head ...` the head."""
+    if mode.startswith("router"):
+        return (shape_from_hf(config()).ROUTER.rpartition(".")[2],)
+    return ("lm_head",) if mode.startswith("head") else ()
 
 
 def by_rows(model: torch.nn.Module, kind: str) -> None:
@@ -365,13 +367,14 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
                 assert m["frozen"] == got["weights: 1/N shard (FSDP2)"], (name, mode)
                 assert m["trained"] == got["trained tensors: 1/N shard"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW): 1/N shard"], (name, mode)
-            else:  # the whole model on each rank (Gemma 4's `layer_scalar` buffers among its weights)
-                held = m["frozen"] + m["trained"] + m["buffers"]
+                # a module_to_save's frozen base copy, whole on each rank (a plain tensor, outside FSDP2)
+                assert m["copies"] == got.get("modules_to_save: frozen base copies (whole)", 0), (name, mode)
+            else:  # the whole model on each rank (Gemma 4's `layer_scalar` buffers among its weights; the frozen
+                # copies as the base weights, the trained modules as adapters)
+                held = m["frozen"] + m["trained"] + m["buffers"] + m["copies"]
                 # (full fine-tuning: the gradients are the step's, not persistent)
                 assert held == plan.persistent_bytes - got.get("gradients", 0) - got["optimizer (AdamW)"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW)"], (name, mode)
-            # a module_to_save's frozen base copy, whole on each rank (a plain tensor, outside FSDP2)
-            assert m["copies"] == got.get("modules_to_save: frozen base copies (whole)", 0), (name, mode)
             measured = m["frozen"] + m["trained"] + m["optimizer"] + m["copies"] + m["step_peak"]  # (gradients: in the step)
             print(f"{name} {mode}: planned / measured {plan.peak / measured:.3f} ({plan.peak_moment})")
             assert measured == pytest.approx(plan.peak, rel=0.2), (name, mode, measured, plan.peak, plan.peak_moment)

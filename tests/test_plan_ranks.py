@@ -8,8 +8,8 @@
 - 2 gloo ranks (`test_plan_moe.ranks_worker`, as tests/test_plan_fsdp.py): LoRA under `parallel=fsdp` and
   `parallel=ddp` (the dense sizes with checkpointing under fsdp too; dense Qwen3.5's QLoRA under ddp; QLoRA under
   fsdp, the base as rows: Qwen3.5 nf4, Gemma 4 int8 with its per-layer projection quantized in the root; Gemma 4
-  MoE's router trained under fsdp, its frozen copy whole on each rank; full fine-tuning under fsdp, and Qwen3.5's
-  under ddp), rank 0's
+  MoE's router and Qwen3.5's head trained under fsdp (modules_to_save), their frozen copies whole on each rank;
+  full fine-tuning under fsdp, and Qwen3.5's under ddp), rank 0's
   shards (or whole model) and AdamW state equal to the plan's persistent terms to the byte, and its measured step
   peak plus those within 20% of the plan;
 - the tool plans a rank of a Qwen3.5 folder; what the plan does not model under several ranks is one line.
@@ -134,7 +134,8 @@ def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
 # full fine-tuning (fp32 master weights, gradients, AdamW): Qwen3.5 fsdp 1.016-1.020, ddp 1.012; Gemma 4 fsdp
 # 0.988-1.039; its MoE size fsdp 0.929-0.978 (not kept, for the time: Qwen3.5's MoE size fsdp 1.008, Gemma 4 ddp
 # 1.028, its MoE size ddp 0.997)
-MORE = {"qwen3_5": ("qlora ddp", "lora fsdp ckpt", "qlora fsdp", "full fsdp", "full ddp"),
+# the head trained (modules_to_save=lm_head) under fsdp: cut by rows, its frozen copy whole on each rank: 1.032
+MORE = {"qwen3_5": ("qlora ddp", "lora fsdp ckpt", "qlora fsdp", "full fsdp", "full ddp", "head fsdp"),
         "gemma4": ("lora fsdp ckpt", "int8 fsdp", "full fsdp"),
         "gemma4_moe": ("router fsdp", "full fsdp")}
 RANKS = {name: (CONFIGS[name], TARGETS[name], ("lora fsdp", "lora ddp") + MORE.get(name, ())) for name in CONFIGS}

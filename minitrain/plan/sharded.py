@@ -53,7 +53,8 @@ A mixture-of-experts block (`minitrain.plan.moe`, `minitrain.plan.gpt_oss`) hold
 and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank). A block's module in
 `modules_to_save` (a router: `gate`, Gemma 4's `router`) trains its own tensors there, sharded as the rest
 (`saved_by`); `apply_lora`'s frozen copy of each (`Applied.saved`, what `disable_adapters` puts back) is a plain
-tensor outside FSDP2, whole on every rank in the load dtype. Blocks that differ (Qwen's
+tensor outside FSDP2, whole on every rank in the load dtype. So with the embeddings, the head or the final norm in
+`modules_to_save`: the trained tensor is the sharded one, its frozen copy whole. Blocks that differ (Qwen's
 dense layers among the sparse ones) are each their own, and the gathered block is the largest one. A hybrid's
 blocks differ by kind too (Qwen3.5's DeltaNet and attention layers, Gemma 4's kv-shared ones: each block's
 `block_vectors` and `block_tensors`), and a root may hold more than the vocabulary (Gemma 4's per-layer
@@ -88,13 +89,15 @@ ROOT_LINEARS = ("model.per_layer_model_projection",)  # Gemma 4's projection of 
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter: its shape (dim 0 is what FSDP2 shards), bytes per element, and whether it trains.
-    A quantized weight is one flat row of its bytes (`elem` 1)."""
+    """One parameter: its shape (dim 0 is what FSDP2 shards), bytes per element, and whether it trains (`saved`: as
+    a module of `modules_to_save`, whose frozen copy `apply_lora` keeps). A quantized weight is one flat row of its
+    bytes (`elem` 1)."""
 
     name: str
     shape: tuple[int, ...]
     elem: int
     trainable: bool = False
+    saved: bool = False
 
     @property
     def numel(self) -> int:
@@ -166,13 +169,17 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[lis
             root += _linear(name, shape[1], shape[0], run)
         else:
             root.append(Tensor(name, shape, a if trained and not full else s, trained))
-    if not full:
-        for m in run.modules_to_save:  # a trained copy beside the frozen one
-            if matches("lm_head", m) or matches("model.embed_tokens", m):
-                root.append(Tensor(m, (V, D), a, True))
-            elif matches("model.norm", m):
-                root.append(Tensor(m, (D,), a, True))
+    if not full:  # the embeddings, the head (tied: the embeddings) or the final norm in modules_to_save
+        modules = {"embed_tokens": ("model.embed_tokens",) + (("lm_head",) if model.tie_word_embeddings else ()),
+                   "lm_head": ("lm_head",), "norm": ("model.norm",)}
+        root = [_trained(t, run) if any(matches(n, m) for n in modules.get(t.name, ()) for m in run.modules_to_save)
+                else t for t in root]
     return root, blocks
+
+
+def _trained(t: Tensor, run: RunShape) -> Tensor:
+    """`t` trained in place as a module of `modules_to_save` (in the adapters' dtype)."""
+    return replace(t, trainable=True, elem=DTYPE_BYTES[run.adapter_dtype], saved=True)
 
 
 def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
@@ -187,7 +194,7 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
     block += [Tensor(name, shape, a if trained and not full else s, trained)
               for name, shape, trained in model.block_tensors(run)]
     if not full:  # a module of the block in modules_to_save (an MoE's router): its own tensors train
-        block = [replace(t, trainable=True, elem=a) if saved_by(t, run) else t for t in block]
+        block = [_trained(t, run) if saved_by(t, run) else t for t in block]
     if not full:
         lin = model.linears()
         for name in adapted_linears(model, run.lora_targets):
@@ -218,7 +225,7 @@ def _linear(name: str, i: int, o: int, run: RunShape) -> list[Tensor]:
 
 
 def vocab(root: list[Tensor]) -> list[Tensor]:
-    """The root's vocabulary matrices: the embeddings, the head and a trained copy of either (modules_to_save)."""
+    """The root's vocabulary matrices: the embeddings and the head."""
     from minitrain.plan.decoder import matches
 
     return [t for t in root if matches("lm_head", t.name) or matches("model.embed_tokens", t.name)]
@@ -264,7 +271,7 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     shard_grads = Term("gradients: 1/N shard", _sum(grads, "shard", N), "reduce-scatter outputs, fp32")
     if not run.full:
         persistent.append(shard_grads)
-    copies = [t for b in blocks for t in b if not run.full and saved_by(t, run)]
+    copies = [t for t in every if t.saved]
     if copies:  # `apply_lora` keeps each a frozen copy of its base value (`Applied.saved`), a plain tensor
         persistent.append(Term("modules_to_save: frozen base copies (whole)", sum(t.numel for t in copies) * run.s,
                                f"{len(copies)} tensors outside FSDP2, whole on every rank"))

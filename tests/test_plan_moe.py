@@ -236,7 +236,9 @@ ROWS, SEQ = 4, 128
 
 def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
     """One rank: per model and mode of `module`'s `RANKS`, build, shard (fsdp) or not (ddp), one warm-up step, one
-    measured step."""
+    measured step. A mode is `<what> <ddp|fsdp>[ ckpt]`, what: `lora`, `full`, `qlora` (nf4) / `int8` (the base
+    quantized as the loader does: by rows under fsdp), `router` / `head` (LoRA + that module in modules_to_save);
+    an entry's `Images` gives image rows."""
     import importlib
 
     from minitrain.adapters.lora import LoRAConfig, applied, apply_lora, freeze_for_adapters

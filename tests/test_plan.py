@@ -986,7 +986,8 @@ def check_sft_step(hf: dict, targets, case: str, ckpt: bool = False, compute: st
 
 def test_qwen3_5_deltanet_memory_grows_with_the_sequence_not_its_square():
     """The DeltaNet block's saved bytes double with the sequence (the chunk fixed), where the attention
-    block's mask grows with its square; runs the plan does not model are one line."""
+    block's mask grows with its square; full fine-tuning on several ranks is planned (measured in
+    tests/test_plan_ranks.py), no longer refused."""
     shape = shape_from_hf(hf_config(**QWEN3_5))
     lin = shape.layer_types.index("linear_attention")
 
@@ -994,8 +995,7 @@ def test_qwen3_5_deltanet_memory_grows_with_the_sequence_not_its_square():
         return shape.saved_per_layer(RunShape(rows=1, seq=seq, lora_targets=ALL + DELTANET, mask=False))[lin]
 
     assert saved(8192) == 2 * saved(4096) == 4 * saved(2048)
-    with pytest.raises(UserError, match="Qwen3.5 LoRA / QLoRA and full fine-tuning runs in one process"):
-        predict(shape, RunShape(rows=1, seq=8, full=True, world=2))
+    assert predict(shape, RunShape(rows=1, seq=8, full=True, world=2)).peak > 0
 
 
 def test_plan_tool_on_a_qwen3_5_folder(tmp_path):

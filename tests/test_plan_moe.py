@@ -9,15 +9,18 @@
   router's bias): the same exact terms, what the model holds after loading a tiny MXFP4 folder (made by the
   format's rules) equal to the plan's float weights, and LoRA / full fine-tuning steps within 20%;
 - several ranks: 2 gloo ranks (as tests/test_plan_fsdp.py), a Qwen3-MoE with dense layers and gpt-oss, LoRA on
-  the experts and full fine-tuning under `parallel=fsdp` (FSDP2 shards the experts by their first dim, E) and
-  LoRA under `parallel=ddp` (the loop's bucketed all-reduce): rank 0's shards (or whole model) and AdamW state
-  equal the plan's persistent terms to the byte, and its measured step peak plus those is within 20% of the plan.
+  the experts and full fine-tuning under `parallel=fsdp` (FSDP2 shards the experts by their first dim, E), a
+  trained router (modules_to_save=gate) under fsdp and LoRA under `parallel=ddp` (the loop's bucketed all-reduce):
+  rank 0's shards (or whole model), AdamW state and modules_to_save's whole frozen copies equal the plan's
+  persistent terms to the byte, and its measured step peak plus those is within 20% of the plan.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -217,8 +220,6 @@ def test_moe_runs_the_plan_does_not_model_are_one_line():
         predict(mixtral, RunShape(rows=1, seq=8, teacher=mixtral))
     with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp"):
         predict(mixtral, RunShape(rows=2, seq=8, quantize="nf4", world=2, parallel="fsdp"))
-    with pytest.raises(UserError, match="a trained router under fsdp"):
-        predict(mixtral, RunShape(rows=2, seq=8, modules_to_save=("gate",), world=2, parallel="fsdp"))
     with pytest.raises(UserError, match="gpt-oss's experts .* are not ones minitrain quantizes"):
         predict(shape_from_hf(hf_config(**GPT_OSS)), RunShape(rows=1, seq=8, quantize="nf4"))
 
@@ -226,37 +227,41 @@ def test_moe_runs_the_plan_does_not_model_are_one_line():
 # ----------------------------------------------------------------------------- several ranks, measured
 
 # rank 0's planned / measured peak when written: Qwen3-MoE (dense layers) LoRA fsdp 1.129, full fsdp 0.984, LoRA ddp
-# 1.017; gpt-oss LoRA fsdp 1.001, full fsdp 0.989
+# 1.017, LoRA with the router trained (modules_to_save=gate) under fsdp 1.108-1.122; gpt-oss LoRA fsdp 1.001, full fsdp 0.989
 RANKS = {"qwen3_moe": (lambda: dense_config("qwen3_moe only"), ALL + ("experts.gate_up_proj",),
-                       ("lora fsdp", "full fsdp", "lora ddp")),
+                       ("lora fsdp", "full fsdp", "lora ddp", "router fsdp")),
          "gpt_oss": (lambda: hf_config(**GPT_OSS), GPT_OSS_TARGETS, ("lora fsdp", "full fsdp"))}
 ROWS, SEQ = 4, 128
 
 
 def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
     """One rank: per model and mode of `module`'s `RANKS`, build, shard (fsdp) or not (ddp), one warm-up step, one
-    measured step."""
+    measured step. A mode is `<what> <ddp|fsdp>[ ckpt]`, what: `lora`, `full`, `qlora` (nf4) / `int8` (the base
+    quantized as the loader does: by rows under fsdp), `router` / `head` (LoRA + that module in modules_to_save);
+    an entry's `Images` gives image rows."""
     import importlib
 
-    from minitrain.adapters.lora import LoRAConfig, apply_lora, freeze_for_adapters
+    from minitrain.adapters.lora import LoRAConfig, applied, apply_lora, freeze_for_adapters
     from minitrain.objectives.sft import sft
     from minitrain.parallel import distributed, fsdp
     from minitrain.plan.measure import measure_peak_allocated
 
     results = {}
-    for name, (config, targets, modes) in importlib.import_module(module).RANKS.items():
+    for name, (config, targets, modes, *images) in importlib.import_module(module).RANKS.items():
         for mode in modes:
             torch.manual_seed(0)
             model = models.from_hf_config(config())
-            if mode.startswith("qlora"):  # nf4 linears, as the loader's hook quantizes them (ddp: the whole model)
+            if quantized(mode) != "none" and mode.split()[1] == "ddp":  # as the loader's hook quantizes them
                 from minitrain.adapters.quant import quantize_hook
 
-                hook = quantize_hook("nf4", compute_dtype=torch.float32)
+                hook = quantize_hook(quantized(mode), compute_dtype=torch.float32)
                 for n, p in list(model.named_parameters()):
                     if n != "lm_head.weight" and "embed" not in n and p.dim() == 2:
                         hook(model, n, p.data)
+            elif quantized(mode) != "none":  # under fsdp: as rows FSDP2 cuts (`minitrain.adapters.quant_rows`)
+                by_rows(model, quantized(mode))
             if not mode.startswith("full"):
-                cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets))
+                cfg = LoRAConfig(r=8, alpha=16, dropout=0.0, targets=list(targets), modules_to_save=saved(mode, config))
                 apply_lora(model, cfg)
                 freeze_for_adapters(model, cfg)
             if mode.endswith("ckpt"):  # (before sharding, as `train` does)
@@ -265,8 +270,11 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
                 fsdp.shard(model, torch.device("cpu"))
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             opt = build_optimizer(named, 0.0, 1e-4)
-            ids = torch.randint(4, 2048, (ROWS // 2, SEQ), generator=torch.Generator().manual_seed(rank))
-            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+            if images:  # this rank's rows of image rows (every rank the same ones)
+                batch, n_images = images[0].batch()
+            else:
+                ids = torch.randint(4, 2048, (ROWS // 2, SEQ), generator=torch.Generator().manual_seed(rank))
+                batch, n_images = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}, None
 
             def step(model=model, opt=opt, batch=batch, named=named, ddp=mode.split()[1] == "ddp"):
                 loss, _, _ = sft(model, batch)
@@ -281,12 +289,53 @@ def ranks_worker(rank: int, out: str, module: str = "test_plan_moe") -> None:
             local = [p.to_local() if distributed.is_sharded(p) else p for p in model.parameters()]
             state = [v.to_local() if distributed.is_sharded(v) else v for st in opt.state.values() for v in st.values()]
             quant = [t for p in model.parameters() for t in quant_state_tensors(p)]
-            results[f"{name} {mode}"] = dict(
+            copies = [base for _, _, base in (applied(model).saved if applied(model) else ())]
+            rows = dict(seq=batch["input_ids"].shape[1], images=n_images, real=int(batch["attention_mask"].sum()),
+                        targets=int((batch["labels"][:, 1:] != -100).sum()))
+            results[f"{name} {mode}"] = dict(rows=rows, copies=tensor_bytes(copies),
                 frozen=tensor_bytes([t for t, p in zip(local, model.parameters()) if not p.requires_grad] + quant),
                 trained=tensor_bytes(t for t, p in zip(local, model.parameters()) if p.requires_grad),
                 optimizer=tensor_bytes(state), step_peak=peak, buffers=tensor_bytes(model.buffers()))
             del model, opt
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@dataclass(frozen=True)
+class Images:
+    """A `RANKS` entry's image rows (a multimodal folder): `batch()` -> (this rank's rows, their image tokens), and
+    the shape's fields the rows decide (Gemma 4's `max_soft_tokens`)."""
+
+    batch: Callable[[], tuple[dict, int]]
+    shape: dict = field(default_factory=dict)
+
+
+def quantized(mode: str) -> str:
+    """The base's format a mode of `RANKS` names: `qlora ...` nf4, `int8 ...` int8."""
+    return {"qlora": "nf4", "int8": "int8"}.get(mode.split()[0], "none")
+
+
+def saved(mode: str, config) -> tuple[str, ...]:
+    """The modules_to_save a mode of `RANKS` names, trained beside the LoRA targets: `router ...` the family's router
+    (Qwen's `gate`, Gemma 4's `router`), `head ...` the head."""
+    if mode.startswith("router"):
+        return (shape_from_hf(config()).ROUTER.rpartition(".")[2],)
+    return ("lm_head",) if mode.startswith("head") else ()
+
+
+def by_rows(model: torch.nn.Module, kind: str) -> None:
+    """Swap the linears for `quant_rows`' layers as a sharded load does (`replace_linears`), each weight quantized
+    whole by the layer's own `quantized`, as `minitrain.parallel.fsdp._read_rows` does before keeping a rank's rows."""
+    from minitrain.adapters.quant_rows import replace_linears
+
+    whole = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    replace_linears(model, kind, torch.float32)
+    with torch.no_grad():
+        for n, m in model.named_modules():
+            if hasattr(m, "quantized"):
+                m.to_empty(device="cpu")
+                values = {**m.quantized(whole[n].weight), "bias": whole[n].bias}
+                for k, p in m.named_parameters():
+                    p.copy_(values[k])
 
 
 def test_two_ranks_measured_against_the_plan(tmp_path):
@@ -300,22 +349,34 @@ def check_two_ranks(tmp_path: Path, module: str) -> None:
 
     launch_two(tmp_path, "ranks_worker", str(tmp_path), module, module="test_plan_moe")
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    for name, (config, targets, modes) in importlib.import_module(module).RANKS.items():
+    for name, (config, targets, modes, *images) in importlib.import_module(module).RANKS.items():
         for mode in modes:
             m = rank0[f"{name} {mode}"]
-            run = RunShape(rows=ROWS, seq=SEQ, compute="fp32", device="cpu", mask=False, lora_r=8, lora_targets=targets,
+            shape, rows = shape_from_hf(config()), m["rows"]
+            if images:  # image rows, the same on each rank (with padding); Gemma 4's budget of soft tokens
+                shape = replace(shape, **images[0].shape)
+                batch = dict(seq=rows["seq"], mask=True, image_tokens=2 * rows["images"], targets=2 * rows["targets"],
+                             real_tokens=2 * rows["real"])
+            else:
+                batch = dict(seq=SEQ, mask=False)
+            run = RunShape(rows=ROWS, **batch, compute="fp32", device="cpu", lora_r=8, lora_targets=targets,
                            full=mode.startswith("full"), world=2, parallel=mode.split()[1],
-                           quantize="nf4" if mode.startswith("qlora") else "none", checkpointing=mode.endswith("ckpt"))
-            plan = predict(shape_from_hf(config()), run)
+                           quantize=quantized(mode), checkpointing=mode.endswith("ckpt"),
+                           modules_to_save=saved(mode, config))
+            plan = predict(shape, run)
             got = {t.name: t.bytes for t in plan.persistent}
             if run.parallel == "fsdp":
                 assert m["frozen"] == got["weights: 1/N shard (FSDP2)"], (name, mode)
                 assert m["trained"] == got["trained tensors: 1/N shard"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW): 1/N shard"], (name, mode)
-            else:  # the whole model on each rank (Gemma 4's `layer_scalar` buffers among its weights)
-                held = m["frozen"] + m["trained"] + m["buffers"]
-                assert held == plan.persistent_bytes - got["gradients"] - got["optimizer (AdamW)"], (name, mode)
+                # a module_to_save's frozen base copy, whole on each rank (a plain tensor, outside FSDP2)
+                assert m["copies"] == got.get("modules_to_save: frozen base copies (whole)", 0), (name, mode)
+            else:  # the whole model on each rank (Gemma 4's `layer_scalar` buffers among its weights; the frozen
+                # copies as the base weights, the trained modules as adapters)
+                held = m["frozen"] + m["trained"] + m["buffers"] + m["copies"]
+                # (full fine-tuning: the gradients are the step's, not persistent)
+                assert held == plan.persistent_bytes - got.get("gradients", 0) - got["optimizer (AdamW)"], (name, mode)
                 assert m["optimizer"] == got["optimizer (AdamW)"], (name, mode)
-            measured = m["frozen"] + m["trained"] + m["optimizer"] + m["step_peak"]  # (gradients: within the step)
+            measured = m["frozen"] + m["trained"] + m["optimizer"] + m["copies"] + m["step_peak"]  # (gradients: in the step)
             print(f"{name} {mode}: planned / measured {plan.peak / measured:.3f} ({plan.peak_moment})")
             assert measured == pytest.approx(plan.peak, rel=0.2), (name, mode, measured, plan.peak, plan.peak_moment)

@@ -6,7 +6,10 @@
   projection and norm; the MoE sizes' experts, routers, shared expert) and the root's (Gemma 4's per-layer
   embeddings, their projection and its norm), each rank's ceil(dim 0 / N) rows, to the byte;
 - 2 gloo ranks (`test_plan_moe.ranks_worker`, as tests/test_plan_fsdp.py): LoRA under `parallel=fsdp` and
-  `parallel=ddp` (the dense sizes with checkpointing under fsdp too; dense Qwen3.5's QLoRA under ddp), rank 0's
+  `parallel=ddp` (the dense sizes with checkpointing under fsdp too; dense Qwen3.5's QLoRA under ddp; QLoRA under
+  fsdp, the base as rows: Qwen3.5 nf4, Gemma 4 int8 with its per-layer projection quantized in the root; Gemma 4
+  MoE's router and Qwen3.5's head trained under fsdp (modules_to_save), their frozen copies whole on each rank;
+  full fine-tuning under fsdp, and Qwen3.5's under ddp), rank 0's
   shards (or whole model) and AdamW state equal to the plan's persistent terms to the byte, and its measured step
   peak plus those within 20% of the plan;
 - the tool plans a rank of a Qwen3.5 folder; what the plan does not model under several ranks is one line.
@@ -14,14 +17,21 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from test_plan import (ALL, ATTN, DELTANET, EXPERTS, GEMMA4, GEMMA4_MOE, QWEN3_5, ROOT, build, hf_config, plan_cli,
                        qwen3_5_moe_config)
-from test_plan_moe import check_two_ranks
+from test_plan_moe import Images, check_two_ranks
+from test_plan_vision import FAMILIES as VISION_FAMILIES
+from test_plan_vision import GEMMA4_AUDIO, GEMMA4_VISION, IMAGE, gemma4_batch, image_batch
 
 from minitrain.errors import UserError
 from minitrain.plan import sharded
@@ -31,12 +41,31 @@ from minitrain.plan.run_shape import RunShape
 CONFIGS = {"qwen3_5": lambda: hf_config(**QWEN3_5), "qwen3_5_moe": qwen3_5_moe_config,
            "gemma4": lambda: hf_config(**GEMMA4), "gemma4_moe": lambda: hf_config(**GEMMA4_MOE)}
 TARGETS = {"qwen3_5": ALL + DELTANET, "qwen3_5_moe": ALL + DELTANET + EXPERTS, "gemma4": ("all-linear",),
-           "gemma4_moe": ALL + ("experts.gate_up_proj",)}
+           "gemma4_moe": ALL + ("experts.gate_up_proj",), "qwen3_5_vl": ALL + DELTANET, "gemma4_vl": ALL}
+
+
+@functools.cache
+def vl_config(family: str) -> dict:
+    """A multimodal folder's config.json as transformers writes it: tests/test_plan_vision.py's Qwen3.5 and its
+    Gemma 4 (test_plan's language model, a tower of 16-pixel patches pooled 4 x 4)."""
+    d = Path(tempfile.mkdtemp())
+    if family == "gemma4_vl":  # (as test_plan_vision's `gemma4` fixture)
+        text = {k: v for k, v in hf_config(**GEMMA4, vocab_size=160).items() if k != "model_type"}
+        transformers.Gemma4Config(text_config=text, vision_config=GEMMA4_VISION, audio_config=GEMMA4_AUDIO,
+                                  image_token_id=IMAGE, video_token_id=151, audio_token_id=154, boi_token_id=152,
+                                  eoi_token_id=153, boa_token_id=155, eoa_token_index=156).save_pretrained(d)
+    else:
+        VISION_FAMILIES["qwen3_5"]().save_pretrained(d)
+    out = json.loads((d / "config.json").read_text())
+    shutil.rmtree(d)
+    return out
+
 # the shards only: Qwen3.5's attention_bias (the gated q_proj's bias 2 x the heads wide; none on DeltaNet's), a
 # 31B-shaped Gemma 4 (no per-layer inputs, no kv-shared layers)
 SHARDED = {**CONFIGS, "qwen3_5 bias": lambda: hf_config(**QWEN3_5, attention_bias=True),
            "gemma4 31b": lambda: hf_config(**{**GEMMA4, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
-                                              "use_double_wide_mlp": False})}
+                                              "use_double_wide_mlp": False}),
+           "qwen3_5_vl": lambda: vl_config("qwen3_5_vl"), "gemma4_vl": lambda: vl_config("gemma4_vl")}
 
 
 def rows(t: torch.Tensor, world: int) -> int:
@@ -48,33 +77,35 @@ def rows(t: torch.Tensor, world: int) -> int:
 @pytest.mark.parametrize("name", list(SHARDED))
 def test_shards_exact_against_the_built_model(name, world):
     """Every parameter of each block and of the root, frozen and trained, as the plan lists them, against the model
-    built from config.json with LoRA on the family's linears (Gemma 4: all-linear, its root's projection too)."""
+    built from config.json with LoRA on the family's linears (Gemma 4: all-linear, its root's projection too; a
+    multimodal folder's root: its tower, by the shapes the model holds, Gemma 4's (2, positions, Dv) table too)."""
     hf, targets = SHARDED[name](), TARGETS[name.split()[0]]
     model = build(hf, torch.float32, targets, r=8)
     run = RunShape(rows=world, seq=8, compute="fp32", lora_r=8, lora_targets=targets, world=world,
                    parallel="fsdp")
     root, blocks = sharded.parameters(shape_from_hf(hf), run)
-    layers = model.model.layers
+    layers = [m for m in model.modules() if isinstance(m, tuple(model.block_types))]  # (what `fsdp.shard` wraps)
     assert len(blocks) == len(layers)
     for layer, planned in zip(layers, blocks):
         for trained in (False, True):
             held = [p for p in layer.parameters() if p.requires_grad == trained]
             assert sorted(rows(p, world) for p in held) == sorted(
                 t.shard_bytes(world) for t in planned if t.trainable == trained), (name, trained)
-    in_blocks = {id(p) for p in layers.parameters()}
+    in_blocks = {id(p) for layer in layers for p in layer.parameters()}
     held = [p for p in model.parameters() if id(p) not in in_blocks]
     assert sorted((rows(p, world), p.requires_grad) for p in held) == sorted(
         (t.shard_bytes(world), t.trainable) for t in root)
 
 
 def test_runs_the_plan_does_not_model_on_several_ranks_are_one_line():
-    qwen, gemma_moe = shape_from_hf(hf_config(**QWEN3_5)), shape_from_hf(hf_config(**GEMMA4_MOE))
-    with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp: the memory plan models Qwen3.5 runs"):
-        predict(qwen, RunShape(rows=2, seq=8, quantize="nf4", lora_targets=ATTN, world=2, parallel="fsdp"))
-    with pytest.raises(UserError, match="a trained router under fsdp"):
-        predict(gemma_moe, RunShape(rows=2, seq=8, modules_to_save=("router",), world=2, parallel="fsdp"))
-    with pytest.raises(UserError, match="not finetune=full"):
-        predict(qwen, RunShape(rows=2, seq=8, full=True, world=2, parallel="fsdp"))
+    vl = shape_from_hf(vl_config("qwen3_5_vl"))
+    with pytest.raises(UserError, match=r"\(not finetune=full on several ranks\)"):
+        predict(vl, RunShape(rows=2, seq=8, full=True, world=2, parallel="ddp"))
+    with pytest.raises(UserError, match="not quantize=nf4 under fsdp: the tower's linears are quantized by rows too"):
+        predict(vl, RunShape(rows=2, seq=8, quantize="nf4", world=2, parallel="fsdp"))
+    for moe in (shape_from_hf(qwen3_5_moe_config()), shape_from_hf(hf_config(**GEMMA4_MOE))):  # the run refuses it
+        with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp: a mixture-of-experts run refuses it"):
+            predict(moe, RunShape(rows=2, seq=8, quantize="nf4", lora_targets=ATTN, world=2, parallel="fsdp"))
 
 
 def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
@@ -84,6 +115,9 @@ def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
     out = plan_cli(*args)
     assert out.returncode == 0, out.stderr
     assert "rank 0 of 2 (fsdp)" in out.stdout and "weights: 1/N shard (FSDP2)" in out.stdout
+    qlora = plan_cli(*args, "quantize=nf4")
+    assert qlora.returncode == 0 and "nf4 bytes" in qlora.stdout, qlora.stderr
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_5_moe_config()))
     bad = plan_cli(*args, "quantize=nf4")
     assert bad.returncode == 2 and bad.stderr.startswith("error: quantize=nf4 with parallel=fsdp") and bad.stderr.count(
         "\n") == 1
@@ -94,8 +128,24 @@ def test_plan_tool_plans_a_rank_of_a_qwen3_5_folder(tmp_path):
 # rank 0's planned / measured peak when written (fsdp, ddp, fsdp with checkpointing): Qwen3.5 1.009-1.020, 1.004,
 # 1.039 (QLoRA under ddp, nf4 linears as the loader's hook makes them: 1.005); its MoE size 1.014-1.024, 1.014;
 # Gemma 4 1.022, 1.014, 1.108; its MoE size 0.946-1.025 (three runs), 1.025
-MORE = {"qwen3_5": ("qlora ddp", "lora fsdp ckpt"), "gemma4": ("lora fsdp ckpt",)}
+# QLoRA under fsdp (the base as rows, `quant_rows`: Qwen3.5 nf4, Gemma 4 int8, whose per-layer projection reads
+# P = 32 inputs, not a whole nf4 block): 1.018-1.038, 1.003
+# Gemma 4's MoE size with its router trained (modules_to_save=router: proj, scale, per-expert scale) under fsdp: 1.001;
+# full fine-tuning (fp32 master weights, gradients, AdamW): Qwen3.5 fsdp 1.016-1.020, ddp 1.012; Gemma 4 fsdp
+# 0.988-1.039; its MoE size fsdp 0.929-0.978 (not kept, for the time: Qwen3.5's MoE size fsdp 1.008, Gemma 4 ddp
+# 1.028, its MoE size ddp 0.997)
+# the head trained (modules_to_save=lm_head) under fsdp: cut by rows, its frozen copy whole on each rank: 1.032
+MORE = {"qwen3_5": ("qlora ddp", "lora fsdp ckpt", "qlora fsdp", "full fsdp", "full ddp", "head fsdp"),
+        "gemma4": ("lora fsdp ckpt", "int8 fsdp", "full fsdp"),
+        "gemma4_moe": ("router fsdp", "full fsdp")}
 RANKS = {name: (CONFIGS[name], TARGETS[name], ("lora fsdp", "lora ddp") + MORE.get(name, ())) for name in CONFIGS}
+# multimodal folders (LoRA on the language model, the tower frozen in FSDP2's root), on image rows (row 1 padded;
+# Gemma 4's 16 images of 4 soft tokens a row): Qwen3.5 fsdp 1.031-1.124, Gemma 4 fsdp 1.099 (not kept, for the
+# time: Qwen3.5 ddp 1.103, Gemma 4 ddp 1.103, Gemma 4 with large images and checkpointing under fsdp 1.195)
+RANKS["qwen3_5_vl"] = (lambda: vl_config("qwen3_5_vl"), TARGETS["qwen3_5_vl"], ("lora fsdp",),
+                       Images(lambda: image_batch("qwen3_5")))
+RANKS["gemma4_vl"] = (lambda: vl_config("gemma4_vl"), TARGETS["gemma4_vl"], ("lora fsdp",),
+                      Images(lambda: gemma4_batch(8, 16), dict(max_soft_tokens=4)))
 
 
 def test_two_ranks_measured_against_the_plan(tmp_path):

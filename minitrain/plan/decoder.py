@@ -293,19 +293,14 @@ class ByBlock:
         return [V * D] * (1 if self.tie_word_embeddings else 2) + blocks + [D]
 
     def check_run(self, run: "RunShape") -> None:
-        several = run.world > 1 or run.parallel == "fsdp"
         refused = [what for what, asked in (("finetune=full", run.full and not self.FULL),
-                                            ("finetune=full on several ranks", run.full and self.FULL and several),
                                             ("a teacher", run.teacher is not None),
                                             ("GRPO's sampler", run.sample_rows and not self.SAMPLER)) if asked]
         if refused:
-            what = ("LoRA / QLoRA and full fine-tuning runs in one process, and LoRA / QLoRA runs on several ranks"
+            what = ("LoRA / QLoRA and full fine-tuning runs, in one process and on several ranks"
                     if self.FULL else "LoRA / QLoRA runs in one process and on several ranks")
             raise UserError(f"the memory plan models {self.FAMILY} {what} (not {', '.join(refused)}) — "
                             "memory_check=false skips the plan")
-        if run.parallel == "fsdp" and run.quantize != "none":
-            raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models {self.FAMILY} runs "
-                            "on a float base under fsdp — memory_check=false skips the plan")
 
 
 # ----------------------------------------------------------------------------- weights and adapters

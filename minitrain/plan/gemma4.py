@@ -27,15 +27,15 @@ Full fine-tuning (`finetune=full`): every parameter in fp32 with its gradient an
 `layer_scalar` is a buffer, a weight never trained); a block keeps LLaMA's full terms, the two more sandwich
 norms' (and PLE's) normalised inputs and the inputs of the per-layer input's gate and projection.
 
-Modelled: LoRA / QLoRA runs, in one process and on several ranks, and full fine-tuning runs in one process, of the
+Modelled: LoRA / QLoRA runs and full fine-tuning runs, in one process and on several ranks, of the
 dense sizes and the MoE size (its experts quantized each expert apart under nf4 / int8, as `minitrain.plan.moe`
 counts them); distillation and GRPO's sampler are refused with one line. Measured against the CPU on SFT steps
 (fp32, fp32 with checkpointing, bf16 autocast; full fine-tuning and the MoE size's QLoRA in
 tests/test_plan_hybrid.py). Several ranks (`minitrain.plan.sharded`): a kv-shared block without k / v or k norm,
 the per-layer input's norm (`block_vectors`), the MoE size's router scales and three more norms (`block_tensors`),
 and in the root the per-layer embeddings, their projection and its norm (`root_tensors`; `layer_scalar` is a
-buffer, whole on each rank and not in the fsdp shards); LoRA under ddp and fsdp measured on 2 gloo ranks
-(tests/test_plan_ranks.py), QLoRA under fsdp refused. On CUDA one bool mask is counted where sliding and global
+buffer, whole on each rank and not in the fsdp shards); LoRA, QLoRA under fsdp (the dense size: the base by rows, the
+projection too) and full fine-tuning measured on 2 gloo ranks (tests/test_plan_ranks.py). On CUDA one bool mask is counted where sliding and global
 layers build two.
 """
 

@@ -27,9 +27,12 @@ weight gradients besides LLaMA's full terms.
 (`minitrain.plan.gemma4`: its experts and router under their own module names, `EXPERTS` / `ROUTER`) add them too.
 Several ranks: `minitrain.plan.sharded` (ddp: the whole model per rank; fsdp: FSDP2 shards each expert weight,
 expert adapter and router by its first dim, E, with the block that holds it: `block_tensors`).
-Modelled: LoRA / QLoRA and full fine-tuning in one process and under ddp, LoRA and full fine-tuning on a float
-base under fsdp (measured against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in
-tests/test_plan_moe.py; Qwen3.5's and Gemma 4's MoE sizes, LoRA on 2 ranks, in tests/test_plan_ranks.py). A teacher, QLoRA under fsdp and a trained router under fsdp are refused with one line.
+Modelled: LoRA / QLoRA and full fine-tuning in one process and under ddp, LoRA (a trained router too:
+modules_to_save, its frozen copy whole on each rank) and full fine-tuning on a float base under fsdp (measured
+against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in tests/test_plan_moe.py; Qwen3.5's
+and Gemma 4's MoE sizes, LoRA and Gemma 4's trained router on 2 ranks, in tests/test_plan_ranks.py). A teacher
+is refused with one line, and so is QLoRA under fsdp: the run itself refuses it (`minitrain.run`: the experts are
+quantized whole per expert, not as rows FSDP2 can cut), so there is nothing to plan.
 gpt-oss: `minitrain.plan.gpt_oss`, over these terms.
 """
 
@@ -186,11 +189,9 @@ def check_moe_run(shape: ExpertBlocks, run: RunShape) -> None:
         raise UserError("the memory plan models mixture-of-experts runs without a teacher — memory_check=false skips "
                         "the plan")
     if run.parallel == "fsdp" and run.quantize != "none" and not run.full:
-        raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models mixture-of-experts runs "
-                        "on a float base under fsdp — memory_check=false skips the plan")
-    if run.parallel == "fsdp" and not run.full and any(matches(shape.ROUTER, m) for m in run.modules_to_save):
-        raise UserError(f"modules_to_save={','.join(run.modules_to_save)} with parallel=fsdp: the memory plan does not "
-                        "model a trained router under fsdp — memory_check=false skips the plan")
+        raise UserError(f"quantize={run.quantize} with parallel=fsdp: a mixture-of-experts run refuses it (its experts "
+                        "are quantized whole per expert, not as rows FSDP2 can cut), so the plan does not model it — "
+                        "use parallel=ddp with quantize=")
 
 
 class SharedExpert:

@@ -36,15 +36,15 @@ Full fine-tuning (`finetune=full`): every weight in fp32 with its gradient and A
 by block); an attention block keeps LLaMA's full terms and o_proj's own input, a DeltaNet block its linears' inputs,
 its convolution's input and its gated norm's normalised value (`full_block_saved`).
 
-Modelled: LoRA / QLoRA runs in one process and on several ranks, and full fine-tuning in one process; measured
+Modelled: LoRA / QLoRA runs and full fine-tuning, in one process and on several ranks; measured
 against the CPU (tests/test_plan.py, tests/test_plan_hybrid.py) on SFT steps (fp32, bf16 autocast, checkpointing,
 rows several chunks long); DPO / KTO use the same terms, unmeasured for this family (a shared-prompt row, which runs
 as one row per sequence, is not modelled). GRPO's sampler: its hybrid cache (`sampler_cache`: the attention layers'
 keys and values, the DeltaNet layers' states), equal to what the cache holds after sampling; a GRPO step's peak is
 not measured for this family. Several ranks (`minitrain.plan.sharded`): a DeltaNet block's conv1d, dt_bias, A_log
-and gated norm (`block_tensors`, `block_vectors`) sharded with its linears; LoRA under ddp and fsdp (and QLoRA under
-ddp) measured on 2 gloo ranks (tests/test_plan_ranks.py); QLoRA under fsdp, full fine-tuning on several ranks and
-distillation are refused with one line.
+and gated norm (`block_tensors`, `block_vectors`) sharded with its linears; LoRA, QLoRA (under fsdp the base by rows)
+and full fine-tuning under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py); distillation is
+refused with one line (and QLoRA under fsdp on the MoE sizes: `minitrain.plan.moe`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
 
 - persistent, 1/N: FSDP2 shards dim 0 of every parameter, padded to a multiple of N, so a rank
   holds ceil(rows / N) rows of each (a norm of D values: ceil(D / N)); frozen base weights and
-  trained tensors alike. A quantized base is held by rows (`minitrain.adapters.quant_rows`): nf4 as
+  trained tensors alike. A quantized base is held by rows (`minitrain.adapters.quant_rows`; Gemma 4's root holds
+  a linear the loader quantizes too, `ROOT_LINEARS`): nf4 as
   (out, in / 2) bytes of codes + (out, in / 64) fp32 scales (double quantization's nested scales
   stored dequantized), int8 as (out, in) int8 + (out,) fp32 scales; sharded the same way.
   The sharded gradients (one flat reduce-scatter output per block, padded) and AdamW's two moments
@@ -49,14 +50,26 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
 - the optimizer step updates the shards: AdamW's foreach temporaries are 1/N.
 
 A mixture-of-experts block (`minitrain.plan.moe`, `minitrain.plan.gpt_oss`) holds its experts' 3-D weights, router
-and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank); blocks that differ (Qwen's
+and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank). A block's module in
+`modules_to_save` (a router: `gate`, Gemma 4's `router`) trains its own tensors there, sharded as the rest
+(`saved_by`); `apply_lora`'s frozen copy of each (`Applied.saved`, what `disable_adapters` puts back) is a plain
+tensor outside FSDP2, whole on every rank in the load dtype. So with the embeddings, the head or the final norm in
+`modules_to_save`: the trained tensor is the sharded one, its frozen copy whole. Blocks that differ (Qwen's
 dense layers among the sparse ones) are each their own, and the gathered block is the largest one. A hybrid's
 blocks differ by kind too (Qwen3.5's DeltaNet and attention layers, Gemma 4's kv-shared ones: each block's
 `block_vectors` and `block_tensors`), and a root may hold more than the vocabulary (Gemma 4's per-layer
 embeddings: `root_tensors`).
 
+A multimodal folder (`minitrain.plan.vision`: Qwen3.5's, Gemma 4's) keeps its tower in FSDP2's root (`fsdp.shard`
+wraps only the language model's blocks): the tower's parameters, by their shapes (`root_tensors`), are 1/N shards
+and gathered whole with the root; rank 0's image tokens are its share of the run's.
+
 Not modelled under fsdp: T5 (the plan covers the decoder-only families there), the reference
-model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process).
+model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process); buffers (Gemma 4's
+layer scalars, its tower's clip bounds) are whole on every rank and not counted. Refused (`check_run`): QLoRA of a
+mixture of experts (the run refuses it: its experts are quantized whole per expert), a multimodal folder's full
+fine-tuning on several ranks (its trained tower's gradients in the root: not measured) and its `quantize=` under
+fsdp (the tower's linears are quantized by rows too, which the tower's terms count in the compute dtype).
 """
 
 from __future__ import annotations
@@ -70,15 +83,21 @@ if TYPE_CHECKING:
     from minitrain.plan.decoder import ModelShape
 
 
+# the root's linears beside the head (`root_tensors`), which the loader quantizes as it does the blocks' linears
+ROOT_LINEARS = ("model.per_layer_model_projection",)  # Gemma 4's projection of the per-layer inputs
+
+
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter: its shape (dim 0 is what FSDP2 shards), bytes per element, and whether it trains.
-    A quantized weight is one flat row of its bytes (`elem` 1)."""
+    """One parameter: its shape (dim 0 is what FSDP2 shards), bytes per element, and whether it trains (`saved`: as
+    a module of `modules_to_save`, whose frozen copy `apply_lora` keeps). A quantized weight is one flat row of its
+    bytes (`elem` 1)."""
 
     name: str
     shape: tuple[int, ...]
     elem: int
     trainable: bool = False
+    saved: bool = False
 
     @property
     def numel(self) -> int:
@@ -113,6 +132,7 @@ def local_run(run: RunShape) -> RunShape:
                    targets=None if run.targets is None else per_rank(run.targets, N),
                    real_tokens=None if run.real_tokens is None else per_rank(run.real_tokens, N),
                    reference_rows=run.reference_rows and per_rank(run.reference_rows, N),
+                   image_tokens=None if run.image_tokens is None else per_rank(run.image_tokens, N),
                    sample_rows=per_rank(run.sample_rows, N))
 
 
@@ -144,15 +164,22 @@ def parameters(model: ModelShape, run: RunShape) -> tuple[list[Tensor], list[lis
     if not model.tie_word_embeddings:
         root.append(Tensor("lm_head", (V, D), s, full))  # (names: `vocab` below)
     root.append(Tensor("norm", (D,), s, full))
-    root += [Tensor(name, shape, a if trained and not full else s, trained)
-             for name, shape, trained in model.root_tensors(run)]
-    if not full:
-        for m in run.modules_to_save:  # a trained copy beside the frozen one
-            if matches("lm_head", m) or matches("model.embed_tokens", m):
-                root.append(Tensor(m, (V, D), a, True))
-            elif matches("model.norm", m):
-                root.append(Tensor(m, (D,), a, True))
+    for name, shape, trained in model.root_tensors(run):
+        if name in ROOT_LINEARS:  # (out, in): quantized as a block's linears are
+            root += _linear(name, shape[1], shape[0], run)
+        else:
+            root.append(Tensor(name, shape, a if trained and not full else s, trained))
+    if not full:  # the embeddings, the head (tied: the embeddings) or the final norm in modules_to_save
+        modules = {"embed_tokens": ("model.embed_tokens",) + (("lm_head",) if model.tie_word_embeddings else ()),
+                   "lm_head": ("lm_head",), "norm": ("model.norm",)}
+        root = [_trained(t, run) if any(matches(n, m) for n in modules.get(t.name, ()) for m in run.modules_to_save)
+                else t for t in root]
     return root, blocks
+
+
+def _trained(t: Tensor, run: RunShape) -> Tensor:
+    """`t` trained in place as a module of `modules_to_save` (in the adapters' dtype)."""
+    return replace(t, trainable=True, elem=DTYPE_BYTES[run.adapter_dtype], saved=True)
 
 
 def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
@@ -162,30 +189,43 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
     full = run.full
     s = 4 if full else run.s
     a = DTYPE_BYTES[run.adapter_dtype]
-    block: list[Tensor] = []
-    for name, (i, o) in model.linears().items():
-        if run.quantize == "none" or full:
-            block.append(Tensor(name, (o, i), s, full))
-        elif run.quantize == "nf4":  # `minitrain.adapters.quant_rows.NF4Rows`: codes and fp32 scales, by rows
-            block += [Tensor(name, (o, -(-i // 2)), 1), Tensor(name + ".absmax", (o, -(-i // NF4_BLOCK)), 4)]
-        elif run.quantize == "int8":  # `Int8Rows`: int8 rows and one fp32 scale per row
-            block += [Tensor(name, (o, i), 1), Tensor(name + ".scb", (o,), 4)]
-        else:  # (ternary is refused under fsdp: 1/N of its bytes)
-            b, _ = linears_bytes([(i, o, 1)], run)
-            block.append(Tensor(name, (b,), 1))
+    block = [t for name, (i, o) in model.linears().items() for t in _linear(name, i, o, run)]
     block += [Tensor(n, (d,), s, full) for n, d in model.block_vectors()]
+    block += [Tensor(name, shape, a if trained and not full else s, trained)
+              for name, shape, trained in model.block_tensors(run)]
+    if not full:  # a module of the block in modules_to_save (an MoE's router): its own tensors train
+        block = [_trained(t, run) if saved_by(t, run) else t for t in block]
     if not full:
         lin = model.linears()
         for name in adapted_linears(model, run.lora_targets):
             i, o = lin[name]
             r = run.rank(i, o)
             block += [Tensor(name + ".lora_A", (r, i), a, True), Tensor(name + ".lora_B", (o, r), a, True)]
-    return block + [Tensor(name, shape, a if trained and not full else s, trained)
-                    for name, shape, trained in model.block_tensors(run)]
+    return block
+
+
+def saved_by(t: Tensor, run: RunShape) -> bool:
+    """Whether `t`, a block's tensor, belongs to a module `run.modules_to_save` names (`mlp.gate.weight`: `gate`)."""
+    from minitrain.plan.decoder import matches
+
+    owner = t.name.rpartition(".")[0]
+    return any(matches(owner, m) for m in run.modules_to_save)
+
+
+def _linear(name: str, i: int, o: int, run: RunShape) -> list[Tensor]:
+    """A frozen linear's weight (in -> out) in the run's format (full fine-tuning: fp32, trained)."""
+    if run.quantize == "none" or run.full:
+        return [Tensor(name, (o, i), 4 if run.full else run.s, run.full)]
+    if run.quantize == "nf4":  # `minitrain.adapters.quant_rows.NF4Rows`: codes and fp32 scales, by rows
+        return [Tensor(name, (o, -(-i // 2)), 1), Tensor(name + ".absmax", (o, -(-i // NF4_BLOCK)), 4)]
+    if run.quantize == "int8":  # `Int8Rows`: int8 rows and one fp32 scale per row
+        return [Tensor(name, (o, i), 1), Tensor(name + ".scb", (o,), 4)]
+    b, _ = linears_bytes([(i, o, 1)], run)  # (ternary is refused under fsdp: 1/N of its bytes)
+    return [Tensor(name, (b,), 1)]
 
 
 def vocab(root: list[Tensor]) -> list[Tensor]:
-    """The root's vocabulary matrices: the embeddings, the head and a trained copy of either (modules_to_save)."""
+    """The root's vocabulary matrices: the embeddings and the head."""
     from minitrain.plan.decoder import matches
 
     return [t for t in root if matches("lm_head", t.name) or matches("model.embed_tokens", t.name)]
@@ -231,6 +271,10 @@ def fsdp_plan(model: ModelShape, run: RunShape, local: Plan) -> Plan:
     shard_grads = Term("gradients: 1/N shard", _sum(grads, "shard", N), "reduce-scatter outputs, fp32")
     if not run.full:
         persistent.append(shard_grads)
+    copies = [t for t in every if t.saved]
+    if copies:  # `apply_lora` keeps each a frozen copy of its base value (`Applied.saved`), a plain tensor
+        persistent.append(Term("modules_to_save: frozen base copies (whole)", sum(t.numel for t in copies) * run.s,
+                               f"{len(copies)} tensors outside FSDP2, whole on every rank"))
     for t in local.persistent:  # what FSDP does not shard here
         if t.name.startswith("teacher") or t.name.startswith("DPO reference"):
             persistent.append(t)

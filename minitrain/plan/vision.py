@@ -29,6 +29,12 @@ language model only: `finetune=full` and a regular-expression `lora_targets` rea
 
 `RunShape.image_tokens`: the placeholders in a micro-batch; None (what `run_shape` gives a recipe) counts
 every position of every row as one: the worst case, since how many images a row holds is the data's.
+Several ranks (multimodal Qwen3.5 and Gemma 4, `WithTowerByBlock`; LoRA / QLoRA on the language model, the tower
+frozen): `minitrain.plan.sharded`, the tower's parameters in FSDP2's root (`Tower.shapes`, `root_tensors`: the
+shapes the model holds, dim 0 what FSDP2 cuts), measured on 2 gloo ranks (tests/test_plan_ranks.py). Refused there:
+full fine-tuning (its tower's gradients in the root, unmeasured) and `quantize=` under fsdp (the tower's linears
+are quantized by rows too); the other vision-language families on several ranks.
+
 Modelled: LoRA / QLoRA on the language model and full fine-tuning in one process (multimodal Gemma 4: LoRA / QLoRA
 only), measured against the CPU
 (tests/test_plan_vision.py) on image rows; bf16 full fine-tuning counts the tower's activations as fp32
@@ -40,6 +46,7 @@ in the compute dtype (notes say so).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -68,14 +75,16 @@ _QWEN3_TOWERS = {"qwen3_vl": _QWEN3, "qwen3_vl_moe": _QWEN3,
 _BLOCK = {"qwen2_5_vl": (13, 4, 2), "gemma3": (8, 2, 4), **dict.fromkeys(_QWEN3_TOWERS, (11, 2, 4))}
 
 
-def _linear(i: int, o: int) -> list[int]:
-    return [o * i, o]
+def _linear(i: int, o: int) -> list[tuple[int, ...]]:
+    """A linear's weight (out, in) and bias, as the model holds them."""
+    return [(o, i), (o,)]
 
 
 @dataclass(frozen=True)
 class Tower:
-    """A vision tower's dims as the plan counts them: `tensors` the numel of each parameter (the merger or
-    projector's too), `outside` the floats per patch kept outside the blocks when it trains."""
+    """A vision tower's dims as the plan counts them: `shapes` each parameter's (the merger or projector's too; dim 0
+    first, as the model holds it: what FSDP2 shards), `buffers` the numel of each buffer (whole on every rank),
+    `outside` the floats per patch kept outside the blocks when it trains."""
 
     kind: str
     depth: int
@@ -84,8 +93,14 @@ class Tower:
     heads: int
     patch_values: int  # pixel values per patch (C t p p)
     patches_per_token: int  # patches behind one image placeholder
-    tensors: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
     outside: float
+    buffers: tuple[int, ...] = ()
+
+    @property
+    def tensors(self) -> list[int]:
+        """The numel of each parameter and buffer."""
+        return [math.prod(t) for t in self.shapes] + list(self.buffers)
 
     @classmethod
     def from_hf(cls, kind: str, d: dict[str, Any], text_width: int, tokens_per_image: int) -> "Tower":
@@ -96,10 +111,10 @@ class Tower:
             Dv, F, C, p = v["hidden_size"], v["intermediate_size"], v["num_channels"], v["patch_size"]
             side = v["image_size"] // p
             k2 = side * side // tokens_per_image  # the average pool's kernel, squared
-            layer = [Dv, Dv, Dv, Dv] + 4 * _linear(Dv, Dv) + _linear(Dv, F) + _linear(F, Dv)
+            layer = [(Dv,)] * 4 + 4 * _linear(Dv, Dv) + _linear(Dv, F) + _linear(F, Dv)
             # the patch convolution, the position table, the layers, post_layernorm, the projector's norm and matrix
-            tensors = ([Dv * C * p * p, Dv, side * side * Dv] + layer * v["num_hidden_layers"]
-                       + [Dv, Dv, Dv, Dv * text_width])
+            tensors = ([(Dv, C * p * p), (Dv,), (side * side, Dv)] + layer * v["num_hidden_layers"]
+                       + [(Dv,)] * 3 + [(Dv, text_width)])
             # post_layernorm (input, output, 2 stats), the pool's input copy, the pooled tokens' RMSNorm
             outside = 3 * Dv + 2 + (3 * Dv + 1) / k2
             return cls(kind, v["num_hidden_layers"], Dv, F, v["num_attention_heads"], C * p * p, k2, tuple(tensors),
@@ -111,17 +126,17 @@ class Tower:
         attn = _linear(Dv, 3 * Dv) + _linear(Dv, Dv)
         if kind in _QWEN3_TOWERS:
             deep = len(v["deepstack_visual_indexes"])
-            block = [Dv] * 4 + attn + _linear(Dv, F) + _linear(F, Dv)
-            merger = [Dv, Dv] + _linear(M, M) + _linear(M, Do)
-            deep_merger = [M, M] + _linear(M, M) + _linear(M, Do)
-            tensors = ([Dv * patch, Dv, v["num_position_embeddings"] * Dv] + block * v["depth"] + merger
+            block = [(Dv,)] * 4 + attn + _linear(Dv, F) + _linear(F, Dv)
+            merger = [(Dv,)] * 2 + _linear(M, M) + _linear(M, Do)
+            deep_merger = [(M,)] * 2 + _linear(M, M) + _linear(M, Do)
+            tensors = ([(Dv, patch), (Dv,), (v["num_position_embeddings"], Dv)] + block * v["depth"] + merger
                        + deep_merger * deep)
             # rotary tables, the position taps (int64 index + fp32 weights), the merger (LayerNorm input, output,
             # 2 stats; fc1's output and GELU's) and each DeepStack merger (its norm's output + stats, fc1, GELU)
             outside = 2 * hd + 12 + 4 * Dv + 2 + deep * (3 * Dv + 2 / (m * m))
         else:
-            block = [Dv, Dv] + attn + 2 * _linear(Dv, F) + _linear(F, Dv)
-            tensors = [Dv * patch] + block * v["depth"] + [Dv] + _linear(M, M) + _linear(M, Do)
+            block = [(Dv,)] * 2 + attn + 2 * _linear(Dv, F) + _linear(F, Dv)
+            tensors = [(Dv, patch)] + block * v["depth"] + [(Dv,)] + _linear(M, M) + _linear(M, Do)
             outside = 2 * hd + 5 * Dv + 1  # rotary tables; the merger's RMSNorm (3 Dv + 1), fc1 and GELU
         return cls(kind, v["depth"], Dv, F, v["num_heads"], patch, m * m, tuple(tensors), outside)
 
@@ -129,17 +144,17 @@ class Tower:
     def gemma4(cls, d: dict[str, Any], text_width: int) -> "Tower":
         """Gemma 4's tower (models/gemma4_vl.py): the patch embedder (`input_proj`, the x / y position table), the
         sandwich blocks (q / k / v / o, q / k norms, four norms, GeGLU), the clipped linears' bounds and the
-        standardisation's buffers when the config has them, `embed_vision`'s projection. Each image is padded to
+        standardisation's buffers when the config has them (`buffers`), `embed_vision`'s projection. Each image is padded to
         the budget (`max_soft_tokens` k**2 patches): an image that fills it has k**2 patches a soft token; a patch's
         values come with its int64 (x, y) position (4 floats' bytes)."""
         v = {**_GEMMA4, **d}
         Dv, F, H, hd, p = v["hidden_size"], v["intermediate_size"], v["num_attention_heads"], v["head_dim"], v["patch_size"]
         clips = 7 * 4 if v.get("use_clipped_linears") else 0  # input / output min / max of each linear
-        layer = [Dv * H * hd] * 4 + [hd, hd] + [Dv] * 4 + [Dv * F] * 3 + [1] * clips
-        tensors = ([3 * p * p * Dv, 2 * v["position_embedding_size"] * Dv] + layer * v["num_hidden_layers"]
-                   + [Dv] * (2 if v.get("standardize") else 0) + [Dv * text_width])
+        layer = [(H * hd, Dv)] * 3 + [(Dv, H * hd), (hd,), (hd,)] + [(Dv,)] * 4 + [(F, Dv)] * 2 + [(Dv, F)]
+        tensors = [(Dv, 3 * p * p), (2, v["position_embedding_size"], Dv)] + layer * v["num_hidden_layers"]
+        buffers = [1] * clips * v["num_hidden_layers"] + [Dv] * (2 if v.get("standardize") else 0)
         return cls("gemma4", v["num_hidden_layers"], Dv, F, H, 3 * p * p + 4, v["pooling_kernel_size"] ** 2,
-                   tuple(tensors), 0.0)
+                   tuple(tensors + [(text_width, Dv)]), 0.0, tuple(buffers))
 
     def saved_per_patch(self) -> float:
         """Floats a trained tower keeps for backward per patch (all its blocks and the rest)."""
@@ -165,11 +180,25 @@ class WithTower:
         per_image = int(d.get("mm_tokens_per_image", 256))
         return replace(shape, tower=Tower.from_hf(kind, vision, shape.hidden_size, per_image))
 
+    RANKS: ClassVar[bool] = False  # whether LoRA on several ranks is modelled (multimodal Qwen3.5, Gemma 4)
+
     def check_run(self, run: RunShape) -> None:
-        if run.world > 1 or run.parallel == "fsdp" or run.teacher is not None or run.sample_rows:
+        several = run.world > 1 or run.parallel == "fsdp"
+        ranks = several and self.RANKS
+        refused = [what for what, asked in (
+            ("several ranks", several and not self.RANKS), ("finetune=full on several ranks", ranks and run.full),
+            (f"quantize={run.quantize} under fsdp: the tower's linears are quantized by rows too",
+             ranks and run.parallel == "fsdp" and run.quantize != "none"),
+            ("a teacher", run.teacher is not None), ("GRPO's sampler", run.sample_rows)) if asked]
+        if refused:
             raise UserError("the memory plan models vision-language LoRA / QLoRA and full fine-tuning runs in one "
-                            "process (not several ranks, a teacher or GRPO's sampler) — memory_check=false skips the "
-                            "plan")
+                            "process, and multimodal Qwen3.5's and Gemma 4's LoRA on several ranks (not "
+                            f"{', '.join(refused)}) — memory_check=false skips the plan")
+
+    def root_tensors(self, run: RunShape) -> list[tuple[str, tuple[int, ...], bool]]:
+        """The text family's, + the tower's parameters (its merger / projector's too): FSDP2's root holds them
+        (`minitrain.parallel.fsdp.shard` wraps only the language model's blocks)."""
+        return super().root_tensors(run) + [(f"vision.{i}", shape, run.full) for i, shape in enumerate(self.tower.shapes)]
 
     def image_tokens(self, run: RunShape) -> int:
         return run.rows * run.seq if run.image_tokens is None else run.image_tokens
@@ -257,7 +286,10 @@ class Gemma3VLShape(WithTower, GemmaShape):
 
 
 class WithTowerByBlock(WithTower):
-    """Multimodal Qwen3.5 and Gemma 4: the tower's terms over the text plan, whose refusals hold too."""
+    """Multimodal Qwen3.5 and Gemma 4: the tower's terms over the text plan, whose refusals hold too; LoRA on several
+    ranks too (`minitrain.plan.sharded`: the tower in FSDP2's root, `root_tensors`)."""
+
+    RANKS: ClassVar[bool] = True
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)

@@ -1226,7 +1226,8 @@ class Router(nn.Module):
 
 class LowRank(NamedTuple):
     """A per-expert low-rank term beside a grouped product: expert e adds `scaling * x A[e]^T B[e]^T`,
-    a (E, r, in), b (E, out, r) (an expert adapter's factors, `minitrain.adapters.lora_experts`)."""
+    a (E, r, in), b (E, out, r) (an expert adapter's factors, `minitrain.adapters.lora_experts`, which returns
+    them as a plain `(a, b, scaling)` tuple: the engine never imports models/)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -1255,9 +1256,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
         return y if low_rank is None else y + _low_rank_term(x, counts, sizes, low_rank)
     if sizes is None:
         sizes = counts.tolist()
-    operands = (x, weight, bias) if low_rank is None else (x, weight, bias, low_rank.a, low_rank.b)
-    if not torch.is_autocast_enabled(x.device.type) and len({t.dtype for t in operands if t is not None}) == 1:
-        a, b, scaling = low_rank if low_rank is not None else (None, None, 0.0)
+    a, b, scaling = low_rank if low_rank is not None else (None, None, 0.0)
+    if not torch.is_autocast_enabled(x.device.type) and len({t.dtype for t in (x, weight, bias, a, b) if t is not None}) == 1:
         return _GroupedProduct.apply(x, weight, bias, a, b, sizes, in_out, scaling)
     outs = []
     biases = bias.unbind(0) if bias is not None else [None] * len(sizes)

@@ -30,7 +30,6 @@ import torch
 import torch.nn as nn
 
 from minitrain.errors import UserError
-from models.layers import LowRank
 
 ALL_LINEAR = "all-linear"
 
@@ -50,7 +49,7 @@ class ExpertLoRA(nn.Module):
     Built from the experts module and the projection's name; `lora_A` (E, r, in) is drawn as peft
     draws its (E * r, in) matrix (kaiming-uniform, a = sqrt(5)) and `lora_B` (E, out, r) starts at
     zero, so the model starts equal to its base. forward() -> the factors and scaling the experts
-    module's grouped product adds (`models.layers.LowRank`), or None while disabled or merged."""
+    module's grouped product adds (models/layers.py's `LowRank`), or None while disabled or merged."""
 
     def __init__(self, experts: nn.Module, name: str, r: int, alpha: float, rslora: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -77,12 +76,13 @@ class ExpertLoRA(nn.Module):
             self.lora_A.weight.copy_(a.view_as(self.lora_A.weight))
             self.lora_B.weight.zero_()
 
-    def forward(self) -> LowRank | None:
-        """The factors the experts module adds to its grouped product, or None while disabled or merged.
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(A, B, scaling): the factors the experts module adds to its grouped product (the floor's `LowRank`),
+        or None while disabled or merged.
         (Called as a module, so that the audit's hooks see where and whether it ran with gradients on.)"""
         if self.disabled or self.merged:
             return None
-        return LowRank(self.lora_A.weight, self.lora_B.weight, self.scaling)
+        return self.lora_A.weight, self.lora_B.weight, self.scaling
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B[e] @ A[e] for every expert, fp32, in the parameter's layout ((E, out, in), or

@@ -304,6 +304,11 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
         Fe = full.get("moe_intermediate_size") or full.get("expert_intermediate_size")
         return dict(num_experts=full["num_experts"], top_k=full["top_k_experts"], expert_size=Fe)
 
+    @property
+    def mlp_beside_experts(self) -> int:
+        """The dense MLP's width, which runs beside the experts (`minitrain.plan.decoder.no_grad_block`)."""
+        return self.intermediate_size
+
     def router_tensors(self) -> list[int]:
         return [self.num_experts * self.hidden_size, self.hidden_size, self.num_experts]
 

@@ -182,9 +182,6 @@ class ExpertBlocks:
 
 def check_moe_run(shape: ExpertBlocks, run: RunShape) -> None:
     """The runs the plan of a Qwen-MoE / Mixtral / gpt-oss checkpoint does not model: one line each."""
-    if run.teacher is not None:
-        raise UserError("the memory plan models mixture-of-experts runs without a teacher — memory_check=false skips "
-                        "the plan")
     if run.parallel == "fsdp" and run.quantize != "none" and not run.full:
         raise UserError(f"quantize={run.quantize} with parallel=fsdp: the memory plan models mixture-of-experts runs "
                         "on a float base under fsdp — memory_check=false skips the plan")

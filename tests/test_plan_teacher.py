@@ -101,14 +101,18 @@ STEP_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(TEACHERS))
-def test_teacher_forward_within_20_percent(name):
+@pytest.mark.parametrize("case", list(TEACHERS) + ["qwen3_5 nf4", "gemma4_moe nf4"])
+def test_teacher_forward_within_20_percent(case):
     """The teacher's no_grad forward (eval mode, as the objective runs it) on 4 padded rows of 256: its measured
     CPU peak against the plan's `teacher forward (no grad)` moment (its batch tensors and tables, its largest
-    block's largest stage, its final hidden states), beside a LLaMA student that drops the padding."""
+    block's largest stage, its final hidden states; under teacher_quantize=nf4 a dequantized weight), beside a
+    LLaMA student that drops the padding."""
+    name, kind = (case.split() + ["none"])[:2]
     thf = TEACHERS[name]()
     torch.manual_seed(0)
-    teacher = models.from_hf_config(thf).eval()
+    if kind != "none":
+        pytest.importorskip("bitsandbytes")
+    teacher = (quantized(thf, kind) if kind != "none" else models.from_hf_config(thf)).eval()
     batch = batch_of(4, 256, 2048)
 
     def forward():
@@ -118,11 +122,11 @@ def test_teacher_forward_within_20_percent(name):
     forward()
     measured, _ = measure_peak_allocated(forward)
     run = RunShape(rows=4, seq=256, compute="fp32", device="cpu", real_tokens=int(batch["attention_mask"].sum()),
-                   teacher=shape_from_hf(thf))
+                   teacher=shape_from_hf(thf), teacher_quantize=kind)
     plan = predict(shape_from_hf(hf_config()), run)
     planned = sum(t.bytes for t in plan.moments["teacher forward (no grad)"])
-    print(f"{name}: planned / measured {planned / measured:.3f}")
-    assert 0.8 <= planned / measured <= 1.2, (name, fmt_bytes(planned), fmt_bytes(measured))
+    print(f"{case}: planned / measured {planned / measured:.3f}")
+    assert 0.8 <= planned / measured <= 1.2, (case, fmt_bytes(planned), fmt_bytes(measured))
 
 
 @pytest.mark.parametrize("case", list(STEP_CASES))

@@ -685,8 +685,8 @@ MLP_STAGE = ("gated MLP", "experts", "shared expert", "MoE norms")
 def no_grad_block(block: ModelShape, run: RunShape) -> int:
     """Bytes a block's no_grad forward holds at its peak (a teacher's; measured on the CPU at the MLP's product, the
     experts' gathered rows or the end of the delta rule): the residual x (s) and a norm's fp32 output (4) per
-    token, and the largest stage of what `block_saved` counts (the mixer's, Qwen3.5's gated norm, the MLP's). An
-    MoE block runs its routed experts, then the MLP beside them (a shared expert, Gemma 4's dense MLP): not
+    token, the largest stage of what `block_saved` counts (the mixer's, Qwen3.5's gated norm, the MLP's), and
+    under teacher_quantize=nf4 one linear's dequantized weight (`_dequantized`). An MoE block runs its routed experts, then the MLP beside them (a shared expert, Gemma 4's dense MLP): not
     together, so its MLP stage is the larger of the two."""
     N, s, D = run.tokens, run.s, block.hidden_size
     terms = [t for t in block_saved(block, run) if not t.name.startswith("norm inputs")]
@@ -697,7 +697,7 @@ def no_grad_block(block: ModelShape, run: RunShape) -> int:
     if getattr(block, "has_experts", False) and beside:  # `gated MLP` counts its 3 x F_beside share
         alone = N * 3 * beside * s + size(("shared expert",))
         stages[-1:] = [alone, mlp - alone]
-    return N * D * (s + 4) + max(stages)
+    return N * D * (s + 4) + max(stages) + sum(t.bytes for t in _dequantized(block, run))
 
 
 def reward_model_terms(run: RunShape) -> tuple[list[Term], list[Term]]:

@@ -285,10 +285,10 @@ def map_layers(student: nn.Module, teacher: nn.Module, layers: Sequence[int] | N
             kinds = getattr(getattr(model, "config", None), "layer_types", None) or ()
             if layer < len(kinds) and kinds[layer] == "linear_attention":
                 attending = [k for k, kind in enumerate(kinds) if kind != "linear_attention"]
-                raise UserError(f"attention_layers: {side} layer {layer} is a linear-attention (Gated DeltaNet) layer, "
-                                f"which has no attention probabilities — transfer attention on the {side}'s attention "
-                                f"layers ({', '.join(map(str, attending))}: attention_layers= / layer_map=) or set "
-                                f"attention_weight=0")
+                raise UserError(f"attention_layers: {side} layer {layer} is a linear-attention (Gated DeltaNet) "
+                                f"layer, which has no attention probabilities — transfer attention on the {side}'s "
+                                f"attention layers ({', '.join(map(str, attending))}: attention_layers= / layer_map=) "
+                                f"or set attention_weight=0")
     return mapped
 
 

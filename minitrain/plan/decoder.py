@@ -5,6 +5,11 @@ A shape holds a checkpoint's dims under HF's `config.json` names, read from `con
 never the weights. Its terms (weights, adapters, what each block keeps for backward, the loss's
 chunked logits, distillation's teacher and captured layers) are the module-level functions below,
 which ask the shape for what differs between the families. `minitrain.plan.predict` sums them.
+
+A distillation teacher may be of any decoder-only family the plan models, the student's or another (Qwen3.5, Gemma 4
+and the MoE families too: tests/test_plan_teacher.py): its weights (`teacher_weight_terms`, in the compute dtype or
+as `teacher_quantize` says), its no_grad forward (`teacher_forward`: its largest block's largest stage,
+`no_grad_block`, over its own padding rule, `teacher_run`), its final hidden states and the KD chunks (`_kd_logits`).
 """
 
 from __future__ import annotations
@@ -686,8 +691,9 @@ def no_grad_block(block: ModelShape, run: RunShape) -> int:
     """Bytes a block's no_grad forward holds at its peak (a teacher's; measured on the CPU at the MLP's product, the
     experts' gathered rows or the end of the delta rule): the residual x (s) and a norm's fp32 output (4) per
     token, the largest stage of what `block_saved` counts (the mixer's, Qwen3.5's gated norm, the MLP's), and
-    under teacher_quantize=nf4 one linear's dequantized weight (`_dequantized`). An MoE block runs its routed experts, then the MLP beside them (a shared expert, Gemma 4's dense MLP): not
-    together, so its MLP stage is the larger of the two."""
+    under teacher_quantize=nf4 one linear's dequantized weight (`_dequantized`). An MoE block runs its routed
+    experts, then the MLP beside them (a shared expert, Gemma 4's dense MLP): not together, so its MLP stage is the
+    larger of the two."""
     N, s, D = run.tokens, run.s, block.hidden_size
     terms = [t for t in block_saved(block, run) if not t.name.startswith("norm inputs")]
     size = lambda names: sum(t.bytes for t in terms if t.name.startswith(names))  # noqa: E731
@@ -794,6 +800,9 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
         moments["DPO reference forward"] = ref
     if run.teacher is not None:
         moments["teacher forward (no grad)"] = teacher_forward(run)
+        if run.teacher_quantize == "int8":
+            notes.append("teacher_quantize=int8: the int8 matmuls' own tensors in the teacher's forward (the "
+                         "activations' fp16 casts and int8 codes, the int32 products) are not counted")
         _, kl = _kd_captured(model, run)
         if kl:  # one layer's KL at a time, after the KD chunks
             chunk = [t for t in lfwd if t.name.startswith("loss: KD chunk")]

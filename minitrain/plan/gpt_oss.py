@@ -17,7 +17,10 @@
   the router's logits, the choices and weights).
 
 Modelled: LoRA and full fine-tuning in one process and on several ranks (ddp, fsdp: `minitrain.plan.sharded`, each
-block's sinks and biases sharded with it), measured against the CPU in tests/test_plan_moe.py; a teacher is refused.
+block's sinks and biases sharded with it), measured against the CPU in tests/test_plan_moe.py; distillation with a
+gpt-oss student or teacher (its no_grad forward's largest stage: the written-out attention or the experts), measured in
+tests/test_plan_teacher.py. `quantize=` and, on a gpt-oss teacher, `teacher_quantize=` are refused with one line
+(`check_quantize`).
 """
 
 from __future__ import annotations

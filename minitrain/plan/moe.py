@@ -29,7 +29,11 @@ Several ranks: `minitrain.plan.sharded` (ddp: the whole model per rank; fsdp: FS
 expert adapter and router by its first dim, E, with the block that holds it: `block_tensors`).
 Modelled: LoRA / QLoRA and full fine-tuning in one process and under ddp, LoRA and full fine-tuning on a float
 base under fsdp (measured against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in
-tests/test_plan_moe.py; Qwen3.5's and Gemma 4's MoE sizes, LoRA on 2 ranks, in tests/test_plan_ranks.py). A teacher, QLoRA under fsdp and a trained router under fsdp are refused with one line.
+tests/test_plan_moe.py; Qwen3.5's and Gemma 4's MoE sizes, LoRA on 2 ranks, in tests/test_plan_ranks.py). QLoRA under
+fsdp and a trained router under fsdp are refused with one line.
+Distillation: an MoE student or teacher (`minitrain.plan.decoder`'s teacher terms: the teacher's experts and routers
+in the compute dtype or quantized each expert apart under `teacher_quantize`, its no_grad forward by its largest
+stage, the routed experts' or the MLP beside them: `no_grad_block`), measured in tests/test_plan_teacher.py.
 gpt-oss: `minitrain.plan.gpt_oss`, over these terms.
 """
 

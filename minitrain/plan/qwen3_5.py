@@ -43,8 +43,11 @@ as one row per sequence, is not modelled). GRPO's sampler: its hybrid cache (`sa
 keys and values, the DeltaNet layers' states), equal to what the cache holds after sampling; a GRPO step's peak is
 not measured for this family. Several ranks (`minitrain.plan.sharded`): a DeltaNet block's conv1d, dt_bias, A_log
 and gated norm (`block_tensors`, `block_vectors`) sharded with its linears; LoRA under ddp and fsdp (and QLoRA under
-ddp) measured on 2 gloo ranks (tests/test_plan_ranks.py); QLoRA under fsdp, full fine-tuning on several ranks and
-distillation are refused with one line.
+ddp) measured on 2 gloo ranks (tests/test_plan_ranks.py); QLoRA under fsdp and full fine-tuning on several ranks are
+refused with one line. Distillation with a Qwen3.5 student or teacher (`minitrain.plan.decoder`'s teacher terms): the
+teacher's weights, and its no_grad forward block by block, whose largest stage is a DeltaNet block's delta rule (what
+`deltanet_saved` counts, without its gated norm, which runs after it: `no_grad_block`); a step measured in
+tests/test_plan_teacher.py, as a student and as a teacher.
 """
 
 from __future__ import annotations

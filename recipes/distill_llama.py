@@ -1,4 +1,5 @@
-"""Distillation: a LLaMA / Mistral student (LoRA) learns from a larger teacher of the same tokenizer.
+"""Distillation: a student (LoRA) learns from a larger teacher of the same tokenizer; both of any decoder-only family
+(LLaMA / Mistral / Qwen / Gemma / Phi-3, Qwen3.5, Gemma 4, the MoE families; the two may differ).
 
     python -m minitrain recipes/distill_llama.py model=path/to/student teacher=path/to/teacher \\
         data=train.jsonl out=runs/distill max_steps=200 temperature=2 kd_weight=0.5 ce_weight=0.5 \\
@@ -12,7 +13,7 @@ student layer; student layer i meets teacher layer ceil((i+1)*Lt/Ls)-1 unless `l
 says otherwise) by `feature_loss=mse|cosine`, through a learned projection when the widths differ
 (saved as adapter/distill_projections.safetensors). Attention transfer is the KL between the
 teacher's and student's attention distributions on `attention_layers` (default the last), head
-groups averaged when the head counts differ. metrics.jsonl logs each term raw and weighted
+groups averaged when the head counts differ (attention layers only: a Qwen3.5 Gated DeltaNet layer is refused). metrics.jsonl logs each term raw and weighted
 (`kd`, `kd_weighted`, ...) and `ppl` (= exp of the mean token CE) every step; after
 `balance_steps` steps the run says once if a term's share of the loss is far from its weight's.
 `eval/loss` and `eval/ppl` are the student's own CE and perplexity on `eval_data`. The teacher

@@ -278,7 +278,18 @@ def map_layers(student: nn.Module, teacher: nn.Module, layers: Sequence[int] | N
     for i in chosen:
         if not -ls <= i < ls:
             raise UserError(f"{key}: layer {i} does not exist — the student has layers 0..{ls - 1} (or -{ls}..-1)")
-    return {i % ls: pairs[i % ls] for i in chosen}
+    mapped = {i % ls: pairs[i % ls] for i in chosen}
+    if key == "attention_layers":  # a linear-attention (Gated DeltaNet) layer has no attention probabilities
+        for side, model, layer in [("student", student, i) for i in mapped] + [("teacher", teacher, j) for j in
+                                                                               mapped.values()]:
+            kinds = getattr(getattr(model, "config", None), "layer_types", None) or ()
+            if layer < len(kinds) and kinds[layer] == "linear_attention":
+                attending = [k for k, kind in enumerate(kinds) if kind != "linear_attention"]
+                raise UserError(f"attention_layers: {side} layer {layer} is a linear-attention (Gated DeltaNet) "
+                                f"layer, which has no attention probabilities — transfer attention on the {side}'s "
+                                f"attention layers ({', '.join(map(str, attending))}: attention_layers= / layer_map=) "
+                                f"or set attention_weight=0")
+    return mapped
 
 
 def captures_layers(model: nn.Module) -> bool:

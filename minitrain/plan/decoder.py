@@ -5,6 +5,11 @@ A shape holds a checkpoint's dims under HF's `config.json` names, read from `con
 never the weights. Its terms (weights, adapters, what each block keeps for backward, the loss's
 chunked logits, distillation's teacher and captured layers) are the module-level functions below,
 which ask the shape for what differs between the families. `minitrain.plan.predict` sums them.
+
+A distillation teacher may be of any decoder-only family the plan models, the student's or another (Qwen3.5, Gemma 4
+and the MoE families too: tests/test_plan_teacher.py): its weights (`teacher_weight_terms`, in the compute dtype or
+as `teacher_quantize` says), its no_grad forward (`teacher_forward`: its largest block's largest stage,
+`no_grad_block`, over its own padding rule, `teacher_run`), its final hidden states and the KD chunks (`_kd_logits`).
 """
 
 from __future__ import annotations
@@ -294,7 +299,6 @@ class ByBlock:
 
     def check_run(self, run: "RunShape") -> None:
         refused = [what for what, asked in (("finetune=full", run.full and not self.FULL),
-                                            ("a teacher", run.teacher is not None),
                                             ("GRPO's sampler", run.sample_rows and not self.SAMPLER)) if asked]
         if refused:
             what = ("LoRA / QLoRA and full fine-tuning runs, in one process and on several ranks"
@@ -639,22 +643,62 @@ def _kd_captured(model: ModelShape, run: RunShape) -> tuple[list[Term], list[Ter
     return kept, kl
 
 
+def teacher_run(run: RunShape) -> RunShape:
+    """The run as the teacher sees it: frozen (no adapters, nothing trained), its linears as `teacher_quantize`
+    says, one process (the teacher is whole on each rank); a teacher whose family keeps a CPU batch's padding
+    (Gemma 4) runs every position, with its mask, beside a student that drops it."""
+    plain = replace(run, quantize=run.teacher_quantize, full=False, lora_targets=(), modules_to_save=(), teacher=None,
+                    dpo_reference=None, sample_rows=0, reward_model=None, world=1, parallel="ddp")
+    if run.real_tokens is not None and not getattr(run.teacher, "UNPADS_ON_CPU", False):
+        plain = replace(plain, real_tokens=None, mask=True)
+    return plain
+
+
 def teacher_weight_terms(run: RunShape) -> list[Term]:
-    """The teacher's weights, frozen in the compute dtype (its linears as `teacher_quantize` says)."""
-    teacher = run.teacher
-    plain = replace(run, quantize=run.teacher_quantize, full=False, lora_targets=(), modules_to_save=(), teacher=None)
+    """The teacher's weights, frozen in the compute dtype (its linears, and an MoE's experts, as `teacher_quantize`
+    says; a family whose weights it cannot quantize, gpt-oss's experts, is one line: `check_quantize`)."""
+    teacher, plain = run.teacher, teacher_run(run)
+    if run.teacher_quantize != "none" and hasattr(teacher, "check_quantize"):
+        teacher.check_quantize("teacher_quantize", run.teacher_quantize)
     return [Term(f"teacher {t.name}", t.bytes, t.formula) for t in teacher.weight_terms(plain)]
 
 
 def teacher_forward(run: RunShape) -> list[Term]:
-    """The teacher's no_grad forward before the student's: at most one block's tensors alive at a
-    time, over the teacher's batch tensors and tables, and its final hidden states."""
-    teacher, plain = run.teacher, replace(run, lora_targets=(), teacher=None)
-    N = run.tokens
+    """The teacher's no_grad forward before the student's: at most one block's tensors alive at a time (its
+    largest block: `saved_per_layer`, a hybrid's or an MoE's blocks differ), over the teacher's batch tensors
+    and tables (Gemma 4's per-layer inputs among them), and its final hidden states."""
+    teacher, plain = run.teacher, teacher_run(run)
+    block = max(no_grad_block(teacher.block_view(i), plain) for i in range(teacher.num_hidden_layers))
     return _model_saved(teacher, plain) + [
-        Term("teacher forward: one block (no grad)", sum(t.bytes for t in block_saved(teacher, plain)),
-             "block_saved, freed as it goes"),
-        Term("teacher: final hidden states", N * teacher.hidden_size * run.s, "N x D_teacher x s")]
+        Term("teacher forward: its largest block (no grad)", block,
+             "the residual + a norm's fp32 output + the block's largest stage (its mixer's, or its MLP's) of "
+             "block_saved's tensors"),
+        Term("teacher: final hidden states", plain.tokens * teacher.hidden_size * run.s, "N x D_teacher x s")]
+
+
+# a block's stages, by the names of `block_saved`'s terms, which a no_grad forward frees before the next: the mixer
+# (the rest), Qwen3.5's gated norm after its delta rule, and the MLP (dense, the experts and a shared expert)
+GATED_NORM = ("DeltaNet: gated RMSNorm",)
+MLP_STAGE = ("gated MLP", "experts", "shared expert", "MoE norms")
+
+
+def no_grad_block(block: ModelShape, run: RunShape) -> int:
+    """Bytes a block's no_grad forward holds at its peak (a teacher's; measured on the CPU at the MLP's product, the
+    experts' gathered rows or the end of the delta rule): the residual x (s) and a norm's fp32 output (4) per
+    token, the largest stage of what `block_saved` counts (the mixer's, Qwen3.5's gated norm, the MLP's), and
+    under teacher_quantize=nf4 one linear's dequantized weight (`_dequantized`). An MoE block runs its routed
+    experts, then the MLP beside them (a shared expert, Gemma 4's dense MLP): not together, so its MLP stage is the
+    larger of the two."""
+    N, s, D = run.tokens, run.s, block.hidden_size
+    terms = [t for t in block_saved(block, run) if not t.name.startswith("norm inputs")]
+    size = lambda names: sum(t.bytes for t in terms if t.name.startswith(names))  # noqa: E731
+    mlp, gated = size(MLP_STAGE), size(GATED_NORM)
+    stages = [sum(t.bytes for t in terms) - mlp - gated, gated, mlp]
+    beside = getattr(block, "mlp_beside_experts", getattr(block, "shared_size", 0))
+    if getattr(block, "has_experts", False) and beside:  # `gated MLP` counts its 3 x F_beside share
+        alone = N * 3 * beside * s + size(("shared expert",))
+        stages[-1:] = [alone, mlp - alone]
+    return N * D * (s + 4) + max(stages) + sum(t.bytes for t in _dequantized(block, run))
 
 
 def reward_model_terms(run: RunShape) -> tuple[list[Term], list[Term]]:
@@ -751,6 +795,9 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
         moments["DPO reference forward"] = ref
     if run.teacher is not None:
         moments["teacher forward (no grad)"] = teacher_forward(run)
+        if run.teacher_quantize == "int8":
+            notes.append("teacher_quantize=int8: the int8 matmuls' own tensors in the teacher's forward (the "
+                         "activations' fp16 casts and int8 codes, the int32 products) are not counted")
         _, kl = _kd_captured(model, run)
         if kl:  # one layer's KL at a time, after the KD chunks
             chunk = [t for t in lfwd if t.name.startswith("loss: KD chunk")]

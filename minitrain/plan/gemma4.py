@@ -29,7 +29,11 @@ norms' (and PLE's) normalised inputs and the inputs of the per-layer input's gat
 
 Modelled: LoRA / QLoRA runs and full fine-tuning runs, in one process and on several ranks, of the
 dense sizes and the MoE size (its experts quantized each expert apart under nf4 / int8, as `minitrain.plan.moe`
-counts them); distillation and GRPO's sampler are refused with one line. Measured against the CPU on SFT steps
+counts them), and distillation with a Gemma 4 student or teacher (`minitrain.plan.decoder`'s teacher terms: the
+teacher's weights with its per-layer embeddings, its no_grad forward over the per-layer inputs, every position of a
+padded CPU batch (it keeps its padding beside a student that drops it: `teacher_run`), its largest stage: the
+double-wide MLP, or the MoE size's experts or the dense MLP beside them; tests/test_plan_teacher.py); GRPO's sampler
+is refused with one line. Measured against the CPU on SFT steps
 (fp32, fp32 with checkpointing, bf16 autocast; full fine-tuning and the MoE size's QLoRA in
 tests/test_plan_hybrid.py). Several ranks (`minitrain.plan.sharded`): a kv-shared block without k / v or k norm,
 the per-layer input's norm (`block_vectors`), the MoE size's router scales and three more norms (`block_tensors`),
@@ -303,6 +307,11 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
     def expert_fields(cls, full: dict[str, Any]) -> dict[str, Any]:
         Fe = full.get("moe_intermediate_size") or full.get("expert_intermediate_size")
         return dict(num_experts=full["num_experts"], top_k=full["top_k_experts"], expert_size=Fe)
+
+    @property
+    def mlp_beside_experts(self) -> int:
+        """The dense MLP's width, which runs beside the experts (`minitrain.plan.decoder.no_grad_block`)."""
+        return self.intermediate_size
 
     def router_tensors(self) -> list[int]:
         return [self.num_experts * self.hidden_size, self.hidden_size, self.num_experts]

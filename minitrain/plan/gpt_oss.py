@@ -17,7 +17,10 @@
   the router's logits, the choices and weights).
 
 Modelled: LoRA and full fine-tuning in one process and on several ranks (ddp, fsdp: `minitrain.plan.sharded`, each
-block's sinks and biases sharded with it), measured against the CPU in tests/test_plan_moe.py; a teacher is refused.
+block's sinks and biases sharded with it), measured against the CPU in tests/test_plan_moe.py; distillation with a
+gpt-oss student or teacher (its no_grad forward's largest stage: the written-out attention or the experts), measured in
+tests/test_plan_teacher.py. `quantize=` and, on a gpt-oss teacher, `teacher_quantize=` are refused with one line
+(`check_quantize`).
 """
 
 from __future__ import annotations
@@ -107,9 +110,14 @@ class GptOssShape(ExpertBlocks, ModelShape):
                 f"{self.hidden_size}, {self.num_experts} experts of {self.expert_size} (top {self.top_k}), vocab "
                 f"{self.vocab_size:,}")
 
+    @staticmethod
+    def check_quantize(key: str, kind: str) -> None:
+        """`key`=`kind` (quantize=, or a teacher's teacher_quantize=) refused in one line: the loader cannot."""
+        if kind != "none":
+            raise UserError(f"{key}={kind}: gpt-oss's experts (an in-out layout with biases, MXFP4 in its "
+                            f"checkpoints) are not ones minitrain quantizes — drop {key}=" + (
+                                " (LoRA on the dequantized experts)" if key == "quantize" else ""))
+
     def check_run(self, run: RunShape) -> None:
-        if run.quantize != "none":
-            raise UserError(f"quantize={run.quantize}: gpt-oss's experts (an in-out layout with biases, MXFP4 in its "
-                            "checkpoints) are not ones minitrain quantizes — drop quantize= (LoRA on the dequantized "
-                            "experts)")
+        self.check_quantize("quantize", run.quantize)
         check_moe_run(self, run)

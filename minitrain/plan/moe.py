@@ -30,9 +30,12 @@ expert adapter and router by its first dim, E, with the block that holds it: `bl
 Modelled: LoRA / QLoRA and full fine-tuning in one process and under ddp, LoRA (a trained router too:
 modules_to_save, its frozen copy whole on each rank) and full fine-tuning on a float base under fsdp (measured
 against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in tests/test_plan_moe.py; Qwen3.5's
-and Gemma 4's MoE sizes, LoRA and Gemma 4's trained router on 2 ranks, in tests/test_plan_ranks.py). A teacher
-is refused with one line, and so is QLoRA under fsdp: the run itself refuses it (`minitrain.run`: the experts are
-quantized whole per expert, not as rows FSDP2 can cut), so there is nothing to plan.
+and Gemma 4's MoE sizes, LoRA and Gemma 4's trained router on 2 ranks, in tests/test_plan_ranks.py). QLoRA under
+fsdp is refused with one line: the run itself refuses it (`minitrain.run`: the experts are quantized whole per
+expert, not as rows FSDP2 can cut), so there is nothing to plan.
+Distillation: an MoE student or teacher (`minitrain.plan.decoder`'s teacher terms: the teacher's experts and routers
+in the compute dtype or quantized each expert apart under `teacher_quantize`, its no_grad forward by its largest
+stage, the routed experts' or the MLP beside them: `no_grad_block`), measured in tests/test_plan_teacher.py.
 gpt-oss: `minitrain.plan.gpt_oss`, over these terms.
 """
 
@@ -185,9 +188,6 @@ class ExpertBlocks:
 
 def check_moe_run(shape: ExpertBlocks, run: RunShape) -> None:
     """The runs the plan of a Qwen-MoE / Mixtral / gpt-oss checkpoint does not model: one line each."""
-    if run.teacher is not None:
-        raise UserError("the memory plan models mixture-of-experts runs without a teacher — memory_check=false skips "
-                        "the plan")
     if run.parallel == "fsdp" and run.quantize != "none" and not run.full:
         raise UserError(f"quantize={run.quantize} with parallel=fsdp: a mixture-of-experts run refuses it (its experts "
                         "are quantized whole per expert, not as rows FSDP2 can cut), so the plan does not model it — "

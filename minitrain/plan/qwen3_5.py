@@ -43,8 +43,13 @@ as one row per sequence, is not modelled). GRPO's sampler: its hybrid cache (`sa
 keys and values, the DeltaNet layers' states), equal to what the cache holds after sampling; a GRPO step's peak is
 not measured for this family. Several ranks (`minitrain.plan.sharded`): a DeltaNet block's conv1d, dt_bias, A_log
 and gated norm (`block_tensors`, `block_vectors`) sharded with its linears; LoRA, QLoRA (under fsdp the base by rows)
-and full fine-tuning under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py); distillation is
-refused with one line (and QLoRA under fsdp on the MoE sizes: `minitrain.plan.moe`).
+and full fine-tuning under ddp and fsdp measured on 2 gloo ranks (tests/test_plan_ranks.py); QLoRA under fsdp on the
+MoE sizes is refused with one line (`minitrain.plan.moe`). Distillation with a Qwen3.5 student or teacher
+(`minitrain.plan.decoder`'s teacher terms): the teacher's weights, and its no_grad forward block by block, whose largest
+stage is a DeltaNet block's delta rule (what `deltanet_saved` counts, without its gated norm, which runs after it:
+`no_grad_block`); a step measured in tests/test_plan_teacher.py (fp32), as a student and as a teacher. Under bf16
+autocast that stage is counted high for a teacher (measured once on the CPU: its forward 0.75 of the plan's, a step
+whose peak it is 0.69); not refined.
 """
 
 from __future__ import annotations

@@ -575,7 +575,8 @@ class GatedDeltaNet(nn.Module):
         else:
             o, state = chunk_gated_delta_rule(q, k, v, g, beta, segments, state, self.chunk_size)
         if cache is not None:  # the last K - 1 inputs of each row's last sequence, and the state
-            head = torch.cat([prior[0] if prior else mixed.new_zeros(B, mixed.shape[1], K - 1), mixed], -1)[..., -(K - 1):]
+            # (a copy, not a view: the view would keep the whole concatenation, a prefill's every input, alive)
+            head = torch.cat([prior[0] if prior else mixed.new_zeros(B, mixed.shape[1], K - 1), mixed], -1)[..., -(K - 1):].contiguous()
             if conv_segments is not None:
                 tail = conv_segments[:, -(K - 1):]
                 head = head * (tail == conv_segments[:, -1:])[:, None].to(head.dtype)

@@ -68,6 +68,7 @@ class ModelShape:
     NORMS: ClassVar[int] = 2  # RMSNorms per block
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {}  # fused linear -> the unfused names (Phi-3)
     UNPADS_ON_CPU: ClassVar[bool] = True  # LLaMA, Gemma, Phi-3 run a padded batch unpadded on a CPU (T5 does not)
+    ATTENTION: ClassVar[str] = "SDPA"  # what keeps GQA's repeated keys and values (a note names it)
     UNPADS_FROM: ClassVar[int] = 32  # ... rows of at least this many positions (models.layers.RAGGED_MIN_LENGTH)
 
     @classmethod
@@ -803,7 +804,7 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
             chunk = [t for t in lfwd if t.name.startswith("loss: KD chunk")]
             moments["attention KL (loss forward)"] = msaved + kept + [t for t in lfwd if t not in chunk] + kl + copies
     if model.n_rep > 1:
-        notes.append("GQA: repeat_kv copies of k and v are counted (SDPA keeps the repeated tensors)")
+        notes.append(f"GQA: repeat_kv copies of k and v are counted ({model.ATTENTION} keeps the repeated tensors)")
     if run.lora_dropout > 0:
         notes.append(f"lora_dropout={run.lora_dropout}: its per-adapter copies and masks are not modelled for LLaMA")
     return moments, notes

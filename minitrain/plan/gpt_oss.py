@@ -42,6 +42,7 @@ class GptOssShape(ExpertBlocks, ModelShape):
     num_experts: int = 128
     top_k: int = 4
     expert_size: int = 2880
+    ATTENTION: ClassVar[str] = "the attention written out for its sinks"
     ALIASED: ClassVar[bool] = False  # peft maps no per-expert name onto gpt-oss's experts
     ROUTER: ClassVar[str] = "mlp.router"
     PROBS: ClassVar[int] = 0  # the top-K logits' softmax: no fp32 probabilities over every expert

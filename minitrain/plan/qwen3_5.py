@@ -202,16 +202,15 @@ class Qwen3_5Shape(ByBlock, ModelShape):
 
     def sampler_cache(self, run: RunShape) -> list[Term]:
         """GRPO's hybrid cache: keys and values of the attention layers only; a DeltaNet layer's state per row, its
-        convolution's window (the last decoding step's K inputs, which the K - 1 kept are a view of: Ch x K x s) and
-        its recurrent state (H x dk x dv, fp32)."""
+        convolution's window (the last K - 1 inputs: Ch x (K - 1) x s) and its recurrent state (H x dk x dv, fp32)."""
         R, T, s = run.sample_rows, run.seq, run.s
         full, lin = self.layer_types.count("full_attention"), self.layer_types.count("linear_attention")
         kv = R * T * full * 2 * self.kv_width * s
         K, H = self.conv_kernel, self.value_heads
-        state = R * lin * (self.channels * K * s + H * self.key_dim * self.value_dim * 4)
+        state = R * lin * (self.channels * (K - 1) * s + H * self.key_dim * self.value_dim * 4)
         return [Term("sampler: KV cache (attention layers)", kv, f"{R} rows x {T} slots x {full} layers x 2 x "
                                                                   f"{self.kv_width} x {s} B"),
-                Term("sampler: DeltaNet states", state, f"{R} rows x {lin} layers x (Ch x K x {s} + H dk dv x 4) B")]
+                Term("sampler: DeltaNet states", state, f"{R} rows x {lin} layers x (Ch x (K - 1) x {s} + H dk dv x 4) B")]
 
     def describe(self) -> str:
         lin = self.layer_types.count("linear_attention")

@@ -260,9 +260,9 @@ def test_grouped_linear_equals_a_loop_over_experts(one_node):
             factors = None if low_rank is None else [f if one_node else f.double() for f in low_rank]
             got = grouped_linear(x, w, counts, None, b, in_out, None if factors is None else LowRank(*factors, 0.5))
             assert (type(got.grad_fn).__name__ == "_GroupedProductBackward") == one_node or low_rank is None
-            want = torch.stack([x[i] @ (w[e] if in_out else w[e].T) + b[e]
-                                + (0 if factors is None else 0.5 * (x[i] @ factors[0][e].T.float()) @ factors[1][e].T.float())
-                                for i, e in enumerate(rows)])
+            low = [0] * len(rows) if factors is None else [
+                0.5 * (x[i] @ factors[0][e].T.float()) @ factors[1][e].T.float() for i, e in enumerate(rows)]
+            want = torch.stack([x[i] @ (w[e] if in_out else w[e].T) + b[e] + low[i] for i, e in enumerate(rows)])
             inputs = (x, w, b) + (() if low_rank is None else low_rank)
             torch.testing.assert_close(got, want)
             g = torch.randn_like(got)

@@ -365,3 +365,41 @@ def test_greedy_generation_after_videos_equals_transformers(vl):
 def test_packed_rows_with_images_equal_each_sequence_alone(vl):
     """Packing (`packing=true` on image rows): each sequence's 3-D positions start again, its images in place."""
     check_packed_rows_equal_each_alone(load_pretrained(vl, models.from_hf_config).eval())
+
+
+@pytest.mark.slow
+def test_fsdp_reads_the_layout_transformers_5_saves(tmp_path, capsys):
+    """The demo's model in the layout transformers 5 saves (`visual.*`, `model.*`: other names of our parameters)
+    under `python -m torch.distributed.run ... parallel=fsdp` on 2 ranks: each rank reads its rows of each renamed
+    tensor, and the run's losses and gradient norms are one process's on the nested layout."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_fsdp_load import size_after, torchrun
+
+    from minitrain.cli import run_cli
+
+    demo = Path(__file__).resolve().parents[1] / "demo" / "vl_colours"
+    hub = tmp_path / "hub"
+    shutil.copytree(demo / "model", hub)
+    (weights,) = hub.glob("*.safetensors")
+    tensors = load_file(weights)
+    assert any(k.startswith("model.language_model.") for k in tensors)
+    renamed = {(k.removeprefix("model.") if k.startswith("model.visual.")
+                else k.replace("model.language_model.", "model.", 1)): v for k, v in tensors.items()}
+    save_file(renamed, weights, metadata={"format": "pt"})
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "sft.py"
+    args = [str(recipe), f"config={demo / 'run.json'}", "max_steps=3", "eval_every=0", "eval_data=", "save_every=0"]
+    assert run_cli([*args, f"model={demo / 'model'}", f"out={tmp_path / 'one'}"]) == 0, capsys.readouterr().err
+    p = torchrun([*args, f"model={hub}", f"out={tmp_path / 'two'}", "parallel=fsdp"])
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
+    assert size_after(line, " read ") <= 0.55 * size_after(line, " model's "), line
+
+    def logged(run: str) -> list[tuple[float, float]]:
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r and "grad_norm" in r]
+
+    one, two = logged("one"), logged("two")
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert a == pytest.approx(b, rel=1e-5)

@@ -750,7 +750,8 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
     def recomputed(i: int) -> list[Term]:
         """Checkpointed block i recomputed, then its backward (the blocks after it are done and freed)."""
         worst = max(model.block_view(i).recompute_peaks(run, per_layer[i]), key=total)
-        return (front + inputs + worst + _int8_inputs(model, run, range(L))  # int8: every block's first forward's
+        first = _int8_inputs(model, run, range(L))  # int8: every block's first forward's inputs, still held
+        return (front + inputs + worst + first
                 + _weight_copies(model, run, range(i, i + 1), head=False) + grads_from(k - 1))  # a recompute: its own copies
 
     # the last block, or in a hybrid (Qwen3.5, Gemma 4) a block of another kind whose own terms hold more

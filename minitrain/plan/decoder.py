@@ -538,13 +538,15 @@ def _dequantized(model: ModelShape, run: RunShape) -> list[Term]:
 def _int8_inputs(model: ModelShape, run: RunShape, blocks) -> list[Term]:
     """The inputs of these blocks' int8 base linears, which bitsandbytes keeps past checkpointing.
 
-    Its int8 matmul (`MatMul8bitFp`, the CPU training path; `MatMul8bitLt` on CUDA, read from its code, not
-    measured here) holds its input as an attribute of the autograd node (`ctx.A` / `ctx.tensors`), not by
+    bitsandbytes (0.50) holds an int8 matmul's input as an attribute of its autograd node, not by
     `save_for_backward`: checkpointing's saved-tensor hooks never see it, and it lives as long as the graph
-    does (to the end of the backward: the loop drops the graph then). So a checkpointed block keeps each of its
-    int8 linears' distinct inputs (N x width x s) from its forward on, beside its recompute's own, and a
-    finished block's are not freed by its backward. (Block 0's attention input, which needs no gradient
-    when the embeddings are frozen, is counted too: D x s per token over-counted, once.)"""
+    does (to the end of the backward: the loop drops the graph then). Measured on the CPU, where training
+    takes `MatMul8bitFp` (its CPU / XPU path: `ctx.A`); on CUDA `MatMul8bitLt` keeps the same input in
+    `ctx.tensors` whenever it needs a gradient (read from its code, not measured: assumed the same there).
+    So a checkpointed block keeps each of its int8 linears' distinct inputs (N x width x s) from its forward
+    on, beside its recompute's own, and a finished block's are not freed by its backward. (Block 0's
+    attention input, which needs no gradient when the embeddings are frozen, is counted too: D x s per
+    token over-counted, once.)"""
     if run.quantize != "int8" or run.full or not blocks:
         return []
     per = 0

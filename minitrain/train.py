@@ -368,9 +368,13 @@ def train(
                     loss_sum, count = loss_sum * 0.0, 0
                 if loss_sum.requires_grad:
                     (scaler.scale(loss_sum) if scaler else loss_sum).backward()
-                window_loss += loss_sum.detach()
+                # the graph goes now, not at the next micro-batch's loss: tensors an autograd node holds outside
+                # its saved tensors (bitsandbytes' int8 matmul keeps its input) would live through the optimizer
+                # step and the next forward (the memory plan counts them to the end of the backward)
+                loss_sum = loss_sum.detach()
+                window_loss += loss_sum
                 window_count += count
-                finite.append(torch.isfinite(loss_sum.detach()))
+                finite.append(torch.isfinite(loss_sum))
                 for k, v in ({} if empty else metrics).items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
                     metric_counts[k] = metric_counts.get(k, 0) + 1  # a key a micro-batch lacks (KTO: no

@@ -533,9 +533,34 @@ def _dequantized(model: ModelShape, run: RunShape) -> list[Term]:
     big = max(i * o for i, o in model.linears().values())
     if run.quantize == "ternary":  # its uint8 codes, then the compute-dtype weight (scaled in place)
         return [Term("ternary weight dequantized for a matmul", big * (1 + run.s), f"largest linear x (1 + {run.s}) B")]
+    if run.quantize == "int8":  # bitsandbytes' backward dequantizes the weight (on the CPU its forward too)
+        return [Term("int8 weight dequantized for a matmul", big * run.s, "largest linear x s")]
     if run.quantize != "nf4":
         return []
     return [Term("4-bit weight dequantized for a matmul", big * run.s, "largest linear x s")]
+
+
+def _int8_inputs(model: ModelShape, run: RunShape, blocks) -> list[Term]:
+    """The inputs of these blocks' int8 base linears, which bitsandbytes keeps past checkpointing.
+
+    bitsandbytes (0.50) holds an int8 matmul's input as an attribute of its autograd node, not by
+    `save_for_backward`: checkpointing's saved-tensor hooks never see it, and it lives as long as the graph
+    does (to the end of the backward: the loop drops the graph then). Measured on the CPU, where training
+    takes `MatMul8bitFp` (its CPU / XPU path: `ctx.A`); on CUDA `MatMul8bitLt` keeps the same input in
+    `ctx.tensors` whenever it needs a gradient (read from its code, not measured: assumed the same there).
+    So a checkpointed block keeps each of its int8 linears' distinct inputs (N x width x s) from its forward
+    on, beside its recompute's own, and a finished block's are not freed by its backward. (Block 0's
+    attention input, which needs no gradient when the embeddings are frozen, is counted too: D x s per
+    token over-counted, once.)"""
+    if run.quantize != "int8" or run.full or not blocks:
+        return []
+    per = 0
+    for i in blocks:
+        view = model.block_view(i)
+        input_of, width = view.inputs()
+        per += sum(width[k] for k in {input_of[n] for n in view.linears()}) * run.s
+    return [Term(f"int8 bases' inputs held by bitsandbytes x {len(blocks)} blocks", run.tokens * per,
+                 f"{per / len(blocks):,.0f} B per token a block (their distinct inputs x {run.s})")]
 
 
 def _model_saved(model: ModelShape, run: RunShape) -> list[Term]:
@@ -750,9 +775,10 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
                            f"{after / N:,.0f} B per token over {L - k} blocks")] if k < L else [])
     copies = _weight_copies(model, run, range(L), head=True)  # the forward's: with checkpointing too (autocast's cache)
     front = [t for t in msaved if "final norm" not in t.name]
+    int8_held = _int8_inputs(model, run, range(k))  # int8: the checkpointed blocks' linear inputs, kept by bitsandbytes
     moments = {
-        "end of forward (loss forward)": msaved + kept + lfwd + copies,
-        "loss backward": msaved + kept + lbwd + copies,
+        "end of forward (loss forward)": msaved + kept + int8_held + lfwd + copies,
+        "loss backward": msaved + kept + int8_held + lbwd + copies,
     }
     total = lambda terms: sum(t.bytes for t in terms)  # noqa: E731
     # full fine-tuning: the gradients (set_to_none until then) of the last block, or of the last checkpointed one and
@@ -764,13 +790,15 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
         """Block j (kept its activations) backward: the blocks before it still hold theirs."""
         held = [Term(f"saved activations x {j + 1 - k} blocks", sum(per_layer[k:j + 1]),
                      f"{sum(per_layer[k:j + 1]) / N:,.0f} B per token over {j + 1 - k} blocks")]
-        return (front + inputs + held + _block_backward(model.block_view(j), run)
+        done = _int8_inputs(model, run, [*range(k), *range(j + 1, L)])  # int8: held to the end of the backward
+        return (front + inputs + held + done + _block_backward(model.block_view(j), run)
                 + _weight_copies(model, run, range(k, L), head=False) + grads_from(L - 1))
 
     def recomputed(i: int) -> list[Term]:
         """Checkpointed block i recomputed, then its backward (the blocks after it are done and freed)."""
         worst = max(model.block_view(i).recompute_peaks(run, per_layer[i]), key=total)
-        return (front + inputs + worst
+        first = _int8_inputs(model, run, range(L))  # int8: every block's first forward's inputs, still held
+        return (front + inputs + worst + first
                 + _weight_copies(model, run, range(i, i + 1), head=False) + grads_from(k - 1))  # a recompute: its own copies
 
     # the last block, or in a hybrid (Qwen3.5, Gemma 4) a block of another kind whose own terms hold more

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import math
 import re
 import sys
@@ -421,6 +422,62 @@ class LoRALinear4bit(LoRALinear):
         self.weight.quant_state = new_qs
 
 
+def frozen_int8_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: Any) -> torch.Tensor:
+    """bitsandbytes' `matmul(x, weight, bias, state)` (LLM.int8) of a frozen int8 weight. When x needs a
+    gradient it runs inside `_FrozenInt8`, whose node keeps no tensor: bitsandbytes' own keeps x as an attribute
+    of its node (`ctx.A` on a CPU, `ctx.tensors` on CUDA), which activation checkpointing cannot free, so every
+    checkpointed block's int8 inputs would live to the end of the backward."""
+    bnb = loaded_bnb()
+    frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+    if frozen and torch.is_grad_enabled() and x.requires_grad:
+        return _FrozenInt8.apply(x, weight, bias, state)
+    return bnb.matmul(x, weight, bias=bias, state=state)
+
+
+class _FrozenInt8(torch.autograd.Function):
+    """bitsandbytes' int8 matmul forward; backward dx = dy @ (CB x SCB / 127), bitsandbytes' own formula for a
+    frozen weight (its CPU and CUDA functions alike), from the state's int8 rows and scales: nothing saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state):
+        ctx.state, ctx.dtype, ctx.shape = state, x.dtype, x.shape
+        return loaded_bnb().matmul(x, weight, bias=bias, state=state)  # (no graph in here: nothing kept)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        state = ctx.state
+        w = state.CB.to(ctx.dtype, copy=True).mul_(state.SCB.unsqueeze(1).mul(1.0 / 127.0))  # (out, in)
+        dy = dy.reshape(-1, dy.shape[-1]).contiguous() if dy.dim() == 3 else dy
+        return torch.matmul(dy.to(ctx.dtype), w).view(ctx.shape), None, None, None
+
+
+def frozen_linear8bit(*args: Any, **kwargs: Any) -> nn.Module:
+    """A bitsandbytes `Linear8bitLt` (same arguments) whose forward goes through `frozen_int8_matmul`."""
+    return _frozen_linear8bit_class()(*args, **kwargs)
+
+
+@functools.cache
+def _frozen_linear8bit_class() -> type:
+    bnb = loaded_bnb()
+
+    class FrozenLinear8bitLt(bnb.nn.Linear8bitLt):
+        """`Linear8bitLt` whose matmul keeps no input on its node when the weight is frozen (`frozen_int8_matmul`)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # bitsandbytes' forward, but for the matmul
+            self.state.is_training = self.training
+            if self.weight.CB is not None:
+                self.init_8bit_state()
+            if self.bias is not None and self.bias.dtype != x.dtype:
+                self.bias.data = self.bias.data.to(x.dtype)
+            out = frozen_int8_matmul(x, self.weight, self.bias, self.state)
+            if not self.state.has_fp16_weights and self.state.CB is not None:
+                self.weight.data = self.state.CB
+            return out
+
+    return FrozenLinear8bitLt
+
+
 class LoRALinear8bit(LoRALinear):
     """LoRA on a bitsandbytes `Linear8bitLt` (LLM.int8, int8 weights): holds its `Int8Params`
     weight and the layer's `MatmulLtState`, and calls `bnb.matmul` itself."""
@@ -436,10 +493,9 @@ class LoRALinear8bit(LoRALinear):
         self.state = base.state
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        bnb = loaded_bnb()
         self.state.is_training = self.training
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return bnb.matmul(x, self.weight, bias=bias, state=self.state)
+        return frozen_int8_matmul(x, self.weight, bias, self.state)
 
     def dequantized_weight(self) -> torch.Tensor:
         bnb = loaded_bnb()

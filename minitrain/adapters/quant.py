@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
+from minitrain.adapters.lora import frozen_linear8bit
 from minitrain.adapters.ternary import SCALES, TernaryLinear
 from minitrain.errors import UserError
 from minitrain.weights import TensorHook
@@ -164,7 +165,8 @@ def _quantize_linear(bnb, old: nn.Linear, w: torch.Tensor, kind: str, compute_dt
         # that evaluates once would then train with silently wrong gradients. Keep one layout.
         new.support_avx512bf16_for_cpu = False
     else:
-        new = bnb.nn.Linear8bitLt(in_f, out_f, bias=has_bias, has_fp16_weights=False, threshold=0.0, device="meta")
+        # (its matmul keeps no input on its autograd node: minitrain.adapters.lora.frozen_int8_matmul)
+        new = frozen_linear8bit(in_f, out_f, bias=has_bias, has_fp16_weights=False, threshold=0.0, device="meta")
         # row-wise absmax int8 (LLM.int8()); bitsandbytes quantizes from fp16
         cb, scb, _ = bnb.functional.int8_vectorwise_quant(w.to(torch.float16).contiguous())
         new.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)

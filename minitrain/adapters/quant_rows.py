@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from minitrain.adapters.lora import LoRALinear, name_matches
+from minitrain.adapters.lora import frozen_int8_matmul
 from minitrain.errors import UserError
 
 _CODES: dict[torch.device, torch.Tensor] = {}
@@ -64,7 +65,7 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor, bias: 
     bnb = _bnb()
     state = bnb.MatmulLtState()
     state.CB, state.SCB, state.has_fp16_weights, state.threshold, state.is_training = weight, scb, False, 0.0, training
-    return bnb.matmul(x, weight, bias=None if bias is None else bias.to(x.dtype), state=state)
+    return frozen_int8_matmul(x, weight, None if bias is None else bias.to(x.dtype), state)
 
 
 # ----------------------------------------------------------------------------- the base layers

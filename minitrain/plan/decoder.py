@@ -413,7 +413,8 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     - inputs of the adapted linears (their A's weight gradient needs them): fp32 runs share them
       (q/k/v read one normed x, gate/up another, o_proj the attention output, down its own F-wide
       input); under autocast with fp32 adapters every adapter keeps its own compute-dtype copy;
-      int8 bases keep their input too (bitsandbytes `MatMul8bitLt`), nf4 and frozen float bases don't;
+      no frozen base keeps its own (an int8 one runs through `lora.frozen_int8_matmul`, whose node keeps
+      nothing; nf4 and float bases save none either);
     - r x s per adapted linear: B's input.
     """
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
@@ -430,17 +431,15 @@ def block_saved(model: ModelShape, run: RunShape) -> list[Term]:
     kept_attn = not any(t.name.startswith("attention q, k, v, out") for t in terms)  # SDPA keeps its output
     if run.cast_copies:
         kept = sum(lin[n][0] for n in adapted)  # one copy per adapter
-        shared = {input_of[n] for n in lin if run.quantize == "int8"} - {"attn"}
+        shared: set[str] = set()
     else:
         kept = 0
         shared = {input_of[n] for n in adapted}
-        if run.quantize == "int8":
-            shared |= {input_of[n] for n in lin}
         if not kept_attn:
             shared -= {"attn"}  # the attention output is already counted (SDPA keeps it)
     kept += sum(width[k] for k in shared)
     if kept:
-        terms.append(Term("linear inputs kept for adapter / int8 grads", N * kept * s,
+        terms.append(Term("linear inputs kept for adapter grads", N * kept * s,
                           f"{kept:,} x {s} B per token"
                           + (" (one copy per adapter: autocast)" if run.cast_copies else "")))
     if adapted:
@@ -523,7 +522,7 @@ def _block_forward(model: ModelShape, run: RunShape) -> list[Term]:
     autocast (F x 4), and the output (D x s). Matters when checkpointing recomputes a block."""
     N, s, D, F = run.tokens, run.s, model.hidden_size, model.intermediate_size
     down = not run.full and "mlp.down_proj" in adapted_linears(model, run.lora_targets)
-    kept = (down and not run.cast_copies) or run.quantize == "int8" or run.full
+    kept = (down and not run.cast_copies) or run.full
     width = (0 if kept else F * s) + (F * 4 if down and run.cast_copies else 0) + D * s
     work = Term("block forward (recompute) working set", N * width, f"{width:,} B per token")
     return [work] + _dequantized(model, run)
@@ -538,29 +537,6 @@ def _dequantized(model: ModelShape, run: RunShape) -> list[Term]:
     if run.quantize != "nf4":
         return []
     return [Term("4-bit weight dequantized for a matmul", big * run.s, "largest linear x s")]
-
-
-def _int8_inputs(model: ModelShape, run: RunShape, blocks) -> list[Term]:
-    """The inputs of these blocks' int8 base linears, which bitsandbytes keeps past checkpointing.
-
-    bitsandbytes (0.50) holds an int8 matmul's input as an attribute of its autograd node, not by
-    `save_for_backward`: checkpointing's saved-tensor hooks never see it, and it lives as long as the graph
-    does (to the end of the backward: the loop drops the graph then). Measured on the CPU, where training
-    takes `MatMul8bitFp` (its CPU / XPU path: `ctx.A`); on CUDA `MatMul8bitLt` keeps the same input in
-    `ctx.tensors` whenever it needs a gradient (read from its code, not measured: assumed the same there).
-    So a checkpointed block keeps each of its int8 linears' distinct inputs (N x width x s) from its forward
-    on, beside its recompute's own, and a finished block's are not freed by its backward. (Block 0's
-    attention input, which needs no gradient when the embeddings are frozen, is counted too: D x s per
-    token over-counted, once.)"""
-    if run.quantize != "int8" or run.full or not blocks:
-        return []
-    per = 0
-    for i in blocks:
-        view = model.block_view(i)
-        input_of, width = view.inputs()
-        per += sum(width[k] for k in {input_of[n] for n in view.linears()}) * run.s
-    return [Term(f"int8 bases' inputs held by bitsandbytes x {len(blocks)} blocks", run.tokens * per,
-                 f"{per / len(blocks):,.0f} B per token a block (their distinct inputs x {run.s})")]
 
 
 def _model_saved(model: ModelShape, run: RunShape) -> list[Term]:
@@ -775,10 +751,9 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
                            f"{after / N:,.0f} B per token over {L - k} blocks")] if k < L else [])
     copies = _weight_copies(model, run, range(L), head=True)  # the forward's: with checkpointing too (autocast's cache)
     front = [t for t in msaved if "final norm" not in t.name]
-    int8_held = _int8_inputs(model, run, range(k))  # int8: the checkpointed blocks' linear inputs, kept by bitsandbytes
     moments = {
-        "end of forward (loss forward)": msaved + kept + int8_held + lfwd + copies,
-        "loss backward": msaved + kept + int8_held + lbwd + copies,
+        "end of forward (loss forward)": msaved + kept + lfwd + copies,
+        "loss backward": msaved + kept + lbwd + copies,
     }
     total = lambda terms: sum(t.bytes for t in terms)  # noqa: E731
     # full fine-tuning: the gradients (set_to_none until then) of the last block, or of the last checkpointed one and
@@ -790,15 +765,13 @@ def llama_moments(model: ModelShape, run: RunShape) -> tuple[dict[str, list[Term
         """Block j (kept its activations) backward: the blocks before it still hold theirs."""
         held = [Term(f"saved activations x {j + 1 - k} blocks", sum(per_layer[k:j + 1]),
                      f"{sum(per_layer[k:j + 1]) / N:,.0f} B per token over {j + 1 - k} blocks")]
-        done = _int8_inputs(model, run, [*range(k), *range(j + 1, L)])  # int8: held to the end of the backward
-        return (front + inputs + held + done + _block_backward(model.block_view(j), run)
+        return (front + inputs + held + _block_backward(model.block_view(j), run)
                 + _weight_copies(model, run, range(k, L), head=False) + grads_from(L - 1))
 
     def recomputed(i: int) -> list[Term]:
         """Checkpointed block i recomputed, then its backward (the blocks after it are done and freed)."""
         worst = max(model.block_view(i).recompute_peaks(run, per_layer[i]), key=total)
-        first = _int8_inputs(model, run, range(L))  # int8: every block's first forward's inputs, still held
-        return (front + inputs + worst + first
+        return (front + inputs + worst
                 + _weight_copies(model, run, range(i, i + 1), head=False) + grads_from(k - 1))  # a recompute: its own copies
 
     # the last block, or in a hybrid (Qwen3.5, Gemma 4) a block of another kind whose own terms hold more

@@ -39,8 +39,8 @@ What is counted, and how (s = bytes per element of the compute dtype: 2 for bf16
   checkpointed blocks (all, or the first N with `checkpointing=N`) plus one block recomputed, and
   the loss's chunked logits
   (`minitrain.objectives.losses.LOGITS_PER_CHUNK` logits per chunk, never the full `B x T x V`).
-  An int8 base's linears keep their inputs on bitsandbytes' autograd node, out of checkpointing's
-  reach: every block's, from its forward to the end of the backward (`decoder._int8_inputs`).
+  An int8 base's linears keep no input: bitsandbytes' own matmul would hold it on its autograd node, out
+  of checkpointing's reach, so minitrain runs them through `minitrain.adapters.lora.frozen_int8_matmul`.
 - transients at the peak moment: the logits chunk in forward / backward, one block's backward
   working set, a dequantized 4-bit or int8 weight in bitsandbytes' backward, a dequantized ternary weight
   in forward and backward (its uint8 codes + the compute-dtype weight, one linear at a time: the

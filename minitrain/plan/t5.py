@@ -163,10 +163,8 @@ class T5Shape:
         return run.cast_copies or run.lora_dropout > 0
 
     def _kept_inputs(self, run: RunShape, decoder: bool) -> set[str]:
-        """Linear inputs kept once and shared when adapters do not copy them (and int8 bases keep theirs)."""
-        names = set(self.linears(decoder)) if run.quantize == "int8" else set()
-        if not self._own_copies(run):
-            names |= set(self.adapted(run, decoder))
+        """Linear inputs kept once and shared when adapters do not copy them (no frozen base keeps its own)."""
+        names = set() if self._own_copies(run) else set(self.adapted(run, decoder))
         kept = {_t5_input(n) for n in names}
         if not self.is_gated and self.dropout_rate == 0:
             kept.discard("ff")  # relu keeps its output, wo's input, already
@@ -228,7 +226,7 @@ class T5Shape:
         shared = self._kept_inputs(run, decoder) - {"enc"}
         b += sum(rows[k] * width[k] * s for k in shared)
         if b:
-            terms.append(Term("linear inputs kept for adapter / int8 grads", b, f"{how}, x {s} B"))
+            terms.append(Term("linear inputs kept for adapter grads", b, f"{how}, x {s} B"))
         if adapted:
             terms.append(Term("LoRA B inputs", sum(rows[k] for k in inputs) * r * s,
                               f"{len(adapted)} x r x {s} per row"))

@@ -237,13 +237,19 @@ def test_qlora_under_fsdp_holds_half_the_base_and_equals_one_process(tiny_model,
     pytest.importorskip("bitsandbytes")
     from minitrain.cli import run_cli
 
+    from test_torchrun_resume import launch
+
     keys = [f"quantize={quantize}", "lr=1e-2"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert run_cli(cli_args(tiny_model, one, *keys)) == 0, capsys.readouterr().err
-    p = torchrun(cli_args(tiny_model, two, *keys, "parallel=fsdp"))
-    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
-    held, whole = size_after(line, " holds "), size_after(line, " model's ")
-    assert 0.4 * whole <= held <= 0.6 * whole, line  # rank 0's half of the quantized base (and the rest)
+    # cut after step 2 and resumed with resume=true (each launch: the ranks' collective sequences equal)
+    for p in (launch(2, cli_args(tiny_model, two, *keys, "parallel=fsdp", "stop_after=2")),
+              launch(2, cli_args(tiny_model, two, *keys, "parallel=fsdp", "resume=true"))):
+        line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
+        held, whole = size_after(line, " holds "), size_after(line, " model's ")
+        assert 0.4 * whole <= held <= 0.6 * whole, line  # rank 0's half of the quantized base (and the rest)
+    assert [json.loads(x)["step"] for x in (two / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(x)] == [1, 2, 3]
     want = load_file(one / "adapter" / "adapter_model.safetensors")
     got = load_file(two / "adapter" / "adapter_model.safetensors")
     assert max_abs_diff(got, want) <= 5e-5

@@ -825,10 +825,12 @@ def test_ddp_and_fsdp_two_ranks_equal_one_process(hf_causal, fused_checkpoints, 
     """2 gloo ranks through `python -m torch.distributed.run ... -m minitrain`, LoRA on the experts of a Qwen3-MoE
     checkpoint: `parallel=ddp` on the fused layout and `parallel=fsdp` on the Hub's (one tensor per expert and
     projection: each rank reads only the experts of its rows and holds half of every tensor, the 3-D experts too; the
-    expert adapters drawn as one process draws them) train the one-process run's adapter."""
+    expert adapters drawn as one process draws them, the fsdp run cut after step 2 and finished with resume=true)
+    train the one-process run's adapter; each launch's ranks make the same collectives in the same order."""
     from _tok import make_bpe_tokenizer
     from test_distributed import cli_args, max_abs_diff
-    from test_fsdp_load import size_after, torchrun
+    from test_fsdp_load import size_after
+    from test_torchrun_resume import launch
 
     from minitrain.cli import run_cli
 
@@ -841,13 +843,18 @@ def test_ddp_and_fsdp_two_ranks_equal_one_process(hf_causal, fused_checkpoints, 
     keys = ["lora_targets=all-linear", "lr=1e-2"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert run_cli(cli_args(model, one, *keys)) == 0, capsys.readouterr().err
-    torchrun(cli_args(model, tmp_path / "ddp", *keys))
+    launch(2, cli_args(model, tmp_path / "ddp", *keys))
     want = load_file(one / "adapter" / "adapter_model.safetensors")
     assert max_abs_diff(load_file(tmp_path / "ddp" / "adapter" / "adapter_model.safetensors"), want) <= 1e-5
-    p = torchrun(cli_args(hub, two, *keys, "parallel=fsdp"))
-    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
-    assert size_after(line, " holds ") <= 0.55 * size_after(line, " model's "), line
-    assert size_after(line, " read ") <= 0.6 * size_after(line, " model's "), line  # its experts' tensors, not all
+    # cut after step 2 and resumed with resume=true: both launches read the Hub's layout by rows, the ranks'
+    # collective sequences equal in each, every step logged once
+    for p in (launch(2, cli_args(hub, two, *keys, "parallel=fsdp", "stop_after=2")),
+              launch(2, cli_args(hub, two, *keys, "parallel=fsdp", "resume=true"))):
+        line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
+        assert size_after(line, " holds ") <= 0.55 * size_after(line, " model's "), line
+        assert size_after(line, " read ") <= 0.6 * size_after(line, " model's "), line  # its experts' tensors, not all
+    assert [json.loads(x)["step"] for x in (two / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(x)] == [1, 2, 3]
     got = load_file(two / "adapter" / "adapter_model.safetensors")
     assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in got
     assert max_abs_diff(got, want) <= 1e-5
@@ -862,7 +869,8 @@ def test_fsdp_on_mxfp4_experts_equals_one_process(mxfp4_checkpoint, tmp_path, ca
     the whole conversion, the rule the sharded read stands on."""
     from _tok import make_bpe_tokenizer
     from test_distributed import cli_args, max_abs_diff
-    from test_fsdp_load import size_after, torchrun
+    from test_fsdp_load import size_after
+    from test_torchrun_resume import launch
 
     from minitrain.cli import run_cli
     from models.gpt_oss import mxfp4_dequantize
@@ -882,7 +890,7 @@ def test_fsdp_on_mxfp4_experts_equals_one_process(mxfp4_checkpoint, tmp_path, ca
     make_bpe_tokenizer(model)
     keys = ["lora_targets=all-linear", "lr=1e-2"]
     assert run_cli(cli_args(model, tmp_path / "one", *keys)) == 0, capsys.readouterr().err
-    p = torchrun(cli_args(model, tmp_path / "two", *keys, "parallel=fsdp"))
+    p = launch(2, cli_args(model, tmp_path / "two", *keys, "parallel=fsdp"))  # (the ranks' collectives equal)
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
     assert size_after(line, " holds ") <= 0.55 * size_after(line, " model's "), line
     want = load_file(tmp_path / "one" / "adapter" / "adapter_model.safetensors")

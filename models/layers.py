@@ -1257,7 +1257,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     if sizes is None:
         sizes = counts.tolist()
     a, b, scaling = low_rank if low_rank is not None else (None, None, 0.0)
-    if not torch.is_autocast_enabled(x.device.type) and len({t.dtype for t in (x, weight, bias, a, b) if t is not None}) == 1:
+    one_dtype = len({t.dtype for t in (x, weight, bias, a, b) if t is not None}) == 1
+    if one_dtype and not torch.is_autocast_enabled(x.device.type):
         return _GroupedProduct.apply(x, weight, bias, a, b, sizes, in_out, scaling)
     outs = []
     biases = bias.unbind(0) if bias is not None else [None] * len(sizes)
@@ -1305,7 +1306,7 @@ class _GroupedProduct(torch.autograd.Function):
                     y[s].addmm_(z[s], b[e].t(), alpha=scaling)
             start += n
         ctx.save_for_backward(x, weight, a, b, z)
-        ctx.sizes, ctx.in_out, ctx.scaling, ctx.has_bias = sizes, in_out, scaling, bias is not None
+        ctx.sizes, ctx.in_out, ctx.scaling = sizes, in_out, scaling
         return y
 
     @staticmethod

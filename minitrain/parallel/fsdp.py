@@ -334,10 +334,12 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
                 files[path] = opened.enter_context(open(path, "rb"))
             return files[path]
 
-        def rows_of(key: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        def take(at: tuple[Path, int, dict], rows: tuple[int, int] | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+            """The tensor stored `at` (`where`'s (file, data start, header entry)), or its `rows`; counted as read."""
             nonlocal read
-            path, data_start, info = where[key]
-            t = read_tensor(file(path), path, data_start, info, rows=rows)
+            path, data_start, info = at
+            t = read_tensor(file(path), path, data_start, info, rows=rows, out=out)
             read += t.numel() * t.element_size()
             return t
 
@@ -349,9 +351,7 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
             layer = model.get_submodule(owner)
             if hasattr(layer, "quantized") and leaf != "bias":  # adapters/quant_rows.py: quantize the whole weight,
                 if owner not in quantized:  # as one process does, then keep this rank's rows
-                    path, data_start, info = source(f"{owner}.weight", (layer.out_features, layer.in_features))
-                    w = read_tensor(file(path), path, data_start, info)
-                    read += w.numel() * w.element_size()
+                    w = take(source(f"{owner}.weight", (layer.out_features, layer.in_features)))
                     quantized[owner] = layer.quantized(w.to(device=device, dtype=load.dtype))
                     del w
                 whole = quantized[owner].pop(leaf)
@@ -365,18 +365,17 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
                 continue
             if name in conversions:  # the function of this rank's rows of its inputs (row by row: the experts)
                 keys, convert = conversions[name]
-                local.copy_(convert(*(rows_of(k, rows) for k in keys)))
+                local.copy_(convert(*(take(where[k], rows) for k in keys)))
                 continue
             if any(index != () for _, index in parts.get(name, ())):  # one tensor per expert: this rank's experts
                 first = rows[0] if rows else 0
                 for key, (e, *rest) in parts[name]:
                     if first <= e < first + local.shape[0]:
-                        local[(e - first, *rest)].copy_(rows_of(key, None))
+                        local[(e - first, *rest)].copy_(take(where[key]))
                 continue
-            path, data_start, info = source(name, tuple(p.shape))
-            direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == stored_dtype(info)
-            t = read_tensor(file(path), path, data_start, info, rows=rows, out=local if direct else None)
-            read += t.numel() * t.element_size()
+            at = source(name, tuple(p.shape))
+            direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == stored_dtype(at[2])
+            t = take(at, rows, out=local if direct else None)
             if not direct:  # another dtype or device: through one temporary the size of this shard
                 local.copy_(t.to(device=device, dtype=local.dtype))
             del t

@@ -532,7 +532,7 @@ def _dequantized(model: ModelShape, run: RunShape) -> list[Term]:
     big = max(i * o for i, o in model.linears().values())
     if run.quantize == "ternary":  # its uint8 codes, then the compute-dtype weight (scaled in place)
         return [Term("ternary weight dequantized for a matmul", big * (1 + run.s), f"largest linear x (1 + {run.s}) B")]
-    if run.quantize == "int8":  # bitsandbytes' backward dequantizes the weight (on the CPU its forward too)
+    if run.quantize == "int8":  # the backward dequantizes the weight (`frozen_int8_matmul`; on the CPU the forward too)
         return [Term("int8 weight dequantized for a matmul", big * run.s, "largest linear x s")]
     if run.quantize != "nf4":
         return []

@@ -318,13 +318,11 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
     if sharded:  # built on meta; each rank reads only its rows of each tensor when FSDP2 shards it
         model, headers = open_pretrained(folder, build)
         fsdp.defer_weights(model, folder, headers, dtype, device)
-        if cfg.quantize in ("nf4", "int8") and any(hasattr(m, "expert_projections") for m in model.modules()):
-            raise UserError(f"quantize={cfg.quantize} with parallel=fsdp: the experts of a mixture-of-experts model "
-                            f"are quantized whole per expert, not as rows FSDP2 can cut — use parallel=ddp with "
-                            f"quantize=, or parallel=fsdp without it")
         if cfg.quantize in ("nf4", "int8"):  # as rows FSDP2 can cut; each rank quantizes and keeps its rows
+            from minitrain.adapters.quant_experts import replace_experts
             from minitrain.adapters.quant_rows import replace_linears
 
+            replace_experts(model, cfg.quantize, dtype)  # an MoE's: each rank quantizes its experts, each alone
             replace_linears(model, cfg.quantize, dtype)
     else:
         model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)

@@ -862,6 +862,46 @@ def test_ddp_and_fsdp_two_ranks_equal_one_process(hf_causal, fused_checkpoints, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind,layout", [("nf4", "hub"), ("int8", "fused")])
+def test_qlora_under_fsdp_quantizes_each_ranks_experts_and_equals_one_process(hf_causal, fused_checkpoints, tmp_path,
+                                                                               capsys, kind, layout):
+    """QLoRA under FSDP2 on Qwen3-MoE (2 gloo ranks through torchrun): each rank reads only its experts' float
+    matrices (nf4 from the Hub's per-expert layout, int8 from the fused one), quantizes each alone as one process
+    does and holds about half of the quantized base; the LoRA run (the expert adapters included) trains the
+    one-process QLoRA run's adapter. nf4 is cut after step 2 and finished with resume=true."""
+    pytest.importorskip("bitsandbytes")
+    from _tok import make_bpe_tokenizer
+    from test_distributed import cli_args, max_abs_diff
+    from test_fsdp_load import size_after
+    from test_torchrun_resume import launch
+
+    from minitrain.cli import run_cli
+
+    model = tmp_path / "model"
+    shutil.copytree(hub_checkpoint(hf_causal, "qwen3_moe") if layout == "hub" else fused_checkpoints("qwen3_moe"), model)
+    make_bpe_tokenizer(model)
+    file_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    keys = ["lora_targets=all-linear", "lr=1e-2", f"quantize={kind}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(cli_args(model, one, *keys)) == 0, capsys.readouterr().err
+    legs = [["stop_after=2"], ["resume=true"]] if kind == "nf4" else [[]]
+    for leg in legs:  # (each launch: the ranks' collective sequences equal)
+        p = launch(2, cli_args(model, two, *keys, "parallel=fsdp", *leg))
+        line = next(ln for ln in p.stdout.splitlines() if ln.startswith("sharded load:"))
+        held, whole = size_after(line, " holds "), size_after(line, " model's ")
+        assert 0.4 * whole <= held <= 0.6 * whole, line  # rank 0's half of the quantized base (and the rest)
+        # not the whole file (fp32): the other rank's experts are never read (each dense linear is, whole, to quantize)
+        assert size_after(line, " read ") <= 0.8 * file_bytes, (line, file_bytes)
+    assert [json.loads(x)["step"] for x in (two / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(x)] == [1, 2, 3]
+    want = load_file(one / "adapter" / "adapter_model.safetensors")
+    got = load_file(two / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in got
+    assert max_abs_diff(got, want) <= 5e-5
+    assert max(float(t.abs().max()) for k, t in got.items() if "experts" in k and "lora_B" in k) > 1e-3  # trained
+
+
+@pytest.mark.slow
 def test_fsdp_on_mxfp4_experts_equals_one_process(mxfp4_checkpoint, tmp_path, capsys):
     """gpt-oss with its experts in MXFP4 under `parallel=fsdp` on 2 ranks (torchrun): each rank dequantizes the
     blocks and scales of its own experts only, and the LoRA run equals one process's; and every conversion a

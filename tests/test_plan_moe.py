@@ -215,9 +215,6 @@ def test_gpt_oss_step_peak_within_20_percent(case):
 
 
 def test_moe_runs_the_plan_does_not_model_are_one_line():
-    mixtral = shape_from_hf(hf_config(**MOE_FAMILIES["mixtral"]))
-    with pytest.raises(UserError, match="quantize=nf4 with parallel=fsdp"):
-        predict(mixtral, RunShape(rows=2, seq=8, quantize="nf4", world=2, parallel="fsdp"))
     with pytest.raises(UserError, match="gpt-oss's experts .* are not ones minitrain quantizes"):
         predict(shape_from_hf(hf_config(**GPT_OSS)), RunShape(rows=1, seq=8, quantize="nf4"))
 
@@ -225,9 +222,10 @@ def test_moe_runs_the_plan_does_not_model_are_one_line():
 # ----------------------------------------------------------------------------- several ranks, measured
 
 # rank 0's planned / measured peak when written: Qwen3-MoE (dense layers) LoRA fsdp 1.129, full fsdp 0.984, LoRA ddp
-# 1.017, LoRA with the router trained (modules_to_save=gate) under fsdp 1.108-1.122; gpt-oss LoRA fsdp 1.001, full fsdp 0.989
+# 1.017, LoRA with the router trained (modules_to_save=gate) under fsdp 1.108-1.122, QLoRA fsdp nf4 1.072, int8 1.004;
+# gpt-oss LoRA fsdp 1.001, full fsdp 0.989
 RANKS = {"qwen3_moe": (lambda: dense_config("qwen3_moe only"), ALL + ("experts.gate_up_proj",),
-                       ("lora fsdp", "full fsdp", "lora ddp", "router fsdp")),
+                       ("lora fsdp", "full fsdp", "lora ddp", "router fsdp", "qlora fsdp", "int8 fsdp")),
          "gpt_oss": (lambda: hf_config(**GPT_OSS), GPT_OSS_TARGETS, ("lora fsdp", "full fsdp"))}
 ROWS, SEQ = 4, 128
 
@@ -321,17 +319,23 @@ def saved(mode: str, config) -> tuple[str, ...]:
 
 
 def by_rows(model: torch.nn.Module, kind: str) -> None:
-    """Swap the linears for `quant_rows`' layers as a sharded load does (`replace_linears`), each weight quantized
-    whole by the layer's own `quantized`, as `minitrain.parallel.fsdp._read_rows` does before keeping a rank's rows."""
+    """Swap the linears for `quant_rows`' layers and an MoE's expert weights for empty `QuantizedExpertWeight`s as a
+    sharded load does (`replace_linears`, `replace_experts`), each filled by the module's own `quantized` (of the whole
+    weight, or of every expert), as `minitrain.parallel.fsdp._read_rows` does before keeping a rank's rows."""
+    from minitrain.adapters.quant_experts import replace_experts
     from minitrain.adapters.quant_rows import replace_linears
 
-    whole = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    whole = {n: m.weight for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    whole.update({f"{n}.{leaf}": getattr(m, leaf) for n, m in model.named_modules()
+                  if hasattr(m, "expert_projections") for leaf in m.expert_projections})
+    biases = {n: m.bias for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    replace_experts(model, kind, torch.float32)
     replace_linears(model, kind, torch.float32)
     with torch.no_grad():
         for n, m in model.named_modules():
             if hasattr(m, "quantized"):
                 m.to_empty(device="cpu")
-                values = {**m.quantized(whole[n].weight), "bias": whole[n].bias}
+                values = {**m.quantized(whole[n]), "bias": biases.get(n)}
                 for k, p in m.named_parameters():
                     p.copy_(values[k])
 

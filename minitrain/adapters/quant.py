@@ -97,7 +97,7 @@ def quantize_hook(
     def hook(model: nn.Module, key: str, tensor: torch.Tensor) -> bool:
         if not checked:  # once, at the first tensor: before anything is quantized or written
             checked.append(True)
-            _check_experts(model, kind)
+            check_experts(model, kind)
         owner, _, leaf = key.rpartition(".")
         if owner and tensor.dim() == 3 and tensor.is_floating_point() and kind != "ternary":
             experts = model.get_submodule(owner)
@@ -127,7 +127,7 @@ def quantize_hook(
     return hook
 
 
-def _check_experts(model: nn.Module, kind: str) -> None:
+def check_experts(model: nn.Module, kind: str) -> None:
     """A mixture-of-experts model whose experts `quantize=kind` cannot take: one line, before anything loads."""
     experts = [m for m in model.modules() if hasattr(m, "expert_projections")]
     if not experts:

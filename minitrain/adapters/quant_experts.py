@@ -48,26 +48,62 @@ class QuantizedExpertWeight(nn.Module):
     def __init__(self, w: torch.Tensor, kind: str, compute_dtype: torch.dtype, bnb: Any) -> None:
         """`bnb`: the bitsandbytes module (`minitrain.adapters.quant.require_bitsandbytes`)."""
         super().__init__()
-        self.kind, self.compute_dtype, self.shape = kind, compute_dtype, w.shape
-        w = w.detach().to(compute_dtype)
-        if kind == "nf4":
-            packed, absmax = [], []
-            for m in w.unbind(0):  # each expert's matrix quantized alone, as a Linear4bit of it
-                p, state = bnb.functional.quantize_4bit(m.contiguous(), blocksize=NF4_BLOCK, quant_type="nf4",
-                                                       quant_storage=torch.uint8)
-                packed.append(p.flatten())
-                absmax.append(state.absmax)
-            self.weight = nn.Parameter(torch.stack(packed), requires_grad=False)  # (E, out * in / 2) uint8
-            self.register_buffer("absmax", torch.stack(absmax))  # (E, blocks) fp32
-            self.register_buffer("code", state.code)
-        elif kind == "int8":
-            cb, scb, _ = bnb.functional.int8_vectorwise_quant(w.reshape(-1, w.shape[-1]).contiguous())
-            self.weight = nn.Parameter(cb.view(w.shape), requires_grad=False)  # (E, out, in) int8
-            self.register_buffer("scale", scb.view(w.shape[:2]))  # (E, out): each row's absmax
-        else:
+        self._setup(tuple(w.shape), kind, compute_dtype, bnb, "meta")
+        for leaf, t in self.quantized(w).items():
+            setattr(self, leaf, nn.Parameter(t, requires_grad=False))
+        self._mark()
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int, int], kind: str, compute_dtype: torch.dtype, bnb: Any,
+              device: torch.device | str = "meta") -> "QuantizedExpertWeight":
+        """One with its tensors allocated but not filled (on meta: `parallel=fsdp`'s loader fills this rank's
+        experts, `minitrain.parallel.fsdp`, quantized by `quantized`)."""
+        store = cls.__new__(cls)
+        nn.Module.__init__(store)
+        store._setup(tuple(shape), kind, compute_dtype, bnb, device)
+        store._mark()
+        return store
+
+    def _setup(self, shape: tuple[int, ...], kind: str, compute_dtype: torch.dtype, bnb: Any,
+               device: torch.device | str) -> None:
+        """The frozen tensors, every one with the experts along dim 0 (FSDP2 shards them there): nf4 `weight`
+        (E, out * in / 2) uint8 and `absmax` (E, out * in / 64) fp32; int8 `weight` (E, out, in) int8 and
+        `scale` (E, out) fp32, each row's absmax."""
+        if kind not in ("nf4", "int8"):
             raise ValueError(f"QuantizedExpertWeight: kind {kind!r} — use nf4 or int8")
-        self.weight.logical_shape = tuple(self.shape)  # the weights it stands for (a packed byte holds two)
-        self._bnb = bnb
+        self.kind, self.compute_dtype, self.shape, self._bnb = kind, compute_dtype, torch.Size(shape), bnb
+        E, out, inp = shape
+
+        def frozen(size: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+
+        if kind == "nf4":
+            self.weight = frozen((E, out * inp // 2), torch.uint8)
+            self.absmax = frozen((E, -(-out * inp // NF4_BLOCK)), torch.float32)
+        else:
+            self.weight = frozen((E, out, inp), torch.int8)
+            self.scale = frozen((E, out), torch.float32)
+
+    def _mark(self) -> None:
+        """What `lora.logical_numel` counts: the weights the packed tensor stands for (a byte holds two nf4
+        codes), none for the scales."""
+        self.weight.logical_shape = tuple(self.shape)
+        (self.absmax if self.kind == "nf4" else self.scale).logical_shape = (0,)
+
+    def quantized(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Experts' matrices w (n, out, in), each quantized alone as bitsandbytes quantizes a linear's weight
+        (the module docstring), by parameter name: n rows of each tensor (n: all E, or a rank's experts)."""
+        f = self._bnb.functional
+        w = w.detach().to(self.compute_dtype)
+        if self.kind == "int8":
+            cb, scb, _ = f.int8_vectorwise_quant(w.reshape(-1, w.shape[-1]).contiguous())
+            return {"weight": cb.view(w.shape), "scale": scb.float().view(w.shape[:2])}
+        packed, absmax = [], []
+        for m in w.unbind(0):  # each expert's matrix quantized alone, as a Linear4bit of it
+            p, state = f.quantize_4bit(m.contiguous(), blocksize=NF4_BLOCK, quant_type="nf4", quant_storage=torch.uint8)
+            packed.append(p.flatten())
+            absmax.append(state.absmax.float())
+        return {"weight": torch.stack(packed), "absmax": torch.stack(absmax)}
 
     @property
     def device(self) -> torch.device:
@@ -81,7 +117,8 @@ class QuantizedExpertWeight(nn.Module):
         """Expert e's (out, in) matrix dequantized to the compute dtype."""
         f = self._bnb.functional
         if self.kind == "nf4":
-            state = f.QuantState(absmax=self.absmax[e], shape=torch.Size(self.shape[1:]), code=self.code,
+            code = f.get_4bit_type("nf4", device=self.weight.device)
+            state = f.QuantState(absmax=self.absmax[e], shape=torch.Size(self.shape[1:]), code=code,
                                  blocksize=NF4_BLOCK, quant_type="nf4", dtype=self.compute_dtype)
             return f.dequantize_4bit(self.weight[e].view(-1, 1), state)
         return f.int8_vectorwise_dequant(self.weight[e], self.scale[e]).to(self.compute_dtype)
@@ -94,3 +131,24 @@ class QuantizedExpertWeight(nn.Module):
     def extra_repr(self) -> str:
         E, out, inp = self.shape
         return f"{E} experts, in={inp}, out={out}, {self.kind}"
+
+
+def replace_experts(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> int:
+    """Under `parallel=fsdp` (the model on meta): put an empty `QuantizedExpertWeight` in the place of every
+    expert projection, as the one-process loader's hook does once the weights arrive, for the sharded loader to
+    fill with this rank's experts (`minitrain.parallel.fsdp`); the experts `quantize=` cannot take are refused
+    first, as in one process. Returns how many."""
+    from minitrain.adapters.quant import check_experts, require_bitsandbytes
+
+    check_experts(model, kind)
+    bnb = require_bitsandbytes()
+    n = 0
+    for experts in [m for m in model.modules() if hasattr(m, "expert_projections")]:
+        for leaf in experts.expert_projections:
+            w = experts._parameters.get(leaf)
+            if w is None or w.dim() != 3 or not w.is_floating_point():
+                continue
+            del experts._parameters[leaf]  # (a parameter's name takes a module only once it is free)
+            experts.add_module(leaf, QuantizedExpertWeight.empty(tuple(w.shape), kind, compute_dtype, bnb))
+            n += 1
+    return n

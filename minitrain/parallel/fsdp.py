@@ -43,6 +43,7 @@ from torch import nn
 from minitrain.parallel import distributed
 from minitrain.adapters.lora import applied
 from minitrain.adapters.lora_experts import expert_adapters
+from minitrain.adapters.quant_experts import QuantizedExpertWeight
 from minitrain.errors import UserError
 from minitrain.weights import (Headers, begin_folder, checkpoint_conversions, checkpoint_parts, io_error_reason,
                                is_weight_file, plan_shard_files, read_tensor, stored_dtype, swap_folder,
@@ -71,7 +72,7 @@ def defer_weights(model: nn.Module, folder: Path, headers: Headers, dtype: torch
     Only a conversion whose inputs are not cut along the parameter's dim 0 is refused."""
     stored = {k: list(info["shape"]) for header, _ in headers.values() for k, info in header.items()}
     for param, (keys, _) in _conversions(model, stored).items():
-        rows = model.get_parameter(param).shape[0]
+        rows = _shape(model, param)[0]
         if any(stored[k][0] != rows for k in keys):
             raise UserError(f"{folder}: parallel=fsdp reads whole tensors by rows, and this checkpoint stores "
                             f"{param} in a form whose rows are not its rows — use parallel=ddp, or save the model "
@@ -87,8 +88,15 @@ def _conversions(model: nn.Module, stored: dict[str, list[int]]) -> dict[str, tu
     """The model's `checkpoint_conversions` that this checkpoint needs (its inputs stored, and not the parameter
     itself under its own name in its own shape: Qwen3-VL-MoE's saves)."""
     return {param: (keys, fn) for param, (keys, fn) in checkpoint_conversions(model).items()
-            if all(k in stored for k in keys)
-            and not (keys == (param,) and stored[param] == list(model.get_parameter(param).shape))}
+            if all(k in stored for k in keys) and not (keys == (param,) and stored[param] == _shape(model, param))}
+
+
+def _shape(model: nn.Module, name: str) -> list[int]:
+    """The shape of parameter `name`, or of the weights a module in its place stands for (quantized experts)."""
+    try:
+        return list(model.get_parameter(name).shape)
+    except AttributeError:
+        return list(model.get_submodule(name).shape)
 
 
 def wanted(cfg: Any) -> bool:
@@ -315,7 +323,8 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
 
     def source(name: str, shape: tuple[int, ...] | None = None) -> tuple[Path, int, dict]:
         renamed = [k for k, index in parts.get(name, ()) if index == ()]  # stored whole under another name
-        key = next((a for a in [*aliases[id(params[name])], *renamed] if a in where), None)
+        names = aliases[id(params[name])] if name in params else [name]  # (a weight a quantized module stands for)
+        key = next((a for a in [*names, *renamed] if a in where), None)
         if key is None:
             raise UserError(f"parallel=fsdp: {name} is neither in the checkpoint nor made before sharding "
                             f"(an adapter minitrain does not shard) — use parallel=ddp")
@@ -343,19 +352,42 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
             read += t.numel() * t.element_size()
             return t
 
-        quantized: dict[str, dict[str, torch.Tensor]] = {}  # a quantized layer's whole tensors, until placed
+        def fill(name: str, local: torch.Tensor, rows: tuple[int, int] | None, shape: tuple[int, ...]) -> None:
+            """Write the float tensor `name` of the model's `shape` (its `rows` of dim 0, or whole) into `local`."""
+            if name in conversions:  # the function of this rank's rows of its inputs (row by row: the experts)
+                keys, convert = conversions[name]
+                local.copy_(convert(*(take(where[k], rows) for k in keys)))
+            elif any(index != () for _, index in parts.get(name, ())):  # one tensor per expert: this rank's experts
+                first = rows[0] if rows else 0
+                for key, (e, *rest) in parts[name]:
+                    if first <= e < first + local.shape[0]:
+                        local[(e - first, *rest)].copy_(take(where[key]))
+            else:
+                at = source(name, shape)
+                direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == stored_dtype(at[2])
+                t = take(at, rows, out=local if direct else None)
+                if not direct:  # another dtype or device: through one temporary the size of this shard
+                    local.copy_(t.to(device=device, dtype=local.dtype))
+
+        quantized: dict[str, dict[str, torch.Tensor]] = {}  # a quantized layer's tensors, until placed
         for name, p in model.named_parameters():
             local = p.to_local() if distributed.is_sharded(p) else p
             rows = _rows(p.shape[0], local.shape[0]) if p.dim() and local is not p else None
             owner, _, leaf = name.rpartition(".")
             layer = model.get_submodule(owner)
-            if hasattr(layer, "quantized") and leaf != "bias":  # adapters/quant_rows.py: quantize the whole weight,
-                if owner not in quantized:  # as one process does, then keep this rank's rows
-                    w = take(source(f"{owner}.weight", (layer.out_features, layer.in_features)))
-                    quantized[owner] = layer.quantized(w.to(device=device, dtype=load.dtype))
+            if hasattr(layer, "quantized") and leaf != "bias":  # adapters/quant_rows.py, quant_experts.py
+                if owner not in quantized:
+                    if isinstance(layer, QuantizedExpertWeight):  # quantized expert by expert: this rank's experts alone
+                        first, stop = rows or (0, layer.shape[0])
+                        w = torch.empty((stop - first, *layer.shape[1:]), dtype=load.dtype, device=device)
+                        fill(owner, w, rows, tuple(layer.shape))
+                        quantized[owner] = layer.quantized(w)
+                    else:  # the whole weight quantized as one process does, then this rank's rows kept
+                        w = take(source(f"{owner}.weight", (layer.out_features, layer.in_features)))
+                        whole = layer.quantized(w.to(device=device, dtype=load.dtype))
+                        quantized[owner] = {k: t[rows[0]:rows[1]] if rows else t for k, t in whole.items()}
                     del w
-                whole = quantized[owner].pop(leaf)
-                local.copy_(whole[rows[0]:rows[1]] if rows else whole)
+                local.copy_(quantized[owner].pop(leaf))
                 if not quantized[owner]:
                     del quantized[owner]
                 continue
@@ -363,22 +395,7 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
                 whole = stash.pop(name)
                 local.copy_(whole[rows[0]:rows[1]] if rows else whole)
                 continue
-            if name in conversions:  # the function of this rank's rows of its inputs (row by row: the experts)
-                keys, convert = conversions[name]
-                local.copy_(convert(*(take(where[k], rows) for k in keys)))
-                continue
-            if any(index != () for _, index in parts.get(name, ())):  # one tensor per expert: this rank's experts
-                first = rows[0] if rows else 0
-                for key, (e, *rest) in parts[name]:
-                    if first <= e < first + local.shape[0]:
-                        local[(e - first, *rest)].copy_(take(where[key]))
-                continue
-            at = source(name, tuple(p.shape))
-            direct = local.device.type == "cpu" and local.is_contiguous() and local.dtype == stored_dtype(at[2])
-            t = take(at, rows, out=local if direct else None)
-            if not direct:  # another dtype or device: through one temporary the size of this shard
-                local.copy_(t.to(device=device, dtype=local.dtype))
-            del t
+            fill(name, local, rows, tuple(p.shape))
         st = applied(model)
         for i, (name, live, copy) in enumerate(st.saved if st is not None else ()):  # modules_to_save's base values
             path, data_start, info = source(name)

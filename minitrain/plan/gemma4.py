@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from minitrain.plan.decoder import ByBlock, GemmaShape, block_saved, matches
-from minitrain.plan.moe import ExpertBlocks, check_moe_run
+from minitrain.plan.moe import ExpertBlocks
 from minitrain.plan.run_shape import RunShape, Term, linears_bytes
 
 GLOBAL = "full_attention"
@@ -353,4 +353,3 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
 
     def check_run(self, run: RunShape) -> None:
         super().check_run(run)
-        check_moe_run(self, run)

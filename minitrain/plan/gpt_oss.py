@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from minitrain.errors import UserError
 from minitrain.plan.decoder import ModelShape
-from minitrain.plan.moe import ExpertBlocks, check_moe_run
+from minitrain.plan.moe import ExpertBlocks
 from minitrain.plan.run_shape import RunShape, Term
 
 
@@ -121,4 +121,3 @@ class GptOssShape(ExpertBlocks, ModelShape):
 
     def check_run(self, run: RunShape) -> None:
         self.check_quantize("quantize", run.quantize)
-        check_moe_run(self, run)

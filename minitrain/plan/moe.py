@@ -28,11 +28,10 @@ weight gradients besides LLaMA's full terms.
 Several ranks: `minitrain.plan.sharded` (ddp: the whole model per rank; fsdp: FSDP2 shards each expert weight,
 expert adapter and router by its first dim, E, with the block that holds it: `block_tensors`).
 Modelled: LoRA / QLoRA and full fine-tuning in one process and under ddp, LoRA (a trained router too:
-modules_to_save, its frozen copy whole on each rank) and full fine-tuning on a float base under fsdp (measured
-against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in tests/test_plan_moe.py; Qwen3.5's
-and Gemma 4's MoE sizes, LoRA and Gemma 4's trained router on 2 ranks, in tests/test_plan_ranks.py). QLoRA under
-fsdp is refused with one line: the run itself refuses it (`minitrain.run`: the experts are quantized whole per
-expert, not as rows FSDP2 can cut), so there is nothing to plan.
+modules_to_save, its frozen copy whole on each rank), QLoRA (each rank's experts quantized, E first) and full
+fine-tuning under fsdp (measured against the CPU in tests/test_plan.py; dense layers, gpt-oss and 2 ranks in
+tests/test_plan_moe.py; Qwen3.5's and Gemma 4's MoE sizes, LoRA and Gemma 4's trained router on 2 ranks, in
+tests/test_plan_ranks.py).
 Distillation: an MoE student or teacher (`minitrain.plan.decoder`'s teacher terms: the teacher's experts and routers
 in the compute dtype or quantized each expert apart under `teacher_quantize`, its no_grad forward by its largest
 stage, the routed experts' or the MLP beside them: `no_grad_block`), measured in tests/test_plan_teacher.py.
@@ -186,14 +185,6 @@ class ExpertBlocks:
         return [Term("experts: routing, gathered rows, outputs (twice), adapter inputs", N * per, f"{per:,} B per token")]
 
 
-def check_moe_run(shape: ExpertBlocks, run: RunShape) -> None:
-    """The runs the plan of a Qwen-MoE / Mixtral / gpt-oss checkpoint does not model: one line each."""
-    if run.parallel == "fsdp" and run.quantize != "none" and not run.full:
-        raise UserError(f"quantize={run.quantize} with parallel=fsdp: a mixture-of-experts run refuses it (its experts "
-                        "are quantized whole per expert, not as rows FSDP2 can cut), so the plan does not model it — "
-                        "use parallel=ddp with quantize=")
-
-
 class SharedExpert:
     """A shared expert of width `shared_size` beside the routed ones, scaled by sigmoid(`shared_expert_gate`)
     (Qwen2-MoE, Qwen3.5's MoE sizes). Its linears are block linears (`shared_linears`, which LLaMA's names
@@ -327,7 +318,8 @@ class MoeShape(ExpertBlocks, ModelShape):
                 + (f"; {dense} dense MLP layers of {self.dense_size}" if dense else ""))
 
     def check_run(self, run: RunShape) -> None:
-        check_moe_run(self, run)
+        """Every run: LoRA / QLoRA and full fine-tuning, GRPO's sampler, one process and several ranks (LLaMA's
+        refusals do not apply)."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ on the root, the embeddings and the head by rows outside it; torch 2.13's FSDP2,
 - the optimizer step updates the shards: AdamW's foreach temporaries are 1/N.
 
 A mixture-of-experts block (`minitrain.plan.moe`, `minitrain.plan.gpt_oss`) holds its experts' 3-D weights, router
-and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank). A block's module in
+and expert adapters too, sharded by their first dim (E: ceil(E / N) experts a rank); quantized (QLoRA), each expert
+weight is its codes and scales with E first (`_experts`), sharded the same way. A block's module in
 `modules_to_save` (a router: `gate`, Gemma 4's `router`) trains its own tensors there, sharded as the rest
 (`saved_by`); `apply_lora`'s frozen copy of each (`Applied.saved`, what `disable_adapters` puts back) is a plain
 tensor outside FSDP2, whole on every rank in the load dtype. So with the embeddings, the head or the final norm in
@@ -66,10 +67,9 @@ and gathered whole with the root; rank 0's image tokens are its share of the run
 
 Not modelled under fsdp: T5 (the plan covers the decoder-only families there), the reference
 model of DPO / KTO snapshots and a distillation teacher are counted whole (as one process); buffers (Gemma 4's
-layer scalars, its tower's clip bounds) are whole on every rank and not counted. Refused (`check_run`): QLoRA of a
-mixture of experts (the run refuses it: its experts are quantized whole per expert), a multimodal folder's full
-fine-tuning on several ranks (its trained tower's gradients in the root: not measured) and its `quantize=` under
-fsdp (the tower's linears are quantized by rows too, which the tower's terms count in the compute dtype).
+layer scalars, its tower's clip bounds) are whole on every rank and not counted. Refused (`check_run`): a multimodal
+folder's full fine-tuning on several ranks (its trained tower's gradients in the root: not measured) and its
+`quantize=` under fsdp (the tower's linears are quantized by rows too, which the tower's terms count in the compute dtype).
 """
 
 from __future__ import annotations
@@ -191,8 +191,12 @@ def _block(model: ModelShape, run: RunShape) -> list[Tensor]:
     a = DTYPE_BYTES[run.adapter_dtype]
     block = [t for name, (i, o) in model.linears().items() for t in _linear(name, i, o, run)]
     block += [Tensor(n, (d,), s, full) for n, d in model.block_vectors()]
-    block += [Tensor(name, shape, a if trained and not full else s, trained)
-              for name, shape, trained in model.block_tensors(run)]
+    experts = {f"{model.EXPERTS}.{n}" for n in model.expert_weights()} if getattr(model, "has_experts", False) else ()
+    for name, shape, trained in model.block_tensors(run):
+        if name in experts and run.quantize in ("nf4", "int8") and not full:
+            block += _experts(name, shape, run.quantize)
+        else:
+            block.append(Tensor(name, shape, a if trained and not full else s, trained))
     if not full:  # a module of the block in modules_to_save (an MoE's router): its own tensors train
         block = [_trained(t, run) if saved_by(t, run) else t for t in block]
     if not full:
@@ -222,6 +226,15 @@ def _linear(name: str, i: int, o: int, run: RunShape) -> list[Tensor]:
         return [Tensor(name, (o, i), 1), Tensor(name + ".scb", (o,), 4)]
     b, _ = linears_bytes([(i, o, 1)], run)  # (ternary is refused under fsdp: 1/N of its bytes)
     return [Tensor(name, (b,), 1)]
+
+
+def _experts(name: str, shape: tuple[int, ...], kind: str) -> list[Tensor]:
+    """A quantized expert weight (E, out, in) as `minitrain.adapters.quant_experts.QuantizedExpertWeight` holds it,
+    E first: nf4 (E, out x in / 2) bytes of codes + (E, out x in / 64) fp32 scales; int8 (E, out, in) + (E, out)."""
+    E, o, i = shape
+    if kind == "nf4":
+        return [Tensor(name, (E, o * i // 2), 1), Tensor(name + ".absmax", (E, -(-o * i // NF4_BLOCK)), 4)]
+    return [Tensor(name, (E, o, i), 1), Tensor(name + ".scale", (E, o), 4)]
 
 
 def vocab(root: list[Tensor]) -> list[Tensor]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_plan import (ALL, ATTN, DELTANET, EXPERTS, GEMMA4, GEMMA4_MOE, QWEN3_5, ROOT, build, hf_config, plan_cli,
+from test_plan import (ALL, DELTANET, EXPERTS, GEMMA4, GEMMA4_MOE, QWEN3_5, ROOT, build, hf_config, plan_cli,
                        qwen3_5_moe_config)
 from test_plan_moe import Images, check_two_ranks
 from test_plan_vision import FAMILIES as VISION_FAMILIES

@@ -43,7 +43,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from minitrain.errors import UserError
 from minitrain.plan.decoder import ModelShape, block_saved, matches
 from minitrain.plan.run_shape import RunShape, Term, int8_bytes, nf4_bytes
 

@@ -322,6 +322,7 @@ def by_rows(model: torch.nn.Module, kind: str) -> None:
     """Swap the linears for `quant_rows`' layers and an MoE's expert weights for empty `QuantizedExpertWeight`s as a
     sharded load does (`replace_linears`, `replace_experts`), each filled by the module's own `quantized` (of the whole
     weight, or of every expert), as `minitrain.parallel.fsdp._read_rows` does before keeping a rank's rows."""
+    from minitrain.adapters.quant import require_bitsandbytes
     from minitrain.adapters.quant_experts import replace_experts
     from minitrain.adapters.quant_rows import replace_linears
 
@@ -329,7 +330,7 @@ def by_rows(model: torch.nn.Module, kind: str) -> None:
     whole.update({f"{n}.{leaf}": getattr(m, leaf) for n, m in model.named_modules()
                   if hasattr(m, "expert_projections") for leaf in m.expert_projections})
     biases = {n: m.bias for n, m in model.named_modules() if type(m) is torch.nn.Linear}
-    replace_experts(model, kind, torch.float32)
+    replace_experts(model, kind, torch.float32, require_bitsandbytes())
     replace_linears(model, kind, torch.float32)
     with torch.no_grad():
         for n, m in model.named_modules():

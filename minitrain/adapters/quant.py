@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from minitrain.adapters.lora import frozen_linear8bit
+from minitrain.adapters.quant_experts import QuantizedExpertWeight, check_experts
 from minitrain.adapters.ternary import SCALES, TernaryLinear
 from minitrain.errors import UserError
 from minitrain.weights import TensorHook
@@ -102,8 +103,6 @@ def quantize_hook(
         if owner and tensor.dim() == 3 and tensor.is_floating_point() and kind != "ternary":
             experts = model.get_submodule(owner)
             if leaf in getattr(experts, "expert_projections", ()):  # an MoE's experts, each matrix quantized
-                from minitrain.adapters.quant_experts import QuantizedExpertWeight
-
                 store = QuantizedExpertWeight(tensor, kind, compute_dtype, bnb)
                 del experts._parameters[leaf]  # (a parameter's name takes a module only once it is free)
                 experts.add_module(leaf, store)
@@ -125,20 +124,6 @@ def quantize_hook(
         return True
 
     return hook
-
-
-def check_experts(model: nn.Module, kind: str) -> None:
-    """A mixture-of-experts model whose experts `quantize=kind` cannot take: one line, before anything loads."""
-    experts = [m for m in model.modules() if hasattr(m, "expert_projections")]
-    if not experts:
-        return
-    if kind == "ternary":
-        raise UserError("quantize=ternary: reaches linear layers only, and this mixture-of-experts model holds most of "
-                        "its weights in its experts' 3-D tensors — use quantize=nf4 or int8 (each expert quantized)")
-    if any(getattr(m, "in_out", False) or getattr(m, "gate_up_proj_bias", None) is not None for m in experts):
-        raise UserError(f"quantize={kind}: this model's experts (gpt-oss: an in-out layout with biases, stored as MXFP4 "
-                        f"in its checkpoints) are not ones minitrain quantizes — drop quantize= (LoRA on the "
-                        f"dequantized experts)")
 
 
 def _quantize_linear(bnb, old: nn.Linear, w: torch.Tensor, kind: str, compute_dtype: torch.dtype, double_quant: bool, blocksize: int) -> nn.Module:

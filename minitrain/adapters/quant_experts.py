@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minitrain.errors import UserError
+
 NF4_BLOCK = 64
 
 
@@ -133,15 +135,26 @@ class QuantizedExpertWeight(nn.Module):
         return f"{E} experts, in={inp}, out={out}, {self.kind}"
 
 
-def replace_experts(model: nn.Module, kind: str, compute_dtype: torch.dtype) -> int:
+def check_experts(model: nn.Module, kind: str) -> None:
+    """A mixture-of-experts model whose experts `quantize=kind` cannot take: one line, before anything loads."""
+    experts = [m for m in model.modules() if hasattr(m, "expert_projections")]
+    if not experts:
+        return
+    if kind == "ternary":
+        raise UserError("quantize=ternary: reaches linear layers only, and this mixture-of-experts model holds most of "
+                        "its weights in its experts' 3-D tensors — use quantize=nf4 or int8 (each expert quantized)")
+    if any(getattr(m, "in_out", False) or getattr(m, "gate_up_proj_bias", None) is not None for m in experts):
+        raise UserError(f"quantize={kind}: this model's experts (gpt-oss: an in-out layout with biases, stored as MXFP4 "
+                        f"in its checkpoints) are not ones minitrain quantizes — drop quantize= (LoRA on the "
+                        f"dequantized experts)")
+
+
+def replace_experts(model: nn.Module, kind: str, compute_dtype: torch.dtype, bnb: Any) -> int:
     """Under `parallel=fsdp` (the model on meta): put an empty `QuantizedExpertWeight` in the place of every
     expert projection, as the one-process loader's hook does once the weights arrive, for the sharded loader to
     fill with this rank's experts (`minitrain.parallel.fsdp`); the experts `quantize=` cannot take are refused
-    first, as in one process. Returns how many."""
-    from minitrain.adapters.quant import check_experts, require_bitsandbytes
-
+    first, as in one process. `bnb`: the bitsandbytes module. Returns how many."""
     check_experts(model, kind)
-    bnb = require_bitsandbytes()
     n = 0
     for experts in [m for m in model.modules() if hasattr(m, "expert_projections")]:
         for leaf in experts.expert_projections:

@@ -350,6 +350,3 @@ class Gemma4MoeShape(ExpertBlocks, Gemma4Shape):
     def describe(self) -> str:
         return (super().describe()
                 + f"; {self.num_experts} experts of {self.expert_size} (top {self.top_k}) beside the MLP")
-
-    def check_run(self, run: RunShape) -> None:
-        super().check_run(run)

@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 from minitrain.plan.decoder import ModelShape, block_saved, matches
 from minitrain.plan.run_shape import RunShape, Term, int8_bytes, nf4_bytes
 
-NF4_CODE = 16 * 4  # the nf4 value table (fp32), which each quantized weight keeps once
+NF4_CODE = 16 * 4  # the nf4 value table (fp32) `nf4_bytes` counts, which quantized experts do not keep
 
 # what peft 0.21 (and minitrain's `expert_aliases`) map onto the fused expert weights
 ALIASES = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
@@ -100,9 +100,8 @@ class ExpertBlocks:
         if run.full:  # full fine-tuning loads every weight in fp32: they are the master weights
             run = replace(run, compute="fp32")
         E, D, L, s = self.num_experts, self.hidden_size, self.sparse_count, run.s
-        if run.quantize == "nf4":  # each matrix's packed weights and absmax; one nf4 table per weight
+        if run.quantize == "nf4":  # each matrix's packed weights and absmax (the nf4 table: bitsandbytes', at use)
             per = sum(nf4_bytes(i * o, double_quant=False) - NF4_CODE for i, o in self.expert_weights().values())
-            per += 2 * NF4_CODE / E
             how = "per expert: nf4 (0.5 B a weight + an fp32 absmax per 64)"
         elif run.quantize == "int8":
             per = sum(int8_bytes(i, o) for i, o in self.expert_weights().values())

@@ -314,8 +314,5 @@ class Qwen3_5MoeShape(SharedExpert, ExpertBlocks, Qwen3_5Shape):
     def mlp_linears(self) -> dict[str, tuple[int, int]]:
         return self.shared_linears()
 
-    def check_run(self, run: RunShape) -> None:
-        super().check_run(run)
-
     def describe(self) -> str:
         return super().describe() + f", {self.num_experts} experts of {self.expert_size} (top {self.top_k}) + a shared one"

@@ -400,6 +400,9 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNormCastLast(D, eps)
         self.post_feedforward_layernorm = RMSNormCastLast(D, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
+        # whether a later layer reuses this one's keys and values (the forward returns them only then; the body's
+        # layer loop sets it from its `sources`)
+        self.kv_read_later = layer_idx in config.kv_sources()
         if config.enable_moe_block:  # experts beside the MLP, fed the MLP's input before its norm
             self.router = Gemma4Router(config)
             self.experts = Experts(config.num_experts, D, config.moe_intermediate_size, act="gelu_pytorch_tanh")
@@ -428,6 +431,10 @@ class Gemma4DecoderLayer(nn.Module):
         if per_layer_input is not None:  # (B, T, P)
             h = self.act(self.per_layer_input_gate(x)) * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
+        if not self.kv_read_later:
+            kv = None
+        elif torch.is_grad_enabled() and kv[1].requires_grad:  # v a fresh tensor, not the transposed view: FSDP2
+            kv = (kv[0], kv[1].clone())  # warns of a block returning a view (its in-place use skips the all-gather)
         return x * self.layer_scalar, kv, probs
 
 
@@ -491,6 +498,7 @@ class Gemma4Model(DecoderBody):
         kvs, hidden_states, attentions = {}, {}, {}
         for i, (layer, (cos, sin), mask) in enumerate(zip(self.layers, tables, masks)):
             source = self.sources[i]
+            layer.kv_read_later = i in self.sources
             x, kvs[i], probs = layer(x, cos, sin, mask, cache, i in attention_layers,
                                      None if per_layer is None else per_layer[..., i, :],
                                      None if source is None else kvs[source])

@@ -277,7 +277,8 @@ def prepare(model: nn.Module, device: torch.device, log: Callable[[str], None]) 
         return
     load = pending(model)
     stash: dict[str, torch.Tensor] = {}
-    if load is not None:  # what is real already (the adapters) is put back after sharding
+    if load is not None:  # what is real already (the adapters, their buffers) is put back after sharding
+        stash.update({name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta})
         for name, p in model.named_parameters():
             if not p.is_meta:
                 stash[name] = p.detach().clone()
@@ -309,7 +310,8 @@ def _size(n: int) -> str:
 
 
 def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], device: torch.device) -> int:
-    """Fill every sharded parameter from the stash or the checkpoint (only this rank's rows); returns bytes read."""
+    """Fill every sharded parameter from the stash or the checkpoint (only this rank's rows), and every buffer whole;
+    returns bytes read."""
     where = {key: (path, start, info) for path, (header, start) in load.headers.items() for key, info in header.items()}
     params = dict(model.named_parameters(remove_duplicate=False))
     aliases: dict[int, list[str]] = {}
@@ -396,6 +398,14 @@ def _read_rows(model: nn.Module, load: Pending, stash: dict[str, torch.Tensor], 
                 local.copy_(whole[rows[0]:rows[1]] if rows else whole)
                 continue
             fill(name, local, rows, tuple(p.shape))
+        for name, b in list(model.named_buffers()):  # whole on every rank (FSDP2 shards none): Gemma 4's layer scalars
+            owner, _, leaf = name.rpartition(".")
+            if name in stash:
+                t = stash.pop(name)
+            else:  # from the checkpoint, in the load's dtype as one process reads it (`to_empty` left garbage)
+                t = take(source(name, tuple(b.shape)))
+                t = t.to(load.dtype) if t.is_floating_point() else t
+            model.get_submodule(owner)._buffers[leaf] = t.to(device)
         st = applied(model)
         for i, (name, live, copy) in enumerate(st.saved if st is not None else ()):  # modules_to_save's base values
             path, data_start, info = source(name)

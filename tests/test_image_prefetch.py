@@ -41,7 +41,8 @@ def vlm(tmp_path_factory) -> dict[str, Path]:
 def sft(vlm, out: Path, *extra: str, data: Path | None = None) -> int:
     return run_cli([str(REPO / "recipes" / "sft.py"), f"model={vlm['model']}", f"data={data or vlm['data']}",
                     f"out={out}", "batch_size=1", "grad_accum=2", "max_steps=3", "lora_r=4", "lora_alpha=8",
-                    "device=cpu", "max_len=256", "log_every=1", *extra])
+                    "device=cpu", "max_len=256", "log_every=1",
+                    "threads=1", *extra])  # one thread: the runs compared bit for bit sum in one order
 
 
 def rows(out: Path) -> list[dict]:

@@ -17,10 +17,6 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-# A run a test starts (run_cli, or a subprocess that sets none) takes its CPU threads from OMP_NUM_THREADS, not from
-# the cores idle at its start (minitrain.cpu): two runs a test compares bit for bit then sum in the same order,
-# whatever the other workers are doing (a loss differing at 1e-7 failed such a comparison once).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The suite runs on every core this process may use, up to 4 (pytest-xdist, `-n auto` in pyproject.toml),
 # one test file per worker at a time (`--dist loadfile`: a file's module fixtures are built once). The

@@ -322,7 +322,8 @@ def load_model(cfg: Any, build: Callable[[dict[str, Any]], nn.Module],
             from minitrain.adapters.quant_experts import replace_experts
             from minitrain.adapters.quant_rows import replace_linears
 
-            replace_experts(model, cfg.quantize, dtype, require_bitsandbytes())  # an MoE's: each rank quantizes its experts, each alone
+            # an MoE's experts: each rank quantizes its own, each expert alone
+            replace_experts(model, cfg.quantize, dtype, require_bitsandbytes())
             replace_linears(model, cfg.quantize, dtype)
     else:
         model = load_pretrained(folder, build, dtype=dtype, device=device, tensor_hook=hook)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from minitrain.adapters.lora import frozen_linear8bit
-from minitrain.adapters.quant_experts import QuantizedExpertWeight, check_experts
+from minitrain.adapters.quant_experts import QuantizedExpertWeight, check_experts, put
 from minitrain.adapters.ternary import SCALES, TernaryLinear
 from minitrain.errors import UserError
 from minitrain.weights import TensorHook
@@ -103,9 +103,7 @@ def quantize_hook(
         if owner and tensor.dim() == 3 and tensor.is_floating_point() and kind != "ternary":
             experts = model.get_submodule(owner)
             if leaf in getattr(experts, "expert_projections", ()):  # an MoE's experts, each matrix quantized
-                store = QuantizedExpertWeight(tensor, kind, compute_dtype, bnb)
-                del experts._parameters[leaf]  # (a parameter's name takes a module only once it is free)
-                experts.add_module(leaf, store)
+                put(experts, leaf, QuantizedExpertWeight.of(tensor, kind, compute_dtype, bnb))
                 return True
         if leaf != "weight" or not owner or skipped(owner) or not tensor.is_floating_point():
             return False

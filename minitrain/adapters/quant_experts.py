@@ -26,6 +26,14 @@ import torch.nn.functional as F
 from minitrain.errors import UserError
 
 NF4_BLOCK = 64
+_CODES: dict[torch.device, torch.Tensor] = {}
+
+
+def nf4_code(bnb: Any, device: torch.device) -> torch.Tensor:
+    """bitsandbytes' nf4 value table on `device`, made once per device (`bnb`: the bitsandbytes module)."""
+    if device not in _CODES:
+        _CODES[device] = bnb.functional.get_4bit_type("nf4", device=device)
+    return _CODES[device]
 
 
 class _Dequantized(torch.autograd.Function):
@@ -47,37 +55,20 @@ class QuantizedExpertWeight(nn.Module):
 
     requires_grad = False  # as the parameter it stands for (a FLOP count reads it)
 
-    def __init__(self, w: torch.Tensor, kind: str, compute_dtype: torch.dtype, bnb: Any) -> None:
-        """`bnb`: the bitsandbytes module (`minitrain.adapters.quant.require_bitsandbytes`)."""
+    def __init__(self, shape: tuple[int, int, int], kind: str, compute_dtype: torch.dtype, bnb: Any) -> None:
+        """Its frozen tensors on meta, not filled (`of` quantizes a weight into them; under
+        `parallel=fsdp` the loader fills this rank's experts, `minitrain.parallel.fsdp`), every one with the experts
+        along dim 0 (FSDP2 shards them there): nf4 `weight` (E, out * in / 2) uint8 and `absmax` (E, out * in / 64)
+        fp32; int8 `weight` (E, out, in) int8 and `scale` (E, out) fp32, each row's absmax. `bnb`: the bitsandbytes
+        module (`minitrain.adapters.quant.require_bitsandbytes`)."""
         super().__init__()
-        self._setup(tuple(w.shape), kind, compute_dtype, bnb, "meta")
-        for leaf, t in self.quantized(w).items():
-            setattr(self, leaf, nn.Parameter(t, requires_grad=False))
-        self._mark()
-
-    @classmethod
-    def empty(cls, shape: tuple[int, int, int], kind: str, compute_dtype: torch.dtype, bnb: Any,
-              device: torch.device | str = "meta") -> "QuantizedExpertWeight":
-        """One with its tensors allocated but not filled (on meta: `parallel=fsdp`'s loader fills this rank's
-        experts, `minitrain.parallel.fsdp`, quantized by `quantized`)."""
-        store = cls.__new__(cls)
-        nn.Module.__init__(store)
-        store._setup(tuple(shape), kind, compute_dtype, bnb, device)
-        store._mark()
-        return store
-
-    def _setup(self, shape: tuple[int, ...], kind: str, compute_dtype: torch.dtype, bnb: Any,
-               device: torch.device | str) -> None:
-        """The frozen tensors, every one with the experts along dim 0 (FSDP2 shards them there): nf4 `weight`
-        (E, out * in / 2) uint8 and `absmax` (E, out * in / 64) fp32; int8 `weight` (E, out, in) int8 and
-        `scale` (E, out) fp32, each row's absmax."""
         if kind not in ("nf4", "int8"):
             raise ValueError(f"QuantizedExpertWeight: kind {kind!r} — use nf4 or int8")
         self.kind, self.compute_dtype, self.shape, self._bnb = kind, compute_dtype, torch.Size(shape), bnb
         E, out, inp = shape
 
         def frozen(size: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+            return nn.Parameter(torch.empty(size, dtype=dtype, device="meta"), requires_grad=False)
 
         if kind == "nf4":
             self.weight = frozen((E, out * inp // 2), torch.uint8)
@@ -85,6 +76,16 @@ class QuantizedExpertWeight(nn.Module):
         else:
             self.weight = frozen((E, out, inp), torch.int8)
             self.scale = frozen((E, out), torch.float32)
+        self._mark()
+
+    @classmethod
+    def of(cls, w: torch.Tensor, kind: str, compute_dtype: torch.dtype, bnb: Any) -> "QuantizedExpertWeight":
+        """The experts' weight w (E, out, in) quantized (the loader's hook in one process)."""
+        store = cls(tuple(w.shape), kind, compute_dtype, bnb)
+        for leaf, t in store.quantized(w).items():
+            setattr(store, leaf, nn.Parameter(t, requires_grad=False))
+        store._mark()
+        return store
 
     def _mark(self) -> None:
         """What `lora.logical_numel` counts: the weights the packed tensor stands for (a byte holds two nf4
@@ -119,8 +120,8 @@ class QuantizedExpertWeight(nn.Module):
         """Expert e's (out, in) matrix dequantized to the compute dtype."""
         f = self._bnb.functional
         if self.kind == "nf4":
-            code = f.get_4bit_type("nf4", device=self.weight.device)
-            state = f.QuantState(absmax=self.absmax[e], shape=torch.Size(self.shape[1:]), code=code,
+            state = f.QuantState(absmax=self.absmax[e], shape=torch.Size(self.shape[1:]),
+                                 code=nf4_code(self._bnb, self.weight.device),
                                  blocksize=NF4_BLOCK, quant_type="nf4", dtype=self.compute_dtype)
             return f.dequantize_4bit(self.weight[e].view(-1, 1), state)
         return f.int8_vectorwise_dequant(self.weight[e], self.scale[e]).to(self.compute_dtype)
@@ -161,7 +162,12 @@ def replace_experts(model: nn.Module, kind: str, compute_dtype: torch.dtype, bnb
             w = experts._parameters.get(leaf)
             if w is None or w.dim() != 3 or not w.is_floating_point():
                 continue
-            del experts._parameters[leaf]  # (a parameter's name takes a module only once it is free)
-            experts.add_module(leaf, QuantizedExpertWeight.empty(tuple(w.shape), kind, compute_dtype, bnb))
+            put(experts, leaf, QuantizedExpertWeight(tuple(w.shape), kind, compute_dtype, bnb))
             n += 1
     return n
+
+
+def put(experts: nn.Module, leaf: str, store: QuantizedExpertWeight) -> None:
+    """`store` in the place of the experts module's parameter `leaf`."""
+    del experts._parameters[leaf]  # (a parameter's name takes a module only once it is free)
+    experts.add_module(leaf, store)

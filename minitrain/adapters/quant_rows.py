@@ -25,9 +25,8 @@ from torch import nn
 
 from minitrain.adapters.lora import LoRALinear, name_matches
 from minitrain.adapters.lora import frozen_int8_matmul
+from minitrain.adapters.quant_experts import nf4_code
 from minitrain.errors import UserError
-
-_CODES: dict[torch.device, torch.Tensor] = {}
 
 
 def _bnb():
@@ -50,9 +49,7 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, bias
                shape: tuple[int, int], blocksize: int, compute_dtype: torch.dtype) -> torch.Tensor:
     """x @ W.T (+ bias) for the nf4 weight `weight` / `absmax` (whole: FSDP2 has gathered them)."""
     bnb = _bnb()
-    if x.device not in _CODES:
-        _CODES[x.device] = bnb.functional.get_4bit_type("nf4", device=x.device)
-    state = bnb.functional.QuantState(absmax=absmax.reshape(-1), shape=torch.Size(shape), code=_CODES[x.device],
+    state = bnb.functional.QuantState(absmax=absmax.reshape(-1), shape=torch.Size(shape), code=nf4_code(bnb, x.device),
                                       blocksize=blocksize, quant_type="nf4", dtype=compute_dtype)
     bias = None if bias is None else bias.to(compute_dtype)
     out = bnb.matmul_4bit(x.to(compute_dtype), weight.reshape(-1, 1).t(), quant_state=state, bias=bias)
